@@ -1,0 +1,48 @@
+#include "test_util.h"
+
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace kestrel::test {
+
+std::string data_dir() {
+  if (const char* e = std::getenv("KESTREL_DATA_DIR")) return e;
+  return KESTREL_DEFAULT_DATA_DIR;
+}
+
+std::string model_dir() {
+  if (const char* e = std::getenv("KESTREL_MODEL_DIR")) return e;
+  return KESTREL_DEFAULT_MODEL_DIR;
+}
+
+std::string kestrel_binary() { return KESTREL_BINARY; }
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+int run_command(const std::string& cmd, std::string* out) {
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0)
+    if (out != nullptr) out->append(buf, n);
+  const int status = ::pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace kestrel::test
