@@ -1,0 +1,80 @@
+#include "sampling/sampler.h"
+
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "sampling/logits_processors.h"
+
+namespace kestrel {
+namespace {
+
+const SamplingParams& validated(const SamplingParams& params, int32_t n_vocab) {
+  params.validate();
+  if (n_vocab <= 0) throw Error("sampler: n_vocab = " + std::to_string(n_vocab) + " must be > 0");
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (id >= n_vocab) {
+      throw Error("sampling parameter logit_bias token id = " + std::to_string(id) +
+                  " is invalid: must be < n_vocab (" + std::to_string(n_vocab) + ")");
+    }
+  }
+  return params;
+}
+
+}  // namespace
+
+Sampler::Sampler(const SamplingParams& params, int32_t n_vocab)
+    : params_(validated(params, n_vocab)),
+      n_vocab_(n_vocab),
+      chain_(make_processor_chain(params_)),
+      rng_(params_.seed) {}
+
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> previous_tokens) {
+  KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");
+  for (int32_t id : previous_tokens) {
+    KESTREL_ASSERT(id >= 0 && id < n_vocab_, "previous token id out of range");
+  }
+  if (chain_.empty() && params_.temperature == 0.0f) {
+    // Plain greedy: an argmax over the logits, without copying them into the candidate list.
+    size_t best = 0;
+    bool any_nan = std::isnan(logits[0]);
+    for (size_t i = 1; i < logits.size(); ++i) {
+      if (logits[i] > logits[best]) best = i;  // strict: the lowest id wins ties
+      any_nan |= std::isnan(logits[i]);
+    }
+    KESTREL_ASSERT(!any_nan, "NaN logit from the model");
+    return static_cast<int32_t>(best);
+  }
+  candidates_.assign(logits);
+  for (const auto& processor : chain_) processor->apply(candidates_, previous_tokens);
+  if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
+  return draw();
+}
+
+SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
+                                           std::span<const int32_t> previous_tokens,
+                                           int32_t n_top) {
+  const int32_t token = sample(logits, previous_tokens);
+  return SampledToken{token, compute_logprobs(logits, token, n_top)};
+}
+
+int32_t Sampler::draw() {
+  candidates_.softmax();
+  // Inverse CDF over the list in its current order, which every processor leaves deterministic.
+  // Scaling u by the float probs' own total makes rounding in their sum harmless.
+  double total = 0.0;
+  for (const TokenCandidate& c : candidates_.items()) total += c.prob;
+  const double target = rng_.next_double() * total;
+  double cumulative = 0.0;
+  for (const TokenCandidate& c : candidates_.items()) {
+    cumulative += c.prob;
+    if (target < cumulative) return c.id;
+  }
+  // Only reachable when target rounds to the total; the last token with mass is then correct.
+  for (size_t i = candidates_.size(); i-- > 0;) {
+    if (candidates_[i].prob > 0.0f) return candidates_[i].id;
+  }
+  return candidates_[0].id;
+}
+
+}  // namespace kestrel

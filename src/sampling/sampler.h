@@ -1,0 +1,59 @@
+// Turns one sequence's logits into its next token: the processor chain of logits_processors.h,
+// then softmax and a seeded draw (or argmax when temperature is 0).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "sampling/candidate_list.h"
+#include "sampling/logits_processor.h"
+#include "sampling/logprobs.h"
+#include "sampling/rng.h"
+#include "sampling/sampling_params.h"
+
+namespace kestrel {
+
+struct SampledToken {
+  int32_t token;
+  // The model's own log-probabilities (log_softmax of the raw logits, see logprobs.h) of the
+  // chosen token and of the n_top most likely tokens; `top` is empty when n_top is 0.
+  LogprobSummary logprobs;
+};
+
+// One per sequence: it owns the RNG stream, so a sequence's draws do not depend on which other
+// sequences share its batch. Not thread-safe; cheap to construct.
+class Sampler {
+ public:
+  // Errors: kestrel::Error when params.validate() fails, n_vocab <= 0, or a logit_bias id is not
+  // in [0, n_vocab) (the message names the field and the value).
+  Sampler(const SamplingParams& params, int32_t n_vocab);
+
+  // `logits`: [n_vocab] raw logits of the next position. `previous_tokens`: the sequence's earlier
+  // token ids, oldest first, each in [0, n_vocab); the penalties read them (pass only generated
+  // tokens for OpenAI's presence/frequency semantics). Returns a token id in [0, n_vocab).
+  // Greedy (temperature 0) takes the argmax after bias and penalties, lowest id on ties, and does
+  // not advance the RNG; otherwise exactly one RNG draw is used per call.
+  // Errors: asserts the sizes and ids above and that the logits are not NaN.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> previous_tokens);
+
+  // sample() plus the logprobs of the chosen token and of the n_top most likely ones.
+  SampledToken sample_with_logprobs(std::span<const float> logits,
+                                    std::span<const int32_t> previous_tokens, int32_t n_top);
+
+  const SamplingParams& params() const { return params_; }
+  // The chain in the order it runs (for logs and tests).
+  const std::vector<std::unique_ptr<LogitsProcessor>>& chain() const { return chain_; }
+
+ private:
+  int32_t draw();
+
+  SamplingParams params_;
+  int32_t n_vocab_;
+  std::vector<std::unique_ptr<LogitsProcessor>> chain_;
+  Rng rng_;
+  CandidateList candidates_;  // reused across calls to avoid a vocabulary-sized allocation each
+};
+
+}  // namespace kestrel
