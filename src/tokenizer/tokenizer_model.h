@@ -1,0 +1,30 @@
+// The tokenizer-model interface: what differs between SentencePiece BPE and byte-level BPE once the
+// text has been split around added/special tokens.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenizer/vocab.h"
+
+namespace kestrel {
+
+class TokenizerModel {
+ public:
+  virtual ~TokenizerModel() = default;
+
+  // Appends the ids of `text` to *out. `text` is non-empty valid UTF-8 with no added-token text in
+  // it (the Tokenizer has already split those out).
+  virtual void encode(std::string_view text, std::vector<int32_t>* out) const = 0;
+
+  // The raw bytes a NORMAL token stands for in decoded text.
+  virtual std::string normal_token_bytes(const TokenData& token) const = 0;
+
+  // Whether decoding drops the space the encoder put in front of the text (SentencePiece's dummy
+  // prefix).
+  virtual bool strips_leading_space() const { return false; }
+};
+
+}  // namespace kestrel
