@@ -1,0 +1,91 @@
+// CPU matrix kernels: y = x · Wᵀ for every weight type kestrel loads from GGUF, plus row
+// dequantization.
+//
+// Quantized weights are used as stored. The activations x are quantized to 8 bits per element
+// (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q8_0 weights, blocks of 256 with an f32 scale and
+// 16-element sums for Q4_K / Q6_K) and the products are exact integer dot products (AVX-512 VNNI
+// vpdpbusd, AVX2 vpmaddubsw, or plain C++), scaled to f32 once per weight block. This is the scheme
+// llama.cpp uses; its only extra error is the rounding of x: each element moves by at most
+// d/2 = max|x_block| / 254, so |y - y_exact| <= sum over blocks of max|x_block| / 254 * sum|w_block|,
+// i.e. about 0.2-0.4 % of sum|w x| for typical activations. F32 / F16 / BF16 weights multiply f32
+// activations directly (f32 accumulation).
+//
+// Decode (n_tokens == 1) runs a matrix-vector product split over output rows; prefill
+// (n_tokens > 1) runs a blocked GEMM that unpacks a tile of weight rows once and reuses it for every
+// token (AVX-512: 4 rows x 4 tokens in registers).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "core/cpu_features.h"
+#include "core/dtype.h"
+
+namespace kestrel {
+
+class ThreadPool;
+
+namespace cpu {
+
+// A weight matrix as GGUF stores it (ne = {n_in, n_out}): n_out rows, each n_in elements stored
+// back to back in `type` (row_bytes(type, n_in) bytes per row).
+struct WeightView {
+  GgmlType type = GgmlType::F32;
+  int64_t n_in = 0;               // elements per row; a multiple of the type's block size
+  int64_t n_out = 0;              // rows
+  const uint8_t* data = nullptr;  // [n_out, row_bytes(type, n_in)]
+};
+
+// Reusable scratch of matmul (quantized activations, unpacked weight tiles), one per model runner
+// (or per thread that calls matmul). Grows to the largest call seen and is never shrunk; not
+// thread-safe: one matmul at a time per workspace.
+class MatmulWorkspace {
+ public:
+  MatmulWorkspace();
+  ~MatmulWorkspace();
+  MatmulWorkspace(const MatmulWorkspace&) = delete;
+  MatmulWorkspace& operator=(const MatmulWorkspace&) = delete;
+
+  // A 64-byte aligned buffer of at least n_bytes; earlier pointers become invalid when it grows.
+  uint8_t* reserve(size_t n_bytes);
+  size_t capacity() const { return capacity_; }
+
+ private:
+  struct FreeAligned {
+    void operator()(uint8_t* p) const;
+  };
+  std::unique_ptr<uint8_t, FreeAligned> buffer_;
+  size_t capacity_ = 0;
+};
+
+// True for the weight types matmul and dequantize_row accept: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+// Q4_K, Q6_K.
+bool matmul_supports(GgmlType type);
+
+// y[t, o] = sum_i W[o, i] * x[t, i] for t < n_tokens, o < w.n_out.
+//   x: [n_tokens, w.n_in] f32, row-major.   y: [n_tokens, w.n_out] f32, row-major (overwritten).
+// Uses every thread of `pool`. Throws kestrel::Error for an unsupported type or an n_in that is not
+// a multiple of the block size; n_tokens == 0 or n_out == 0 is a no-op.
+void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, MatmulWorkspace& ws,
+            ThreadPool& pool);
+
+// Expands n elements (a multiple of the block size) of one row of `type` at src to f32.
+// Follows the block layouts of ggml-common.h (see core/dtype.h). Throws kestrel::Error for a type
+// matmul_supports() rejects.
+void dequantize_row(GgmlType type, const uint8_t* src, float* dst, int64_t n);
+
+// sum_i a[i] * b[i] in f32 (SIMD partial sums, so the rounding differs from a serial loop).
+float vec_dot_f32(const float* a, const float* b, int64_t n);
+
+// The SIMD level the kernels use: simd_level() (detected, capped by KESTREL_SIMD), further capped
+// by set_simd_level_for_testing().
+SimdLevel matmul_simd_level();
+
+// Caps the kernels' SIMD level for this process so one test binary can exercise every path; a
+// level above what the CPU supports is ignored. Test hook only: not meant to change while another
+// thread runs a kernel.
+void set_simd_level_for_testing(SimdLevel level);
+
+}  // namespace cpu
+}  // namespace kestrel

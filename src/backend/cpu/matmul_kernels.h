@@ -1,0 +1,79 @@
+// Internal interface between matmul() (threading, scratch) and the per-ISA kernels
+// (matmul_scalar.cpp, matmul_avx2.cpp, matmul_avx512.cpp).
+//
+// Each ISA quantizes the activations into its own layout (the AVX-512 one interleaves blocks so a
+// 512-bit register holds four blocks' halves), but every ISA rounds identically (see
+// quantize_block_q8 below), so the paths differ only in f32 summation order.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cpu/matmul.h"
+
+namespace kestrel::cpu::detail {
+
+struct MatmulArgs {
+  WeightView w;
+  size_t w_row_bytes = 0;        // bytes of one weight row
+  const float* x = nullptr;      // [n_tokens, n_in] f32 (float weight types read this)
+  const uint8_t* act = nullptr;  // [n_tokens, act_stride] quantized x (quantized weight types)
+  size_t act_stride = 0;         // bytes per token in act
+  int64_t n_tokens = 0;
+  float* y = nullptr;            // [n_tokens, n_out]
+};
+
+struct MatmulKernels {
+  const char* name;
+  // Bytes of one token's quantized activations for weights of `type` (0: the kernel reads f32 x).
+  size_t (*act_row_bytes)(GgmlType type, int64_t n_in);
+  // Quantizes one token: x [n_in] f32 -> dst [act_row_bytes] (64-byte aligned).
+  void (*quantize_act)(GgmlType type, const float* x, int64_t n_in, uint8_t* dst);
+  // Per-thread scratch that matmul_rows needs (64-byte aligned).
+  size_t (*scratch_bytes)(GgmlType type, int64_t n_in);
+  // Computes y[t, r] for r in [r0, r1) and every token. r0 is a multiple of row_tile.
+  void (*matmul_rows)(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch);
+  float (*vec_dot_f32)(const float* a, const float* b, int64_t n);
+  int64_t row_tile;  // rows a GEMM tile covers; threads split rows at multiples of it
+};
+
+const MatmulKernels& kernels_scalar();
+
+// ---- shared numerics ----
+
+// The rounding every ISA must reproduce: d = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
+// (cvtps2dq rounds half to even under the default MXCSR, as nearbyint does.) The f32 scale is kept
+// as f32, not rounded to fp16 as ggml's Q8_0 does, since it never leaves memory.
+inline float q8_inverse_scale(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+inline float q8_scale(float amax) { return amax / 127.0f; }
+
+inline void quantize_block_q8(const float* x, int n, int8_t* q, float* d_out) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float id = q8_inverse_scale(amax);
+  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+  *d_out = q8_scale(amax);
+}
+
+// Q4_K packs 8 six-bit scales and 8 six-bit mins into 12 bytes (ggml-common.h, block_q4_K).
+inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Unpacks one Q4_K super-block to its 4-bit quants in element order (q[i] in 0..15); element i has
+// the scale/min of sub-block i / 32.
+void q4k_unpack(const BlockQ4_K& b, uint8_t q[QK_K]);
+// Unpacks one Q6_K super-block to its quants in element order, already centred (q[i] in -32..31);
+// element i has the scale b.scales[i / 16].
+void q6k_unpack(const BlockQ6_K& b, int8_t q[QK_K]);
+
+inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+}  // namespace kestrel::cpu::detail

@@ -1,0 +1,434 @@
+// CPU matrix kernels: dequantize_row against hand-built blocks, matmul against a float64 reference
+// built from dequantize_row, every SIMD level against the scalar path, and batch invariance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+using namespace kestrel;
+using namespace kestrel::cpu;
+
+namespace {
+
+constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
+                                  GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q6_K};
+
+bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
+
+// Restores the SIMD cap when a test ends, whatever it set.
+struct SimdLevelGuard {
+  ~SimdLevelGuard() { set_simd_level_for_testing(SimdLevel::Avx512); }
+};
+
+std::vector<SimdLevel> available_levels() {
+  std::vector<SimdLevel> levels;
+  for (SimdLevel l : {SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512})
+    if (l <= simd_level()) levels.push_back(l);
+  return levels;
+}
+
+void put_fp16(uint8_t* p, float v) {
+  const uint16_t h = fp32_to_fp16(v);
+  std::memcpy(p, &h, 2);
+}
+
+// Random weights with sane scales: every byte of the quants is random, the fp16 scales are drawn
+// from a range that keeps values O(0.1) like real checkpoints.
+std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, std::mt19937& rng) {
+  const size_t rb = row_bytes(type, n_in);
+  std::vector<uint8_t> data(rb * static_cast<size_t>(n_out));
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : data) b = static_cast<uint8_t>(byte(rng));
+  std::uniform_real_distribution<float> scale(0.002f, 0.03f);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  const auto& tr = type_traits(type);
+  const int64_t n_blocks = static_cast<int64_t>(data.size() / tr.block_bytes);
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    uint8_t* blk = data.data() + i * tr.block_bytes;
+    switch (type) {
+      case GgmlType::F32: {
+        const float v = normal(rng);
+        std::memcpy(blk, &v, 4);
+        break;
+      }
+      case GgmlType::F16: put_fp16(blk, normal(rng)); break;
+      case GgmlType::BF16: {
+        const uint16_t h = fp32_to_bf16(normal(rng));
+        std::memcpy(blk, &h, 2);
+        break;
+      }
+      case GgmlType::Q8_0:
+      case GgmlType::Q4_0: put_fp16(blk, scale(rng)); break;
+      case GgmlType::Q4_1:
+        put_fp16(blk, scale(rng));
+        put_fp16(blk + 2, -8.0f * scale(rng));
+        break;
+      case GgmlType::Q4_K:  // d and dmin; the 6-bit scales and mins are random bytes
+        put_fp16(blk, scale(rng) / 32.0f);
+        put_fp16(blk + 2, scale(rng) / 8.0f);
+        break;
+      case GgmlType::Q6_K:  // d comes last; the int8 scales are random bytes
+        put_fp16(blk + offsetof(BlockQ6_K, d), scale(rng) / 64.0f);
+        break;
+      default: break;
+    }
+  }
+  return data;
+}
+
+// Activations like a transformer's: mostly N(0, 1) with a few large outliers.
+std::vector<float> random_activations(int64_t n, std::mt19937& rng) {
+  std::vector<float> x(static_cast<size_t>(n));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 99);
+  for (auto& v : x) v = normal(rng) * (pick(rng) == 0 ? 8.0f : 1.0f);
+  return x;
+}
+
+struct Reference {
+  std::vector<double> y;      // [n_tokens, n_out]
+  std::vector<double> bound;  // allowed |error| per output
+};
+
+// y in float64 from dequantize_row. The bound: quantizing x to 8 bits (blocks of `act_block`
+// elements, d = max|x| / 127) moves each element by at most d / 2, so a row's dot product moves by
+// at most sum_blocks d_b / 2 * sum_{i in b} |w_i|. On top, f32 accumulation of n_in products
+// (tree-shaped in the SIMD kernels): 3e-5 relative to sum |w_i x_i| covers it with a wide margin.
+Reference reference(GgmlType type, const std::vector<uint8_t>& wdata, int64_t n_in, int64_t n_out,
+                    const std::vector<float>& x, int64_t n_tokens) {
+  const int64_t act_block = is_float_type(type) ? 0 : (type_traits(type).block_size == 256 ? 256 : 32);
+  Reference ref;
+  ref.y.resize(static_cast<size_t>(n_tokens * n_out));
+  ref.bound.resize(ref.y.size());
+  std::vector<float> wrow(static_cast<size_t>(n_in));
+  const size_t rb = row_bytes(type, n_in);
+  for (int64_t o = 0; o < n_out; ++o) {
+    dequantize_row(type, wdata.data() + o * rb, wrow.data(), n_in);
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      const float* xt = x.data() + t * n_in;
+      double sum = 0.0, abs_sum = 0.0, quant_err = 0.0;
+      for (int64_t i = 0; i < n_in; ++i) {
+        sum += static_cast<double>(wrow[i]) * xt[i];
+        abs_sum += std::fabs(static_cast<double>(wrow[i]) * xt[i]);
+      }
+      for (int64_t b0 = 0; act_block != 0 && b0 < n_in; b0 += act_block) {
+        double amax = 0.0, wabs = 0.0;
+        for (int64_t i = b0; i < b0 + act_block; ++i) {
+          amax = std::max(amax, std::fabs(static_cast<double>(xt[i])));
+          wabs += std::fabs(static_cast<double>(wrow[i]));
+        }
+        quant_err += amax / 254.0 * wabs;
+      }
+      ref.y[t * n_out + o] = sum;
+      ref.bound[t * n_out + o] = quant_err * 1.001 + 3e-5 * abs_sum + 1e-6;
+    }
+  }
+  return ref;
+}
+
+std::vector<float> run_matmul(GgmlType type, const std::vector<uint8_t>& wdata, int64_t n_in,
+                              int64_t n_out, const std::vector<float>& x, int64_t n_tokens,
+                              ThreadPool& pool) {
+  MatmulWorkspace ws;
+  std::vector<float> y(static_cast<size_t>(n_tokens * n_out), std::nanf(""));
+  matmul(WeightView{type, n_in, n_out, wdata.data()}, x.data(), n_tokens, y.data(), ws, pool);
+  return y;
+}
+
+std::vector<int64_t> input_sizes(GgmlType type) {
+  if (type_traits(type).block_size == 256) return {256, 512, 1536};
+  return {32, 96, 160, 576, 1536};
+}
+
+}  // namespace
+
+// ---- dequantize_row against hand-built blocks ----
+
+TEST(KernelDequantize, FloatTypes) {
+  const float f[3] = {1.5f, -2.25f, 0.0f};
+  float out[3];
+  dequantize_row(GgmlType::F32, reinterpret_cast<const uint8_t*>(f), out, 3);
+  EXPECT_EQ(out[0], 1.5f);
+  EXPECT_EQ(out[1], -2.25f);
+  const uint16_t h[2] = {0x3c00, 0xc100};  // fp16 1.0, -2.5
+  dequantize_row(GgmlType::F16, reinterpret_cast<const uint8_t*>(h), out, 2);
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], -2.5f);
+  const uint16_t b[2] = {0x3f80, 0xc020};  // bf16 1.0, -2.5
+  dequantize_row(GgmlType::BF16, reinterpret_cast<const uint8_t*>(b), out, 2);
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], -2.5f);
+}
+
+TEST(KernelDequantize, Q8_0) {
+  BlockQ8_0 blk{};
+  blk.d = 0x3800;  // 0.5
+  blk.qs[0] = -128;
+  blk.qs[1] = 127;
+  blk.qs[31] = -3;
+  float out[32];
+  dequantize_row(GgmlType::Q8_0, reinterpret_cast<const uint8_t*>(&blk), out, 32);
+  EXPECT_EQ(out[0], -64.0f);
+  EXPECT_EQ(out[1], 63.5f);
+  EXPECT_EQ(out[2], 0.0f);
+  EXPECT_EQ(out[31], -1.5f);
+}
+
+TEST(KernelDequantize, Q4_0) {
+  BlockQ4_0 blk[2]{};
+  blk[0].d = 0x3400;  // 0.25
+  std::memset(blk[0].qs, 0x88, 16);  // q = 8 -> 0
+  blk[0].qs[0] = 0x3a;  // element 0: (10 - 8) * 0.25, element 16: (3 - 8) * 0.25
+  blk[0].qs[15] = 0xf0;  // element 15: (0 - 8) * 0.25, element 31: (15 - 8) * 0.25
+  blk[1].d = 0xbc00;  // -1.0
+  std::memset(blk[1].qs, 0x88, 16);
+  blk[1].qs[1] = 0x19;  // element 32 + 1: -(9 - 8), element 32 + 17: -(1 - 8)
+  float out[64];
+  dequantize_row(GgmlType::Q4_0, reinterpret_cast<const uint8_t*>(blk), out, 64);
+  EXPECT_EQ(out[0], 0.5f);
+  EXPECT_EQ(out[16], -1.25f);
+  EXPECT_EQ(out[15], -2.0f);
+  EXPECT_EQ(out[31], 1.75f);
+  EXPECT_EQ(out[1], 0.0f);
+  EXPECT_EQ(out[33], -1.0f);
+  EXPECT_EQ(out[49], 7.0f);
+}
+
+TEST(KernelDequantize, Q4_1) {
+  BlockQ4_1 blk{};
+  blk.d = 0x3800;  // 0.5
+  blk.m = 0xbc00;  // -1.0
+  blk.qs[0] = 0xf0;  // element 0: 0 * 0.5 - 1, element 16: 15 * 0.5 - 1
+  blk.qs[7] = 0x25;  // element 7: 5 * 0.5 - 1, element 23: 2 * 0.5 - 1
+  float out[32];
+  dequantize_row(GgmlType::Q4_1, reinterpret_cast<const uint8_t*>(&blk), out, 32);
+  EXPECT_EQ(out[0], -1.0f);
+  EXPECT_EQ(out[16], 6.5f);
+  EXPECT_EQ(out[7], 1.5f);
+  EXPECT_EQ(out[23], 0.0f);
+  EXPECT_EQ(out[1], -1.0f);
+}
+
+TEST(KernelDequantize, Q4_K) {
+  BlockQ4_K blk{};
+  blk.d = 0x3800;     // 0.5
+  blk.dmin = 0x3400;  // 0.25
+  // Sub-blocks 0..3 keep scale and min in the low 6 bits of scales[j] and scales[j + 4]; sub-blocks
+  // 4..7 take their low 4 bits from scales[j + 4] (scale: low nibble, min: high nibble) and their
+  // top 2 bits from the top bits of scales[j - 4] (scale) and scales[j] (min).
+  blk.scales[0] = 0x43;  // sc0 = 3; top bits 01 -> sc4 bits 4..5
+  blk.scales[4] = 0x82;  // m0 = 2; top bits 10 -> m4 bits 4..5
+  blk.scales[1] = 5;     // sc1 = 5
+  blk.scales[5] = 1;     // m1 = 1
+  blk.scales[8] = 0x25;  // sc4 = 5 | 1 << 4 = 21, m4 = 2 | 2 << 4 = 34
+  blk.qs[0] = 0x71;      // element 0 (sub-block 0): q = 1; element 32 (sub-block 1): q = 7
+  blk.qs[64] = 0x0c;     // element 128 (sub-block 4): q = 12; element 160 (sub-block 5): q = 0
+  float out[256];
+  dequantize_row(GgmlType::Q4_K, reinterpret_cast<const uint8_t*>(&blk), out, 256);
+  EXPECT_EQ(out[0], 0.5f * 3 * 1 - 0.25f * 2);       // 1.0
+  EXPECT_EQ(out[1], -0.5f);                           // q = 0: -dmin * m0
+  EXPECT_EQ(out[32], 0.5f * 5 * 7 - 0.25f * 1);      // 17.25
+  EXPECT_EQ(out[128], 0.5f * 21 * 12 - 0.25f * 34);  // 117.5
+  EXPECT_EQ(out[129], -8.5f);
+  EXPECT_EQ(out[64], 0.0f);  // sub-block 2: scale and min 0
+}
+
+TEST(KernelDequantize, Q6_K) {
+  BlockQ6_K blk{};
+  blk.d = 0x3800;  // 0.5
+  // Element 32k + l of a half: low 4 bits from ql[(k & 1) * 32 + l] (low nibble for k < 2, high for
+  // k >= 2), high 2 bits from bits 2k..2k+1 of qh[l]; value d * scales[e / 16] * (q - 32).
+  blk.ql[0] = 0x5a;
+  blk.ql[32] = 0x3f;
+  blk.qh[0] = 0xe4;  // bits 0-1: 0, 2-3: 1, 4-5: 2, 6-7: 3
+  blk.scales[0] = 2;
+  blk.scales[2] = -3;
+  blk.scales[4] = 4;
+  blk.scales[6] = 1;
+  blk.ql[64] = 0x01;  // second half, element 128: low 4 bits 1
+  blk.qh[32] = 0x03;  // high bits 3 -> q = 49
+  blk.scales[8] = -1;
+  float out[256];
+  dequantize_row(GgmlType::Q6_K, reinterpret_cast<const uint8_t*>(&blk), out, 256);
+  EXPECT_EQ(out[0], 0.5f * 2 * (10 - 32));   // -22
+  EXPECT_EQ(out[32], 0.5f * -3 * (31 - 32));  // 1.5
+  EXPECT_EQ(out[64], 0.5f * 4 * (37 - 32));   // 10
+  EXPECT_EQ(out[96], 0.5f * 1 * (51 - 32));   // 9.5
+  EXPECT_EQ(out[128], 0.5f * -1 * (49 - 32));  // -8.5
+  EXPECT_EQ(out[1], 0.5f * 2 * -32);          // q = 0 in a scaled sub-block: -32
+  EXPECT_EQ(out[16], 0.0f);                   // scales[1] = 0
+}
+
+TEST(KernelDequantize, RejectsBadInput) {
+  float out[32];
+  uint8_t raw[64] = {};
+  EXPECT_THROW(dequantize_row(GgmlType::Q5_0, raw, out, 32), Error);
+  EXPECT_THROW(dequantize_row(GgmlType::Q8_0, raw, out, 16), Error);
+  EXPECT_FALSE(matmul_supports(GgmlType::Q2_K));
+}
+
+// ---- matmul against the float64 reference ----
+
+TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
+  SimdLevelGuard guard;
+  ThreadPool pool(2);
+  std::mt19937 rng(1234);
+  for (GgmlType type : kAllTypes) {
+    for (int64_t n_in : input_sizes(type)) {
+      for (int64_t n_out : {1, 7, 33, 67}) {
+        const auto wdata = random_weights(type, n_in, n_out, rng);
+        const int64_t n_tokens_max = 64;
+        const auto x = random_activations(n_in * n_tokens_max, rng);
+        const Reference ref = reference(type, wdata, n_in, n_out, x, n_tokens_max);
+        for (SimdLevel level : available_levels()) {
+          set_simd_level_for_testing(level);
+          for (int64_t n_tokens : {1, 3, 17, 64}) {
+            const auto y = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
+            int bad = 0;
+            for (int64_t i = 0; i < n_tokens * n_out && bad < 3; ++i) {
+              const double err = std::fabs(y[i] - ref.y[i]);
+              if (!(err <= ref.bound[i])) {
+                ++bad;
+                ADD_FAILURE() << type_name(type) << " " << simd_level_name(level) << " n_in " << n_in
+                              << " n_out " << n_out << " n_tokens " << n_tokens << " [t " << i / n_out
+                              << ", o " << i % n_out << "]: got " << y[i] << ", want " << ref.y[i]
+                              << " +- " << ref.bound[i];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The SmolLM2 shapes, Q4_1 and Q8_0, against the reference, with the error also checked on
+// average: the bound is a worst case, the typical error should be far below it.
+TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
+  SimdLevelGuard guard;
+  ThreadPool pool(2);
+  std::mt19937 rng(99);
+  struct Shape {
+    GgmlType type;
+    int64_t n_in, n_out;
+  };
+  for (const Shape& s : {Shape{GgmlType::Q4_1, 576, 576}, Shape{GgmlType::Q4_1, 576, 1536},
+                         Shape{GgmlType::Q4_1, 1536, 576}, Shape{GgmlType::Q4_1, 576, 192},
+                         Shape{GgmlType::Q8_0, 576, 1000}}) {
+    const auto wdata = random_weights(s.type, s.n_in, s.n_out, rng);
+    const int64_t n_tokens = 5;
+    const auto x = random_activations(s.n_in * n_tokens, rng);
+    const Reference ref = reference(s.type, wdata, s.n_in, s.n_out, x, n_tokens);
+    for (SimdLevel level : available_levels()) {
+      set_simd_level_for_testing(level);
+      const auto y = run_matmul(s.type, wdata, s.n_in, s.n_out, x, n_tokens, pool);
+      double err2 = 0.0, ref2 = 0.0;
+      for (size_t i = 0; i < y.size(); ++i) {
+        ASSERT_LE(std::fabs(y[i] - ref.y[i]), ref.bound[i]) << type_name(s.type) << " " << i;
+        err2 += (y[i] - ref.y[i]) * (y[i] - ref.y[i]);
+        ref2 += ref.y[i] * ref.y[i];
+      }
+      // 8-bit activations: relative RMS error ~ 1/127 / sqrt(3) per element, averaging down over
+      // the row; 1 % is a loose ceiling (measured: ~0.3 %).
+      EXPECT_LT(std::sqrt(err2 / ref2), 0.01) << type_name(s.type) << " " << simd_level_name(level);
+    }
+  }
+}
+
+// ---- SIMD levels against the scalar path ----
+
+TEST(KernelMatmul, SimdLevelsAgreeWithScalar) {
+  SimdLevelGuard guard;
+  ThreadPool pool(2);
+  std::mt19937 rng(77);
+  for (GgmlType type : kAllTypes) {
+    const int64_t n_in = type_traits(type).block_size == 256 ? 1536 : 576;
+    const int64_t n_out = 45;
+    const int64_t n_tokens = 9;
+    const auto wdata = random_weights(type, n_in, n_out, rng);
+    const auto x = random_activations(n_in * n_tokens, rng);
+    set_simd_level_for_testing(SimdLevel::Scalar);
+    const auto y_scalar = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
+    // All levels quantize x identically, so only the f32 summation order differs.
+    std::vector<float> wrow(static_cast<size_t>(n_in));
+    for (SimdLevel level : available_levels()) {
+      set_simd_level_for_testing(level);
+      const auto y = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
+      for (int64_t o = 0; o < n_out; ++o) {
+        dequantize_row(type, wdata.data() + o * row_bytes(type, n_in), wrow.data(), n_in);
+        for (int64_t t = 0; t < n_tokens; ++t) {
+          double abs_sum = 0.0;
+          for (int64_t i = 0; i < n_in; ++i) abs_sum += std::fabs(wrow[i] * x[t * n_in + i]);
+          const size_t k = static_cast<size_t>(t * n_out + o);
+          EXPECT_NEAR(y[k], y_scalar[k], 1e-5 * abs_sum + 1e-6)
+              << type_name(type) << " " << simd_level_name(level) << " t " << t << " o " << o;
+        }
+      }
+    }
+  }
+}
+
+// ---- batch invariance: a token's output does not depend on the other tokens in the call ----
+
+TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
+  SimdLevelGuard guard;
+  ThreadPool pool2(2), pool1(1);
+  std::mt19937 rng(5);
+  for (GgmlType type : kAllTypes) {
+    const int64_t n_in = type_traits(type).block_size == 256 ? 512 : 576;
+    const int64_t n_out = 130, n_tokens = 19;
+    const auto wdata = random_weights(type, n_in, n_out, rng);
+    const auto x = random_activations(n_in * n_tokens, rng);
+    for (SimdLevel level : available_levels()) {
+      set_simd_level_for_testing(level);
+      const auto y_batch = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool2);
+      const auto y_one_thread = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool1);
+      EXPECT_EQ(std::memcmp(y_batch.data(), y_one_thread.data(), y_batch.size() * 4), 0)
+          << type_name(type) << " " << simd_level_name(level);
+      for (int64_t t : {0, 5, 16, 18}) {
+        const std::vector<float> xt(x.begin() + t * n_in, x.begin() + (t + 1) * n_in);
+        const auto y_alone = run_matmul(type, wdata, n_in, n_out, xt, 1, pool2);
+        EXPECT_EQ(std::memcmp(y_alone.data(), y_batch.data() + t * n_out, n_out * 4), 0)
+            << type_name(type) << " " << simd_level_name(level) << " token " << t;
+      }
+    }
+  }
+}
+
+TEST(KernelMatmul, RejectsBadArguments) {
+  ThreadPool pool(1);
+  MatmulWorkspace ws;
+  std::vector<uint8_t> w(1024);
+  std::vector<float> x(64), y(64);
+  EXPECT_THROW(matmul(WeightView{GgmlType::Q4_1, 48, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
+               Error);
+  EXPECT_THROW(matmul(WeightView{GgmlType::Q5_1, 32, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
+               Error);
+  // Nothing to do is not an error.
+  matmul(WeightView{GgmlType::Q4_1, 32, 1, w.data()}, x.data(), 0, y.data(), ws, pool);
+}
+
+TEST(KernelVecDot, MatchesDouble) {
+  SimdLevelGuard guard;
+  std::mt19937 rng(3);
+  for (int64_t n : {1, 7, 16, 33, 576, 1000}) {
+    const auto a = random_activations(n, rng), b = random_activations(n, rng);
+    double want = 0.0, abs_sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      want += static_cast<double>(a[i]) * b[i];
+      abs_sum += std::fabs(static_cast<double>(a[i]) * b[i]);
+    }
+    for (SimdLevel level : available_levels()) {
+      set_simd_level_for_testing(level);
+      EXPECT_NEAR(vec_dot_f32(a.data(), b.data(), n), want, 1e-5 * abs_sum + 1e-6) << n;
+    }
+  }
+}
