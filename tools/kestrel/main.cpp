@@ -1,1 +1,36 @@
-int main() { return 0; }
+// kestrel: the command-line interface (generate, chat, tokenize, bench).
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "common.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kestrel: LLM inference engine"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kestrel 0.1.0");
+  kestrel::cli::register_generate(app);
+  kestrel::cli::register_chat(app);
+  kestrel::cli::register_tokenize(app);
+  kestrel::cli::register_bench(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "kestrel: " << e.what() << " (see kestrel --help)\n";
+    return 2;
+  } catch (const kestrel::Error& e) {
+    std::cerr << "kestrel: error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "kestrel: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,162 @@
+#include "backend/cpu/cpu_model_runner.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+
+namespace kestrel::cpu {
+
+namespace {
+void grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+}  // namespace
+
+CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
+    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool) {
+  KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
+  const int64_t half = hp_.rope_dim / 2;
+  const auto& factors = model.weights().rope_freq_factors;
+  inv_freq_.resize(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    double f = std::pow(static_cast<double>(hp_.rope_theta),
+                        -2.0 * static_cast<double>(i) / static_cast<double>(hp_.rope_dim));
+    if (!factors.empty()) f /= factors[static_cast<size_t>(i)];
+    inv_freq_[static_cast<size_t>(i)] = static_cast<float>(f);
+  }
+}
+
+void CpuModelRunner::check(const ForwardBatch& b) const {
+  const int64_t n = b.n_tokens();
+  if (n == 0) throw Error("forward: empty batch");
+  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slot_mapping.size()) != n)
+    throw Error("forward: positions and slot_mapping must have one entry per token");
+  if (static_cast<int64_t>(b.query_start.size()) != b.n_seqs() + 1 || b.query_start.front() != 0 ||
+      b.query_start.back() != n)
+    throw Error("forward: query_start must have n_seqs + 1 offsets from 0 to n_tokens");
+  if (static_cast<int64_t>(b.block_tables.size()) != b.n_seqs() * b.max_blocks_per_seq)
+    throw Error("forward: block_tables must be [n_seqs, max_blocks_per_seq]");
+  for (int64_t t = 0; t < n; ++t) {
+    if (b.token_ids[t] < 0 || b.token_ids[t] >= hp_.n_vocab)
+      throw Error("forward: token id " + std::to_string(b.token_ids[t]) + " outside the vocabulary");
+    if (b.slot_mapping[t] < 0 || b.slot_mapping[t] >= kv_.n_slots())
+      throw Error("forward: slot " + std::to_string(b.slot_mapping[t]) + " outside the KV cache");
+  }
+  for (int64_t s = 0; s < b.n_seqs(); ++s) {
+    if (b.query_start[s + 1] < b.query_start[s]) throw Error("forward: query_start not ascending");
+    if (b.context_lens[s] > static_cast<int64_t>(b.max_blocks_per_seq) * kv_.block_size())
+      throw Error("forward: context longer than the block table");
+    for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t)
+      if (b.positions[t] < 0 || b.positions[t] >= b.context_lens[s])
+        throw Error("forward: position " + std::to_string(b.positions[t]) +
+                    " outside the sequence's context");
+  }
+  for (int32_t r : b.logits_indices)
+    if (r < 0 || r >= n) throw Error("forward: logits index outside the batch");
+}
+
+void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
+  const int64_t n = b.n_tokens();
+  const int64_t hd = hp_.head_dim;
+  const int64_t group = hp_.n_head / hp_.n_head_kv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const auto& op = ops();
+  const float* kc = kv_.k(layer);
+  const float* vc = kv_.v(layer);
+  // One task per (token, KV head): the group of query heads that share the KV head reads each
+  // key and value once.
+  pool_.parallel_for(n * hp_.n_head_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / hp_.n_head_kv;
+      const int64_t kvh = task % hp_.n_head_kv;
+      const int64_t s = token_seq_[static_cast<size_t>(t)];
+      AttentionArgs a{};
+      a.q = q_.data() + t * hp_.q_dim() + kvh * group * hd;
+      a.k_cache = kc;
+      a.v_cache = vc;
+      a.kv_dim = hp_.kv_dim();
+      a.kv_offset = kvh * hd;
+      a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
+      a.block_size = kv_.block_size();
+      a.n_ctx = b.positions[t] + 1;  // causal: a token sees itself and everything before it
+      a.head_dim = hd;
+      a.group = group;
+      a.scale = scale;
+      a.out = attn_.data() + t * hp_.q_dim() + kvh * group * hd;
+      op.attention(a);
+    }
+  });
+}
+
+std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
+  check(b);
+  const int64_t n = b.n_tokens();
+  const int64_t d = hp_.n_embd;
+  const auto& w = model_.weights();
+  const auto& op = ops();
+  grow(x_, n * d);
+  grow(h_, n * d);
+  grow(q_, n * hp_.q_dim());
+  grow(k_, n * hp_.kv_dim());
+  grow(v_, n * hp_.kv_dim());
+  grow(attn_, n * hp_.q_dim());
+  grow(gate_, n * hp_.n_ff);
+  grow(up_, n * hp_.n_ff);
+  token_seq_.resize(static_cast<size_t>(n));
+  for (int64_t s = 0; s < b.n_seqs(); ++s)
+    for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t)
+      token_seq_[static_cast<size_t>(t)] = static_cast<int32_t>(s);
+
+  for (int64_t t = 0; t < n; ++t)
+    dequantize_row(w.token_embd.type, w.token_embd.row(b.token_ids[t]), x_.data() + t * d, d);
+
+  const bool adjacent = hp_.rope_style == RopeStyle::AdjacentPairs;
+  const int64_t kvd = hp_.kv_dim();
+  for (int64_t il = 0; il < hp_.n_layer; ++il) {
+    const LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
+    op.rms_norm(x_.data(), L.attn_norm.data(), h_.data(), n, d, hp_.rms_eps);
+    matmul(L.wq, h_.data(), n, q_.data(), ws_, pool_);
+    matmul(L.wk, h_.data(), n, k_.data(), ws_, pool_);
+    matmul(L.wv, h_.data(), n, v_.data(), ws_, pool_);
+    if (!L.bq.empty()) {
+      for (int64_t t = 0; t < n; ++t) {
+        op.add(q_.data() + t * hp_.q_dim(), L.bq.data(), hp_.q_dim());
+        op.add(k_.data() + t * kvd, L.bk.data(), kvd);
+        op.add(v_.data() + t * kvd, L.bv.data(), kvd);
+      }
+    }
+    rope(q_.data(), b.positions.data(), n, hp_.n_head, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
+         hp_.rope_linear_scale, adjacent);
+    rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim,
+         inv_freq_.data(), hp_.rope_linear_scale, adjacent);
+    float* kc = kv_.k(il);
+    float* vc = kv_.v(il);
+    for (int64_t t = 0; t < n; ++t) {
+      std::memcpy(kc + b.slot_mapping[t] * kvd, k_.data() + t * kvd, sizeof(float) * kvd);
+      std::memcpy(vc + b.slot_mapping[t] * kvd, v_.data() + t * kvd, sizeof(float) * kvd);
+    }
+    attention(b, il);
+    matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
+    op.add(x_.data(), h_.data(), n * d);
+
+    op.rms_norm(x_.data(), L.ffn_norm.data(), h_.data(), n, d, hp_.rms_eps);
+    matmul(L.w_gate, h_.data(), n, gate_.data(), ws_, pool_);
+    matmul(L.w_up, h_.data(), n, up_.data(), ws_, pool_);
+    op.silu_mul(gate_.data(), up_.data(), gate_.data(), n * hp_.n_ff);
+    matmul(L.w_down, gate_.data(), n, h_.data(), ws_, pool_);
+    op.add(x_.data(), h_.data(), n * d);
+  }
+
+  const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
+  grow(logits_in_, n_out * d);
+  grow(logits_, n_out * hp_.n_vocab);
+  for (int64_t i = 0; i < n_out; ++i)
+    op.rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.output_norm.data(),
+                logits_in_.data() + i * d, 1, d, hp_.rms_eps);
+  matmul(w.output, logits_in_.data(), n_out, logits_.data(), ws_, pool_);
+  return {logits_.data(), static_cast<size_t>(n_out * hp_.n_vocab)};
+}
+
+}  // namespace kestrel::cpu

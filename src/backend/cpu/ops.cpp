@@ -1,0 +1,39 @@
+#include "backend/cpu/ops.h"
+
+#include <cmath>
+
+#include "core/cpu_features.h"
+
+namespace kestrel::cpu {
+
+const OpsTable& ops() {
+  switch (simd_level()) {
+    case SimdLevel::Avx512: return ops_avx512();
+    case SimdLevel::Avx2: return ops_avx2();
+    default: return ops_generic();
+  }
+}
+
+void rope(float* x, const int32_t* positions, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+          int64_t rope_dim, const float* inv_freq, float position_scale, bool adjacent_pairs) {
+  const int64_t half = rope_dim / 2;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const double pos = static_cast<double>(positions[t]) / position_scale;
+    float* row = x + t * n_heads * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = pos * static_cast<double>(inv_freq[i]);
+      const float c = static_cast<float>(std::cos(angle));
+      const float s = static_cast<float>(std::sin(angle));
+      const int64_t i0 = adjacent_pairs ? 2 * i : i;
+      const int64_t i1 = adjacent_pairs ? 2 * i + 1 : i + half;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* hp = row + h * head_dim;
+        const float x0 = hp[i0], x1 = hp[i1];
+        hp[i0] = x0 * c - x1 * s;
+        hp[i1] = x0 * s + x1 * c;
+      }
+    }
+  }
+}
+
+}  // namespace kestrel::cpu

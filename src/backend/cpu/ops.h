@@ -1,0 +1,55 @@
+// Element-wise and attention kernels of the CPU forward pass (everything but the matmuls).
+//
+// Each op is written once (ops_impl.h) with GCC vector extensions and compiled three times, for
+// AVX-512, AVX2 and baseline x86-64 (ops_avx512.cpp, ops_avx2.cpp, ops_generic.cpp); ops() picks
+// the table that matches simd_level() at run time. For a given table the result of an op on one
+// row never depends on what else is in the batch.
+#pragma once
+
+#include <cstdint>
+
+namespace kestrel::cpu {
+
+struct AttentionArgs {
+  const float* q;              // [group, head_dim]: the query heads that share one KV head
+  const float* k_cache;        // layer's K storage, [n_slots, kv_dim], f32
+  const float* v_cache;        // layer's V storage, [n_slots, kv_dim], f32
+  int64_t kv_dim;              // n_head_kv * head_dim
+  int64_t kv_offset;           // kv_head * head_dim
+  const int32_t* block_table;  // [>= ceil(n_ctx / block_size)] block ids of the sequence
+  int32_t block_size;
+  int64_t n_ctx;               // keys at positions [0, n_ctx) are attended (causal bound applied)
+  int64_t head_dim;
+  int64_t group;               // query heads per KV head (1 = MHA, n_head = MQA)
+  float scale;                 // softmax scale, 1/sqrt(head_dim)
+  float* out;                  // [group, head_dim]
+};
+
+struct OpsTable {
+  // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for n_rows rows of dim floats (RMSNorm,
+  // Zhang & Sennrich 2019).
+  void (*rms_norm)(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps);
+  // out[i] = silu(gate[i]) * up[i] (SwiGLU, Shazeer 2020).
+  void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+  // x[i] += y[i]
+  void (*add)(float* x, const float* y, int64_t n);
+  // Exact causal attention of `group` query heads over one KV head through the block table,
+  // tiled by KV block with online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022):
+  // O(head_dim) extra memory, no n x n score matrix.
+  void (*attention)(const AttentionArgs& a);
+};
+
+const OpsTable& ops();
+const OpsTable& ops_generic();
+const OpsTable& ops_avx2();
+const OpsTable& ops_avx512();
+
+// RoPE on n_tokens rows of n_heads heads ([n_tokens, n_heads * head_dim]), rotating the first
+// rope_dim dimensions of each head. inv_freq[i] = theta^(-2i/rope_dim) / freq_factor[i], precomputed
+// by the caller. adjacent_pairs: rotate (x[2i], x[2i+1]) (GGUF llama layout); otherwise rotate
+// (x[i], x[i + rope_dim/2]) (rotate-half, HF / NeoX layout). Angles are computed in double so
+// long positions do not lose precision. Source: Su et al. 2021, RoFormer.
+void rope(float* x, const int32_t* positions, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+          int64_t rope_dim, const float* inv_freq, float position_scale, bool adjacent_pairs);
+
+}  // namespace kestrel::cpu

@@ -1,0 +1,118 @@
+// One source for the CPU ops, compiled once per ISA (see ops.h). Included only by ops_*.cpp, each
+// of which defines KESTREL_OPS_NS before including it.
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+
+namespace kestrel::cpu::KESTREL_OPS_NS {
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum8(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v8f acc0 = {}, acc1 = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 += load8(a + i) * load8(b + i);
+    acc1 += load8(a + i + 8) * load8(b + i + 8);
+  }
+  for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
+  float s = hsum8(acc0 + acc1);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = y * c + p * x
+inline void scale_add(float* y, float c, float p, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(y + i, load8(y + i) * c + load8(x + i) * p);
+  for (; i < n; ++i) y[i] = y[i] * c + x[i] * p;
+}
+
+void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    const float ss = dot(xr, xr, dim);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) store8(yr + i, load8(xr + i) * inv * load8(w + i));
+    for (; i < dim; ++i) yr[i] = xr[i] * inv * w[i];
+  }
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void add(float* x, const float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(x + i, load8(x + i) + load8(y + i));
+  for (; i < n; ++i) x[i] += y[i];
+}
+
+void attention(const AttentionArgs& a) {
+  constexpr int kMaxGroup = 64;
+  constexpr int kMaxTile = 64;
+  const int64_t hd = a.head_dim;
+  const int64_t g_n = a.group;
+  float m[kMaxGroup];  // running max of the scores of each query head
+  float l[kMaxGroup];  // running sum of exp(score - m)
+  float s[kMaxTile];
+  for (int64_t g = 0; g < g_n; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    std::memset(a.out + g * hd, 0, sizeof(float) * static_cast<size_t>(hd));
+  }
+  const int64_t bs = a.block_size;
+  for (int64_t start = 0; start < a.n_ctx; start += bs) {
+    const int64_t n = std::min<int64_t>(bs, a.n_ctx - start);
+    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * bs;
+    // Tiles of at most kMaxTile keys, so any block size works.
+    for (int64_t t0 = 0; t0 < n; t0 += kMaxTile) {
+      const int64_t tn = std::min<int64_t>(kMaxTile, n - t0);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const float* q = a.q + g * hd;
+        float tile_max = -INFINITY;
+        for (int64_t j = 0; j < tn; ++j) {
+          const float* k = a.k_cache + (base + t0 + j) * a.kv_dim + a.kv_offset;
+          s[j] = dot(q, k, hd) * a.scale;
+          tile_max = std::max(tile_max, s[j]);
+        }
+        const float m_new = std::max(m[g], tile_max);
+        const float correction = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
+        float* o = a.out + g * hd;
+        l[g] *= correction;
+        for (int64_t j = 0; j < tn; ++j) {
+          const float p = std::exp(s[j] - m_new);
+          l[g] += p;
+          const float* v = a.v_cache + (base + t0 + j) * a.kv_dim + a.kv_offset;
+          scale_add(o, j == 0 ? correction : 1.0f, p, v, hd);
+        }
+        m[g] = m_new;
+      }
+    }
+  }
+  for (int64_t g = 0; g < g_n; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    float* o = a.out + g * hd;
+    for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+  }
+}
+
+const OpsTable kTable{rms_norm, silu_mul, add, attention};
+
+}  // namespace kestrel::cpu::KESTREL_OPS_NS

@@ -1,0 +1,25 @@
+// The flat batch a forward pass reads (the ScheduledBatch of ../shared/design/ARCHITECTURE.md):
+// the tokens of every scheduled sequence, prefill chunks and decode tokens mixed, with their
+// positions, the KV slot each token writes, and each sequence's block table.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace kestrel {
+
+struct ForwardBatch {
+  std::span<const int32_t> token_ids;     // [n_tokens]
+  std::span<const int32_t> positions;     // [n_tokens], position of each token in its sequence
+  std::span<const int64_t> slot_mapping;  // [n_tokens], KV slot = block_id * block_size + offset
+  std::span<const int32_t> query_start;   // [n_seqs + 1], token offsets of each sequence
+  std::span<const int32_t> context_lens;  // [n_seqs], tokens in the KV cache after this step
+  std::span<const int32_t> block_tables;  // [n_seqs, max_blocks_per_seq], row-major block ids
+  int32_t max_blocks_per_seq = 0;
+  std::span<const int32_t> logits_indices;  // token rows whose logits the caller wants
+
+  int64_t n_tokens() const { return static_cast<int64_t>(token_ids.size()); }
+  int64_t n_seqs() const { return static_cast<int64_t>(context_lens.size()); }
+};
+
+}  // namespace kestrel

@@ -1,0 +1,80 @@
+#include "model/hparams.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/gguf.h"
+
+namespace kestrel {
+
+ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
+  ModelHparams hp;
+  hp.arch = f.get_string("general.architecture");
+  if (hp.arch != "llama" && hp.arch != "qwen2" && hp.arch != "mistral")
+    throw Error(f.path() + ": unsupported architecture '" + hp.arch +
+                "' (supported: llama, qwen2, mistral)");
+  const std::string a = hp.arch + ".";
+  hp.name = f.get_string_or("general.name", "");
+  hp.n_embd = f.get_int(a + "embedding_length");
+  hp.n_layer = f.get_int(a + "block_count");
+  hp.n_head = f.get_int(a + "attention.head_count");
+  hp.n_head_kv = f.get_int_or(a + "attention.head_count_kv", hp.n_head);
+  hp.n_ff = f.get_int(a + "feed_forward_length");
+  hp.n_ctx_train = f.get_int_or(a + "context_length", 2048);
+  hp.rms_eps = static_cast<float>(f.get_float_or(a + "attention.layer_norm_rms_epsilon", 1e-5));
+  hp.rope_theta = static_cast<float>(f.get_float_or(a + "rope.freq_base", 10000.0));
+  if (hp.n_head <= 0) throw Error(f.path() + ": " + a + "attention.head_count must be positive");
+  hp.head_dim = f.get_int_or(a + "attention.key_length", hp.n_embd / hp.n_head);
+  hp.rope_dim = f.get_int_or(a + "rope.dimension_count", hp.head_dim);
+  const std::string scaling = f.get_string_or(a + "rope.scaling.type", "none");
+  if (scaling == "linear") {
+    hp.rope_linear_scale = static_cast<float>(f.get_float_or(a + "rope.scaling.factor", 1.0));
+  } else if (scaling != "none") {
+    throw Error(f.path() + ": unsupported " + a + "rope.scaling.type '" + scaling + "'");
+  }
+  hp.rope_style = hp.arch == "qwen2" ? RopeStyle::RotateHalf : RopeStyle::AdjacentPairs;
+  if (const auto* tokens = f.find("tokenizer.ggml.tokens"); tokens != nullptr)
+    hp.n_vocab = static_cast<int64_t>(tokens->array_size());
+  hp.n_vocab = f.get_int_or(a + "vocab_size", hp.n_vocab);
+  try {
+    hp.validate();
+  } catch (const Error& e) {
+    throw Error(f.path() + ": " + e.what());
+  }
+  return hp;
+}
+
+void ModelHparams::validate() const {
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) throw Error("invalid hyperparameters: " + what);
+  };
+  // Upper bounds keep a corrupt header from asking for absurd buffers before any weight is read.
+  require(n_embd > 0 && n_embd <= (1 << 16), "embedding_length = " + std::to_string(n_embd));
+  require(n_layer > 0 && n_layer <= 1024, "block_count = " + std::to_string(n_layer));
+  require(n_head > 0 && n_head <= 1024, "head_count = " + std::to_string(n_head));
+  require(n_head_kv > 0 && n_head % n_head_kv == 0,
+          "head_count_kv = " + std::to_string(n_head_kv) + " must divide head_count " +
+              std::to_string(n_head));
+  require(head_dim > 0 && head_dim <= 1024 && head_dim % 2 == 0,
+          "head dimension = " + std::to_string(head_dim));
+  require(rope_dim > 0 && rope_dim <= head_dim && rope_dim % 2 == 0,
+          "rope.dimension_count = " + std::to_string(rope_dim));
+  require(n_ff > 0 && n_ff <= (1 << 20), "feed_forward_length = " + std::to_string(n_ff));
+  require(n_vocab > 0 && n_vocab <= (1 << 24), "vocabulary size = " + std::to_string(n_vocab));
+  require(n_ctx_train > 0, "context_length = " + std::to_string(n_ctx_train));
+  require(std::isfinite(rms_eps) && rms_eps > 0, "layer_norm_rms_epsilon = " + std::to_string(rms_eps));
+  require(std::isfinite(rope_theta) && rope_theta > 0, "rope.freq_base = " + std::to_string(rope_theta));
+  require(std::isfinite(rope_linear_scale) && rope_linear_scale > 0,
+          "rope.scaling.factor = " + std::to_string(rope_linear_scale));
+}
+
+std::string ModelHparams::summary() const {
+  std::ostringstream s;
+  s << arch << ": " << n_layer << " layers, n_embd " << n_embd << ", " << n_head << " heads / "
+    << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
+    << ", context " << n_ctx_train << ", rope theta " << rope_theta;
+  return s.str();
+}
+
+}  // namespace kestrel

@@ -1,0 +1,44 @@
+// Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kestrel {
+
+class GgufFile;
+
+// How RoPE pairs the dimensions of a head. GGUF "llama" weights are permuted by the converter so
+// that adjacent pairs (x[2i], x[2i+1]) rotate together; Hugging Face checkpoints and GGUF "qwen2"
+// rotate x[i] with x[i + rope_dim/2] ("rotate half", GPT-NeoX style).
+enum class RopeStyle { AdjacentPairs, RotateHalf };
+
+struct ModelHparams {
+  std::string arch;         // "llama", "qwen2", ...
+  std::string name;         // general.name, for display
+  int64_t n_vocab = 0;
+  int64_t n_ctx_train = 0;  // trained context length
+  int64_t n_embd = 0;
+  int64_t n_layer = 0;
+  int64_t n_head = 0;
+  int64_t n_head_kv = 0;
+  int64_t head_dim = 0;     // n_embd / n_head unless the file says otherwise
+  int64_t n_ff = 0;
+  int64_t rope_dim = 0;     // dimensions of a head that RoPE rotates (== head_dim for Llama)
+  float rms_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  float rope_linear_scale = 1.0f;  // positions are divided by this ("linear" rope scaling)
+  RopeStyle rope_style = RopeStyle::AdjacentPairs;
+
+  int64_t q_dim() const { return n_head * head_dim; }
+  int64_t kv_dim() const { return n_head_kv * head_dim; }
+
+  // Reads `<arch>.*` keys (GGUF naming, e.g. llama.embedding_length). Throws kestrel::Error naming
+  // the key when a required key is missing or a value is out of range (e.g. n_head not dividing
+  // n_embd, n_head_kv not dividing n_head).
+  static ModelHparams from_gguf(const GgufFile& file);
+  void validate() const;
+  std::string summary() const;
+};
+
+}  // namespace kestrel

@@ -1,0 +1,142 @@
+#include "model/llama_weights.h"
+
+#include "core/error.h"
+
+namespace kestrel {
+
+bool is_supported_weight_type(GgmlType t) {
+  switch (t) {
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+namespace {
+
+class Loader {
+ public:
+  Loader(const GgufFile& f, uint64_t& bytes) : f_(f), bytes_(bytes) {}
+
+  const GgufTensorInfo* find(const std::string& name) const { return f_.find_tensor(name); }
+
+  const GgufTensorInfo& require(const std::string& name) const {
+    const auto* t = f_.find_tensor(name);
+    if (t == nullptr) throw Error(f_.path() + ": missing tensor '" + name + "'");
+    return *t;
+  }
+
+  WeightView matrix(const std::string& name, int64_t n_in, int64_t n_out) {
+    return matrix(require(name), n_in, n_out);
+  }
+
+  WeightView matrix(const GgufTensorInfo& t, int64_t n_in, int64_t n_out) {
+    if (t.ne.size() != 2 || t.ne[0] != n_in || t.ne[1] != n_out)
+      throw Error(f_.path() + ": tensor '" + t.name + "' has shape " + shape(t) + ", expected [" +
+                  std::to_string(n_in) + ", " + std::to_string(n_out) + "]");
+    if (!is_supported_weight_type(t.type))
+      throw Error(f_.path() + ": tensor '" + t.name + "' has type " + std::string(type_name(t.type)) +
+                  ", which the CPU kernels do not support");
+    bytes_ += t.n_bytes;
+    return WeightView{t.type, n_in, n_out, t.data};
+  }
+
+  // A 1-D vector of n elements converted to f32.
+  std::vector<float> vector(const std::string& name, int64_t n) { return vector(require(name), n); }
+
+  std::vector<float> vector(const GgufTensorInfo& t, int64_t n) {
+    if (t.n_elements() != n)
+      throw Error(f_.path() + ": tensor '" + t.name + "' has shape " + shape(t) + ", expected [" +
+                  std::to_string(n) + "]");
+    std::vector<float> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      switch (t.type) {
+        case GgmlType::F32: {
+          float v;
+          std::memcpy(&v, t.data + 4 * i, 4);
+          out[i] = v;
+          break;
+        }
+        case GgmlType::F16: {
+          uint16_t h;
+          std::memcpy(&h, t.data + 2 * i, 2);
+          out[i] = fp16_to_fp32(h);
+          break;
+        }
+        case GgmlType::BF16: {
+          uint16_t h;
+          std::memcpy(&h, t.data + 2 * i, 2);
+          out[i] = bf16_to_fp32(h);
+          break;
+        }
+        default:
+          throw Error(f_.path() + ": tensor '" + t.name + "' has type " +
+                      std::string(type_name(t.type)) + ", expected F32, F16 or BF16");
+      }
+    }
+    bytes_ += t.n_bytes;
+    return out;
+  }
+
+  std::vector<float> optional_vector(const std::string& name, int64_t n) {
+    const auto* t = find(name);
+    return t == nullptr ? std::vector<float>{} : vector(*t, n);
+  }
+
+ private:
+  static std::string shape(const GgufTensorInfo& t) {
+    std::string s = "[";
+    for (size_t i = 0; i < t.ne.size(); ++i) s += (i ? ", " : "") + std::to_string(t.ne[i]);
+    return s + "]";
+  }
+  const GgufFile& f_;
+  uint64_t& bytes_;
+};
+
+}  // namespace
+
+std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
+  std::unique_ptr<LlamaModel> m(new LlamaModel(GgufFile::open(path)));
+  m->hparams_ = ModelHparams::from_gguf(m->file_);
+  const ModelHparams& hp = m->hparams_;
+  Loader ld(m->file_, m->weight_bytes_);
+  LlamaWeights& w = m->weights_;
+  w.token_embd = ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
+  w.output_norm = ld.vector("output_norm.weight", hp.n_embd);
+  if (const auto* out = ld.find("output.weight"); out != nullptr) {
+    w.output = ld.matrix(*out, hp.n_embd, hp.n_vocab);
+  } else {
+    w.output = w.token_embd;
+    w.tied_output = true;
+  }
+  if (const auto* rf = ld.find("rope_freqs.weight"); rf != nullptr)
+    w.rope_freq_factors = ld.vector(*rf, hp.rope_dim / 2);
+  w.layers.resize(static_cast<size_t>(hp.n_layer));
+  for (int64_t il = 0; il < hp.n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
+    L.attn_norm = ld.vector(p + "attn_norm.weight", hp.n_embd);
+    L.wq = ld.matrix(p + "attn_q.weight", hp.n_embd, hp.q_dim());
+    L.wk = ld.matrix(p + "attn_k.weight", hp.n_embd, hp.kv_dim());
+    L.wv = ld.matrix(p + "attn_v.weight", hp.n_embd, hp.kv_dim());
+    L.wo = ld.matrix(p + "attn_output.weight", hp.q_dim(), hp.n_embd);
+    L.bq = ld.optional_vector(p + "attn_q.bias", hp.q_dim());
+    L.bk = ld.optional_vector(p + "attn_k.bias", hp.kv_dim());
+    L.bv = ld.optional_vector(p + "attn_v.bias", hp.kv_dim());
+    L.ffn_norm = ld.vector(p + "ffn_norm.weight", hp.n_embd);
+    L.w_gate = ld.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
+    L.w_up = ld.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
+    L.w_down = ld.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
+  }
+  return m;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,157 @@
+// End-to-end tests of the kestrel binary: greedy transcripts of a real trained model, the default
+// model's chat answer, and clear errors for bad flags and files.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "test_util.h"
+
+using kestrel::test::data_dir;
+using kestrel::test::kestrel_binary;
+using kestrel::test::model_dir;
+using kestrel::test::run_command;
+
+namespace {
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::vector<int> parse_ids(const std::string& line) {
+  std::vector<int> ids;
+  std::istringstream ss(line);
+  int v;
+  while (ss >> v) ids.push_back(v);
+  return ids;
+}
+
+struct Transcript {
+  std::string prompt;
+  int steps = 0;
+  std::vector<int> prompt_ids, next_ids;
+};
+
+// expected-greedy-llama2c-run.txt: "=== prompt: [TEXT]" then steps/prompt_ids/next_ids/text lines.
+std::vector<Transcript> read_transcripts(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<Transcript> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("=== prompt: [", 0) == 0) {
+      out.emplace_back();
+      out.back().prompt = line.substr(13, line.size() - 14);
+    } else if (line.rfind("steps: ", 0) == 0) {
+      out.back().steps = std::stoi(line.substr(7));
+    } else if (line.rfind("prompt_ids: ", 0) == 0) {
+      out.back().prompt_ids = parse_ids(line.substr(12));
+    } else if (line.rfind("next_ids: ", 0) == 0) {
+      out.back().next_ids = parse_ids(line.substr(10));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// llama2.c's run.c, greedy: next_ids[i] is the token at position i + 1, the prompt's own tokens
+// first and then the argmax tokens; so the generated ids are next_ids after the first
+// (prompt_ids.size() - 1) entries.
+TEST(CliE2e, GreedyTranscriptsMatchLlama2c) {
+  const std::string dir = data_dir() + "/stories260K";
+  KESTREL_REQUIRE_FILE(dir + "/expected-greedy-llama2c-run.txt");
+  const auto cases = read_transcripts(dir + "/expected-greedy-llama2c-run.txt");
+  ASSERT_EQ(cases.size(), 6u);
+  for (const auto& c : cases) {
+    SCOPED_TRACE("prompt: [" + c.prompt + "], steps " + std::to_string(c.steps));
+    const size_t n_forced = c.prompt_ids.size() - 1;
+    ASSERT_GE(c.next_ids.size(), n_forced);
+    const std::vector<int> expected(c.next_ids.begin() + static_cast<long>(n_forced), c.next_ids.end());
+    std::string out;
+    const std::string cmd = kestrel_binary() + " generate -m " + dir + "/stories260K.gguf -p " +
+                            shell_quote(c.prompt) + " -n " + std::to_string(expected.size()) +
+                            " --temperature 0 --json 2>/dev/null";
+    ASSERT_EQ(run_command(cmd, &out), 0) << cmd;
+    const auto j = nlohmann::json::parse(out);
+    EXPECT_EQ(j["prompt_ids"].get<std::vector<int>>(), c.prompt_ids);
+    EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected);
+  }
+}
+
+TEST(CliE2e, DefaultModelKnowsTheCapitalOfFrance) {
+  const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  KESTREL_REQUIRE_FILE(model);
+  std::string out;
+  const std::string cmd = kestrel_binary() + " chat -m " + model +
+                          " --temperature 0 -n 48 -p 'What is the capital of France?' 2>/dev/null";
+  ASSERT_EQ(run_command(cmd, &out), 0);
+  EXPECT_NE(out.find("Paris"), std::string::npos) << out;
+}
+
+TEST(CliE2e, DefaultModelGenerateJson) {
+  const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  KESTREL_REQUIRE_FILE(model);
+  std::string out;
+  const std::string cmd = kestrel_binary() + " generate -m " + model +
+                          " -p 'The capital of France is' -n 8 --temperature 0 --json 2>/dev/null";
+  ASSERT_EQ(run_command(cmd, &out), 0);
+  const auto j = nlohmann::json::parse(out);
+  // SmolLM2's tokenizer adds no BOS; "The capital of France is" is 5 tokens.
+  EXPECT_EQ(j["prompt_ids"].size(), 5u);
+  EXPECT_EQ(j["output_ids"].size(), 8u);
+  EXPECT_NE(j["text"].get<std::string>().find("Paris"), std::string::npos) << out;
+}
+
+TEST(CliE2e, TokenizeCommand) {
+  const std::string model = data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(model);
+  std::string out;
+  // Same ids as llama2.c's encoder for this prompt, without BOS.
+  ASSERT_EQ(run_command(kestrel_binary() + " tokenize -m " + model + " 'Once upon a time'", &out), 0);
+  EXPECT_EQ(out, "403 407 261 378\n");
+  out.clear();
+  ASSERT_EQ(run_command(kestrel_binary() + " tokenize -m " + model + " --special '<s>Hello world'", &out), 0);
+  EXPECT_EQ(out.substr(0, 2), "1 ");
+}
+
+TEST(CliE2e, BadInputGivesOneClearLineAndNonZeroExit) {
+  struct Case {
+    std::string args;
+    std::string phrase;
+  };
+  const std::string stories = data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(stories);
+  const std::vector<Case> cases = {
+      {"generate -m /nonexistent/model.gguf -p hi", "cannot open"},
+      {"generate -m " + data_dir() + "/stories260K/tok512.bin -p hi", "magic"},
+      {"generate -m " + stories + " -p hi --temperature -1", "temperature"},
+      {"generate -m " + stories + " -p hi --top-p 1.5", "top_p"},
+      {"generate -m " + stories + " -p hi --frobnicate", "frobnicate"},
+      {"generate -m " + stories + " -p hi -n abc", "abc"},
+      {"generate -m " + stories + " -p hi --ctx-size 0", "ctx-size"},
+      {"frobnicate", "frobnicate"},
+  };
+  for (const auto& c : cases) {
+    std::string err;
+    const int rc = run_command(kestrel_binary() + " " + c.args + " 2>&1 >/dev/null", &err);
+    EXPECT_NE(rc, 0) << c.args;
+    EXPECT_NE(err.find(c.phrase), std::string::npos) << c.args << " -> " << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << c.args << " -> " << err;
+  }
+}
+
+TEST(CliE2e, PromptLongerThanContextIsAnError) {
+  const std::string stories = data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(stories);
+  std::string err;
+  const int rc = run_command(kestrel_binary() + " generate -m " + stories +
+                                 " -c 4 -p 'Once upon a time there was' 2>&1 >/dev/null",
+                             &err);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("exceeds the context"), std::string::npos) << err;
+}

@@ -1,0 +1,120 @@
+// kestrel chat: a conversation with the model's chat template. Interactive on a terminal; with
+// piped input every line is one user message; with -p one message and exit.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "common.h"
+#include "core/error.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/stream_decoder.h"
+
+namespace kestrel::cli {
+
+namespace {
+struct ChatArgs {
+  std::string model;
+  std::string prompt;
+  std::string system;
+  int64_t n_predict = -1;
+  bool stats = false;
+  SamplingFlags sampling;
+  EngineFlags engine;
+};
+
+// Answers the conversation's last user message, streaming the reply to stdout.
+std::string answer(Session& session, const Tokenizer& tok, const ChatTemplate& tmpl,
+                   const std::vector<ChatMessage>& messages, const GenerateOptions& go, bool stats) {
+  const std::string prompt = tmpl.apply(messages, /*add_generation_prompt=*/true);
+  const std::vector<int32_t> ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
+  // Reuse the KV of the longest common prefix with what the session already holds.
+  const auto& have = session.tokens();
+  size_t common = 0;
+  while (common < have.size() && common < ids.size() && have[common] == ids[common]) ++common;
+  if (common == ids.size() && common > 0) --common;  // keep one token to produce logits from
+  session.truncate(static_cast<int64_t>(common));
+  StreamDecoder stream(tok);
+  std::vector<int32_t> reply;
+  const GenerateStats st = session.generate(
+      std::span<const int32_t>(ids).subspan(common), go, [&](int32_t id) {
+        if (tok.is_eog(id)) return true;
+        reply.push_back(id);
+        const std::string piece = stream.push(id);
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+        return true;
+      });
+  const std::string tail = stream.flush();
+  std::fwrite(tail.data(), 1, tail.size(), stdout);
+  std::fputc('\n', stdout);
+  std::fflush(stdout);
+  if (stats)
+    std::fprintf(stderr, "[prompt %lld new tokens, %.1f tok/s; %lld generated, %.1f tok/s]\n",
+                 static_cast<long long>(st.n_prompt), st.prefill_tok_per_s(),
+                 static_cast<long long>(st.n_generated), st.decode_tok_per_s());
+  return tok.decode(reply);
+}
+
+void run_chat(const ChatArgs& a) {
+  GenerateOptions go;
+  go.sampling = a.sampling.params();
+  go.max_tokens = a.n_predict;
+  const SessionOptions so = a.engine.session_options();
+  LoadedModel lm = load_model(a.model, /*quiet=*/!a.stats);
+  const Tokenizer& tok = *lm.tokenizer;
+  const ChatTemplate tmpl = ChatTemplate::detect(
+      lm.model->file().get_string_or("tokenizer.chat_template", ""), tok.token_id("<|im_start|>").has_value());
+  go.stop_ids = stop_ids(tok);
+  if (const auto eot = tok.token_id(tmpl.end_of_turn()); eot && !tmpl.end_of_turn().empty())
+    go.stop_ids.push_back(*eot);
+  Session session(*lm.model, so);
+  std::vector<ChatMessage> messages;
+  if (!a.system.empty()) messages.push_back({"system", a.system});
+
+  if (!a.prompt.empty()) {
+    messages.push_back({"user", a.prompt});
+    answer(session, tok, tmpl, messages, go, a.stats);
+    return;
+  }
+  const bool tty = ::isatty(STDIN_FILENO) != 0;
+  if (tty) std::fprintf(stderr, "kestrel chat (%s template). Ctrl-D or /exit to quit, /reset to start over.\n", tmpl.kind_name());
+  std::string line;
+  for (;;) {
+    if (tty) std::fputs("> ", stderr);
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/exit" || line == "/quit") break;
+    if (line == "/reset") {
+      messages.resize(a.system.empty() ? 0 : 1);
+      session.reset();
+      continue;
+    }
+    if (line.empty()) continue;
+    messages.push_back({"user", line});
+    try {
+      messages.push_back({"assistant", answer(session, tok, tmpl, messages, go, a.stats)});
+    } catch (const Error& e) {
+      // A turn that does not fit the context is dropped; the conversation goes on.
+      std::fprintf(stderr, "kestrel: error: %s\n", e.what());
+      messages.pop_back();
+      if (!tty) throw;
+    }
+  }
+}
+}  // namespace
+
+void register_chat(CLI::App& app) {
+  auto a = std::make_shared<ChatArgs>();
+  CLI::App* sub = app.add_subcommand("chat", "Chat with the model (interactive, or one message with -p)");
+  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-p,--prompt", a->prompt, "One user message: answer it and exit");
+  sub->add_option("--system", a->system, "System message");
+  sub->add_option("-n,--n-predict", a->n_predict, "Tokens per answer at most (-1: until the turn ends)")
+      ->capture_default_str();
+  sub->add_flag("--stats", a->stats, "Print load and speed figures to stderr");
+  a->sampling.add_to(*sub);
+  a->engine.add_to(*sub);
+  sub->callback([a] { run_chat(*a); });
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,107 @@
+// kestrel generate: complete a prompt, streaming the text to stdout (or one JSON object with
+// --json); stats on stderr.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <iostream>
+
+#include "common.h"
+#include "core/error.h"
+#include "tokenizer/stream_decoder.h"
+
+namespace kestrel::cli {
+
+namespace {
+struct GenerateArgs {
+  std::string model;
+  std::string prompt;
+  int64_t n_predict = 256;
+  bool json = false;
+  std::string dump_logits;
+  SamplingFlags sampling;
+  EngineFlags engine;
+};
+
+// A little-endian float32 .npy file (NumPy format 1.0) of shape [rows, cols].
+void write_npy(const std::string& path, const std::vector<float>& data, int64_t rows, int64_t cols) {
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + std::to_string(rows) +
+                       ", " + std::to_string(cols) + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) throw Error(path + ": cannot open for writing");
+  const uint16_t len = static_cast<uint16_t>(header.size());
+  const char magic[8] = {'\x93', 'N', 'U', 'M', 'P', 'Y', 1, 0};
+  bool ok = std::fwrite(magic, 1, 8, f) == 8 && std::fwrite(&len, 2, 1, f) == 1 &&
+            std::fwrite(header.data(), 1, header.size(), f) == header.size() &&
+            std::fwrite(data.data(), sizeof(float), data.size(), f) == data.size();
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) throw Error(path + ": write failed");
+}
+
+void run_generate(const GenerateArgs& a) {
+  const SamplingParams sp = a.sampling.params();
+  const SessionOptions so = a.engine.session_options();
+  LoadedModel lm = load_model(a.model);
+  const Tokenizer& tok = *lm.tokenizer;
+  const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
+
+  Session session(*lm.model, so);
+  if (!a.dump_logits.empty()) {
+    write_npy(a.dump_logits, session.all_logits(prompt_ids), static_cast<int64_t>(prompt_ids.size()),
+              lm.model->hparams().n_vocab);
+    session.reset();
+  }
+  GenerateOptions go;
+  go.max_tokens = a.n_predict;
+  go.sampling = sp;
+  go.stop_ids = stop_ids(tok);
+  std::vector<int32_t> output_ids;
+  StreamDecoder stream(tok);
+  const GenerateStats st = session.generate(prompt_ids, go, [&](int32_t id) {
+    output_ids.push_back(id);
+    if (!a.json && !tok.is_eog(id)) {
+      const std::string piece = stream.push(id);
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  });
+  if (a.json) {
+    std::vector<int32_t> text_ids;
+    for (int32_t id : output_ids)
+      if (!tok.is_eog(id)) text_ids.push_back(id);
+    nlohmann::json j;
+    j["prompt_ids"] = prompt_ids;
+    j["output_ids"] = output_ids;
+    j["text"] = tok.decode(text_ids);
+    j["finish_reason"] = st.finish_reason;
+    std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  } else {
+    const std::string tail = stream.flush();
+    std::fwrite(tail.data(), 1, tail.size(), stdout);
+    std::fputc('\n', stdout);
+  }
+  std::fprintf(stderr,
+               "kestrel: prompt %lld tokens, prefill %.1f tok/s; generated %lld tokens, decode %.1f tok/s (%s)\n",
+               static_cast<long long>(st.n_prompt), st.prefill_tok_per_s(),
+               static_cast<long long>(st.n_generated), st.decode_tok_per_s(), st.finish_reason.c_str());
+}
+}  // namespace
+
+void register_generate(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* sub = app.add_subcommand("generate", "Complete a prompt");
+  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-p,--prompt", a->prompt, "Prompt text")->required();
+  sub->add_option("-n,--n-predict", a->n_predict, "Tokens to generate at most (-1: to the end of the context)")
+      ->capture_default_str();
+  sub->add_flag("--json", a->json, "Print one JSON object {prompt_ids, output_ids, text} instead of streaming");
+  sub->add_option("--dump-logits", a->dump_logits,
+                  "Also write the logits of every prompt position to this .npy file (float32, [n_prompt, n_vocab])");
+  a->sampling.add_to(*sub);
+  a->engine.add_to(*sub);
+  sub->callback([a] { run_generate(*a); });
+}
+
+}  // namespace kestrel::cli

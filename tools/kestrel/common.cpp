@@ -1,0 +1,103 @@
+#include "common.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <random>
+
+#include "core/cpu_features.h"
+#include "core/error.h"
+
+namespace kestrel::cli {
+
+namespace fs = std::filesystem;
+
+std::string resolve_model_path(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  if (const char* env = std::getenv("KESTREL_MODEL"); env != nullptr && *env != '\0') return env;
+  std::vector<fs::path> dirs = {fs::current_path() / "models"};
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    dirs.push_back(exe.parent_path() / "models");
+    dirs.push_back(exe.parent_path().parent_path() / "models");
+  }
+  std::string looked;
+  for (const auto& d : dirs) {
+    const fs::path p = d / kDefaultModelFile;
+    if (fs::exists(p, ec)) return p.string();
+    looked += (looked.empty() ? "" : ", ") + d.string();
+  }
+  throw Error(std::string("no model given (-m PATH) and the default model ") + kDefaultModelFile +
+              " is not in " + looked + "; run scripts/setup.sh to fetch it");
+}
+
+LoadedModel load_model(const std::string& model_flag, bool quiet) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LoadedModel lm;
+  const std::string path = resolve_model_path(model_flag);
+  lm.model = LlamaModel::load_gguf(path);
+  lm.tokenizer = Tokenizer::from_gguf(lm.model->file());
+  if (lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
+    throw Error(path + ": tokenizer has " + std::to_string(lm.tokenizer->n_vocab()) +
+                " tokens but the model's output has " + std::to_string(lm.model->hparams().n_vocab));
+  lm.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!quiet) {
+    std::cerr << "kestrel: loaded " << path << " in " << lm.load_seconds << " s ("
+              << lm.model->hparams().summary() << "; " << (lm.model->weight_bytes() >> 20)
+              << " MiB of weights; SIMD " << simd_level_name(simd_level()) << ")\n";
+  }
+  return lm;
+}
+
+void SamplingFlags::add_to(CLI::App& app) {
+  app.add_option("--temperature,--temp", temperature, "Sampling temperature; 0 = greedy")->capture_default_str();
+  app.add_option("--top-k", top_k, "Keep the k most likely tokens; 0 = off")->capture_default_str();
+  app.add_option("--top-p", top_p, "Nucleus sampling threshold; 1 = off")->capture_default_str();
+  app.add_option("--min-p", min_p, "Drop tokens below min_p x the top probability; 0 = off")->capture_default_str();
+  app.add_option("--repeat-penalty", repeat_penalty, "Repetition penalty; 1 = off")->capture_default_str();
+  app.add_option("--seed", seed, "RNG seed; -1 = random")->capture_default_str();
+}
+
+SamplingParams SamplingFlags::params() const {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  p.repetition_penalty = repeat_penalty;
+  p.seed = seed >= 0 ? static_cast<uint64_t>(seed) : std::random_device{}();
+  p.validate();
+  return p;
+}
+
+void EngineFlags::add_to(CLI::App& app) {
+  app.add_option("-t,--threads", threads, "CPU threads; 0 = all cores")->capture_default_str();
+  app.add_option("-c,--ctx-size", ctx_size, "Context length in tokens (at most the model's)")
+      ->capture_default_str();
+  app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
+}
+
+SessionOptions EngineFlags::session_options() const {
+  if (threads < 0) throw Error("--threads must be >= 0, got " + std::to_string(threads));
+  if (ctx_size <= 0) throw Error("--ctx-size must be positive, got " + std::to_string(ctx_size));
+  if (block_size <= 0 || block_size > 1024)
+    throw Error("--block-size must be in [1, 1024], got " + std::to_string(block_size));
+  SessionOptions o;
+  o.n_threads = threads;
+  o.n_ctx = ctx_size;
+  o.block_size = block_size;
+  return o;
+}
+
+std::vector<int32_t> stop_ids(const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (int32_t id = 0; id < tok.n_vocab(); ++id)
+    if (tok.is_eog(id)) ids.push_back(id);
+  return ids;
+}
+
+}  // namespace kestrel::cli
