@@ -56,6 +56,33 @@ void CandidateList::sort_prefix(size_t k) {
   id_indexed_ = false;
 }
 
+void CandidateList::keep_top(size_t k) {
+  if (k >= items_.size()) return;
+  if (n_sorted_ > 0 || k == 0 || k * 16 > items_.size()) {
+    sort_prefix(k);
+    truncate(k);
+    return;
+  }
+  // One pass with a k-entry heap whose root is the worst of the best so far. On real logits
+  // almost every token loses its single comparison with the root once the first few thousand
+  // are seen, so this is a cheap linear scan, where nth_element would move most of the
+  // vocabulary around.
+  scratch_.assign(items_.begin(), items_.begin() + static_cast<ptrdiff_t>(k));
+  std::make_heap(scratch_.begin(), scratch_.end(), ranks_before);
+  for (size_t i = k; i < items_.size(); ++i) {
+    if (ranks_before(items_[i], scratch_.front())) {
+      std::pop_heap(scratch_.begin(), scratch_.end(), ranks_before);
+      scratch_.back() = items_[i];
+      std::push_heap(scratch_.begin(), scratch_.end(), ranks_before);
+    }
+  }
+  std::sort_heap(scratch_.begin(), scratch_.end(), ranks_before);
+  items_.swap(scratch_);  // keeps both buffers' capacity for the next step
+  n_sorted_ = k;
+  id_indexed_ = false;
+  has_probs_ = false;
+}
+
 void CandidateList::truncate(size_t n) {
   KESTREL_ASSERT(n <= n_sorted_, "truncate needs the kept prefix to be sorted");
   if (n == items_.size()) return;

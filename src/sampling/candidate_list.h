@@ -42,6 +42,9 @@ class CandidateList {
   // Puts the best min(k, size) items first, in rank order; the rest follow in unspecified order.
   // O(size + k log k) via nth_element, and only on the part not already sorted.
   void sort_prefix(size_t k);
+  // Keeps only the best min(k, size) items, in rank order (k = 0 keeps none). About O(size) on
+  // model logits (a k-entry heap), O(size log k) at worst.
+  void keep_top(size_t k);
   // Keeps the first n items. Requires n <= n_sorted(), so the kept ones are the best n.
   void truncate(size_t n);
   // Drops every item whose logit is below `threshold`; keeps the order of the rest.
@@ -62,6 +65,7 @@ class CandidateList {
   size_t n_sorted_ = 0;
   bool id_indexed_ = false;  // items_[i].id == i for every i
   bool has_probs_ = false;
+  std::vector<TokenCandidate> scratch_;  // keep_top's heap, reused across steps
 };
 
 // Rank order: true when a comes before b.

@@ -62,8 +62,7 @@ void FrequencyPenalty::apply(CandidateList& candidates,
 
 void TopK::apply(CandidateList& candidates, std::span<const int32_t>) const {
   if (k_ <= 0 || static_cast<size_t>(k_) >= candidates.size()) return;
-  candidates.sort_prefix(static_cast<size_t>(k_));
-  candidates.truncate(static_cast<size_t>(k_));
+  candidates.keep_top(static_cast<size_t>(k_));
 }
 
 void TopP::apply(CandidateList& candidates, std::span<const int32_t>) const {

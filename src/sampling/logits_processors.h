@@ -15,7 +15,7 @@
 //   divides by temperature before top-k/top-p/min-p instead, so with temperature != 1 the two
 //   engines can keep different sets; we follow llama.cpp because the knobs then act independently.
 // - top_k first among the truncations because it is the cheapest cut of a 49152-wide vocabulary
-//   (nth_element) and leaves top_p a short sorted list.
+//   (one heap pass) and leaves top_p a short sorted list.
 #pragma once
 
 #include <cstdint>
@@ -79,7 +79,7 @@ class FrequencyPenalty final : public LogitsProcessor {
 };
 
 // Keeps the k best candidates (rank order: logit, then lower id), leaving them sorted.
-// O(n + k log k) on an unsorted list.
+// About O(n) on model logits (CandidateList::keep_top).
 class TopK final : public LogitsProcessor {
  public:
   explicit TopK(int32_t k) : k_(k) {}

@@ -196,19 +196,31 @@ TEST(SamplingTopK, TiesGoToTheLowerId) {
 }
 
 TEST(SamplingTopK, LargeVocabularyMatchesAFullSort) {
-  // A 49152-wide vocabulary (SmolLM2's): nth_element + sort of the top 40 must agree with a full
-  // stable sort by (logit desc, id asc). Logits are rounded to 1/8 so that ties occur.
+  // A 49152-wide vocabulary (SmolLM2's). Small k takes the heap path of keep_top, large k the
+  // nth_element path; both must agree with a full stable sort by (logit desc, id asc). Logits
+  // are multiples of 1/8 in [0, 25), so about 246 tokens share each value and ties decide.
   std::mt19937 gen(5);  // only to make test data; results do not depend on its distribution
   std::vector<float> logits(49152);
   for (float& l : logits) l = static_cast<float>(gen() % 200) / 8.0f;
-  CandidateList list = list_of(logits);
-  TopK(40).apply(list, {});
   std::vector<int32_t> order(logits.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-  order.resize(40);
-  EXPECT_EQ(ids_of(list), order);
+  for (int32_t k : {1, 40, 3000, 10000}) {
+    CandidateList list = list_of(logits);
+    TopK(k).apply(list, {});
+    EXPECT_EQ(ids_of(list), std::vector<int32_t>(order.begin(), order.begin() + k)) << "k " << k;
+    EXPECT_TRUE(list.sorted());
+  }
+}
+
+TEST(SamplingMinP, KeepsATopKListSorted) {
+  // [1, 2, 3, 4], top_k = 3 -> ids [3, 2, 1] sorted. min_p = 0.3: threshold 4 + ln 0.3 = 2.796,
+  // so logits 4 and 3 stay: ids [3, 2], still sorted (no re-sort needed downstream).
+  CandidateList list = list_of({1, 2, 3, 4});
+  TopK(3).apply(list, {});
+  MinP(0.3f).apply(list, {});
+  EXPECT_EQ(ids_of(list), (std::vector<int32_t>{3, 2}));
   EXPECT_TRUE(list.sorted());
 }
 
