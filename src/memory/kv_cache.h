@@ -6,6 +6,7 @@
 // the block allocator, not of this class.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -21,6 +21,7 @@
 
 #include "core/cpu_features.h"
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace kestrel {
 
@@ -28,14 +29,7 @@ class ThreadPool;
 
 namespace cpu {
 
-// A weight matrix as GGUF stores it (ne = {n_in, n_out}): n_out rows, each n_in elements stored
-// back to back in `type` (row_bytes(type, n_in) bytes per row).
-struct WeightView {
-  GgmlType type = GgmlType::F32;
-  int64_t n_in = 0;               // elements per row; a multiple of the type's block size
-  int64_t n_out = 0;              // rows
-  const uint8_t* data = nullptr;  // [n_out, row_bytes(type, n_in)]
-};
+using kestrel::WeightView;  // core/tensor.h
 
 // Reusable scratch of matmul (quantized activations, unpacked weight tiles), one per model runner
 // (or per thread that calls matmul). Grows to the largest call seen and is never shrunk; not
