@@ -7,7 +7,12 @@
 // end right after the last metadata value.
 //
 // Every malformed input throws kestrel::Error with a message naming the problem (and the key or
-// tensor); nothing is ever allocated beyond what the file size justifies.
+// tensor); nothing is ever allocated beyond what the file size justifies. Besides the spec's own
+// rules the reader rejects what ggml could not use or what points at a broken writer: empty keys
+// or tensor names, duplicates of either, bool bytes other than 0/1, n_dims outside [1, 4],
+// dimensions <= 0, element or byte counts that overflow int64, ne[0] not a multiple of the block
+// size, tensor offsets not a multiple of the alignment, and tensors whose bytes overlap. Strings
+// are kept as raw bytes (not checked for UTF-8). Arrays may nest up to 8 levels.
 #pragma once
 
 #include <cstdint>
@@ -88,7 +93,9 @@ class GgufFile {
   const std::string& path() const { return path_; }
   uint32_t version() const { return version_; }
   uint64_t alignment() const { return alignment_; }
-  uint64_t data_offset() const { return data_offset_; }  // file offset of the data section
+  // File offset of the data section: the end of the tensor infos rounded up to alignment(), or the
+  // file size for a file without tensors that ends before that (a vocab-only file).
+  uint64_t data_offset() const { return data_offset_; }
 
   // Metadata in file order.
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }
@@ -102,9 +109,13 @@ class GgufFile {
   std::string get_string_or(std::string_view key, std::string fallback) const;
   int64_t get_int(std::string_view key) const;
   int64_t get_int_or(std::string_view key, int64_t fallback) const;
+  // get_int, and also throws naming the key and the range when the value is outside [lo, hi].
+  int64_t get_int_in(std::string_view key, int64_t lo, int64_t hi) const;
   double get_float(std::string_view key) const;
   double get_float_or(std::string_view key, double fallback) const;
   bool get_bool_or(std::string_view key, bool fallback) const;
+  // Array getters throw naming the key when it is absent or is not an array of a matching type
+  // (get_float_array also takes integer arrays; get_int_array range-checks each element).
   const std::vector<std::string>& get_string_array(std::string_view key) const;
   std::vector<float> get_float_array(std::string_view key) const;
   std::vector<int64_t> get_int_array(std::string_view key) const;
@@ -113,6 +124,7 @@ class GgufFile {
   const GgufTensorInfo* find_tensor(std::string_view name) const;
 
  private:
+  friend class GgufParser;  // gguf.cpp: fills the fields below while validating the image
   GgufFile() = default;
   std::string path_;
   uint32_t version_ = 0;
