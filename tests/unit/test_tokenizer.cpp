@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/gguf.h"
+#include "gguf_builder.h"
 #include "test_util.h"
 #include "tokenizer/byte_level.h"
 #include "tokenizer/pre_tokenizer.h"
@@ -341,58 +342,9 @@ TEST(TokStream, BrokenBytesBecomeReplacementCharacters) {
 // ---------------------------------------------------------------------------------------------
 // GGUF errors (metadata built in memory)
 
-class GgufBuilder {
- public:
-  GgufBuilder& str(const std::string& key, const std::string& v) {
-    begin(key, 8);
-    put_str(v);
-    return *this;
-  }
-  GgufBuilder& strs(const std::string& key, const std::vector<std::string>& v) {
-    begin(key, 9);
-    put<uint32_t>(8);
-    put<uint64_t>(v.size());
-    for (const auto& s : v) put_str(s);
-    return *this;
-  }
-  GgufBuilder& i32s(const std::string& key, const std::vector<int32_t>& v) {
-    begin(key, 9);
-    put<uint32_t>(5);
-    put<uint64_t>(v.size());
-    for (int32_t x : v) put(x);
-    return *this;
-  }
-  std::vector<uint8_t> bytes() const {
-    std::vector<uint8_t> out;
-    auto app = [&](const void* p, size_t n) { out.insert(out.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n); };
-    const uint32_t magic = 0x46554747, version = 3;
-    const uint64_t n_tensors = 0;
-    app(&magic, 4);
-    app(&version, 4);
-    app(&n_tensors, 8);
-    app(&n_kv_, 8);
-    app(body_.data(), body_.size());
-    return out;
-  }
+using B = test::GgufBuilder;
 
- private:
-  template <class T>
-  void put(T v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    body_.insert(body_.end(), p, p + sizeof(T));
-  }
-  void put_str(const std::string& s) {
-    put<uint64_t>(s.size());
-    body_.insert(body_.end(), s.begin(), s.end());
-  }
-  void begin(const std::string& key, uint32_t type) {
-    ++n_kv_;
-    put_str(key);
-    put(type);
-  }
-  std::vector<uint8_t> body_;
-  uint64_t n_kv_ = 0;
-};
+test::GgufEncoded i32s(const std::vector<int32_t>& v) { return B::array_of(GgufValueType::INT32, v); }
 
 std::string from_gguf_error(const std::vector<uint8_t>& image) {
   try {
@@ -406,25 +358,23 @@ std::string from_gguf_error(const std::vector<uint8_t>& image) {
 
 TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
   const std::vector<std::string> tokens = {"a", "b", "ab"};
-  EXPECT_NE(from_gguf_error(GgufBuilder().str("tokenizer.ggml.model", "bert").strs("tokenizer.ggml.tokens", tokens).bytes())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("bert")).kv("tokenizer.ggml.tokens", B::strings(tokens)).build())
                 .find("'bert'"),
             std::string::npos);
-  EXPECT_NE(from_gguf_error(GgufBuilder()
-                                .str("tokenizer.ggml.model", "gpt2")
-                                .str("tokenizer.ggml.pre", "mystery-pre")
-                                .strs("tokenizer.ggml.tokens", tokens)
-                                .strs("tokenizer.ggml.merges", {"a b"})
-                                .bytes())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("gpt2"))
+                                .kv("tokenizer.ggml.pre", B::str("mystery-pre"))
+                                .kv("tokenizer.ggml.tokens", B::strings(tokens))
+                                .kv("tokenizer.ggml.merges", B::strings({"a b"}))
+                                .build())
                 .find("'mystery-pre'"),
             std::string::npos);
-  EXPECT_NE(from_gguf_error(GgufBuilder().str("tokenizer.ggml.model", "gpt2").strs("tokenizer.ggml.tokens", tokens).bytes())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("gpt2")).kv("tokenizer.ggml.tokens", B::strings(tokens)).build())
                 .find("merges"),
             std::string::npos);
-  EXPECT_NE(from_gguf_error(GgufBuilder()
-                                .str("tokenizer.ggml.model", "llama")
-                                .strs("tokenizer.ggml.tokens", tokens)
-                                .i32s("tokenizer.ggml.token_type", {1, 1})
-                                .bytes())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("llama"))
+                                .kv("tokenizer.ggml.tokens", B::strings(tokens))
+                                .kv("tokenizer.ggml.token_type", i32s({1, 1}))
+                                .build())
                 .find("token_type"),
             std::string::npos);
 }
@@ -432,12 +382,11 @@ TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
 TEST(TokGguf, TinyByteLevelVocabulary) {
   // Byte tokens for 'a', 'b', ' ' plus merges "a b" -> "ab" and "Ġ ab" -> "Ġab".
   const std::string sp(byte_level_char(' '));
-  const auto image = GgufBuilder()
-                         .str("tokenizer.ggml.model", "gpt2")
-                         .strs("tokenizer.ggml.tokens", {"a", "b", sp, "ab", sp + "ab", "<|end|>"})
-                         .i32s("tokenizer.ggml.token_type", {1, 1, 1, 1, 1, 3})
-                         .strs("tokenizer.ggml.merges", {"a b", sp + " ab"})
-                         .bytes();
+  const auto image = B().kv("tokenizer.ggml.model", B::str("gpt2"))
+                         .kv("tokenizer.ggml.tokens", B::strings({"a", "b", sp, "ab", sp + "ab", "<|end|>"}))
+                         .kv("tokenizer.ggml.token_type", i32s({1, 1, 1, 1, 1, 3}))
+                         .kv("tokenizer.ggml.merges", B::strings({"a b", sp + " ab"}))
+                         .build();
   const GgufFile f = GgufFile::parse(image.data(), image.size());
   const auto tok = Tokenizer::from_gguf(f);
   EXPECT_EQ(tok->encode("ab ab", false, false), (Ids{3, 4}));
