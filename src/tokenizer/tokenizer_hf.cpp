@@ -315,10 +315,8 @@ void apply_transformers_configs(const std::string& dir, VocabBuilder* vb, Tokeni
   apply_token_config(cfg, *vb, spec);
 }
 
-}  // namespace
-
-std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
-                                                     std::string_view pre, std::span<const AddedToken> added) {
+TokenizerSpec spec_from_bpe_files(const std::string& vocab_path, const std::string& merges_path, std::string_view pre,
+                                  std::span<const AddedToken> added) {
   VocabBuilder vb;
   vb.load_vocab_object(read_json(vocab_path), vocab_path);
   TokenizerSpec spec;
@@ -330,10 +328,10 @@ std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_pa
     vb.set(a.id, a.text, a.special ? TokenType::CONTROL : TokenType::USER_DEFINED, "added token '" + a.text + "'");
   }
   spec.tokens = std::move(vb.tokens);
-  return from_spec(std::move(spec));
+  return spec;
 }
 
-std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::string_view pre) {
+TokenizerSpec spec_from_hf_dir(const std::string& dir, std::string_view pre) {
   VocabBuilder vb;
   TokenizerSpec spec;
   const std::string tj = path_in(dir, "tokenizer.json");
@@ -364,7 +362,26 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::s
   }
   apply_transformers_configs(dir, &vb, &spec);
   spec.tokens = std::move(vb.tokens);
-  return from_spec(std::move(spec));
+  return spec;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
+                                                     std::string_view pre, std::span<const AddedToken> added) {
+  try {
+    return from_spec(spec_from_bpe_files(vocab_path, merges_path, pre, added));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(vocab_path + ": unexpected JSON structure: " + e.what());
+  }
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::string_view pre) {
+  try {
+    return from_spec(spec_from_hf_dir(dir, pre));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(dir + ": unexpected JSON structure: " + e.what());
+  }
 }
 
 }  // namespace kestrel
