@@ -72,9 +72,12 @@ class Tokenizer {
   // missing token list or merges, or arrays of mismatched length.
   static std::unique_ptr<Tokenizer> from_gguf(const GgufFile& f);
 
-  // From a Hugging Face tokenizer folder: tokenizer.json (model.type "BPE" with a ByteLevel
-  // pre-tokenizer), or vocab.json / encoder.json plus merges.txt / vocab.bpe. added_tokens.json,
-  // special_tokens_map.json and tokenizer_config.json add tokens and name BOS/EOS.
+  // From a Hugging Face tokenizer folder, in this order of preference: tokenizer.json (model.type
+  // "BPE" with a ByteLevel pre-tokenizer); tokenizer.model (SentencePiece BPE, used also when
+  // tokenizer.json is of a kind this loader does not read, as for Llama 2 / Mistral folders);
+  // vocab.json / encoder.json plus merges.txt / vocab.bpe. added_tokens.json,
+  // special_tokens_map.json and tokenizer_config.json add tokens, name BOS/EOS and set
+  // add_bos_token / add_eos_token.
   // `pre` overrides the pre-tokenizer for folders without tokenizer.json (by default chosen from
   // tokenizer_config.json's tokenizer_class: Qwen2Tokenizer -> "qwen2", anything else -> "gpt-2").
   // NFC normalizers are accepted and skipped (input is taken as already NFC). Throws kestrel::Error
@@ -87,6 +90,11 @@ class Tokenizer {
   // plus extra tokens. Throws kestrel::Error naming the file on I/O or format errors.
   static std::unique_ptr<Tokenizer> from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
                                                    std::string_view pre, std::span<const AddedToken> added = {});
+
+  // From a SentencePiece model file (tokenizer.model, model_type BPE): pieces, scores, types,
+  // unk/bos/eos/pad ids and add_dummy_prefix. Adds BOS, as Llama-style models do. Throws
+  // kestrel::Error naming the file for I/O errors, malformed data or a non-BPE model type.
+  static std::unique_ptr<Tokenizer> from_sentencepiece_model(const std::string& path);
 
   // Builds from parts. Throws kestrel::Error when the spec is inconsistent (ids out of range, a
   // pre-tokenizer regex that does not compile).

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/spec_loaders.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -335,15 +336,29 @@ TokenizerSpec spec_from_hf_dir(const std::string& dir, std::string_view pre) {
   VocabBuilder vb;
   TokenizerSpec spec;
   const std::string tj = path_in(dir, "tokenizer.json");
+  const std::string sp_model = path_in(dir, "tokenizer.model");
+  bool have_spec = false;
   if (exists(tj)) {
-    spec = spec_from_tokenizer_json(tj, &vb);
-  } else {
+    try {
+      spec = spec_from_tokenizer_json(tj, &vb);
+      have_spec = true;
+    } catch (const Error&) {
+      // A SentencePiece-style tokenizer.json (Metaspace, Prepend/Replace normalizers) is not read;
+      // the folder's tokenizer.model describes the same tokenizer.
+      if (!exists(sp_model)) throw;
+      vb = VocabBuilder();
+    }
+  }
+  if (!have_spec && exists(sp_model)) {
+    spec = spm_spec_from_model_file(sp_model);
+    vb.tokens = std::move(spec.tokens);
+  } else if (!have_spec) {
     std::string vocab_path = path_in(dir, "vocab.json");
     if (!exists(vocab_path)) vocab_path = path_in(dir, "encoder.json");
     std::string merges_path = path_in(dir, "merges.txt");
     if (!exists(merges_path)) merges_path = path_in(dir, "vocab.bpe");
     if (!exists(vocab_path) || !exists(merges_path)) {
-      throw Error(dir + ": no tokenizer.json, and no vocab.json/encoder.json with merges.txt/vocab.bpe");
+      throw Error(dir + ": no tokenizer.json, tokenizer.model, or vocab.json/encoder.json with merges.txt/vocab.bpe");
     }
     vb.load_vocab_object(read_json(vocab_path), vocab_path);
     spec.kind = TokenizerKind::BPE;

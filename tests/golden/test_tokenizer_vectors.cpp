@@ -4,7 +4,8 @@
 //
 // Covered: llama-spm, phi-3 (SentencePiece BPE), gpt-2, refact, mpt, deepseek-llm (byte-level BPE
 // from the vocab GGUFs), llama-bpe (Llama 3, from ../llama3-bpe-vocab since its GGUF is not in the
-// data set) and qwen2 (from ../qwen2-bpe-vocab).
+// data set) and qwen2 (from ../qwen2-bpe-vocab). llama-spm again from Meta's tokenizer.model
+// (../llama2-tokenizer), which holds the same vocabulary.
 // Not covered: bert-bge (a WordPiece tokenizer, which the engine does not implement) and command-r
 // (only .inp/.out are in the data set, no vocabulary file).
 #include <gtest/gtest.h>
@@ -210,6 +211,21 @@ TEST(TokVectors, LlamaBpeFromTokenizerJson) {
   const auto tok = Tokenizer::from_hf_dir(dir);
   std::filesystem::remove_all(dir);
   EXPECT_EQ(check_vectors(*tok, "llama-bpe"), 46);
+}
+
+TEST(TokVectors, LlamaSpmFromSentencePieceModel) {
+  const std::string dir = test::data_dir() + "/llama2-tokenizer";
+  KESTREL_REQUIRE_FILE(dir + "/tokenizer.model");
+  const auto tok = Tokenizer::from_sentencepiece_model(dir + "/tokenizer.model");
+  EXPECT_EQ(tok->n_vocab(), 32000);
+  EXPECT_EQ(tok->bos_id(), 1);
+  EXPECT_EQ(tok->eos_id(), 2);
+  EXPECT_EQ(tok->unk_id(), 0);
+  EXPECT_TRUE(tok->add_bos());
+  EXPECT_EQ(check_vectors(*tok, "llama-spm"), 46);
+  check_round_trip(*tok, "llama-spm");
+  // The folder has no tokenizer.json or vocab.json: from_hf_dir reads tokenizer.model.
+  EXPECT_EQ(check_vectors(*Tokenizer::from_hf_dir(dir), "llama-spm"), 46);
 }
 
 }  // namespace

@@ -498,6 +498,56 @@ TEST_F(TokHfJson, UnsupportedPartsAreErrorsNamingThem) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// SentencePiece tokenizer.model (protobuf written by hand)
+
+std::string proto_key(int field, int wire) { return std::string(1, static_cast<char>(field << 3 | wire)); }
+std::string proto_bytes(int field, const std::string& payload) {
+  return proto_key(field, 2) + std::string(1, static_cast<char>(payload.size())) + payload;
+}
+std::string proto_piece(const std::string& text, float score, int type) {
+  std::string f(4, '\0');
+  std::memcpy(f.data(), &score, 4);
+  return proto_bytes(1, proto_bytes(1, text) + proto_key(2, 5) + f + proto_key(3, 0) + std::string(1, static_cast<char>(type)));
+}
+
+std::string write_temp(const std::string& name, const std::string& bytes) {
+  const std::string path = (std::filesystem::temp_directory_path() / (std::to_string(::getpid()) + "_" + name)).string();
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+
+TEST(TokSpmModelFile, TinyBpeModel) {
+  const std::string sp = "\xE2\x96\x81";
+  // <unk> <s> </s> a b ▁ ab ▁ab; trainer_spec model_type = BPE (2); normalizer add_dummy_prefix = true.
+  std::string model = proto_piece("<unk>", 0, 2) + proto_piece("<s>", 0, 3) + proto_piece("</s>", 0, 3) +
+                      proto_piece("a", -1, 1) + proto_piece("b", -2, 1) + proto_piece(sp, -3, 1) +
+                      proto_piece("ab", -4, 1) + proto_piece(sp + "ab", -5, 1);
+  model += proto_bytes(2, proto_key(3, 0) + "\x02");
+  model += proto_bytes(3, proto_key(3, 0) + "\x01");
+  const std::string path = write_temp("tiny.model", model);
+  const auto tok = Tokenizer::from_sentencepiece_model(path);
+  EXPECT_EQ(tok->encode("ab ab", true, false), (Ids{1, 7, 7}));
+  EXPECT_EQ(tok->decode(Ids{1, 7, 7}, /*skip_special=*/true), "ab ab");
+  // Unknown character, no byte pieces: <unk>.
+  EXPECT_EQ(tok->encode("c", false, false), (Ids{5, 0}));
+
+  // A Unigram model is refused by name.
+  const std::string unigram = write_temp("unigram.model", proto_piece("a", 0, 1) + proto_bytes(2, proto_key(3, 0) + "\x01"));
+  try {
+    Tokenizer::from_sentencepiece_model(unigram);
+    ADD_FAILURE() << "expected kestrel::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("UNIGRAM"), std::string::npos) << e.what();
+  }
+  // Truncated data is an error, not a crash.
+  const std::string cut = write_temp("cut.model", model.substr(0, model.size() - 3));
+  EXPECT_THROW(Tokenizer::from_sentencepiece_model(cut), Error);
+  std::filesystem::remove(path);
+  std::filesystem::remove(unigram);
+  std::filesystem::remove(cut);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Speed
 
 TEST(TokSpeed, LongPromptEncodesInMilliseconds) {
