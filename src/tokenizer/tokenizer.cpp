@@ -187,6 +187,11 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
   return utf8_sanitize(raw);
 }
 
+const TokenData& Tokenizer::token(int32_t id) const {
+  check_id(id);
+  return vocab_->at(id);
+}
+
 std::string Tokenizer::token_to_piece(int32_t id) const {
   check_id(id);
   return pieces_[static_cast<size_t>(id)];

@@ -140,7 +140,8 @@ class Tokenizer {
   bool is_special(int32_t id) const;
   // The id of a token whose vocabulary text is exactly `text` (e.g. "<|im_start|>").
   std::optional<int32_t> token_id(std::string_view text) const { return vocab_->find(text); }
-  const TokenData& token(int32_t id) const { return vocab_->at(id); }
+  // Vocabulary entry of `id`. Throws kestrel::Error for an id out of range.
+  const TokenData& token(int32_t id) const;
   const Vocab& vocab() const { return *vocab_; }
 
  private:

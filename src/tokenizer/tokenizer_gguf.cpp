@@ -8,10 +8,15 @@ namespace kestrel {
 
 namespace {
 
-// GGUF stores "no such token" as -1 or as 0xFFFFFFFF in a uint32 field.
+// GGUF stores "no such token" as -1 or as 0xFFFFFFFF in a uint32 field; any other id outside the
+// vocabulary is a broken file.
 int32_t token_id_or(const GgufFile& f, const char* key, int32_t fallback, int32_t n_vocab) {
   const int64_t v = f.get_int_or(key, fallback);
-  if (v < 0 || v >= n_vocab) return -1;
+  if (v < 0 || v == 0xFFFFFFFF) return -1;
+  if (v >= n_vocab) {
+    throw Error(f.path() + ": " + key + " = " + std::to_string(v) + " is outside the vocabulary (" +
+                std::to_string(n_vocab) + " tokens)");
+  }
   return static_cast<int32_t>(v);
 }
 

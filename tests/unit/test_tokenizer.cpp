@@ -379,6 +379,22 @@ TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
             std::string::npos);
 }
 
+TEST(TokGguf, SpecialTokenIds) {
+  const std::vector<std::string> tokens = {"a", "b", "ab"};
+  auto image = [&](uint32_t bos) {
+    return B().kv("tokenizer.ggml.model", B::str("gpt2"))
+        .kv("tokenizer.ggml.tokens", B::strings(tokens))
+        .kv("tokenizer.ggml.merges", B::strings({"a b"}))
+        .kv("tokenizer.ggml.bos_token_id", B::u32(bos))
+        .build();
+  };
+  EXPECT_NE(from_gguf_error(image(99)).find("bos_token_id"), std::string::npos);
+  const auto none = image(0xFFFFFFFF);  // "no BOS", as llama.cpp writes it
+  const GgufFile f = GgufFile::parse(none.data(), none.size());
+  EXPECT_EQ(Tokenizer::from_gguf(f)->bos_id(), -1);
+  EXPECT_EQ(Tokenizer::from_gguf(f)->encode("ab", true, false), (Ids{2}));
+}
+
 TEST(TokGguf, TinyByteLevelVocabulary) {
   // Byte tokens for 'a', 'b', ' ' plus merges "a b" -> "ab" and "Ġ ab" -> "Ġab".
   const std::string sp(byte_level_char(' '));
