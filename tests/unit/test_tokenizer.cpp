@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "core/error.h"
@@ -337,6 +338,54 @@ TEST(TokStream, BrokenBytesBecomeReplacementCharacters) {
   EXPECT_EQ(sd.push(byte_id(0xE2)), "");
   EXPECT_EQ(sd.flush(), "\xEF\xBF\xBD");  // an unfinished tail at the end
   EXPECT_EQ(tok->decode(Ids{byte_id(0xF0), byte_id('a')}), "\xEF\xBF\xBD" "a");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random input (fixed seed): no throw, lossless round trip of the sanitized text, streaming equals
+// decoding, and never broken UTF-8 out.
+
+std::string random_text(std::mt19937& rng) {
+  static const std::vector<std::string> atoms = {
+      "a", "Z", " ", "  ", "\t", "\n", "\r\n", "3", "42", "'s", "!", "(", "\xC3\xA9", "\xE2\x96\x81",
+      "\xE4\xB8\xAD", "\xF0\x9F\xA6\x99", "\xE2\x80\x8D", "<s>", "</s>", "<|endoftext|>", "<0x41>",
+      "\xFF", "\x80", "\xE2\x82", "\xF0\x9F", "\xC0\xAF", "\xED\xA0\x80"};
+  std::string s;
+  const int n = static_cast<int>(rng() % 40);
+  for (int i = 0; i < n; ++i) s += atoms[rng() % atoms.size()];
+  return s;
+}
+
+TEST(TokFuzz, RandomTextAndIds) {
+  KESTREL_REQUIRE_FILE(vectors_dir() + "/ggml-vocab-gpt-2.gguf");
+  KESTREL_REQUIRE_FILE(vectors_dir() + "/ggml-vocab-llama-spm.gguf");
+  const auto gpt2 = load_gguf_tokenizer(vectors_dir() + "/ggml-vocab-gpt-2.gguf");
+  const auto spm = load_gguf_tokenizer(vectors_dir() + "/ggml-vocab-llama-spm.gguf");
+  std::mt19937 rng(1234);
+  for (int iter = 0; iter < 300; ++iter) {
+    const std::string text = random_text(rng);
+    for (const Tokenizer* tok : {gpt2.get(), spm.get()}) {
+      const Ids ids = tok->encode(text, /*add_special=*/true, /*parse_special=*/false);
+      // Neither vocabulary has USER_DEFINED tokens, so without special parsing nothing is cut out
+      // and decoding gives back the (sanitized) text exactly; SentencePiece reads a typed '▁' as a
+      // space, as sentencepiece itself does.
+      std::string want = utf8_sanitize(text);
+      if (tok->kind() == TokenizerKind::SPM) {
+        for (size_t p; (p = want.find("\xE2\x96\x81")) != std::string::npos;) want.replace(p, 3, " ");
+      }
+      EXPECT_EQ(tok->decode(ids, /*skip_special=*/true), want);
+      expect_stream_matches_decode(*tok, ids);
+      const Ids parsed = tok->encode(text, true, true);
+      EXPECT_TRUE(utf8_is_valid(tok->decode(parsed)));
+    }
+    // Arbitrary id sequences (byte tokens in any order) still decode and stream to valid UTF-8.
+    Ids ids;
+    const int n = static_cast<int>(rng() % 12);
+    for (int i = 0; i < n; ++i) ids.push_back(static_cast<int32_t>(rng() % 300));
+    for (const Tokenizer* tok : {gpt2.get(), spm.get()}) {
+      EXPECT_TRUE(utf8_is_valid(tok->decode(ids)));
+      expect_stream_matches_decode(*tok, ids);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
