@@ -407,6 +407,8 @@ GgufFile GgufFile::open(const std::string& path) {
 }
 
 GgufFile GgufFile::parse(const uint8_t* data, size_t size, std::string name) {
+  if (data == nullptr && size != 0)
+    throw Error(name + ": null buffer of " + std::to_string(size) + " bytes");
   GgufFile f;
   f.path_ = std::move(name);
   GgufParser(f, data, size).run();

@@ -358,6 +358,7 @@ TEST(GgufMalformed, TruncatedAtEveryOffset) {
 TEST(GgufMalformed, EmptyImage) {
   EXPECT_TRUE(fails_with({}, "truncated"));
   EXPECT_EQ(error_of([] { GgufFile::parse(nullptr, 0, "x"); }).rfind("x: truncated", 0), 0u);
+  EXPECT_EQ(error_of([] { GgufFile::parse(nullptr, 8, "x"); }), "x: null buffer of 8 bytes");
 }
 
 TEST(GgufMalformed, BadMagic) {
