@@ -48,10 +48,10 @@ struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::BPE;
   std::vector<TokenData> tokens;                            // by id
   std::vector<std::pair<std::string, std::string>> merges;  // BPE: in rank order
-  std::vector<std::string> pre_patterns;                    // BPE: pre-tokenizer regexes (see pre_tokenizer.h)
-  std::string pre_name;                                     // for messages only
-  bool ignore_merges = false;                               // BPE
-  bool add_space_prefix = false;  // SPM: dummy prefix; BPE: Hugging Face ByteLevel add_prefix_space
+  std::vector<std::string> pre_patterns;  // BPE: pre-tokenizer regexes (see pre_tokenizer.h)
+  std::string pre_name;                   // for messages only
+  bool ignore_merges = false;             // BPE
+  bool add_space_prefix = false;          // SPM: dummy prefix; BPE: Hugging Face ByteLevel add_prefix_space
   bool add_bos = false;
   bool add_eos = false;
   int32_t bos_id = -1;
@@ -88,8 +88,9 @@ class Tokenizer {
   // From a byte-level vocabulary file (JSON text -> id), a merges file ("left right" per line in
   // rank order, optional "#version" first line) and a pre-tokenizer name (PreTokenizer::from_name),
   // plus extra tokens. Throws kestrel::Error naming the file on I/O or format errors.
-  static std::unique_ptr<Tokenizer> from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
-                                                   std::string_view pre, std::span<const AddedToken> added = {});
+  static std::unique_ptr<Tokenizer> from_bpe_files(const std::string& vocab_path,
+                                                   const std::string& merges_path, std::string_view pre,
+                                                   std::span<const AddedToken> added = {});
 
   // From a SentencePiece model file (tokenizer.model, model_type BPE): pieces, scores, types,
   // unk/bos/eos/pad ids and add_dummy_prefix. Adds BOS, as Llama-style models do. Throws
@@ -165,7 +166,7 @@ class Tokenizer {
   TokenizerKind kind_ = TokenizerKind::BPE;
   std::shared_ptr<const Vocab> vocab_;
   std::unique_ptr<TokenizerModel> model_;
-  std::vector<std::string> pieces_;  // decoded bytes of every token
+  std::vector<std::string> pieces_;                         // decoded bytes of every token
   std::vector<std::vector<AddedTokenText>> added_by_byte_;  // [256]
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;

@@ -157,7 +157,8 @@ TokenizerSpec spm_spec_from_model_file(const std::string& path) {
   }
   if (model_type != 2) {
     const char* names[] = {"?", "UNIGRAM", "BPE", "WORD", "CHAR"};
-    const std::string name = model_type >= 1 && model_type <= 4 ? names[model_type] : std::to_string(model_type);
+    const std::string name =
+        model_type >= 1 && model_type <= 4 ? names[model_type] : std::to_string(model_type);
     throw Error(path + ": SentencePiece model_type " + name + " is not supported (only BPE)");
   }
   if (spec.tokens.empty()) throw Error(path + ": SentencePiece model has no pieces");

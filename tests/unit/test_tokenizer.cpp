@@ -12,8 +12,8 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "io/gguf.h"
 #include "gguf_builder.h"
+#include "io/gguf.h"
 #include "test_util.h"
 #include "tokenizer/byte_level.h"
 #include "tokenizer/pre_tokenizer.h"
@@ -35,7 +35,8 @@ std::unique_ptr<Tokenizer> load_gguf_tokenizer(const std::string& path) {
 
 std::unique_ptr<Tokenizer> llama3_tokenizer() {
   const std::string dir = test::data_dir() + "/llama3-bpe-vocab";
-  const std::vector<AddedToken> added = {{"<|begin_of_text|>", 128000, true}, {"<|end_of_text|>", 128001, true}};
+  const std::vector<AddedToken> added = {{"<|begin_of_text|>", 128000, true},
+                                         {"<|end_of_text|>", 128001, true}};
   return Tokenizer::from_bpe_files(dir + "/encoder.json", dir + "/vocab.bpe", "llama-bpe", added);
 }
 
@@ -50,14 +51,17 @@ std::vector<std::string> split(const PreTokenizer& pre, std::string_view text) {
 
 TEST(TokUtf8, StepsClassifyMaximalSubparts) {
   EXPECT_TRUE(utf8_is_valid("h\xC3\xA9\xE2\x82\xAC\xF0\x9F\xA6\x99"));  // hé€🦙
-  EXPECT_FALSE(utf8_is_valid("\xC0\x80"));                           // overlong
-  EXPECT_FALSE(utf8_is_valid("\xED\xA0\x80"));                       // surrogate
-  EXPECT_FALSE(utf8_is_valid("\xF0\x9F\xA6"));                       // truncated
+  EXPECT_FALSE(utf8_is_valid("\xC0\x80"));                              // overlong
+  EXPECT_FALSE(utf8_is_valid("\xED\xA0\x80"));                          // surrogate
+  EXPECT_FALSE(utf8_is_valid("\xF0\x9F\xA6"));                          // truncated
   const Utf8Step trunc = utf8_step("\xF0\x9F\xA6", 0);
   EXPECT_EQ(trunc.kind, Utf8Kind::INCOMPLETE);
   EXPECT_EQ(trunc.len, 3u);
   // "\xE2\x82" followed by 'A': one U+FFFD for the two bytes, then 'A'.
-  EXPECT_EQ(utf8_sanitize("\xE2\x82" "A"), "\xEF\xBF\xBD" "A");
+  EXPECT_EQ(utf8_sanitize("\xE2\x82"
+                          "A"),
+            "\xEF\xBF\xBD"
+            "A");
   // Each stray continuation byte is its own subpart.
   EXPECT_EQ(utf8_sanitize("\x80\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_EQ(utf8_sanitize("\xF0\x9F\xA6"), "\xEF\xBF\xBD");
@@ -107,8 +111,9 @@ TEST(TokPreTokenizer, SequenceKeepsUnmatchedStretches) {
 }
 
 TEST(TokPreTokenizer, AllNamedOnesCompile) {
-  for (const char* name : {"default", "gpt-2", "mpt", "starcoder", "refact", "smollm", "falcon", "gpt-neox", "llama3",
-                           "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "bloom", "viking", "command-r"}) {
+  for (const char* name :
+       {"default", "gpt-2", "mpt", "starcoder", "refact", "smollm", "falcon", "gpt-neox", "llama3",
+        "llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "bloom", "viking", "command-r"}) {
     EXPECT_NO_THROW(PreTokenizer::from_name(name)) << name;
   }
   try {
@@ -153,7 +158,8 @@ TEST(TokSpm, Stories260KPromptIdsMatchRunC) {
       std::istringstream ids(line.substr(11));
       int32_t id;
       while (ids >> id) want.push_back(id);
-      EXPECT_EQ(tok->encode(prompt, /*add_special=*/true, /*parse_special=*/false), want) << "prompt '" << prompt << "'";
+      EXPECT_EQ(tok->encode(prompt, /*add_special=*/true, /*parse_special=*/false), want)
+          << "prompt '" << prompt << "'";
       ++checked;
     }
   }
@@ -259,7 +265,7 @@ TEST(TokBpe, DefaultModelParsesChatTemplateTokens) {
   EXPECT_EQ(tok->decode(literal), chat);
   EXPECT_FALSE(tok->add_bos());  // tokenizer.ggml.add_bos_token = false
   EXPECT_TRUE(tok->is_eog(*im_end));
-  EXPECT_TRUE(tok->is_eog(0));   // <|endoftext|>
+  EXPECT_TRUE(tok->is_eog(0));  // <|endoftext|>
   EXPECT_FALSE(tok->is_eog(*im_start));
 }
 
@@ -321,7 +327,8 @@ TEST(TokStream, EmojiByteLevelAndVectors) {
   }
   EXPECT_EQ(out, llama);
   EXPECT_EQ(sd.flush(), "");
-  const std::string text = "\xF0\x9F\x9A\x80 (normal) \xF0\x9F\x98\xB6\xE2\x80\x8D\xF0\x9F\x8C\xAB\xEF\xB8\x8F \xE2\x9C\x85";
+  const std::string text =
+      "\xF0\x9F\x9A\x80 (normal) \xF0\x9F\x98\xB6\xE2\x80\x8D\xF0\x9F\x8C\xAB\xEF\xB8\x8F \xE2\x9C\x85";
   expect_stream_matches_decode(*tok, tok->encode(text, false, false));
 }
 
@@ -333,11 +340,15 @@ TEST(TokStream, BrokenBytesBecomeReplacementCharacters) {
   EXPECT_EQ(sd.push(byte_id(0xF0)), "");
   EXPECT_EQ(sd.push(byte_id(0x9F)), "");
   // 'a' cannot continue the sequence: the two held bytes become one U+FFFD, then 'a'.
-  EXPECT_EQ(sd.push(byte_id('a')), "\xEF\xBF\xBD" "a");
+  EXPECT_EQ(sd.push(byte_id('a')),
+            "\xEF\xBF\xBD"
+            "a");
   EXPECT_EQ(sd.push(byte_id(0xFF)), "\xEF\xBF\xBD");
   EXPECT_EQ(sd.push(byte_id(0xE2)), "");
   EXPECT_EQ(sd.flush(), "\xEF\xBF\xBD");  // an unfinished tail at the end
-  EXPECT_EQ(tok->decode(Ids{byte_id(0xF0), byte_id('a')}), "\xEF\xBF\xBD" "a");
+  EXPECT_EQ(tok->decode(Ids{byte_id(0xF0), byte_id('a')}),
+            "\xEF\xBF\xBD"
+            "a");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -345,10 +356,33 @@ TEST(TokStream, BrokenBytesBecomeReplacementCharacters) {
 // decoding, and never broken UTF-8 out.
 
 std::string random_text(std::mt19937& rng) {
-  static const std::vector<std::string> atoms = {
-      "a", "Z", " ", "  ", "\t", "\n", "\r\n", "3", "42", "'s", "!", "(", "\xC3\xA9", "\xE2\x96\x81",
-      "\xE4\xB8\xAD", "\xF0\x9F\xA6\x99", "\xE2\x80\x8D", "<s>", "</s>", "<|endoftext|>", "<0x41>",
-      "\xFF", "\x80", "\xE2\x82", "\xF0\x9F", "\xC0\xAF", "\xED\xA0\x80"};
+  static const std::vector<std::string> atoms = {"a",
+                                                 "Z",
+                                                 " ",
+                                                 "  ",
+                                                 "\t",
+                                                 "\n",
+                                                 "\r\n",
+                                                 "3",
+                                                 "42",
+                                                 "'s",
+                                                 "!",
+                                                 "(",
+                                                 "\xC3\xA9",
+                                                 "\xE2\x96\x81",
+                                                 "\xE4\xB8\xAD",
+                                                 "\xF0\x9F\xA6\x99",
+                                                 "\xE2\x80\x8D",
+                                                 "<s>",
+                                                 "</s>",
+                                                 "<|endoftext|>",
+                                                 "<0x41>",
+                                                 "\xFF",
+                                                 "\x80",
+                                                 "\xE2\x82",
+                                                 "\xF0\x9F",
+                                                 "\xC0\xAF",
+                                                 "\xED\xA0\x80"};
   std::string s;
   const int n = static_cast<int>(rng() % 40);
   for (int i = 0; i < n; ++i) s += atoms[rng() % atoms.size()];
@@ -407,7 +441,9 @@ std::string from_gguf_error(const std::vector<uint8_t>& image) {
 
 TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
   const std::vector<std::string> tokens = {"a", "b", "ab"};
-  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("bert")).kv("tokenizer.ggml.tokens", B::strings(tokens)).build())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("bert"))
+                                .kv("tokenizer.ggml.tokens", B::strings(tokens))
+                                .build())
                 .find("'bert'"),
             std::string::npos);
   EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("gpt2"))
@@ -417,7 +453,9 @@ TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
                                 .build())
                 .find("'mystery-pre'"),
             std::string::npos);
-  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("gpt2")).kv("tokenizer.ggml.tokens", B::strings(tokens)).build())
+  EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("gpt2"))
+                                .kv("tokenizer.ggml.tokens", B::strings(tokens))
+                                .build())
                 .find("merges"),
             std::string::npos);
   EXPECT_NE(from_gguf_error(B().kv("tokenizer.ggml.model", B::str("llama"))
@@ -431,7 +469,8 @@ TEST(TokGguf, UnknownModelOrPreIsAnErrorNamingIt) {
 TEST(TokGguf, SpecialTokenIds) {
   const std::vector<std::string> tokens = {"a", "b", "ab"};
   auto image = [&](uint32_t bos) {
-    return B().kv("tokenizer.ggml.model", B::str("gpt2"))
+    return B()
+        .kv("tokenizer.ggml.model", B::str("gpt2"))
         .kv("tokenizer.ggml.tokens", B::strings(tokens))
         .kv("tokenizer.ggml.merges", B::strings({"a b"}))
         .kv("tokenizer.ggml.bos_token_id", B::u32(bos))
@@ -468,7 +507,8 @@ class TokHfJson : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = std::filesystem::temp_directory_path() /
-           ("kestrel_tok_" + std::to_string(::getpid()) + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+           ("kestrel_tok_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::create_directories(dir_);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
@@ -483,7 +523,8 @@ class TokHfJson : public ::testing::Test {
     const std::string sp(byte_level_char(' '));
     json vocab = {{"a", 0}, {"b", 1}, {"c", 2}, {sp, 3}, {"ab", 4}, {"abc", 5}, {sp + "ab", 6}};
     json merges = json::array();
-    for (auto [l, r] : std::vector<std::pair<std::string, std::string>>{{"a", "b"}, {"ab", "c"}, {sp, "ab"}}) {
+    for (auto [l, r] :
+         std::vector<std::pair<std::string, std::string>>{{"a", "b"}, {"ab", "c"}, {sp, "ab"}}) {
       if (pair_merges) {
         merges.push_back(json::array({l, r}));
       } else {
@@ -495,13 +536,14 @@ class TokHfJson : public ::testing::Test {
     j["added_tokens"] = json::array({{{"id", 7}, {"content", "<|eot|>"}, {"special", true}},
                                      {{"id", 8}, {"content", "[USR]"}, {"special", false}}});
     j["normalizer"] = {{"type", "NFC"}};
-    j["pre_tokenizer"] = {{"type", "Sequence"},
-                          {"pretokenizers",
-                           json::array({{{"type", "Split"},
-                                         {"pattern", {{"Regex", PreTokenizer::gpt2_pattern()}}},
-                                         {"behavior", "Isolated"},
-                                         {"invert", false}},
-                                        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+    j["pre_tokenizer"] = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         json::array({{{"type", "Split"},
+                       {"pattern", {{"Regex", PreTokenizer::gpt2_pattern()}}},
+                       {"behavior", "Isolated"},
+                       {"invert", false}},
+                      {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
     j["post_processor"] = {{"type", "TemplateProcessing"},
                            {"single", json::array({{{"SpecialToken", {{"id", "<|eot|>"}, {"type_id", 0}}}},
                                                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})}};
@@ -572,11 +614,13 @@ std::string proto_bytes(int field, const std::string& payload) {
 std::string proto_piece(const std::string& text, float score, int type) {
   std::string f(4, '\0');
   std::memcpy(f.data(), &score, 4);
-  return proto_bytes(1, proto_bytes(1, text) + proto_key(2, 5) + f + proto_key(3, 0) + std::string(1, static_cast<char>(type)));
+  return proto_bytes(1, proto_bytes(1, text) + proto_key(2, 5) + f + proto_key(3, 0) +
+                            std::string(1, static_cast<char>(type)));
 }
 
 std::string write_temp(const std::string& name, const std::string& bytes) {
-  const std::string path = (std::filesystem::temp_directory_path() / (std::to_string(::getpid()) + "_" + name)).string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / (std::to_string(::getpid()) + "_" + name)).string();
   std::ofstream(path, std::ios::binary) << bytes;
   return path;
 }
@@ -597,7 +641,8 @@ TEST(TokSpmModelFile, TinyBpeModel) {
   EXPECT_EQ(tok->encode("c", false, false), (Ids{5, 0}));
 
   // A Unigram model is refused by name.
-  const std::string unigram = write_temp("unigram.model", proto_piece("a", 0, 1) + proto_bytes(2, proto_key(3, 0) + "\x01"));
+  const std::string unigram =
+      write_temp("unigram.model", proto_piece("a", 0, 1) + proto_bytes(2, proto_key(3, 0) + "\x01"));
   try {
     Tokenizer::from_sentencepiece_model(unigram);
     ADD_FAILURE() << "expected kestrel::Error";
@@ -629,9 +674,11 @@ TEST(TokSpeed, LongPromptEncodesInMilliseconds) {
     tok->encode(text, false, false);  // warm-up
     const auto t0 = std::chrono::steady_clock::now();
     const Ids ids = tok->encode(text, false, false);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     std::printf("[ speed    ] %s: %zu bytes -> %zu tokens in %.2f ms\n",
-                tok->kind() == TokenizerKind::SPM ? "spm (llama-spm)" : "bpe (gpt-2)", text.size(), ids.size(), ms);
+                tok->kind() == TokenizerKind::SPM ? "spm (llama-spm)" : "bpe (gpt-2)", text.size(),
+                ids.size(), ms);
     EXPECT_GT(ids.size(), 2000u);
     EXPECT_LT(ms, 250.0);  // generous for a shared 2-core machine; typically a few ms
   }
