@@ -6,8 +6,9 @@
 
 namespace kestrel {
 
-BpeModel::BpeModel(std::shared_ptr<const Vocab> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
-                   PreTokenizer pre, BpeOptions options, int32_t unk_id)
+BpeModel::BpeModel(std::shared_ptr<const Vocab> vocab,
+                   const std::vector<std::pair<std::string, std::string>>& merges, PreTokenizer pre,
+                   BpeOptions options, int32_t unk_id)
     : vocab_(std::move(vocab)), pre_(std::move(pre)), options_(options), unk_id_(unk_id) {
   for (int b = 0; b < 256; ++b) {
     const std::optional<int32_t> id = vocab_->find(byte_level_char(static_cast<uint8_t>(b)));
@@ -63,7 +64,8 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* out) c
   };
   const auto n = static_cast<int32_t>(piece.size());
   std::vector<Symbol> syms(static_cast<size_t>(n));
-  for (int32_t i = 0; i < n; ++i) syms[i] = {byte_ids_[static_cast<uint8_t>(piece[i])], i - 1, i + 1 < n ? i + 1 : -1};
+  for (int32_t i = 0; i < n; ++i)
+    syms[i] = {byte_ids_[static_cast<uint8_t>(piece[i])], i - 1, i + 1 < n ? i + 1 : -1};
 
   struct Candidate {
     int32_t rank;
@@ -109,6 +111,8 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* out) c
   }
 }
 
-std::string BpeModel::normal_token_bytes(const TokenData& token) const { return byte_level_decode(token.text); }
+std::string BpeModel::normal_token_bytes(const TokenData& token) const {
+  return byte_level_decode(token.text);
+}
 
 }  // namespace kestrel

@@ -9,8 +9,8 @@ namespace kestrel {
 namespace {
 
 struct ByteLevelTables {
-  std::array<std::string, 256> to_text;   // byte -> UTF-8 of its code point
-  std::array<int16_t, 512> from_cp{};     // code point (< 512) -> byte, or -1
+  std::array<std::string, 256> to_text;  // byte -> UTF-8 of its code point
+  std::array<int16_t, 512> from_cp{};    // code point (< 512) -> byte, or -1
 
   ByteLevelTables() {
     from_cp.fill(-1);

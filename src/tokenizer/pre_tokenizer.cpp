@@ -15,8 +15,7 @@ namespace {
 
 // GPT-2 (openai/gpt-2 encoder.py). The trailing "|\s+" makes every character part of some match; the
 // split keeps unmatched stretches anyway, so the pieces are the same with or without it.
-const std::string kGpt2 =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+const std::string kGpt2 = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 // Llama 3 (tiktoken cl100k_base style): case-insensitive contractions, numbers in groups of up to 3.
 const std::string kLlama3 =
@@ -45,7 +44,8 @@ const std::string kDeepseekLetters =
     R"(\x{FB00}-\x{FB06}\x{FB13}-\x{FB17}\x{FF21}-\x{FF3A}\x{FF41}-\x{FF5A}\x{10400}-\x{1044F})"
     R"(\x{104B0}-\x{104D3}\x{104D8}-\x{104FB}\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2})"
     R"(\x{118A0}-\x{118DF}\x{1E900}-\x{1E943}]+)";
-const std::string kDeepseekPunct = R"(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)";
+const std::string kDeepseekPunct =
+    R"(\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+)";
 const std::string kDeepseekCjk = R"([\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+)";
 
 const std::string kSingleDigit = R"(\p{N})";
@@ -62,8 +62,8 @@ PreTokenizer::PreTokenizer(const std::vector<std::string>& patterns) : patterns_
   for (const std::string& p : patterns) {
     int err = 0;
     PCRE2_SIZE err_off = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(),
-                                     PCRE2_UTF | PCRE2_UCP, &err, &err_off, nullptr);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(), PCRE2_UTF | PCRE2_UCP,
+                                     &err, &err_off, nullptr);
     if (code == nullptr) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);
@@ -81,16 +81,16 @@ PreTokenizer::PreTokenizer(const std::vector<std::string>& patterns) : patterns_
 const std::string& PreTokenizer::gpt2_pattern() { return kGpt2; }
 
 std::vector<std::string> PreTokenizer::patterns_for(std::string_view name) {
-  if (name == "default" || name == "gpt-2" || name == "gpt2" || name == "mpt" || name == "olmo" || name == "jais" ||
-      name == "gpt-neox" || name == "trillion") {
+  if (name == "default" || name == "gpt-2" || name == "gpt2" || name == "mpt" || name == "olmo" ||
+      name == "jais" || name == "gpt-neox" || name == "trillion") {
     return {kGpt2};
   }
-  if (name == "starcoder" || name == "refact" || name == "smollm" || name == "command-r" || name == "codeshell" ||
-      name == "exaone" || name == "minerva-7b") {
+  if (name == "starcoder" || name == "refact" || name == "smollm" || name == "command-r" ||
+      name == "codeshell" || name == "exaone" || name == "minerva-7b") {
     return {kSingleDigit, kGpt2};
   }
-  if (name == "llama3" || name == "llama-bpe" || name == "llama-v3" || name == "dbrx" || name == "smaug-bpe" ||
-      name == "chatglm-bpe" || name == "falcon3") {
+  if (name == "llama3" || name == "llama-bpe" || name == "llama-v3" || name == "dbrx" ||
+      name == "smaug-bpe" || name == "chatglm-bpe" || name == "falcon3") {
     return {kLlama3};
   }
   if (name == "qwen2" || name == "stablelm2") return {kQwen2};
@@ -138,20 +138,22 @@ void PreTokenizer::split(std::string_view text, std::vector<std::string_view>* o
     next.clear();
     for (std::string_view piece : cur) {
       const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
-      size_t pos = 0;        // where the next search starts
-      size_t emitted = 0;    // end of what has been emitted so far
+      size_t pos = 0;      // where the next search starts
+      size_t emitted = 0;  // end of what has been emitted so far
       while (pos < piece.size()) {
         // The input was checked (or sanitized) to be valid UTF-8 before pre-tokenization.
         int rc = pcre2_match(re->code, subject, piece.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr);
         if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
           // A pathological input outgrew the JIT's stack; the interpreter keeps its frames on the heap.
-          rc = pcre2_match(re->code, subject, piece.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
+          rc = pcre2_match(re->code, subject, piece.size(), pos, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md,
+                           nullptr);
         }
         if (rc == PCRE2_ERROR_NOMATCH) break;
         if (rc < 0) {
           PCRE2_UCHAR msg[256];
           pcre2_get_error_message(rc, msg, sizeof msg);
-          throw Error("pre-tokenizer: regex match failed: " + std::string(reinterpret_cast<const char*>(msg)));
+          throw Error("pre-tokenizer: regex match failed: " +
+                      std::string(reinterpret_cast<const char*>(msg)));
         }
         const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
         const size_t start = ov[0];

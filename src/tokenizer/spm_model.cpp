@@ -27,7 +27,8 @@ std::optional<int32_t> SpmModel::find_piece(std::string_view text) const {
   const std::optional<int32_t> id = vocab_->find(text);
   if (!id) return std::nullopt;
   const TokenType t = vocab_->at(*id).type;
-  if (t != TokenType::NORMAL && t != TokenType::USER_DEFINED && t != TokenType::UNDEFINED) return std::nullopt;
+  if (t != TokenType::NORMAL && t != TokenType::USER_DEFINED && t != TokenType::UNDEFINED)
+    return std::nullopt;
   return id;
 }
 
@@ -55,7 +56,8 @@ void SpmModel::encode(std::string_view text, std::vector<int32_t>* out) const {
   for (size_t i = 0; i < s.size();) {
     const size_t n = utf8_char_len(static_cast<uint8_t>(s[i]));
     const auto idx = static_cast<int32_t>(syms.size());
-    syms.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(std::min(n, s.size() - i)), idx - 1, idx + 1});
+    syms.push_back(
+        {static_cast<uint32_t>(i), static_cast<uint32_t>(std::min(n, s.size() - i)), idx - 1, idx + 1});
     i += n;
   }
   if (syms.empty()) return;

@@ -41,7 +41,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
   const auto n = static_cast<int32_t>(spec.tokens.size());
   if (n == 0) throw Error("tokenizer: empty vocabulary");
   auto check = [n](int32_t id, const char* what) {
-    if (id >= n) throw Error(std::string("tokenizer: ") + what + " " + std::to_string(id) + " is out of range (n_vocab " + std::to_string(n) + ")");
+    if (id >= n)
+      throw Error(std::string("tokenizer: ") + what + " " + std::to_string(id) +
+                  " is out of range (n_vocab " + std::to_string(n) + ")");
     return id < 0 ? -1 : id;
   };
 
@@ -63,7 +65,8 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
     BpeOptions opts;
     opts.ignore_merges = spec.ignore_merges;
     opts.add_prefix_space = spec.add_space_prefix;
-    t->model_ = std::make_unique<BpeModel>(t->vocab_, spec.merges, PreTokenizer(spec.pre_patterns), opts, t->unk_id_);
+    t->model_ =
+        std::make_unique<BpeModel>(t->vocab_, spec.merges, PreTokenizer(spec.pre_patterns), opts, t->unk_id_);
   }
 
   const Vocab& v = *t->vocab_;
@@ -74,9 +77,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
     std::string& piece = t->pieces_[static_cast<size_t>(id)];
     switch (td.type) {
       case TokenType::NORMAL:
-      case TokenType::UNDEFINED:
-        piece = t->model_->normal_token_bytes(td);
-        break;
+      case TokenType::UNDEFINED: piece = t->model_->normal_token_bytes(td); break;
       case TokenType::BYTE:
         if (std::optional<uint8_t> b = parse_byte_token(td.text)) {
           piece.assign(1, static_cast<char>(*b));
@@ -92,16 +93,17 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
         piece = td.text;
         break;
     }
-    const bool cuttable = td.type == TokenType::USER_DEFINED || td.type == TokenType::CONTROL ||
-                          td.type == TokenType::UNKNOWN;
+    const bool cuttable =
+        td.type == TokenType::USER_DEFINED || td.type == TokenType::CONTROL || td.type == TokenType::UNKNOWN;
     if (cuttable && !td.text.empty() && v.find(td.text) == id) {
       t->added_by_byte_[static_cast<uint8_t>(td.text[0])].push_back(
           {td.text, id, td.type != TokenType::USER_DEFINED});
     }
   }
   for (auto& bucket : t->added_by_byte_) {
-    std::stable_sort(bucket.begin(), bucket.end(),
-                     [](const AddedTokenText& a, const AddedTokenText& b) { return a.text.size() > b.text.size(); });
+    std::stable_sort(bucket.begin(), bucket.end(), [](const AddedTokenText& a, const AddedTokenText& b) {
+      return a.text.size() > b.text.size();
+    });
   }
 
   for (int32_t id : {t->eos_id_, eot, eom}) {
@@ -109,18 +111,21 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
   }
   for (std::string_view text : kEogTexts) {
     if (std::optional<int32_t> id = v.find(text)) {
-      if (v.at(*id).type == TokenType::CONTROL || v.at(*id).type == TokenType::USER_DEFINED) t->eog_ids_.insert(*id);
+      if (v.at(*id).type == TokenType::CONTROL || v.at(*id).type == TokenType::USER_DEFINED)
+        t->eog_ids_.insert(*id);
     }
   }
   return t;
 }
 
-std::optional<Tokenizer::Cut> Tokenizer::find_added(std::string_view text, size_t from, bool parse_special) const {
+std::optional<Tokenizer::Cut> Tokenizer::find_added(std::string_view text, size_t from,
+                                                    bool parse_special) const {
   for (size_t i = from; i < text.size(); ++i) {
     const auto& bucket = added_by_byte_[static_cast<uint8_t>(text[i])];
     for (const AddedTokenText& a : bucket) {
       if (a.special && !parse_special) continue;
-      if (a.text.size() <= text.size() - i && std::memcmp(text.data() + i, a.text.data(), a.text.size()) == 0) {
+      if (a.text.size() <= text.size() - i &&
+          std::memcmp(text.data() + i, a.text.data(), a.text.size()) == 0) {
         return Cut{i, a.text.size(), a.id};
       }
     }
@@ -152,7 +157,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
 
 void Tokenizer::check_id(int32_t id) const {
   if (!vocab_->contains(id)) {
-    throw Error("tokenizer: token id " + std::to_string(id) + " is out of range [0, " + std::to_string(n_vocab()) + ")");
+    throw Error("tokenizer: token id " + std::to_string(id) + " is out of range [0, " +
+                std::to_string(n_vocab()) + ")");
   }
 }
 
@@ -185,6 +191,11 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) c
   for (int32_t id : ids) append_piece(id, skip_special, &at_start, &raw);
   if (utf8_is_valid(raw)) return raw;
   return utf8_sanitize(raw);
+}
+
+const TokenData& Tokenizer::token(int32_t id) const {
+  check_id(id);
+  return vocab_->at(id);
 }
 
 std::string Tokenizer::token_to_piece(int32_t id) const {

@@ -48,10 +48,10 @@ struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::BPE;
   std::vector<TokenData> tokens;                            // by id
   std::vector<std::pair<std::string, std::string>> merges;  // BPE: in rank order
-  std::vector<std::string> pre_patterns;                    // BPE: pre-tokenizer regexes (see pre_tokenizer.h)
-  std::string pre_name;                                     // for messages only
-  bool ignore_merges = false;                               // BPE
-  bool add_space_prefix = false;  // SPM: dummy prefix; BPE: Hugging Face ByteLevel add_prefix_space
+  std::vector<std::string> pre_patterns;  // BPE: pre-tokenizer regexes (see pre_tokenizer.h)
+  std::string pre_name;                   // for messages only
+  bool ignore_merges = false;             // BPE
+  bool add_space_prefix = false;          // SPM: dummy prefix; BPE: Hugging Face ByteLevel add_prefix_space
   bool add_bos = false;
   bool add_eos = false;
   int32_t bos_id = -1;
@@ -72,9 +72,12 @@ class Tokenizer {
   // missing token list or merges, or arrays of mismatched length.
   static std::unique_ptr<Tokenizer> from_gguf(const GgufFile& f);
 
-  // From a Hugging Face tokenizer folder: tokenizer.json (model.type "BPE" with a ByteLevel
-  // pre-tokenizer), or vocab.json / encoder.json plus merges.txt / vocab.bpe. added_tokens.json,
-  // special_tokens_map.json and tokenizer_config.json add tokens and name BOS/EOS.
+  // From a Hugging Face tokenizer folder, in this order of preference: tokenizer.json (model.type
+  // "BPE" with a ByteLevel pre-tokenizer); tokenizer.model (SentencePiece BPE, used also when
+  // tokenizer.json is of a kind this loader does not read, as for Llama 2 / Mistral folders);
+  // vocab.json / encoder.json plus merges.txt / vocab.bpe. added_tokens.json,
+  // special_tokens_map.json and tokenizer_config.json add tokens, name BOS/EOS and set
+  // add_bos_token / add_eos_token.
   // `pre` overrides the pre-tokenizer for folders without tokenizer.json (by default chosen from
   // tokenizer_config.json's tokenizer_class: Qwen2Tokenizer -> "qwen2", anything else -> "gpt-2").
   // NFC normalizers are accepted and skipped (input is taken as already NFC). Throws kestrel::Error
@@ -85,8 +88,14 @@ class Tokenizer {
   // From a byte-level vocabulary file (JSON text -> id), a merges file ("left right" per line in
   // rank order, optional "#version" first line) and a pre-tokenizer name (PreTokenizer::from_name),
   // plus extra tokens. Throws kestrel::Error naming the file on I/O or format errors.
-  static std::unique_ptr<Tokenizer> from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
-                                                   std::string_view pre, std::span<const AddedToken> added = {});
+  static std::unique_ptr<Tokenizer> from_bpe_files(const std::string& vocab_path,
+                                                   const std::string& merges_path, std::string_view pre,
+                                                   std::span<const AddedToken> added = {});
+
+  // From a SentencePiece model file (tokenizer.model, model_type BPE): pieces, scores, types,
+  // unk/bos/eos/pad ids and add_dummy_prefix. Adds BOS, as Llama-style models do. Throws
+  // kestrel::Error naming the file for I/O errors, malformed data or a non-BPE model type.
+  static std::unique_ptr<Tokenizer> from_sentencepiece_model(const std::string& path);
 
   // Builds from parts. Throws kestrel::Error when the spec is inconsistent (ids out of range, a
   // pre-tokenizer regex that does not compile).
@@ -132,7 +141,8 @@ class Tokenizer {
   bool is_special(int32_t id) const;
   // The id of a token whose vocabulary text is exactly `text` (e.g. "<|im_start|>").
   std::optional<int32_t> token_id(std::string_view text) const { return vocab_->find(text); }
-  const TokenData& token(int32_t id) const { return vocab_->at(id); }
+  // Vocabulary entry of `id`. Throws kestrel::Error for an id out of range.
+  const TokenData& token(int32_t id) const;
   const Vocab& vocab() const { return *vocab_; }
 
  private:
@@ -156,7 +166,7 @@ class Tokenizer {
   TokenizerKind kind_ = TokenizerKind::BPE;
   std::shared_ptr<const Vocab> vocab_;
   std::unique_ptr<TokenizerModel> model_;
-  std::vector<std::string> pieces_;  // decoded bytes of every token
+  std::vector<std::string> pieces_;                         // decoded bytes of every token
   std::vector<std::vector<AddedTokenText>> added_by_byte_;  // [256]
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;

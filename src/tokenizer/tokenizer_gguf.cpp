@@ -8,10 +8,15 @@ namespace kestrel {
 
 namespace {
 
-// GGUF stores "no such token" as -1 or as 0xFFFFFFFF in a uint32 field.
+// GGUF stores "no such token" as -1 or as 0xFFFFFFFF in a uint32 field; any other id outside the
+// vocabulary is a broken file.
 int32_t token_id_or(const GgufFile& f, const char* key, int32_t fallback, int32_t n_vocab) {
   const int64_t v = f.get_int_or(key, fallback);
-  if (v < 0 || v >= n_vocab) return -1;
+  if (v < 0 || v == 0xFFFFFFFF) return -1;
+  if (v >= n_vocab) {
+    throw Error(f.path() + ": " + key + " = " + std::to_string(v) + " is outside the vocabulary (" +
+                std::to_string(n_vocab) + " tokens)");
+  }
   return static_cast<int32_t>(v);
 }
 
@@ -34,19 +39,22 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
   if (!f.has("tokenizer.ggml.tokens")) throw Error(where + "tokenizer.ggml.tokens is missing");
   const std::vector<std::string>& texts = f.get_string_array("tokenizer.ggml.tokens");
   const size_t n = texts.size();
-  if (n == 0 || n > (size_t{1} << 24)) throw Error(where + "tokenizer.ggml.tokens has " + std::to_string(n) + " entries");
+  if (n == 0 || n > (size_t{1} << 24))
+    throw Error(where + "tokenizer.ggml.tokens has " + std::to_string(n) + " entries");
   std::vector<float> scores;
   if (f.has("tokenizer.ggml.scores")) {
     scores = f.get_float_array("tokenizer.ggml.scores");
     if (scores.size() != n) {
-      throw Error(where + "tokenizer.ggml.scores has " + std::to_string(scores.size()) + " entries, tokens has " + std::to_string(n));
+      throw Error(where + "tokenizer.ggml.scores has " + std::to_string(scores.size()) +
+                  " entries, tokens has " + std::to_string(n));
     }
   }
   std::vector<int64_t> types;
   if (f.has("tokenizer.ggml.token_type")) {
     types = f.get_int_array("tokenizer.ggml.token_type");
     if (types.size() != n) {
-      throw Error(where + "tokenizer.ggml.token_type has " + std::to_string(types.size()) + " entries, tokens has " + std::to_string(n));
+      throw Error(where + "tokenizer.ggml.token_type has " + std::to_string(types.size()) +
+                  " entries, tokens has " + std::to_string(n));
     }
   }
   spec.tokens.resize(n);
@@ -55,7 +63,9 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     t.text = texts[i];
     t.score = scores.empty() ? 0.0f : scores[i];
     const int64_t ty = types.empty() ? 1 : types[i];
-    if (ty < 0 || ty > 6) throw Error(where + "tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(ty) + " is not a token type");
+    if (ty < 0 || ty > 6)
+      throw Error(where + "tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(ty) +
+                  " is not a token type");
     t.type = static_cast<TokenType>(ty);
   }
 
@@ -77,15 +87,18 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     // llama.cpp ignores add_space_prefix for byte-level BPE, and so does this loader.
     spec.pre_name = f.get_string_or("tokenizer.ggml.pre", "default");
     spec.pre_patterns = PreTokenizer::patterns_for(spec.pre_name);
-    if (spec.pre_patterns.empty()) throw Error(where + "tokenizer.ggml.pre '" + spec.pre_name + "' is not a known pre-tokenizer");
+    if (spec.pre_patterns.empty())
+      throw Error(where + "tokenizer.ggml.pre '" + spec.pre_name + "' is not a known pre-tokenizer");
     spec.ignore_merges = PreTokenizer::ignores_merges(spec.pre_name);
-    if (!f.has("tokenizer.ggml.merges")) throw Error(where + "tokenizer.ggml.merges is missing (required for 'gpt2')");
+    if (!f.has("tokenizer.ggml.merges"))
+      throw Error(where + "tokenizer.ggml.merges is missing (required for 'gpt2')");
     const std::vector<std::string>& merges = f.get_string_array("tokenizer.ggml.merges");
     spec.merges.reserve(merges.size());
     for (size_t i = 0; i < merges.size(); ++i) {
       const std::string& m = merges[i];
       const size_t sp = m.find(' ', 1);  // a merge's left part is never empty, but may itself be " "
-      if (sp == std::string::npos) throw Error(where + "tokenizer.ggml.merges[" + std::to_string(i) + "] '" + m + "' has no space");
+      if (sp == std::string::npos)
+        throw Error(where + "tokenizer.ggml.merges[" + std::to_string(i) + "] '" + m + "' has no space");
       spec.merges.emplace_back(m.substr(0, sp), m.substr(sp + 1));
     }
   }

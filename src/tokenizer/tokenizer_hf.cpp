@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "tokenizer/pre_tokenizer.h"
+#include "tokenizer/spec_loaders.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -55,7 +56,8 @@ std::string regex_escape(std::string_view s) {
 // A token named in a config: "text", {"content": "text", ...} or null.
 std::optional<std::string> token_text(const json& j) {
   if (j.is_string()) return j.get<std::string>();
-  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string())
+    return j["content"].get<std::string>();
   return std::nullopt;
 }
 
@@ -64,8 +66,10 @@ struct VocabBuilder {
   std::vector<TokenData> tokens;
 
   void set(int64_t id, std::string text, TokenType type, const std::string& where) {
-    if (id < 0 || id > (int64_t{1} << 24)) throw Error(where + ": token id " + std::to_string(id) + " is out of range");
-    if (static_cast<size_t>(id) >= tokens.size()) tokens.resize(static_cast<size_t>(id) + 1, TokenData{"", 0.0f, TokenType::UNUSED});
+    if (id < 0 || id > (int64_t{1} << 24))
+      throw Error(where + ": token id " + std::to_string(id) + " is out of range");
+    if (static_cast<size_t>(id) >= tokens.size())
+      tokens.resize(static_cast<size_t>(id) + 1, TokenData{"", 0.0f, TokenType::UNUSED});
     tokens[static_cast<size_t>(id)] = TokenData{std::move(text), 0.0f, type};
   }
 
@@ -74,7 +78,8 @@ struct VocabBuilder {
     for (const auto& [text, id] : vocab.items()) {
       if (!id.is_number_integer()) throw Error(where + ": id of token '" + text + "' is not an integer");
       const auto i = id.get<int64_t>();
-      if (i >= 0 && static_cast<size_t>(i) < tokens.size() && tokens[static_cast<size_t>(i)].type != TokenType::UNUSED) {
+      if (i >= 0 && static_cast<size_t>(i) < tokens.size() &&
+          tokens[static_cast<size_t>(i)].type != TokenType::UNUSED) {
         throw Error(where + ": id " + std::to_string(i) + " is used twice");
       }
       set(i, text, TokenType::NORMAL, where);
@@ -101,7 +106,8 @@ std::vector<std::pair<std::string, std::string>> read_merges_file(const std::str
     if (line_no == 1 && line.rfind("#version", 0) == 0) continue;
     const size_t sp = line.find(' ');
     if (sp == std::string::npos || sp == 0 || sp + 1 == line.size()) {
-      throw Error(path + ": line " + std::to_string(line_no) + " is not a 'left right' merge: '" + line + "'");
+      throw Error(path + ": line " + std::to_string(line_no) + " is not a 'left right' merge: '" + line +
+                  "'");
     }
     merges.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
@@ -128,8 +134,10 @@ void apply_token_config(const json& cfg, const VocabBuilder& vb, TokenizerSpec* 
   if (auto id = id_of("eos_token")) spec->eos_id = *id;
   if (auto id = id_of("unk_token")) spec->unk_id = *id;
   if (auto id = id_of("pad_token")) spec->pad_id = *id;
-  if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean()) spec->add_bos = cfg["add_bos_token"].get<bool>();
-  if (cfg.contains("add_eos_token") && cfg["add_eos_token"].is_boolean()) spec->add_eos = cfg["add_eos_token"].get<bool>();
+  if (cfg.contains("add_bos_token") && cfg["add_bos_token"].is_boolean())
+    spec->add_bos = cfg["add_bos_token"].get<bool>();
+  if (cfg.contains("add_eos_token") && cfg["add_eos_token"].is_boolean())
+    spec->add_eos = cfg["add_eos_token"].get<bool>();
 }
 
 // Pre-tokenizer of tokenizer.json, flattened to a regex list.
@@ -150,7 +158,8 @@ void parse_pre_tokenizer(const json& j, const std::string& where, HfPre* out) {
     if (j.value("use_regex", true)) out->patterns.push_back(PreTokenizer::gpt2_pattern());
   } else if (type == "Split") {
     const std::string behavior = j.value("behavior", "");
-    if (behavior != "Isolated") throw Error(where + ": pre_tokenizer Split behavior '" + behavior + "' is not supported");
+    if (behavior != "Isolated")
+      throw Error(where + ": pre_tokenizer Split behavior '" + behavior + "' is not supported");
     if (j.value("invert", false)) throw Error(where + ": pre_tokenizer Split with invert is not supported");
     const json& pat = j.at("pattern");
     if (pat.contains("Regex")) {
@@ -274,7 +283,8 @@ void apply_transformers_configs(const std::string& dir, VocabBuilder* vb, Tokeni
   // Texts the configs call special.
   std::vector<std::string> special_texts;
   for (const json* src : {&cfg, &special_map}) {
-    for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"}) {
+    for (const char* key :
+         {"bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"}) {
       if (src->contains(key)) {
         if (auto t = token_text((*src)[key])) special_texts.push_back(*t);
       }
@@ -295,7 +305,8 @@ void apply_transformers_configs(const std::string& dir, VocabBuilder* vb, Tokeni
     if (!added.is_object()) throw Error(added_path + ": not a JSON object");
     for (const auto& [text, id] : added.items()) {
       if (!id.is_number_integer()) throw Error(added_path + ": id of '" + text + "' is not an integer");
-      vb->set(id.get<int64_t>(), text, is_named_special(text) ? TokenType::CONTROL : TokenType::USER_DEFINED, added_path);
+      vb->set(id.get<int64_t>(), text, is_named_special(text) ? TokenType::CONTROL : TokenType::USER_DEFINED,
+              added_path);
     }
   }
   if (cfg.contains("added_tokens_decoder") && cfg["added_tokens_decoder"].is_object()) {
@@ -308,17 +319,16 @@ void apply_transformers_configs(const std::string& dir, VocabBuilder* vb, Tokeni
       }
       const std::optional<std::string> text = token_text(tok);
       if (!text) throw Error(cfg_path + ": added_tokens_decoder[" + id_text + "] has no content");
-      vb->set(id, *text, tok.value("special", false) ? TokenType::CONTROL : TokenType::USER_DEFINED, cfg_path);
+      vb->set(id, *text, tok.value("special", false) ? TokenType::CONTROL : TokenType::USER_DEFINED,
+              cfg_path);
     }
   }
   apply_token_config(special_map, *vb, spec);
   apply_token_config(cfg, *vb, spec);
 }
 
-}  // namespace
-
-std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
-                                                     std::string_view pre, std::span<const AddedToken> added) {
+TokenizerSpec spec_from_bpe_files(const std::string& vocab_path, const std::string& merges_path,
+                                  std::string_view pre, std::span<const AddedToken> added) {
   VocabBuilder vb;
   vb.load_vocab_object(read_json(vocab_path), vocab_path);
   TokenizerSpec spec;
@@ -327,25 +337,41 @@ std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_pa
   spec.pre_patterns = pre_patterns(pre, &spec.ignore_merges);
   spec.pre_name = std::string(pre);
   for (const AddedToken& a : added) {
-    vb.set(a.id, a.text, a.special ? TokenType::CONTROL : TokenType::USER_DEFINED, "added token '" + a.text + "'");
+    vb.set(a.id, a.text, a.special ? TokenType::CONTROL : TokenType::USER_DEFINED,
+           "added token '" + a.text + "'");
   }
   spec.tokens = std::move(vb.tokens);
-  return from_spec(std::move(spec));
+  return spec;
 }
 
-std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::string_view pre) {
+TokenizerSpec spec_from_hf_dir(const std::string& dir, std::string_view pre) {
   VocabBuilder vb;
   TokenizerSpec spec;
   const std::string tj = path_in(dir, "tokenizer.json");
+  const std::string sp_model = path_in(dir, "tokenizer.model");
+  bool have_spec = false;
   if (exists(tj)) {
-    spec = spec_from_tokenizer_json(tj, &vb);
-  } else {
+    try {
+      spec = spec_from_tokenizer_json(tj, &vb);
+      have_spec = true;
+    } catch (const Error&) {
+      // A SentencePiece-style tokenizer.json (Metaspace, Prepend/Replace normalizers) is not read;
+      // the folder's tokenizer.model describes the same tokenizer.
+      if (!exists(sp_model)) throw;
+      vb = VocabBuilder();
+    }
+  }
+  if (!have_spec && exists(sp_model)) {
+    spec = spm_spec_from_model_file(sp_model);
+    vb.tokens = std::move(spec.tokens);
+  } else if (!have_spec) {
     std::string vocab_path = path_in(dir, "vocab.json");
     if (!exists(vocab_path)) vocab_path = path_in(dir, "encoder.json");
     std::string merges_path = path_in(dir, "merges.txt");
     if (!exists(merges_path)) merges_path = path_in(dir, "vocab.bpe");
     if (!exists(vocab_path) || !exists(merges_path)) {
-      throw Error(dir + ": no tokenizer.json, and no vocab.json/encoder.json with merges.txt/vocab.bpe");
+      throw Error(
+          dir + ": no tokenizer.json, tokenizer.model, or vocab.json/encoder.json with merges.txt/vocab.bpe");
     }
     vb.load_vocab_object(read_json(vocab_path), vocab_path);
     spec.kind = TokenizerKind::BPE;
@@ -364,7 +390,27 @@ std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::s
   }
   apply_transformers_configs(dir, &vb, &spec);
   spec.tokens = std::move(vb.tokens);
-  return from_spec(std::move(spec));
+  return spec;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_path,
+                                                     const std::string& merges_path, std::string_view pre,
+                                                     std::span<const AddedToken> added) {
+  try {
+    return from_spec(spec_from_bpe_files(vocab_path, merges_path, pre, added));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(vocab_path + ": unexpected JSON structure: " + e.what());
+  }
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::from_hf_dir(const std::string& dir, std::string_view pre) {
+  try {
+    return from_spec(spec_from_hf_dir(dir, pre));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(dir + ": unexpected JSON structure: " + e.what());
+  }
 }
 
 }  // namespace kestrel

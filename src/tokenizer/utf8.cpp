@@ -97,7 +97,9 @@ uint32_t utf8_decode(std::string_view s, size_t pos, size_t* len) {
   *len = n;
   if (n == 1) return b0;
   uint32_t cp = b0 & (0x7F >> n);
-  for (size_t k = 1; k < n && pos + k < s.size(); ++k) cp = (cp << 6) | (static_cast<uint8_t>(s[pos + k]) & 0x3F);
+  for (size_t k = 1; k < n && pos + k < s.size(); ++k) {
+    cp = (cp << 6) | (static_cast<uint8_t>(s[pos + k]) & 0x3F);
+  }
   return cp;
 }
 

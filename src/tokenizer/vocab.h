@@ -18,7 +18,7 @@ enum class TokenType : int32_t {
   CONTROL = 3,       // special tokens: BOS, EOS, <|im_start|>, ...; matched in text only with parse_special
   USER_DEFINED = 4,  // added tokens that are not special: always matched in text as a whole
   UNUSED = 5,
-  BYTE = 6,          // SentencePiece byte fallback <0xXX>
+  BYTE = 6,  // SentencePiece byte fallback <0xXX>
 };
 
 struct TokenData {

@@ -4,15 +4,21 @@
 //
 // Covered: llama-spm, phi-3 (SentencePiece BPE), gpt-2, refact, mpt, deepseek-llm (byte-level BPE
 // from the vocab GGUFs), llama-bpe (Llama 3, from ../llama3-bpe-vocab since its GGUF is not in the
-// data set) and qwen2 (from ../qwen2-bpe-vocab).
+// data set) and qwen2 (from ../qwen2-bpe-vocab). llama-spm again from Meta's tokenizer.model
+// (../llama2-tokenizer), which holds the same vocabulary.
 // Not covered: bert-bge (a WordPiece tokenizer, which the engine does not implement) and command-r
 // (only .inp/.out are in the data set, no vocabulary file).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "io/gguf.h"
 #include "test_util.h"
+#include "tokenizer/pre_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -66,9 +72,10 @@ int check_vectors(const Tokenizer& tok, const std::string& name) {
   EXPECT_EQ(cases.size(), 46u) << name;
   int passed = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
-    const std::vector<int32_t> got = tok.encode(cases[i].text, /*add_special=*/false, /*parse_special=*/false);
-    EXPECT_EQ(got, cases[i].ids) << name << " case " << i << " text '" << cases[i].text << "'\n  want" << show_ids(cases[i].ids)
-                                 << "\n  got " << show_ids(got);
+    const std::vector<int32_t> got =
+        tok.encode(cases[i].text, /*add_special=*/false, /*parse_special=*/false);
+    EXPECT_EQ(got, cases[i].ids) << name << " case " << i << " text '" << cases[i].text << "'\n  want"
+                                 << show_ids(cases[i].ids) << "\n  got " << show_ids(got);
     if (got == cases[i].ids) ++passed;
   }
   return passed;
@@ -114,7 +121,8 @@ INSTANTIATE_TEST_SUITE_P(TokVocab, TokVectorsGguf,
 
 std::unique_ptr<Tokenizer> llama3_tokenizer() {
   const std::string dir = test::data_dir() + "/llama3-bpe-vocab";
-  const std::vector<AddedToken> added = {{"<|begin_of_text|>", 128000, true}, {"<|end_of_text|>", 128001, true}};
+  const std::vector<AddedToken> added = {{"<|begin_of_text|>", 128000, true},
+                                         {"<|end_of_text|>", 128001, true}};
   return Tokenizer::from_bpe_files(dir + "/encoder.json", dir + "/vocab.bpe", "llama-bpe", added);
 }
 
@@ -138,6 +146,103 @@ TEST(TokVectors, Qwen2FromBpeFiles) {
   KESTREL_REQUIRE_FILE(dir + "/vocab.json");
   const auto tok = Tokenizer::from_bpe_files(dir + "/vocab.json", dir + "/merges.txt", "qwen2");
   EXPECT_EQ(check_vectors(*tok, "qwen2"), 46);
+}
+
+// The same vocabularies written as a Hugging Face tokenizer.json (the layout of the real files:
+// Split regex + ByteLevel without regex, NFC normalizer, added tokens, merges as pairs or strings),
+// to test that loader at full size.
+std::string write_tokenizer_json(const std::string& vocab_path, const std::string& merges_path,
+                                 const std::string& regex, bool ignore_merges, bool pair_merges,
+                                 const nlohmann::json& added) {
+  using nlohmann::json;
+  json merges = json::array();
+  std::istringstream lines(test::read_file(merges_path));
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line.rfind("#version", 0) == 0) continue;
+    const size_t sp = line.find(' ');
+    if (pair_merges) {
+      merges.push_back(json::array({line.substr(0, sp), line.substr(sp + 1)}));
+    } else {
+      merges.push_back(line);
+    }
+  }
+  json j;
+  j["version"] = "1.0";
+  j["added_tokens"] = added;
+  j["normalizer"] = {{"type", "NFC"}};
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       json::array(
+           {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
+            {{"type", "ByteLevel"},
+             {"add_prefix_space", false},
+             {"trim_offsets", false},
+             {"use_regex", false}}})}};
+  j["post_processor"] = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+  j["decoder"] = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"byte_fallback", false},
+                {"ignore_merges", ignore_merges},
+                {"vocab", json::parse(test::read_file(vocab_path))},
+                {"merges", merges}};
+  const std::string dir =
+      (std::filesystem::temp_directory_path() /
+       ("kestrel_tokjson_" + std::to_string(::getpid()) + "_" + std::to_string(ignore_merges)))
+          .string();
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/tokenizer.json", std::ios::binary) << j.dump();
+  return dir;
+}
+
+TEST(TokVectors, Qwen2FromTokenizerJson) {
+  const std::string src = test::data_dir() + "/qwen2-bpe-vocab";
+  KESTREL_REQUIRE_FILE(src + "/vocab.json");
+  const nlohmann::json added =
+      nlohmann::json::array({{{"id", 151643}, {"content", "<|endoftext|>"}, {"special", true}},
+                             {{"id", 151644}, {"content", "<|im_start|>"}, {"special", true}},
+                             {{"id", 151645}, {"content", "<|im_end|>"}, {"special", true}}});
+  const std::string dir = write_tokenizer_json(src + "/vocab.json", src + "/merges.txt",
+                                               PreTokenizer::patterns_for("qwen2").at(0),
+                                               /*ignore_merges=*/false, /*pair_merges=*/false, added);
+  const auto tok = Tokenizer::from_hf_dir(dir);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(check_vectors(*tok, "qwen2"), 46);
+  EXPECT_EQ(tok->encode("<|im_start|>", false, true), (std::vector<int32_t>{151644}));
+}
+
+TEST(TokVectors, LlamaBpeFromTokenizerJson) {
+  const std::string src = test::data_dir() + "/llama3-bpe-vocab";
+  KESTREL_REQUIRE_FILE(src + "/encoder.json");
+  const nlohmann::json added =
+      nlohmann::json::array({{{"id", 128000}, {"content", "<|begin_of_text|>"}, {"special", true}},
+                             {{"id", 128001}, {"content", "<|end_of_text|>"}, {"special", true}}});
+  const std::string dir = write_tokenizer_json(src + "/encoder.json", src + "/vocab.bpe",
+                                               PreTokenizer::patterns_for("llama-bpe").at(0),
+                                               /*ignore_merges=*/true, /*pair_merges=*/true, added);
+  const auto tok = Tokenizer::from_hf_dir(dir);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(check_vectors(*tok, "llama-bpe"), 46);
+}
+
+TEST(TokVectors, LlamaSpmFromSentencePieceModel) {
+  const std::string dir = test::data_dir() + "/llama2-tokenizer";
+  KESTREL_REQUIRE_FILE(dir + "/tokenizer.model");
+  const auto tok = Tokenizer::from_sentencepiece_model(dir + "/tokenizer.model");
+  EXPECT_EQ(tok->n_vocab(), 32000);
+  EXPECT_EQ(tok->bos_id(), 1);
+  EXPECT_EQ(tok->eos_id(), 2);
+  EXPECT_EQ(tok->unk_id(), 0);
+  EXPECT_TRUE(tok->add_bos());
+  EXPECT_EQ(check_vectors(*tok, "llama-spm"), 46);
+  check_round_trip(*tok, "llama-spm");
+  // The folder has no tokenizer.json or vocab.json: from_hf_dir reads tokenizer.model.
+  EXPECT_EQ(check_vectors(*Tokenizer::from_hf_dir(dir), "llama-spm"), 46);
 }
 
 }  // namespace
