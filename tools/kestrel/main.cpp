@@ -6,6 +6,14 @@
 #include "common.h"
 #include "core/error.h"
 
+namespace {
+bool has_subcommand(const CLI::App& app, const std::string& name) {
+  for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+    if (sub->get_name() == name) return true;
+  return false;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"kestrel: LLM inference engine"};
   app.require_subcommand(1);
@@ -15,6 +23,11 @@ int main(int argc, char** argv) {
   kestrel::cli::register_tokenize(app);
   kestrel::cli::register_bench(app);
   try {
+    if (argc > 1 && argv[1][0] != '-' && !has_subcommand(app, argv[1])) {
+      std::cerr << "kestrel: unknown command '" << argv[1]
+                << "' (commands: generate, chat, tokenize, bench; see kestrel --help)\n";
+      return 2;
+    }
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
