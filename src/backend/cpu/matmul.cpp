@@ -18,6 +18,9 @@ namespace {
 std::atomic<int> g_level_cap{static_cast<int>(SimdLevel::Avx512)};
 
 const detail::MatmulKernels& active_kernels() {
+#if defined(__x86_64__)
+  if (matmul_simd_level() == SimdLevel::Avx512) return detail::kernels_avx512();
+#endif
   return detail::kernels_scalar();
 }
 

@@ -39,6 +39,9 @@ struct MatmulKernels {
 };
 
 const MatmulKernels& kernels_scalar();
+#if defined(__x86_64__)
+const MatmulKernels& kernels_avx512();
+#endif
 
 // ---- shared numerics ----
 
@@ -75,5 +78,30 @@ void q4k_unpack(const BlockQ4_K& b, uint8_t q[QK_K]);
 void q6k_unpack(const BlockQ6_K& b, int8_t q[QK_K]);
 
 inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// Natural-order activation layouts (scalar and AVX2 kernels; AVX-512 uses ActLayoutK for the
+// K-quants and its own interleaved layout for 32-blocks). Offsets in bytes from the token's start.
+//   ActLayout32: int8 qs[n_in] | f32 d[nb] | f32 s[nb]            (s = d * sum(qs) of the block)
+//   ActLayoutK:  int8 qs[n_in] | f32 d[nsb] | int16 bsums[n_in / 16]
+struct ActLayout32 {
+  int64_t nb;
+  size_t d_off, s_off, bytes;
+  explicit ActLayout32(int64_t n_in)
+      : nb(n_in / 32), d_off(align64(static_cast<size_t>(n_in))), s_off(d_off + static_cast<size_t>(nb) * 4),
+        bytes(align64(s_off + static_cast<size_t>(nb) * 4)) {}
+};
+struct ActLayoutK {
+  int64_t nsb;
+  size_t d_off, bsums_off, bytes;
+  explicit ActLayoutK(int64_t n_in)
+      : nsb(n_in / QK_K), d_off(align64(static_cast<size_t>(n_in))),
+        bsums_off(d_off + align64(static_cast<size_t>(nsb) * 4)),
+        bytes(bsums_off + align64(static_cast<size_t>(n_in / 16) * 2)) {}
+};
+
+inline bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+inline bool is_float_type(GgmlType t) {
+  return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
+}
 
 }  // namespace kestrel::cpu::detail
