@@ -19,7 +19,11 @@ std::atomic<int> g_level_cap{static_cast<int>(SimdLevel::Avx512)};
 
 const detail::MatmulKernels& active_kernels() {
 #if defined(__x86_64__)
-  if (matmul_simd_level() == SimdLevel::Avx512) return detail::kernels_avx512();
+  switch (matmul_simd_level()) {
+    case SimdLevel::Avx512: return detail::kernels_avx512();
+    case SimdLevel::Avx2: return detail::kernels_avx2();
+    default: break;
+  }
 #endif
   return detail::kernels_scalar();
 }

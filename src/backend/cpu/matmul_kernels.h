@@ -40,6 +40,7 @@ struct MatmulKernels {
 
 const MatmulKernels& kernels_scalar();
 #if defined(__x86_64__)
+const MatmulKernels& kernels_avx2();
 const MatmulKernels& kernels_avx512();
 #endif
 
@@ -81,14 +82,15 @@ inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
 
 // Natural-order activation layouts (scalar and AVX2 kernels; AVX-512 uses ActLayoutK for the
 // K-quants and its own interleaved layout for 32-blocks). Offsets in bytes from the token's start.
-//   ActLayout32: int8 qs[n_in] | f32 d[nb] | f32 s[nb]            (s = d * sum(qs) of the block)
+//   ActLayout32: int8 qs[n_in] | f32 d[nb] | f32 s[nb], zero-padded to a multiple of 16
+//                (s = d * sum(qs) of the block; the padding lets SIMD code read s in chunks)
 //   ActLayoutK:  int8 qs[n_in] | f32 d[nsb] | int16 bsums[n_in / 16]
 struct ActLayout32 {
   int64_t nb;
   size_t d_off, s_off, bytes;
   explicit ActLayout32(int64_t n_in)
-      : nb(n_in / 32), d_off(align64(static_cast<size_t>(n_in))), s_off(d_off + static_cast<size_t>(nb) * 4),
-        bytes(align64(s_off + static_cast<size_t>(nb) * 4)) {}
+      : nb(n_in / 32), d_off(align64(static_cast<size_t>(n_in))),
+        s_off(d_off + align64(static_cast<size_t>(nb) * 4)), bytes(s_off + align64(static_cast<size_t>(nb) * 4)) {}
 };
 struct ActLayoutK {
   int64_t nsb;

@@ -63,6 +63,7 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, uint8_t* dst) {
     for (int l = 0; l < 32; ++l) sum += qs[b * 32 + l];
     s[b] = d[b] * static_cast<float>(sum);
   }
+  std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
 }
 
 size_t scratch_bytes(GgmlType type, int64_t n_in) {
