@@ -82,7 +82,7 @@ void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, Mat
 
   if (act_row != 0) {
     auto quantize = [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) k.quantize_act(w.type, x + t * w.n_in, w.n_in, buf + t * act_row);
+      for (int64_t t = t0; t < t1; ++t) k.quantize_act(w.type, x + t * w.n_in, w.n_in, n_tokens, buf + t * act_row);
     };
     if (nth > 1 && n_tokens >= 8) pool.parallel_for(n_tokens, 4, quantize);
     else quantize(0, n_tokens);

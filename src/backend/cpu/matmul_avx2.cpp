@@ -72,7 +72,7 @@ float quantize_run(const float* x, int n, int8_t* q, int* sum32) {
   return q8_scale(amax);
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, uint8_t* dst) {
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
   auto* qs = reinterpret_cast<int8_t*>(dst);
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);

@@ -28,8 +28,9 @@ struct MatmulKernels {
   const char* name;
   // Bytes of one token's quantized activations for weights of `type` (0: the kernel reads f32 x).
   size_t (*act_row_bytes)(GgmlType type, int64_t n_in);
-  // Quantizes one token: x [n_in] f32 -> dst [act_row_bytes] (64-byte aligned).
-  void (*quantize_act)(GgmlType type, const float* x, int64_t n_in, uint8_t* dst);
+  // Quantizes one token: x [n_in] f32 -> dst [act_row_bytes] (64-byte aligned). n_tokens is the
+  // call's token count: a kernel may arrange the same quantized values differently for its GEMV.
+  void (*quantize_act)(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, uint8_t* dst);
   // Per-thread scratch that matmul_rows needs (64-byte aligned).
   size_t (*scratch_bytes)(GgmlType type, int64_t n_in);
   // Computes y[t, r] for r in [r0, r1) and every token. r0 is a multiple of row_tile.

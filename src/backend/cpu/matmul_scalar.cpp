@@ -38,7 +38,7 @@ size_t act_row_bytes(GgmlType type, int64_t n_in) {
   return is_k_quant(type) ? ActLayoutK(n_in).bytes : ActLayout32(n_in).bytes;
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, uint8_t* dst) {
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
   auto* qs = reinterpret_cast<int8_t*>(dst);
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);
