@@ -477,7 +477,8 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 const MatmulKernels& kernels_avx2() {
-  static const MatmulKernels k{"avx2", act_row_bytes, quantize_act, scratch_bytes, matmul_rows, vec_dot, 2};
+  using Acts = PerTokenActs<act_row_bytes, quantize_act>;
+  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, 2};
   return k;
 }
 

@@ -13,6 +13,8 @@
 //
 // Activation layout for 32-blocks, one token (nch = ceil(nb / 16) chunks):
 //   int8 qs[nch][8][64]   chunk c, register k, lane j: elements 4k..4k+3 of block 16c + j
+//                         (a partial last chunk, and every chunk for the GEMV, is "grouped"
+//                         instead: see quantize_act32)
 //   f32  dx[nch][16]      lane j: scale of block 16c + j
 //   f32  s[nch][16]       lane j: dx * sum(quants) of block 16c + j
 // Lanes past nb are zero, so the last chunk needs no special case on the activation side.
@@ -50,10 +52,13 @@ struct Layout16 {
         s_off(dx_off + static_cast<size_t>(nch) * 64), bytes(s_off + static_cast<size_t>(nch) * 64) {}
 };
 
-// grouped == false (GEMM): the transposed chunk layout described at the top.
-// grouped == true (GEMV): each chunk's 512 bytes hold four groups of four blocks, group g at
-// 128g: a_{4g+j}[0:16] at 16j and a_{4g+j}[16:32] at 64 + 16j, the order of four contiguous
-// weight blocks after nibble unpacking. dx and s are the same in both.
+inline bool is_tail_chunk(const Layout16& L, int64_t c) { return c == L.nch - 1 && L.nb % 16 != 0; }
+
+// grouped == false (GEMM): the transposed chunk layout described at the top, except for a
+// partial last chunk. Grouped chunks (all of them for the GEMV) hold four groups of four blocks,
+// group g at 128g: a_{4g+j}[0:16] at 16j and a_{4g+j}[16:32] at 64 + 16j, the order of four
+// contiguous weight blocks after nibble unpacking; vpdpbusd on that costs 2 instructions per 4
+// blocks instead of 8 per (mostly empty) transposed chunk. dx and s are the same in both.
 void quantize_act32(const float* x, int64_t n_in, bool grouped, uint8_t* dst) {
   const Layout16 L(n_in);
   auto* dx = reinterpret_cast<float*>(dst + L.dx_off);
@@ -72,7 +77,7 @@ void quantize_act32(const float* x, int64_t n_in, bool grouped, uint8_t* dst) {
     const float d = q8_scale(amax);
     dx[b] = d;
     s[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    if (grouped) {
+    if (grouped || is_tail_chunk(L, b / 16)) {
       uint8_t* g = dst + (b / 4) * 128 + 16 * (b % 4);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(g), _mm512_cvtepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(g + 64), _mm512_cvtepi32_epi8(q1));
@@ -281,6 +286,26 @@ inline void prefetch_row(const uint8_t* p, size_t n) {
   for (size_t off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// One grouped chunk of a weight row (nblk <= 16 blocks at p) against grouped activations at ag:
+// the exact per-block sums in lanes, and the raw scale dwords.
+template <class Fmt>
+inline __m512i grouped_isum(const uint8_t* p, int64_t nblk, const uint8_t* ag, __m512i& sc) {
+  __m512i isum[4];
+  sc = _mm512_setzero_si512();
+  for (int i = 0; i < 4; ++i) {
+    const int n = static_cast<int>(std::clamp<int64_t>(nblk - 4 * i, 0, 4));
+    if (n == 0) {
+      isum[i] = _mm512_setzero_si512();
+      continue;
+    }
+    const Group g = Fmt::load_group(p + 4 * i * Fmt::kBlockBytes, n);
+    isum[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.lo, _mm512_load_si512(ag + 128 * i));
+    isum[i] = _mm512_dpbusd_epi32(isum[i], g.hi, _mm512_load_si512(ag + 128 * i + 64));
+    sc = _mm512_mask_broadcast_i32x4(sc, static_cast<__mmask16>(0xf << (4 * i)), g.sc);
+  }
+  return groups_to_lanes(isum);
+}
+
 template <class Fmt>
 void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const Layout16 L(a.w.n_in);
@@ -293,23 +318,12 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1) {
     if (r + pf_rows < r1) prefetch_row(row + pf_rows * a.w_row_bytes, a.w_row_bytes);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < L.nch; ++c) {
-      const int64_t nblk = std::min<int64_t>(16, L.nb - 16 * c);
-      __m512i isum[4], sc = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) {
-        const int n = static_cast<int>(std::clamp<int64_t>(nblk - 4 * i, 0, 4));
-        if (n == 0) {
-          isum[i] = _mm512_setzero_si512();
-          continue;
-        }
-        const Group g = Fmt::load_group(row + (16 * c + 4 * i) * Fmt::kBlockBytes, n);
-        const uint8_t* ag = a.act + 512 * c + 128 * i;
-        isum[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.lo, _mm512_load_si512(ag));
-        isum[i] = _mm512_dpbusd_epi32(isum[i], g.hi, _mm512_load_si512(ag + 64));
-        sc = _mm512_mask_broadcast_i32x4(sc, static_cast<__mmask16>(0xf << (4 * i)), g.sc);
-      }
+      __m512i sc;
+      const __m512i isum =
+          grouped_isum<Fmt>(row + 16 * c * Fmt::kBlockBytes, std::min<int64_t>(16, L.nb - 16 * c), a.act + 512 * c, sc);
       __m512 dw, cw;
       Fmt::scales(sc, dw, cw);
-      acc = chunk_update(groups_to_lanes(isum), dw, _mm512_load_ps(dx + 16 * c), cw, _mm512_load_ps(s + 16 * c), acc);
+      acc = chunk_update(isum, dw, _mm512_load_ps(dx + 16 * c), cw, _mm512_load_ps(s + 16 * c), acc);
     }
     out.add(acc, a.y + r);
   }
@@ -318,7 +332,8 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1) {
 
 // ---------------------------------------------------------------------------------------------
 // 32-block GEMM: a tile of 4 weight rows is unpacked once into scratch (per row and chunk: q[8],
-// dw, c = 640 bytes) and multiplied with the tokens 4 at a time, 16 accumulators in registers.
+// dw, c = 640 bytes; a partial last chunk holds its groups' lo / hi quants instead of q) and
+// multiplied with the tokens 4 at a time, 16 accumulators in registers.
 
 constexpr size_t kChunkBytes = 640;
 
@@ -334,11 +349,23 @@ void unpack_rows32(const MatmulArgs& a, const Layout16& L, int64_t r0, uint8_t* 
     const uint8_t* row = a.w.data + (r0 + i) * a.w_row_bytes;
     for (int64_t c = 0; c < L.nch; ++c) {
       const int nblk = static_cast<int>(std::min<int64_t>(16, L.nb - 16 * c));
-      Fmt::load_chunk(row + 16 * c * Fmt::kBlockBytes, nblk, ch);
+      const uint8_t* p = row + 16 * c * Fmt::kBlockBytes;
+      uint8_t* uc = u + c * kChunkBytes;
+      if (is_tail_chunk(L, c)) {
+        ch.sc = _mm512_setzero_si512();
+        std::memset(uc, 0, 512);
+        for (int i = 0; 4 * i < nblk; ++i) {
+          const Group g = Fmt::load_group(p + 4 * i * Fmt::kBlockBytes, std::min(4, nblk - 4 * i));
+          _mm512_store_si512(uc + 128 * i, g.lo);
+          _mm512_store_si512(uc + 128 * i + 64, g.hi);
+          ch.sc = _mm512_mask_broadcast_i32x4(ch.sc, static_cast<__mmask16>(0xf << (4 * i)), g.sc);
+        }
+      } else {
+        Fmt::load_chunk(p, nblk, ch);
+        for (int k = 0; k < 8; ++k) _mm512_store_si512(uc + 64 * k, ch.q[k]);
+      }
       __m512 dw, cw;
       Fmt::scales(ch.sc, dw, cw);
-      uint8_t* uc = u + c * kChunkBytes;
-      for (int k = 0; k < 8; ++k) _mm512_store_si512(uc + 64 * k, ch.q[k]);
       _mm512_store_ps(uc + 512, dw);
       _mm512_store_ps(uc + 576, cw);
     }
@@ -351,7 +378,8 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
   __m512 acc[4][T];
   for (int r = 0; r < 4; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < L.nch; ++c) {
+  const int64_t n_full = L.nb / 16;
+  for (int64_t c = 0; c < n_full; ++c) {
     for (int r = 0; r < 4; ++r) {
       const uint8_t* uc = wt + (r * L.nch + c) * kChunkBytes;
       __m512i q[8];
@@ -360,6 +388,27 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
       for (int t = 0; t < T; ++t) {
         const uint8_t* at = act + t * act_stride;
         acc[r][t] = chunk_update(chunk_isum(q, at + 512 * c), dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
+                                 _mm512_load_ps(at + L.s_off + 64 * c), acc[r][t]);
+      }
+    }
+  }
+  if (n_full < L.nch) {  // grouped tail chunk
+    const int64_t c = n_full;
+    const int n_groups = static_cast<int>((L.nb - 16 * c + 3) / 4);
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* uc = wt + (r * L.nch + c) * kChunkBytes;
+      const __m512 dw = _mm512_load_ps(uc + 512), cw = _mm512_load_ps(uc + 576);
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* at = act + t * act_stride;
+        __m512i isum[4];
+        for (int i = 0; i < 4; ++i) {
+          isum[i] = _mm512_setzero_si512();
+          if (i >= n_groups) continue;
+          isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_load_si512(uc + 128 * i), _mm512_load_si512(at + 512 * c + 128 * i));
+          isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_load_si512(uc + 128 * i + 64),
+                                        _mm512_load_si512(at + 512 * c + 128 * i + 64));
+        }
+        acc[r][t] = chunk_update(groups_to_lanes(isum), dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
                                  _mm512_load_ps(at + L.s_off + 64 * c), acc[r][t]);
       }
     }
@@ -438,7 +487,8 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 const MatmulKernels& kernels_avx512() {
-  static const MatmulKernels k{"avx512", act_row_bytes, quantize_act, scratch_bytes, matmul_rows,
+  using Acts = PerTokenActs<act_row_bytes, quantize_act>;
+  static const MatmulKernels k{"avx512", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows,
                                vec_dot, 4};
   return k;
 }

@@ -175,7 +175,8 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 const MatmulKernels& kernels_scalar() {
-  static const MatmulKernels k{"scalar", act_row_bytes, quantize_act, scratch_bytes, matmul_rows,
+  using Acts = PerTokenActs<act_row_bytes, quantize_act>;
+  static const MatmulKernels k{"scalar", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows,
                                vec_dot, 1};
   return k;
 }
