@@ -18,6 +18,13 @@ namespace {
 std::atomic<int> g_level_cap{static_cast<int>(SimdLevel::Avx512)};
 
 const detail::MatmulKernels& active_kernels() {
+#if defined(__x86_64__)
+  switch (matmul_simd_level()) {
+    case SimdLevel::Avx512: return detail::kernels_avx512();
+    case SimdLevel::Avx2: return detail::kernels_avx2();
+    default: break;
+  }
+#endif
   return detail::kernels_scalar();
 }
 
@@ -66,19 +73,22 @@ void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, Mat
   if (n_tokens <= 0 || w.n_out <= 0) return;
 
   const detail::MatmulKernels& k = active_kernels();
-  const size_t act_row = detail::align64(k.act_row_bytes(w.type, w.n_in));
-  const size_t act_bytes = detail::align64(act_row * static_cast<size_t>(n_tokens));
+  const size_t act_bytes = detail::align64(k.act_bytes(w.type, w.n_in, n_tokens));
   const size_t scratch = detail::align64(k.scratch_bytes(w.type, w.n_in));
   const int64_t work = w.n_in * w.n_out * n_tokens;
   const int nth = work < kMinParallelWork ? 1 : pool.size();
   uint8_t* buf = ws.reserve(act_bytes + scratch * static_cast<size_t>(nth));
 
-  if (act_row != 0) {
-    auto quantize = [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) k.quantize_act(w.type, x + t * w.n_in, w.n_in, buf + t * act_row);
-    };
-    if (nth > 1 && n_tokens >= 8) pool.parallel_for(n_tokens, 4, quantize);
-    else quantize(0, n_tokens);
+  if (act_bytes != 0) {
+    if (nth > 1 && n_tokens >= 32) {
+      // Split at multiples of 16 tokens (see MatmulKernels::quantize_acts).
+      const int64_t n_groups = (n_tokens + 15) / 16;
+      pool.parallel_for(n_groups, 1, [&](int64_t g0, int64_t g1) {
+        k.quantize_acts(w.type, x, w.n_in, n_tokens, 16 * g0, std::min(n_tokens, 16 * g1), buf);
+      });
+    } else {
+      k.quantize_acts(w.type, x, w.n_in, n_tokens, 0, n_tokens, buf);
+    }
   }
 
   detail::MatmulArgs args;
@@ -86,7 +96,7 @@ void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, Mat
   args.w_row_bytes = row_bytes(w.type, w.n_in);
   args.x = x;
   args.act = buf;
-  args.act_stride = act_row;
+  args.act_stride = k.act_stride(w.type, w.n_in, n_tokens);
   args.n_tokens = n_tokens;
   args.y = y;
   uint8_t* scratch_base = buf + act_bytes;

@@ -18,18 +18,23 @@ struct MatmulArgs {
   WeightView w;
   size_t w_row_bytes = 0;        // bytes of one weight row
   const float* x = nullptr;      // [n_tokens, n_in] f32 (float weight types read this)
-  const uint8_t* act = nullptr;  // [n_tokens, act_stride] quantized x (quantized weight types)
-  size_t act_stride = 0;         // bytes per token in act
+  const uint8_t* act = nullptr;  // quantized x in the kernel's layout (quantized weight types)
+  size_t act_stride = 0;         // bytes per token in act, for layouts that keep tokens apart
   int64_t n_tokens = 0;
   float* y = nullptr;            // [n_tokens, n_out]
 };
 
 struct MatmulKernels {
   const char* name;
-  // Bytes of one token's quantized activations for weights of `type` (0: the kernel reads f32 x).
-  size_t (*act_row_bytes)(GgmlType type, int64_t n_in);
-  // Quantizes one token: x [n_in] f32 -> dst [act_row_bytes] (64-byte aligned).
-  void (*quantize_act)(GgmlType type, const float* x, int64_t n_in, uint8_t* dst);
+  // Bytes of a call's quantized activations for weights of `type` (0: the kernel reads f32 x),
+  // and the distance between consecutive tokens in them (0 if the layout interleaves tokens).
+  // The layout may depend on n_tokens (e.g. one arrangement for the GEMV, another for the GEMM).
+  size_t (*act_bytes)(GgmlType type, int64_t n_in, int64_t n_tokens);
+  size_t (*act_stride)(GgmlType type, int64_t n_in, int64_t n_tokens);
+  // Quantizes tokens [t0, t1) of x [n_tokens, n_in] into dst (the call's 64-byte aligned buffer);
+  // t0 is a multiple of 16, so threads can split a call's tokens without sharing cache lines.
+  void (*quantize_acts)(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
+                        uint8_t* dst);
   // Per-thread scratch that matmul_rows needs (64-byte aligned).
   size_t (*scratch_bytes)(GgmlType type, int64_t n_in);
   // Computes y[t, r] for r in [r0, r1) and every token. r0 is a multiple of row_tile.
@@ -39,6 +44,10 @@ struct MatmulKernels {
 };
 
 const MatmulKernels& kernels_scalar();
+#if defined(__x86_64__)
+const MatmulKernels& kernels_avx2();
+const MatmulKernels& kernels_avx512();
+#endif
 
 // ---- shared numerics ----
 
@@ -75,5 +84,46 @@ void q4k_unpack(const BlockQ4_K& b, uint8_t q[QK_K]);
 void q6k_unpack(const BlockQ6_K& b, int8_t q[QK_K]);
 
 inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// For kernels whose activations are one fixed-size record per token: the three MatmulKernels
+// functions from the record size and a one-token quantizer.
+template <size_t (*kRowBytes)(GgmlType, int64_t), void (*kQuantize)(GgmlType, const float*, int64_t, int64_t, uint8_t*)>
+struct PerTokenActs {
+  static size_t bytes(GgmlType type, int64_t n_in, int64_t n_tokens) {
+    return kRowBytes(type, n_in) * static_cast<size_t>(n_tokens);
+  }
+  static size_t stride(GgmlType type, int64_t n_in, int64_t) { return kRowBytes(type, n_in); }
+  static void quantize(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
+                       uint8_t* dst) {
+    const size_t stride = kRowBytes(type, n_in);
+    for (int64_t t = t0; t < t1; ++t) kQuantize(type, x + t * n_in, n_in, n_tokens, dst + t * stride);
+  }
+};
+
+// Natural-order activation layouts (scalar and AVX2 kernels; AVX-512 uses ActLayoutK for the
+// K-quants and its own interleaved layout for 32-blocks). Offsets in bytes from the token's start.
+//   ActLayout32: int8 qs[n_in] | f32 d[nb] | f32 s[nb], zero-padded to a multiple of 16
+//                (s = d * sum(qs) of the block; the padding lets SIMD code read s in chunks)
+//   ActLayoutK:  int8 qs[n_in] | f32 d[nsb] | int16 bsums[n_in / 16]
+struct ActLayout32 {
+  int64_t nb;
+  size_t d_off, s_off, bytes;
+  explicit ActLayout32(int64_t n_in)
+      : nb(n_in / 32), d_off(align64(static_cast<size_t>(n_in))),
+        s_off(d_off + align64(static_cast<size_t>(nb) * 4)), bytes(s_off + align64(static_cast<size_t>(nb) * 4)) {}
+};
+struct ActLayoutK {
+  int64_t nsb;
+  size_t d_off, bsums_off, bytes;
+  explicit ActLayoutK(int64_t n_in)
+      : nsb(n_in / QK_K), d_off(align64(static_cast<size_t>(n_in))),
+        bsums_off(d_off + align64(static_cast<size_t>(nsb) * 4)),
+        bytes(bsums_off + align64(static_cast<size_t>(n_in / 16) * 2)) {}
+};
+
+inline bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+inline bool is_float_type(GgmlType t) {
+  return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
+}
 
 }  // namespace kestrel::cpu::detail

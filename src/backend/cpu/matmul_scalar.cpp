@@ -11,51 +11,40 @@
 namespace kestrel::cpu::detail {
 namespace {
 
-bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
-bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
-
 struct Act32 {
   const int8_t* qs;
   const float* d;
   const float* s;
 };
 Act32 act32(const uint8_t* p, int64_t n_in) {
-  const int64_t nb = n_in / 32;
-  const size_t qs_bytes = align64(static_cast<size_t>(n_in));
-  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + qs_bytes),
-          reinterpret_cast<const float*>(p + qs_bytes) + nb};
+  const ActLayout32 L(n_in);
+  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + L.d_off),
+          reinterpret_cast<const float*>(p + L.s_off)};
 }
 
-struct Act256 {
+struct ActK {
   const int8_t* qs;
   const float* d;
   const int16_t* bsums;
 };
-Act256 act256(const uint8_t* p, int64_t n_in) {
-  const int64_t nsb = n_in / QK_K;
-  const size_t qs_bytes = align64(static_cast<size_t>(n_in));
-  const size_t d_bytes = align64(static_cast<size_t>(nsb) * 4);
-  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + qs_bytes),
-          reinterpret_cast<const int16_t*>(p + qs_bytes + d_bytes)};
+ActK act_k(const uint8_t* p, int64_t n_in) {
+  const ActLayoutK L(n_in);
+  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + L.d_off),
+          reinterpret_cast<const int16_t*>(p + L.bsums_off)};
 }
 
 size_t act_row_bytes(GgmlType type, int64_t n_in) {
-  if (is_float(type)) return 0;
-  const size_t qs_bytes = align64(static_cast<size_t>(n_in));
-  if (is_k_quant(type))
-    return qs_bytes + align64(static_cast<size_t>(n_in / QK_K) * 4) +
-           align64(static_cast<size_t>(n_in / 16) * 2);
-  return qs_bytes + align64(static_cast<size_t>(n_in / 32) * 8);
+  if (is_float_type(type)) return 0;
+  return is_k_quant(type) ? ActLayoutK(n_in).bytes : ActLayout32(n_in).bytes;
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, uint8_t* dst) {
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
   auto* qs = reinterpret_cast<int8_t*>(dst);
   if (is_k_quant(type)) {
-    const int64_t nsb = n_in / QK_K;
-    float* d = reinterpret_cast<float*>(dst + align64(static_cast<size_t>(n_in)));
-    auto* bsums = reinterpret_cast<int16_t*>(dst + align64(static_cast<size_t>(n_in)) +
-                                             align64(static_cast<size_t>(nsb) * 4));
-    for (int64_t b = 0; b < nsb; ++b) {
+    const ActLayoutK L(n_in);
+    auto* d = reinterpret_cast<float*>(dst + L.d_off);
+    auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    for (int64_t b = 0; b < L.nsb; ++b) {
       quantize_block_q8(x + b * QK_K, QK_K, qs + b * QK_K, d + b);
       for (int g = 0; g < QK_K / 16; ++g) {
         int sum = 0;
@@ -65,19 +54,20 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, uint8_t* dst) {
     }
     return;
   }
-  const int64_t nb = n_in / 32;
-  float* d = reinterpret_cast<float*>(dst + align64(static_cast<size_t>(n_in)));
-  float* s = d + nb;
-  for (int64_t b = 0; b < nb; ++b) {
+  const ActLayout32 L(n_in);
+  auto* d = reinterpret_cast<float*>(dst + L.d_off);
+  auto* s = reinterpret_cast<float*>(dst + L.s_off);
+  for (int64_t b = 0; b < L.nb; ++b) {
     quantize_block_q8(x + b * 32, 32, qs + b * 32, d + b);
     int sum = 0;
     for (int l = 0; l < 32; ++l) sum += qs[b * 32 + l];
     s[b] = d[b] * static_cast<float>(sum);
   }
+  std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
 }
 
 size_t scratch_bytes(GgmlType type, int64_t n_in) {
-  return is_float(type) ? align64(static_cast<size_t>(n_in) * sizeof(float)) : 0;
+  return is_float_type(type) ? align64(static_cast<size_t>(n_in) * sizeof(float)) : 0;
 }
 
 // One weight row against one token's activations.
@@ -110,7 +100,7 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
       return sum;
     }
     case GgmlType::Q4_K: {
-      const Act256 a = act256(act, n_in);
+      const ActK a = act_k(act, n_in);
       uint8_t q[QK_K];
       for (int64_t b = 0; b < n_in / QK_K; ++b) {
         const auto& blk = reinterpret_cast<const BlockQ4_K*>(w)[b];
@@ -132,7 +122,7 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
       return sum;
     }
     case GgmlType::Q6_K: {
-      const Act256 a = act256(act, n_in);
+      const ActK a = act_k(act, n_in);
       int8_t q[QK_K];
       for (int64_t b = 0; b < n_in / QK_K; ++b) {
         const auto& blk = reinterpret_cast<const BlockQ6_K*>(w)[b];
@@ -156,7 +146,7 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   const GgmlType type = a.w.type;
   const int64_t n_in = a.w.n_in;
-  if (is_float(type)) {
+  if (is_float_type(type)) {
     auto* wf = reinterpret_cast<float*>(scratch);
     for (int64_t r = r0; r < r1; ++r) {
       dequantize_row(type, a.w.data + r * a.w_row_bytes, wf, n_in);
@@ -185,7 +175,8 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 const MatmulKernels& kernels_scalar() {
-  static const MatmulKernels k{"scalar", act_row_bytes, quantize_act, scratch_bytes, matmul_rows,
+  using Acts = PerTokenActs<act_row_bytes, quantize_act>;
+  static const MatmulKernels k{"scalar", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows,
                                vec_dot, 1};
   return k;
 }

@@ -1,0 +1,154 @@
+// Micro benchmarks of the CPU matmul kernels on SmolLM2-135M's shapes, and a whole-model estimate.
+//
+//   BM_Matmul/<type>/<n_in>/<n_out>/<n_tokens>: one weight matrix, the same one every iteration
+//     (small ones stay in cache, so this is the kernel's speed, not memory's).
+//   BM_Smollm2Matmuls/<n_tokens>: every linear layer of the model in forward order (30 layers x
+//     q, k, v, o, gate, up, down, then the Q8_0 output head), each with its own weights (~96 MiB,
+//     like the real model), so it includes the memory traffic a real decode step sees. Reports
+//     matmul-only tokens/s; attention, norms and the rest of the forward pass come on top.
+//
+// Threads: KESTREL_BENCH_THREADS (default: all cores). SIMD level: KESTREL_SIMD.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+
+using namespace kestrel;
+using namespace kestrel::cpu;
+
+namespace {
+
+ThreadPool& pool() {
+  static ThreadPool p([] {
+    const char* e = std::getenv("KESTREL_BENCH_THREADS");
+    return e ? std::atoi(e) : 0;
+  }());
+  return p;
+}
+
+// Random quants with sane fp16 scales (random bytes there could be NaN or denormal).
+std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, uint32_t seed) {
+  std::vector<uint8_t> data(row_bytes(type, n_in) * static_cast<size_t>(n_out));
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i + 4 <= data.size(); i += 4) {
+    const uint32_t v = rng();
+    std::memcpy(&data[i], &v, 4);
+  }
+  const auto& tr = type_traits(type);
+  const uint16_t d = fp32_to_fp16(0.01f), m = fp32_to_fp16(-0.08f);
+  for (size_t b = 0; b < data.size() / tr.block_bytes; ++b) {
+    uint8_t* blk = data.data() + b * tr.block_bytes;
+    if (type == GgmlType::Q4_0 || type == GgmlType::Q8_0 || type == GgmlType::Q4_1) std::memcpy(blk, &d, 2);
+    if (type == GgmlType::Q4_1) std::memcpy(blk + 2, &m, 2);
+  }
+  return data;
+}
+
+std::vector<float> random_x(int64_t n, uint32_t seed) {
+  std::vector<float> x(static_cast<size_t>(n));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& v : x) v = nd(rng);
+  return x;
+}
+
+void BM_Matmul(benchmark::State& state) {
+  const auto type = static_cast<GgmlType>(state.range(0));
+  const int64_t n_in = state.range(1), n_out = state.range(2), n_tokens = state.range(3);
+  const auto w = random_weights(type, n_in, n_out, 1);
+  const auto x = random_x(n_in * n_tokens, 2);
+  std::vector<float> y(static_cast<size_t>(n_out * n_tokens));
+  MatmulWorkspace ws;
+  const WeightView view{type, n_in, n_out, w.data()};
+  for (auto _ : state) {
+    matmul(view, x.data(), n_tokens, y.data(), ws, pool());
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double flops = 2.0 * n_in * n_out * n_tokens;
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(n_tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s(w)"] = benchmark::Counter(w.size() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(std::string(type_name(type)));
+}
+
+constexpr int64_t kQ41 = static_cast<int64_t>(GgmlType::Q4_1);
+constexpr int64_t kQ80 = static_cast<int64_t>(GgmlType::Q8_0);
+
+void shapes(benchmark::internal::Benchmark* b) {
+  for (int64_t n_tokens : {1, 128}) {
+    b->Args({kQ41, 576, 576, n_tokens});    // q, o
+    b->Args({kQ41, 576, 192, n_tokens});    // k, v
+    b->Args({kQ41, 576, 1536, n_tokens});   // gate, up
+    b->Args({kQ41, 1536, 576, n_tokens});   // down
+    b->Args({kQ80, 576, 49152, n_tokens});  // output head
+  }
+  b->ArgNames({"type", "n_in", "n_out", "n_tokens"});
+}
+// The machine may be shared: run with --benchmark_repetitions=N and read the "min" rows.
+double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+BENCHMARK(BM_Matmul)->Apply(shapes)->UseRealTime()->MinTime(0.3)->ComputeStatistics("min", min_of);
+
+// SmolLM2-135M: n_embd 576, 9 heads / 3 KV heads of 64, FFN 1536, 30 layers, vocab 49152.
+struct ModelWeights {
+  struct Layer {
+    std::vector<uint8_t> q, k, v, o, gate, up, down;
+  };
+  std::vector<Layer> layers;
+  std::vector<uint8_t> head;
+  ModelWeights() {
+    uint32_t seed = 10;
+    for (int l = 0; l < 30; ++l) {
+      Layer L;
+      L.q = random_weights(GgmlType::Q4_1, 576, 576, seed++);
+      L.k = random_weights(GgmlType::Q4_1, 576, 192, seed++);
+      L.v = random_weights(GgmlType::Q4_1, 576, 192, seed++);
+      L.o = random_weights(GgmlType::Q4_1, 576, 576, seed++);
+      L.gate = random_weights(GgmlType::Q4_1, 576, 1536, seed++);
+      L.up = random_weights(GgmlType::Q4_1, 576, 1536, seed++);
+      L.down = random_weights(GgmlType::Q4_1, 1536, 576, seed++);
+      layers.push_back(std::move(L));
+    }
+    head = random_weights(GgmlType::Q8_0, 576, 49152, seed++);
+  }
+};
+
+void BM_Smollm2Matmuls(benchmark::State& state) {
+  static const ModelWeights model;
+  const int64_t n_tokens = state.range(0);
+  const bool with_head = state.range(1) != 0;
+  const auto x576 = random_x(576 * n_tokens, 3), x1536 = random_x(1536 * n_tokens, 4);
+  std::vector<float> y(static_cast<size_t>(49152 * n_tokens));
+  MatmulWorkspace ws;
+  auto mm = [&](const std::vector<uint8_t>& w, GgmlType t, int64_t n_in, int64_t n_out) {
+    matmul(WeightView{t, n_in, n_out, w.data()}, n_in == 576 ? x576.data() : x1536.data(), n_tokens, y.data(),
+           ws, pool());
+  };
+  for (auto _ : state) {
+    for (const auto& L : model.layers) {
+      mm(L.q, GgmlType::Q4_1, 576, 576);
+      mm(L.k, GgmlType::Q4_1, 576, 192);
+      mm(L.v, GgmlType::Q4_1, 576, 192);
+      mm(L.o, GgmlType::Q4_1, 576, 576);
+      mm(L.gate, GgmlType::Q4_1, 576, 1536);
+      mm(L.up, GgmlType::Q4_1, 576, 1536);
+      mm(L.down, GgmlType::Q4_1, 1536, 576);
+    }
+    if (with_head) mm(model.head, GgmlType::Q8_0, 576, 49152);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(n_tokens), benchmark::Counter::kIsIterationInvariantRate);
+}
+// Decode (1 token, with the head); prefill of 128 tokens with the head for every token, and
+// without it (a runner only needs the last token's logits).
+BENCHMARK(BM_Smollm2Matmuls)->Args({1, 1})->Args({128, 1})->Args({128, 0})->ArgNames({"n_tokens", "head"})
+    ->UseRealTime()->MinTime(1.0)->ComputeStatistics("min", min_of);
+
+}  // namespace

@@ -1,0 +1,487 @@
+// AVX2 + FMA + F16C kernels (for x86-64 CPUs without AVX-512 VNNI).
+//
+// Without vpdpbusd the integer dot products use vpmaddubsw (u8 x s8 -> s16 pairs) and vpmaddwd
+// (-> s32). vpmaddubsw saturates at 2^15, so the unsigned operand must stay small: Q4_0 / Q4_1
+// nibbles (0..15) are used as they are (offsets via the activation's block sums s, as in the
+// AVX-512 kernels), while Q8_0 uses |w| and moves w's sign onto the activation (vpsignb):
+// 2 * 128 * 127 < 2^15. One 256-bit register holds one 32-element block in natural order, so the
+// activation layouts are the scalar ones (ActLayout32, ActLayoutK) with identical rounding.
+//
+// As in the AVX-512 file, a (row, token) output runs the same instruction sequence alone (GEMV)
+// or inside a GEMM tile (2 rows x 4 tokens, weights unpacked once per row pair), and every
+// accumulator is reduced by hsum8, so outputs do not depend on the batch.
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/matmul_kernels.h"
+
+namespace kestrel::cpu::detail {
+namespace {
+
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)): one fixed order for every output.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float load_fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Quantizes n (a multiple of 32) floats to int8 with one scale; returns the scale, stores the
+// quants in natural order, and the sum of each 32-element run in sums (if not null).
+// Same rounding as quantize_block_q8.
+float quantize_run(const float* x, int n, int8_t* q, int* sum32) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  const float amax = hmax8(mx);
+  const __m256 id = _mm256_set1_ps(q8_inverse_scale(amax));
+  for (int i = 0; i < n; i += 32) {
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), id));
+    if (sum32)
+      sum32[i / 32] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+    // packs work per 128-bit lane; the final permute restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  return q8_scale(amax);
+}
+
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
+  auto* qs = reinterpret_cast<int8_t*>(dst);
+  if (is_k_quant(type)) {
+    const ActLayoutK L(n_in);
+    auto* d = reinterpret_cast<float*>(dst + L.d_off);
+    auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    for (int64_t b = 0; b < L.nsb; ++b) {
+      d[b] = quantize_run(x + b * QK_K, QK_K, qs + b * QK_K, nullptr);
+      for (int g = 0; g < QK_K / 16; ++g) {
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * QK_K + 16 * g));
+        const __m256i w = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q), _mm256_set1_epi16(1));
+        bsums[b * (QK_K / 16) + g] = static_cast<int16_t>(hsum8_epi32(w));
+      }
+    }
+    return;
+  }
+  const ActLayout32 L(n_in);
+  auto* d = reinterpret_cast<float*>(dst + L.d_off);
+  auto* s = reinterpret_cast<float*>(dst + L.s_off);
+  for (int64_t b = 0; b < L.nb; ++b) {
+    int sum;
+    d[b] = quantize_run(x + 32 * b, 32, qs + 32 * b, &sum);
+    s[b] = d[b] * static_cast<float>(sum);
+  }
+  std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
+}
+
+// ---- 32-element block formats ----
+// prep() turns a block's quants into the two operands the dot product needs: u (unsigned, for
+// vpmaddubsw) and, for Q8_0, the signed quants whose signs move onto the activation.
+
+struct Prepared {
+  __m256i u, sign;
+};
+
+struct A2Q4_0 {
+  static constexpr int kBlockBytes = sizeof(BlockQ4_0);
+  static constexpr bool kHasOffset = true;
+  static __m256i quants(const uint8_t* blk) {  // element order: low nibbles, then high nibbles
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                   _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+  }
+  static float d(const uint8_t* blk) { return load_fp16(blk); }
+  static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
+  static Prepared prep(__m256i q) { return {q, q}; }
+  static __m256i dot(const Prepared& p, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(p.u, a), _mm256_set1_epi16(1));
+  }
+};
+
+struct A2Q4_1 : A2Q4_0 {
+  static constexpr int kBlockBytes = sizeof(BlockQ4_1);
+  static __m256i quants(const uint8_t* blk) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
+                                   _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
+  }
+  static float c(const uint8_t* blk) { return load_fp16(blk + 2); }
+};
+
+struct A2Q8_0 {
+  static constexpr int kBlockBytes = sizeof(BlockQ8_0);
+  static constexpr bool kHasOffset = false;
+  static __m256i quants(const uint8_t* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)); }
+  static float d(const uint8_t* blk) { return load_fp16(blk); }
+  static float c(const uint8_t*) { return 0.0f; }
+  static Prepared prep(__m256i q) { return {_mm256_sign_epi8(q, q), q}; }
+  static __m256i dot(const Prepared& p, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(p.u, _mm256_sign_epi8(a, p.sign)), _mm256_set1_epi16(1));
+  }
+};
+
+struct Act32 {
+  const int8_t* qs;
+  const float* d;
+  const float* s;
+  Act32(const uint8_t* p, const ActLayout32& L)
+      : qs(reinterpret_cast<const int8_t*>(p)), d(reinterpret_cast<const float*>(p + L.d_off)),
+        s(reinterpret_cast<const float*>(p + L.s_off)) {}
+};
+
+inline __m256i load_a(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// GEMV; scratch holds the row's block offsets c (zero-padded to 8).
+template <class F>
+void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
+  const ActLayout32 L(a.w.n_in);
+  const Act32 x(a.act, L);
+  const int64_t n_ch = (L.nb + 7) / 8;
+  auto* c = reinterpret_cast<float*>(scratch);
+  std::memset(c, 0, static_cast<size_t>(n_ch) * 32);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < L.nb; ++b) {
+      const uint8_t* blk = row + b * F::kBlockBytes;
+      const __m256i isum = F::dot(F::prep(F::quants(blk)), load_a(x.qs + 32 * b));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(F::d(blk) * x.d[b]), acc);
+      if constexpr (F::kHasOffset) c[b] = F::c(blk);
+    }
+    if constexpr (F::kHasOffset)
+      for (int64_t ch = 0; ch < n_ch; ++ch)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(c + 8 * ch), _mm256_loadu_ps(x.s + 8 * ch), acc);
+    a.y[r] = hsum8(acc);
+  }
+}
+
+// GEMM: two rows unpacked into scratch (quants [nb][32], d [nb], c [n_ch * 8]), tokens 4 at a time.
+struct Unpacked32 {
+  int64_t n_ch;
+  size_t d_off, c_off, row_bytes;
+  explicit Unpacked32(const ActLayout32& L)
+      : n_ch((L.nb + 7) / 8), d_off(static_cast<size_t>(L.nb) * 32), c_off(align64(d_off + static_cast<size_t>(L.nb) * 4)),
+        row_bytes(align64(c_off + static_cast<size_t>(n_ch) * 32)) {}
+};
+
+template <class F, int T>
+void tile32(const MatmulArgs& a, const ActLayout32& L, const Unpacked32& U, const uint8_t* wt, int64_t t0,
+            int64_t r, int n_rows) {
+  __m256 acc[2][T];
+  for (int i = 0; i < 2; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < L.nb; ++b) {
+    for (int i = 0; i < 2; ++i) {
+      const uint8_t* u = wt + i * U.row_bytes;
+      const Prepared p = F::prep(_mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * b)));
+      const float dw = reinterpret_cast<const float*>(u + U.d_off)[b];
+      for (int t = 0; t < T; ++t) {
+        const Act32 x(a.act + (t0 + t) * a.act_stride, L);
+        const __m256i isum = F::dot(p, load_a(x.qs + 32 * b));
+        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]), acc[i][t]);
+      }
+    }
+  }
+  if constexpr (F::kHasOffset) {
+    for (int64_t ch = 0; ch < U.n_ch; ++ch) {
+      for (int i = 0; i < 2; ++i) {
+        const __m256 c = _mm256_load_ps(reinterpret_cast<const float*>(wt + i * U.row_bytes + U.c_off) + 8 * ch);
+        for (int t = 0; t < T; ++t) {
+          const Act32 x(a.act + (t0 + t) * a.act_stride, L);
+          acc[i][t] = _mm256_fmadd_ps(c, _mm256_loadu_ps(x.s + 8 * ch), acc[i][t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < n_rows; ++i) a.y[(t0 + t) * a.w.n_out + r + i] = hsum8(acc[i][t]);
+}
+
+template <class F>
+void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
+  const ActLayout32 L(a.w.n_in);
+  const Unpacked32 U(L);
+  for (int64_t r = r0; r < r1; r += 2) {
+    const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
+    for (int i = 0; i < 2; ++i) {
+      uint8_t* u = scratch + i * U.row_bytes;
+      auto* d = reinterpret_cast<float*>(u + U.d_off);
+      auto* c = reinterpret_cast<float*>(u + U.c_off);
+      std::memset(c, 0, static_cast<size_t>(U.n_ch) * 32);
+      // A missing second row repeats the first (its outputs are not stored).
+      const uint8_t* row = a.w.data + (r + std::min(i, n_rows - 1)) * a.w_row_bytes;
+      for (int64_t b = 0; b < L.nb; ++b) {
+        const uint8_t* blk = row + b * F::kBlockBytes;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * b), F::quants(blk));
+        d[b] = F::d(blk);
+        c[b] = F::c(blk);
+      }
+    }
+    int64_t t = 0;
+    for (; t + 4 <= a.n_tokens; t += 4) tile32<F, 4>(a, L, U, scratch, t, r, n_rows);
+    switch (a.n_tokens - t) {
+      case 3: tile32<F, 3>(a, L, U, scratch, t, r, n_rows); break;
+      case 2: tile32<F, 2>(a, L, U, scratch, t, r, n_rows); break;
+      case 1: tile32<F, 1>(a, L, U, scratch, t, r, n_rows); break;
+      default: break;
+    }
+  }
+}
+
+// ---- K-quants: one row against up to 4 tokens, a super-block unpacked once ----
+
+struct A2UnpackedQ4K {
+  __m256i q[8], sc[8];  // quants of elements 32k..32k+31; s16 scale of sub-block k
+  __m256i m16;          // s16 min per bsum (16 elements): m_{i/2}
+  float d, dmin;
+};
+
+struct A2Q4_K {
+  using Block = BlockQ4_K;
+  using Unpacked = A2UnpackedQ4K;
+  static void unpack(const Block& b, Unpacked& u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {  // 32 bytes of qs: low nibbles are sub-block 2j, high 2j+1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j));
+      u.q[2 * j] = _mm256_and_si256(v, m4);
+      u.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    alignas(32) int16_t mn[16];
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      q4k_scale_min(b.scales, j, &s, &m);
+      u.sc[j] = _mm256_set1_epi16(static_cast<short>(s));
+      mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
+    }
+    u.m16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn));
+    u.d = _cvtsh_ss(b.d);
+    u.dmin = _cvtsh_ss(b.dmin);
+  }
+  static __m256 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m256 acc) {
+    __m256i iacc = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k)
+      iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
+    const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(u.d * da), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_set1_ps(-(u.dmin * da)), acc);
+  }
+};
+
+struct A2UnpackedQ6K {
+  __m256i q[8], sc[8];  // quants + 32 of elements 32k..32k+31; s16 scales (sub-blocks 2k, 2k+1)
+  __m256i sc16;         // the 16 scales as s16
+  float d;
+};
+
+struct A2Q6_K {
+  using Block = BlockQ6_K;
+  using Unpacked = A2UnpackedQ6K;
+  static void unpack(const Block& b, Unpacked& u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      // Element 32k + l of the half: ql[(k & 1) * 32 + l] nibble (low for k < 2), qh[l] bits 2k.
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+      const __m256i lo4[4] = {_mm256_and_si256(ql0, m4), _mm256_and_si256(ql1, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                              _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4)};
+      for (int k = 0; k < 4; ++k) {
+        const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
+        u.q[4 * h + k] = _mm256_or_si256(lo4[k], _mm256_slli_epi16(hi2, 4));
+      }
+    }
+    u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    for (int k = 0; k < 8; ++k) {  // maddubs lanes 0..7 are sub-block 2k, lanes 8..15 sub-block 2k+1
+      const __m256i lo = _mm256_set1_epi16(b.scales[2 * k]), hi = _mm256_set1_epi16(b.scales[2 * k + 1]);
+      u.sc[k] = _mm256_blend_epi32(lo, hi, 0xf0);
+    }
+    u.d = _cvtsh_ss(b.d);
+  }
+  static __m256 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m256 acc) {
+    __m256i iacc = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k)
+      iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
+    const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
+    iacc = _mm256_sub_epi32(iacc, _mm256_slli_epi32(ioff, 5));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(u.d * da), acc);
+  }
+};
+
+template <class F, int T>
+void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, int64_t r, int64_t t0) {
+  const auto* blocks = reinterpret_cast<const typename F::Block*>(a.w.data + r * a.w_row_bytes);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  typename F::Unpacked u;
+  for (int64_t b = 0; b < L.nsb; ++b) {
+    F::unpack(blocks[b], u);
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* at = a.act + (t0 + t) * a.act_stride;
+      acc[t] = F::dot(u, reinterpret_cast<const int8_t*>(at) + b * QK_K,
+                      reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16),
+                      reinterpret_cast<const float*>(at + L.d_off)[b], acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) a.y[(t0 + t) * a.w.n_out + r] = hsum8(acc[t]);
+}
+
+template <class F>
+void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const ActLayoutK L(a.w.n_in);
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t t = 0;
+    for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, r, t);
+    switch (a.n_tokens - t) {
+      case 3: kquant_tile<F, 3>(a, L, r, t); break;
+      case 2: kquant_tile<F, 2>(a, L, r, t); break;
+      case 1: kquant_tile<F, 1>(a, L, r, t); break;
+      default: break;
+    }
+  }
+}
+
+// ---- F32 / F16 / BF16: 8 elements at a time; a ragged tail goes through a zero-padded copy ----
+
+struct A2F32 {
+  static constexpr int kBytes = 4;
+  static __m256 load(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+};
+struct A2F16 {
+  static constexpr int kBytes = 2;
+  static __m256 load(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+struct A2BF16 {
+  static constexpr int kBytes = 2;
+  static __m256 load(const uint8_t* p) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+};
+
+template <class F>
+__m256 load_w(const uint8_t* row, int64_t k, int64_t n) {
+  if (k + 8 <= n) return F::load(row + k * F::kBytes);
+  alignas(32) uint8_t tmp[32] = {};
+  std::memcpy(tmp, row + k * F::kBytes, static_cast<size_t>(n - k) * F::kBytes);
+  return F::load(tmp);
+}
+inline __m256 load_x(const float* x, int64_t k, int64_t n) {
+  if (k + 8 <= n) return _mm256_loadu_ps(x + k);
+  alignas(32) float tmp[8] = {};
+  std::memcpy(tmp, x + k, static_cast<size_t>(n - k) * 4);
+  return _mm256_load_ps(tmp);
+}
+
+template <class F, int T>
+void float_tile(const MatmulArgs& a, int64_t r, int n_rows, int64_t t0) {
+  const int64_t n = a.w.n_in;
+  const uint8_t* rows[2] = {a.w.data + r * a.w_row_bytes, a.w.data + (r + n_rows - 1) * a.w_row_bytes};
+  __m256 acc[2][T];
+  for (int i = 0; i < 2; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    for (int i = 0; i < 2; ++i) {
+      const __m256 w = load_w<F>(rows[i], k, n);
+      for (int t = 0; t < T; ++t) acc[i][t] = _mm256_fmadd_ps(w, load_x(a.x + (t0 + t) * n, k, n), acc[i][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < n_rows; ++i) a.y[(t0 + t) * a.w.n_out + r + i] = hsum8(acc[i][t]);
+}
+
+template <class F>
+void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += 2) {
+    const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
+    int64_t t = 0;
+    for (; t + 4 <= a.n_tokens; t += 4) float_tile<F, 4>(a, r, n_rows, t);
+    switch (a.n_tokens - t) {
+      case 3: float_tile<F, 3>(a, r, n_rows, t); break;
+      case 2: float_tile<F, 2>(a, r, n_rows, t); break;
+      case 1: float_tile<F, 1>(a, r, n_rows, t); break;
+      default: break;
+    }
+  }
+}
+
+// ---- kernel table ----
+
+size_t act_row_bytes(GgmlType type, int64_t n_in) {
+  if (is_float_type(type)) return 0;
+  return is_k_quant(type) ? ActLayoutK(n_in).bytes : ActLayout32(n_in).bytes;
+}
+
+size_t scratch_bytes(GgmlType type, int64_t n_in) {
+  if (is_float_type(type) || is_k_quant(type)) return 0;
+  return 2 * Unpacked32(ActLayout32(n_in)).row_bytes;
+}
+
+template <class F>
+void matmul32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (a.n_tokens == 1) gemv32<F>(a, r0, r1, scratch);
+  else gemm32<F>(a, r0, r1, scratch);
+}
+
+void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
+  switch (a.w.type) {
+    case GgmlType::Q4_0: matmul32<A2Q4_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q4_1: matmul32<A2Q4_1>(a, r0, r1, scratch); break;
+    case GgmlType::Q8_0: matmul32<A2Q8_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q4_K: matmul_kquant<A2Q4_K>(a, r0, r1); break;
+    case GgmlType::Q6_K: matmul_kquant<A2Q6_K>(a, r0, r1); break;
+    case GgmlType::F32: matmul_float<A2F32>(a, r0, r1); break;
+    case GgmlType::F16: matmul_float<A2F16>(a, r0, r1); break;
+    case GgmlType::BF16: matmul_float<A2BF16>(a, r0, r1); break;
+    default: break;
+  }
+}
+
+float vec_dot(const float* a, const float* b, int64_t n) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int k = 0; k < 4; ++k)
+      acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * k), _mm256_loadu_ps(b + i + 8 * k), acc[k]);
+  for (; i < n; i += 8) acc[0] = _mm256_fmadd_ps(load_x(a, i, n), load_x(b, i, n), acc[0]);
+  return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+}  // namespace
+
+const MatmulKernels& kernels_avx2() {
+  using Acts = PerTokenActs<act_row_bytes, quantize_act>;
+  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, 2};
+  return k;
+}
+
+}  // namespace kestrel::cpu::detail
+
+#endif  // __x86_64__

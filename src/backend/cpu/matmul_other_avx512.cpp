@@ -1,0 +1,270 @@
+// AVX-512 kernels for the weight types that are not on SmolLM2's hot path: Q4_K and Q6_K
+// (256-element super-blocks) and F32 / F16 / BF16.
+//
+// K-quants: the 4/6-bit quants times int8 activations go through vpmaddubsw (pairs -> s16, no
+// saturation: 2 * 63 * 127 < 2^15) and vpmaddwd with the sub-block scales (-> s32), so a whole
+// super-block is summed in integers and scaled to f32 once. The min / offset terms use the
+// activation's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
+//
+// Every (row, token) output runs the same instruction sequence whether it is computed alone or in
+// a tile of 4 tokens (the tile only shares the unpacked weights), and is reduced by reduce16, so
+// outputs do not depend on the batch.
+#if defined(__x86_64__)
+
+// First: it sets up <immintrin.h> (see there).
+#include "backend/cpu/simd_avx512.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/matmul_avx512_internal.h"
+
+namespace kestrel::cpu::detail {
+namespace {
+
+// ---- K-quants ----
+
+struct UnpackedQ4K {
+  __m512i q[4];   // quants 0..15 of elements 64k..64k+63
+  __m512i sc[4];  // s16 scale of each maddubs lane: sub-block 2k for lanes 0..15, 2k+1 for 16..31
+  __m256i m16;    // s16 min of each bsum (16 elements): m_{i/2}
+  float d, dmin;
+};
+
+struct KFmtQ4_K {
+  using Block = BlockQ4_K;
+  using Unpacked = UnpackedQ4K;
+  static void unpack(const Block& b, Unpacked& u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int h = 0; h < 2; ++h) {
+      // 64 bytes of qs: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3
+      // (32 elements each); reorder the 256-bit halves into element order.
+      const __m512i v = _mm512_loadu_si512(b.qs + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      u.q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+      u.q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xee);
+    }
+    alignas(16) int16_t sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      q4k_scale_min(b.scales, j, &s, &m);
+      sc[j] = static_cast<int16_t>(s);
+      mn[j] = static_cast<int16_t>(m);
+    }
+    const __m512i scv = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(static_cast<short>(2 * k)),
+                                                  _mm512_set1_epi16(static_cast<short>(2 * k + 1)));
+      u.sc[k] = _mm512_permutexvar_epi16(idx, scv);
+    }
+    u.m16 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                     _mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(mn))));
+    u.d = fp16_to_fp32(b.d);
+    u.dmin = fp16_to_fp32(b.dmin);
+  }
+  static __m512 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m512 acc) {
+    __m512i iacc = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k)
+      iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
+    const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(u.d * da), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(imin)), _mm512_set1_ps(-(u.dmin * da)), acc);
+  }
+};
+
+struct UnpackedQ6K {
+  __m512i q[4];   // quants 0..63 (value + 32) of elements 64k..64k+63
+  __m512i sc[4];  // s16 scale of each maddubs lane: sub-block 4k + lane / 8
+  __m256i sc16;   // the 16 scales as s16, one per bsum
+  float d;
+};
+
+struct KFmtQ6_K {
+  using Block = BlockQ6_K;
+  using Unpacked = UnpackedQ6K;
+  static void unpack(const Block& b, Unpacked& u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      // Element 32k + l of the half: ql[(k & 1) * 32 + l] nibble (low for k < 2), qh[l] bits 2k.
+      const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+      const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      u.q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qhz, m2), 4));
+      u.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m2), 4));
+    }
+    u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    const __m512i scv = _mm512_castsi256_si512(u.sc16);
+    alignas(64) static constexpr int16_t kLanes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+                                                       11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                                       22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+    const __m512i lane_index = _mm512_load_si512(kLanes);
+    for (int k = 0; k < 4; ++k) {
+      // maddubs lane i covers bytes 2i, 2i+1: sub-block 4k + i / 8.
+      const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane_index, 3), _mm512_set1_epi16(static_cast<short>(4 * k)));
+      u.sc[k] = _mm512_permutexvar_epi16(idx, scv);
+    }
+    u.d = fp16_to_fp32(b.d);
+  }
+  static __m512 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m512 acc) {
+    __m512i iacc = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k)
+      iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
+    // The stored quants are value + 32: subtract 32 * sum_j scale_j * bsum_j.
+    const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
+    iacc = _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), 5));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(u.d * da), acc);
+  }
+};
+
+// One weight row against T tokens; rows outer, so a row stays in L1 while the tokens stream by.
+template <class F, int T>
+void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, const uint8_t* row, int64_t t0, OutputCollector& out,
+                 int64_t r) {
+  const auto* blocks = reinterpret_cast<const typename F::Block*>(row);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  typename F::Unpacked u;
+  for (int64_t b = 0; b < L.nsb; ++b) {
+    F::unpack(blocks[b], u);
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* at = a.act + (t0 + t) * a.act_stride;
+      const auto* aq = reinterpret_cast<const int8_t*>(at) + b * QK_K;
+      const auto* bs = reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16);
+      const float da = reinterpret_cast<const float*>(at + L.d_off)[b];
+      acc[t] = F::dot(u, aq, bs, da, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out.add(acc[t], a.y + (t0 + t) * a.w.n_out + r);
+}
+
+template <class F>
+void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const ActLayoutK L(a.w.n_in);
+  OutputCollector out;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    int64_t t = 0;
+    for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, row, t, out, r);
+    switch (a.n_tokens - t) {
+      case 3: kquant_tile<F, 3>(a, L, row, t, out, r); break;
+      case 2: kquant_tile<F, 2>(a, L, row, t, out, r); break;
+      case 1: kquant_tile<F, 1>(a, L, row, t, out, r); break;
+      default: break;
+    }
+  }
+  out.flush();
+}
+
+// ---- F32 / F16 / BF16: f32 FMA, 16 elements at a time, masked tail ----
+
+struct FFmtF32 {
+  static __m512 load(const uint8_t* row, int64_t i, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + i);
+  }
+};
+struct FFmtF16 {
+  static __m512 load(const uint8_t* row, int64_t i, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + 2 * i));
+  }
+};
+struct FFmtBF16 {
+  static __m512 load(const uint8_t* row, int64_t i, __mmask16 m) {
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+};
+
+template <class F>
+void gemv_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t n = a.w.n_in;
+  OutputCollector out;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = lane_mask(n - i);
+      acc = _mm512_fmadd_ps(F::load(row, i, m), _mm512_maskz_loadu_ps(m, a.x + i), acc);
+    }
+    out.add(acc, a.y + r);
+  }
+  out.flush();
+}
+
+template <class F, int T>
+void float_tile(const MatmulArgs& a, int64_t r, int n_rows, int64_t t0) {
+  const int64_t n = a.w.n_in;
+  const uint8_t* rows[4];
+  for (int i = 0; i < 4; ++i) rows[i] = a.w.data + (r + std::min(i, n_rows - 1)) * a.w_row_bytes;
+  __m512 acc[4][T];
+  for (int i = 0; i < 4; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 m = lane_mask(n - k);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 w = F::load(rows[i], k, m);
+      for (int t = 0; t < T; ++t)
+        acc[i][t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, a.x + (t0 + t) * n + k), acc[i][t]);
+    }
+  }
+  __m512 v[16];
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 4; ++i) v[4 * t + i] = t < T ? acc[i][t] : _mm512_setzero_ps();
+  store_tile(reduce16(v), T, n_rows, a.y + t0 * a.w.n_out + r, a.w.n_out);
+}
+
+template <class F>
+void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  if (a.n_tokens == 1) return gemv_float<F>(a, r0, r1);
+  for (int64_t r = r0; r < r1; r += 4) {
+    // A tile past the last row repeats the last row (outputs not stored) rather than reading
+    // beyond the matrix.
+    const int n_rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    int64_t t = 0;
+    for (; t + 4 <= a.n_tokens; t += 4) float_tile<F, 4>(a, r, n_rows, t);
+    switch (a.n_tokens - t) {
+      case 3: float_tile<F, 3>(a, r, n_rows, t); break;
+      case 2: float_tile<F, 2>(a, r, n_rows, t); break;
+      case 1: float_tile<F, 1>(a, r, n_rows, t); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+void avx512_quantize_act_k(const float* x, int64_t n_in, uint8_t* dst) {
+  const ActLayoutK L(n_in);
+  auto* qs = reinterpret_cast<int8_t*>(dst);
+  auto* d = reinterpret_cast<float*>(dst + L.d_off);
+  auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < L.nsb; ++b) {
+    const float* xb = x + b * QK_K;
+    __m512 mx = _mm512_setzero_ps();
+    for (int k = 0; k < QK_K / 16; ++k) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xb + 16 * k), abs_mask));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 id = _mm512_set1_ps(q8_inverse_scale(amax));
+    d[b] = q8_scale(amax);
+    for (int k = 0; k < QK_K / 16; ++k) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * k), id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + b * QK_K + 16 * k), _mm512_cvtepi32_epi8(q));
+      bsums[b * (QK_K / 16) + k] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+    }
+  }
+}
+
+void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1) {
+  switch (a.w.type) {
+    case GgmlType::Q4_K: matmul_kquant<KFmtQ4_K>(a, r0, r1); break;
+    case GgmlType::Q6_K: matmul_kquant<KFmtQ6_K>(a, r0, r1); break;
+    case GgmlType::F32: matmul_float<FFmtF32>(a, r0, r1); break;
+    case GgmlType::F16: matmul_float<FFmtF16>(a, r0, r1); break;
+    case GgmlType::BF16: matmul_float<FFmtBF16>(a, r0, r1); break;
+    default: break;
+  }
+}
+
+}  // namespace kestrel::cpu::detail
+
+#endif  // __x86_64__
