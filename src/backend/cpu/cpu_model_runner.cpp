@@ -90,6 +90,13 @@ void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
   });
 }
 
+void CpuModelRunner::rms_norm_rows(const float* x, const float* w, float* y, int64_t n) {
+  const int64_t d = hp_.n_embd;
+  pool_.parallel_for(n, 4, [&](int64_t r0, int64_t r1) {
+    ops().rms_norm(x + r0 * d, w, y + r0 * d, r1 - r0, d, hp_.rms_eps);
+  });
+}
+
 std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   check(b);
   const int64_t n = b.n_tokens();
@@ -116,7 +123,7 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   const int64_t kvd = hp_.kv_dim();
   for (int64_t il = 0; il < hp_.n_layer; ++il) {
     const LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
-    op.rms_norm(x_.data(), L.attn_norm.data(), h_.data(), n, d, hp_.rms_eps);
+    rms_norm_rows(x_.data(), L.attn_norm.data(), h_.data(), n);
     matmul(L.wq, h_.data(), n, q_.data(), ws_, pool_);
     matmul(L.wk, h_.data(), n, k_.data(), ws_, pool_);
     matmul(L.wv, h_.data(), n, v_.data(), ws_, pool_);
@@ -141,10 +148,15 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
     matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
     op.add(x_.data(), h_.data(), n * d);
 
-    op.rms_norm(x_.data(), L.ffn_norm.data(), h_.data(), n, d, hp_.rms_eps);
+    rms_norm_rows(x_.data(), L.ffn_norm.data(), h_.data(), n);
     matmul(L.w_gate, h_.data(), n, gate_.data(), ws_, pool_);
     matmul(L.w_up, h_.data(), n, up_.data(), ws_, pool_);
-    op.silu_mul(gate_.data(), up_.data(), gate_.data(), n * hp_.n_ff);
+    // Row by row, so a token's arithmetic (vector lanes and tails) never depends on the batch.
+    pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        op.silu_mul(gate_.data() + r * hp_.n_ff, up_.data() + r * hp_.n_ff, gate_.data() + r * hp_.n_ff,
+                    hp_.n_ff);
+    });
     matmul(L.w_down, gate_.data(), n, h_.data(), ws_, pool_);
     op.add(x_.data(), h_.data(), n * d);
   }
