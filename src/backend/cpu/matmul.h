@@ -87,5 +87,12 @@ SimdLevel matmul_simd_level();
 // thread runs a kernel.
 void set_simd_level_for_testing(SimdLevel level);
 
+// True when calls with many tokens (prefill) run on AMX tiles: AVX-512 level, a CPU with
+// AMX-INT8 whose OS grants the tile state, and neither KESTREL_AMX=0 nor
+// set_amx_for_testing(false). Only Q4_0 / Q4_1 / Q8_0 weights use it.
+bool matmul_uses_amx();
+// Test hook like set_simd_level_for_testing: false keeps the AVX-512 kernels off AMX.
+void set_amx_for_testing(bool enabled);
+
 }  // namespace cpu
 }  // namespace kestrel

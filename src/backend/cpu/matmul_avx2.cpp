@@ -478,7 +478,7 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 
 const MatmulKernels& kernels_avx2() {
   using Acts = PerTokenActs<act_row_bytes, quantize_act>;
-  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, 2};
+  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, [](GgmlType, int64_t) -> int64_t { return 2; }};
   return k;
 }
 

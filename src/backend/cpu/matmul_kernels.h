@@ -40,8 +40,13 @@ struct MatmulKernels {
   // Computes y[t, r] for r in [r0, r1) and every token. r0 is a multiple of row_tile.
   void (*matmul_rows)(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch);
   float (*vec_dot_f32)(const float* a, const float* b, int64_t n);
-  int64_t row_tile;  // rows a GEMM tile covers; threads split rows at multiples of it
+  // Rows a GEMM tile covers for this call; threads split rows at multiples of it.
+  int64_t (*row_tile)(GgmlType type, int64_t n_tokens);
 };
+
+// False when AMX is switched off (KESTREL_AMX=0 or set_amx_for_testing(false)); the AVX-512
+// kernels then keep to vpdpbusd even on AMX hardware.
+bool amx_allowed();
 
 const MatmulKernels& kernels_scalar();
 #if defined(__x86_64__)
