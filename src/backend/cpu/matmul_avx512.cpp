@@ -189,7 +189,33 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
       }
     }
   }
-  if (n_full < L.nch) {  // grouped tail chunk
+  if (n_full < L.nch && L.nb - 16 * n_full <= 4) {  // grouped tail chunk of one group
+    // One transpose turns the 4 tokens' partial sums into [token][block] lanes; each token then
+    // takes its 4 lanes. (576 inputs: 16 + 2 blocks.)
+    const int64_t c = n_full;
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* uc = wt + (r * L.nch + c) * kChunkBytes;
+      const __m512i lo = _mm512_load_si512(uc), hi = _mm512_load_si512(uc + 64);
+      const __m512 dw = _mm512_load_ps(uc + 512), cw = _mm512_load_ps(uc + 576);
+      __m512i g[4];
+      for (int t = 0; t < 4; ++t) {
+        g[t] = _mm512_setzero_si512();
+        if (t >= T) continue;
+        const uint8_t* at = act + t * act_stride + 512 * c;
+        g[t] = _mm512_dpbusd_epi32(g[t], lo, _mm512_load_si512(at));
+        g[t] = _mm512_dpbusd_epi32(g[t], hi, _mm512_load_si512(at + 64));
+      }
+      const __m512i by_token = groups_to_lanes(g);
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* at = act + t * act_stride;
+        const __m512i isum = _mm512_maskz_permutexvar_epi32(
+            0x000f, _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_set1_epi32(4 * t)),
+            by_token);
+        acc[r][t] = chunk_update(isum, dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
+                                 _mm512_load_ps(at + L.s_off + 64 * c), acc[r][t]);
+      }
+    }
+  } else if (n_full < L.nch) {  // grouped tail chunk
     const int64_t c = n_full;
     const int n_groups = static_cast<int>((L.nb - 16 * c + 3) / 4);
     for (int r = 0; r < 4; ++r) {
