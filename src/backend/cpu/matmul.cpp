@@ -1,5 +1,6 @@
 // matmul(): argument checks, kernel choice, activation quantization and the split of output rows
-// over the thread pool. The arithmetic lives in matmul_{scalar,avx2,avx512}.cpp.
+// over the thread pool. The arithmetic lives in matmul_scalar.cpp, matmul_avx2.cpp,
+// matmul_avx512.cpp (+ matmul_other_avx512.cpp) and matmul_amx.cpp.
 #include "backend/cpu/matmul.h"
 
 #include <algorithm>
