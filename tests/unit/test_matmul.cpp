@@ -1,5 +1,12 @@
 // CPU matrix kernels: dequantize_row against hand-built blocks, matmul against a float64 reference
-// built from dequantize_row, every SIMD level against the scalar path, and batch invariance.
+// built from dequantize_row, every kernel path (scalar, AVX2, AVX-512, AVX-512 + AMX, as far as
+// the CPU allows) against the scalar one, and batch invariance.
+//
+// Tolerances. Quantized weights: the kernels round x to 8 bits per block (32 elements, or 256 for
+// Q4_K / Q6_K) with d = max|x_block| / 127, so |y - y_exact| <= sum_blocks d / 2 * sum|w_block|,
+// plus 3e-5 * sum|w x| for f32 accumulation (see reference()). The largest error seen is ~45 % of
+// that bound and the relative RMS error ~0.3 %. Float weights: 3e-5 * sum|w x|. Paths against the
+// scalar path: 1e-5 * sum|w x|, since all round x identically and differ only in summation order.
 #include <gtest/gtest.h>
 
 #include <cmath>
