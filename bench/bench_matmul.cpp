@@ -1,16 +1,22 @@
 // Micro benchmarks of the CPU matmul kernels on SmolLM2-135M's shapes, and a whole-model estimate.
 //
-//   BM_Matmul/<type>/<n_in>/<n_out>/<n_tokens>: one weight matrix, the same one every iteration
+//   BM_Matmul/type/n_in/n_out/n_tokens/amx: one weight matrix, the same one every iteration
 //     (small ones stay in cache, so this is the kernel's speed, not memory's).
-//   BM_Smollm2Matmuls/<n_tokens>: every linear layer of the model in forward order (30 layers x
-//     q, k, v, o, gate, up, down, then the Q8_0 output head), each with its own weights (~96 MiB,
-//     like the real model), so it includes the memory traffic a real decode step sees. Reports
-//     matmul-only tokens/s; attention, norms and the rest of the forward pass come on top.
+//   BM_Smollm2Matmuls/n_tokens/head/amx: every linear layer of the model in forward order
+//     (30 layers x q, k, v, o, gate, up, down, then the Q8_0 output head if head = 1), each with
+//     its own weights (~96 MiB, like the real model), so it includes the memory traffic a real
+//     decode step sees. Reports matmul-only tokens/s; attention, norms and the rest of the forward
+//     pass come on top.
+//   amx = 0 keeps AVX-512 machines on the vpdpbusd GEMM (what CPUs without AMX run); it changes
+//   nothing for n_tokens < 8 or where AMX is absent.
 //
-// Threads: KESTREL_BENCH_THREADS (default: all cores). SIMD level: KESTREL_SIMD.
+// Threads: KESTREL_BENCH_THREADS (default: all cores). SIMD level: KESTREL_SIMD. On a shared
+// machine use --benchmark_repetitions=N and read the min rows: a preempted worker thread stalls a
+// fork-join call for a whole scheduler slice.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -60,14 +66,37 @@ std::vector<float> random_x(int64_t n, uint32_t seed) {
   return x;
 }
 
+// Wall time of the benchmark loop, for a plain us-per-token counter: its "min" aggregate is the
+// fastest repetition (rate counters such as tok/s aggregate the other way: their "min" row is the
+// slowest repetition).
+class LoopTimer {
+ public:
+  LoopTimer() : start_(std::chrono::steady_clock::now()) {}
+  double us_per_token(const benchmark::State& state, int64_t n_tokens) const {
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_).count();
+    return us / (static_cast<double>(state.iterations()) * static_cast<double>(n_tokens));
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
+// Selects the AMX switch for one benchmark and restores it afterwards.
+struct AmxChoice {
+  explicit AmxChoice(bool on) { set_amx_for_testing(on); }
+  ~AmxChoice() { set_amx_for_testing(true); }
+};
+
 void BM_Matmul(benchmark::State& state) {
   const auto type = static_cast<GgmlType>(state.range(0));
   const int64_t n_in = state.range(1), n_out = state.range(2), n_tokens = state.range(3);
+  const AmxChoice amx(state.range(4) != 0);
   const auto w = random_weights(type, n_in, n_out, 1);
   const auto x = random_x(n_in * n_tokens, 2);
   std::vector<float> y(static_cast<size_t>(n_out * n_tokens));
   MatmulWorkspace ws;
   const WeightView view{type, n_in, n_out, w.data()};
+  const LoopTimer timer;
   for (auto _ : state) {
     matmul(view, x.data(), n_tokens, y.data(), ws, pool());
     benchmark::DoNotOptimize(y.data());
@@ -75,8 +104,9 @@ void BM_Matmul(benchmark::State& state) {
   const double flops = 2.0 * n_in * n_out * n_tokens;
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tok/s"] = benchmark::Counter(static_cast<double>(n_tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["us/tok"] = timer.us_per_token(state, n_tokens);
   state.counters["GB/s(w)"] = benchmark::Counter(w.size() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(type_name(type)));
+  state.SetLabel(std::string(type_name(type)) + (n_tokens > 1 && matmul_uses_amx() ? " amx" : ""));
 }
 
 constexpr int64_t kQ41 = static_cast<int64_t>(GgmlType::Q4_1);
@@ -84,13 +114,16 @@ constexpr int64_t kQ80 = static_cast<int64_t>(GgmlType::Q8_0);
 
 void shapes(benchmark::internal::Benchmark* b) {
   for (int64_t n_tokens : {1, 128}) {
-    b->Args({kQ41, 576, 576, n_tokens});    // q, o
-    b->Args({kQ41, 576, 192, n_tokens});    // k, v
-    b->Args({kQ41, 576, 1536, n_tokens});   // gate, up
-    b->Args({kQ41, 1536, 576, n_tokens});   // down
-    b->Args({kQ80, 576, 49152, n_tokens});  // output head
+    for (int64_t amx : {1, 0}) {
+      if (n_tokens == 1 && amx == 0) continue;  // the GEMV never uses AMX
+      b->Args({kQ41, 576, 576, n_tokens, amx});    // q, o
+      b->Args({kQ41, 576, 192, n_tokens, amx});    // k, v
+      b->Args({kQ41, 576, 1536, n_tokens, amx});   // gate, up
+      b->Args({kQ41, 1536, 576, n_tokens, amx});   // down
+      b->Args({kQ80, 576, 49152, n_tokens, amx});  // output head
+    }
   }
-  b->ArgNames({"type", "n_in", "n_out", "n_tokens"});
+  b->ArgNames({"type", "n_in", "n_out", "n_tokens", "amx"});
 }
 // The machine may be shared: run with --benchmark_repetitions=N and read the "min" rows.
 double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
@@ -124,6 +157,7 @@ void BM_Smollm2Matmuls(benchmark::State& state) {
   static const ModelWeights model;
   const int64_t n_tokens = state.range(0);
   const bool with_head = state.range(1) != 0;
+  const AmxChoice amx(state.range(2) != 0);
   const auto x576 = random_x(576 * n_tokens, 3), x1536 = random_x(1536 * n_tokens, 4);
   std::vector<float> y(static_cast<size_t>(49152 * n_tokens));
   MatmulWorkspace ws;
@@ -131,6 +165,7 @@ void BM_Smollm2Matmuls(benchmark::State& state) {
     matmul(WeightView{t, n_in, n_out, w.data()}, n_in == 576 ? x576.data() : x1536.data(), n_tokens, y.data(),
            ws, pool());
   };
+  const LoopTimer timer;
   for (auto _ : state) {
     for (const auto& L : model.layers) {
       mm(L.q, GgmlType::Q4_1, 576, 576);
@@ -145,10 +180,17 @@ void BM_Smollm2Matmuls(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
   }
   state.counters["tok/s"] = benchmark::Counter(static_cast<double>(n_tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["us/tok"] = timer.us_per_token(state, n_tokens);
 }
 // Decode (1 token, with the head); prefill of 128 tokens with the head for every token, and
-// without it (a runner only needs the last token's logits).
-BENCHMARK(BM_Smollm2Matmuls)->Args({1, 1})->Args({128, 1})->Args({128, 0})->ArgNames({"n_tokens", "head"})
+// without it (a runner only needs the last token's logits); prefill with and without AMX.
+BENCHMARK(BM_Smollm2Matmuls)
+    ->Args({1, 1, 1})
+    ->Args({128, 1, 1})
+    ->Args({128, 0, 1})
+    ->Args({128, 1, 0})
+    ->Args({128, 0, 0})
+    ->ArgNames({"n_tokens", "head", "amx"})
     ->UseRealTime()->MinTime(1.0)->ComputeStatistics("min", min_of);
 
 }  // namespace

@@ -1,5 +1,12 @@
 // CPU matrix kernels: dequantize_row against hand-built blocks, matmul against a float64 reference
-// built from dequantize_row, every SIMD level against the scalar path, and batch invariance.
+// built from dequantize_row, every kernel path (scalar, AVX2, AVX-512, AVX-512 + AMX, as far as
+// the CPU allows) against the scalar one, and batch invariance.
+//
+// Tolerances. Quantized weights: the kernels round x to 8 bits per block (32 elements, or 256 for
+// Q4_K / Q6_K) with d = max|x_block| / 127, so |y - y_exact| <= sum_blocks d / 2 * sum|w_block|,
+// plus 3e-5 * sum|w x| for f32 accumulation (see reference()). The largest error seen is ~45 % of
+// that bound and the relative RMS error ~0.3 %. Float weights: 3e-5 * sum|w x|. Paths against the
+// scalar path: 1e-5 * sum|w x|, since all round x identically and differ only in summation order.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,16 +30,33 @@ constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16
 
 bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
 
-// Restores the SIMD cap when a test ends, whatever it set.
-struct SimdLevelGuard {
-  ~SimdLevelGuard() { set_simd_level_for_testing(SimdLevel::Avx512); }
+// A kernel path: a SIMD level, and at AVX-512 with or without AMX tiles for the GEMM.
+struct KernelPath {
+  SimdLevel level;
+  bool amx;
+  std::string name() const { return std::string(simd_level_name(level)) + (amx ? "+amx" : ""); }
+  void select() const {
+    set_simd_level_for_testing(level);
+    set_amx_for_testing(amx);
+  }
 };
 
-std::vector<SimdLevel> available_levels() {
-  std::vector<SimdLevel> levels;
+// Restores the default paths when a test ends, whatever it set.
+struct PathGuard {
+  ~PathGuard() {
+    set_simd_level_for_testing(SimdLevel::Avx512);
+    set_amx_for_testing(true);
+  }
+};
+
+// Every path this machine can run (AMX only where the CPU and OS allow it).
+std::vector<KernelPath> available_paths() {
+  std::vector<KernelPath> paths;
   for (SimdLevel l : {SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512})
-    if (l <= simd_level()) levels.push_back(l);
-  return levels;
+    if (l <= simd_level()) paths.push_back({l, false});
+  set_amx_for_testing(true);
+  if (matmul_uses_amx()) paths.push_back({SimdLevel::Avx512, true});
+  return paths;
 }
 
 void put_fp16(uint8_t* p, float v) {
@@ -279,7 +303,7 @@ TEST(KernelDequantize, RejectsBadInput) {
 // ---- matmul against the float64 reference ----
 
 TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
-  SimdLevelGuard guard;
+  PathGuard guard;
   ThreadPool pool(2);
   std::mt19937 rng(1234);
   for (GgmlType type : kAllTypes) {
@@ -289,8 +313,8 @@ TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
         const int64_t n_tokens_max = 64;
         const auto x = random_activations(n_in * n_tokens_max, rng);
         const Reference ref = reference(type, wdata, n_in, n_out, x, n_tokens_max);
-        for (SimdLevel level : available_levels()) {
-          set_simd_level_for_testing(level);
+        for (const KernelPath& path : available_paths()) {
+          path.select();
           for (int64_t n_tokens : {1, 3, 17, 64}) {
             const auto y = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
             int bad = 0;
@@ -298,7 +322,7 @@ TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
               const double err = std::fabs(y[i] - ref.y[i]);
               if (!(err <= ref.bound[i])) {
                 ++bad;
-                ADD_FAILURE() << type_name(type) << " " << simd_level_name(level) << " n_in " << n_in
+                ADD_FAILURE() << type_name(type) << " " << path.name() << " n_in " << n_in
                               << " n_out " << n_out << " n_tokens " << n_tokens << " [t " << i / n_out
                               << ", o " << i % n_out << "]: got " << y[i] << ", want " << ref.y[i]
                               << " +- " << ref.bound[i];
@@ -314,7 +338,7 @@ TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
 // The SmolLM2 shapes, Q4_1 and Q8_0, against the reference, with the error also checked on
 // average: the bound is a worst case, the typical error should be far below it.
 TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
-  SimdLevelGuard guard;
+  PathGuard guard;
   ThreadPool pool(2);
   std::mt19937 rng(99);
   struct Shape {
@@ -325,11 +349,11 @@ TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
                          Shape{GgmlType::Q4_1, 1536, 576}, Shape{GgmlType::Q4_1, 576, 192},
                          Shape{GgmlType::Q8_0, 576, 1000}}) {
     const auto wdata = random_weights(s.type, s.n_in, s.n_out, rng);
-    const int64_t n_tokens = 5;
+    const int64_t n_tokens = 21;  // through the GEMV for token 0 below, the GEMM / AMX here
     const auto x = random_activations(s.n_in * n_tokens, rng);
     const Reference ref = reference(s.type, wdata, s.n_in, s.n_out, x, n_tokens);
-    for (SimdLevel level : available_levels()) {
-      set_simd_level_for_testing(level);
+    for (const KernelPath& path : available_paths()) {
+      path.select();
       const auto y = run_matmul(s.type, wdata, s.n_in, s.n_out, x, n_tokens, pool);
       double err2 = 0.0, ref2 = 0.0;
       for (size_t i = 0; i < y.size(); ++i) {
@@ -339,7 +363,7 @@ TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
       }
       // 8-bit activations: relative RMS error ~ 1/127 / sqrt(3) per element, averaging down over
       // the row; 1 % is a loose ceiling (measured: ~0.3 %).
-      EXPECT_LT(std::sqrt(err2 / ref2), 0.01) << type_name(s.type) << " " << simd_level_name(level);
+      EXPECT_LT(std::sqrt(err2 / ref2), 0.01) << type_name(s.type) << " " << path.name();
     }
   }
 }
@@ -347,21 +371,21 @@ TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
 // ---- SIMD levels against the scalar path ----
 
 TEST(KernelMatmul, SimdLevelsAgreeWithScalar) {
-  SimdLevelGuard guard;
+  PathGuard guard;
   ThreadPool pool(2);
   std::mt19937 rng(77);
   for (GgmlType type : kAllTypes) {
     const int64_t n_in = type_traits(type).block_size == 256 ? 1536 : 576;
     const int64_t n_out = 45;
-    const int64_t n_tokens = 9;
+    const int64_t n_tokens = 19;
     const auto wdata = random_weights(type, n_in, n_out, rng);
     const auto x = random_activations(n_in * n_tokens, rng);
-    set_simd_level_for_testing(SimdLevel::Scalar);
+    KernelPath{SimdLevel::Scalar, false}.select();
     const auto y_scalar = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
-    // All levels quantize x identically, so only the f32 summation order differs.
+    // All paths quantize x identically, so only the f32 summation order differs.
     std::vector<float> wrow(static_cast<size_t>(n_in));
-    for (SimdLevel level : available_levels()) {
-      set_simd_level_for_testing(level);
+    for (const KernelPath& path : available_paths()) {
+      path.select();
       const auto y = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool);
       for (int64_t o = 0; o < n_out; ++o) {
         dequantize_row(type, wdata.data() + o * row_bytes(type, n_in), wrow.data(), n_in);
@@ -370,7 +394,7 @@ TEST(KernelMatmul, SimdLevelsAgreeWithScalar) {
           for (int64_t i = 0; i < n_in; ++i) abs_sum += std::fabs(wrow[i] * x[t * n_in + i]);
           const size_t k = static_cast<size_t>(t * n_out + o);
           EXPECT_NEAR(y[k], y_scalar[k], 1e-5 * abs_sum + 1e-6)
-              << type_name(type) << " " << simd_level_name(level) << " t " << t << " o " << o;
+              << type_name(type) << " " << path.name() << " t " << t << " o " << o;
         }
       }
     }
@@ -378,9 +402,11 @@ TEST(KernelMatmul, SimdLevelsAgreeWithScalar) {
 }
 
 // ---- batch invariance: a token's output does not depend on the other tokens in the call ----
+// Within one SIMD level every kernel (GEMV, GEMM tiles of any width, AMX) runs the same f32
+// operations per output, so this holds bitwise, and also across the AMX switch.
 
 TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
-  SimdLevelGuard guard;
+  PathGuard guard;
   ThreadPool pool2(2), pool1(1);
   std::mt19937 rng(5);
   for (GgmlType type : kAllTypes) {
@@ -388,17 +414,22 @@ TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
     const int64_t n_out = 130, n_tokens = 19;
     const auto wdata = random_weights(type, n_in, n_out, rng);
     const auto x = random_activations(n_in * n_tokens, rng);
-    for (SimdLevel level : available_levels()) {
-      set_simd_level_for_testing(level);
+    for (const KernelPath& path : available_paths()) {
+      path.select();
       const auto y_batch = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool2);
       const auto y_one_thread = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool1);
       EXPECT_EQ(std::memcmp(y_batch.data(), y_one_thread.data(), y_batch.size() * 4), 0)
-          << type_name(type) << " " << simd_level_name(level);
+          << type_name(type) << " " << path.name();
+      // A 5-token call (vpdpbusd tiles even with AMX on) and single tokens (GEMV).
+      const std::vector<float> x5(x.begin() + 14 * n_in, x.begin() + 19 * n_in);
+      const auto y5 = run_matmul(type, wdata, n_in, n_out, x5, 5, pool2);
+      EXPECT_EQ(std::memcmp(y5.data(), y_batch.data() + 14 * n_out, 5 * n_out * 4), 0)
+          << type_name(type) << " " << path.name() << " tokens 14..18";
       for (int64_t t : {0, 5, 16, 18}) {
         const std::vector<float> xt(x.begin() + t * n_in, x.begin() + (t + 1) * n_in);
         const auto y_alone = run_matmul(type, wdata, n_in, n_out, xt, 1, pool2);
         EXPECT_EQ(std::memcmp(y_alone.data(), y_batch.data() + t * n_out, n_out * 4), 0)
-            << type_name(type) << " " << simd_level_name(level) << " token " << t;
+            << type_name(type) << " " << path.name() << " token " << t;
       }
     }
   }
@@ -418,7 +449,7 @@ TEST(KernelMatmul, RejectsBadArguments) {
 }
 
 TEST(KernelVecDot, MatchesDouble) {
-  SimdLevelGuard guard;
+  PathGuard guard;
   std::mt19937 rng(3);
   for (int64_t n : {1, 7, 16, 33, 576, 1000}) {
     const auto a = random_activations(n, rng), b = random_activations(n, rng);
@@ -427,9 +458,9 @@ TEST(KernelVecDot, MatchesDouble) {
       want += static_cast<double>(a[i]) * b[i];
       abs_sum += std::fabs(static_cast<double>(a[i]) * b[i]);
     }
-    for (SimdLevel level : available_levels()) {
-      set_simd_level_for_testing(level);
-      EXPECT_NEAR(vec_dot_f32(a.data(), b.data(), n), want, 1e-5 * abs_sum + 1e-6) << n;
+    for (const KernelPath& path : available_paths()) {
+      path.select();
+      EXPECT_NEAR(vec_dot_f32(a.data(), b.data(), n), want, 1e-5 * abs_sum + 1e-6) << n << " " << path.name();
     }
   }
 }

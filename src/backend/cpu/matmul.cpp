@@ -1,5 +1,6 @@
 // matmul(): argument checks, kernel choice, activation quantization and the split of output rows
-// over the thread pool. The arithmetic lives in matmul_{scalar,avx2,avx512}.cpp.
+// over the thread pool. The arithmetic lives in matmul_scalar.cpp, matmul_avx2.cpp,
+// matmul_avx512.cpp (+ matmul_other_avx512.cpp) and matmul_amx.cpp.
 #include "backend/cpu/matmul.h"
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "backend/cpu/matmul_avx512_internal.h"
 #include "backend/cpu/matmul_kernels.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -14,8 +16,18 @@
 namespace kestrel::cpu {
 namespace {
 
-// Test hook (set_simd_level_for_testing); read on every call so a test can switch paths.
+// Test hooks (set_simd_level_for_testing, set_amx_for_testing); read on every call so a test can
+// switch paths.
 std::atomic<int> g_level_cap{static_cast<int>(SimdLevel::Avx512)};
+std::atomic<bool> g_amx_on{true};
+
+bool amx_env_allows() {
+  static const bool allowed = [] {
+    const char* e = std::getenv("KESTREL_AMX");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return allowed;
+}
 
 const detail::MatmulKernels& active_kernels() {
 #if defined(__x86_64__)
@@ -48,6 +60,20 @@ uint8_t* MatmulWorkspace::reserve(size_t n_bytes) {
     capacity_ = cap;
   }
   return buffer_.get();
+}
+
+namespace detail {
+bool amx_allowed() { return g_amx_on.load(std::memory_order_relaxed) && amx_env_allows(); }
+}  // namespace detail
+
+void set_amx_for_testing(bool enabled) { g_amx_on.store(enabled, std::memory_order_relaxed); }
+
+bool matmul_uses_amx() {
+#if defined(__x86_64__)
+  return matmul_simd_level() == SimdLevel::Avx512 && detail::amx_allowed() && detail::amx_usable();
+#else
+  return false;
+#endif
 }
 
 SimdLevel matmul_simd_level() {
@@ -108,7 +134,7 @@ void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, Mat
   // Rows go out in chunks from a shared counter rather than a fixed split, so a core slowed by
   // another process does not hold up the whole call. About 4 chunks per thread keep the counter
   // traffic negligible.
-  const int64_t tile = k.row_tile;
+  const int64_t tile = k.row_tile(w.type, n_tokens);
   const int64_t n_tiles = (w.n_out + tile - 1) / tile;
   const int64_t tiles_per_chunk = std::max<int64_t>(1, n_tiles / (4 * nth));
   const int64_t n_chunks = (n_tiles + tiles_per_chunk - 1) / tiles_per_chunk;

@@ -12,7 +12,9 @@
 //
 // Decode (n_tokens == 1) runs a matrix-vector product split over output rows; prefill
 // (n_tokens > 1) runs a blocked GEMM that unpacks a tile of weight rows once and reuses it for every
-// token (AVX-512: 4 rows x 4 tokens in registers).
+// token (AVX-512: 4 rows x 4 tokens in registers; from 8 tokens on, AMX-INT8 tiles of 16 rows x
+// 16 tokens where the CPU has them). Within one SIMD level a token's output is bitwise the same
+// whatever else is in the call (GEMV, GEMM or AMX) and however many threads run it.
 #pragma once
 
 #include <cstddef>
@@ -80,6 +82,13 @@ SimdLevel matmul_simd_level();
 // level above what the CPU supports is ignored. Test hook only: not meant to change while another
 // thread runs a kernel.
 void set_simd_level_for_testing(SimdLevel level);
+
+// True when calls with many tokens (prefill) run on AMX tiles: AVX-512 level, a CPU with
+// AMX-INT8 whose OS grants the tile state, and neither KESTREL_AMX=0 nor
+// set_amx_for_testing(false). Only Q4_0 / Q4_1 / Q8_0 weights use it.
+bool matmul_uses_amx();
+// Test hook like set_simd_level_for_testing: false keeps the AVX-512 kernels off AMX.
+void set_amx_for_testing(bool enabled);
 
 }  // namespace cpu
 }  // namespace kestrel

@@ -168,6 +168,7 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   std::memset(c, 0, static_cast<size_t>(n_ch) * 32);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < L.nb; ++b) {
       const uint8_t* blk = row + b * F::kBlockBytes;
@@ -357,6 +358,7 @@ template <class F>
 void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const ActLayoutK L(a.w.n_in);
   for (int64_t r = r0; r < r1; ++r) {
+    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
     int64_t t = 0;
     for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, r, t);
     switch (a.n_tokens - t) {
@@ -421,6 +423,8 @@ template <class F>
 void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += 2) {
     const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
+    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
+    prefetch_ahead(a.w.data, a.w_row_bytes, r + 1, r1);
     int64_t t = 0;
     for (; t + 4 <= a.n_tokens; t += 4) float_tile<F, 4>(a, r, n_rows, t);
     switch (a.n_tokens - t) {
@@ -478,7 +482,7 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 
 const MatmulKernels& kernels_avx2() {
   using Acts = PerTokenActs<act_row_bytes, quantize_act>;
-  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, 2};
+  static const MatmulKernels k{"avx2", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows, vec_dot, [](GgmlType, int64_t) -> int64_t { return 2; }};
   return k;
 }
 

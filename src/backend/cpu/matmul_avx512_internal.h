@@ -1,5 +1,5 @@
-// Kernels of matmul_other_avx512.cpp (Q4_K, Q6_K, F32, F16, BF16) called by the AVX-512 kernel
-// table in matmul_avx512.cpp. Only call after checking that the CPU has AVX-512.
+// Kernels of matmul_other_avx512.cpp (Q4_K, Q6_K, F32, F16, BF16) and matmul_amx.cpp called by
+// the AVX-512 kernel table in matmul_avx512.cpp. Only call after checking that the CPU has AVX-512.
 #pragma once
 
 #include "backend/cpu/matmul_kernels.h"
@@ -10,5 +10,13 @@ namespace kestrel::cpu::detail {
 void avx512_quantize_act_k(const float* x, int64_t n_in, uint8_t* dst);
 // y rows [r0, r1) for Q4_K, Q6_K, F32, F16 and BF16 weights.
 void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1);
+
+// AMX (matmul_amx.cpp), for Q4_0 / Q4_1 / Q8_0 weights and several tokens. amx_usable() checks
+// CPUID and asks Linux for the tile state (once); the others may only be called when it is true.
+bool amx_usable();
+size_t amx_act_bytes(int64_t n_in, int64_t n_tokens);
+void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1, uint8_t* dst);
+size_t amx_scratch_bytes(int64_t n_in);
+void amx_matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch);
 
 }  // namespace kestrel::cpu::detail

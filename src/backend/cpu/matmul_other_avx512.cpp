@@ -144,6 +144,7 @@ void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
   OutputCollector out;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
     int64_t t = 0;
     for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, row, t, out, r);
     switch (a.n_tokens - t) {
@@ -181,6 +182,7 @@ void gemv_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
   OutputCollector out;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = a.w.data + r * a.w_row_bytes;
+    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = lane_mask(n - i);

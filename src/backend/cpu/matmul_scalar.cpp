@@ -177,7 +177,7 @@ float vec_dot(const float* a, const float* b, int64_t n) {
 const MatmulKernels& kernels_scalar() {
   using Acts = PerTokenActs<act_row_bytes, quantize_act>;
   static const MatmulKernels k{"scalar", Acts::bytes, Acts::stride, Acts::quantize, scratch_bytes, matmul_rows,
-                               vec_dot, 1};
+                               vec_dot, [](GgmlType, int64_t) -> int64_t { return 1; }};
   return k;
 }
 

@@ -6,8 +6,10 @@
 #if defined(__x86_64__)
 // GCC 12's AVX-512 intrinsics pass _mm*_undefined_*() placeholders that -Wall reports as
 // uninitialized (GCC bug 105593); the warning is about the system header, not this code.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <cstdint>
