@@ -19,14 +19,23 @@ constexpr int kSpinIterations = 1 << 15;
 ThreadPool::ThreadPool(int n_threads) {
   if (n_threads <= 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   n_threads_ = n_threads;
+  shares_ = std::make_unique<Share[]>(static_cast<size_t>(n_threads_));
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
 
 ThreadPool::~ThreadPool() {
   stop_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  generation_.fetch_add(1, std::memory_order_acq_rel);  // wakes the workers, which see stop_
   generation_.notify_all();
   for (auto& t : workers_) t.join();
+}
+
+bool ThreadPool::claim(int ith, uint64_t g) {
+  auto& c = shares_[static_cast<size_t>(ith)].claimed;
+  uint64_t seen = c.load(std::memory_order_acquire);
+  while (seen < g)
+    if (c.compare_exchange_weak(seen, g, std::memory_order_acq_rel)) return true;
+  return false;
 }
 
 void ThreadPool::worker_loop(int ith) {
@@ -43,8 +52,10 @@ void ThreadPool::worker_loop(int ith) {
     }
     seen = g;
     if (stop_.load(std::memory_order_acquire)) return;
-    (*job_)(ith, n_threads_);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    if (claim(ith, g)) {
+      (*job_)(ith, n_threads_);
+      shares_[static_cast<size_t>(ith)].done.store(g, std::memory_order_release);
+    }
   }
 }
 
@@ -54,11 +65,24 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     return;
   }
   job_ = &fn;
-  pending_.store(n_threads_ - 1, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t g = generation_.load(std::memory_order_relaxed) + 1;
+  generation_.store(g, std::memory_order_release);
   generation_.notify_all();
   fn(0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) KESTREL_PAUSE();
+  for (int ith = 1; ith < n_threads_; ++ith) {
+    if (claim(ith, g)) {
+      fn(ith, n_threads_);
+      shares_[static_cast<size_t>(ith)].done.store(g, std::memory_order_release);
+    }
+  }
+  for (int ith = 1; ith < n_threads_; ++ith) {
+    int spin = 0;
+    while (shares_[static_cast<size_t>(ith)].done.load(std::memory_order_acquire) != g) {
+      // The share's worker is running (it claimed it); give it the CPU if it was preempted.
+      if (++spin < 4096) KESTREL_PAUSE();
+      else std::this_thread::yield();
+    }
+  }
 }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain,

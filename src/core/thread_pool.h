@@ -3,10 +3,16 @@
 // Decode runs a few hundred small kernels per token, so waking workers must cost well under a
 // microsecond: workers spin on a generation counter for a while and only then block (C++20
 // atomic wait, a futex on Linux). The caller takes part as thread 0.
+//
+// On a busy machine a worker may not get a CPU for milliseconds. So that one descheduled thread
+// cannot stall every call, each share of a job (thread index ith) is claimed exactly once, by
+// its worker or by the caller: after its own share the caller runs every share no worker has
+// claimed yet, and then waits only for shares that a running worker already holds.
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -34,10 +40,18 @@ class ThreadPool {
 
   int n_threads_;
   std::vector<std::thread> workers_;
+  // Claims share ith of the job of generation g; false if someone already holds it.
+  bool claim(int ith, uint64_t g);
+
   const std::function<void(int, int)>* job_ = nullptr;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
   std::atomic<bool> stop_{false};
+  // Per share: the last generation claimed and the last generation finished (one cache line each).
+  struct alignas(64) Share {
+    std::atomic<uint64_t> claimed{0};
+    std::atomic<uint64_t> done{0};
+  };
+  std::unique_ptr<Share[]> shares_;
 };
 
 }  // namespace kestrel
