@@ -5,8 +5,8 @@
 
 namespace kestrel {
 
-StreamDecoder::StreamDecoder(const Tokenizer& tokenizer, bool skip_special)
-    : tokenizer_(tokenizer), skip_special_(skip_special) {}
+StreamDecoder::StreamDecoder(const Tokenizer& tokenizer, bool skip_special, bool continuation)
+    : tokenizer_(tokenizer), skip_special_(skip_special), at_start_(!continuation) {}
 
 std::string StreamDecoder::push(int32_t id) {
   tokenizer_.append_piece(id, skip_special_, &at_start_, &pending_);

@@ -18,8 +18,9 @@ class Tokenizer;
 
 class StreamDecoder {
  public:
-  // The tokenizer must outlive the decoder.
-  explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special = false);
+  // The tokenizer must outlive the decoder. continuation: the ids continue an earlier text (see
+  // Tokenizer::decode), so the first piece keeps its leading space.
+  explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special = false, bool continuation = false);
 
   // New complete text after appending token `id`. Throws kestrel::Error for an id out of range.
   std::string push(int32_t id);

@@ -185,9 +185,10 @@ void Tokenizer::append_piece(int32_t id, bool skip_special, bool* at_start, std:
   }
 }
 
-std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) const {
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special,
+                              bool continuation) const {
   std::string raw;
-  bool at_start = true;
+  bool at_start = !continuation;
   for (int32_t id : ids) append_piece(id, skip_special, &at_start, &raw);
   if (utf8_is_valid(raw)) return raw;
   return utf8_sanitize(raw);

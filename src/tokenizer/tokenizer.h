@@ -114,8 +114,11 @@ class Tokenizer {
   // skip_special drops CONTROL/UNKNOWN/UNUSED tokens; otherwise they appear as their text.
   // SentencePiece with a dummy prefix: the leading space of the first piece that is not a special
   // token is dropped (as sentencepiece's decoder and llama2.c do), so decode(encode(x)) == x for
-  // text without special tokens. Throws kestrel::Error for an id outside [0, n_vocab()).
-  std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
+  // text without special tokens. continuation: the ids continue an earlier text (generated tokens
+  // after a prompt), so no leading space is dropped. Throws kestrel::Error for an id outside
+  // [0, n_vocab()).
+  std::string decode(std::span<const int32_t> ids, bool skip_special = false,
+                     bool continuation = false) const;
 
   // The raw bytes of one token (may be part of a UTF-8 character). SPM: '▁' -> ' ', <0xXX> -> the
   // byte. Byte-level BPE: GPT-2 alphabet -> bytes. Added tokens: their text. Throws for a bad id.

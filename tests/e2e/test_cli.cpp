@@ -155,3 +155,14 @@ TEST(CliE2e, PromptLongerThanContextIsAnError) {
   EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("exceeds the context"), std::string::npos) << err;
 }
+
+TEST(CliE2e, ChatReadsOneMessagePerLineFromAPipe) {
+  const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  KESTREL_REQUIRE_FILE(model);
+  std::string out;
+  // Two turns in one session: the second reuses the first turn's KV and still answers.
+  const std::string cmd = "printf 'Hi!\\nWhat is the capital of France?\\n' | " + kestrel_binary() +
+                          " chat -m " + model + " --temperature 0 -n 40 2>/dev/null";
+  ASSERT_EQ(run_command(cmd, &out), 0);
+  EXPECT_NE(out.find("Paris"), std::string::npos) << out;
+}

@@ -57,7 +57,9 @@ void run_generate(const GenerateArgs& a) {
   go.sampling = sp;
   go.stop_ids = stop_ids(tok);
   std::vector<int32_t> output_ids;
-  StreamDecoder stream(tok);
+  // The output continues the prompt: keep a SentencePiece leading space unless nothing precedes it.
+  const bool continuation = !prompt_ids.empty() && !(prompt_ids.size() == 1 && prompt_ids[0] == tok.bos_id());
+  StreamDecoder stream(tok, /*skip_special=*/false, continuation);
   const GenerateStats st = session.generate(prompt_ids, go, [&](int32_t id) {
     output_ids.push_back(id);
     if (!a.json && !tok.is_eog(id)) {
@@ -74,7 +76,7 @@ void run_generate(const GenerateArgs& a) {
     nlohmann::json j;
     j["prompt_ids"] = prompt_ids;
     j["output_ids"] = output_ids;
-    j["text"] = tok.decode(text_ids);
+    j["text"] = tok.decode(text_ids, /*skip_special=*/false, continuation);
     j["finish_reason"] = st.finish_reason;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
