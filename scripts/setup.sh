@@ -7,5 +7,5 @@ scripts/install_deps.sh
 scripts/fetch_model.sh
 scripts/build.sh
 echo
-echo '$ ./build/kestrel chat --temperature 0 -p "What is the capital of France?"'
-./build/kestrel chat --temperature 0 -p "What is the capital of France?"
+echo '$ ./build/kestrel chat --temperature 0 -n 64 -p "What is the capital of France?"'
+./build/kestrel chat --temperature 0 -n 64 -p "What is the capital of France?"
