@@ -110,10 +110,10 @@ void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, Mat
       // Split at multiples of 16 tokens (see MatmulKernels::quantize_acts).
       const int64_t n_groups = (n_tokens + 15) / 16;
       pool.parallel_for(n_groups, 1, [&](int64_t g0, int64_t g1) {
-        k.quantize_acts(w.type, x, w.n_in, n_tokens, 16 * g0, std::min(n_tokens, 16 * g1), buf);
+        k.quantize_acts(w.type, x, w.n_in, n_tokens, 16 * g0, std::min(n_tokens, 16 * g1), ws.activations_8bit, buf);
       });
     } else {
-      k.quantize_acts(w.type, x, w.n_in, n_tokens, 0, n_tokens, buf);
+      k.quantize_acts(w.type, x, w.n_in, n_tokens, 0, n_tokens, ws.activations_8bit, buf);
     }
   }
 
