@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/cpu_features.h"
 #include "core/dtype.h"
@@ -70,6 +71,13 @@ bool matmul_supports(GgmlType type);
 // a multiple of the block size; n_tokens == 0 or n_out == 0 is a no-op.
 void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, MatmulWorkspace& ws,
             ThreadPool& pool);
+
+// y[i] = x · w[i]ᵀ for matrices that share their input x (same n_in; e.g. q / k / v, gate / up):
+// as many matmul() calls, but x is quantized once per weight type and all rows run in one
+// fork-join. Each y[i] is bitwise what matmul(w[i], x, n_tokens, y[i], ...) gives. At most 16
+// matrices; throws kestrel::Error as matmul() does, or if w and y differ in size or the n_in differ.
+void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_tokens, std::span<float* const> y,
+                  MatmulWorkspace& ws, ThreadPool& pool);
 
 // Expands n elements (a multiple of the block size) of one row of `type` at src to f32.
 // Follows the block layouts of ggml-common.h (see core/dtype.h). Throws kestrel::Error for a type

@@ -48,15 +48,14 @@ struct AmxUnpacked {
         c_off(dw_off + static_cast<size_t>(16 * nbp) * 4), bytes(c_off + static_cast<size_t>(16 * nbp) * 4) {}
 };
 
-// Palette 1: tmm0 / tmm1 hold C (16 x 16 int32) of planes 1 and 2, tmm2 / tmm3 A (16 rows x 32
-// bytes), tmm4 / tmm5 and tmm6 / tmm7 B (8 rows x 64 bytes) of planes 1 and 2; blocks alternate
-// between the A / B sets so one block's loads can overlap the last one's multiplies.
+// Palette 1: tmm0 / tmm1 and tmm6 / tmm7 hold C (16 x 16 int32) of planes 1 and 2 for two blocks,
+// tmm2 / tmm3 their A (16 rows x 32 bytes), tmm4 / tmm5 B (8 rows x 64 bytes) of planes 1 and 2.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {64, 64, 32, 32, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 8, 8, 8, 8};
+  uint8_t rows[16] = {16, 16, 16, 16, 8, 8, 16, 16};
 };
 
 bool request_amx() {
@@ -120,31 +119,35 @@ inline void scale_block(const int32_t* sums, const float* dw, const float* cw, i
   }
 }
 
-// Multiplies block b's weight tile with both activation planes into tmm0 / tmm1 and stores the
-// sums (plane 1, then plane 2) at dst, using A / B set 0 (tmm2, tmm4, tmm5) or set 1 (tmm3, tmm6,
-// tmm7). (GCC's tile intrinsics paste the register number into the instruction text, so it must
-// be a literal.)
-inline void block_sums0(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b, int32_t* dst) {
-  _tile_loadd(2, wt + 32 * b, w_stride);
-  _tile_loadd(4, act + 1024 * b, 64);
-  _tile_loadd(5, act + 1024 * b + 512, 64);
+// Block sums of one or two blocks (b0, and b1 if has1) against both activation planes, stored at
+// dst0 / dst1 (plane 1, then plane 2 at +256). Block b0 uses C tiles tmm0 / tmm1 and A tmm2,
+// block b1 tmm6 / tmm7 and tmm3; both load their planes into B tiles tmm4 / tmm5. The stores come
+// after both blocks' multiplies, so the two blocks' TDPBUSDs overlap. (GCC's tile intrinsics
+// paste the register number into the instruction text, so it must be a literal.)
+inline void block_sums(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b0, int64_t b1, bool has1,
+                       int32_t* dst0, int32_t* dst1) {
+  _tile_loadd(2, wt + 32 * b0, w_stride);
+  _tile_loadd(4, act + 1024 * b0, 64);
+  _tile_loadd(5, act + 1024 * b0 + 512, 64);
   _tile_zero(0);
   _tile_zero(1);
   _tile_dpbusd(0, 2, 4);
   _tile_dpbusd(1, 2, 5);
-  _tile_stored(0, dst, 64);
-  _tile_stored(1, dst + 256, 64);
-}
-inline void block_sums1(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b, int32_t* dst) {
-  _tile_loadd(3, wt + 32 * b, w_stride);
-  _tile_loadd(6, act + 1024 * b, 64);
-  _tile_loadd(7, act + 1024 * b + 512, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_dpbusd(0, 3, 6);
-  _tile_dpbusd(1, 3, 7);
-  _tile_stored(0, dst, 64);
-  _tile_stored(1, dst + 256, 64);
+  if (has1) {
+    _tile_loadd(3, wt + 32 * b1, w_stride);
+    _tile_loadd(4, act + 1024 * b1, 64);
+    _tile_loadd(5, act + 1024 * b1 + 512, 64);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_dpbusd(6, 3, 4);
+    _tile_dpbusd(7, 3, 5);
+  }
+  _tile_stored(0, dst0, 64);
+  _tile_stored(1, dst0 + 256, 64);
+  if (has1) {
+    _tile_stored(6, dst1, 64);
+    _tile_stored(7, dst1 + 256, 64);
+  }
 }
 
 // 16 rows x 16 tokens.
@@ -165,10 +168,9 @@ void tile16(const AmxLayout& L, const AmxUnpacked& U, const uint8_t* wt, const u
   const int64_t n_ch = (nb + 15) / 16;
   int32_t* sums[2] = {ring, ring + 512 * n_ch};  // [n_ch][2][256] for two lanes
   auto issue_lane = [&](int64_t l, int32_t* dst) {
-    for (int64_t c = 0; 16 * c + l < nb; c += 2) {
-      block_sums0(wt, U.row_stride, act, 16 * c + l, dst + 512 * c);
-      if (16 * (c + 1) + l < nb) block_sums1(wt, U.row_stride, act, 16 * (c + 1) + l, dst + 512 * (c + 1));
-    }
+    for (int64_t c = 0; 16 * c + l < nb; c += 2)
+      block_sums(wt, U.row_stride, act, 16 * c + l, 16 * (c + 1) + l, 16 * (c + 1) + l < nb, dst + 512 * c,
+                 dst + 512 * (c + 1));
   };
   const int64_t n_lanes = std::min<int64_t>(16, nb);
   issue_lane(0, sums[0]);
