@@ -112,6 +112,7 @@ void unpack_rows(const MatmulArgs& a, int64_t nb, const AmxUnpacked& U, int64_t 
 // sums + 256) into the lane accumulators F[r] (lanes = tokens).
 inline void scale_block(const int32_t* sums, const float* dw, const float* cw, int64_t b, __m512 dx,
                         __m512 s, __m512 F[16]) {
+#pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512i isum = combine_planes(_mm512_load_si512(sums + 16 * r), _mm512_load_si512(sums + 256 + 16 * r));
     F[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(dw[16 * b + r]), dx), F[r]);
