@@ -235,14 +235,14 @@ inline __m512i chunk_isum(const __m512i q[8], const uint8_t* a) {
 }
 
 // One group (lo / hi weight quants of up to 4 blocks) against grouped activations at a (both
-// planes): the combined partial sums, block 4i + c in 128-bit lane c.
+// planes): the combined partial sums, block 4i + c in 128-bit lane c. Plane 2's vpdpbusd
+// accumulate onto 255 * (plane 1's sums), which saves the separate combine.
 inline __m512i group_isum(__m512i lo, __m512i hi, const uint8_t* a) {
-  const __m512i p1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(a)), hi,
-                                         _mm512_load_si512(a + 64));
-  const __m512i p2 = _mm512_dpbusd_epi32(
-      _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(a + kActPlane2)), hi,
-      _mm512_load_si512(a + kActPlane2 + 64));
-  return combine_planes(p1, p2);
+  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(a));
+  p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(a + 64));
+  p = _mm512_sub_epi32(_mm512_slli_epi32(p, 8), p);
+  p = _mm512_dpbusd_epi32(p, lo, _mm512_load_si512(a + kActPlane2));
+  return _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(a + kActPlane2 + 64));
 }
 
 // Four grouped partial sums (128-bit lane c of g[i]: block 4i + c, spread over 4 dwords) -> one
