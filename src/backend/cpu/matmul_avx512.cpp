@@ -10,11 +10,12 @@
 //
 // Sixteen blocks form a "chunk" and 32-bit lane j of a 512-bit register belongs to block j of the
 // chunk: register k (k < 8) holds bytes 4k..4k+3 of every block, so eight vpdpbusd per plane
-// leave each block's exact integer sum in its own lane and one conversion, one multiply (dw * dx) and two
-// FMAs apply sixteen blocks' scales. The GEMM unpacks a tile of weight rows into that transposed
-// layout once (zmm gathers); the GEMV instead loads 4 contiguous blocks at a time (2 vpdpbusd per plane per
-// 4 blocks) and transposes the integer sums into block lanes (groups_to_lanes): integers are
-// exact, so both give the same lanes. matmul_amx.cpp computes the same lanes with AMX tiles.
+// leave each block's exact integer sum in its own lane and one conversion, one multiply
+// (dw * dx) and two FMAs apply sixteen blocks' scales. The GEMM unpacks a tile of weight rows
+// into that transposed layout once (zmm gathers); the GEMV instead loads 4 contiguous blocks at a
+// time (2 vpdpbusd per plane per 4 blocks) and transposes the integer sums into block lanes
+// (groups_to_lanes): integers are exact, so both give the same lanes. matmul_amx.cpp computes
+// the same lanes with AMX tiles.
 //
 // Activation layout for 32-blocks, one token (nch = ceil(nb / 16) chunks):
 //   int8 q[nch][2][8][64] chunk c, plane p (q1, q2), register k, lane j: elements 4k..4k+3 of

@@ -1,11 +1,11 @@
 // AVX-512 kernels for the weight types that are not on SmolLM2's hot path: Q4_K and Q6_K
 // (256-element super-blocks) and F32 / F16 / BF16.
 //
-// K-quants: the 4/6-bit quants times int8 activation planes (q1, q2; see quantize_block_q16)
-// go through vpmaddubsw (pairs -> s16, no
-// saturation: 2 * 63 * 127 < 2^15) and vpmaddwd with the sub-block scales (-> s32), so a whole
-// super-block is summed in integers per plane, and the planes combine in f32. The min / offset terms use the
-// activation's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
+// K-quants: the 4/6-bit quants times the int8 activation planes (q1, q2; see
+// quantize_block_q16) go through vpmaddubsw (pairs -> s16, no saturation: 2 * 63 * 127 < 2^15)
+// and vpmaddwd with the sub-block scales (-> s32), so a whole super-block is summed in integers
+// per plane; the planes combine in f32 (255 * s1 + s2 could overflow int32). The min / offset
+// terms use each plane's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
 //
 // Every (row, token) output runs the same instruction sequence whether it is computed alone or in
 // a tile of 4 tokens (the tile only shares the unpacked weights), and is reduced by reduce16, so
