@@ -124,9 +124,11 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   for (int64_t il = 0; il < hp_.n_layer; ++il) {
     const LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
     rms_norm_rows(x_.data(), L.attn_norm.data(), h_.data(), n);
-    matmul(L.wq, h_.data(), n, q_.data(), ws_, pool_);
-    matmul(L.wk, h_.data(), n, k_.data(), ws_, pool_);
-    matmul(L.wv, h_.data(), n, v_.data(), ws_, pool_);
+    {
+      const WeightView wqkv[3] = {L.wq, L.wk, L.wv};
+      float* const yqkv[3] = {q_.data(), k_.data(), v_.data()};
+      matmul_multi(wqkv, h_.data(), n, yqkv, ws_, pool_);
+    }
     if (!L.bq.empty()) {
       for (int64_t t = 0; t < n; ++t) {
         op.add(q_.data() + t * hp_.q_dim(), L.bq.data(), hp_.q_dim());
@@ -149,8 +151,11 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
     op.add(x_.data(), h_.data(), n * d);
 
     rms_norm_rows(x_.data(), L.ffn_norm.data(), h_.data(), n);
-    matmul(L.w_gate, h_.data(), n, gate_.data(), ws_, pool_);
-    matmul(L.w_up, h_.data(), n, up_.data(), ws_, pool_);
+    {
+      const WeightView wgu[2] = {L.w_gate, L.w_up};
+      float* const ygu[2] = {gate_.data(), up_.data()};
+      matmul_multi(wgu, h_.data(), n, ygu, ws_, pool_);
+    }
     // Row by row, so a token's arithmetic (vector lanes and tails) never depends on the batch.
     pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)

@@ -1,14 +1,23 @@
 // CPU matrix kernels: y = x · Wᵀ for every weight type kestrel loads from GGUF, plus row
 // dequantization.
 //
-// Quantized weights are used as stored. The activations x are quantized to 8 bits per element
-// (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q8_0 weights, blocks of 256 with an f32 scale and
-// 16-element sums for Q4_K / Q6_K) and the products are exact integer dot products (AVX-512 VNNI
-// vpdpbusd, AVX2 vpmaddubsw, or plain C++), scaled to f32 once per weight block. This is the scheme
-// llama.cpp uses; its only extra error is the rounding of x: each element moves by at most
-// d/2 = max|x_block| / 254, so |y - y_exact| <= sum over blocks of max|x_block| / 254 * sum|w_block|,
-// i.e. about 0.2-0.4 % of sum|w x| for typical activations. F32 / F16 / BF16 weights multiply f32
-// activations directly (f32 accumulation).
+// Quantized weights are used as stored. The activations x are quantized to 16 bits per element
+// (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q8_0 weights, super-blocks of 256 for Q4_K /
+// Q6_K): Q = round(x / d), d = max|x_block| / 32385, kept as two int8 planes Q = 255 q1 + q2
+// (|q1|, |q2| <= 127). The products are exact integer dot products of the weight quants with each
+// plane (AVX-512 VNNI vpdpbusd, AMX TDPBUSD, AVX2 vpmaddubsw, or plain C++; the weights are
+// loaded once for both planes), combined as 255 * sum(w q1) + sum(w q2) and scaled to f32 once
+// per weight block (matmul_kernels.h, quantize_block_q16). Q4_1's offset term uses the block sum
+// d * sum(Q) on every path.
+//
+// Error bound. The only extra error besides f32 rounding is the rounding of x: each element moves
+// by at most d / 2 = max|x_block| / 64770 (the f32 computation of x / d adds < 1 % of that), so
+//   |y - y_exact| <= sum over blocks of max|x_block| / 64770 * sum|w_block|  (x 1.01),
+// where y_exact uses the dequantized weights: ~250x tighter than the llama.cpp-style 8-bit
+// activations (max|x_block| / 254 per element), which put SmolLM2's logits ~3e-2 (relative to
+// max|logit|) away from a float64 reference; 16 bits give 3.3e-4. MatmulWorkspace::activations_8bit
+// selects the 8-bit rounding for comparisons. F32 / F16 / BF16 weights multiply f32 activations
+// directly (f32 accumulation).
 //
 // Decode (n_tokens == 1) runs a matrix-vector product split over output rows; prefill
 // (n_tokens > 1) runs a blocked GEMM that unpacks a tile of weight rows once and reuses it for every
@@ -20,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/cpu_features.h"
 #include "core/dtype.h"
@@ -43,6 +53,11 @@ class MatmulWorkspace {
   MatmulWorkspace(const MatmulWorkspace&) = delete;
   MatmulWorkspace& operator=(const MatmulWorkspace&) = delete;
 
+  // Rounds the activations of quantized-weight matmuls to 8 bits per block (the llama.cpp scheme,
+  // ~250x the error of the default 16 bits; see the top of this file) instead of 16. For
+  // comparisons only: it is no faster, the kernels are the same.
+  bool activations_8bit = false;
+
   // A 64-byte aligned buffer of at least n_bytes; earlier pointers become invalid when it grows.
   uint8_t* reserve(size_t n_bytes);
   size_t capacity() const { return capacity_; }
@@ -65,6 +80,13 @@ bool matmul_supports(GgmlType type);
 // a multiple of the block size; n_tokens == 0 or n_out == 0 is a no-op.
 void matmul(const WeightView& w, const float* x, int64_t n_tokens, float* y, MatmulWorkspace& ws,
             ThreadPool& pool);
+
+// y[i] = x · w[i]ᵀ for matrices that share their input x (same n_in; e.g. q / k / v, gate / up):
+// as many matmul() calls, but x is quantized once per weight type and all rows run in one
+// fork-join. Each y[i] is bitwise what matmul(w[i], x, n_tokens, y[i], ...) gives. At most 16
+// matrices; throws kestrel::Error as matmul() does, or if w and y differ in size or the n_in differ.
+void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_tokens, std::span<float* const> y,
+                  MatmulWorkspace& ws, ThreadPool& pool);
 
 // Expands n elements (a multiple of the block size) of one row of `type` at src to f32.
 // Follows the block layouts of ggml-common.h (see core/dtype.h). Throws kestrel::Error for a type

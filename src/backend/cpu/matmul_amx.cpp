@@ -4,14 +4,16 @@
 // One TDPBUSD multiplies a 16-row x 32-byte weight tile (one block of 16 rows, u8 quants as in
 // the AVX-512 kernels) by an 8 x 64-byte activation tile (the same block of 16 tokens, four
 // consecutive int8 per token per row, the layout TDPBUSD wants) into 16 x 16 exact int32 block
-// sums. AVX-512 then applies the scales. The arithmetic is the AVX-512 kernels' canonical one
+// sums; a second TDPBUSD does the same for the second activation plane (quantize_block_q16), and
+// AVX-512 combines the two (255 * S1 + S2, exact) and applies the scales. The arithmetic is the AVX-512 kernels' canonical one
 // (quant_formats_avx512.h: per 16-block chunk, lane j = block j,
 //   acc_j = fma(f32(isum), dw * dx, acc_j); acc_j = fma(c, s, acc_j); then the reduce16 tree),
 // only with registers holding 16 tokens of one lane instead of 16 lanes of one token, so outputs
 // are bitwise those of the GEMV: batch invariance holds across the AMX / AVX-512 switch.
 //
 // Activation layout of a call (token groups of 16, the last one zero-padded):
-//   per group: int8 tiles[nb][8][64] | f32 dx[nb][16] | f32 s[nb][16]     (nb * 640 bytes)
+//   per group: int8 tiles[nb][2][8][64] | f32 dx[nb][16] | f32 s[nb][16]     (nb * 1152 bytes)
+// (tiles[b][p]: block b, plane p).
 #if defined(__x86_64__)
 
 // First: it sets up <immintrin.h> (see simd_avx512.h).
@@ -26,14 +28,14 @@
 namespace kestrel::cpu::detail {
 namespace {
 
-constexpr int64_t kGroupBlockBytes = 640;  // one block of 16 tokens: 512 quant bytes, dx, s
+constexpr int64_t kGroupBlockBytes = 1152;  // one block of 16 tokens: 2 x 512 quant bytes, dx, s
 
 struct AmxLayout {
   int64_t nb, n_groups;
   size_t group_bytes, dx_off, s_off;
   AmxLayout(int64_t n_in, int64_t n_tokens)
       : nb(n_in / 32), n_groups((n_tokens + 15) / 16), group_bytes(static_cast<size_t>(nb) * kGroupBlockBytes),
-        dx_off(static_cast<size_t>(nb) * 512), s_off(static_cast<size_t>(nb) * 576) {}
+        dx_off(static_cast<size_t>(nb) * 1024), s_off(static_cast<size_t>(nb) * 1088) {}
 };
 
 // Unpacked weights of 16 rows: u8 quants [16][nbp][32] (nbp = nb rounded up to a whole chunk of
@@ -46,15 +48,14 @@ struct AmxUnpacked {
         c_off(dw_off + static_cast<size_t>(16 * nbp) * 4), bytes(c_off + static_cast<size_t>(16 * nbp) * 4) {}
 };
 
-// Palette 1: tmm0 / tmm1 hold C (16 x 16 int32), tmm2 / tmm3 A (16 rows x 32 bytes), tmm4 / tmm5
-// B (8 rows x 64 bytes); two sets, so one block's TDPBUSD can run while the last one's sums are
-// scaled.
+// Palette 1: tmm0 / tmm1 and tmm6 / tmm7 hold C (16 x 16 int32) of planes 1 and 2 for two blocks,
+// tmm2 / tmm3 their A (16 rows x 32 bytes), tmm4 / tmm5 B (8 rows x 64 bytes) of planes 1 and 2.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 8, 8};
+  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 8, 8, 16, 16};
 };
 
 bool request_amx() {
@@ -107,36 +108,52 @@ void unpack_rows(const MatmulArgs& a, int64_t nb, const AmxUnpacked& U, int64_t 
   }
 }
 
-// Scales one block's 16 x 16 sums (row-major int32 in sums) into the lane accumulators F[r]
-// (lanes = tokens).
+// Scales one block's 16 x 16 sums of both planes (row-major int32: plane 1 at sums, plane 2 at
+// sums + 256) into the lane accumulators F[r] (lanes = tokens).
 inline void scale_block(const int32_t* sums, const float* dw, const float* cw, int64_t b, __m512 dx,
                         __m512 s, __m512 F[16]) {
+#pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
-    F[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(_mm512_set1_ps(dw[16 * b + r]), dx), F[r]);
+    const __m512i isum = combine_planes(_mm512_load_si512(sums + 16 * r), _mm512_load_si512(sums + 256 + 16 * r));
+    F[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_set1_ps(dw[16 * b + r]), dx), F[r]);
     F[r] = _mm512_fmadd_ps(_mm512_set1_ps(cw[16 * b + r]), s, F[r]);
   }
 }
 
-// Loads block b's weight and activation tiles into set 0 (tmm2, tmm4 -> tmm0) or set 1 (tmm3,
-// tmm5 -> tmm1) and multiplies them. (GCC's tile intrinsics paste the register number into the
-// instruction text, so it must be a literal.)
-inline void issue_block0(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b) {
-  _tile_loadd(2, wt + 32 * b, w_stride);
-  _tile_loadd(4, act + 512 * b, 64);
+// Block sums of one or two blocks (b0, and b1 if has1) against both activation planes, stored at
+// dst0 / dst1 (plane 1, then plane 2 at +256). Block b0 uses C tiles tmm0 / tmm1 and A tmm2,
+// block b1 tmm6 / tmm7 and tmm3; both load their planes into B tiles tmm4 / tmm5. The stores come
+// after both blocks' multiplies, so the two blocks' TDPBUSDs overlap. (GCC's tile intrinsics
+// paste the register number into the instruction text, so it must be a literal.)
+inline void block_sums(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b0, int64_t b1, bool has1,
+                       int32_t* dst0, int32_t* dst1) {
+  _tile_loadd(2, wt + 32 * b0, w_stride);
+  _tile_loadd(4, act + 1024 * b0, 64);
+  _tile_loadd(5, act + 1024 * b0 + 512, 64);
   _tile_zero(0);
-  _tile_dpbusd(0, 2, 4);
-}
-inline void issue_block1(const uint8_t* wt, size_t w_stride, const uint8_t* act, int64_t b) {
-  _tile_loadd(3, wt + 32 * b, w_stride);
-  _tile_loadd(5, act + 512 * b, 64);
   _tile_zero(1);
-  _tile_dpbusd(1, 3, 5);
+  _tile_dpbusd(0, 2, 4);
+  _tile_dpbusd(1, 2, 5);
+  if (has1) {
+    _tile_loadd(3, wt + 32 * b1, w_stride);
+    _tile_loadd(4, act + 1024 * b1, 64);
+    _tile_loadd(5, act + 1024 * b1 + 512, 64);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_dpbusd(6, 3, 4);
+    _tile_dpbusd(7, 3, 5);
+  }
+  _tile_stored(0, dst0, 64);
+  _tile_stored(1, dst0 + 256, 64);
+  if (has1) {
+    _tile_stored(6, dst1, 64);
+    _tile_stored(7, dst1 + 256, 64);
+  }
 }
 
 // 16 rows x 16 tokens.
-// lanes: [16 lanes][16 rows][16 tokens] f32; ring: 2 * 256 * ceil(nb / 16) int32 (the block sums
-// of two lanes).
+// lanes: [16 lanes][16 rows][16 tokens] f32; ring: 2 * 512 * ceil(nb / 16) int32 (the block sums
+// of two lanes, both planes).
 void tile16(const AmxLayout& L, const AmxUnpacked& U, const uint8_t* wt, const uint8_t* act, int n_tok, int n_rows,
             float* y, int64_t ldy, float* lanes, int32_t* ring) {
   const auto* dw = reinterpret_cast<const float*>(wt + U.dw_off);
@@ -150,14 +167,11 @@ void tile16(const AmxLayout& L, const AmxUnpacked& U, const uint8_t* wt, const u
   // clobber memory and would push the accumulators out of registers).
   const int64_t nb = L.nb;
   const int64_t n_ch = (nb + 15) / 16;
-  int32_t* sums[2] = {ring, ring + 256 * n_ch};  // [n_ch][256] for two lanes
+  int32_t* sums[2] = {ring, ring + 512 * n_ch};  // [n_ch][2][256] for two lanes
   auto issue_lane = [&](int64_t l, int32_t* dst) {
-    for (int64_t c = 0; 16 * c + l < nb; c += 2) {
-      issue_block0(wt, U.row_stride, act, 16 * c + l);
-      if (16 * (c + 1) + l < nb) issue_block1(wt, U.row_stride, act, 16 * (c + 1) + l);
-      _tile_stored(0, dst + 256 * c, 64);
-      if (16 * (c + 1) + l < nb) _tile_stored(1, dst + 256 * (c + 1), 64);
-    }
+    for (int64_t c = 0; 16 * c + l < nb; c += 2)
+      block_sums(wt, U.row_stride, act, 16 * c + l, 16 * (c + 1) + l, 16 * (c + 1) + l < nb, dst + 512 * c,
+                 dst + 512 * (c + 1));
   };
   const int64_t n_lanes = std::min<int64_t>(16, nb);
   issue_lane(0, sums[0]);
@@ -166,7 +180,7 @@ void tile16(const AmxLayout& L, const AmxUnpacked& U, const uint8_t* wt, const u
     __m512 F[16];
     for (int r = 0; r < 16; ++r) F[r] = _mm512_setzero_ps();
     for (int64_t b = l; b < nb; b += 16)
-      scale_block(sums[l % 2] + 256 * (b / 16), dw, cw, b, _mm512_load_ps(dx + 16 * b), _mm512_load_ps(s + 16 * b), F);
+      scale_block(sums[l % 2] + 512 * (b / 16), dw, cw, b, _mm512_load_ps(dx + 16 * b), _mm512_load_ps(s + 16 * b), F);
     for (int r = 0; r < 16; ++r) _mm512_store_ps(lanes + 256 * l + 16 * r, F[r]);
   }
   // The reduce16 tree over lanes: ((l0 + l2) + (l1 + l3)) per quad, then (q0 + q1) + (q2 + q3).
@@ -217,7 +231,8 @@ size_t amx_act_bytes(int64_t n_in, int64_t n_tokens) {
   return static_cast<size_t>(L.n_groups) * L.group_bytes;
 }
 
-void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1, uint8_t* dst) {
+void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1, bool bits8,
+                       uint8_t* dst) {
   const AmxLayout L(n_in, n_tokens);
   for (int64_t t = t0; t < t1; ++t) {
     uint8_t* g = dst + (t / 16) * L.group_bytes;
@@ -225,16 +240,17 @@ void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t
     auto* s = reinterpret_cast<float*>(g + L.s_off) + t % 16;
     uint8_t* col = g + 4 * (t % 16);
     for (int64_t b = 0; b < L.nb; ++b) {
-      alignas(32) uint8_t q[32];
-      quantize_block32(x + t * n_in + 32 * b, q, dx[16 * b], s[16 * b]);
-      for (int k = 0; k < 8; ++k) std::memcpy(col + 512 * b + 64 * k, q + 4 * k, 4);
+      alignas(32) int8_t q[2][32];
+      quantize_block32(x + t * n_in + 32 * b, bits8, q[0], q[1], dx[16 * b], s[16 * b]);
+      for (int p = 0; p < 2; ++p)
+        for (int k = 0; k < 8; ++k) std::memcpy(col + 1024 * b + 512 * p + 64 * k, q[p] + 4 * k, 4);
     }
   }
   if (t1 == n_tokens && n_tokens % 16 != 0) {  // zero the padding tokens of the last group
     uint8_t* g = dst + (n_tokens / 16) * L.group_bytes;
     const int64_t first = n_tokens % 16;
     for (int64_t b = 0; b < L.nb; ++b) {
-      for (int k = 0; k < 8; ++k) std::memset(g + 512 * b + 64 * k + 4 * first, 0, 4 * (16 - first));
+      for (int k = 0; k < 16; ++k) std::memset(g + 1024 * b + 64 * k + 4 * first, 0, 4 * (16 - first));
       std::memset(reinterpret_cast<float*>(g + L.dx_off) + 16 * b + first, 0, 4 * (16 - first));
       std::memset(reinterpret_cast<float*>(g + L.s_off) + 16 * b + first, 0, 4 * (16 - first));
     }
@@ -243,7 +259,7 @@ void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t
 
 size_t amx_scratch_bytes(int64_t n_in) {
   const int64_t n_ch = (n_in / 32 + 15) / 16;
-  return align64(AmxUnpacked(n_in / 32).bytes) + 16 * 16 * 16 * sizeof(float) + 2 * 256 * n_ch * sizeof(int32_t);
+  return align64(AmxUnpacked(n_in / 32).bytes) + 16 * 16 * 16 * sizeof(float) + 2 * 512 * n_ch * sizeof(int32_t);
 }
 
 void amx_matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {

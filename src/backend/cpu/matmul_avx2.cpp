@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C kernels (for x86-64 CPUs without AVX-512 VNNI).
 //
 // Without vpdpbusd the integer dot products use vpmaddubsw (u8 x s8 -> s16 pairs) and vpmaddwd
-// (-> s32). vpmaddubsw saturates at 2^15, so the unsigned operand must stay small: Q4_0 / Q4_1
+// (-> s32), once per activation plane (q1, q2: see quantize_block_q16). vpmaddubsw saturates at 2^15, so the unsigned operand must stay small: Q4_0 / Q4_1
 // nibbles (0..15) are used as they are (offsets via the activation's block sums s, as in the
 // AVX-512 kernels), while Q8_0 uses |w| and moves w's sign onto the activation (vpsignb):
 // 2 * 128 * 127 < 2^15. One 256-bit register holds one 32-element block in natural order, so the
@@ -50,50 +50,72 @@ inline float load_fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Quantizes n (a multiple of 32) floats to int8 with one scale; returns the scale, stores the
-// quants in natural order, and the sum of each 32-element run in sums (if not null).
-// Same rounding as quantize_block_q8.
-float quantize_run(const float* x, int n, int8_t* q, int* sum32) {
+// 255 * hi + lo in int32 lanes (see quantize_block_q16).
+inline __m256i combine_planes(__m256i hi, __m256i lo) {
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+}
+
+// Packs 4 x 8 int32 (each in int8 range) to 32 int8 in element order.
+inline void store_i8x32(int8_t* dst, const __m256i v[4]) {
+  // packs work per 128-bit lane; the final permute restores element order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// Quantizes n (a multiple of 32) floats to 16 bits with one scale (the rounding of
+// quantize_block_q16); returns the scale, stores the planes q1, q2 in natural order and the sum of
+// Q over each 32-element run in sum32 (if not null).
+float quantize_run(const float* x, int n, bool bits8, int8_t* q1, int8_t* q2, int* sum32) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 mx = _mm256_setzero_ps();
   for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
   const float amax = hmax8(mx);
-  const __m256 id = _mm256_set1_ps(q8_inverse_scale(amax));
+  const __m256 id = _mm256_set1_ps(act_inverse_scale(amax, bits8));
+  const __m256 inv_split = _mm256_set1_ps(kInvActSplit);
   for (int i = 0; i < n; i += 32) {
-    __m256i v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), id));
+    __m256i Q[4], hi[4], lo[4];
+    for (int k = 0; k < 4; ++k) {
+      Q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), id));
+      if (bits8) Q[k] = combine_planes(Q[k], _mm256_setzero_si256());
+      hi[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(Q[k]), inv_split));
+      lo[k] = _mm256_sub_epi32(Q[k], combine_planes(hi[k], _mm256_setzero_si256()));
+    }
     if (sum32)
-      sum32[i / 32] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
-    // packs work per 128-bit lane; the final permute restores element order.
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
-                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      sum32[i / 32] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(Q[0], Q[1]), _mm256_add_epi32(Q[2], Q[3])));
+    store_i8x32(q1 + i, hi);
+    store_i8x32(q2 + i, lo);
   }
-  return q8_scale(amax);
+  return act_scale(amax);
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
-  auto* qs = reinterpret_cast<int8_t*>(dst);
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, bool bits8, uint8_t* dst) {
+  auto* q1 = reinterpret_cast<int8_t*>(dst);
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);
+    auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
     auto* d = reinterpret_cast<float*>(dst + L.d_off);
-    auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
+    auto bsum16 = [](const int8_t* q) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      return static_cast<int16_t>(hsum8_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_set1_epi16(1))));
+    };
     for (int64_t b = 0; b < L.nsb; ++b) {
-      d[b] = quantize_run(x + b * QK_K, QK_K, qs + b * QK_K, nullptr);
+      d[b] = quantize_run(x + b * QK_K, QK_K, bits8, q1 + b * QK_K, q2 + b * QK_K, nullptr);
       for (int g = 0; g < QK_K / 16; ++g) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * QK_K + 16 * g));
-        const __m256i w = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q), _mm256_set1_epi16(1));
-        bsums[b * (QK_K / 16) + g] = static_cast<int16_t>(hsum8_epi32(w));
+        bsums1[b * (QK_K / 16) + g] = bsum16(q1 + b * QK_K + 16 * g);
+        bsums2[b * (QK_K / 16) + g] = bsum16(q2 + b * QK_K + 16 * g);
       }
     }
     return;
   }
   const ActLayout32 L(n_in);
+  auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
   auto* d = reinterpret_cast<float*>(dst + L.d_off);
   auto* s = reinterpret_cast<float*>(dst + L.s_off);
   for (int64_t b = 0; b < L.nb; ++b) {
     int sum;
-    d[b] = quantize_run(x + 32 * b, 32, qs + 32 * b, &sum);
+    d[b] = quantize_run(x + 32 * b, 32, bits8, q1 + 32 * b, q2 + 32 * b, &sum);
     s[b] = d[b] * static_cast<float>(sum);
   }
   std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
@@ -148,15 +170,22 @@ struct A2Q8_0 {
 };
 
 struct Act32 {
-  const int8_t* qs;
+  const int8_t* q1;
+  const int8_t* q2;
   const float* d;
   const float* s;
   Act32(const uint8_t* p, const ActLayout32& L)
-      : qs(reinterpret_cast<const int8_t*>(p)), d(reinterpret_cast<const float*>(p + L.d_off)),
-        s(reinterpret_cast<const float*>(p + L.s_off)) {}
+      : q1(reinterpret_cast<const int8_t*>(p)), q2(reinterpret_cast<const int8_t*>(p + L.q2_off)),
+        d(reinterpret_cast<const float*>(p + L.d_off)), s(reinterpret_cast<const float*>(p + L.s_off)) {}
 };
 
 inline __m256i load_a(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Block b's exact sum(u * Q) spread over 8 lanes: both planes against the same weights.
+template <class F>
+inline __m256i dot_block(const Prepared& p, const Act32& x, int64_t b) {
+  return combine_planes(F::dot(p, load_a(x.q1 + 32 * b)), F::dot(p, load_a(x.q2 + 32 * b)));
+}
 
 // GEMV; scratch holds the row's block offsets c (zero-padded to 8).
 template <class F>
@@ -172,7 +201,7 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < L.nb; ++b) {
       const uint8_t* blk = row + b * F::kBlockBytes;
-      const __m256i isum = F::dot(F::prep(F::quants(blk)), load_a(x.qs + 32 * b));
+      const __m256i isum = dot_block<F>(F::prep(F::quants(blk)), x, b);
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(F::d(blk) * x.d[b]), acc);
       if constexpr (F::kHasOffset) c[b] = F::c(blk);
     }
@@ -205,7 +234,7 @@ void tile32(const MatmulArgs& a, const ActLayout32& L, const Unpacked32& U, cons
       const float dw = reinterpret_cast<const float*>(u + U.d_off)[b];
       for (int t = 0; t < T; ++t) {
         const Act32 x(a.act + (t0 + t) * a.act_stride, L);
-        const __m256i isum = F::dot(p, load_a(x.qs + 32 * b));
+        const __m256i isum = dot_block<F>(p, x, b);
         acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]), acc[i][t]);
       }
     }
@@ -258,6 +287,18 @@ void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
 
 // ---- K-quants: one row against up to 4 tokens, a super-block unpacked once ----
 
+// One token's activations for one super-block.
+struct KActs {
+  const int8_t *q1, *q2;
+  const int16_t *bsums1, *bsums2;
+  float d;
+};
+
+// 255 * hi + lo per lane, in f32 (K-quant sums can exceed int32 when combined).
+inline __m256 planes_f32(__m256i hi, __m256i lo) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(static_cast<float>(kActSplit)), _mm256_cvtepi32_ps(lo));
+}
+
 struct A2UnpackedQ4K {
   __m256i q[8], sc[8];  // quants of elements 32k..32k+31; s16 scale of sub-block k
   __m256i m16;          // s16 min per bsum (16 elements): m_{i/2}
@@ -285,13 +326,20 @@ struct A2Q4_K {
     u.d = _cvtsh_ss(b.d);
     u.dmin = _cvtsh_ss(b.dmin);
   }
-  static __m256 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m256 acc) {
+  static __m256i isum(const Unpacked& u, const int8_t* aq) {
     __m256i iacc = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k)
       iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
-    const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(u.d * da), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_set1_ps(-(u.dmin * da)), acc);
+    return iacc;
+  }
+  static __m256i imin(const Unpacked& u, const int16_t* bsums) {
+    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
+  }
+  static __m256 dot(const Unpacked& u, const KActs& a, __m256 acc) {
+    const __m256 isums = planes_f32(isum(u, a.q1), isum(u, a.q2));
+    const __m256 imins = planes_f32(imin(u, a.bsums1), imin(u, a.bsums2));
+    acc = _mm256_fmadd_ps(isums, _mm256_set1_ps(u.d * a.d), acc);
+    return _mm256_fmadd_ps(imins, _mm256_set1_ps(-(u.dmin * a.d)), acc);
   }
 };
 
@@ -326,13 +374,17 @@ struct A2Q6_K {
     }
     u.d = _cvtsh_ss(b.d);
   }
-  static __m256 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m256 acc) {
+  static __m256i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
     __m256i iacc = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k)
       iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
+    // The stored quants are value + 32: subtract 32 * sum_j scale_j * bsum_j.
     const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
-    iacc = _mm256_sub_epi32(iacc, _mm256_slli_epi32(ioff, 5));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(u.d * da), acc);
+    return _mm256_sub_epi32(iacc, _mm256_slli_epi32(ioff, 5));
+  }
+  static __m256 dot(const Unpacked& u, const KActs& a, __m256 acc) {
+    const __m256 isums = planes_f32(isum(u, a.q1, a.bsums1), isum(u, a.q2, a.bsums2));
+    return _mm256_fmadd_ps(isums, _mm256_set1_ps(u.d * a.d), acc);
   }
 };
 
@@ -346,9 +398,11 @@ void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, int64_t r, int64_t t0
     F::unpack(blocks[b], u);
     for (int t = 0; t < T; ++t) {
       const uint8_t* at = a.act + (t0 + t) * a.act_stride;
-      acc[t] = F::dot(u, reinterpret_cast<const int8_t*>(at) + b * QK_K,
-                      reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16),
-                      reinterpret_cast<const float*>(at + L.d_off)[b], acc[t]);
+      const KActs ka{reinterpret_cast<const int8_t*>(at) + b * QK_K, reinterpret_cast<const int8_t*>(at + L.q2_off) + b * QK_K,
+                     reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16),
+                     reinterpret_cast<const int16_t*>(at + L.bsums2_off) + b * (QK_K / 16),
+                     reinterpret_cast<const float*>(at + L.d_off)[b]};
+      acc[t] = F::dot(u, ka, acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) a.y[(t0 + t) * a.w.n_out + r] = hsum8(acc[t]);

@@ -2,23 +2,27 @@
 //
 // 32-element block types (Q4_0, Q4_1, Q8_0) run on vpdpbusd (u8 x s8 -> s32). Every weight is
 // turned into an unsigned quant u with w = d * u + c per block (Q4_0: c = -8d, Q4_1: c = m,
-// Q8_0: u = q + 128, c = -128d), so a block's dot product with x (x ~ dx * a, a int8) is
-//   d * dx * sum(u * a) + c * s,      s = dx * sum(a), computed when x is quantized.
+// Q8_0: u = q + 128, c = -128d), so a block's dot product with x (x ~ dx * Q, Q the 16-bit quants
+// 255 * q1 + q2 of quantize_block_q16) is
+//   d * dx * sum(u * Q) + c * s,      s = dx * sum(Q), computed when x is quantized,
+// where sum(u * Q) = 255 * sum(u * q1) + sum(u * q2): two vpdpbusd per weight register, one for
+// each activation plane, combined exactly in int32 before the conversion to f32.
 //
 // Sixteen blocks form a "chunk" and 32-bit lane j of a 512-bit register belongs to block j of the
-// chunk: register k (k < 8) holds bytes 4k..4k+3 of every block, so eight vpdpbusd leave each
-// block's exact integer sum in its own lane and one conversion, one multiply (dw * dx) and two
-// FMAs apply sixteen blocks' scales. The GEMM unpacks a tile of weight rows into that transposed
-// layout once (zmm gathers); the GEMV instead loads 4 contiguous blocks at a time (2 vpdpbusd per
-// 4 blocks) and transposes the integer sums into block lanes (groups_to_lanes): integers are
-// exact, so both give the same lanes. matmul_amx.cpp computes the same lanes with AMX tiles.
+// chunk: register k (k < 8) holds bytes 4k..4k+3 of every block, so eight vpdpbusd per plane
+// leave each block's exact integer sum in its own lane and one conversion, one multiply
+// (dw * dx) and two FMAs apply sixteen blocks' scales. The GEMM unpacks a tile of weight rows
+// into that transposed layout once (zmm gathers); the GEMV instead loads 4 contiguous blocks at a
+// time (2 vpdpbusd per plane per 4 blocks) and transposes the integer sums into block lanes
+// (groups_to_lanes): integers are exact, so both give the same lanes. matmul_amx.cpp computes
+// the same lanes with AMX tiles.
 //
 // Activation layout for 32-blocks, one token (nch = ceil(nb / 16) chunks):
-//   int8 qs[nch][8][64]   chunk c, register k, lane j: elements 4k..4k+3 of block 16c + j
-//                         (a partial last chunk, and every chunk for the GEMV, is "grouped"
-//                         instead: see quantize_act32)
+//   int8 q[nch][2][8][64] chunk c, plane p (q1, q2), register k, lane j: elements 4k..4k+3 of
+//                         block 16c + j (a partial last chunk, and every chunk for the GEMV, is
+//                         "grouped" instead: see quantize_act32)
 //   f32  dx[nch][16]      lane j: scale of block 16c + j
-//   f32  s[nch][16]       lane j: dx * sum(quants) of block 16c + j
+//   f32  s[nch][16]       lane j: dx * sum(Q) of block 16c + j
 // Lanes past nb are zero, so the last chunk needs no special case on the activation side.
 //
 // The arithmetic of one output is fixed: acc = 0; for each chunk,
@@ -52,24 +56,28 @@ namespace {
 // group g at 128g: a_{4g+j}[0:16] at 16j and a_{4g+j}[16:32] at 64 + 16j, the order of four
 // contiguous weight blocks after nibble unpacking; vpdpbusd on that costs 2 instructions per 4
 // blocks instead of 8 per (mostly empty) transposed chunk. dx and s are the same in both.
-void quantize_act32(const float* x, int64_t n_in, bool grouped, uint8_t* dst) {
+void quantize_act32(const float* x, int64_t n_in, bool grouped, bool bits8, uint8_t* dst) {
   const Layout16 L(n_in);
   auto* dx = reinterpret_cast<float*>(dst + L.dx_off);
   auto* s = reinterpret_cast<float*>(dst + L.s_off);
   // Lanes of missing blocks in the last chunk must read as zero.
-  std::memset(dst + (L.nch - 1) * 512, 0, 512);
+  std::memset(dst + (L.nch - 1) * kActChunkBytes, 0, kActChunkBytes);
   std::memset(dx + (L.nch - 1) * 16, 0, 64);
   std::memset(s + (L.nch - 1) * 16, 0, 64);
   for (int64_t b = 0; b < L.nb; ++b) {
-    alignas(32) uint8_t q[32];
-    quantize_block32(x + 32 * b, q, dx[b], s[b]);
-    if (grouped || is_tail_chunk(L, b / 16)) {
-      uint8_t* g = dst + (b / 4) * 128 + 16 * (b % 4);
-      std::memcpy(g, q, 16);
-      std::memcpy(g + 64, q + 16, 16);
-    } else {  // the block's 8 dwords go to lane b % 16 of the chunk's 8 registers
-      auto* lane = reinterpret_cast<uint32_t*>(dst + (b / 16) * 512) + b % 16;
-      for (int k = 0; k < 8; ++k) std::memcpy(lane + 16 * k, q + 4 * k, 4);
+    alignas(32) int8_t q[2][32];
+    quantize_block32(x + 32 * b, bits8, q[0], q[1], dx[b], s[b]);
+    uint8_t* chunk = dst + (b / 16) * kActChunkBytes;
+    for (int p = 0; p < 2; ++p) {
+      uint8_t* plane = chunk + p * kActPlane2;
+      if (grouped || is_tail_chunk(L, b / 16)) {
+        uint8_t* g = plane + ((b % 16) / 4) * 128 + 16 * (b % 4);
+        std::memcpy(g, q[p], 16);
+        std::memcpy(g + 64, q[p] + 16, 16);
+      } else {  // the block's 8 dwords go to lane b % 16 of the chunk's 8 registers
+        auto* lane = reinterpret_cast<uint32_t*>(plane) + b % 16;
+        for (int k = 0; k < 8; ++k) std::memcpy(lane + 16 * k, q[p] + 4 * k, 4);
+      }
     }
   }
 }
@@ -90,8 +98,7 @@ inline __m512i grouped_isum(const uint8_t* p, int64_t nblk, const uint8_t* ag, _
       continue;
     }
     const Group g = Fmt::load_group(p + 4 * i * Fmt::kBlockBytes, n);
-    isum[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.lo, _mm512_load_si512(ag + 128 * i));
-    isum[i] = _mm512_dpbusd_epi32(isum[i], g.hi, _mm512_load_si512(ag + 128 * i + 64));
+    isum[i] = group_isum(g.lo, g.hi, ag + 128 * i);
     sc = _mm512_mask_broadcast_i32x4(sc, static_cast<__mmask16>(0xf << (4 * i)), g.sc);
   }
   return groups_to_lanes(isum);
@@ -110,7 +117,7 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1) {
     for (int64_t c = 0; c < L.nch; ++c) {
       __m512i sc;
       const __m512i isum =
-          grouped_isum<Fmt>(row + 16 * c * Fmt::kBlockBytes, std::min<int64_t>(16, L.nb - 16 * c), a.act + 512 * c, sc);
+          grouped_isum<Fmt>(row + 16 * c * Fmt::kBlockBytes, std::min<int64_t>(16, L.nb - 16 * c), a.act + kActChunkBytes * c, sc);
       __m512 dw, cw;
       Fmt::scales(sc, dw, cw);
       acc = chunk_update(isum, dw, _mm512_load_ps(dx + 16 * c), cw, _mm512_load_ps(s + 16 * c), acc);
@@ -177,7 +184,7 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
       const __m512 dw = _mm512_load_ps(uc + 512), cw = _mm512_load_ps(uc + 576);
       for (int t = 0; t < T; ++t) {
         const uint8_t* at = act + t * act_stride;
-        acc[r][t] = chunk_update(chunk_isum(q, at + 512 * c), dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
+        acc[r][t] = chunk_update(chunk_isum(q, at + kActChunkBytes * c), dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
                                  _mm512_load_ps(at + L.s_off + 64 * c), acc[r][t]);
       }
     }
@@ -194,9 +201,7 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
       for (int t = 0; t < 4; ++t) {
         g[t] = _mm512_setzero_si512();
         if (t >= T) continue;
-        const uint8_t* at = act + t * act_stride + 512 * c;
-        g[t] = _mm512_dpbusd_epi32(g[t], lo, _mm512_load_si512(at));
-        g[t] = _mm512_dpbusd_epi32(g[t], hi, _mm512_load_si512(at + 64));
+        g[t] = group_isum(lo, hi, act + t * act_stride + kActChunkBytes * c);
       }
       const __m512i by_token = groups_to_lanes(g);
       for (int t = 0; t < T; ++t) {
@@ -220,9 +225,8 @@ void tile32(const Layout16& L, const uint8_t* wt, const uint8_t* act, size_t act
         for (int i = 0; i < 4; ++i) {
           isum[i] = _mm512_setzero_si512();
           if (i >= n_groups) continue;
-          isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_load_si512(uc + 128 * i), _mm512_load_si512(at + 512 * c + 128 * i));
-          isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_load_si512(uc + 128 * i + 64),
-                                        _mm512_load_si512(at + 512 * c + 128 * i + 64));
+          isum[i] = group_isum(_mm512_load_si512(uc + 128 * i), _mm512_load_si512(uc + 128 * i + 64),
+                               at + kActChunkBytes * c + 128 * i);
         }
         acc[r][t] = chunk_update(groups_to_lanes(isum), dw, _mm512_load_ps(at + L.dx_off + 64 * c), cw,
                                  _mm512_load_ps(at + L.s_off + 64 * c), acc[r][t]);
@@ -268,9 +272,9 @@ size_t act_row_bytes(GgmlType type, int64_t n_in) {
   return Layout16(n_in).bytes;
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, uint8_t* dst) {
-  if (is_k_quant(type)) avx512_quantize_act_k(x, n_in, dst);
-  else quantize_act32(x, n_in, n_tokens == 1, dst);
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, bool bits8, uint8_t* dst) {
+  if (is_k_quant(type)) avx512_quantize_act_k(x, n_in, bits8, dst);
+  else quantize_act32(x, n_in, n_tokens == 1, bits8, dst);
 }
 
 using Acts = PerTokenActs<act_row_bytes, quantize_act>;
@@ -294,9 +298,9 @@ size_t act_stride(GgmlType type, int64_t n_in, int64_t n_tokens) {
 }
 
 void quantize_acts(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
-                   uint8_t* dst) {
-  if (use_amx(type, n_tokens)) amx_quantize_acts(x, n_in, n_tokens, t0, t1, dst);
-  else Acts::quantize(type, x, n_in, n_tokens, t0, t1, dst);
+                   bool bits8, uint8_t* dst) {
+  if (use_amx(type, n_tokens)) amx_quantize_acts(x, n_in, n_tokens, t0, t1, bits8, dst);
+  else Acts::quantize(type, x, n_in, n_tokens, t0, t1, bits8, dst);
 }
 
 size_t scratch_bytes(GgmlType type, int64_t n_in) {

@@ -7,7 +7,7 @@
 namespace kestrel::cpu::detail {
 
 // Quantizes one token for Q4_K / Q6_K weights into ActLayoutK (same bytes as the scalar path).
-void avx512_quantize_act_k(const float* x, int64_t n_in, uint8_t* dst);
+void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* dst);
 // y rows [r0, r1) for Q4_K, Q6_K, F32, F16 and BF16 weights.
 void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1);
 
@@ -15,7 +15,8 @@ void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1);
 // CPUID and asks Linux for the tile state (once); the others may only be called when it is true.
 bool amx_usable();
 size_t amx_act_bytes(int64_t n_in, int64_t n_tokens);
-void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1, uint8_t* dst);
+void amx_quantize_acts(const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1, bool bits8,
+                       uint8_t* dst);
 size_t amx_scratch_bytes(int64_t n_in);
 void amx_matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch);
 

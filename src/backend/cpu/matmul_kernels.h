@@ -3,7 +3,7 @@
 //
 // Each ISA quantizes the activations into its own layout (the AVX-512 one interleaves blocks so a
 // 512-bit register holds four blocks' halves), but every ISA rounds identically (see
-// quantize_block_q8 below), so the paths differ only in f32 summation order.
+// quantize_block_q16 below), so the paths differ only in f32 summation order.
 #pragma once
 
 #include <algorithm>
@@ -34,8 +34,9 @@ struct MatmulKernels {
   size_t (*act_stride)(GgmlType type, int64_t n_in, int64_t n_tokens);
   // Quantizes tokens [t0, t1) of x [n_tokens, n_in] into dst (the call's 64-byte aligned buffer);
   // t0 is a multiple of 16, so threads can split a call's tokens without sharing cache lines.
+  // bits8: MatmulWorkspace::activations_8bit (see quantize_block_q16).
   void (*quantize_acts)(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
-                        uint8_t* dst);
+                        bool bits8, uint8_t* dst);
   // Per-thread scratch that matmul_rows needs (64-byte aligned).
   size_t (*scratch_bytes)(GgmlType type, int64_t n_in);
   // Computes y[t, r] for r in [r0, r1) and every token. r0 is a multiple of row_tile.
@@ -57,18 +58,54 @@ const MatmulKernels& kernels_avx512();
 
 // ---- shared numerics ----
 
-// The rounding every ISA must reproduce: d = max|x| / 127, q = round-half-even(x * (127 / max|x|)).
-// (cvtps2dq rounds half to even under the default MXCSR, as nearbyint does.) The f32 scale is kept
-// as f32, not rounded to fp16 as ggml's Q8_0 does, since it never leaves memory.
-inline float q8_inverse_scale(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
-inline float q8_scale(float amax) { return amax / 127.0f; }
+// Activations are rounded to 16 bits per block (32 elements, or a 256-element super-block for
+// Q4_K / Q6_K) and stored as two int8 planes, so every integer dot product stays an int8 one
+// (vpdpbusd, vpmaddubsw, AMX TDPBUSD) against the weight quants as stored:
+//   d = max|x| / kActLevels,  Q = round-half-even(x * (kActLevels / max|x|)),  |Q| <= kActLevels,
+//   Q = kActSplit * q1 + q2  with q1 = round(Q / kActSplit), so |q1| <= 127 and |q2| <= 127
+//   (q2 never reaches -128, which AVX2's vpsignb trick for Q8_0 could not negate).
+// A block's dot product with integer weights u is then d * (kActSplit * sum(u q1) + sum(u q2)):
+// two int8 dot products, combined exactly in int32 for 32-blocks (|sum| <= 32 * 255 * 32385 <
+// 2^31) and in f32 for the K-quants' super-blocks (whose scaled sums could overflow int32).
+// Each element moves by at most d / 2 = max|x| / 64770 (plus f32 rounding of x * (kActLevels /
+// max|x|), < 0.01 d), against max|x| / 254 for llama.cpp-style 8-bit activations.
+//
+// Every ISA must reproduce this rounding bit for bit (cvtps2dq rounds half to even under the
+// default MXCSR, as nearbyint does). q1 = round(Q / 255) is computed as nearbyint(f32(Q) *
+// (1 / 255.f)), which is the exact rounding: 255 is odd, so Q / 255 is never a half-integer and
+// is at least 1 / 510 away from one, far more than the f32 product's error (< 1e-5).
+//
+// MatmulWorkspace::activations_8bit keeps the same layout and kernels but rounds x to 8 bits:
+// Q = kActSplit * round(x * (127 / max|x|)), i.e. q2 = 0 (the llama.cpp error, same speed).
+constexpr int kActSplit = 255;
+constexpr int kActLevels = 127 * kActSplit;  // 32385
+inline float act_inverse_scale(float amax, bool bits8) {
+  return amax > 0.0f ? (bits8 ? 127.0f : static_cast<float>(kActLevels)) / amax : 0.0f;
+}
+inline float act_scale(float amax) { return amax / static_cast<float>(kActLevels); }
+constexpr float kInvActSplit = 1.0f / kActSplit;
 
-inline void quantize_block_q8(const float* x, int n, int8_t* q, float* d_out) {
+// Q -> (q1, q2) as above.
+inline void act_split(int32_t Q, int8_t* q1, int8_t* q2) {
+  const int32_t hi = static_cast<int32_t>(std::nearbyint(static_cast<float>(Q) * kInvActSplit));
+  *q1 = static_cast<int8_t>(hi);
+  *q2 = static_cast<int8_t>(Q - kActSplit * hi);
+}
+
+// Quantizes one block of n elements: planes q1, q2, d, and returns sum(Q) (exact).
+inline int32_t quantize_block_q16(const float* x, int n, bool bits8, int8_t* q1, int8_t* q2, float* d_out) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float id = q8_inverse_scale(amax);
-  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
-  *d_out = q8_scale(amax);
+  const float id = act_inverse_scale(amax, bits8);
+  int32_t sum = 0;
+  for (int i = 0; i < n; ++i) {
+    int32_t Q = static_cast<int32_t>(std::nearbyint(x[i] * id));
+    if (bits8) Q *= kActSplit;
+    act_split(Q, q1 + i, q2 + i);
+    sum += Q;
+  }
+  *d_out = act_scale(amax);
+  return sum;
 }
 
 // Q4_K packs 8 six-bit scales and 8 six-bit mins into 12 bytes (ggml-common.h, block_q4_K).
@@ -104,38 +141,42 @@ inline void prefetch_ahead(const uint8_t* w, size_t row_bytes, int64_t r, int64_
 
 // For kernels whose activations are one fixed-size record per token: the three MatmulKernels
 // functions from the record size and a one-token quantizer.
-template <size_t (*kRowBytes)(GgmlType, int64_t), void (*kQuantize)(GgmlType, const float*, int64_t, int64_t, uint8_t*)>
+template <size_t (*kRowBytes)(GgmlType, int64_t),
+          void (*kQuantize)(GgmlType, const float*, int64_t, int64_t, bool, uint8_t*)>
 struct PerTokenActs {
   static size_t bytes(GgmlType type, int64_t n_in, int64_t n_tokens) {
     return kRowBytes(type, n_in) * static_cast<size_t>(n_tokens);
   }
   static size_t stride(GgmlType type, int64_t n_in, int64_t) { return kRowBytes(type, n_in); }
   static void quantize(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
-                       uint8_t* dst) {
+                       bool bits8, uint8_t* dst) {
     const size_t stride = kRowBytes(type, n_in);
-    for (int64_t t = t0; t < t1; ++t) kQuantize(type, x + t * n_in, n_in, n_tokens, dst + t * stride);
+    for (int64_t t = t0; t < t1; ++t) kQuantize(type, x + t * n_in, n_in, n_tokens, bits8, dst + t * stride);
   }
 };
 
 // Natural-order activation layouts (scalar and AVX2 kernels; AVX-512 uses ActLayoutK for the
 // K-quants and its own interleaved layout for 32-blocks). Offsets in bytes from the token's start.
-//   ActLayout32: int8 qs[n_in] | f32 d[nb] | f32 s[nb], zero-padded to a multiple of 16
-//                (s = d * sum(qs) of the block; the padding lets SIMD code read s in chunks)
-//   ActLayoutK:  int8 qs[n_in] | f32 d[nsb] | int16 bsums[n_in / 16]
+//   ActLayout32: int8 q1[n_in] | int8 q2[n_in] | f32 d[nb] | f32 s[nb], s zero-padded to a
+//                multiple of 16 (s = d * sum(Q) of the block; the padding lets SIMD code read s
+//                in chunks)
+//   ActLayoutK:  int8 q1[n_in] | int8 q2[n_in] | f32 d[nsb] | int16 bsums1[n_in / 16] |
+//                int16 bsums2[n_in / 16]   (bsums: sums of 16 consecutive q1 / q2)
 struct ActLayout32 {
   int64_t nb;
-  size_t d_off, s_off, bytes;
+  size_t q2_off, d_off, s_off, bytes;
   explicit ActLayout32(int64_t n_in)
-      : nb(n_in / 32), d_off(align64(static_cast<size_t>(n_in))),
+      : nb(n_in / 32), q2_off(align64(static_cast<size_t>(n_in))), d_off(2 * q2_off),
         s_off(d_off + align64(static_cast<size_t>(nb) * 4)), bytes(s_off + align64(static_cast<size_t>(nb) * 4)) {}
 };
 struct ActLayoutK {
   int64_t nsb;
-  size_t d_off, bsums_off, bytes;
+  size_t q2_off, d_off, bsums_off, bsums2_off, bytes;
   explicit ActLayoutK(int64_t n_in)
-      : nsb(n_in / QK_K), d_off(align64(static_cast<size_t>(n_in))),
+      : nsb(n_in / QK_K), q2_off(align64(static_cast<size_t>(n_in))), d_off(2 * q2_off),
         bsums_off(d_off + align64(static_cast<size_t>(nsb) * 4)),
-        bytes(bsums_off + align64(static_cast<size_t>(n_in / 16) * 2)) {}
+        bsums2_off(bsums_off + align64(static_cast<size_t>(n_in / 16) * 2)),
+        bytes(bsums2_off + align64(static_cast<size_t>(n_in / 16) * 2)) {}
 };
 
 inline bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }

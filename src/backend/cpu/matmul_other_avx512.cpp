@@ -1,10 +1,11 @@
 // AVX-512 kernels for the weight types that are not on SmolLM2's hot path: Q4_K and Q6_K
 // (256-element super-blocks) and F32 / F16 / BF16.
 //
-// K-quants: the 4/6-bit quants times int8 activations go through vpmaddubsw (pairs -> s16, no
-// saturation: 2 * 63 * 127 < 2^15) and vpmaddwd with the sub-block scales (-> s32), so a whole
-// super-block is summed in integers and scaled to f32 once. The min / offset terms use the
-// activation's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
+// K-quants: the 4/6-bit quants times the int8 activation planes (q1, q2; see
+// quantize_block_q16) go through vpmaddubsw (pairs -> s16, no saturation: 2 * 63 * 127 < 2^15)
+// and vpmaddwd with the sub-block scales (-> s32), so a whole super-block is summed in integers
+// per plane; the planes combine in f32 (255 * s1 + s2 could overflow int32). The min / offset
+// terms use each plane's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
 //
 // Every (row, token) output runs the same instruction sequence whether it is computed alone or in
 // a tile of 4 tokens (the tile only shares the unpacked weights), and is reduced by reduce16, so
@@ -12,7 +13,7 @@
 #if defined(__x86_64__)
 
 // First: it sets up <immintrin.h> (see there).
-#include "backend/cpu/simd_avx512.h"
+#include "backend/cpu/quant_formats_avx512.h"
 
 #include <algorithm>
 #include <cstring>
@@ -23,6 +24,21 @@ namespace kestrel::cpu::detail {
 namespace {
 
 // ---- K-quants ----
+
+// One token's activations for one super-block (ActLayoutK: planes q1, q2 and their bsums).
+struct KActs {
+  const int8_t *q1, *q2;
+  const int16_t *bsums1, *bsums2;
+  float d;
+};
+
+// 255 * hi + lo per lane, in f32 (K-quant sums can exceed int32 when combined).
+inline __m512 planes_f32(__m512i hi, __m512i lo) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(static_cast<float>(kActSplit)), _mm512_cvtepi32_ps(lo));
+}
+inline __m512 planes_f32(__m256i hi, __m256i lo) {
+  return planes_f32(_mm512_zextsi256_si512(hi), _mm512_zextsi256_si512(lo));
+}
 
 struct UnpackedQ4K {
   __m512i q[4];   // quants 0..15 of elements 64k..64k+63
@@ -62,13 +78,20 @@ struct KFmtQ4_K {
     u.d = fp16_to_fp32(b.d);
     u.dmin = fp16_to_fp32(b.dmin);
   }
-  static __m512 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m512 acc) {
+  static __m512i isum(const Unpacked& u, const int8_t* aq) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
       iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
-    const __m256i imin = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(u.d * da), acc);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(imin)), _mm512_set1_ps(-(u.dmin * da)), acc);
+    return iacc;
+  }
+  static __m256i imin(const Unpacked& u, const int16_t* bsums) {
+    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
+  }
+  static __m512 dot(const Unpacked& u, const KActs& a, __m512 acc) {
+    const __m512 isums = planes_f32(isum(u, a.q1), isum(u, a.q2));
+    const __m512 imins = planes_f32(imin(u, a.bsums1), imin(u, a.bsums2));
+    acc = _mm512_fmadd_ps(isums, _mm512_set1_ps(u.d * a.d), acc);
+    return _mm512_fmadd_ps(imins, _mm512_set1_ps(-(u.dmin * a.d)), acc);
   }
 };
 
@@ -106,14 +129,17 @@ struct KFmtQ6_K {
     }
     u.d = fp16_to_fp32(b.d);
   }
-  static __m512 dot(const Unpacked& u, const int8_t* aq, const int16_t* bsums, float da, __m512 acc) {
+  static __m512i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
       iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
     // The stored quants are value + 32: subtract 32 * sum_j scale_j * bsum_j.
     const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
-    iacc = _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), 5));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(u.d * da), acc);
+    return _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), 5));
+  }
+  static __m512 dot(const Unpacked& u, const KActs& a, __m512 acc) {
+    const __m512 isums = planes_f32(isum(u, a.q1, a.bsums1), isum(u, a.q2, a.bsums2));
+    return _mm512_fmadd_ps(isums, _mm512_set1_ps(u.d * a.d), acc);
   }
 };
 
@@ -129,10 +155,11 @@ void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, const uint8_t* row, i
     F::unpack(blocks[b], u);
     for (int t = 0; t < T; ++t) {
       const uint8_t* at = a.act + (t0 + t) * a.act_stride;
-      const auto* aq = reinterpret_cast<const int8_t*>(at) + b * QK_K;
-      const auto* bs = reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16);
-      const float da = reinterpret_cast<const float*>(at + L.d_off)[b];
-      acc[t] = F::dot(u, aq, bs, da, acc[t]);
+      const KActs ka{reinterpret_cast<const int8_t*>(at) + b * QK_K, reinterpret_cast<const int8_t*>(at + L.q2_off) + b * QK_K,
+                     reinterpret_cast<const int16_t*>(at + L.bsums_off) + b * (QK_K / 16),
+                     reinterpret_cast<const int16_t*>(at + L.bsums2_off) + b * (QK_K / 16),
+                     reinterpret_cast<const float*>(at + L.d_off)[b]};
+      acc[t] = F::dot(u, ka, acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) out.add(acc[t], a.y + (t0 + t) * a.w.n_out + r);
@@ -235,23 +262,28 @@ void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
 
 }  // namespace
 
-void avx512_quantize_act_k(const float* x, int64_t n_in, uint8_t* dst) {
+void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* dst) {
   const ActLayoutK L(n_in);
-  auto* qs = reinterpret_cast<int8_t*>(dst);
+  auto* q1 = reinterpret_cast<int8_t*>(dst);
+  auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
   auto* d = reinterpret_cast<float*>(dst + L.d_off);
-  auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+  auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+  auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < L.nsb; ++b) {
     const float* xb = x + b * QK_K;
     __m512 mx = _mm512_setzero_ps();
     for (int k = 0; k < QK_K / 16; ++k) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xb + 16 * k), abs_mask));
     const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 id = _mm512_set1_ps(q8_inverse_scale(amax));
-    d[b] = q8_scale(amax);
+    const __m512 id = _mm512_set1_ps(act_inverse_scale(amax, bits8));
+    d[b] = act_scale(amax);
     for (int k = 0; k < QK_K / 16; ++k) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * k), id));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + b * QK_K + 16 * k), _mm512_cvtepi32_epi8(q));
-      bsums[b * (QK_K / 16) + k] = static_cast<int16_t>(_mm512_reduce_add_epi32(q));
+      const int64_t e = b * QK_K + 16 * k;
+      quantize16(xb + 16 * k, id, bits8, q1 + e, q2 + e);
+      const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + e));
+      const __m128i v2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q2 + e));
+      bsums1[e / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(v1)));
+      bsums2[e / 16] = static_cast<int16_t>(_mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(v2)));
     }
   }
 }

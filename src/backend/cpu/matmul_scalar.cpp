@@ -1,9 +1,9 @@
 // The portable kernels: plain C++ with the same activation quantization as the SIMD paths. They
 // define what the SIMD kernels compute (the tests compare against them) and run on any CPU.
 //
-// Activation layout of one token (natural element order):
-//   32-blocks (Q4_0, Q4_1, Q8_0): int8 qs[n_in] | f32 d[nb] | f32 s[nb]        (s = d * sum(qs))
-//   256-blocks (Q4_K, Q6_K):      int8 qs[n_in] | f32 d[nsb] | int16 bsums[n_in / 16]
+// Activation layout of one token (natural element order): ActLayout32 / ActLayoutK in
+// matmul_kernels.h (two int8 planes q1, q2 of the 16-bit quants Q = 255 q1 + q2).
+#include <cmath>
 #include <cstring>
 
 #include "backend/cpu/matmul_kernels.h"
@@ -12,25 +12,29 @@ namespace kestrel::cpu::detail {
 namespace {
 
 struct Act32 {
-  const int8_t* qs;
+  const int8_t* q1;
+  const int8_t* q2;
   const float* d;
   const float* s;
 };
 Act32 act32(const uint8_t* p, int64_t n_in) {
   const ActLayout32 L(n_in);
-  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + L.d_off),
-          reinterpret_cast<const float*>(p + L.s_off)};
+  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + L.q2_off),
+          reinterpret_cast<const float*>(p + L.d_off), reinterpret_cast<const float*>(p + L.s_off)};
 }
 
 struct ActK {
-  const int8_t* qs;
+  const int8_t* q1;
+  const int8_t* q2;
   const float* d;
-  const int16_t* bsums;
+  const int16_t* bsums1;
+  const int16_t* bsums2;
 };
 ActK act_k(const uint8_t* p, int64_t n_in) {
   const ActLayoutK L(n_in);
-  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const float*>(p + L.d_off),
-          reinterpret_cast<const int16_t*>(p + L.bsums_off)};
+  return {reinterpret_cast<const int8_t*>(p), reinterpret_cast<const int8_t*>(p + L.q2_off),
+          reinterpret_cast<const float*>(p + L.d_off), reinterpret_cast<const int16_t*>(p + L.bsums_off),
+          reinterpret_cast<const int16_t*>(p + L.bsums2_off)};
 }
 
 size_t act_row_bytes(GgmlType type, int64_t n_in) {
@@ -38,29 +42,35 @@ size_t act_row_bytes(GgmlType type, int64_t n_in) {
   return is_k_quant(type) ? ActLayoutK(n_in).bytes : ActLayout32(n_in).bytes;
 }
 
-void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, uint8_t* dst) {
-  auto* qs = reinterpret_cast<int8_t*>(dst);
+void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, bool bits8, uint8_t* dst) {
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);
+    auto* q1 = reinterpret_cast<int8_t*>(dst);
+    auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
     auto* d = reinterpret_cast<float*>(dst + L.d_off);
-    auto* bsums = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
+    auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
     for (int64_t b = 0; b < L.nsb; ++b) {
-      quantize_block_q8(x + b * QK_K, QK_K, qs + b * QK_K, d + b);
+      quantize_block_q16(x + b * QK_K, QK_K, bits8, q1 + b * QK_K, q2 + b * QK_K, d + b);
       for (int g = 0; g < QK_K / 16; ++g) {
-        int sum = 0;
-        for (int l = 0; l < 16; ++l) sum += qs[b * QK_K + 16 * g + l];
-        bsums[b * (QK_K / 16) + g] = static_cast<int16_t>(sum);
+        int sum1 = 0, sum2 = 0;
+        for (int l = 0; l < 16; ++l) {
+          sum1 += q1[b * QK_K + 16 * g + l];
+          sum2 += q2[b * QK_K + 16 * g + l];
+        }
+        bsums1[b * (QK_K / 16) + g] = static_cast<int16_t>(sum1);
+        bsums2[b * (QK_K / 16) + g] = static_cast<int16_t>(sum2);
       }
     }
     return;
   }
   const ActLayout32 L(n_in);
+  auto* q1 = reinterpret_cast<int8_t*>(dst);
+  auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
   auto* d = reinterpret_cast<float*>(dst + L.d_off);
   auto* s = reinterpret_cast<float*>(dst + L.s_off);
   for (int64_t b = 0; b < L.nb; ++b) {
-    quantize_block_q8(x + b * 32, 32, qs + b * 32, d + b);
-    int sum = 0;
-    for (int l = 0; l < 32; ++l) sum += qs[b * 32 + l];
+    const int32_t sum = quantize_block_q16(x + b * 32, 32, bits8, q1 + b * 32, q2 + b * 32, d + b);
     s[b] = d[b] * static_cast<float>(sum);
   }
   std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
@@ -70,7 +80,8 @@ size_t scratch_bytes(GgmlType type, int64_t n_in) {
   return is_float_type(type) ? align64(static_cast<size_t>(n_in) * sizeof(float)) : 0;
 }
 
-// One weight row against one token's activations.
+// One weight row against one token's activations. Per block, the integer sums of both planes
+// combine exactly into sum(u * Q) (see quantize_block_q16).
 float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in) {
   float sum = 0.0f;
   switch (type) {
@@ -79,22 +90,34 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
     case GgmlType::Q8_0: {
       const Act32 a = act32(act, n_in);
       for (int64_t b = 0; b < n_in / 32; ++b) {
-        const int8_t* aq = a.qs + b * 32;
-        int32_t isum = 0;
+        const int8_t* a1 = a.q1 + b * 32;
+        const int8_t* a2 = a.q2 + b * 32;
+        int32_t i1 = 0, i2 = 0;
         if (type == GgmlType::Q8_0) {
           const auto& blk = reinterpret_cast<const BlockQ8_0*>(w)[b];
-          for (int l = 0; l < 32; ++l) isum += blk.qs[l] * aq[l];
-          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(isum);
+          for (int l = 0; l < 32; ++l) {
+            i1 += blk.qs[l] * a1[l];
+            i2 += blk.qs[l] * a2[l];
+          }
+          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2);
         } else if (type == GgmlType::Q4_0) {
           const auto& blk = reinterpret_cast<const BlockQ4_0*>(w)[b];
-          for (int l = 0; l < 16; ++l)
-            isum += ((blk.qs[l] & 0x0f) - 8) * aq[l] + ((blk.qs[l] >> 4) - 8) * aq[l + 16];
-          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(isum);
+          for (int l = 0; l < 16; ++l) {
+            const int lo = (blk.qs[l] & 0x0f) - 8, hi = (blk.qs[l] >> 4) - 8;
+            i1 += lo * a1[l] + hi * a1[l + 16];
+            i2 += lo * a2[l] + hi * a2[l + 16];
+          }
+          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2);
         } else {
-          // w = d * q + m, so w . x = d * dx * sum(q * qx) + m * (dx * sum(qx)) = ... + m * s.
+          // w = d * q + m, so w . x = d * dx * sum(q * Q) + m * (dx * sum(Q)) = ... + m * s.
           const auto& blk = reinterpret_cast<const BlockQ4_1*>(w)[b];
-          for (int l = 0; l < 16; ++l) isum += (blk.qs[l] & 0x0f) * aq[l] + (blk.qs[l] >> 4) * aq[l + 16];
-          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(isum) + fp16_to_fp32(blk.m) * a.s[b];
+          for (int l = 0; l < 16; ++l) {
+            const int lo = blk.qs[l] & 0x0f, hi = blk.qs[l] >> 4;
+            i1 += lo * a1[l] + hi * a1[l + 16];
+            i2 += lo * a2[l] + hi * a2[l + 16];
+          }
+          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2) +
+                 fp16_to_fp32(blk.m) * a.s[b];
         }
       }
       return sum;
@@ -105,19 +128,27 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
       for (int64_t b = 0; b < n_in / QK_K; ++b) {
         const auto& blk = reinterpret_cast<const BlockQ4_K*>(w)[b];
         q4k_unpack(blk, q);
-        const int8_t* aq = a.qs + b * QK_K;
-        const int16_t* bs = a.bsums + b * (QK_K / 16);
-        int32_t isum = 0, imin = 0;
+        const int8_t* a1 = a.q1 + b * QK_K;
+        const int8_t* a2 = a.q2 + b * QK_K;
+        const int16_t* bs1 = a.bsums1 + b * (QK_K / 16);
+        const int16_t* bs2 = a.bsums2 + b * (QK_K / 16);
+        int32_t isum1 = 0, isum2 = 0, imin1 = 0, imin2 = 0;
         for (int j = 0; j < QK_K / 32; ++j) {
           int sc, m;
           q4k_scale_min(blk.scales, j, &sc, &m);
-          int32_t s = 0;
-          for (int l = 0; l < 32; ++l) s += q[32 * j + l] * aq[32 * j + l];
-          isum += sc * s;
-          imin += m * (bs[2 * j] + bs[2 * j + 1]);
+          int32_t s1 = 0, s2 = 0;
+          for (int l = 0; l < 32; ++l) {
+            s1 += q[32 * j + l] * a1[32 * j + l];
+            s2 += q[32 * j + l] * a2[32 * j + l];
+          }
+          isum1 += sc * s1;
+          isum2 += sc * s2;
+          imin1 += m * (bs1[2 * j] + bs1[2 * j + 1]);
+          imin2 += m * (bs2[2 * j] + bs2[2 * j + 1]);
         }
-        sum += a.d[b] * (fp16_to_fp32(blk.d) * static_cast<float>(isum) -
-                         fp16_to_fp32(blk.dmin) * static_cast<float>(imin));
+        const float isum = std::fma(static_cast<float>(isum1), static_cast<float>(kActSplit), static_cast<float>(isum2));
+        const float imin = std::fma(static_cast<float>(imin1), static_cast<float>(kActSplit), static_cast<float>(imin2));
+        sum += a.d[b] * (fp16_to_fp32(blk.d) * isum - fp16_to_fp32(blk.dmin) * imin);
       }
       return sum;
     }
@@ -127,14 +158,20 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
       for (int64_t b = 0; b < n_in / QK_K; ++b) {
         const auto& blk = reinterpret_cast<const BlockQ6_K*>(w)[b];
         q6k_unpack(blk, q);
-        const int8_t* aq = a.qs + b * QK_K;
-        int32_t isum = 0;
+        const int8_t* a1 = a.q1 + b * QK_K;
+        const int8_t* a2 = a.q2 + b * QK_K;
+        int32_t isum1 = 0, isum2 = 0;
         for (int j = 0; j < QK_K / 16; ++j) {
-          int32_t s = 0;
-          for (int l = 0; l < 16; ++l) s += q[16 * j + l] * aq[16 * j + l];
-          isum += blk.scales[j] * s;
+          int32_t s1 = 0, s2 = 0;
+          for (int l = 0; l < 16; ++l) {
+            s1 += q[16 * j + l] * a1[16 * j + l];
+            s2 += q[16 * j + l] * a2[16 * j + l];
+          }
+          isum1 += blk.scales[j] * s1;
+          isum2 += blk.scales[j] * s2;
         }
-        sum += a.d[b] * fp16_to_fp32(blk.d) * static_cast<float>(isum);
+        const float isum = std::fma(static_cast<float>(isum1), static_cast<float>(kActSplit), static_cast<float>(isum2));
+        sum += a.d[b] * fp16_to_fp32(blk.d) * isum;
       }
       return sum;
     }

@@ -1,5 +1,5 @@
 // 32-element block formats (Q4_0, Q4_1, Q8_0) for the AVX-512 kernels: the activation chunk
-// layout, the weight loaders and the per-chunk arithmetic that every AVX-512 / AMX path shares
+// layout and quantizer, the weight loaders and the per-chunk arithmetic that every AVX-512 / AMX path shares
 // (matmul_avx512.cpp describes the scheme). Include only from *_avx512.cpp / *_amx.cpp; all
 // definitions have internal linkage (see simd_avx512.h).
 #pragma once
@@ -18,29 +18,49 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Activations for 32-blocks
 
+// Per chunk of 16 blocks: 512 bytes of plane q1, then 512 of plane q2 (same arrangement), so
+// one token's activations are [nch][2][512] int8 | f32 dx[nch][16] | f32 s[nch][16].
+constexpr int64_t kActChunkBytes = 1024;
+constexpr int64_t kActPlane2 = 512;  // offset of q2 in a chunk
+
 struct Layout16 {
   int64_t nb, nch;
   size_t dx_off, s_off, bytes;
   explicit Layout16(int64_t n_in)
-      : nb(n_in / 32), nch((nb + 15) / 16), dx_off(static_cast<size_t>(nch) * 512),
+      : nb(n_in / 32), nch((nb + 15) / 16), dx_off(static_cast<size_t>(nch * kActChunkBytes)),
         s_off(dx_off + static_cast<size_t>(nch) * 64), bytes(s_off + static_cast<size_t>(nch) * 64) {}
 };
 
 inline bool is_tail_chunk(const Layout16& L, int64_t c) { return c == L.nch - 1 && L.nb % 16 != 0; }
 
-// Quantizes one 32-element block with the shared rounding (quantize_block_q8): the int8 quants
-// as 32 bytes in element order (q8), d, and s = d * sum(quants).
-inline void quantize_block32(const float* x, uint8_t q8[32], float& d, float& s) {
+// 255 * hi + lo per int32 lane: the exact sum over both planes (see quantize_block_q16).
+inline __m512i combine_planes(__m512i hi, __m512i lo) {
+  return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 8), hi), lo);
+}
+
+// Quantizes 16 elements with inverse scale id (the shared rounding, quantize_block_q16): Q, and
+// the planes q1, q2 as 16 bytes each.
+inline __m512i quantize16(const float* x, __m512 id, bool bits8, int8_t* q1, int8_t* q2) {
+  __m512i Q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), id));
+  if (bits8) Q = combine_planes(Q, _mm512_setzero_si512());
+  const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(Q), _mm512_set1_ps(kInvActSplit)));
+  const __m512i lo = _mm512_sub_epi32(Q, combine_planes(hi, _mm512_setzero_si512()));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q1), _mm512_cvtepi32_epi8(hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtepi32_epi8(lo));
+  return Q;
+}
+
+// Quantizes one 32-element block: the planes as 32 bytes each in element order, d, and
+// s = d * sum(Q).
+inline void quantize_block32(const float* x, bool bits8, int8_t q1[32], int8_t q2[32], float& d, float& s) {
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, abs_mask), _mm512_and_ps(x1, abs_mask)));
-  const __m512 id = _mm512_set1_ps(q8_inverse_scale(amax));
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
-  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-  d = q8_scale(amax);
-  s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q8), _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + 16), _mm512_cvtepi32_epi8(q1));
+  const float amax = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(x), abs_mask), _mm512_and_ps(_mm512_loadu_ps(x + 16), abs_mask)));
+  const __m512 id = _mm512_set1_ps(act_inverse_scale(amax, bits8));
+  const __m512i Q0 = quantize16(x, id, bits8, q1, q2);
+  const __m512i Q1 = quantize16(x + 16, id, bits8, q1 + 16, q2 + 16);
+  d = act_scale(amax);
+  s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(Q0, Q1)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -200,15 +220,29 @@ struct FmtQ8_0 {
   }
 };
 
-// sum over the 8 registers of vpdpbusd(q[k], a[k]) in two chains (exact integers, so the split
-// does not change the result).
+// sum over the 8 registers of vpdpbusd(q[k], a[k]) for both planes of a transposed chunk at a,
+// combined (exact integers, so the split into chains does not change the result).
 inline __m512i chunk_isum(const __m512i q[8], const uint8_t* a) {
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
   for (int k = 0; k < 8; k += 2) {
     s0 = _mm512_dpbusd_epi32(s0, q[k], _mm512_load_si512(a + 64 * k));
     s1 = _mm512_dpbusd_epi32(s1, q[k + 1], _mm512_load_si512(a + 64 * k + 64));
+    t0 = _mm512_dpbusd_epi32(t0, q[k], _mm512_load_si512(a + kActPlane2 + 64 * k));
+    t1 = _mm512_dpbusd_epi32(t1, q[k + 1], _mm512_load_si512(a + kActPlane2 + 64 * k + 64));
   }
-  return _mm512_add_epi32(s0, s1);
+  return combine_planes(_mm512_add_epi32(s0, s1), _mm512_add_epi32(t0, t1));
+}
+
+// One group (lo / hi weight quants of up to 4 blocks) against grouped activations at a (both
+// planes): the combined partial sums, block 4i + c in 128-bit lane c. Plane 2's vpdpbusd
+// accumulate onto 255 * (plane 1's sums), which saves the separate combine.
+inline __m512i group_isum(__m512i lo, __m512i hi, const uint8_t* a) {
+  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(a));
+  p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(a + 64));
+  p = _mm512_sub_epi32(_mm512_slli_epi32(p, 8), p);
+  p = _mm512_dpbusd_epi32(p, lo, _mm512_load_si512(a + kActPlane2));
+  return _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(a + kActPlane2 + 64));
 }
 
 // Four grouped partial sums (128-bit lane c of g[i]: block 4i + c, spread over 4 dwords) -> one
