@@ -101,7 +101,7 @@ void attention(const AttentionArgs& a) {
   const int64_t g_n = a.group;
   float m[kMaxGroup];  // running max of the scores of each query head
   float l[kMaxGroup];  // running sum of exp(score - m)
-  float s[kMaxTile];
+  float s[kMaxTile + 8] = {};  // + 8: the vector exp reads whole lanes past the tile's end
   for (int64_t g = 0; g < g_n; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
@@ -124,13 +124,18 @@ void attention(const AttentionArgs& a) {
         }
         const float m_new = std::max(m[g], tile_max);
         const float correction = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
+        // Probabilities of the tile, 8 lanes at a time (padding lanes are never read).
+        float pr[kMaxTile];
+        for (int64_t j = 0; j < tn; j += 8) {
+          v8f sv = load8(s + j) - m_new;
+          store8(pr + j, exp8(sv));
+        }
         float* o = a.out + g * hd;
         l[g] *= correction;
         for (int64_t j = 0; j < tn; ++j) {
-          const float p = std::exp(s[j] - m_new);
-          l[g] += p;
+          l[g] += pr[j];
           const float* v = a.v_cache + (base + t0 + j) * a.kv_dim + a.kv_offset;
-          scale_add(o, j == 0 ? correction : 1.0f, p, v, hd);
+          scale_add(o, j == 0 ? correction : 1.0f, pr[j], v, hd);
         }
         m[g] = m_new;
       }
