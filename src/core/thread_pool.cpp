@@ -1,6 +1,10 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <string>
+#include <system_error>
+
+#include "core/error.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KESTREL_PAUSE() _mm_pause()
@@ -20,15 +24,23 @@ ThreadPool::ThreadPool(int n_threads) {
   if (n_threads <= 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   n_threads_ = n_threads;
   shares_ = std::make_unique<Share[]>(static_cast<size_t>(n_threads_));
-  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  try {
+    for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  } catch (const std::system_error& e) {
+    stop_workers();
+    throw Error("cannot start " + std::to_string(n_threads_) + " threads: " + e.what());
+  }
 }
 
-ThreadPool::~ThreadPool() {
+void ThreadPool::stop_workers() {
   stop_.store(true, std::memory_order_release);
   generation_.fetch_add(1, std::memory_order_acq_rel);  // wakes the workers, which see stop_
   generation_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
+
+ThreadPool::~ThreadPool() { stop_workers(); }
 
 bool ThreadPool::claim(int ith, uint64_t g) {
   auto& c = shares_[static_cast<size_t>(ith)].claimed;

@@ -21,6 +21,7 @@ namespace kestrel {
 class ThreadPool {
  public:
   // n_threads: total threads including the caller; <= 0 means std::thread::hardware_concurrency().
+  // Throws kestrel::Error when the threads cannot be started.
   explicit ThreadPool(int n_threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -37,6 +38,7 @@ class ThreadPool {
 
  private:
   void worker_loop(int ith);
+  void stop_workers();
 
   int n_threads_;
   std::vector<std::thread> workers_;

@@ -1,6 +1,7 @@
 #include "engine/session.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.h"
 
@@ -123,6 +124,10 @@ GenerateStats Session::generate(std::span<const int32_t> tokens, const GenerateO
       logits = run(n_cached_, n_past(), false);
       n_cached_ = n_past();
     }
+    for (float v : logits)
+      if (std::isnan(v))
+        throw Error("the model produced NaN logits at position " + std::to_string(n_past() - 1) +
+                    ": its weights are probably corrupt");
     const int32_t id = sampler.sample(logits, tokens_);
     ++st.n_generated;
     if (st.n_generated == 1) {

@@ -27,7 +27,10 @@ void run_bench(BenchArgs a) {
   LoadedModel lm = load_model(a.model);
   SessionOptions so = a.engine.session_options();
   so.prefill_chunk = a.n_prompt;  // one forward pass for the whole prompt, as llama-bench does
-  so.n_ctx = std::max(so.n_ctx, a.n_prompt + a.n_gen + 1);
+  so.n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
+  if (so.n_ctx > lm.model->hparams().n_ctx_train)
+    throw Error("bench: -p + -n = " + std::to_string(so.n_ctx - 1) + " tokens exceeds the model's context of " +
+                std::to_string(lm.model->hparams().n_ctx_train));
   Session session(*lm.model, so);
   // A fixed pseudo-random prompt (the ids do not change the cost of a forward pass).
   std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));

@@ -57,6 +57,7 @@ std::string answer(Session& session, const Tokenizer& tok, const ChatTemplate& t
 }
 
 void run_chat(const ChatArgs& a) {
+  if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
   GenerateOptions go;
   go.sampling = a.sampling.params();
   go.max_tokens = a.n_predict;
@@ -94,10 +95,10 @@ void run_chat(const ChatArgs& a) {
     try {
       messages.push_back({"assistant", answer(session, tok, tmpl, messages, go, a.stats)});
     } catch (const Error& e) {
-      // A turn that does not fit the context is dropped; the conversation goes on.
-      std::fprintf(stderr, "kestrel: error: %s\n", e.what());
+      if (!tty) throw;  // piped input: report once (main) and exit non-zero
+      // Interactive: the turn that does not fit is dropped and the conversation goes on.
+      std::fprintf(stderr, "kestrel: error: %s (type /reset to start a new conversation)\n", e.what());
       messages.pop_back();
-      if (!tty) throw;
     }
   }
 }

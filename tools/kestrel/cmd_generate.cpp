@@ -40,6 +40,7 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
 }
 
 void run_generate(const GenerateArgs& a) {
+  if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
   const SamplingParams sp = a.sampling.params();
   const SessionOptions so = a.engine.session_options();
   LoadedModel lm = load_model(a.model);

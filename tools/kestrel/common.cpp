@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <random>
+#include <thread>
 
 #include "core/cpu_features.h"
 #include "core/error.h"
@@ -69,6 +70,7 @@ SamplingParams SamplingFlags::params() const {
   p.top_p = top_p;
   p.min_p = min_p;
   p.repetition_penalty = repeat_penalty;
+  if (seed < -1) throw Error("--seed must be >= 0, or -1 for a random seed, got " + std::to_string(seed));
   p.seed = seed >= 0 ? static_cast<uint64_t>(seed) : std::random_device{}();
   p.validate();
   return p;
@@ -82,7 +84,11 @@ void EngineFlags::add_to(CLI::App& app) {
 }
 
 SessionOptions EngineFlags::session_options() const {
-  if (threads < 0) throw Error("--threads must be >= 0, got " + std::to_string(threads));
+  // More threads than cores only makes the spinning fork-join pool slower; allow some headroom.
+  const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads < 0 || threads > max_threads)
+    throw Error("--threads must be in [0, " + std::to_string(max_threads) + "] (0 = all cores), got " +
+                std::to_string(threads));
   if (ctx_size <= 0) throw Error("--ctx-size must be positive, got " + std::to_string(ctx_size));
   if (block_size <= 0 || block_size > 1024)
     throw Error("--block-size must be in [1, 1024], got " + std::to_string(block_size));

@@ -1,6 +1,7 @@
 // kestrel: the command-line interface (generate, chat, tokenize, bench).
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
 #include <iostream>
 
 #include "common.h"
@@ -29,6 +30,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     app.parse(argc, argv);
+    std::cout.flush();
+    if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+      std::cerr << "kestrel: error: writing to standard output failed\n";
+      return 1;
+    }
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
