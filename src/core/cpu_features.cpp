@@ -78,7 +78,9 @@ std::string cpu_features_string() {
   const auto& f = cpu_features();
   std::string s;
   auto add = [&](bool on, const char* name) {
-    if (on) s += (s.empty() ? "" : " ") + std::string(name);
+    if (!on) return;
+    if (!s.empty()) s += ' ';
+    s += name;
   };
   add(f.avx2, "avx2");
   add(f.fma, "fma");
