@@ -4,22 +4,6 @@
 
 namespace kestrel {
 
-bool is_supported_weight_type(GgmlType t) {
-  switch (t) {
-    case GgmlType::F32:
-    case GgmlType::F16:
-    case GgmlType::BF16:
-    case GgmlType::Q8_0:
-    case GgmlType::Q4_0:
-    case GgmlType::Q4_1:
-    case GgmlType::Q4_K:
-    case GgmlType::Q6_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
 namespace {
 
 class Loader {
@@ -42,9 +26,6 @@ class Loader {
     if (t.ne.size() != 2 || t.ne[0] != n_in || t.ne[1] != n_out)
       throw Error(f_.path() + ": tensor '" + t.name + "' has shape " + shape(t) + ", expected [" +
                   std::to_string(n_in) + ", " + std::to_string(n_out) + "]");
-    if (!is_supported_weight_type(t.type))
-      throw Error(f_.path() + ": tensor '" + t.name + "' has type " + std::string(type_name(t.type)) +
-                  ", which the CPU kernels do not support");
     bytes_ += t.n_bytes;
     return WeightView{t.type, n_in, n_out, t.data};
   }

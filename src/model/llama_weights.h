@@ -39,8 +39,9 @@ struct LlamaWeights {
 // A loaded model: the mapped file, its hyperparameters and weight views into it.
 class LlamaModel {
  public:
-  // Opens a GGUF file and checks every tensor the architecture needs: present, 2-D with the
-  // expected shape, a supported type. Throws kestrel::Error naming the tensor otherwise.
+  // Opens a GGUF file and checks every tensor the architecture needs: present and with the
+  // expected shape. Throws kestrel::Error naming the tensor otherwise. Whether a backend can
+  // multiply with a tensor's type is the backend's check (CpuModelRunner's constructor).
   static std::unique_ptr<LlamaModel> load_gguf(const std::string& path);
 
   const GgufFile& file() const { return file_; }
@@ -55,8 +56,5 @@ class LlamaModel {
   LlamaWeights weights_;
   uint64_t weight_bytes_ = 0;
 };
-
-// Types the CPU kernels can multiply with.
-bool is_supported_weight_type(GgmlType t);
 
 }  // namespace kestrel

@@ -17,6 +17,19 @@ void grow(std::vector<float>& v, int64_t n) {
 CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
     : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool) {
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
+  auto require = [&](const WeightView& w, const std::string& what) {
+    if (!matmul_supports(w.type))
+      throw Error(model.file().path() + ": " + what + " has type " + std::string(type_name(w.type)) +
+                  ", which the CPU kernels do not support");
+  };
+  const auto& W = model.weights();
+  require(W.token_embd, "token_embd.weight");
+  require(W.output, "output.weight");
+  for (size_t il = 0; il < W.layers.size(); ++il) {
+    const auto& L = W.layers[il];
+    for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
+      require(*w, "a matrix of layer " + std::to_string(il));
+  }
   const int64_t half = hp_.rope_dim / 2;
   const auto& factors = model.weights().rope_freq_factors;
   inv_freq_.resize(static_cast<size_t>(half));
