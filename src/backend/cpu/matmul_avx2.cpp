@@ -92,10 +92,7 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, bool bit
   auto* q1 = reinterpret_cast<int8_t*>(dst);
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);
-    auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
-    auto* d = reinterpret_cast<float*>(dst + L.d_off);
-    auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
-    auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
+    const auto [q1, q2, d, bsums1, bsums2] = L.planes(dst);  // q1: the same pointer as above
     auto bsum16 = [](const int8_t* q) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
       return static_cast<int16_t>(hsum8_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_set1_epi16(1))));

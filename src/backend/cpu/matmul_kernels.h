@@ -177,6 +177,20 @@ struct ActLayoutK {
         bsums_off(d_off + align64(static_cast<size_t>(nsb) * 4)),
         bsums2_off(bsums_off + align64(static_cast<size_t>(n_in / 16) * 2)),
         bytes(bsums2_off + align64(static_cast<size_t>(n_in / 16) * 2)) {}
+
+  // Writable views of the planes of one row's buffer laid out as above.
+  struct Planes {
+    int8_t* q1;
+    int8_t* q2;
+    float* d;
+    int16_t* bsums1;
+    int16_t* bsums2;
+  };
+  Planes planes(uint8_t* dst) const {
+    return {reinterpret_cast<int8_t*>(dst), reinterpret_cast<int8_t*>(dst + q2_off),
+            reinterpret_cast<float*>(dst + d_off), reinterpret_cast<int16_t*>(dst + bsums_off),
+            reinterpret_cast<int16_t*>(dst + bsums2_off)};
+  }
 };
 
 inline bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }

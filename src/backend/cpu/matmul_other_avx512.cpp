@@ -264,11 +264,7 @@ void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
 
 void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* dst) {
   const ActLayoutK L(n_in);
-  auto* q1 = reinterpret_cast<int8_t*>(dst);
-  auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
-  auto* d = reinterpret_cast<float*>(dst + L.d_off);
-  auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
-  auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
+  const auto [q1, q2, d, bsums1, bsums2] = L.planes(dst);
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < L.nsb; ++b) {
     const float* xb = x + b * QK_K;

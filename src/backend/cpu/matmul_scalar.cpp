@@ -45,11 +45,7 @@ size_t act_row_bytes(GgmlType type, int64_t n_in) {
 void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, bool bits8, uint8_t* dst) {
   if (is_k_quant(type)) {
     const ActLayoutK L(n_in);
-    auto* q1 = reinterpret_cast<int8_t*>(dst);
-    auto* q2 = reinterpret_cast<int8_t*>(dst + L.q2_off);
-    auto* d = reinterpret_cast<float*>(dst + L.d_off);
-    auto* bsums1 = reinterpret_cast<int16_t*>(dst + L.bsums_off);
-    auto* bsums2 = reinterpret_cast<int16_t*>(dst + L.bsums2_off);
+    const auto [q1, q2, d, bsums1, bsums2] = L.planes(dst);
     for (int64_t b = 0; b < L.nsb; ++b) {
       quantize_block_q16(x + b * QK_K, QK_K, bits8, q1 + b * QK_K, q2 + b * QK_K, d + b);
       for (int g = 0; g < QK_K / 16; ++g) {
