@@ -1,0 +1,112 @@
+// The serving engine: many requests share one model and one paged KV cache and are scheduled per
+// iteration (continuous batching, Yu et al. 2022, "Orca"; PagedAttention, Kwon et al. 2023).
+//
+// Engine::step() is one iteration: the scheduler picks decode tokens and prefill chunks under a
+// token budget, the model runner computes them in one flat batch, each sequence samples its next
+// token, and finished sequences free their KV blocks. The engine is single-threaded: the caller
+// (the batch command, the HTTP server's engine thread) owns it and calls step() in a loop.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/llama_weights.h"
+#include "sampling/sampling_params.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel {
+
+struct EngineConfig {
+  int32_t block_size = 16;               // tokens per KV block
+  int32_t n_kv_blocks = 0;               // blocks in the KV pool; 0 = sized from max_model_len and max_num_seqs (capped at 2 GiB of KV)
+  int32_t max_num_seqs = 64;             // running sequences per step at most
+  int64_t max_num_batched_tokens = 512;  // tokens (decode + prefill) per step at most
+  int64_t max_model_len = 0;             // prompt + output tokens per sequence; 0 = the model's training context, capped at 8192
+  bool enable_prefix_caching = true;     // reuse full KV blocks of earlier identical prefixes
+  int n_threads = 0;                     // CPU threads; 0 = all hardware threads
+};
+
+using RequestId = uint64_t;
+
+// What a client asks for, already tokenized.
+struct Request {
+  std::vector<int32_t> prompt;          // token ids, at least one
+  int64_t max_tokens = 256;             // new tokens at most; < 0 = until max_model_len
+  SamplingParams sampling;
+  std::vector<int32_t> stop_ids;        // tokens that end generation (EOS, <|im_end|>); reported in output_ids
+  std::vector<std::string> stop;        // stop strings (OpenAI `stop`): generation ends when the text contains one; the text is cut before it
+};
+
+// Timings and counts of one request, complete when it finishes.
+struct RequestMetrics {
+  int64_t n_prompt_tokens = 0;
+  int64_t n_cached_prompt_tokens = 0;   // prompt tokens whose KV came from the prefix cache (first schedule)
+  int64_t n_output_tokens = 0;
+  int32_t n_preemptions = 0;
+  double ttft_s = 0;                    // seconds from add_request to the first output token
+  double tpot_s = 0;                    // mean seconds per output token after the first (0 when <= 1 token)
+  double e2e_s = 0;                     // seconds from add_request to finish
+};
+
+// News about one request from one step.
+struct RequestOutput {
+  RequestId id = 0;
+  std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
+  std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
+  bool finished = false;
+  std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort"
+  RequestMetrics metrics;               // complete when finished
+};
+
+// Counters over the engine's life.
+struct EngineStats {
+  int64_t n_steps = 0;
+  int64_t n_prompt_tokens_computed = 0;  // prefill tokens run through the model (recompute included)
+  int64_t n_generated_tokens = 0;
+  int64_t n_preemptions = 0;
+  int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
+  int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
+  int32_t n_kv_blocks = 0;
+  int32_t peak_kv_blocks_used = 0;          // most blocks held by sequences at once
+  double prefix_cache_hit_rate() const {
+    return prefix_cache_queried_tokens > 0
+               ? static_cast<double>(prefix_cache_hit_tokens) / static_cast<double>(prefix_cache_queried_tokens)
+               : 0.0;
+  }
+};
+
+class Engine {
+ public:
+  // The model and the tokenizer must outlive the engine; tokenizer may be null (no text, no stop
+  // strings). Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than
+  // one max_model_len sequence).
+  Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request. Errors (kestrel::Error, nothing queued): empty prompt, a token
+  // id outside the vocabulary, prompt + 1 longer than max_model_len, invalid sampling params,
+  // stop strings without a tokenizer.
+  RequestId add_request(Request request);
+  // Ends a waiting or running request and frees its blocks; the next step() reports it finished
+  // with "abort". Unknown or finished ids are ignored.
+  void abort_request(RequestId id);
+  // One iteration: schedule, run the model, sample, post-process. Returns news for every request
+  // that got a token or finished in this step.
+  std::vector<RequestOutput> step();
+  bool has_unfinished() const;
+  size_t n_waiting() const;
+  size_t n_running() const;
+
+  const EngineStats& stats() const;
+  const EngineConfig& config() const;  // with 0-defaults resolved
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kestrel
