@@ -54,5 +54,6 @@ void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_chat(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_plan(CLI::App& app);
 
 }  // namespace kestrel::cli
