@@ -36,7 +36,7 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp) {
                 std::to_string(hp.n_ctx_train));
   const int64_t blocks_per_seq = (c.max_model_len + c.block_size - 1) / c.block_size;
   if (c.n_kv_blocks == 0) {
-    const int64_t bytes_per_block = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4 * c.block_size;
+    const int64_t bytes_per_block = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * kv_dtype_bytes(c.kv_dtype) * c.block_size;
     const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
     c.n_kv_blocks = static_cast<int32_t>(std::min<int64_t>(blocks_per_seq * std::max(1, c.max_num_seqs), cap));
   }
@@ -65,7 +65,8 @@ struct Engine::Impl {
         tokenizer(t),
         config(resolve(c, m.hparams())),
         pool(config.n_threads),
-        kv(m.hparams().n_layer, m.hparams().n_head_kv, m.hparams().head_dim, config.block_size, config.n_kv_blocks),
+        kv(m.hparams().n_layer, m.hparams().n_head_kv, m.hparams().head_dim, config.block_size, config.n_kv_blocks,
+           config.kv_dtype),
         manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
         scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager),
         runner(m, kv, pool) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "memory/kv_cache.h"
 #include "model/llama_weights.h"
 #include "sampling/sampling_params.h"
 #include "tokenizer/tokenizer.h"
@@ -25,6 +26,7 @@ struct EngineConfig {
   int64_t max_num_batched_tokens = 512;  // tokens (decode + prefill) per step at most
   int64_t max_model_len = 0;             // prompt + output tokens per sequence; 0 = the model's training context, capped at 8192
   bool enable_prefix_caching = true;     // reuse full KV blocks of earlier identical prefixes
+  KvDtype kv_dtype = KvDtype::F16;       // element type of the cached K and V
   int n_threads = 0;                     // CPU threads; 0 = all hardware threads
 };
 

@@ -25,7 +25,7 @@ Session::Session(const LlamaModel& model, const SessionOptions& opts)
       pool_(opts.n_threads),
       kv_(model.hparams().n_layer, model.hparams().n_head_kv, model.hparams().head_dim,
           opts.block_size,
-          static_cast<int32_t>((n_ctx_ + opts.block_size - 1) / std::max(1, opts.block_size))),
+          static_cast<int32_t>((n_ctx_ + opts.block_size - 1) / std::max(1, opts.block_size)), opts.kv_dtype),
       allocator_(kv_.n_blocks()),
       runner_(model, kv_, pool_) {
   table_.block_size = opts.block_size;

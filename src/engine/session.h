@@ -24,6 +24,7 @@ struct SessionOptions {
   int32_t block_size = 16;     // tokens per KV block
   int64_t prefill_chunk = 256; // prompt tokens per forward pass
   int n_threads = 0;           // 0 = all hardware threads
+  KvDtype kv_dtype = KvDtype::F16;  // element type of the cached K and V
 };
 
 struct GenerateOptions {

@@ -5,16 +5,9 @@
 #include <cstdint>
 #include <string_view>
 
+#include "memory/kv_dtype.h"
+
 namespace kestrel {
-
-// Element type the KV cache would be stored in (not the weights' type).
-enum class KvDtype { F32, F16, BF16, FP8, INT8 };
-
-std::string_view kv_dtype_name(KvDtype t);  // "f32", "f16", "bf16", "fp8", "int8"
-int64_t kv_dtype_bytes(KvDtype t);          // 4, 2, 2, 1, 1
-// "f16" (or "fp16", "float16"), "bf16", "fp8", "int8", "f32"; case-insensitive. Throws
-// kestrel::Error("<what>: ...") naming the text and the accepted names otherwise.
-KvDtype parse_kv_dtype(std::string_view text, std::string_view what);
 
 // What one token leaves in the KV cache, per layer.
 struct KvGeometry {

@@ -49,6 +49,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--tol", type=float, default=1e-3)
+    ap.add_argument("--kv-dtype", default="f32", help="KV cache element type kestrel uses (f32 or f16)")
     ap.add_argument("--env", action="append", default=[], help="extra NAME=VALUE for kestrel")
     args = ap.parse_args()
     for path in (args.kestrel, args.model):
@@ -59,7 +60,7 @@ def main() -> int:
         npy = os.path.join(tmp, "logits.npy")
         env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
         out = subprocess.run([args.kestrel, "generate", "-m", args.model, "-p", args.prompt, "-n", "1",
-                              "--temperature", "0", "--json", "--dump-logits", npy],
+                              "--temperature", "0", "--json", "--dump-logits", npy, "--kv-dtype", args.kv_dtype],
                              check=True, capture_output=True, text=True, env=env).stdout
         ids = json.loads(out)["prompt_ids"]
         ours = np.load(npy).astype(np.float64)

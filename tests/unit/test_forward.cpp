@@ -42,8 +42,11 @@ TEST(Forward, MixedBatchOverScatteredBlocksMatchesSeparateRuns) {
   // Separate runs: logits of every position of two prompts.
   const std::vector<int32_t> a(kPrompt.begin(), kPrompt.begin() + 13);
   const std::vector<int32_t> b = {1, 291, 280, 294, 262, 294, 353, 265, 284};
+  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16}) {
+  SCOPED_TRACE(kv_dtype_name(dtype));
   SessionOptions o;
   o.block_size = 4;
+  o.kv_dtype = dtype;
   Session s(*model, o);
   const auto ref_a = s.all_logits(a);
   const auto ref_b = s.all_logits(b);
@@ -51,7 +54,7 @@ TEST(Forward, MixedBatchOverScatteredBlocksMatchesSeparateRuns) {
   // One KV cache, blocks handed out in a shuffled order; one batch holds a's first 9 tokens and b's
   // first 5, the next batch a's remaining 4 tokens (a chunk) and b's next 4 (decode-like rows).
   ThreadPool pool(2);
-  KvCache kv(model->hparams().n_layer, model->hparams().n_head_kv, model->hparams().head_dim, 4, 16);
+  KvCache kv(model->hparams().n_layer, model->hparams().n_head_kv, model->hparams().head_dim, 4, 16, dtype);
   cpu::CpuModelRunner runner(*model, kv, pool);
   std::vector<int32_t> blocks(16);
   std::iota(blocks.begin(), blocks.end(), 0);
@@ -89,6 +92,7 @@ TEST(Forward, MixedBatchOverScatteredBlocksMatchesSeparateRuns) {
   };
   run(0, 9, 0, 5);
   run(9, 13, 5, 9);
+  }
 }
 
 TEST(Forward, InconsistentBatchIsAnError) {

@@ -1,12 +1,17 @@
 // kestrel bench: prefill and decode speed at batch 1, in the manner of llama-bench's pp/tg tests
-// (pp: a prompt of P tokens in one forward pass; tg: N tokens decoded one at a time after it).
+// (pp: a prompt of P tokens in one forward pass; tg: N tokens decoded one at a time after it),
+// and with --parallel, aggregate speed of many concurrent sequences through the serving engine,
+// in the manner of llama-batched-bench (S_TG: all sequences' decode tokens over the decode time).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cmath>
 #include <numeric>
+#include <thread>
+#include <unordered_set>
 
 #include "common.h"
+#include "engine/engine.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
 
@@ -18,13 +23,97 @@ struct BenchArgs {
   int64_t n_prompt = 128;
   int64_t n_gen = 128;
   int reps = 3;
+  std::vector<int> parallel;  // concurrent sequences per run (engine mode)
+  int64_t max_batched_tokens = 2048;
   EngineFlags engine;
 };
+
+std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
+  std::vector<int32_t> prompt(static_cast<size_t>(n));
+  uint64_t x = 0x9e3779b97f4a7c15ull ^ (seed * 0xbf58476d1ce4e5b9ull);
+  for (auto& id : prompt) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    id = static_cast<int32_t>(x % static_cast<uint64_t>(n_vocab));
+  }
+  return prompt;
+}
+
+// N sequences submitted at once (distinct prompts, no prefix-cache hits, EOS ignored), run to the
+// end. pp: prompt tokens over the time until every sequence has its first token; tg: the tokens
+// generated after that moment over the time after it, when every running sequence is decoding.
+void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
+  const auto& hp = lm.model->hparams();
+  std::printf("| threads | seqs | pp tok/s | tg tok/s (aggregate) | TTFT ms | TPOT ms | steps |\n"
+              "|---|---|---|---|---|---|---|\n");
+  int threads = 0;
+  for (int n : a.parallel) {
+    if (n <= 0) throw Error("bench: --parallel values must be positive, got " + std::to_string(n));
+    EngineConfig c;
+    c.block_size = a.engine.block_size;
+    c.kv_dtype = a.engine.session_options().kv_dtype;
+    c.n_threads = a.engine.threads;
+    c.max_num_seqs = n;
+    c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, n);
+    c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
+    c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
+    c.enable_prefix_caching = false;
+    Engine e(*lm.model, nullptr, c);
+    std::vector<double> pp, tg, ttft, tpot;
+    int64_t steps = 0;
+    for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < n; ++i) {
+        Request req;
+        req.prompt = random_prompt(a.n_prompt, hp.n_vocab, static_cast<uint64_t>(r * 1000 + i + 1));
+        req.max_tokens = a.n_gen;
+        req.sampling.temperature = 0;
+        e.add_request(std::move(req));
+      }
+      const int64_t steps0 = e.stats().n_steps, gen0 = e.stats().n_generated_tokens;
+      std::unordered_set<RequestId> started;
+      int64_t gen_at_start = 0;
+      std::chrono::steady_clock::time_point t_all_started = t0;
+      double sum_ttft = 0, sum_tpot = 0;
+      while (e.has_unfinished()) {
+        for (const RequestOutput& o : e.step()) {
+          if (!o.new_token_ids.empty()) started.insert(o.id);
+          if (o.finished) {
+            sum_ttft += o.metrics.ttft_s;
+            sum_tpot += o.metrics.tpot_s;
+          }
+        }
+        if (gen_at_start == 0 && static_cast<int>(started.size()) == n) {
+          t_all_started = std::chrono::steady_clock::now();
+          gen_at_start = e.stats().n_generated_tokens - gen0;
+        }
+      }
+      const auto t_end = std::chrono::steady_clock::now();
+      if (r == 0) continue;
+      const double t_pp = std::chrono::duration<double>(t_all_started - t0).count();
+      const double t_tg = std::chrono::duration<double>(t_end - t_all_started).count();
+      const int64_t n_gen_total = e.stats().n_generated_tokens - gen0;
+      pp.push_back(static_cast<double>(n * a.n_prompt) / t_pp);
+      tg.push_back(t_tg > 0 ? static_cast<double>(n_gen_total - gen_at_start) / t_tg : 0.0);
+      ttft.push_back(1e3 * sum_ttft / n);
+      tpot.push_back(1e3 * sum_tpot / n);
+      steps = e.stats().n_steps - steps0;
+    }
+    threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+    std::printf("| %d | %d | %.1f | %.1f | %.1f | %.2f | %lld |\n", threads, n, mean(pp), mean(tg), mean(ttft),
+                mean(tpot), static_cast<long long>(steps));
+    std::fflush(stdout);
+  }
+}
 
 void run_bench(BenchArgs a) {
   if (a.n_prompt <= 0 || a.n_gen < 0 || a.reps <= 0)
     throw Error("bench: -p must be > 0, -n >= 0 and --reps > 0");
   LoadedModel lm = load_model(a.model);
+  if (!a.parallel.empty()) {
+    run_parallel(a, lm);
+    return;
+  }
   SessionOptions so = a.engine.session_options();
   so.prefill_chunk = a.n_prompt;  // one forward pass for the whole prompt, as llama-bench does
   so.n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
@@ -76,6 +165,11 @@ void register_bench(CLI::App& app) {
   sub->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens (pp test)")->capture_default_str();
   sub->add_option("-n,--n-gen", a->n_gen, "Generated tokens (tg test)")->capture_default_str();
   sub->add_option("-r,--reps", a->reps, "Timed repetitions")->capture_default_str();
+  sub->add_option("--parallel", a->parallel,
+                  "Concurrent sequences, e.g. 1,4,16,64: aggregate speed through the serving engine")
+      ->delimiter(',');
+  sub->add_option("--max-num-batched-tokens", a->max_batched_tokens,
+                  "Tokens per engine step (with --parallel)")->capture_default_str();
   a->engine.add_to(*sub);
   sub->callback([a] { run_bench(*a); });
 }

@@ -81,6 +81,8 @@ void EngineFlags::add_to(CLI::App& app) {
   app.add_option("-c,--ctx-size", ctx_size, "Context length in tokens (at most the model's)")
       ->capture_default_str();
   app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
+  app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
+      ->capture_default_str();
 }
 
 SessionOptions EngineFlags::session_options() const {
@@ -96,6 +98,7 @@ SessionOptions EngineFlags::session_options() const {
   o.n_threads = threads;
   o.n_ctx = ctx_size;
   o.block_size = block_size;
+  o.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
   return o;
 }
 

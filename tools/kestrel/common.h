@@ -43,6 +43,7 @@ struct EngineFlags {
   int threads = 0;
   int64_t ctx_size = 4096;
   int block_size = 16;
+  std::string kv_dtype = "f16";
   void add_to(CLI::App& app);
   SessionOptions session_options() const;
 };

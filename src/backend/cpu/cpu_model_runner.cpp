@@ -76,8 +76,10 @@ void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
   const int64_t group = hp_.n_head / hp_.n_head_kv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const auto& op = ops();
-  const float* kc = kv_.k(layer);
-  const float* vc = kv_.v(layer);
+  const void* kc = kv_.k(layer);
+  const void* vc = kv_.v(layer);
+  const bool f16 = kv_.dtype() == KvDtype::F16;
+  const int64_t head_stride = static_cast<int64_t>(kv_.block_size()) * hd;
   // One task per (token, KV head): the group of query heads that share the KV head reads each
   // key and value once.
   pool_.parallel_for(n * hp_.n_head_kv, 1, [&](int64_t begin, int64_t end) {
@@ -89,8 +91,9 @@ void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
       a.q = q_.data() + t * hp_.q_dim() + kvh * group * hd;
       a.k_cache = kc;
       a.v_cache = vc;
-      a.kv_dim = hp_.kv_dim();
-      a.kv_offset = kvh * hd;
+      a.kv_f16 = f16;
+      a.block_stride = hp_.n_head_kv * head_stride;
+      a.head_offset = kvh * head_stride;
       a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
       a.block_size = kv_.block_size();
       a.n_ctx = b.positions[t] + 1;  // causal: a token sees itself and everything before it
@@ -101,6 +104,26 @@ void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
       op.attention(a);
     }
   });
+}
+
+void CpuModelRunner::write_kv(const ForwardBatch& b, int64_t layer) {
+  const int64_t n = b.n_tokens();
+  const int64_t hd = hp_.head_dim;
+  const int64_t kvd = hp_.kv_dim();
+  const auto& op = ops();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < hp_.n_head_kv; ++h) {
+      const int64_t off = kv_.offset(b.slot_mapping[t], h);
+      const float* ks = k_.data() + t * kvd + h * hd;
+      const float* vs = v_.data() + t * kvd + h * hd;
+      if (kv_.dtype() == KvDtype::F16) {
+        op.f32_to_f16(ks, static_cast<uint16_t*>(kv_.k(layer)) + off, hd);
+        op.f32_to_f16(vs, static_cast<uint16_t*>(kv_.v(layer)) + off, hd);
+      } else {
+        std::memcpy(static_cast<float*>(kv_.k(layer)) + off, ks, sizeof(float) * static_cast<size_t>(hd));
+        std::memcpy(static_cast<float*>(kv_.v(layer)) + off, vs, sizeof(float) * static_cast<size_t>(hd));
+      }
+    }
 }
 
 void CpuModelRunner::rms_norm_rows(const float* x, const float* w, float* y, int64_t n) {
@@ -153,12 +176,7 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
          hp_.rope_linear_scale, adjacent);
     rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim,
          inv_freq_.data(), hp_.rope_linear_scale, adjacent);
-    float* kc = kv_.k(il);
-    float* vc = kv_.v(il);
-    for (int64_t t = 0; t < n; ++t) {
-      std::memcpy(kc + b.slot_mapping[t] * kvd, k_.data() + t * kvd, sizeof(float) * kvd);
-      std::memcpy(vc + b.slot_mapping[t] * kvd, v_.data() + t * kvd, sizeof(float) * kvd);
-    }
+    write_kv(b, il);
     attention(b, il);
     matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
     op.add(x_.data(), h_.data(), n * d);

@@ -29,6 +29,8 @@ class CpuModelRunner {
  private:
   void check(const ForwardBatch& b) const;
   void attention(const ForwardBatch& b, int64_t layer);
+  // Stores the batch's K and V rows of `layer` in their slots (converted to the cache's dtype).
+  void write_kv(const ForwardBatch& b, int64_t layer);
   // RMSNorm of n rows of n_embd with weight w, split over the pool.
   void rms_norm_rows(const float* x, const float* w, float* y, int64_t n);
 

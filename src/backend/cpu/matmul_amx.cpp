@@ -206,13 +206,21 @@ void gemm(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   auto* ring = reinterpret_cast<int32_t*>(scratch + align64(U.bytes) + 16 * 16 * 16 * sizeof(float));
   static const TileConfig config;
   _tile_loadconfig(&config);
-  for (int64_t r = r0; r < r1; r += 16) {
-    const int n_rows = static_cast<int>(std::min<int64_t>(16, r1 - r));
-    unpack_rows<Fmt>(a, L.nb, U, r, n_rows, scratch);
-    for (int64_t g = 0; g < L.n_groups; ++g) {
-      const int n_tok = static_cast<int>(std::min<int64_t>(16, a.n_tokens - 16 * g));
-      tile16(L, U, scratch, a.act + g * L.group_bytes, n_tok, n_rows, a.y + 16 * g * a.w.n_out + r, a.w.n_out,
-             lanes, ring);
+  // Token groups in chunks of about 256 KiB of activations, so a chunk stays in L2 while every
+  // row stripe passes over it (a long prompt's activations would otherwise stream from memory
+  // once per 16 rows). A stripe is unpacked once per chunk; each output is computed the same way
+  // whatever the chunking, so results do not depend on the batch.
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{256} << 10) / static_cast<int64_t>(L.group_bytes));
+  for (int64_t g0 = 0; g0 < L.n_groups; g0 += chunk) {
+    const int64_t g1 = std::min<int64_t>(L.n_groups, g0 + chunk);
+    for (int64_t r = r0; r < r1; r += 16) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(16, r1 - r));
+      unpack_rows<Fmt>(a, L.nb, U, r, n_rows, scratch);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int n_tok = static_cast<int>(std::min<int64_t>(16, a.n_tokens - 16 * g));
+        tile16(L, U, scratch, a.act + g * L.group_bytes, n_tok, n_rows, a.y + 16 * g * a.w.n_out + r, a.w.n_out,
+               lanes, ring);
+      }
     }
   }
   // Drop the tile state so context switches do not have to save 8 KiB per thread.

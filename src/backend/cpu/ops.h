@@ -12,10 +12,13 @@ namespace kestrel::cpu {
 
 struct AttentionArgs {
   const float* q;              // [group, head_dim]: the query heads that share one KV head
-  const float* k_cache;        // layer's K storage, [n_slots, kv_dim], f32
-  const float* v_cache;        // layer's V storage, [n_slots, kv_dim], f32
-  int64_t kv_dim;              // n_head_kv * head_dim
-  int64_t kv_offset;           // kv_head * head_dim
+  // The layer's K and V storage, [n_blocks, n_head_kv, block_size, head_dim], f32 or f16
+  // (KvCache's layout).
+  const void* k_cache;
+  const void* v_cache;
+  bool kv_f16;                 // element type of k_cache / v_cache: f16 (true) or f32
+  int64_t block_stride;        // elements per block: n_head_kv * block_size * head_dim
+  int64_t head_offset;         // kv_head * block_size * head_dim
   const int32_t* block_table;  // [>= ceil(n_ctx / block_size)] block ids of the sequence
   int32_t block_size;
   int64_t n_ctx;               // keys at positions [0, n_ctx) are attended (causal bound applied)
@@ -37,6 +40,8 @@ struct OpsTable {
   // tiled by KV block with online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022):
   // O(head_dim) extra memory, no n x n score matrix.
   void (*attention)(const AttentionArgs& a);
+  // y[i] = x[i] rounded to IEEE half precision, nearest even (bit-identical on every ISA).
+  void (*f32_to_f16)(const float* x, uint16_t* y, int64_t n);
 };
 
 const OpsTable& ops();

@@ -3,7 +3,12 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "backend/cpu/ops.h"
+#include "core/dtype.h"
 
 namespace kestrel::cpu::KESTREL_OPS_NS {
 
@@ -15,11 +20,37 @@ inline v8f load8(const float* p) {
   return v;
 }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+// 8 f16 values widened to f32 (exact), and 8 f32 values rounded to f16 (nearest even).
+inline v8f load8(const uint16_t* p) {
+#if defined(__F16C__)
+  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v8f v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = fp16_to_fp32(p[i]);
+  return v;
+#endif
+}
+inline void store8(uint16_t* p, v8f v) {
+#if defined(__F16C__)
+  __m256 x;
+  std::memcpy(&x, &v, sizeof x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < 8; ++i) p[i] = fp32_to_fp16(v[i]);
+#endif
+}
 inline float hsum8(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t h) { return fp16_to_fp32(h); }
+
+template <class T>
+inline float dot(const float* a, const T* b, int64_t n) {
   v8f acc0 = {}, acc1 = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -28,15 +59,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   }
   for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
   float s = hsum8(acc0 + acc1);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_f32(b[i]);
   return s;
 }
 
 // y = y * c + p * x
-inline void scale_add(float* y, float c, float p, const float* x, int64_t n) {
+template <class T>
+inline void scale_add(float* y, float c, float p, const T* x, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) store8(y + i, load8(y + i) * c + load8(x + i) * p);
-  for (; i < n; ++i) y[i] = y[i] * c + x[i] * p;
+  for (; i < n; ++i) y[i] = y[i] * c + to_f32(x[i]) * p;
 }
 
 void rms_norm(const float* x, const float* w, float* y, int64_t n_rows, int64_t dim, float eps) {
@@ -94,11 +126,14 @@ void add(float* x, const float* y, int64_t n) {
   for (; i < n; ++i) x[i] += y[i];
 }
 
-void attention(const AttentionArgs& a) {
+template <class T>
+void attention_impl(const AttentionArgs& a) {
   constexpr int kMaxGroup = 64;
   constexpr int kMaxTile = 64;
   const int64_t hd = a.head_dim;
   const int64_t g_n = a.group;
+  const T* kc = static_cast<const T*>(a.k_cache) + a.head_offset;
+  const T* vc = static_cast<const T*>(a.v_cache) + a.head_offset;
   float m[kMaxGroup];  // running max of the scores of each query head
   float l[kMaxGroup];  // running sum of exp(score - m)
   float s[kMaxTile + 8] = {};  // + 8: the vector exp reads whole lanes past the tile's end
@@ -110,7 +145,13 @@ void attention(const AttentionArgs& a) {
   const int64_t bs = a.block_size;
   for (int64_t start = 0; start < a.n_ctx; start += bs) {
     const int64_t n = std::min<int64_t>(bs, a.n_ctx - start);
-    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * bs;
+    // This KV head's keys of the block: n rows of head_dim, contiguous.
+    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * a.block_stride;
+    if (start + bs < a.n_ctx) {  // the next block is elsewhere in memory: start fetching it
+      const int64_t next = static_cast<int64_t>(a.block_table[start / bs + 1]) * a.block_stride;
+      __builtin_prefetch(kc + next);
+      __builtin_prefetch(vc + next);
+    }
     // Tiles of at most kMaxTile keys, so any block size works.
     for (int64_t t0 = 0; t0 < n; t0 += kMaxTile) {
       const int64_t tn = std::min<int64_t>(kMaxTile, n - t0);
@@ -118,8 +159,7 @@ void attention(const AttentionArgs& a) {
         const float* q = a.q + g * hd;
         float tile_max = -INFINITY;
         for (int64_t j = 0; j < tn; ++j) {
-          const float* k = a.k_cache + (base + t0 + j) * a.kv_dim + a.kv_offset;
-          s[j] = dot(q, k, hd) * a.scale;
+          s[j] = dot(q, kc + base + (t0 + j) * hd, hd) * a.scale;
           tile_max = std::max(tile_max, s[j]);
         }
         const float m_new = std::max(m[g], tile_max);
@@ -134,8 +174,7 @@ void attention(const AttentionArgs& a) {
         l[g] *= correction;
         for (int64_t j = 0; j < tn; ++j) {
           l[g] += pr[j];
-          const float* v = a.v_cache + (base + t0 + j) * a.kv_dim + a.kv_offset;
-          scale_add(o, j == 0 ? correction : 1.0f, pr[j], v, hd);
+          scale_add(o, j == 0 ? correction : 1.0f, pr[j], vc + base + (t0 + j) * hd, hd);
         }
         m[g] = m_new;
       }
@@ -148,6 +187,20 @@ void attention(const AttentionArgs& a) {
   }
 }
 
-const OpsTable kTable{rms_norm, silu_mul, add, attention};
+void attention(const AttentionArgs& a) {
+  if (a.kv_f16) {
+    attention_impl<uint16_t>(a);
+  } else {
+    attention_impl<float>(a);
+  }
+}
+
+void f32_to_f16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(y + i, load8(x + i));
+  for (; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
+}
+
+const OpsTable kTable{rms_norm, silu_mul, add, attention, f32_to_f16};
 
 }  // namespace kestrel::cpu::KESTREL_OPS_NS
