@@ -1,5 +1,7 @@
 #include "memory/kv_cache.h"
 
+#include <cstring>
+
 #include "core/error.h"
 
 namespace kestrel {
@@ -13,8 +15,17 @@ KvCache::KvCache(int64_t n_layer, int64_t n_head_kv, int64_t head_dim, int32_t b
   k_.resize(static_cast<size_t>(n_layer));
   v_.resize(static_cast<size_t>(n_layer));
   for (int64_t l = 0; l < n_layer; ++l) {
-    k_[static_cast<size_t>(l)].assign(n, 0.0f);
-    v_[static_cast<size_t>(l)].assign(n, 0.0f);
+    k_[static_cast<size_t>(l)].reset(new float[n]);
+    v_[static_cast<size_t>(l)].reset(new float[n]);
+  }
+}
+
+void KvCache::copy_block(int32_t src, int32_t dst) {
+  KESTREL_ASSERT(src >= 0 && src < n_blocks_ && dst >= 0 && dst < n_blocks_, "KV copy outside the cache");
+  const size_t n = static_cast<size_t>(block_size_) * static_cast<size_t>(kv_dim_);
+  for (size_t l = 0; l < k_.size(); ++l) {
+    std::memcpy(k_[l].get() + static_cast<size_t>(dst) * n, k_[l].get() + static_cast<size_t>(src) * n, n * sizeof(float));
+    std::memcpy(v_[l].get() + static_cast<size_t>(dst) * n, v_[l].get() + static_cast<size_t>(src) * n, n * sizeof(float));
   }
 }
 

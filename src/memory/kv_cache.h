@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace kestrel {
@@ -24,17 +25,21 @@ class KvCache {
   // Bytes of K and V for one token across all layers (2 x layers x kv_heads x head_dim x 4).
   int64_t bytes_per_token() const { return 2 * n_layer_ * kv_dim_ * static_cast<int64_t>(sizeof(float)); }
 
-  float* k(int64_t layer) { return k_[static_cast<size_t>(layer)].data(); }
-  float* v(int64_t layer) { return v_[static_cast<size_t>(layer)].data(); }
-  const float* k(int64_t layer) const { return k_[static_cast<size_t>(layer)].data(); }
-  const float* v(int64_t layer) const { return v_[static_cast<size_t>(layer)].data(); }
+  float* k(int64_t layer) { return k_[static_cast<size_t>(layer)].get(); }
+  float* v(int64_t layer) { return v_[static_cast<size_t>(layer)].get(); }
+  const float* k(int64_t layer) const { return k_[static_cast<size_t>(layer)].get(); }
+  const float* v(int64_t layer) const { return v_[static_cast<size_t>(layer)].get(); }
+  // Copies the K and V of every layer from block src to block dst (copy-on-write).
+  void copy_block(int32_t src, int32_t dst);
 
  private:
   int64_t n_layer_;
   int64_t kv_dim_;
   int32_t block_size_;
   int32_t n_blocks_;
-  std::vector<std::vector<float>> k_, v_;
+  // Left uninitialised: the pages are only touched when a block is written, so a large pool
+  // costs no time or resident memory until it is used; a slot is always written before it is read.
+  std::vector<std::unique_ptr<float[]>> k_, v_;
 };
 
 }  // namespace kestrel

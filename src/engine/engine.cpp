@@ -1,0 +1,262 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <unordered_map>
+
+#include "backend/cpu/cpu_model_runner.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "engine/stop_checker.h"
+#include "memory/kv_cache.h"
+#include "memory/kv_manager.h"
+#include "sampling/sampler.h"
+#include "scheduler/scheduler.h"
+#include "tokenizer/stream_decoder.h"
+
+namespace kestrel {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+constexpr int64_t kDefaultMaxModelLen = 8192;
+constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
+
+EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp) {
+  EngineConfig c = in;
+  if (c.block_size <= 0) throw Error("block_size must be positive, got " + std::to_string(c.block_size));
+  if (c.max_model_len < 0) throw Error("max_model_len must be >= 0, got " + std::to_string(c.max_model_len));
+  if (c.n_kv_blocks < 0) throw Error("n_kv_blocks must be >= 0, got " + std::to_string(c.n_kv_blocks));
+  if (c.max_model_len == 0) c.max_model_len = std::min(hp.n_ctx_train, kDefaultMaxModelLen);
+  if (c.max_model_len > hp.n_ctx_train)
+    throw Error("max_model_len " + std::to_string(c.max_model_len) + " exceeds the model's context of " +
+                std::to_string(hp.n_ctx_train));
+  const int64_t blocks_per_seq = (c.max_model_len + c.block_size - 1) / c.block_size;
+  if (c.n_kv_blocks == 0) {
+    const int64_t bytes_per_block = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 4 * c.block_size;
+    const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
+    c.n_kv_blocks = static_cast<int32_t>(std::min<int64_t>(blocks_per_seq * std::max(1, c.max_num_seqs), cap));
+  }
+  if (c.n_kv_blocks < blocks_per_seq)
+    throw Error("a KV pool of " + std::to_string(c.n_kv_blocks) + " blocks of " + std::to_string(c.block_size) +
+                " tokens cannot hold one sequence of max_model_len " + std::to_string(c.max_model_len) +
+                " (needs " + std::to_string(blocks_per_seq) + " blocks): raise the blocks or lower max_model_len");
+  return c;
+}
+
+struct RequestState {
+  RequestId id = 0;
+  Request req;
+  Sequence seq;
+  std::optional<Sampler> sampler;
+  std::optional<StreamDecoder> decoder;
+  StopChecker stop_checker;
+  Clock::time_point arrival, first_token;
+  bool finished = false;
+};
+}  // namespace
+
+struct Engine::Impl {
+  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c)
+      : model(m),
+        tokenizer(t),
+        config(resolve(c, m.hparams())),
+        pool(config.n_threads),
+        kv(m.hparams().n_layer, m.hparams().n_head_kv, m.hparams().head_dim, config.block_size, config.n_kv_blocks),
+        manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
+        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager),
+        runner(m, kv, pool) {
+    stats.n_kv_blocks = config.n_kv_blocks;
+  }
+
+  void build_batch(const SchedulerOutput& out);
+  void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
+  void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs);
+
+  const LlamaModel& model;
+  const Tokenizer* tokenizer;
+  EngineConfig config;
+  ThreadPool pool;
+  KvCache kv;
+  KvManager manager;
+  Scheduler scheduler;
+  cpu::CpuModelRunner runner;
+  std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests;
+  std::vector<RequestOutput> pending;  // aborts reported by the next step
+  RequestId next_id = 1;
+  EngineStats stats;
+  // The flat batch of the current step.
+  std::vector<int32_t> token_ids, positions, query_start, context_lens, block_tables, logits_indices;
+  std::vector<int64_t> slot_mapping;
+  std::vector<RequestState*> sampling;  // [logits_indices.size()] whose row each logits row is
+};
+
+Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config)
+    : impl_(std::make_unique<Impl>(model, tokenizer, config)) {}
+Engine::~Engine() = default;
+
+const EngineStats& Engine::stats() const { return impl_->stats; }
+const EngineConfig& Engine::config() const { return impl_->config; }
+size_t Engine::n_waiting() const { return impl_->scheduler.n_waiting(); }
+size_t Engine::n_running() const { return impl_->scheduler.n_running(); }
+bool Engine::has_unfinished() const { return !impl_->requests.empty() || !impl_->pending.empty(); }
+
+RequestId Engine::add_request(Request request) {
+  Impl& m = *impl_;
+  const int64_t n_vocab = m.model.hparams().n_vocab;
+  const int64_t n_prompt = static_cast<int64_t>(request.prompt.size());
+  if (n_prompt == 0) throw Error("empty prompt: nothing to condition on");
+  for (int32_t t : request.prompt)
+    if (t < 0 || t >= n_vocab)
+      throw Error("prompt token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
+  if (n_prompt + 1 > m.config.max_model_len)
+    throw Error("prompt of " + std::to_string(n_prompt) + " tokens leaves no room to generate within max_model_len " +
+                std::to_string(m.config.max_model_len));
+  if (request.max_tokens == 0) throw Error("max_tokens must be >= 1 (or < 0 for no limit), got 0");
+  if (!request.stop.empty() && m.tokenizer == nullptr) throw Error("stop strings need a tokenizer");
+  for (const std::string& s : request.stop)
+    if (s.empty()) throw Error("stop strings must not be empty");
+  auto r = std::make_unique<RequestState>();
+  r->sampler.emplace(request.sampling, static_cast<int32_t>(n_vocab));  // validates the params
+  r->id = m.next_id++;
+  if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true);
+  r->stop_checker = StopChecker(request.stop);
+  r->seq.id = r->id;
+  r->seq.tokens = request.prompt;
+  r->seq.n_prompt = n_prompt;
+  r->req = std::move(request);
+  r->arrival = Clock::now();
+  RequestState& ref = *r;
+  m.requests.emplace(ref.id, std::move(r));
+  m.scheduler.add(&ref.seq);
+  return ref.id;
+}
+
+void Engine::abort_request(RequestId id) {
+  Impl& m = *impl_;
+  const auto it = m.requests.find(id);
+  if (it == m.requests.end()) return;
+  RequestOutput o;
+  o.id = id;
+  m.finish(*it->second, "abort", m.pending, &o);
+}
+
+void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs,
+                          RequestOutput* o) {
+  const auto now = Clock::now();
+  scheduler.finish(&r.seq);
+  r.finished = true;
+  o->finished = true;
+  o->finish_reason = reason;
+  RequestMetrics& mt = o->metrics;
+  mt.n_prompt_tokens = r.seq.n_prompt;
+  mt.n_cached_prompt_tokens = std::max<int64_t>(0, r.seq.n_cached_prompt);
+  mt.n_output_tokens = r.seq.n_generated();
+  mt.n_preemptions = r.seq.n_preemptions;
+  mt.e2e_s = seconds(r.arrival, now);
+  if (mt.n_output_tokens > 0) mt.ttft_s = seconds(r.arrival, r.first_token);
+  if (mt.n_output_tokens > 1) mt.tpot_s = seconds(r.first_token, now) / static_cast<double>(mt.n_output_tokens - 1);
+  outputs.push_back(std::move(*o));
+  requests.erase(r.id);  // r is gone from here on
+}
+
+void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs) {
+  Sequence& s = r.seq;
+  s.tokens.push_back(token);
+  if (s.n_generated() == 1) r.first_token = Clock::now();
+  ++stats.n_generated_tokens;
+  RequestOutput o;
+  o.id = r.id;
+  o.new_token_ids.push_back(token);
+  const auto& ids = r.req.stop_ids;
+  const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end();
+  bool stop_string = false;
+  if (r.decoder) {
+    stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta);
+  }
+  const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
+                        static_cast<int64_t>(s.tokens.size()) >= config.max_model_len;
+  if (stop_id || stop_string || at_limit) {
+    if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush());
+    finish(r, stop_id || stop_string ? "stop" : "length", outputs, &o);
+    return;
+  }
+  outputs.push_back(std::move(o));
+}
+
+void Engine::Impl::build_batch(const SchedulerOutput& out) {
+  token_ids.clear();
+  positions.clear();
+  slot_mapping.clear();
+  logits_indices.clear();
+  sampling.clear();
+  query_start.assign(1, 0);
+  context_lens.clear();
+  size_t max_blocks = 0;
+  for (const ScheduledSeq& sc : out.scheduled)
+    max_blocks = std::max(max_blocks, manager.block_table(sc.seq->id).size());
+  block_tables.assign(out.scheduled.size() * max_blocks, 0);
+  const int64_t bs = config.block_size;
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const ScheduledSeq& sc = out.scheduled[i];
+    const std::vector<int32_t>& table = manager.block_table(sc.seq->id);
+    std::copy(table.begin(), table.end(), block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
+    for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p) {
+      token_ids.push_back(sc.seq->tokens[static_cast<size_t>(p)]);
+      positions.push_back(static_cast<int32_t>(p));
+      slot_mapping.push_back(static_cast<int64_t>(table[static_cast<size_t>(p / bs)]) * bs + p % bs);
+    }
+    query_start.push_back(static_cast<int32_t>(token_ids.size()));
+    context_lens.push_back(static_cast<int32_t>(sc.n_computed + sc.n_new));
+    if (sc.samples()) {
+      logits_indices.push_back(static_cast<int32_t>(token_ids.size()) - 1);
+      sampling.push_back(requests.at(sc.seq->id).get());
+    }
+  }
+}
+
+std::vector<RequestOutput> Engine::step() {
+  Impl& m = *impl_;
+  std::vector<RequestOutput> outputs = std::move(m.pending);
+  m.pending.clear();
+  const SchedulerOutput out = m.scheduler.schedule();
+  m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
+  m.stats.peak_kv_blocks_used = std::max(m.stats.peak_kv_blocks_used, m.manager.n_used_blocks());
+  m.stats.prefix_cache_queried_tokens = m.manager.prefix_queried_tokens();
+  m.stats.prefix_cache_hit_tokens = m.manager.prefix_hit_tokens();
+  if (out.empty()) return outputs;
+  ++m.stats.n_steps;
+  for (const BlockCopy& c : out.copies) m.kv.copy_block(c.src, c.dst);
+  m.build_batch(out);
+  m.stats.n_prompt_tokens_computed += out.n_tokens - out.n_decodes;
+
+  ForwardBatch fb;
+  fb.token_ids = m.token_ids;
+  fb.positions = m.positions;
+  fb.slot_mapping = m.slot_mapping;
+  fb.query_start = m.query_start;
+  fb.context_lens = m.context_lens;
+  fb.block_tables = m.block_tables;
+  fb.max_blocks_per_seq = static_cast<int32_t>(m.block_tables.size() / std::max<size_t>(1, out.scheduled.size()));
+  fb.logits_indices = m.logits_indices;
+  const std::span<const float> logits = m.runner.forward(fb);
+  m.scheduler.on_step_done(out);
+
+  const int64_t n_vocab = m.model.hparams().n_vocab;
+  for (size_t i = 0; i < m.sampling.size(); ++i) {
+    RequestState& r = *m.sampling[i];
+    const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+    for (float v : row)
+      if (std::isnan(v))
+        throw Error("the model produced NaN logits for request " + std::to_string(r.id) +
+                    ": its weights are probably corrupt");
+    const int32_t token = r.sampler->sample(row, r.seq.tokens);
+    m.post_process(r, token, outputs);
+  }
+  return outputs;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,41 @@
+#include "engine/stop_checker.h"
+
+#include <algorithm>
+
+namespace kestrel {
+
+StopChecker::StopChecker(std::vector<std::string> stops) : stops_(std::move(stops)) {
+  for (const std::string& s : stops_) hold_ = std::max(hold_, s.size() - 1);
+}
+
+bool StopChecker::push(std::string_view text, std::string& emit) {
+  if (stops_.empty()) {
+    emit.append(text);
+    return false;
+  }
+  held_.append(text);
+  size_t first = std::string::npos;
+  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  if (first != std::string::npos) {
+    emit.append(held_, 0, first);
+    held_.clear();
+    return true;
+  }
+  // Any match still to come starts in the last hold_ bytes; release the rest, at a character
+  // boundary (never split a UTF-8 sequence between two deltas).
+  size_t cut = held_.size() > hold_ ? held_.size() - hold_ : 0;
+  while (cut > 0 && cut < held_.size() && (static_cast<unsigned char>(held_[cut]) & 0xC0) == 0x80) --cut;
+  emit.append(held_, 0, cut);
+  held_.erase(0, cut);
+  return false;
+}
+
+std::string StopChecker::flush(std::string_view tail) {
+  std::string out;
+  push(tail, out);
+  out += held_;
+  held_.clear();
+  return out;
+}
+
+}  // namespace kestrel

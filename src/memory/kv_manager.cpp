@@ -1,0 +1,164 @@
+#include "memory/kv_manager.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace kestrel {
+
+KvManager::KvManager(const KvManagerConfig& config)
+    : block_size_(config.block_size), caching_(config.enable_prefix_caching), pool_(config.n_blocks) {
+  if (config.block_size <= 0)
+    throw Error("KV block size must be positive, got " + std::to_string(config.block_size));
+}
+
+const std::vector<int32_t>& KvManager::block_table(SeqId seq) const {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: unknown sequence " + std::to_string(seq));
+  return it->second.blocks;
+}
+
+KvManager::PrefixHit KvManager::find_prefix(std::span<const int32_t> tokens) const {
+  PrefixHit hit;
+  if (!caching_ || tokens.empty()) return hit;
+  const int64_t max_blocks = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
+  for (int64_t i = 0; i < max_blocks; ++i) {
+    const auto blk = tokens.subspan(static_cast<size_t>(i * block_size_), static_cast<size_t>(block_size_));
+    const uint64_t h = block_hash(hit.last_hash, blk);
+    const int32_t b = pool_.lookup(h, hit.last_hash, blk);
+    if (b < 0) break;
+    hit.blocks.push_back(b);
+    hit.last_hash = h;
+  }
+  return hit;
+}
+
+int64_t KvManager::cached_prefix_len(std::span<const int32_t> tokens) const {
+  return static_cast<int64_t>(find_prefix(tokens).blocks.size()) * block_size_;
+}
+
+bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens) const {
+  const PrefixHit hit = find_prefix(tokens);
+  const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
+  const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - n_hit);
+  // A hit on an evictable block takes it out of the free count.
+  const int64_t n_revived = std::count_if(hit.blocks.begin(), hit.blocks.end(),
+                                          [&](int32_t b) { return pool_.ref_count(b) == 0; });
+  return n_new + n_revived <= pool_.n_free();
+}
+
+int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens) {
+  KESTREL_ASSERT(!has(seq), "KvManager: allocate of an existing sequence " + std::to_string(seq));
+  KESTREL_ASSERT(can_allocate(tokens, n_tokens), "KvManager: allocate without enough free blocks");
+  PrefixHit hit = find_prefix(tokens);
+  const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
+  PoolChange change;
+  change.ref = hit.blocks;
+  change.n_take = static_cast<int32_t>(std::max<int64_t>(0, blocks_for(n_tokens) - n_hit));
+  const std::vector<int32_t> taken = pool_.commit(change);
+  SeqBlocks& s = seqs_[seq];
+  s.blocks = std::move(hit.blocks);
+  s.blocks.insert(s.blocks.end(), taken.begin(), taken.end());
+  s.n_published = n_hit;
+  s.last_hash = hit.last_hash;
+  if (caching_) {
+    n_queried_ += static_cast<int64_t>(tokens.size());
+    n_hit_ += n_hit * block_size_;
+  }
+  return n_hit * block_size_;
+}
+
+int64_t KvManager::n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64_t n_tokens) const {
+  const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
+  int64_t n = 0;
+  for (int64_t i = n_computed / block_size_; i < end; ++i)
+    if (pool_.ref_count(s.blocks[static_cast<size_t>(i)]) > 1) ++n;
+  return n;
+}
+
+bool KvManager::can_append(SeqId seq, int64_t n_computed, int64_t n_tokens) const {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: can_append of unknown sequence " + std::to_string(seq));
+  const SeqBlocks& s = it->second;
+  const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - static_cast<int64_t>(s.blocks.size()));
+  return n_new + n_copies_needed(s, n_computed, n_tokens) <= pool_.n_free();
+}
+
+void KvManager::plan_publish(SeqBlocks& s, std::span<const int32_t> tokens, int64_t n_computed,
+                             PoolChange& change) const {
+  if (!caching_) return;
+  KESTREL_ASSERT(static_cast<int64_t>(tokens.size()) >= n_computed, "KvManager: fewer tokens than computed");
+  const int64_t n_full = std::min<int64_t>(n_computed / block_size_, static_cast<int64_t>(s.blocks.size()));
+  for (int64_t i = s.n_published; i < n_full; ++i) {
+    const auto blk = tokens.subspan(static_cast<size_t>(i * block_size_), static_cast<size_t>(block_size_));
+    BlockKey key;
+    key.parent_hash = s.last_hash;
+    key.hash = block_hash(s.last_hash, blk);
+    key.tokens.assign(blk.begin(), blk.end());
+    s.last_hash = key.hash;
+    change.publish.emplace_back(s.blocks[static_cast<size_t>(i)], std::move(key));
+  }
+  s.n_published = std::max(s.n_published, n_full);
+}
+
+void KvManager::append(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed, int64_t n_tokens,
+                       std::vector<BlockCopy>& copies) {
+  KESTREL_ASSERT(can_append(seq, n_computed, n_tokens), "KvManager: append without enough free blocks");
+  SeqBlocks& s = seqs_.at(seq);
+  PoolChange change;
+  plan_publish(s, tokens, n_computed, change);
+  const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
+  std::vector<int64_t> copy_at;  // logical blocks to replace by a private copy
+  for (int64_t i = n_computed / block_size_; i < end; ++i)
+    if (pool_.ref_count(s.blocks[static_cast<size_t>(i)]) > 1) {
+      copy_at.push_back(i);
+      change.release.push_back(s.blocks[static_cast<size_t>(i)]);
+    }
+  const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - static_cast<int64_t>(s.blocks.size()));
+  change.n_take = static_cast<int32_t>(n_new + static_cast<int64_t>(copy_at.size()));
+  if (change.n_take == 0 && change.publish.empty()) return;
+  const std::vector<int32_t> taken = pool_.commit(change);
+  size_t t = 0;
+  for (int64_t i : copy_at) {
+    int32_t& b = s.blocks[static_cast<size_t>(i)];
+    copies.push_back({b, taken[t]});
+    b = taken[t++];
+  }
+  for (; t < taken.size(); ++t) s.blocks.push_back(taken[t]);
+}
+
+void KvManager::fork(SeqId parent, SeqId child) {
+  KESTREL_ASSERT(has(parent), "KvManager: fork of unknown sequence " + std::to_string(parent));
+  KESTREL_ASSERT(!has(child), "KvManager: fork into an existing sequence " + std::to_string(child));
+  SeqBlocks copy = seqs_.at(parent);
+  PoolChange change;
+  change.ref = copy.blocks;
+  pool_.commit(change);
+  seqs_.emplace(child, std::move(copy));
+}
+
+void KvManager::free(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed) {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: free of unknown sequence " + std::to_string(seq));
+  SeqBlocks& s = it->second;
+  PoolChange change;
+  if (!tokens.empty()) plan_publish(s, tokens, n_computed, change);
+  change.release.assign(s.blocks.rbegin(), s.blocks.rend());
+  pool_.commit(change);
+  seqs_.erase(it);
+}
+
+void KvManager::check_invariants() const {
+  pool_.check_invariants();
+  std::vector<int32_t> refs(static_cast<size_t>(pool_.n_blocks()), 0);
+  for (const auto& [id, s] : seqs_)
+    for (int32_t b : s.blocks) ++refs[static_cast<size_t>(b)];
+  for (int32_t b = 0; b < pool_.n_blocks(); ++b)
+    KESTREL_ASSERT(refs[static_cast<size_t>(b)] == pool_.ref_count(b),
+                   "KvManager: block " + std::to_string(b) + " has ref count " +
+                       std::to_string(pool_.ref_count(b)) + " but " +
+                       std::to_string(refs[static_cast<size_t>(b)]) + " tables hold it");
+}
+
+}  // namespace kestrel

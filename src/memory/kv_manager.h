@@ -1,0 +1,110 @@
+// Which KV blocks each sequence holds: per-sequence block tables over one BlockPool, with
+// prefix-cache reuse, copy-on-write sharing (fork) and query/commit pairs for the scheduler.
+//
+// The scheduler asks (can_allocate, can_append) and then commits (allocate, append, fork, free).
+// Every commit plans its whole change first and applies it with one BlockPool::commit(), the only
+// method that changes the pool, so a commit either happens completely or (on a broken
+// precondition, a KESTREL_ASSERT) not at all.
+//
+// Token counts are totals for the sequence: "n_tokens" means slots for positions [0, n_tokens).
+// A block is published to the prefix cache once all its tokens' K/V have been computed (the
+// caller says how many are, n_computed), so a hit never reads K/V that a forward pass has not
+// written yet.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "memory/block_pool.h"
+
+namespace kestrel {
+
+using SeqId = uint64_t;
+
+struct KvManagerConfig {
+  int32_t n_blocks = 0;
+  int32_t block_size = 16;            // tokens per block
+  bool enable_prefix_caching = true;
+};
+
+// K/V of block src must be copied to block dst before the next forward pass (copy-on-write).
+struct BlockCopy {
+  int32_t src;
+  int32_t dst;
+};
+
+class KvManager {
+ public:
+  // Errors: kestrel::Error when n_blocks or block_size is not positive.
+  explicit KvManager(const KvManagerConfig& config);
+
+  // --- queries ---
+  // Tokens at the start of `tokens` whose K/V are in the prefix cache: whole blocks, and never
+  // all of `tokens` (the last token is always computed, so its logits exist). 0 when caching is off.
+  int64_t cached_prefix_len(std::span<const int32_t> tokens) const;
+  // Whether allocate(seq, tokens, n_tokens) would find enough blocks.
+  bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens) const;
+  // Whether append(seq, ..., n_computed, n_tokens) would find enough blocks (growth + copies).
+  bool can_append(SeqId seq, int64_t n_computed, int64_t n_tokens) const;
+  bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
+  // The sequence's block table: physical block of each logical block. [ceil(n_tokens / block_size)]
+  const std::vector<int32_t>& block_table(SeqId seq) const;
+
+  // --- commits ---
+  // Starts `seq` (must be new): reuses the cached prefix of `tokens` and takes fresh blocks so
+  // positions [0, max(n_tokens, cached)) have slots. Returns the cached prefix length (tokens
+  // whose K/V need no computing). KESTREL_ASSERT when !can_allocate.
+  int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens);
+  // Grows `seq` so positions [0, n_tokens) have slots. `tokens` holds the sequence's known ids
+  // (at least n_computed of them); the first n_computed have K/V written, and its full blocks
+  // among them are published to the prefix cache. A shared block that positions
+  // [n_computed, n_tokens) would write is replaced by a private copy, reported in `copies`.
+  void append(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed, int64_t n_tokens,
+              std::vector<BlockCopy>& copies);
+  // `child` (must be new) shares all of `parent`'s blocks (ref counts + 1); writes diverge by
+  // copy-on-write in append.
+  void fork(SeqId parent, SeqId child);
+  // Ends `seq`: publishes its computed full blocks (when tokens are given) and drops its
+  // references, last block first so a sequence's tail is evicted before its shared head.
+  void free(SeqId seq, std::span<const int32_t> tokens = {}, int64_t n_computed = 0);
+
+  // --- counters ---
+  int32_t block_size() const { return block_size_; }
+  int32_t n_blocks() const { return pool_.n_blocks(); }
+  int32_t n_free_blocks() const { return pool_.n_free(); }      // free + evictable cached
+  int32_t n_used_blocks() const { return pool_.n_in_use(); }    // held by sequences
+  int32_t n_cached_blocks() const { return pool_.n_cached(); }  // indexed in the prefix cache
+  size_t n_seqs() const { return seqs_.size(); }
+  int64_t prefix_queried_tokens() const { return n_queried_; }  // tokens looked up by allocate
+  int64_t prefix_hit_tokens() const { return n_hit_; }          // of those, found in the cache
+  int64_t n_evictions() const { return pool_.n_evictions(); }
+  bool prefix_caching() const { return caching_; }
+  // Pool invariants plus: every reference is held by exactly the tables that list the block.
+  void check_invariants() const;
+
+ private:
+  struct SeqBlocks {
+    std::vector<int32_t> blocks;
+    int64_t n_published = 0;    // leading blocks already offered to the prefix cache
+    uint64_t last_hash = 0;     // hash of block n_published - 1 (0 when none)
+  };
+  struct PrefixHit {
+    std::vector<int32_t> blocks;
+    uint64_t last_hash = 0;
+  };
+  PrefixHit find_prefix(std::span<const int32_t> tokens) const;
+  int64_t blocks_for(int64_t n_tokens) const { return (n_tokens + block_size_ - 1) / block_size_; }
+  // Blocks among [n_computed, n_tokens)'s blocks that are shared and would need a copy.
+  int64_t n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64_t n_tokens) const;
+  void plan_publish(SeqBlocks& s, std::span<const int32_t> tokens, int64_t n_computed, PoolChange& change) const;
+
+  int32_t block_size_;
+  bool caching_;
+  BlockPool pool_;
+  std::unordered_map<SeqId, SeqBlocks> seqs_;
+  int64_t n_queried_ = 0, n_hit_ = 0;
+};
+
+}  // namespace kestrel

@@ -1,0 +1,127 @@
+#include "scheduler/scheduler.h"
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace kestrel {
+
+Scheduler::Scheduler(const SchedulerConfig& config, KvManager& kv) : config_(config), kv_(kv) {
+  if (config.max_num_seqs <= 0)
+    throw Error("max_num_seqs must be positive, got " + std::to_string(config.max_num_seqs));
+  if (config.max_num_batched_tokens <= 0)
+    throw Error("max_num_batched_tokens must be positive, got " + std::to_string(config.max_num_batched_tokens));
+}
+
+void Scheduler::add(Sequence* seq) {
+  KESTREL_ASSERT(seq != nullptr && !seq->tokens.empty(), "Scheduler: empty sequence");
+  KESTREL_ASSERT(!kv_.has(seq->id), "Scheduler: sequence already holds blocks");
+  seq->status = SeqStatus::Waiting;
+  seq->n_computed = 0;
+  waiting_.push_back(seq);
+}
+
+void Scheduler::preempt(Sequence* seq, SchedulerOutput& out) {
+  // Recompute: the K/V go, but full computed blocks stay in the prefix cache, so unless they are
+  // evicted meanwhile the re-admission finds most of them again.
+  kv_.free(seq->id, seq->tokens, seq->n_computed);
+  seq->n_computed = 0;
+  seq->status = SeqStatus::Waiting;
+  ++seq->n_preemptions;
+  waiting_.push_front(seq);
+  out.preempted.push_back(seq);
+}
+
+SchedulerOutput Scheduler::schedule() {
+  SchedulerOutput out;
+  int64_t budget = config_.max_num_batched_tokens;
+
+  // 1. Decodes, oldest first; the newest running sequence makes room when blocks run out.
+  std::vector<Sequence*> prefilling;
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* s = running_[i];
+    if (!s->is_decode()) {
+      prefilling.push_back(s);
+      ++i;
+      continue;
+    }
+    const int64_t n_end = s->n_computed + 1;
+    bool self_preempted = false;
+    while (!kv_.can_append(s->id, s->n_computed, n_end)) {
+      Sequence* victim = running_.back();
+      running_.pop_back();
+      if (victim == s) {
+        self_preempted = true;
+        break;
+      }
+      // A victim later in running_ has not been scheduled yet; drop it from the prefill list.
+      prefilling.erase(std::remove(prefilling.begin(), prefilling.end(), victim), prefilling.end());
+      preempt(victim, out);
+    }
+    if (self_preempted) {
+      preempt(s, out);
+      break;  // s was the newest: nothing after it is left
+    }
+    kv_.append(s->id, s->tokens, s->n_computed, n_end, out.copies);
+    out.scheduled.push_back({s, s->n_computed, 1});
+    --budget;
+    ++i;
+  }
+
+  out.n_decodes = static_cast<int64_t>(out.scheduled.size());
+
+  // 2. Chunks of prompts already admitted, as far as budget and free blocks allow.
+  for (Sequence* s : prefilling) {
+    if (budget <= 0) break;
+    int64_t n_new = std::min(s->n_uncomputed(), budget);
+    const int64_t capacity = static_cast<int64_t>(kv_.block_table(s->id).size()) * kv_.block_size();
+    const int64_t room = capacity + static_cast<int64_t>(kv_.n_free_blocks()) * kv_.block_size() - s->n_computed;
+    n_new = std::min(n_new, room);
+    if (n_new <= 0 || !kv_.can_append(s->id, s->n_computed, s->n_computed + n_new)) continue;
+    kv_.append(s->id, s->tokens, s->n_computed, s->n_computed + n_new, out.copies);
+    out.scheduled.push_back({s, s->n_computed, n_new});
+    budget -= n_new;
+  }
+
+  // 3. Admissions, first come first served; none after a preemption so the pool can drain.
+  while (out.preempted.empty() && !waiting_.empty() && budget > 0 &&
+         static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+    Sequence* s = waiting_.front();
+    const int64_t n_cached = kv_.cached_prefix_len(s->tokens);
+    const int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
+    if (!kv_.can_allocate(s->tokens, n_cached + n_new)) break;
+    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new);
+    KESTREL_ASSERT(n_hit == n_cached, "Scheduler: prefix cache changed between query and commit");
+    waiting_.pop_front();
+    s->n_computed = n_hit;
+    s->status = SeqStatus::Running;
+    if (s->n_cached_prompt < 0) s->n_cached_prompt = std::min(n_hit, s->n_prompt);
+    running_.push_back(s);
+    out.scheduled.push_back({s, n_hit, n_new});
+    budget -= n_new;
+  }
+
+  for (const ScheduledSeq& sc : out.scheduled) out.n_tokens += sc.n_new;
+  return out;
+}
+
+void Scheduler::on_step_done(const SchedulerOutput& out) {
+  for (const ScheduledSeq& sc : out.scheduled) {
+    KESTREL_ASSERT(sc.seq->n_computed == sc.n_computed, "Scheduler: sequence changed during its step");
+    sc.seq->n_computed += sc.n_new;
+  }
+}
+
+void Scheduler::finish(Sequence* seq) {
+  if (seq->status == SeqStatus::Finished) return;
+  if (seq->status == SeqStatus::Waiting) {
+    waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq), waiting_.end());
+  } else {
+    running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  }
+  if (kv_.has(seq->id)) kv_.free(seq->id, seq->tokens, seq->n_computed);
+  seq->status = SeqStatus::Finished;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,77 @@
+// Continuous batching per iteration (Orca, Yu et al. 2022) with chunked prefill and preemption by
+// recompute, over a KvManager (vLLM's scheduler is the reference for the policy).
+//
+// Each schedule() builds one step under a token budget (max_num_batched_tokens) and a sequence
+// cap (max_num_seqs), in this order:
+//   1. running decodes, oldest first. When one cannot get a block, the newest running sequence is
+//      preempted (its blocks freed, computed full blocks kept in the prefix cache, itself put at
+//      the front of the waiting queue to be recomputed), until the decode fits;
+//   2. running sequences still in prefill get their next chunk from what budget is left;
+//   3. waiting sequences are admitted first come, first served while budget, sequence slots and
+//      blocks last (none after a preemption in the same step, so the pool can drain).
+// A long prompt therefore never stalls the decodes: it advances one chunk per step beside them.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "memory/kv_manager.h"
+#include "scheduler/sequence.h"
+
+namespace kestrel {
+
+struct SchedulerConfig {
+  int32_t max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 512;
+};
+
+// One sequence's share of a step: tokens [n_computed, n_computed + n_new) of seq->tokens.
+struct ScheduledSeq {
+  Sequence* seq = nullptr;
+  int64_t n_computed = 0;  // seq->n_computed when scheduled
+  int64_t n_new = 0;
+  // The chunk ends at the sequence's last token, so its logits give the next token.
+  bool samples() const { return n_computed + n_new == static_cast<int64_t>(seq->tokens.size()); }
+};
+
+struct SchedulerOutput {
+  std::vector<ScheduledSeq> scheduled;  // decodes first, then prefill chunks
+  std::vector<BlockCopy> copies;        // copy-on-write K/V copies to do before the forward pass
+  std::vector<Sequence*> preempted;     // sequences preempted in this step (now waiting)
+  int64_t n_tokens = 0;
+  int64_t n_decodes = 0;                // the first n_decodes entries of scheduled are decodes
+  bool empty() const { return scheduled.empty(); }
+};
+
+class Scheduler {
+ public:
+  // Errors: kestrel::Error when max_num_seqs or max_num_batched_tokens is not positive.
+  Scheduler(const SchedulerConfig& config, KvManager& kv);
+
+  // Queues a new sequence (status Waiting, no blocks) at the back of the waiting queue.
+  void add(Sequence* seq);
+  // Builds the next step and commits its blocks. Afterwards the caller runs the forward pass and
+  // then calls on_step_done().
+  SchedulerOutput schedule();
+  // Records that the scheduled tokens were computed (n_computed advances). The caller appends
+  // sampled tokens to seq->tokens itself and calls finish() for sequences that ended.
+  void on_step_done(const SchedulerOutput& out);
+  // Removes a waiting or running sequence and frees its blocks (computed full blocks stay in the
+  // prefix cache). Status becomes Finished. Safe for any sequence this scheduler holds.
+  void finish(Sequence* seq);
+
+  size_t n_waiting() const { return waiting_.size(); }
+  size_t n_running() const { return running_.size(); }
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  void preempt(Sequence* seq, SchedulerOutput& out);
+
+  SchedulerConfig config_;
+  KvManager& kv_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;  // in admission order
+};
+
+}  // namespace kestrel

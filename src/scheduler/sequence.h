@@ -1,0 +1,32 @@
+// A sequence as the scheduler sees it: its token ids, how many have K/V in the cache, and which
+// queue it is in. The engine owns each Sequence (inside its request state); the scheduler holds
+// pointers and the KvManager holds its blocks under the same id.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "memory/kv_manager.h"
+
+namespace kestrel {
+
+enum class SeqStatus { Waiting, Running, Finished };
+
+struct Sequence {
+  SeqId id = 0;
+  std::vector<int32_t> tokens;  // [n_prompt + n_generated] prompt then generated ids
+  int64_t n_prompt = 0;
+  // Leading tokens whose K/V are in the cache. The last token never is until the next step feeds
+  // it, so a running sequence has tokens.size() - n_computed >= 1 tokens left to run.
+  int64_t n_computed = 0;
+  SeqStatus status = SeqStatus::Waiting;
+  int32_t n_preemptions = 0;
+  int64_t n_cached_prompt = -1;  // prefix-cache hit on first admission; -1 until admitted
+
+  int64_t n_generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
+  int64_t n_uncomputed() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
+  // Only a decode token is left (the prompt, or the recomputed history, is done).
+  bool is_decode() const { return n_uncomputed() == 1 && n_computed > 0; }
+};
+
+}  // namespace kestrel

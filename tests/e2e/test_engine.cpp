@@ -1,0 +1,309 @@
+// The serving engine on real models: outputs do not depend on batch composition, chunking,
+// preemption or prefix-cache hits (exactly: the CPU forward pass is batch-invariant), and every
+// request ends with its blocks returned.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "engine/session.h"
+#include "test_util.h"
+
+using namespace kestrel;
+
+namespace {
+
+struct Loaded {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+Loaded load(const std::string& path) {
+  Loaded l;
+  l.model = LlamaModel::load_gguf(path);
+  l.tokenizer = Tokenizer::from_gguf(l.model->file());
+  return l;
+}
+std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+std::string smollm2_path() { return test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+std::vector<int32_t> eog_ids(const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (int32_t id = 0; id < tok.n_vocab(); ++id)
+    if (tok.is_eog(id)) ids.push_back(id);
+  return ids;
+}
+
+// 32 different story openings.
+std::vector<std::string> story_prompts() {
+  const char* who[] = {"a little girl named Lily", "a big dog", "a small bird", "a boy named Tim",
+                       "an old cat", "a happy frog", "a shy bunny", "a brave knight"};
+  const char* what[] = {"Once upon a time, there was ", "One day, ", "In a small town, there lived ",
+                        "Long ago, "};
+  std::vector<std::string> out;
+  for (const char* a : what)
+    for (const char* b : who) out.push_back(std::string(a) + b);
+  return out;
+}
+
+// Greedy ids of each prompt run alone through a Session.
+std::vector<std::vector<int32_t>> run_alone(const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,
+                                            int64_t max_tokens) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& p : prompts) {
+    Session s(*l.model, SessionOptions{});
+    GenerateOptions go;
+    go.max_tokens = max_tokens;
+    go.sampling.temperature = 0;
+    go.stop_ids = eog_ids(*l.tokenizer);
+    std::vector<int32_t> ids;
+    s.generate(p, go, [&](int32_t id) {
+      ids.push_back(id);
+      return true;
+    });
+    out.push_back(ids);
+  }
+  return out;
+}
+
+struct Finished {
+  std::vector<int32_t> ids;
+  std::string text;
+  std::string reason;
+  RequestMetrics metrics;
+};
+
+// Submits all prompts at once and steps the engine to the end.
+std::vector<Finished> run_engine(Engine& e, const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,
+                                 int64_t max_tokens, bool* mixed_step = nullptr) {
+  std::map<RequestId, size_t> index;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Request r;
+    r.prompt = prompts[i];
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.stop_ids = eog_ids(*l.tokenizer);
+    index[e.add_request(r)] = i;
+  }
+  std::vector<Finished> out(prompts.size());
+  while (e.has_unfinished()) {
+    const int64_t prompt_before = e.stats().n_prompt_tokens_computed;
+    const int64_t gen_before = e.stats().n_generated_tokens;
+    for (const RequestOutput& o : e.step()) {
+      Finished& f = out[index.at(o.id)];
+      f.ids.insert(f.ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      f.text += o.text_delta;
+      if (o.finished) {
+        f.reason = o.finish_reason;
+        f.metrics = o.metrics;
+      }
+    }
+    if (mixed_step != nullptr && e.stats().n_prompt_tokens_computed > prompt_before &&
+        e.stats().n_generated_tokens - gen_before > 1)
+      *mixed_step = true;
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> tokenize_all(const Tokenizer& tok, const std::vector<std::string>& texts) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& t : texts) out.push_back(tok.encode(t, true, false));
+  return out;
+}
+
+}  // namespace
+
+TEST(Engine, ThirtyTwoPromptsBatchedWithChunkingMatchEachRunAlone) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  const auto prompts = tokenize_all(*l.tokenizer, story_prompts());
+  ASSERT_EQ(prompts.size(), 32u);
+  const auto alone = run_alone(l, prompts, 48);
+  EngineConfig c;
+  c.max_num_batched_tokens = 24;  // smaller than most prompts + decodes: chunks and interleaving
+  c.max_num_seqs = 12;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  bool mixed = false;
+  const auto got = run_engine(e, l, prompts, 48, &mixed);
+  EXPECT_TRUE(mixed) << "no step mixed prefill and decode";
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].ids, alone[i]) << "prompt " << i;
+    EXPECT_EQ(got[i].text, l.tokenizer->decode(alone[i], true)) << "prompt " << i;
+    EXPECT_EQ(got[i].metrics.n_output_tokens, static_cast<int64_t>(alone[i].size()));
+    EXPECT_EQ(got[i].metrics.n_prompt_tokens, static_cast<int64_t>(prompts[i].size()));
+  }
+  EXPECT_EQ(e.stats().n_preemptions, 0);
+  EXPECT_FALSE(e.has_unfinished());
+}
+
+TEST(Engine, PreemptionByRecomputeKeepsOutputsIdentical) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  const auto prompts = tokenize_all(*l.tokenizer, story_prompts());
+  const auto alone = run_alone(l, prompts, 64);
+  for (bool caching : {false, true}) {
+    EngineConfig c;
+    c.block_size = 8;
+    c.max_model_len = 128;
+    c.n_kv_blocks = 24;  // 192 slots for 32 sequences of up to ~75 tokens each
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 16;
+    c.enable_prefix_caching = caching;
+    Engine e(*l.model, l.tokenizer.get(), c);
+    const auto got = run_engine(e, l, prompts, 64);
+    EXPECT_GT(e.stats().n_preemptions, 0) << "caching " << caching;
+    EXPECT_LE(e.stats().peak_kv_blocks_used, 24);
+    int32_t preempted_requests = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(got[i].ids, alone[i]) << "prompt " << i << " caching " << caching;
+      preempted_requests += got[i].metrics.n_preemptions > 0;
+    }
+    EXPECT_GT(preempted_requests, 0);
+  }
+}
+
+TEST(Engine, SharedPrefixOf512TokensIsReusedAndGivesTheColdOutput) {
+  KESTREL_REQUIRE_FILE(smollm2_path());
+  const Loaded l = load(smollm2_path());
+  // A 512-token shared prefix (a system prompt), then two different questions.
+  std::string text;
+  for (int i = 0; text.empty() || static_cast<int64_t>(l.tokenizer->encode(text, false, false).size()) < 600; ++i)
+    text += "Rule " + std::to_string(i) + ": answer briefly, politely and only with facts you know well. ";
+  std::vector<int32_t> prefix = l.tokenizer->encode(text, false, false);
+  prefix.resize(512);
+  auto with = [&](const std::string& q) {
+    auto p = prefix;
+    const auto t = l.tokenizer->encode(q, false, false);
+    p.insert(p.end(), t.begin(), t.end());
+    return p;
+  };
+  const auto first = with(" Question: what is the capital of France? Answer:");
+  const auto second = with(" Question: what colour is the sky? Answer:");
+
+  EngineConfig cold_cfg;
+  cold_cfg.enable_prefix_caching = false;
+  Engine cold(*l.model, l.tokenizer.get(), cold_cfg);
+  const auto cold_out = run_engine(cold, l, {second}, 16);
+
+  Engine warm(*l.model, l.tokenizer.get(), EngineConfig{});
+  run_engine(warm, l, {first}, 4);
+  const int64_t computed_before = warm.stats().n_prompt_tokens_computed;
+  const auto warm_out = run_engine(warm, l, {second}, 16);
+  EXPECT_EQ(warm_out[0].metrics.n_cached_prompt_tokens, 512);
+  EXPECT_EQ(warm.stats().n_prompt_tokens_computed - computed_before, static_cast<int64_t>(second.size()) - 512);
+  EXPECT_EQ(warm.stats().prefix_cache_hit_tokens, 512);
+  EXPECT_EQ(warm_out[0].ids, cold_out[0].ids);
+  EXPECT_EQ(cold_out[0].metrics.n_cached_prompt_tokens, 0);
+}
+
+TEST(Engine, AbortFreesTheRequestAndReportsIt) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  Engine e(*l.model, l.tokenizer.get(), EngineConfig{});
+  Request r;
+  r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+  r.max_tokens = 100;
+  r.sampling.temperature = 0;
+  const RequestId a = e.add_request(r);
+  const RequestId b = e.add_request(r);
+  e.step();
+  e.step();
+  e.abort_request(a);
+  e.abort_request(12345);  // unknown: ignored
+  bool saw_abort = false;
+  while (e.has_unfinished()) {
+    for (const auto& o : e.step()) {
+      if (o.id == a) {
+        EXPECT_TRUE(o.finished);
+        EXPECT_EQ(o.finish_reason, "abort");
+        EXPECT_EQ(o.metrics.n_output_tokens, 2);
+        saw_abort = true;
+      } else {
+        EXPECT_EQ(o.id, b);
+      }
+    }
+  }
+  EXPECT_TRUE(saw_abort);
+  EXPECT_EQ(e.n_running() + e.n_waiting(), 0u);
+}
+
+TEST(Engine, StopStringCutsTheTextAndEndsTheRequest) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  const auto prompt = l.tokenizer->encode("Once upon a time, there was a little girl named Lily", true, false);
+  const auto alone = run_alone(l, {prompt}, 60)[0];
+  const std::string full = l.tokenizer->decode(alone, true);
+  ASSERT_GT(full.size(), 40u);
+  const std::string stop = full.substr(20, 6);
+  const size_t cut = full.find(stop);
+  Engine e(*l.model, l.tokenizer.get(), EngineConfig{});
+  Request r;
+  r.prompt = prompt;
+  r.max_tokens = 60;
+  r.sampling.temperature = 0;
+  r.stop = {"this string never appears", stop};
+  e.add_request(r);
+  std::string text;
+  std::string reason;
+  std::vector<int32_t> ids;
+  while (e.has_unfinished())
+    for (const auto& o : e.step()) {
+      text += o.text_delta;
+      ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      if (o.finished) reason = o.finish_reason;
+    }
+  EXPECT_EQ(reason, "stop");
+  EXPECT_EQ(text, full.substr(0, cut));
+  EXPECT_LT(ids.size(), alone.size());
+  EXPECT_EQ(ids, std::vector<int32_t>(alone.begin(), alone.begin() + static_cast<long>(ids.size())));
+}
+
+TEST(Engine, BadRequestsAreClearErrorsAndQueueNothing) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  EngineConfig c;
+  c.max_model_len = 64;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  Request r;
+  EXPECT_THROW(e.add_request(r), Error);  // empty prompt
+  r.prompt = std::vector<int32_t>(64, 5);
+  EXPECT_THROW(e.add_request(r), Error);  // no room to generate
+  r.prompt = {1, 100000};
+  EXPECT_THROW(e.add_request(r), Error);  // outside the vocabulary
+  r.prompt = {1, 5};
+  r.max_tokens = 0;
+  EXPECT_THROW(e.add_request(r), Error);
+  r.max_tokens = 4;
+  r.sampling.top_p = 2;
+  EXPECT_THROW(e.add_request(r), Error);
+  r.sampling.top_p = 1;
+  r.stop = {""};
+  EXPECT_THROW(e.add_request(r), Error);
+  EXPECT_FALSE(e.has_unfinished());
+  // A KV pool that cannot hold one max_model_len sequence is a config error.
+  EngineConfig small = c;
+  small.n_kv_blocks = 2;
+  EXPECT_THROW(Engine(*l.model, l.tokenizer.get(), small), Error);
+  EngineConfig too_long;
+  too_long.max_model_len = 1 << 30;
+  EXPECT_THROW(Engine(*l.model, l.tokenizer.get(), too_long), Error);
+}
+
+TEST(Engine, LengthLimitIsMaxModelLen) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  EngineConfig c;
+  c.max_model_len = 32;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  Request r;
+  r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+  r.max_tokens = -1;
+  r.sampling.temperature = 0;
+  e.add_request(r);
+  RequestOutput last;
+  while (e.has_unfinished())
+    for (auto& o : e.step())
+      if (o.finished) last = o;
+  EXPECT_EQ(last.finish_reason, "length");
+  EXPECT_EQ(last.metrics.n_prompt_tokens + last.metrics.n_output_tokens, 32);
+}

@@ -1,0 +1,57 @@
+// Stop strings over streamed text: nothing that could begin a stop string is released early, a
+// match cuts the text right before it, and deltas never split a UTF-8 character.
+#include <gtest/gtest.h>
+
+#include "engine/stop_checker.h"
+
+namespace kestrel {
+namespace {
+
+TEST(StopChecker, MatchAcrossPiecesCutsBeforeTheStop) {
+  StopChecker c({"o w"});
+  std::string out;
+  EXPECT_FALSE(c.push("Hel", out));
+  EXPECT_EQ(out, "H");  // "el" could start "o w"? no, but the last 2 bytes are held regardless
+  EXPECT_TRUE(c.push("lo world", out));
+  EXPECT_EQ(out, "Hell");
+}
+
+TEST(StopChecker, HoldsBackOnlyAPossibleStart) {
+  StopChecker c({"xyz", "q"});
+  std::string out;
+  EXPECT_FALSE(c.push("abcx", out));
+  EXPECT_EQ(out, "ab");
+  EXPECT_TRUE(c.push("yz and more", out));
+  EXPECT_EQ(out, "abc");
+}
+
+TEST(StopChecker, EarliestOfSeveralStopsWins) {
+  StopChecker c({"END", "stop"});
+  std::string out;
+  EXPECT_TRUE(c.push("a stop then END", out));
+  EXPECT_EQ(out, "a ");
+}
+
+TEST(StopChecker, FlushReleasesHeldText) {
+  StopChecker c({"abc"});
+  std::string out;
+  EXPECT_FALSE(c.push("xxab", out));
+  EXPECT_EQ(out, "xx");
+  EXPECT_EQ(c.flush("!"), "ab!");
+  StopChecker none;
+  std::string all;
+  EXPECT_FALSE(none.push("anything", all));
+  EXPECT_EQ(all, "anything");
+}
+
+TEST(StopChecker, NeverSplitsAUtf8Character) {
+  StopChecker c({"ab"});  // holds 1 byte
+  std::string out;
+  EXPECT_FALSE(c.push("\xC3\xA9", out));  // é: the cut would fall inside it
+  EXPECT_EQ(out, "");
+  EXPECT_FALSE(c.push("c", out));
+  EXPECT_EQ(out, "\xC3\xA9");
+}
+
+}  // namespace
+}  // namespace kestrel
