@@ -23,7 +23,7 @@ std::string BatchSummary::text() const {
   char buf[512];
   std::string out;
   std::snprintf(buf, sizeof buf,
-                "kestrel batch: %lld requests (%lld with errors) in %.2f s: %.2f requests/s, output %.1f tok/s, "
+                "kestrel batch: %lld requests (%lld with errors) in %.3f s: %.2f requests/s, output %.1f tok/s, "
                 "prompt %.1f tok/s\n",
                 static_cast<long long>(n_requests), static_cast<long long>(n_errors), wall_s,
                 per_s(static_cast<double>(n_requests)), per_s(static_cast<double>(n_output_tokens)),

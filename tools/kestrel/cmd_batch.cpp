@@ -128,6 +128,8 @@ void run_batch(const BatchArgs& a) {
   std::vector<Slot> slots;
   std::unordered_map<RequestId, size_t> running;  // engine id -> slot
   std::set<std::string> warned;
+  std::unordered_map<std::string, int64_t> first_line_of_id;  // id as JSON text -> line number
+  bool warned_duplicate_id = false;
   BatchSummary summary;
   const std::vector<std::string_view> lines = split_lines(input);
   for (size_t i = 0; i < lines.size(); ++i) {
@@ -140,6 +142,13 @@ void run_batch(const BatchArgs& a) {
       if (warned.insert(field).second)
         std::fprintf(stderr, "kestrel batch: warning: ignoring unknown field \"%s\" (first on line %lld)\n",
                      field.c_str(), static_cast<long long>(slot.line_number));
+    // Results stay in input order, so a repeated id is only confusing, not ambiguous: warn once.
+    const auto [first, fresh] = first_line_of_id.emplace(slot.id.dump(), slot.line_number);
+    if (!fresh && !warned_duplicate_id) {
+      warned_duplicate_id = true;
+      std::fprintf(stderr, "kestrel batch: warning: id %s on line %lld repeats line %lld's (further repeats not reported)\n",
+                   first->first.c_str(), static_cast<long long>(slot.line_number), static_cast<long long>(first->second));
+    }
     std::string error = std::move(parsed.error);
     if (parsed.request) {
       try {
