@@ -37,7 +37,7 @@ struct BatchRequest {
   SamplingParams sampling;            // validated; its seed is filled in by to_engine_request
   std::optional<uint64_t> seed;       // absent: a random seed per request
   std::vector<std::string> stop;      // at most kBatchMaxStopStrings, none empty
-  bool ignore_eos = false;            // no stop ids at all (EOS nor end of turn)
+  bool ignore_eos = false;            // no stop ids at all (neither EOS nor end of turn)
 };
 
 // A parsed line: a request, or the error to report for it. The id is known even for most errors.

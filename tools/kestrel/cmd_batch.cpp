@@ -100,6 +100,113 @@ struct Slot {
   BatchResult partial;
 };
 
+// The requests of one input file, from submission to their result lines.
+class BatchRun {
+ public:
+  BatchRun(Engine& engine, const PromptFormat& format, ResultFile& out)
+      : engine_(engine), format_(format), out_(out), seeds_(std::random_device{}()) {}
+
+  // Parses line i (0-based) and submits it; a line that fails either way gets its error result now.
+  void submit(std::string_view line, size_t i) {
+    BatchLine parsed = parse_batch_line(line, static_cast<int64_t>(i));
+    Slot& slot = slots_.emplace_back();
+    slot.id = std::move(parsed.id);
+    slot.line_number = static_cast<int64_t>(i) + 1;
+    warn(parsed.unknown_fields, slot);
+    std::string error = std::move(parsed.error);
+    if (parsed.request) {
+      try {
+        const RequestId rid = engine_.add_request(to_engine_request(*parsed.request, format_, seeds_()));
+        running_.emplace(rid, slots_.size() - 1);
+      } catch (const Error& e) {  // the prompt does not fit, an id outside the vocabulary, ...
+        error = e.what();
+      }
+    }
+    if (!error.empty()) finish_with_error(slot, error);
+  }
+
+  // Steps the engine until every request has finished, writing results as they become ready.
+  void run() {
+    summary_.n_requests = static_cast<int64_t>(slots_.size());
+    BatchProgress progress(summary_.n_requests, /*enabled=*/true);
+    write_ready();
+    while (engine_.has_unfinished()) {
+      for (RequestOutput& o : engine_.step()) take(o);
+      write_ready();
+      progress.update(n_done_, engine_.stats().n_generated_tokens);
+    }
+    for (const auto& [rid, index] : running_)  // not expected: the engine reports every request's end
+      finish_with_error(slots_[index], "the engine stopped without finishing this request");
+    running_.clear();
+    write_ready();
+    progress.finish(n_done_, engine_.stats().n_generated_tokens);
+  }
+
+  BatchSummary& summary() { return summary_; }
+
+ private:
+  void take(RequestOutput& o) {
+    const auto it = running_.find(o.id);
+    if (it == running_.end()) return;
+    Slot& slot = slots_[it->second];
+    BatchResult& r = slot.partial;
+    r.output_ids.insert(r.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+    r.text += o.text_delta;
+    if (!o.finished) return;
+    r.finish_reason = o.finish_reason;
+    r.metrics = o.metrics;
+    summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
+    slot.result = result_json(slot.id, r);
+    r = BatchResult();
+    running_.erase(it);
+    ++n_done_;
+  }
+
+  void finish_with_error(Slot& slot, const std::string& message) {
+    slot.result = error_json(slot.id, message, slot.line_number);
+    ++summary_.n_errors;
+    ++n_done_;
+  }
+
+  // Results go out in input order: everything up to the first request still running.
+  void write_ready() {
+    for (; n_written_ < slots_.size() && slots_[n_written_].result; ++n_written_) {
+      out_.write(to_json_line(*slots_[n_written_].result));
+      slots_[n_written_].result.reset();  // written: free it
+    }
+    out_.flush();
+  }
+
+  void warn(const std::vector<std::string>& unknown_fields, const Slot& slot) {
+    for (const std::string& field : unknown_fields)
+      if (warned_fields_.insert(field).second)
+        std::fprintf(stderr, "kestrel batch: warning: ignoring unknown field \"%s\" (first on line %lld)\n",
+                     field.c_str(), static_cast<long long>(slot.line_number));
+    // Results stay in input order, so a repeated id is only confusing, not ambiguous: warn once.
+    const auto [first, fresh] = first_line_of_id_.emplace(slot.id.dump(), slot.line_number);
+    if (!fresh && !warned_duplicate_id_) {
+      warned_duplicate_id_ = true;
+      std::fprintf(stderr,
+                   "kestrel batch: warning: id %s on line %lld repeats line %lld's (further repeats not reported)\n",
+                   first->first.c_str(), static_cast<long long>(slot.line_number),
+                   static_cast<long long>(first->second));
+    }
+  }
+
+  Engine& engine_;
+  const PromptFormat& format_;
+  ResultFile& out_;
+  std::mt19937_64 seeds_;  // for requests without a seed
+  std::vector<Slot> slots_;
+  std::unordered_map<RequestId, size_t> running_;  // engine id -> index into slots_
+  size_t n_written_ = 0;
+  int64_t n_done_ = 0;  // slots with a result, written or not
+  BatchSummary summary_;
+  std::set<std::string> warned_fields_;
+  std::unordered_map<std::string, int64_t> first_line_of_id_;  // id as JSON text -> line number
+  bool warned_duplicate_id_ = false;
+};
+
 void write_stats_json(const std::string& path, const Json& stats) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (f == nullptr) throw Error(path + ": cannot open for writing: " + std::strerror(errno));
@@ -123,87 +230,16 @@ void run_batch(const BatchArgs& a) {
   }
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
 
+  // All requests are submitted up front: the engine's waiting queue does the admission.
   const auto t0 = std::chrono::steady_clock::now();
-  std::mt19937_64 seeds(std::random_device{}());  // for requests without a seed
-  std::vector<Slot> slots;
-  std::unordered_map<RequestId, size_t> running;  // engine id -> slot
-  std::set<std::string> warned;
-  std::unordered_map<std::string, int64_t> first_line_of_id;  // id as JSON text -> line number
-  bool warned_duplicate_id = false;
-  BatchSummary summary;
+  BatchRun run(*engine, format, out);
   const std::vector<std::string_view> lines = split_lines(input);
-  for (size_t i = 0; i < lines.size(); ++i) {
-    if (is_blank_line(lines[i])) continue;
-    BatchLine parsed = parse_batch_line(lines[i], static_cast<int64_t>(i));
-    Slot& slot = slots.emplace_back();
-    slot.id = std::move(parsed.id);
-    slot.line_number = static_cast<int64_t>(i) + 1;
-    for (const std::string& field : parsed.unknown_fields)
-      if (warned.insert(field).second)
-        std::fprintf(stderr, "kestrel batch: warning: ignoring unknown field \"%s\" (first on line %lld)\n",
-                     field.c_str(), static_cast<long long>(slot.line_number));
-    // Results stay in input order, so a repeated id is only confusing, not ambiguous: warn once.
-    const auto [first, fresh] = first_line_of_id.emplace(slot.id.dump(), slot.line_number);
-    if (!fresh && !warned_duplicate_id) {
-      warned_duplicate_id = true;
-      std::fprintf(stderr, "kestrel batch: warning: id %s on line %lld repeats line %lld's (further repeats not reported)\n",
-                   first->first.c_str(), static_cast<long long>(slot.line_number), static_cast<long long>(first->second));
-    }
-    std::string error = std::move(parsed.error);
-    if (parsed.request) {
-      try {
-        const RequestId rid = engine->add_request(to_engine_request(*parsed.request, format, seeds()));
-        running.emplace(rid, slots.size() - 1);
-      } catch (const Error& e) {  // the prompt does not fit, an id outside the vocabulary, ...
-        error = e.what();
-      }
-    }
-    if (!error.empty()) {
-      slot.result = error_json(slot.id, error, slot.line_number);
-      ++summary.n_errors;
-    }
-  }
-  summary.n_requests = static_cast<int64_t>(slots.size());
-
-  size_t n_written = 0;
-  auto write_ready = [&] {
-    for (; n_written < slots.size() && slots[n_written].result; ++n_written) {
-      out.write(to_json_line(*slots[n_written].result));
-      slots[n_written].result.reset();  // written: free it
-    }
-    out.flush();
-  };
-  int64_t n_done = summary.n_errors;
-  BatchProgress progress(summary.n_requests, /*enabled=*/true);
-  write_ready();
-  while (engine->has_unfinished()) {
-    for (RequestOutput& o : engine->step()) {
-      const auto it = running.find(o.id);
-      if (it == running.end()) continue;
-      Slot& slot = slots[it->second];
-      slot.partial.output_ids.insert(slot.partial.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-      slot.partial.text += o.text_delta;
-      if (!o.finished) continue;
-      slot.partial.finish_reason = o.finish_reason;
-      slot.partial.metrics = o.metrics;
-      summary.add(o.metrics, static_cast<int64_t>(slot.partial.output_ids.size()));
-      slot.result = result_json(slot.id, slot.partial);
-      slot.partial = BatchResult();
-      running.erase(it);
-      ++n_done;
-    }
-    write_ready();
-    progress.update(n_done, engine->stats().n_generated_tokens);
-  }
-  for (const auto& [rid, index] : running) {  // not expected: the engine reports every request's end
-    slots[index].result = error_json(slots[index].id, "the engine stopped without finishing this request",
-                                     slots[index].line_number);
-    ++summary.n_errors;
-  }
-  write_ready();
+  for (size_t i = 0; i < lines.size(); ++i)
+    if (!is_blank_line(lines[i])) run.submit(lines[i], i);
+  run.run();
   out.close();
-  progress.finish(summary.n_requests, engine->stats().n_generated_tokens);
 
+  BatchSummary& summary = run.summary();
   summary.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   summary.engine = engine->stats();
   std::fputs(summary.text().c_str(), stderr);
