@@ -55,5 +55,6 @@ void register_tokenize(CLI::App& app);
 void register_chat(CLI::App& app);
 void register_batch(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_plan(CLI::App& app);
 
 }  // namespace kestrel::cli

@@ -1,4 +1,4 @@
-// kestrel: the command-line interface (generate, chat, batch, tokenize, bench).
+// kestrel: the command-line interface (generate, chat, batch, tokenize, bench, plan).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -24,10 +24,11 @@ int main(int argc, char** argv) {
   kestrel::cli::register_batch(app);
   kestrel::cli::register_tokenize(app);
   kestrel::cli::register_bench(app);
+  kestrel::cli::register_plan(app);
   try {
     if (argc > 1 && argv[1][0] != '-' && !has_subcommand(app, argv[1])) {
       std::cerr << "kestrel: unknown command '" << argv[1]
-                << "' (commands: generate, chat, batch, tokenize, bench; see kestrel --help)\n";
+                << "' (commands: generate, chat, batch, tokenize, bench, plan; see kestrel --help)\n";
       return 2;
     }
     app.parse(argc, argv);
