@@ -54,6 +54,7 @@ std::vector<int32_t> stop_ids(const Tokenizer& tok);
 void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_chat(CLI::App& app);
+void register_batch(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_plan(CLI::App& app);
 

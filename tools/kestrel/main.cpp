@@ -1,4 +1,4 @@
-// kestrel: the command-line interface (generate, chat, tokenize, bench, plan).
+// kestrel: the command-line interface (generate, chat, batch, tokenize, bench, plan).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -21,13 +21,14 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "kestrel 0.1.0");
   kestrel::cli::register_generate(app);
   kestrel::cli::register_chat(app);
+  kestrel::cli::register_batch(app);
   kestrel::cli::register_tokenize(app);
   kestrel::cli::register_bench(app);
   kestrel::cli::register_plan(app);
   try {
     if (argc > 1 && argv[1][0] != '-' && !has_subcommand(app, argv[1])) {
       std::cerr << "kestrel: unknown command '" << argv[1]
-                << "' (commands: generate, chat, tokenize, bench, plan; see kestrel --help)\n";
+                << "' (commands: generate, chat, batch, tokenize, bench, plan; see kestrel --help)\n";
       return 2;
     }
     app.parse(argc, argv);
