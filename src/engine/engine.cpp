@@ -123,7 +123,8 @@ RequestId Engine::add_request(Request request) {
   auto r = std::make_unique<RequestState>();
   r->sampler.emplace(request.sampling, static_cast<int32_t>(n_vocab));  // validates the params
   r->id = m.next_id++;
-  if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true);
+  // continuation: the output continues the prompt, so a first word keeps its leading space.
+  if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true, /*continuation=*/true);
   r->stop_checker = StopChecker(request.stop);
   r->seq.id = r->id;
   r->seq.tokens = request.prompt;

@@ -150,7 +150,7 @@ TEST(CliBatch, ThirtyTwoStoriesTogetherMatchGenerateAlone) {
   const BatchRun run =
       run_batch(dir, requests, "-m " + stories_model() + " --max-num-batched-tokens 64 --max-num-seqs 8");
   ASSERT_EQ(run.rc, 0) << run.err;
-  expect_same_as_generate(stories_model(), prompts, run.results, 48, /*compare_text=*/false);
+  expect_same_as_generate(stories_model(), prompts, run.results, 48, /*compare_text=*/true);
   EXPECT_EQ(run.stats["requests"], 32);
   EXPECT_EQ(run.stats["errors"], 0);
   EXPECT_GT(run.stats["prompt_tokens"].get<int>(), 32 * 8);

@@ -128,7 +128,7 @@ TEST(Engine, ThirtyTwoPromptsBatchedWithChunkingMatchEachRunAlone) {
   EXPECT_TRUE(mixed) << "no step mixed prefill and decode";
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(got[i].ids, alone[i]) << "prompt " << i;
-    EXPECT_EQ(got[i].text, l.tokenizer->decode(alone[i], true)) << "prompt " << i;
+    EXPECT_EQ(got[i].text, l.tokenizer->decode(alone[i], true, true)) << "prompt " << i;
     EXPECT_EQ(got[i].metrics.n_output_tokens, static_cast<int64_t>(alone[i].size()));
     EXPECT_EQ(got[i].metrics.n_prompt_tokens, static_cast<int64_t>(prompts[i].size()));
   }
@@ -232,7 +232,7 @@ TEST(Engine, StopStringCutsTheTextAndEndsTheRequest) {
   const Loaded l = load(stories_path());
   const auto prompt = l.tokenizer->encode("Once upon a time, there was a little girl named Lily", true, false);
   const auto alone = run_alone(l, {prompt}, 60)[0];
-  const std::string full = l.tokenizer->decode(alone, true);
+  const std::string full = l.tokenizer->decode(alone, true, true);
   ASSERT_GT(full.size(), 40u);
   const std::string stop = full.substr(20, 6);
   const size_t cut = full.find(stop);
