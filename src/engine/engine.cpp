@@ -71,9 +71,18 @@ struct Engine::Impl {
         scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager),
         runner(m, kv, pool) {
     stats.n_kv_blocks = config.n_kv_blocks;
+    refresh_kv_stats();
   }
 
   void build_batch(const SchedulerOutput& out);
+  void refresh_kv_stats() {
+    stats.kv_blocks_used = manager.n_used_blocks();
+    stats.kv_blocks_free = manager.n_free_blocks();
+    stats.kv_blocks_cached = manager.n_cached_blocks();
+    stats.peak_kv_blocks_used = std::max(stats.peak_kv_blocks_used, stats.kv_blocks_used);
+    stats.prefix_cache_queried_tokens = manager.prefix_queried_tokens();
+    stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
+  }
   void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
   void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs);
 
@@ -144,6 +153,7 @@ void Engine::abort_request(RequestId id) {
   RequestOutput o;
   o.id = id;
   m.finish(*it->second, "abort", m.pending, &o);
+  m.refresh_kv_stats();
 }
 
 void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs,
@@ -226,9 +236,7 @@ std::vector<RequestOutput> Engine::step() {
   m.pending.clear();
   const SchedulerOutput out = m.scheduler.schedule();
   m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
-  m.stats.peak_kv_blocks_used = std::max(m.stats.peak_kv_blocks_used, m.manager.n_used_blocks());
-  m.stats.prefix_cache_queried_tokens = m.manager.prefix_queried_tokens();
-  m.stats.prefix_cache_hit_tokens = m.manager.prefix_hit_tokens();
+  m.refresh_kv_stats();
   if (out.empty()) return outputs;
   ++m.stats.n_steps;
   for (const BlockCopy& c : out.copies) m.kv.copy_block(c.src, c.dst);
@@ -255,9 +263,11 @@ std::vector<RequestOutput> Engine::step() {
       if (std::isnan(v))
         throw Error("the model produced NaN logits for request " + std::to_string(r.id) +
                     ": its weights are probably corrupt");
-    const int32_t token = r.sampler->sample(row, r.seq.tokens);
+    // OpenAI semantics: presence/frequency penalties count generated tokens only.
+    const int32_t token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
     m.post_process(r, token, outputs);
   }
+  m.refresh_kv_stats();
   return outputs;
 }
 

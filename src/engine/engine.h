@@ -72,6 +72,9 @@ struct EngineStats {
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;
   int32_t peak_kv_blocks_used = 0;          // most blocks held by sequences at once
+  int32_t kv_blocks_used = 0;               // blocks held by sequences now
+  int32_t kv_blocks_free = 0;               // blocks free now (unused, or cached and evictable)
+  int32_t kv_blocks_cached = 0;             // blocks indexed in the prefix cache now (held or not)
   double prefix_cache_hit_rate() const {
     return prefix_cache_queried_tokens > 0
                ? static_cast<double>(prefix_cache_hit_tokens) / static_cast<double>(prefix_cache_queried_tokens)

@@ -60,6 +60,7 @@ class PresencePenalty final : public LogitsProcessor {
  public:
   explicit PresencePenalty(float penalty) : penalty_(penalty) {}
   std::string_view name() const override { return "presence_penalty"; }
+  bool reads_prompt() const override { return false; }
   void apply(CandidateList& candidates, std::span<const int32_t> previous_tokens) const override;
 
  private:
@@ -72,6 +73,7 @@ class FrequencyPenalty final : public LogitsProcessor {
  public:
   explicit FrequencyPenalty(float penalty) : penalty_(penalty) {}
   std::string_view name() const override { return "frequency_penalty"; }
+  bool reads_prompt() const override { return false; }
   void apply(CandidateList& candidates, std::span<const int32_t> previous_tokens) const override;
 
  private:

@@ -31,7 +31,8 @@ Sampler::Sampler(const SamplingParams& params, int32_t n_vocab)
       chain_(make_processor_chain(params_)),
       rng_(params_.seed) {}
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> previous_tokens) {
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> previous_tokens, size_t n_prompt) {
+  KESTREL_ASSERT(n_prompt <= previous_tokens.size(), "n_prompt exceeds the previous tokens");
   KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");
   for (int32_t id : previous_tokens) {
     KESTREL_ASSERT(id >= 0 && id < n_vocab_, "previous token id out of range");
@@ -50,15 +51,17 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     return static_cast<int32_t>(it - logits.begin());
   }
   candidates_.assign(logits);
-  for (const auto& processor : chain_) processor->apply(candidates_, previous_tokens);
+  const auto generated = previous_tokens.subspan(n_prompt);
+  for (const auto& processor : chain_)
+    processor->apply(candidates_, processor->reads_prompt() ? previous_tokens : generated);
   if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
   return draw();
 }
 
 SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
                                            std::span<const int32_t> previous_tokens,
-                                           int32_t n_top) {
-  const int32_t token = sample(logits, previous_tokens);
+                                           int32_t n_top, size_t n_prompt) {
+  const int32_t token = sample(logits, previous_tokens, n_prompt);
   return SampledToken{token, compute_logprobs(logits, token, n_top)};
 }
 

@@ -36,11 +36,14 @@ class Sampler {
   // Greedy (temperature 0) takes the argmax after bias and penalties, lowest id on ties, and does
   // not advance the RNG; otherwise exactly one RNG draw is used per call.
   // Errors: asserts the sizes and ids above and that the logits are not NaN.
-  int32_t sample(std::span<const float> logits, std::span<const int32_t> previous_tokens);
+  // n_prompt: how many of previous_tokens are the prompt. The OpenAI presence and frequency
+  // penalties count only the tokens after it (generated ones); the repetition penalty counts all.
+  // The CLI passes 0 (llama.cpp counts every earlier token); the serving engine the prompt length.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> previous_tokens, size_t n_prompt = 0);
 
   // sample() plus the logprobs of the chosen token and of the n_top most likely ones.
   SampledToken sample_with_logprobs(std::span<const float> logits,
-                                    std::span<const int32_t> previous_tokens, int32_t n_top);
+                                    std::span<const int32_t> previous_tokens, int32_t n_top, size_t n_prompt = 0);
 
   const SamplingParams& params() const { return params_; }
   // The chain in the order it runs (for logs and tests).

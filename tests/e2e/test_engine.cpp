@@ -3,7 +3,9 @@
 // request ends with its blocks returned.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
+#include <random>
 
 #include "core/error.h"
 #include "engine/engine.h"
@@ -306,4 +308,57 @@ TEST(Engine, LengthLimitIsMaxModelLen) {
       if (o.finished) last = o;
   EXPECT_EQ(last.finish_reason, "length");
   EXPECT_EQ(last.metrics.n_prompt_tokens + last.metrics.n_output_tokens, 32);
+}
+
+// 1,000 random submit / abort / step operations on a small pool with shared prefixes: requests
+// finish, are aborted while waiting or running, are preempted and hit the prefix cache; at the
+// end every block is free or cached, none held.
+TEST(Engine, ThousandRandomSubmitAbortFinishOperationsLeakNoBlock) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  EngineConfig c;
+  c.block_size = 4;
+  c.max_model_len = 96;
+  c.n_kv_blocks = 48;
+  c.max_num_seqs = 6;
+  c.max_num_batched_tokens = 32;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  std::mt19937 rng(99);
+  const auto prompts = tokenize_all(*l.tokenizer, story_prompts());
+  std::vector<RequestId> live;
+  int n_finished = 0, n_aborted = 0;
+  for (int op = 0; op < 1000; ++op) {
+    const int kind = static_cast<int>(rng() % 10);
+    if (kind < 3) {
+      Request r;
+      r.prompt = prompts[rng() % prompts.size()];
+      for (int i = static_cast<int>(rng() % 12); i > 0; --i) r.prompt.push_back(static_cast<int32_t>(3 + rng() % 500));
+      r.max_tokens = 1 + static_cast<int64_t>(rng() % 40);
+      r.sampling.temperature = (rng() % 2) ? 0.0f : 0.8f;
+      r.sampling.seed = rng();
+      live.push_back(e.add_request(r));
+    } else if (kind < 4 && !live.empty()) {
+      const size_t i = rng() % live.size();
+      e.abort_request(live[i]);
+      live.erase(live.begin() + static_cast<long>(i));
+    } else {
+      for (const RequestOutput& o : e.step())
+        if (o.finished) {
+          (o.finish_reason == "abort" ? n_aborted : n_finished)++;
+          live.erase(std::remove(live.begin(), live.end(), o.id), live.end());
+        }
+    }
+    ASSERT_EQ(e.stats().kv_blocks_used + e.stats().kv_blocks_free, c.n_kv_blocks);
+  }
+  for (RequestId id : live) e.abort_request(id);
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step()) (o.finish_reason == "abort" ? n_aborted : n_finished)++;
+  EXPECT_GT(n_finished, 50);
+  EXPECT_GT(n_aborted, 50);
+  EXPECT_GT(e.stats().n_preemptions, 0);
+  EXPECT_GT(e.stats().prefix_cache_hit_tokens, 0);
+  EXPECT_EQ(e.stats().kv_blocks_used, 0);
+  EXPECT_EQ(e.stats().kv_blocks_free, c.n_kv_blocks);
+  EXPECT_GT(e.stats().kv_blocks_cached, 0);
+  EXPECT_EQ(e.n_running() + e.n_waiting(), 0u);
 }

@@ -472,3 +472,27 @@ TEST(SamplingLogprobs, SamplerReportsTheRawDistributionNotThePenalisedOne) {
   ASSERT_EQ(t.logprobs.top.size(), 1u);
   EXPECT_EQ(t.logprobs.top[0].token, 3);
 }
+
+// The serving engine passes the prompt length: OpenAI's presence and frequency penalties then
+// count only generated tokens, while the repetition penalty still counts the prompt (vLLM).
+TEST(Sampler, PresenceAndFrequencyPenaltiesSkipThePrompt) {
+  const std::vector<float> logits = {1.0f, 1.5f, 1.2f, 0.0f};
+  const std::vector<int32_t> history = {1, 1, 2};  // prompt {1, 1}, generated {2}
+  kestrel::SamplingParams p;
+  p.temperature = 0;
+  p.presence_penalty = 1.0f;
+  kestrel::Sampler with_prompt(p, 4);
+  EXPECT_EQ(with_prompt.sample(logits, history), 0);  // 1 and 2 penalised: 0.5, 0.2 < 1.0
+  kestrel::Sampler generated_only(p, 4);
+  EXPECT_EQ(generated_only.sample(logits, history, 2), 1);  // only 2 penalised: 1.5 wins
+  p.presence_penalty = 0;
+  p.frequency_penalty = 0.3f;
+  kestrel::Sampler freq(p, 4);
+  EXPECT_EQ(freq.sample(logits, history, 2), 1);  // 2 -> 0.9; 1 keeps 1.5
+  kestrel::Sampler freq_all(p, 4);
+  EXPECT_EQ(freq_all.sample(logits, history), 0);  // 1 -> 0.9, 2 -> 0.9, 0 keeps 1.0
+  p.frequency_penalty = 0;
+  p.repetition_penalty = 2.0f;
+  kestrel::Sampler rep(p, 4);
+  EXPECT_EQ(rep.sample(logits, history, 2), 0);  // prompt counts: 1 -> 0.75, 2 -> 0.6
+}
