@@ -25,6 +25,7 @@ struct BenchArgs {
   int reps = 3;
   std::vector<int> parallel;  // concurrent sequences per run (engine mode)
   int64_t max_batched_tokens = 2048;
+  int64_t shared_prefix = 0;  // prefix-cache test: tokens shared by consecutive requests
   EngineFlags engine;
 };
 
@@ -41,6 +42,52 @@ std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
 // N sequences submitted at once (distinct prompts, no prefix-cache hits, EOS ignored), run to the
 // end. pp: prompt tokens over the time until every sequence has its first token; tg: the tokens
 // generated after that moment over the time after it, when every running sequence is decoding.
+// Time to first token of a request whose first `shared_prefix` tokens an earlier request already
+// computed, with the prefix cache on (those blocks are reused) and off (everything recomputed).
+void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
+  const auto& hp = lm.model->hparams();
+  const int64_t n_suffix = a.n_prompt;
+  std::printf("| threads | shared prefix | new tokens | prefix cache | TTFT ms | prefill tokens run | hit tokens |\n"
+              "|---|---|---|---|---|---|---|\n");
+  const std::vector<int32_t> prefix = random_prompt(a.shared_prefix, hp.n_vocab, 7);
+  for (bool caching : {false, true}) {
+    EngineConfig c;
+    c.block_size = a.engine.block_size;
+    c.kv_dtype = a.engine.session_options().kv_dtype;
+    c.n_threads = a.engine.threads;
+    c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
+    c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
+    c.enable_prefix_caching = caching;
+    Engine e(*lm.model, nullptr, c);
+    std::vector<double> ttft;
+    int64_t run_tokens = 0, hits = 0;
+    for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
+      Request req;
+      req.prompt = prefix;
+      const auto suffix = random_prompt(n_suffix, hp.n_vocab, static_cast<uint64_t>(100 + r));
+      req.prompt.insert(req.prompt.end(), suffix.begin(), suffix.end());
+      req.max_tokens = 1;
+      req.sampling.temperature = 0;
+      e.add_request(std::move(req));
+      const int64_t prompt0 = e.stats().n_prompt_tokens_computed;
+      RequestMetrics m;
+      while (e.has_unfinished())
+        for (const RequestOutput& o : e.step())
+          if (o.finished) m = o.metrics;
+      if (r < 2) continue;
+      ttft.push_back(1e3 * m.ttft_s);
+      run_tokens = e.stats().n_prompt_tokens_computed - prompt0;
+      hits = m.n_cached_prompt_tokens;
+    }
+    const int threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    std::sort(ttft.begin(), ttft.end());
+    std::printf("| %d | %lld | %lld | %s | %.1f (median of %zu) | %lld | %lld |\n", threads,
+                static_cast<long long>(a.shared_prefix), static_cast<long long>(n_suffix), caching ? "on" : "off",
+                ttft[ttft.size() / 2], ttft.size(), static_cast<long long>(run_tokens), static_cast<long long>(hits));
+    std::fflush(stdout);
+  }
+}
+
 void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
   const auto& hp = lm.model->hparams();
   std::printf("| threads | seqs | pp tok/s | tg tok/s (aggregate) | TTFT ms | TPOT ms | steps |\n"
@@ -110,6 +157,10 @@ void run_bench(BenchArgs a) {
   if (a.n_prompt <= 0 || a.n_gen < 0 || a.reps <= 0)
     throw Error("bench: -p must be > 0, -n >= 0 and --reps > 0");
   LoadedModel lm = load_model(a.model);
+  if (a.shared_prefix > 0) {
+    run_shared_prefix(a, lm);
+    return;
+  }
   if (!a.parallel.empty()) {
     run_parallel(a, lm);
     return;
@@ -168,6 +219,9 @@ void register_bench(CLI::App& app) {
   sub->add_option("--parallel", a->parallel,
                   "Concurrent sequences, e.g. 1,4,16,64: aggregate speed through the serving engine")
       ->delimiter(',');
+  sub->add_option("--shared-prefix", a->shared_prefix,
+                  "Prefix-cache test: TTFT of a request sharing this many tokens with an earlier one "
+                  "(cache on and off); -p is then the request's own new tokens");
   sub->add_option("--max-num-batched-tokens", a->max_batched_tokens,
                   "Tokens per engine step (with --parallel)")->capture_default_str();
   a->engine.add_to(*sub);
