@@ -22,7 +22,8 @@ namespace kestrel::cuda {
 using bf16 = __nv_bfloat16;
 
 // out[t, :] = table[ids[t], :]. table [n_vocab, n_embd] bf16; out [n_tokens, n_embd] f32 (the
-// residual stream is kept in f32).
+// residual stream is kept in f32). ids must lie in [0, n_vocab): the device does not check them
+// (the runner checks token ids on the host, as CpuModelRunner::check does).
 void embedding(const bf16* table, const int32_t* ids, int64_t n_tokens, int64_t n_embd, float* out,
                cudaStream_t stream);
 
@@ -38,7 +39,12 @@ void add_rms_norm(float* residual, const bf16* add, const bf16* weight, bf16* ou
 // inv_freq [rope_dim / 2] f32 (theta^(-2i/rope_dim) / freq_factor[i]), positions scaled by
 // 1 / position_scale; rotate_half: pair x[i] with x[i + rope_dim/2] (HF), else x[2i], x[2i+1].
 // k_cache, v_cache: one layer, [n_blocks, n_head_kv, block_size, head_dim] bf16.
-// Angles are computed in f32 from (position * inv_freq) with sincosf.
+// slot_mapping [n_tokens]: a negative slot (padding) writes nothing to the cache.
+// Angles: (position / position_scale) * inv_freq[i] and its sin/cos are computed in double, once per
+// token and frequency, then rounded to f32 (as the CPU backend's rope does: in f32 the angle alone
+// would be off by up to 4e-3 rad at position 128k); the rotation itself is f32 math.
+// (Refined from the first draft, which said f32 sincosf.) Errors: kestrel::Error if rope_dim is odd,
+// not positive or above head_dim, or block_size is not positive.
 void rope_write_kv(bf16* q, bf16* k, const bf16* v, const int32_t* positions, const int64_t* slot_mapping,
                    const float* inv_freq, float position_scale, int64_t n_tokens, int64_t n_head,
                    int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half, bf16* k_cache,
@@ -50,19 +56,26 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 
 // Causal paged attention over a flat batch of prefill chunks and decode tokens (FlashAttention-
 // style: tiled over keys with online softmax, no n x n matrix; GQA: n_head / n_head_kv query heads
-// share a KV head). Token t of sequence s at position p attends keys [0, p] of s's cache.
+// share a KV head). Token t of sequence s at position p attends keys [0, p] of s's cache (the CPU
+// runner's rule: n_ctx = position + 1), so positions, not context_lens, bound each token's keys.
 // q [n_tokens, n_head, head_dim] bf16; out [n_tokens, n_head, head_dim] bf16.
-// token_seq [n_tokens] (sequence index of each token), positions [n_tokens].
-// workspace: scratch for split-KV decode, at least attention_workspace_bytes(...) bytes.
+// Sequences with one query token (decode) go to a flash-decoding kernel that splits long contexts
+// over several blocks (split-KV) and combines the partial results in a second kernel; the others
+// (prefill chunks) to a FlashAttention-2 kernel on tensor cores (paged_attention.cuh).
+// head_dim: 64 or 128 (kestrel::Error otherwise); n_head a multiple of n_head_kv.
+// Refined from the first draft: max_query_len added (lets a decode-only batch skip the prefill
+// launches); token_seq is no longer read (query_start says the same) and may be null; the
+// workspace size now depends on the whole parameter set (the split-KV partial results scale with
+// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context).
 struct AttentionParams {
   const bf16* q;
-  const bf16* k_cache;
+  const bf16* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim]
   const bf16* v_cache;
-  const int32_t* block_tables;
-  const int32_t* context_lens;
-  const int32_t* query_start;
-  const int32_t* token_seq;
-  const int32_t* positions;
+  const int32_t* block_tables;  // [n_seqs, max_blocks_per_seq]
+  const int32_t* context_lens;  // [n_seqs]; not read by the kernels (see above), may be null
+  const int32_t* query_start;   // [n_seqs + 1]
+  const int32_t* token_seq;     // [n_tokens]; not read, may be null
+  const int32_t* positions;     // [n_tokens]
   bf16* out;
   int64_t n_tokens;
   int64_t n_seqs;
@@ -70,17 +83,22 @@ struct AttentionParams {
   int32_t max_context;  // max over context_lens (host-known), sizes the split-KV grid
   int32_t n_head;
   int32_t n_head_kv;
-  int32_t head_dim;     // 64 and 128 at least
+  int32_t head_dim;     // 64 or 128
   int32_t block_size;
   float scale;          // 1 / sqrt(head_dim)
-  void* workspace;
+  void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
   size_t workspace_bytes;
+  int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
 };
-size_t attention_workspace_bytes(int64_t n_tokens, int32_t n_head, int32_t head_dim, int32_t max_context);
+// Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
+// tile list and the split-KV partial outputs. Deterministic for the same fields.
+size_t attention_workspace_bytes(const AttentionParams& p);
 void paged_attention(const AttentionParams& p, cudaStream_t stream);
 
 // Copies K and V of whole blocks (copy-on-write): for each i, block dst[i] = block src[i], in
-// every layer. caches: n_layer pointers each to K then V... (see the runner); block_bytes per block.
+// every cache tensor. layer_caches: a device array of n_caches device pointers (each layer's K and
+// its V, in any order), each tensor [n_blocks, ...] of whole blocks of block_bytes bytes;
+// src, dst [n_copies] block ids (device). 16-byte aligned tensors when block_bytes % 16 == 0.
 void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src, const int32_t* dst,
                  int32_t n_copies, int64_t block_bytes, cudaStream_t stream);
 

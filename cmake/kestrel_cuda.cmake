@@ -1,0 +1,60 @@
+# The CUDA backend's targets (included from the top-level CMakeLists.txt when KESTREL_CUDA is on):
+#   kestrel_cuda      static library: the kernels (src/backend/cuda/*.cu, nvcc, sm_90a) and the
+#                     cuBLASLt GEMM wrapper; links kestrel_lib when KESTREL_CUDA_CORE_TARGET names it,
+#                     else compiles the one file of it that it needs (src/core/error.cpp).
+#   kestrel_cuda_emu  the same kernel sources compiled by the host compiler against the CPU
+#                     emulation (src/backend/cuda/emulate.h), for tests on machines without a GPU.
+# Kept out of kestrel_lib: kestrel_lib never includes a CUDA header (docs/architecture.md).
+
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  # Hopper only: sm_90a machine code (wgmma/setmaxnreg capable), no PTX; CMake passes it to nvcc
+  # as --generate-code=arch=compute_90a,code=[sm_90a]. Override with -DCMAKE_CUDA_ARCHITECTURES=...
+  set(CMAKE_CUDA_ARCHITECTURES 90a-real)
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+# C++20 for nvcc too. CMake 3.25 knows no CUDA20 flag for nvcc (and, with CXX_STANDARD_REQUIRED,
+# would refuse to generate), so it is taught the flag here; newer CMake versions define it.
+if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+endif()
+set(CMAKE_CUDA_STANDARD 20)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+set(CMAKE_CUDA_EXTENSIONS OFF)
+
+file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
+file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
+list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate\\.cpp$")
+
+add_library(kestrel_cuda STATIC ${KESTREL_CUDA_KERNEL_SOURCES} ${KESTREL_CUDA_HOST_SOURCES})
+target_include_directories(kestrel_cuda PUBLIC ${CMAKE_SOURCE_DIR}/src)
+target_link_libraries(kestrel_cuda PUBLIC CUDA::cudart_static CUDA::cublasLt)
+target_compile_definitions(kestrel_cuda PUBLIC KESTREL_HAS_CUDA=1)
+# -lineinfo: source lines in ncu and compute-sanitizer reports, no effect on the code.
+target_compile_options(kestrel_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>
+                       $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
+if(KESTREL_CUDA_CORE_TARGET)
+  target_link_libraries(kestrel_cuda PUBLIC ${KESTREL_CUDA_CORE_TARGET})
+else()
+  target_sources(kestrel_cuda PRIVATE ${CMAKE_SOURCE_DIR}/src/core/error.cpp)
+endif()
+
+if(KESTREL_CUDA_EMULATION)
+  # Each .cu file compiled as C++ through a one-line wrapper (a source file has one language).
+  set(emu_sources ${CMAKE_SOURCE_DIR}/src/backend/cuda/emulate.cpp)
+  foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
+    get_filename_component(name ${cu} NAME_WE)
+    set(wrapper ${CMAKE_BINARY_DIR}/cuda_emu/${name}_emu.cpp)
+    file(CONFIGURE OUTPUT ${wrapper} CONTENT "#include \"${cu}\"\n")
+    list(APPEND emu_sources ${wrapper})
+  endforeach()
+  add_library(kestrel_cuda_emu STATIC ${emu_sources})
+  target_include_directories(kestrel_cuda_emu PUBLIC ${CMAKE_SOURCE_DIR}/src ${CUDAToolkit_INCLUDE_DIRS})
+  target_compile_definitions(kestrel_cuda_emu PUBLIC KESTREL_CUDA_EMULATE=1)
+  # The kernels reinterpret bf16 rows as 16-byte vectors, as CUDA code does; the host compiler
+  # must not optimise on type-based aliasing. The GNU attributes CUDA's headers spell __global__
+  # and friends with are unknown to the host compiler.
+  target_compile_options(kestrel_cuda_emu PUBLIC -fno-strict-aliasing PRIVATE -Wno-attributes)
+  target_link_libraries(kestrel_cuda_emu PUBLIC ${KESTREL_CUDA_CORE_TARGET})
+endif()

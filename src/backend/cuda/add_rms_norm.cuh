@@ -1,0 +1,79 @@
+// Fused residual add + RMSNorm (Zhang & Sennrich 2019): one block per row. The vector kernel keeps
+// the row in registers (kChunks chunks of 8 per thread), so the residual is read once and written
+// once, and the normalised row is written once as bf16.
+#pragma once
+
+#include "backend/cuda/device_common.cuh"
+
+namespace kestrel::cuda {
+
+// residual [n_tokens, dim] f32 (in/out), add [n_tokens, dim] bf16 or null, weight [dim] bf16,
+// out [n_tokens, dim] bf16. grid (n_tokens); block: whole warps with blockDim.x * kChunks * 8 >= dim.
+// dim % 8 == 0.
+template <int kChunks>
+__global__ void add_rms_norm_vec_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
+                                        const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* __restrict__ out,
+                                        int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t n_chunks = dim / 8;
+  float4* res = reinterpret_cast<float4*>(residual + row * dim);
+  float x[kChunks][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      const float4 lo = res[2 * c], hi = res[2 * c + 1];
+      x[i][0] = lo.x, x[i][1] = lo.y, x[i][2] = lo.z, x[i][3] = lo.w;
+      x[i][4] = hi.x, x[i][5] = hi.y, x[i][6] = hi.z, x[i][7] = hi.w;
+      if (add != nullptr) {
+        float a[8];
+        unpack_bf16x8(reinterpret_cast<const uint4*>(add + row * dim)[c], a);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[i][j] += a[j];
+        res[2 * c] = make_float4(x[i][0], x[i][1], x[i][2], x[i][3]);
+        res[2 * c + 1] = make_float4(x[i][4], x[i][5], x[i][6], x[i][7]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss += x[i][j] * x[i][j];
+    }
+  }
+  ss = block_reduce_sum(ss, scratch);
+  const float inv = rsqrtf(ss / static_cast<float>(dim) + eps);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      float w[8], y[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(weight)[c], w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j] = x[i][j] * inv * w[j];
+      reinterpret_cast<uint4*>(out + row * dim)[c] = pack_bf16x8(y);
+    }
+  }
+}
+
+// Any dim (odd widths): element by element, re-reading the residual row it just wrote.
+__global__ void add_rms_norm_scalar_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
+                                           const __nv_bfloat16* __restrict__ weight,
+                                           __nv_bfloat16* __restrict__ out, int64_t dim, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  float* res = residual + row * dim;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float x = res[i];
+    if (add != nullptr) {
+      x += __bfloat162float(add[row * dim + i]);
+      res[i] = x;
+    }
+    ss += x * x;
+  }
+  ss = block_reduce_sum(ss, scratch);
+  const float inv = rsqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    out[row * dim + i] = __float2bfloat16_rn(res[i] * inv * __bfloat162float(weight[i]));
+}
+
+}  // namespace kestrel::cuda

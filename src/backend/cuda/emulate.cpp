@@ -1,0 +1,294 @@
+// Fiber scheduler of the CUDA emulation (emulate.h). Compiled only into kestrel_cuda_emu.
+//
+// A fiber switch is a hand-written x86-64 stack switch (a few nanoseconds; ucontext's swapcontext
+// makes a system call per switch, and an emulated mma exchanges among 32 lanes twice). On other
+// processors the emulation is not available.
+#if !defined(__x86_64__)
+#error "the CUDA emulation's fiber switch is written for x86-64"
+#endif
+
+#include "backend/cuda/emulate.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "core/error.h"
+
+// void kestrel_emu_switch(void** save_sp, void* load_sp): saves the callee-saved registers on the
+// current stack, stores the stack pointer in *save_sp, loads load_sp and restores from there.
+asm(R"(
+  .text
+  .globl kestrel_emu_switch
+  .type kestrel_emu_switch, @function
+kestrel_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size kestrel_emu_switch, .-kestrel_emu_switch
+  .section .note.GNU-stack,"",@progbits
+)");
+extern "C" void kestrel_emu_switch(void** save_sp, void* load_sp);
+
+namespace kestrel::cuda::emu {
+namespace {
+
+constexpr size_t kStackBytes = 512 * 1024;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kSlotBytes = 64;
+
+enum class State { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
+
+struct PendingCopy {
+  void* dst;
+  unsigned char data[16];
+};
+
+struct Fiber {
+  std::unique_ptr<unsigned char[]> stack;
+  void* sp = nullptr;
+  dim3 tid;
+  int warp = 0;
+  int lane = 0;
+  State state = State::Done;
+  std::vector<std::vector<PendingCopy>> groups;  // committed cp.async groups, oldest first
+  std::vector<PendingCopy> open;                 // issued since the last commit
+};
+
+struct Launch {
+  dim3 grid, block, block_id;
+  int n_threads = 0;
+  std::vector<unsigned char> smem;
+  std::vector<Fiber> fibers;
+  void* scheduler_sp = nullptr;
+  int current = -1;
+  std::exception_ptr error;
+  std::function<void()> body;
+  unsigned char slots[kMaxThreads / 32][32][kSlotBytes];
+  std::mt19937 rng{12345};
+};
+
+Launch* g_launch = nullptr;
+
+Fiber& self() { return g_launch->fibers[static_cast<size_t>(g_launch->current)]; }
+
+void yield_to_scheduler() {
+  Fiber& f = self();
+  kestrel_emu_switch(&f.sp, g_launch->scheduler_sp);
+}
+
+[[noreturn]] void fiber_entry() {
+  try {
+    g_launch->body();
+  } catch (...) {
+    if (!g_launch->error) g_launch->error = std::current_exception();
+  }
+  Fiber& f = self();
+  f.state = State::Done;
+  kestrel_emu_switch(&f.sp, g_launch->scheduler_sp);
+  __builtin_trap();  // a finished fiber is never resumed
+}
+
+void init_fiber(Fiber& f) {
+  if (!f.stack) f.stack = std::make_unique<unsigned char[]>(kStackBytes);
+  uintptr_t top = reinterpret_cast<uintptr_t>(f.stack.get() + kStackBytes) & ~uintptr_t{15};
+  auto* p = reinterpret_cast<void**>(top);
+  *--p = nullptr;                                       // fiber_entry's (never used) return address
+  *--p = reinterpret_cast<void*>(&fiber_entry);         // where the first switch's `ret` goes
+  for (int i = 0; i < 6; ++i) *--p = nullptr;           // rbp rbx r12 r13 r14 r15
+  f.sp = p;
+  f.state = State::Runnable;
+  f.groups.clear();
+  f.open.clear();
+}
+
+void land(const PendingCopy& c) { std::memcpy(c.dst, c.data, 16); }
+
+// Releases the barrier the waiting threads agree on; false when they wait on different ones.
+bool release_barrier(Launch& L) {
+  int live = 0, at_block = 0;
+  for (const Fiber& f : L.fibers) {
+    if (f.state != State::Done) ++live;
+    if (f.state == State::AtBlockBarrier) ++at_block;
+  }
+  if (live > 0 && at_block == live) {
+    for (Fiber& f : L.fibers)
+      if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
+    return true;
+  }
+  bool released = false;
+  const int n_warps = (L.n_threads + 31) / 32;
+  for (int w = 0; w < n_warps; ++w) {
+    int waiting = 0, lanes = 0;
+    for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i) {
+      ++lanes;
+      if (L.fibers[static_cast<size_t>(i)].state == State::AtWarpBarrier) ++waiting;
+    }
+    if (waiting > 0 && waiting == lanes) {
+      for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i)
+        L.fibers[static_cast<size_t>(i)].state = State::Runnable;
+      released = true;
+    }
+  }
+  return released;
+}
+
+void run_block(Launch& L) {
+  std::fill(L.smem.begin(), L.smem.end(), static_cast<unsigned char>(0xFF));
+  for (int i = 0; i < L.n_threads; ++i) {
+    Fiber& f = L.fibers[static_cast<size_t>(i)];
+    f.tid = dim3(static_cast<unsigned>(i) % L.block.x, static_cast<unsigned>(i) / L.block.x % L.block.y,
+                 static_cast<unsigned>(i) / (L.block.x * L.block.y));
+    f.warp = i / 32;
+    f.lane = i % 32;
+    init_fiber(f);
+  }
+  std::vector<int> order;
+  for (;;) {
+    order.clear();
+    for (int i = 0; i < L.n_threads; ++i)
+      if (L.fibers[static_cast<size_t>(i)].state == State::Runnable) order.push_back(i);
+    if (order.empty()) {
+      bool all_done = true;
+      for (const Fiber& f : L.fibers) all_done = all_done && f.state == State::Done;
+      if (all_done) break;
+      if (!release_barrier(L))
+        throw Error("CUDA emulation: deadlock (threads of block " + std::to_string(L.block_id.x) + "," +
+                    std::to_string(L.block_id.y) + "," + std::to_string(L.block_id.z) +
+                    " wait at different barriers, or a warp collective has returned lanes)");
+      continue;
+    }
+    std::shuffle(order.begin(), order.end(), L.rng);
+    for (int i : order) {
+      L.current = i;
+      kestrel_emu_switch(&L.scheduler_sp, L.fibers[static_cast<size_t>(i)].sp);
+      L.current = -1;
+      if (L.error) std::rethrow_exception(L.error);
+    }
+  }
+  for (const Fiber& f : L.fibers)
+    if (!f.open.empty() || !f.groups.empty())
+      throw Error("CUDA emulation: a thread returned with cp.async copies not waited for");
+}
+
+void wait_at(State s) {
+  self().state = s;
+  yield_to_scheduler();
+}
+
+}  // namespace
+
+const dim3& thread_idx() { return self().tid; }
+const dim3& block_idx() { return g_launch->block_id; }
+const dim3& block_dim() { return g_launch->block; }
+const dim3& grid_dim() { return g_launch->grid; }
+int lane_id() { return self().lane; }
+unsigned char* dynamic_smem() { return g_launch->smem.data(); }
+
+void sync_block() { wait_at(State::AtBlockBarrier); }
+
+void sync_warp() {
+  const Fiber& f = self();
+  const int first = f.warp * 32;
+  for (int i = first; i < std::min(g_launch->n_threads, first + 32); ++i)
+    if (g_launch->fibers[static_cast<size_t>(i)].state == State::Done)
+      throw Error("CUDA emulation: warp collective with a returned lane");
+  wait_at(State::AtWarpBarrier);
+}
+
+void warp_exchange(const void* mine, size_t bytes, void* all) {
+  if (bytes > kSlotBytes) throw Error("CUDA emulation: warp exchange of more than 64 bytes");
+  if (g_launch->n_threads % 32 != 0) throw Error("CUDA emulation: warp collective in a partial warp");
+  const Fiber& f = self();
+  std::memcpy(g_launch->slots[f.warp][f.lane], mine, bytes);
+  sync_warp();  // every lane has written its slot
+  auto* out = static_cast<unsigned char*>(all);
+  for (int l = 0; l < 32; ++l) std::memcpy(out + static_cast<size_t>(l) * bytes, g_launch->slots[f.warp][l], bytes);
+  sync_warp();  // every lane has read, so the slots can be reused
+}
+
+void async_copy16(void* dst, const void* src, int src_bytes) {
+  PendingCopy c{dst, {}};
+  if (src_bytes > 0) std::memcpy(c.data, src, static_cast<size_t>(src_bytes));
+  // Lands now or at its wait, at random: either order is legal, and each catches a different bug.
+  if (g_launch->rng() & 1) {
+    land(c);
+  } else {
+    self().open.push_back(c);
+  }
+}
+
+void async_commit() {
+  Fiber& f = self();
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+
+void async_wait(int n_pending) {
+  Fiber& f = self();
+  while (static_cast<int>(f.groups.size()) > n_pending) {
+    for (const PendingCopy& c : f.groups.front()) land(c);
+    f.groups.erase(f.groups.begin());
+  }
+}
+
+void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  const int n_threads = static_cast<int>(block.x * block.y * block.z);
+  if (n_threads < 1 || n_threads > kMaxThreads) throw Error("CUDA emulation: bad block size");
+  if (g_launch) throw Error("CUDA emulation: nested launch");
+  static std::vector<Fiber> fiber_pool;  // stacks are reused across launches
+  auto L = std::make_unique<Launch>();
+  L->grid = grid;
+  L->block = block;
+  L->n_threads = n_threads;
+  L->smem.resize(smem_bytes);
+  L->body = body;
+  L->rng.seed(static_cast<unsigned>(std::random_device{}()));
+  if (fiber_pool.size() < static_cast<size_t>(n_threads)) fiber_pool.resize(static_cast<size_t>(n_threads));
+  L->fibers.swap(fiber_pool);
+  L->fibers.resize(static_cast<size_t>(n_threads));
+  g_launch = L.get();
+  try {
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          L->block_id = dim3(x, y, z);
+          run_block(*L);
+        }
+  } catch (...) {
+    g_launch = nullptr;
+    fiber_pool.swap(L->fibers);
+    throw;
+  }
+  g_launch = nullptr;
+  fiber_pool.swap(L->fibers);
+}
+
+}  // namespace kestrel::cuda::emu
+
+namespace kestrel::cuda {
+
+// The emulation library has no CUDA runtime to ask for error names (cuda_check.cpp is the real one).
+void cuda_fail(cudaError_t err, const char* expr, const char* file, int line) {
+  throw Error("CUDA error " + std::to_string(static_cast<int>(err)) + " from " + expr + " at " + file + ":" +
+              std::to_string(line));
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,155 @@
+// RoPE (Su et al. 2021, RoFormer) on q and k, fused with writing K and V into the paged KV cache.
+// One block per token: the block first computes the token's cos/sin table (rope_dim / 2 angles, in
+// double like the CPU backend's rope, ops.cpp) into shared memory, then rotates every q and k head
+// and writes k and v to the token's slot. The vector kernel moves 8 bf16 (16 bytes) per item.
+#pragma once
+
+#include "backend/cuda/device_common.cuh"
+
+namespace kestrel::cuda {
+
+struct RopeWriteKvArgs {
+  __nv_bfloat16* q;             // [n_tokens, n_head, head_dim], rotated in place
+  __nv_bfloat16* k;             // [n_tokens, n_head_kv, head_dim], rotated in place
+  const __nv_bfloat16* v;       // [n_tokens, n_head_kv, head_dim]
+  const int32_t* positions;     // [n_tokens]
+  const int64_t* slot_mapping;  // [n_tokens]; a negative slot writes nothing to the cache
+  const float* inv_freq;        // [rope_dim / 2]
+  float position_scale;
+  int32_t n_head, n_head_kv, head_dim, rope_dim;
+  bool rotate_half;             // pair i with i + rope_dim/2 (HF), else 2i with 2i + 1 (GGUF)
+  __nv_bfloat16* k_cache;       // [n_blocks, n_head_kv, block_size, head_dim]
+  __nv_bfloat16* v_cache;
+  int32_t block_size;
+};
+
+// Offset of (slot, kv head) in a layer's cache; head_dim elements follow (KvCache::offset).
+__device__ __forceinline__ int64_t cache_offset(int64_t slot, int32_t head, const RopeWriteKvArgs& a) {
+  return ((slot / a.block_size * a.n_head_kv + head) * a.block_size + slot % a.block_size) * a.head_dim;
+}
+
+// Rotates 8 elements of one head (vector kernel): item r of the head's rotation items.
+__device__ __forceinline__ void rope_chunk8(__nv_bfloat16* x, __nv_bfloat16* cache, int r, const float* cs,
+                                            const float* sn, const RopeWriteKvArgs& a) {
+  const int half = a.rope_dim / 2;
+  if (a.rotate_half) {
+    const int i0 = 8 * r;
+    float lo[8], hi[8], nlo[8], nhi[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(x + i0), lo);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(x + i0 + half), hi);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      nlo[j] = lo[j] * cs[i0 + j] - hi[j] * sn[i0 + j];
+      nhi[j] = lo[j] * sn[i0 + j] + hi[j] * cs[i0 + j];
+    }
+    const uint4 plo = pack_bf16x8(nlo), phi = pack_bf16x8(nhi);
+    *reinterpret_cast<uint4*>(x + i0) = plo;
+    *reinterpret_cast<uint4*>(x + i0 + half) = phi;
+    if (cache != nullptr) {
+      *reinterpret_cast<uint4*>(cache + i0) = plo;
+      *reinterpret_cast<uint4*>(cache + i0 + half) = phi;
+    }
+  } else {
+    const int e0 = 8 * r;
+    float v[8], y[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(x + e0), v);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const float c = cs[4 * r + p], s = sn[4 * r + p];
+      y[2 * p] = v[2 * p] * c - v[2 * p + 1] * s;
+      y[2 * p + 1] = v[2 * p] * s + v[2 * p + 1] * c;
+    }
+    const uint4 py = pack_bf16x8(y);
+    *reinterpret_cast<uint4*>(x + e0) = py;
+    if (cache != nullptr) *reinterpret_cast<uint4*>(cache + e0) = py;
+  }
+}
+
+// Rotates one pair (scalar kernel): pair i of the head.
+__device__ __forceinline__ void rope_pair(__nv_bfloat16* x, __nv_bfloat16* cache, int i, const float* cs,
+                                          const float* sn, const RopeWriteKvArgs& a) {
+  const int half = a.rope_dim / 2;
+  const int i0 = a.rotate_half ? i : 2 * i;
+  const int i1 = a.rotate_half ? i + half : 2 * i + 1;
+  const float x0 = __bfloat162float(x[i0]), x1 = __bfloat162float(x[i1]);
+  const __nv_bfloat16 y0 = __float2bfloat16_rn(x0 * cs[i] - x1 * sn[i]);
+  const __nv_bfloat16 y1 = __float2bfloat16_rn(x0 * sn[i] + x1 * cs[i]);
+  x[i0] = y0;
+  x[i1] = y1;
+  if (cache != nullptr) {
+    cache[i0] = y0;
+    cache[i1] = y1;
+  }
+}
+
+// grid (n_tokens), blockDim.x a multiple of 32; dynamic shared memory: rope_dim floats.
+// kVec: head_dim % 8 == 0 and (rotate_half ? (rope_dim / 2) % 8 : rope_dim % 8) == 0, 16-byte
+// aligned tensors. Items per token: the rotation items of every q head; the rotation and
+// pass-through items of every k head (k goes to the cache whole); the copy items of every v head.
+template <bool kVec>
+__global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
+  KESTREL_DYNAMIC_SMEM(smem);
+  const int64_t t = blockIdx.x;
+  const int half = a.rope_dim / 2;
+  float* cs = reinterpret_cast<float*>(smem);
+  float* sn = cs + half;
+  const double pos = static_cast<double>(a.positions[t]) / static_cast<double>(a.position_scale);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double s, c;
+    sincos(pos * static_cast<double>(a.inv_freq[i]), &s, &c);
+    cs[i] = static_cast<float>(c);
+    sn[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  const int64_t slot = a.slot_mapping[t];
+  const int width = kVec ? 8 : 1;                           // elements per copy item
+  const int n_rot = kVec ? (a.rotate_half ? half / 8 : a.rope_dim / 8) : half;
+  const int n_pass = (a.head_dim - a.rope_dim) / width;     // k's unrotated tail, copied to the cache
+  const int n_copy = a.head_dim / width;
+  const int n_q = a.n_head * n_rot;
+  const int n_k = a.n_head_kv * (n_rot + n_pass);
+  const int n_total = n_q + n_k + a.n_head_kv * n_copy;
+  for (int idx = threadIdx.x; idx < n_total; idx += blockDim.x) {
+    if (idx < n_q) {
+      const int h = idx / n_rot, r = idx % n_rot;
+      __nv_bfloat16* x = a.q + (t * a.n_head + h) * a.head_dim;
+      if constexpr (kVec) {
+        rope_chunk8(x, nullptr, r, cs, sn, a);
+      } else {
+        rope_pair(x, nullptr, r, cs, sn, a);
+      }
+    } else if (idx < n_q + n_k) {
+      const int j = idx - n_q;
+      const int h = j / (n_rot + n_pass), r = j % (n_rot + n_pass);
+      __nv_bfloat16* x = a.k + (t * a.n_head_kv + h) * a.head_dim;
+      __nv_bfloat16* cache = slot >= 0 ? a.k_cache + cache_offset(slot, h, a) : nullptr;
+      if (r < n_rot) {
+        if constexpr (kVec) {
+          rope_chunk8(x, cache, r, cs, sn, a);
+        } else {
+          rope_pair(x, cache, r, cs, sn, a);
+        }
+      } else if (cache != nullptr) {
+        const int e = a.rope_dim + (r - n_rot) * width;
+        if constexpr (kVec) {
+          *reinterpret_cast<uint4*>(cache + e) = *reinterpret_cast<const uint4*>(x + e);
+        } else {
+          cache[e] = x[e];
+        }
+      }
+    } else if (slot >= 0) {
+      const int j = idx - n_q - n_k;
+      const int h = j / n_copy, e = (j % n_copy) * width;
+      const __nv_bfloat16* x = a.v + (t * a.n_head_kv + h) * a.head_dim;
+      __nv_bfloat16* cache = a.v_cache + cache_offset(slot, h, a);
+      if constexpr (kVec) {
+        *reinterpret_cast<uint4*>(cache + e) = *reinterpret_cast<const uint4*>(x + e);
+      } else {
+        cache[e] = x[e];
+      }
+    }
+  }
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,35 @@
+// SwiGLU activation (Shazeer 2020) over the fused gate|up GEMM output: out = silu(gate) * up.
+#pragma once
+
+#include "backend/cuda/device_common.cuh"
+
+namespace kestrel::cuda {
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// gate_up [n_tokens, 2 * n_ff] bf16 (gate then up), out [n_tokens, n_ff] bf16.
+// grid (ceil(n_items / blockDim.x), min(n_tokens, 65535)) where an item is 8 elements (kVec,
+// n_ff % 8 == 0) or one; rows beyond gridDim.y are covered by striding.
+template <bool kVec>
+__global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
+                                int64_t n_tokens, int64_t n_ff) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t t = blockIdx.y; t < n_tokens; t += gridDim.y) {
+    const __nv_bfloat16* gate = gate_up + t * 2 * n_ff;
+    const __nv_bfloat16* up = gate + n_ff;
+    if constexpr (kVec) {
+      if (i >= n_ff / 8) return;
+      float g[8], u[8], y[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(gate)[i], g);
+      unpack_bf16x8(reinterpret_cast<const uint4*>(up)[i], u);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j] = silu(g[j]) * u[j];
+      reinterpret_cast<uint4*>(out + t * n_ff)[i] = pack_bf16x8(y);
+    } else {
+      if (i >= n_ff) return;
+      out[t * n_ff + i] = __float2bfloat16_rn(silu(__bfloat162float(gate[i])) * __bfloat162float(up[i]));
+    }
+  }
+}
+
+}  // namespace kestrel::cuda
