@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -83,6 +84,7 @@ struct Launch {
   std::function<void()> body;
   unsigned char slots[kMaxThreads / 32][32][kSlotBytes];
   std::mt19937 rng{12345};
+  std::vector<int> warp_order;  // warp priority for this block (release_barrier)
 };
 
 Launch* g_launch = nullptr;
@@ -121,7 +123,11 @@ void init_fiber(Fiber& f) {
 
 void land(const PendingCopy& c) { std::memcpy(c.dst, c.data, 16); }
 
-// Releases the barrier the waiting threads agree on; false when they wait on different ones.
+// Releases the block barrier when every live thread waits at it; else one warp barrier whose lanes
+// all wait. Which warp goes next is random, mostly in an order drawn per block, so that one warp
+// can run far ahead of the others (up to the next block barrier) and a missing __syncthreads
+// between a warp's reads of shared memory and another warp's writes shows up.
+// False when the waiting threads wait on different barriers (a deadlock).
 bool release_barrier(Launch& L) {
   int live = 0, at_block = 0;
   for (const Fiber& f : L.fibers) {
@@ -133,21 +139,20 @@ bool release_barrier(Launch& L) {
       if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
     return true;
   }
-  bool released = false;
-  const int n_warps = (L.n_threads + 31) / 32;
-  for (int w = 0; w < n_warps; ++w) {
+  std::vector<int> ready;
+  for (int w : L.warp_order) {
     int waiting = 0, lanes = 0;
     for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i) {
       ++lanes;
       if (L.fibers[static_cast<size_t>(i)].state == State::AtWarpBarrier) ++waiting;
     }
-    if (waiting > 0 && waiting == lanes) {
-      for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i)
-        L.fibers[static_cast<size_t>(i)].state = State::Runnable;
-      released = true;
-    }
+    if (waiting > 0 && waiting == lanes) ready.push_back(w);
   }
-  return released;
+  if (ready.empty()) return false;
+  const int w = (L.rng() % 4 != 0) ? ready.front() : ready[L.rng() % ready.size()];
+  for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i)
+    L.fibers[static_cast<size_t>(i)].state = State::Runnable;
+  return true;
 }
 
 void run_block(Launch& L) {
@@ -160,6 +165,9 @@ void run_block(Launch& L) {
     f.lane = i % 32;
     init_fiber(f);
   }
+  L.warp_order.resize(static_cast<size_t>((L.n_threads + 31) / 32));
+  std::iota(L.warp_order.begin(), L.warp_order.end(), 0);
+  std::shuffle(L.warp_order.begin(), L.warp_order.end(), L.rng);
   std::vector<int> order;
   for (;;) {
     order.clear();

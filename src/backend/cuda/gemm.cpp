@@ -1,0 +1,154 @@
+#include "backend/cuda/gemm.h"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace kestrel::cuda {
+
+namespace {
+
+const char* status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "unknown cuBLAS status";
+  }
+}
+
+[[noreturn]] void cublas_fail(cublasStatus_t s, const char* expr, const char* file, int line) {
+  throw Error(std::string("cuBLASLt error: ") + status_name(s) + " (" + std::to_string(static_cast<int>(s)) +
+              ") from " + expr + " at " + file + ":" + std::to_string(line));
+}
+
+}  // namespace
+
+#define KESTREL_CUBLAS_CHECK(expr)                                                    \
+  do {                                                                                \
+    const cublasStatus_t kestrel_cublas_status_ = (expr);                             \
+    if (kestrel_cublas_status_ != CUBLAS_STATUS_SUCCESS)                              \
+      cublas_fail(kestrel_cublas_status_, #expr, __FILE__, __LINE__);                 \
+  } while (0)
+
+namespace {
+
+// The descriptors and chosen algorithm of one shape; created and destroyed together.
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+
+  GemmPlan() = default;
+  GemmPlan(const GemmPlan&) = delete;
+  GemmPlan& operator=(const GemmPlan&) = delete;
+  ~GemmPlan() {
+    if (y != nullptr) cublasLtMatrixLayoutDestroy(y);
+    if (x != nullptr) cublasLtMatrixLayoutDestroy(x);
+    if (w != nullptr) cublasLtMatrixLayoutDestroy(w);
+    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+struct Preference {
+  cublasLtMatmulPreference_t pref = nullptr;
+  Preference() { KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref)); }
+  ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
+  Preference(const Preference&) = delete;
+  Preference& operator=(const Preference&) = delete;
+};
+
+}  // namespace
+
+struct Gemm::Impl {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<GemmPlan>> plans;
+
+  const GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out) {
+    const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out));
+    auto it = plans.find(key);
+    if (it != plans.end()) return *it->second;
+    auto p = std::make_unique<GemmPlan>();
+    KESTREL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t trans_w = CUBLAS_OP_T, trans_x = CUBLAS_OP_N;
+    KESTREL_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof trans_w));
+    KESTREL_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof trans_x));
+    // Column-major views of the row-major tensors: W is [n_in, n_out] (ld n_in), x is
+    // [n_in, n_tokens] (ld n_in), y is [n_out, n_tokens] (ld n_out).
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->w, CUDA_R_16BF, static_cast<uint64_t>(n_in),
+                                                    static_cast<uint64_t>(n_out), n_in));
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->x, CUDA_R_16BF, static_cast<uint64_t>(n_in),
+                                                    static_cast<uint64_t>(n_tokens), n_in));
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->y, out == GemmOutput::F32 ? CUDA_R_32F : CUDA_R_16BF,
+                                                    static_cast<uint64_t>(n_out), static_cast<uint64_t>(n_tokens),
+                                                    n_out));
+    Preference pref;
+    const uint64_t ws = workspace_bytes;
+    KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                              &ws, sizeof ws));
+    // run() checks 16-byte alignment, so the heuristic may rely on it (and no more).
+    const uint32_t align = 16;
+    for (const auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, attr, &align, sizeof align));
+    cublasLtMatmulHeuristicResult_t result{};
+    int n_results = 0;
+    KESTREL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->w, p->x, p->y, p->y, pref.pref, 1,
+                                                        &result, &n_results));
+    if (n_results == 0)
+      throw Error("cuBLASLt has no algorithm for the GEMM n_tokens " + std::to_string(n_tokens) + ", n_in " +
+                  std::to_string(n_in) + ", n_out " + std::to_string(n_out));
+    p->algo = result.algo;
+    return *plans.emplace(key, std::move(p)).first->second;
+  }
+};
+
+Gemm::Gemm(size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
+  KESTREL_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
+  impl_->workspace_bytes = workspace_bytes;
+  if (workspace_bytes > 0) {
+    const cudaError_t err = cudaMalloc(&impl_->workspace, workspace_bytes);
+    if (err != cudaSuccess) {
+      cublasLtDestroy(impl_->handle);
+      KESTREL_CUDA_CHECK(err);
+    }
+  }
+}
+
+Gemm::~Gemm() {
+  impl_->plans.clear();
+  if (impl_->workspace != nullptr) (void)cudaFree(impl_->workspace);
+  cublasLtDestroy(impl_->handle);
+}
+
+size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
+
+void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out,
+               cudaStream_t stream) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0)
+    throw Error("gemm: sizes must be positive (n_tokens " + std::to_string(n_tokens) + ", n_in " +
+                std::to_string(n_in) + ", n_out " + std::to_string(n_out) + ")");
+  for (const void* ptr : {static_cast<const void*>(x), static_cast<const void*>(w), static_cast<const void*>(y)})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm: operand not 16-byte aligned");
+  const GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
+  const float alpha = 1.0f, beta = 0.0f;
+  KESTREL_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo,
+                                      impl_->workspace, impl_->workspace_bytes, stream));
+}
+
+}  // namespace kestrel::cuda

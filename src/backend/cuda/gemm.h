@@ -1,0 +1,46 @@
+// The dense layers' matrix product on the GPU through cuBLASLt:
+//   y[n_tokens, n_out] = x[n_tokens, n_in] . W^T,  W [n_out, n_in] row-major (as checkpoints store
+// weights), bf16 operands, f32 accumulation (CUBLAS_COMPUTE_32F), y bf16 (activations) or f32
+// (logits). In cuBLAS's column-major terms this is C[n_out, n_tokens] = op_T(W) . X, the "TN"
+// layout its kernels are fastest in.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "backend/cuda/cuda_ops.h"
+
+namespace kestrel::cuda {
+
+enum class GemmOutput { Bf16, F32 };
+
+// Owns one cuBLASLt handle and its workspace (on the device current at construction) and caches,
+// per (n_tokens, n_in, n_out, output type), the descriptors and the algorithm cuBLASLt's heuristic
+// chose. Not thread-safe: one per stream-owning thread.
+class Gemm {
+ public:
+  static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;  // NVIDIA's advice for Hopper
+
+  explicit Gemm(size_t workspace_bytes = kDefaultWorkspaceBytes);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // x [n_tokens, n_in] bf16, w [n_out, n_in] bf16, y [n_tokens, n_out] bf16 or f32 by `out`; device
+  // pointers, 16-byte aligned. Enqueued on stream; never synchronises.
+  // Errors: kestrel::Error for a non-positive size, a misaligned pointer, no algorithm for the
+  // shape, or a cuBLASLt failure (status name, call, file and line).
+  void run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out,
+           cudaStream_t stream);
+
+  size_t cached_shapes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kestrel::cuda

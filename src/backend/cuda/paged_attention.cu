@@ -1,0 +1,159 @@
+// Launcher of the paged attention kernels (paged_attention.cuh): sizes the workspace, picks the
+// split-KV count, and enqueues plan + prefill (when some sequence has 2+ query tokens), decode, and
+// the split-KV reduction (when the decode kernel splits).
+#include "backend/cuda/paged_attention.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "backend/cuda/cuda_ops.h"
+
+namespace kestrel::cuda {
+
+namespace {
+
+// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU and the
+// contexts are long: aim for about this many blocks (H200: 132 SMs, 3 decode blocks of 70 KB
+// shared memory each), with at least kMinPartition keys per split.
+constexpr int64_t kSplitTargetBlocks = 512;
+constexpr int64_t kMinPartition = 256;
+
+int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
+
+struct Plan {
+  int32_t group = 1;
+  int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
+  int32_t decode_heads = 1, decode_head_chunks = 1;
+  int64_t max_tiles = 0;     // bound on the prefill tile list's length
+  int32_t n_splits = 1, partition = kKeyTile;
+  // Workspace layout (bytes).
+  size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
+};
+
+Plan make_plan(const AttentionParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128)
+    throw Error("paged_attention: head_dim " + std::to_string(p.head_dim) + " unsupported (64 or 128)");
+  if (p.n_head_kv <= 0 || p.n_head % p.n_head_kv != 0)
+    throw Error("paged_attention: n_head " + std::to_string(p.n_head) + " is not a multiple of n_head_kv " +
+                std::to_string(p.n_head_kv));
+  if (p.block_size <= 0) throw Error("paged_attention: block_size must be positive");
+  Plan plan;
+  plan.group = p.n_head / p.n_head_kv;
+  plan.prefill_heads = std::min(plan.group, kPrefillRows);
+  plan.prefill_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.prefill_heads));
+  plan.tokens_per_tile = kPrefillRows / plan.prefill_heads;
+  plan.decode_heads = std::min(plan.group, kDecodeRows);
+  plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
+  plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
+
+  const int64_t max_ctx = std::max<int32_t>(p.max_context, 1);
+  const int64_t base_blocks = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+  int64_t splits = 1;
+  if (base_blocks < kSplitTargetBlocks && max_ctx > kMinPartition)
+    splits = std::min(ceil_div(kSplitTargetBlocks, base_blocks), ceil_div(max_ctx, kMinPartition));
+  const int64_t partition = round_up(ceil_div(max_ctx, splits), kKeyTile);
+  plan.n_splits = static_cast<int32_t>(ceil_div(max_ctx, partition));
+  plan.partition = static_cast<int32_t>(partition);
+
+  size_t at = 0;
+  plan.n_tiles_offset = at;
+  at += 16;
+  plan.tiles_offset = at;
+  at += static_cast<size_t>(plan.max_tiles) * sizeof(int2);
+  if (plan.n_splits > 1) {
+    at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
+    plan.lse_offset = at;
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head) * sizeof(float);
+    at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
+    plan.out_offset = at;
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head * p.head_dim) * sizeof(float);
+  }
+  plan.total = at;
+  return plan;
+}
+
+template <int D>
+void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
+  if (any_prefill) {
+    AttnKernelArgs a = base;
+    a.heads_per_tile = plan.prefill_heads;
+    a.head_chunks = plan.prefill_head_chunks;
+    auto* plan_kernel = &attention_plan_kernel;
+    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
+                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
+    KESTREL_CUDA_CHECK_LAUNCH();
+    auto* kernel = &attention_prefill_kernel<D>;
+    constexpr size_t smem = attn_smem_bytes<D, false>();
+    set_max_dynamic_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+  AttnKernelArgs a = base;
+  a.heads_per_tile = plan.decode_heads;
+  a.head_chunks = plan.decode_head_chunks;
+  {
+    auto* kernel = &attention_decode_kernel<D>;
+    constexpr size_t smem = attn_smem_bytes<D, true>();
+    set_max_dynamic_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+                    static_cast<unsigned>(plan.n_splits));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+  if (plan.n_splits > 1) {
+    auto* kernel = &attention_reduce_kernel<D>;
+    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
+
+void paged_attention(const AttentionParams& p, cudaStream_t stream) {
+  if (p.n_tokens <= 0 || p.n_seqs <= 0) return;
+  const Plan plan = make_plan(p);
+  if (p.workspace_bytes < plan.total || (plan.total > 0 && p.workspace == nullptr))
+    throw Error("paged_attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, " +
+                std::to_string(plan.total) + " needed (attention_workspace_bytes)");
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) throw Error("paged_attention: workspace not 16-byte aligned");
+  if (p.n_seqs > 0x7fffffff || p.n_head_kv * std::max(plan.prefill_head_chunks, plan.decode_head_chunks) > 65535 ||
+      plan.n_splits > 65535 || p.n_head > 65535)
+    throw Error("paged_attention: batch too large for the launch grid");
+
+  auto* ws = static_cast<unsigned char*>(p.workspace);
+  AttnKernelArgs a{};
+  a.q = p.q;
+  a.k_cache = p.k_cache;
+  a.v_cache = p.v_cache;
+  a.block_tables = p.block_tables;
+  a.query_start = p.query_start;
+  a.positions = p.positions;
+  a.out = p.out;
+  a.n_seqs = p.n_seqs;
+  a.max_blocks_per_seq = p.max_blocks_per_seq;
+  a.n_head = p.n_head;
+  a.n_head_kv = p.n_head_kv;
+  a.block_size = p.block_size;
+  a.group = plan.group;
+  a.tokens_per_tile = plan.tokens_per_tile;
+  a.scale_log2 = p.scale * 1.4426950408889634f;
+  a.tiles = reinterpret_cast<const int2*>(ws + plan.tiles_offset);
+  a.n_tiles = reinterpret_cast<const int32_t*>(ws + plan.n_tiles_offset);
+  a.partition = plan.partition;
+  a.n_splits = plan.n_splits;
+  a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
+  a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
+  if (p.head_dim == 64) {
+    launch_all<64>(p, plan, a, stream);
+  } else {
+    launch_all<128>(p, plan, a, stream);
+  }
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,447 @@
+// Paged causal attention kernels (FlashAttention-2, Dao 2023; flash-decoding split-KV, Dao et al.
+// 2023), bf16 in shared memory and on the tensor cores (mma.sync m16n8k16, f32 accumulate),
+// softmax in f32 with exp2 (scores pre-multiplied by scale * log2 e).
+//
+// One block = 4 warps = 128 threads, over keys in tiles of 64 that cp.async double-buffers in
+// shared memory; each tile row is a key's head_dim values, gathered through the block table, so any
+// block size works. Rows of a tile are stored with their 16-byte chunks XOR-swizzled by (row % 8),
+// so the ldmatrix reads of 8 rows hit 8 different bank groups.
+//
+// Prefill kernel (sequences with 2+ query tokens): a block takes 64 query rows = up to 64 / group
+//   tokens x the group's query heads of one KV head (GQA packing: K and V are read once per group);
+//   each warp owns 16 rows and does S = Q K^T (16 x 64) and O += P V for the whole key tile, with
+//   the online softmax in registers. Keys run from 0 to the largest position in the block; tiles
+//   past the smallest position are masked per element (key > position -> -inf). The block's
+//   (sequence, first token) comes from a tile list that attention_plan_kernel builds on the device.
+// Decode kernel (sequences with one query token): a block takes the token's group of query heads
+//   (up to 16 rows, one mma tile, padding rows zero) for one KV head and one partition of the
+//   context; the 4 warps split each key tile (16 keys each) and their softmax states are merged
+//   through shared memory at the end. With n_splits > 1 (long contexts, few sequences) each
+//   partition writes its normalised output and log-sum-exp, and attention_reduce_kernel combines
+//   them; else the block writes the output directly.
+#pragma once
+
+#include <climits>
+
+#include "backend/cuda/device_common.cuh"
+
+namespace kestrel::cuda {
+
+constexpr int kAttnThreads = 128;  // 4 warps
+constexpr int kKeyTile = 64;       // keys per shared-memory tile
+constexpr int kPrefillRows = 64;   // query rows per prefill block (16 per warp)
+constexpr int kDecodeRows = 16;    // query heads per decode block
+
+struct AttnKernelArgs {
+  const __nv_bfloat16* q;        // [n_tokens, n_head, D]
+  const __nv_bfloat16* k_cache;  // [n_blocks, n_head_kv, block_size, D]
+  const __nv_bfloat16* v_cache;
+  const int32_t* block_tables;   // [n_seqs, max_blocks_per_seq]
+  const int32_t* query_start;    // [n_seqs + 1]
+  const int32_t* positions;      // [n_tokens]
+  __nv_bfloat16* out;            // [n_tokens, n_head, D]
+  int64_t n_seqs;
+  int32_t max_blocks_per_seq, n_head, n_head_kv, block_size;
+  int32_t group;                 // n_head / n_head_kv
+  int32_t heads_per_tile;        // query heads of one group per block: min(group, rows per block)
+  int32_t head_chunks;           // ceil(group / heads_per_tile): grid.y = n_head_kv * head_chunks
+  int32_t tokens_per_tile;       // prefill: kPrefillRows / heads_per_tile
+  float scale_log2;              // softmax scale * log2(e)
+  const int2* tiles;             // prefill tile list: (sequence, first token), from the plan kernel
+  const int32_t* n_tiles;        // its length
+  int32_t partition;             // decode: keys per split, a multiple of kKeyTile
+  int32_t n_splits;
+  float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
+  float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
+};
+
+// Element offset of chunk `chunk` (8 bf16) of row `row` in a swizzled [rows, D] tile.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// Bytes of dynamic shared memory: Q tile, two K tiles, two V tiles, per-row position and output
+// offset. The decode kernel reuses the K/V region to merge its warps (4 x 16 x D f32 + m, l).
+template <int D, bool kDecode>
+constexpr size_t attn_smem_bytes() {
+  constexpr int rows = kDecode ? kDecodeRows : kPrefillRows;
+  return static_cast<size_t>(rows) * D * 2 + 4 * static_cast<size_t>(kKeyTile) * D * 2 + rows * (4 + 8);
+}
+
+// Gathers keys [key0, key0 + 64) of one KV head through the block table into a K and a V tile
+// (cp.async, not waited for); keys at or past key_end are zero-filled (never stale NaN, which
+// 0 * NaN would carry into O).
+template <int D>
+__device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
+                                             const int32_t* block_table, int kvh, int key0, int key_end) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kKeyTile * kChunks; i += kAttnThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int key = key0 + r;
+    const bool valid = key < key_end;
+    int64_t off = 0;
+    if (valid) {
+      const int64_t blk = block_table[key / a.block_size];
+      off = ((blk * a.n_head_kv + kvh) * a.block_size + key % a.block_size) * D + c * 8;
+    }
+    cp_async16(sk + swz<D>(r, c), a.k_cache + off, valid);
+    cp_async16(sv + swz<D>(r, c), a.v_cache + off, valid);
+  }
+}
+
+// One warp's online-softmax state: 16 rows x D outputs (mma accumulator layout: lane holds rows
+// lane/4 and lane/4 + 8, columns 8 dt + 2 (lane % 4) + {0, 1}), running max m (log2 units) and
+// the lane's partial row sums l (summed over the quad at the end).
+template <int D>
+struct WarpSoftmax {
+  float o[D / 8][4];
+  float m[2];
+  float l[2];
+};
+
+// Loads the warp's 16 query rows starting at row_base as mma A fragments (one per 16 dims).
+template <int D>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[D / 16][4], const __nv_bfloat16* sq, int row_base) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int row = row_base + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sq + swz<D>(row, kk * 2 + (lane >> 4)));
+}
+
+// The warp's rows against kNK keys of the tile starting at tile row key_off (absolute key index of
+// tile row 0: key0). pos0, pos1: positions of the lane's two rows (INT_MAX: never masked).
+template <int D, int kNK>
+__device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const uint32_t (&qf)[D / 16][4],
+                                            const __nv_bfloat16* sk, const __nv_bfloat16* sv, int key_off, int key0,
+                                            bool need_mask, int pos0, int pos1, float scale_log2) {
+  const int lane = threadIdx.x % kWarpSize;
+  float s[kNK / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kNK / 8; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    const int row = key_off + nt * 8 + (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sk + swz<D>(row, kk * 2 + (lane >> 3)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_bf16_16816(s[nt], qf[kk], b0);
+      mma_bf16_16816(s[nt], qf[kk + 1], b1);
+    }
+  }
+  const int c2 = (lane & 3) * 2;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < kNK / 8; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = s[nt][j] * scale_log2;
+      if (need_mask) {
+        const int key = key0 + key_off + nt * 8 + c2 + (j & 1);
+        if (key > (j < 2 ? pos0 : pos1)) v = -INFINITY;
+      }
+      s[nt][j] = v;
+      mx[j >> 1] = fmaxf(mx[j >> 1], v);
+    }
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(st.m[r], mx[r]);
+    base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: keep everything at 0
+    const float corr = exp2f(st.m[r] - base[r]);
+    st.m[r] = m_new;
+    st.l[r] *= corr;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      st.o[dt][2 * r] *= corr;
+      st.o[dt][2 * r + 1] *= corr;
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < kNK / 16; ++ks) {
+    // P's C-fragment of key tiles 2 ks and 2 ks + 1 is exactly the A fragment of one k16 step.
+    uint32_t pa[4];
+    pa[0] = pack_bf16x2(exp2f(s[2 * ks][0] - base[0]), exp2f(s[2 * ks][1] - base[0]));
+    pa[1] = pack_bf16x2(exp2f(s[2 * ks][2] - base[1]), exp2f(s[2 * ks][3] - base[1]));
+    pa[2] = pack_bf16x2(exp2f(s[2 * ks + 1][0] - base[0]), exp2f(s[2 * ks + 1][1] - base[0]));
+    pa[3] = pack_bf16x2(exp2f(s[2 * ks + 1][2] - base[1]), exp2f(s[2 * ks + 1][3] - base[1]));
+    // The row sums add the bf16-rounded weights that the mma multiplies V by.
+    st.l[0] += __uint_as_float(pa[0] << 16) + __uint_as_float(pa[0] & 0xffff0000u) +
+               __uint_as_float(pa[2] << 16) + __uint_as_float(pa[2] & 0xffff0000u);
+    st.l[1] += __uint_as_float(pa[1] << 16) + __uint_as_float(pa[1] & 0xffff0000u) +
+               __uint_as_float(pa[3] << 16) + __uint_as_float(pa[3] & 0xffff0000u);
+    const int row = key_off + ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sv + swz<D>(row, dt + (lane >> 4)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_bf16_16816(st.o[dt], pa, b0);
+      mma_bf16_16816(st.o[dt + 1], pa, b1);
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void init_softmax(WarpSoftmax<D>& st) {
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) st.o[dt][0] = st.o[dt][1] = st.o[dt][2] = st.o[dt][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.0f;
+}
+
+// Builds the prefill tile list: for each sequence with 2+ query tokens, ceil(len / tokens_per_tile)
+// entries (sequence, first token). One block of 256 threads; n_tiles receives the count.
+__global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, int64_t n_seqs, int32_t tokens_per_tile,
+                                      int2* __restrict__ tiles, int32_t* __restrict__ n_tiles) {
+  constexpr int kThreads = 256;
+  __shared__ int32_t scan[kThreads];
+  __shared__ int32_t base;
+  const int tid = threadIdx.x;
+  if (tid == 0) base = 0;
+  __syncthreads();
+  for (int64_t s0 = 0; s0 < n_seqs; s0 += kThreads) {
+    const int64_t s = s0 + tid;
+    int32_t n = 0, qs = 0;
+    if (s < n_seqs) {
+      qs = query_start[s];
+      const int32_t len = query_start[s + 1] - qs;
+      n = len > 1 ? (len + tokens_per_tile - 1) / tokens_per_tile : 0;
+    }
+    scan[tid] = n;
+    __syncthreads();
+    for (int off = 1; off < kThreads; off *= 2) {  // inclusive prefix sum
+      const int32_t v = tid >= off ? scan[tid - off] : 0;
+      __syncthreads();
+      scan[tid] += v;
+      __syncthreads();
+    }
+    const int32_t first = base + scan[tid] - n;
+    for (int32_t j = 0; j < n; ++j) tiles[first + j] = make_int2(static_cast<int>(s), qs + j * tokens_per_tile);
+    __syncthreads();
+    if (tid == kThreads - 1) base += scan[tid];
+    __syncthreads();
+  }
+  if (tid == 0) *n_tiles = base;
+}
+
+// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_smem_bytes<D, false>().
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
+  constexpr int kRows = kPrefillRows, kChunks = D / 8;
+  const int n_tiles = *a.n_tiles;
+  if (static_cast<int>(blockIdx.x) >= n_tiles) return;
+  KESTREL_DYNAMIC_SMEM(smem);
+  auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto* sk = sq + kRows * D;        // [2][kKeyTile][D]
+  auto* sv = sk + 2 * kKeyTile * D;  // [2][kKeyTile][D]
+  auto* row_off = reinterpret_cast<int64_t*>(sv + 2 * kKeyTile * D);  // [kRows] q/out element offset or -1
+  auto* row_pos = reinterpret_cast<int32_t*>(row_off + kRows);         // [kRows]
+
+  // Last tiles first: within a sequence they attend the most keys, so the long blocks start early.
+  const int2 tile = a.tiles[n_tiles - 1 - static_cast<int>(blockIdx.x)];
+  const int seq = tile.x, token0 = tile.y;
+  const int q_end = a.query_start[seq + 1];
+  const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;
+  const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
+  const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+
+  for (int r = tid; r < kRows; r += kAttnThreads) {
+    const int tl = r / a.heads_per_tile, hh = h0 + r % a.heads_per_tile;
+    const int token = token0 + tl;
+    const bool valid = tl < a.tokens_per_tile && token < q_end && hh < a.group;
+    row_off[r] = valid ? (static_cast<int64_t>(token) * a.n_head + kvh * a.group + hh) * D : -1;
+    row_pos[r] = valid ? a.positions[token] : INT_MAX;
+  }
+  __syncthreads();
+  for (int i = tid; i < kRows * kChunks; i += kAttnThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const int64_t off = row_off[r];
+    cp_async16(sq + swz<D>(r, c), a.q + (off >= 0 ? off + c * 8 : 0), off >= 0);
+  }
+  int min_pos = INT_MAX, max_pos = 0;
+  for (int r = 0; r < kRows; ++r) {
+    const int p = row_pos[r];
+    min_pos = min(min_pos, p);
+    if (p != INT_MAX) max_pos = max(max_pos, p);
+  }
+  const int kv_end = max_pos + 1;
+  const int n_kv_tiles = (kv_end + kKeyTile - 1) / kKeyTile;
+  load_kv_tile<D>(sk, sv, a, block_table, kvh, 0, kv_end);
+  cp_async_commit();
+
+  const int pos0 = row_pos[warp * 16 + lane / 4], pos1 = row_pos[warp * 16 + lane / 4 + 8];
+  uint32_t qf[D / 16][4];
+  WarpSoftmax<D> st;
+  init_softmax(st);
+  for (int j = 0; j < n_kv_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_kv_tiles) {
+      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * D, sv + (buf ^ 1) * kKeyTile * D, a, block_table, kvh,
+                      (j + 1) * kKeyTile, kv_end);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (j == 0) load_q_fragments<D>(qf, sq, warp * 16);
+    const int key0 = j * kKeyTile;
+    attend_tile<D, kKeyTile>(st, qf, sk + buf * kKeyTile * D, sv + buf * kKeyTile * D, 0, key0,
+                             key0 + kKeyTile - 1 > min_pos, pos0, pos1, a.scale_log2);
+    __syncthreads();  // the buffer is refilled in the next iteration
+  }
+
+  // Normalise and stage the warp's 16 rows in its own rows of the Q tile, then 16-byte stores.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = st.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = warp * 16 + lane / 4 + 8 * r;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(sq + swz<D>(row, dt) + (lane & 3) * 2) =
+          pack_bf16x2(st.o[dt][2 * r] * inv, st.o[dt][2 * r + 1] * inv);
+  }
+  __syncwarp();
+  for (int i = lane; i < 16 * kChunks; i += kWarpSize) {
+    const int row = warp * 16 + i / kChunks, c = i % kChunks;
+    const int64_t off = row_off[row];
+    if (off >= 0) *reinterpret_cast<uint4*>(a.out + off + c * 8) = *reinterpret_cast<const uint4*>(sq + swz<D>(row, c));
+  }
+}
+
+// grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_smem_bytes<D, true>().
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKernelArgs a) {
+  constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize;
+  const int seq = blockIdx.x;
+  const int token = a.query_start[seq];
+  if (a.query_start[seq + 1] - token != 1) return;  // a prefill sequence: the other kernel's
+  const int pos = a.positions[token];
+  const int split = blockIdx.z;
+  const int key_begin = split * a.partition;
+  if (key_begin > pos) return;  // this partition is past the context: nothing to write
+  const int key_end = split == a.n_splits - 1 ? pos + 1 : min(key_begin + a.partition, pos + 1);
+
+  KESTREL_DYNAMIC_SMEM(smem);
+  auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto* sk = sq + kRows * D;
+  auto* sv = sk + 2 * kKeyTile * D;
+  const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;
+  const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
+  const int n_rows = min(a.heads_per_tile, a.group - h0);  // valid rows: query heads h0 ...
+  const int head0 = kvh * a.group + h0;                    // first query head of the block
+  const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+
+  for (int i = tid; i < kRows * kChunks; i += kAttnThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool valid = r < n_rows;
+    cp_async16(sq + swz<D>(r, c), a.q + (valid ? (static_cast<int64_t>(token) * a.n_head + head0 + r) * D + c * 8 : 0),
+               valid);
+  }
+  const int n_kv_tiles = (key_end - key_begin + kKeyTile - 1) / kKeyTile;
+  load_kv_tile<D>(sk, sv, a, block_table, kvh, key_begin, key_end);
+  cp_async_commit();
+
+  uint32_t qf[D / 16][4];
+  WarpSoftmax<D> st;
+  init_softmax(st);
+  for (int j = 0; j < n_kv_tiles; ++j) {
+    const int buf = j & 1;
+    if (j + 1 < n_kv_tiles) {
+      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * D, sv + (buf ^ 1) * kKeyTile * D, a, block_table, kvh,
+                      key_begin + (j + 1) * kKeyTile, key_end);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (j == 0) load_q_fragments<D>(qf, sq, 0);
+    const int key0 = key_begin + j * kKeyTile;
+    attend_tile<D, kKeyTile / kWarps>(st, qf, sk + buf * kKeyTile * D, sv + buf * kKeyTile * D,
+                                      warp * (kKeyTile / kWarps), key0, key0 + kKeyTile - 1 > pos, pos, pos,
+                                      a.scale_log2);
+    __syncthreads();
+  }
+
+  // Merge the 4 warps' states through shared memory (the K/V tiles are free now).
+  float* so = reinterpret_cast<float*>(sk);   // [kWarps][kRows][D]
+  float* sm = so + kWarps * kRows * D;        // [kWarps][kRows]
+  float* sl = sm + kWarps * kRows;            // [kWarps][kRows]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = st.l[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = lane / 4 + 8 * r;
+    if ((lane & 3) == 0) {
+      sm[warp * kRows + row] = st.m[r];
+      sl[warp * kRows + row] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2] = st.o[dt][2 * r];
+      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2 + 1] = st.o[dt][2 * r + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < n_rows * D; i += kAttnThreads) {
+    const int row = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + row]);
+    float l = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sm[w * kRows + row];
+      const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
+      l += sl[w * kRows + row] * e;
+      o += so[(w * kRows + row) * D + d] * e;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int head = head0 + row;
+    if (a.n_splits == 1) {
+      a.out[(static_cast<int64_t>(token) * a.n_head + head) * D + d] = __float2bfloat16_rn(o * inv);
+    } else {
+      const int64_t part = (static_cast<int64_t>(split) * a.n_seqs + seq) * a.n_head + head;
+      a.part_out[part * D + d] = o * inv;
+      if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
+// with w_s = 2^(lse_s - max lse). grid (n_seqs, n_head), 128 threads.
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKernelArgs a) {
+  const int seq = blockIdx.x, head = blockIdx.y;
+  const int token = a.query_start[seq];
+  if (a.query_start[seq + 1] - token != 1) return;
+  const int n_keys = a.positions[token] + 1;
+  const int n_parts = min(a.n_splits, (n_keys + a.partition - 1) / a.partition);
+  const int64_t stride = a.n_seqs * a.n_head;  // between splits
+  const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
+  float m = -INFINITY;
+  for (int s = 0; s < n_parts; ++s) m = fmaxf(m, a.part_lse[first + s * stride]);
+  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < n_parts; ++s) {
+      const float lse = a.part_lse[first + s * stride];
+      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
+      num += w * a.part_out[(first + s * stride) * D + d];
+      den += w;
+    }
+    a.out[(static_cast<int64_t>(token) * a.n_head + head) * D + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
+  }
+}
+
+}  // namespace kestrel::cuda
