@@ -1,0 +1,263 @@
+// Times the CUDA ops on the GPU (CUDA events around each launch, 5 warm-ups, median of 20) and
+// prints, per op and shape, the median time and the rate that bounds it: bytes moved (each input
+// read once, each output written once) per second for the memory-bound ops, FLOP/s for attention
+// prefill and the GEMMs. Compare with the device's ceilings (H200 here: ~4.3 TB/s copy, ~790
+// TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
+// Usage: kestrel_cuda_bench [filter-substring]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/gemm.h"
+
+namespace {
+
+using kestrel::cuda::bf16;
+
+// A device buffer filled with random bf16 (or f32 / int) values from a fast host generator.
+struct Buf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit Buf(size_t b) : bytes(b) { KESTREL_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(b, 16))); }
+  ~Buf() { (void)cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  template <class T>
+  T* as() const { return static_cast<T*>(p); }
+  void upload(const void* host) { KESTREL_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice)); }
+};
+
+uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+uint32_t next_u32() {
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return static_cast<uint32_t>(g_rng >> 16);
+}
+// Uniform in about [-1, 1), as bf16 bits: random mantissa and sign, exponent 2^-1 .. 2^-4.
+void fill_bf16(Buf& b) {
+  std::vector<uint16_t> h(b.bytes / 2);
+  for (auto& x : h) {
+    const uint32_t r = next_u32();
+    x = static_cast<uint16_t>((r & 0x8000u) | ((123u + (r >> 16) % 3u) << 7) | (r & 0x7fu));
+  }
+  b.upload(h.data());
+}
+void fill_f32(Buf& b) {
+  std::vector<float> h(b.bytes / 4);
+  for (auto& x : h) x = static_cast<float>(next_u32() % 2000001u) * 1e-6f - 1.0f + 1e-7f;
+  b.upload(h.data());
+}
+template <class T>
+void fill(Buf& b, const std::vector<T>& v) {
+  b.upload(v.data());
+}
+
+std::string g_filter;
+
+// Median milliseconds of fn over 20 timed runs after 5 warm-ups.
+double time_ms(const std::function<void()>& fn) {
+  cudaEvent_t a, b;
+  KESTREL_CUDA_CHECK(cudaEventCreate(&a));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 5; ++i) fn();
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(a));
+    fn();
+    KESTREL_CUDA_CHECK(cudaEventRecord(b));
+    KESTREL_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  KESTREL_CUDA_CHECK(cudaEventDestroy(a));
+  KESTREL_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void report(const std::string& op, const std::string& shape, double ms, double bytes, double flops) {
+  std::printf("%-16s %-44s %9.1f us", op.c_str(), shape.c_str(), ms * 1e3);
+  if (bytes > 0) std::printf("  %7.0f GB/s", bytes / (ms * 1e-3) / 1e9);
+  if (flops > 0) std::printf("  %6.1f TFLOP/s", flops / (ms * 1e-3) / 1e12);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
+
+// seqs: (context, q_len) pairs; one layer of KV cache sized to fit them.
+void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, int block_size,
+                     const std::vector<std::pair<int, int>>& seqs) {
+  if (!wanted("attention")) return;
+  std::vector<int32_t> qs{0}, ctx, pos, tables;
+  int max_blocks = 0, max_ctx = 0, max_q = 0, n_blocks = 0;
+  for (auto [c, q] : seqs) {
+    max_blocks = std::max(max_blocks, (c + block_size - 1) / block_size);
+    max_ctx = std::max(max_ctx, c);
+    max_q = std::max(max_q, q);
+  }
+  double flops = 0, kv_bytes = 0;
+  for (auto [c, q] : seqs) {
+    for (int i = 0; i < q; ++i) {
+      pos.push_back(c - q + i);
+      flops += 4.0 * n_head * d * (c - q + i + 1);
+    }
+    qs.push_back(qs.back() + q);
+    ctx.push_back(c);
+    const int nb = (c + block_size - 1) / block_size;
+    for (int b = 0; b < max_blocks; ++b) tables.push_back(b < nb ? n_blocks + b : -1);
+    n_blocks += nb;
+    kv_bytes += 2.0 * c * n_head_kv * d * 2;
+  }
+  // Scatter the blocks: a real pool hands them out in no particular order.
+  std::vector<int32_t> perm(static_cast<size_t>(n_blocks));
+  for (int i = 0; i < n_blocks; ++i) perm[static_cast<size_t>(i)] = i;
+  for (int i = n_blocks - 1; i > 0; --i) std::swap(perm[static_cast<size_t>(i)], perm[next_u32() % (i + 1)]);
+  for (auto& t : tables)
+    if (t >= 0) t = perm[static_cast<size_t>(t)];
+  const int64_t n_tokens = qs.back();
+  const size_t cache_elems = static_cast<size_t>(n_blocks) * n_head_kv * block_size * d;
+  Buf q(static_cast<size_t>(n_tokens) * n_head * d * 2), out(q.bytes), kc(cache_elems * 2), vc(cache_elems * 2);
+  Buf d_qs(qs.size() * 4), d_ctx(ctx.size() * 4), d_pos(pos.size() * 4), d_tab(tables.size() * 4);
+  fill_bf16(q);
+  fill_bf16(kc);
+  fill_bf16(vc);
+  fill(d_qs, qs);
+  fill(d_ctx, ctx);
+  fill(d_pos, pos);
+  fill(d_tab, tables);
+  kestrel::cuda::AttentionParams p{};
+  p.q = q.as<bf16>();
+  p.k_cache = kc.as<bf16>();
+  p.v_cache = vc.as<bf16>();
+  p.block_tables = d_tab.as<int32_t>();
+  p.context_lens = d_ctx.as<int32_t>();
+  p.query_start = d_qs.as<int32_t>();
+  p.positions = d_pos.as<int32_t>();
+  p.out = out.as<bf16>();
+  p.n_tokens = n_tokens;
+  p.n_seqs = static_cast<int64_t>(seqs.size());
+  p.max_blocks_per_seq = max_blocks;
+  p.max_context = max_ctx;
+  p.n_head = n_head;
+  p.n_head_kv = n_head_kv;
+  p.head_dim = d;
+  p.block_size = block_size;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.max_query_len = max_q;
+  Buf ws(kestrel::cuda::attention_workspace_bytes(p));
+  p.workspace = ws.p;
+  p.workspace_bytes = ws.bytes;
+  const double ms = time_ms([&] { kestrel::cuda::paged_attention(p, nullptr); });
+  const double bytes = kv_bytes + 2.0 * q.bytes;
+  report("attention", name, ms, bytes, flops);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1) g_filter = argv[1];
+  int n_dev = 0;
+  if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+    std::printf("no CUDA device: benchmarks skipped\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  std::printf("%-16s %-44s %12s\n", "op", "shape", "median");
+  try {
+    // Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim 128; SmolLM2-135M: 9 / 3 / 64.
+    bench_attention("prefill 1 x 2048, 32/8 heads, d128", 32, 8, 128, 16, {{2048, 2048}});
+    bench_attention("prefill 4 x 512, 32/8 heads, d128", 32, 8, 128, 16, {{512, 512}, {512, 512}, {512, 512}, {512, 512}});
+    bench_attention("prefill 1 x 2048, 9/3 heads, d64", 9, 3, 64, 16, {{2048, 2048}});
+    bench_attention("chunk 512 at 8192, 32/8, d128", 32, 8, 128, 16, {{8192, 512}});
+    bench_attention("decode 1 x ctx 32768, 32/8, d128 (split)", 32, 8, 128, 16, {{32768, 1}});
+    {
+      std::vector<std::pair<int, int>> s(64, {2048, 1});
+      bench_attention("decode 64 x ctx 2048, 32/8, d128", 32, 8, 128, 16, s);
+      s.assign(256, {1024, 1});
+      bench_attention("decode 256 x ctx 1024, 32/8, d128", 32, 8, 128, 16, s);
+      s.assign(63, {2048, 1});
+      s.push_back({4096, 512});
+      bench_attention("mixed 63 decodes @2048 + chunk 512 @4096", 32, 8, 128, 16, s);
+    }
+    const int64_t n = 4096;  // tokens of a large prefill batch
+    if (wanted("add_rms_norm")) {
+      const int64_t dim = 4096;
+      Buf res(n * dim * 4), add(n * dim * 2), w(dim * 2), out(n * dim * 2);
+      fill_f32(res);
+      fill_bf16(add);
+      fill_bf16(w);
+      const double ms = time_ms([&] {
+        kestrel::cuda::add_rms_norm(res.as<float>(), add.as<bf16>(), w.as<bf16>(), out.as<bf16>(), n, dim, 1e-5f, nullptr);
+      });
+      report("add_rms_norm", "4096 x 4096", ms, n * dim * (4.0 + 4 + 2 + 2), 0);
+    }
+    if (wanted("silu_mul")) {
+      const int64_t n_ff = 14336;
+      Buf in(n * 2 * n_ff * 2), out(n * n_ff * 2);
+      fill_bf16(in);
+      const double ms = time_ms([&] { kestrel::cuda::silu_mul(in.as<bf16>(), out.as<bf16>(), n, n_ff, nullptr); });
+      report("silu_mul", "4096 x 14336", ms, n * n_ff * 6.0, 0);
+    }
+    if (wanted("rope_write_kv")) {
+      const int64_t nh = 32, nkv = 8, d = 128;
+      Buf q(n * nh * d * 2), k(n * nkv * d * 2), v(k.bytes), kc(k.bytes), vc(k.bytes), pos(n * 4), slots(n * 8),
+          inv(d / 2 * 4);
+      fill_bf16(q);
+      fill_bf16(k);
+      fill_bf16(v);
+      std::vector<int32_t> hp(static_cast<size_t>(n));
+      std::vector<int64_t> hs(static_cast<size_t>(n));
+      std::vector<float> hi(static_cast<size_t>(d / 2));
+      for (int64_t i = 0; i < n; ++i) hp[static_cast<size_t>(i)] = static_cast<int32_t>(i), hs[static_cast<size_t>(i)] = i;
+      for (int64_t i = 0; i < d / 2; ++i) hi[static_cast<size_t>(i)] = static_cast<float>(std::pow(500000.0, -2.0 * i / d));
+      fill(pos, hp);
+      fill(slots, hs);
+      fill(inv, hi);
+      const double ms = time_ms([&] {
+        kestrel::cuda::rope_write_kv(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), pos.as<int32_t>(), slots.as<int64_t>(),
+                                     inv.as<float>(), 1.0f, n, nh, nkv, d, d, true, kc.as<bf16>(), vc.as<bf16>(), 16,
+                                     nullptr);
+      });
+      report("rope_write_kv", "4096 tokens, 32/8 heads, d128", ms, 2.0 * q.bytes + 4.0 * k.bytes, 0);
+    }
+    if (wanted("gemm")) {
+      kestrel::cuda::Gemm gemm;
+      struct G {
+        int64_t t, in, out;
+        kestrel::cuda::GemmOutput o;
+        const char* what;
+      };
+      for (const G g : {G{4096, 4096, 4096, kestrel::cuda::GemmOutput::Bf16, "4096 x 4096 x 4096 (prefill)"},
+                        G{4096, 4096, 28672, kestrel::cuda::GemmOutput::Bf16, "4096 x 4096 -> 28672 (gate|up)"},
+                        G{1, 4096, 28672, kestrel::cuda::GemmOutput::Bf16, "1 x 4096 -> 28672 (decode)"},
+                        G{64, 4096, 28672, kestrel::cuda::GemmOutput::Bf16, "64 x 4096 -> 28672 (decode)"},
+                        G{64, 4096, 128256, kestrel::cuda::GemmOutput::F32, "64 x 4096 -> 128256 f32 (logits)"}}) {
+        Buf x(g.t * g.in * 2), w(g.out * g.in * 2), y(g.t * g.out * (g.o == kestrel::cuda::GemmOutput::F32 ? 4 : 2));
+        fill_bf16(x);
+        fill_bf16(w);
+        const double ms =
+            time_ms([&] { gemm.run(x.as<bf16>(), w.as<bf16>(), y.p, g.o, g.t, g.in, g.out, nullptr); });
+        report("gemm", g.what, ms, static_cast<double>(x.bytes + w.bytes + y.bytes), 2.0 * g.t * g.in * g.out);
+      }
+    }
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    std::printf("benchmark failed: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
