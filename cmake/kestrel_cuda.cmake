@@ -60,5 +60,7 @@ if(KESTREL_CUDA_EMULATION)
 endif()
 
 # Timings of the ops on a GPU (scripts/device/cuda_tests.sh runs it with KESTREL_CUDA_BENCH=1).
-add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp)
-target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
+if(KESTREL_BENCH)
+  add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp)
+  target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
+endif()

@@ -26,6 +26,7 @@ struct AttnCase {
   std::vector<SeqSpec> seqs;
   float q_range;          // q uniform in [-q_range, q_range]: larger means peakier softmax
   bool pass_max_query_len;
+  int32_t max_context_override = 0;  // > 0: pass this (too small) max_context instead of the true one
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -79,7 +80,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.n_tokens = n_tokens;
   p.n_seqs = n_seqs;
   p.max_blocks_per_seq = max_blocks;
-  p.max_context = max_context;
+  p.max_context = c.max_context_override > 0 ? c.max_context_override : max_context;
   p.n_head = c.n_head;
   p.n_head_kv = c.n_head_kv;
   p.head_dim = D;
@@ -150,6 +151,8 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
       {"decode only, 3001 and 1500 keys (split-KV)", 8, 2, 128, 16, {{3001, 1}, {1500, 1}}, 3.0f, true},
       {"decode d64 group 3, 2049 keys (split-KV)", 9, 3, 64, 32, {{2049, 1}}, 1.0f, false},
       {"chunk + decode, 2000 and 2500 keys", 8, 2, 128, 16, {{2000, 5}, {2500, 1}}, 1.0f, true},
+      // max_context understated: the last split must take the rest of the context.
+      {"3001 keys, max_context given as 1000", 8, 2, 128, 16, {{3001, 1}}, 1.0f, true, 1000},
   };
   for (const auto& c : cases) run_case(c, rng);
 }

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kestrel::cuda {
@@ -80,7 +81,8 @@ struct AttentionParams {
   int64_t n_tokens;
   int64_t n_seqs;
   int32_t max_blocks_per_seq;
-  int32_t max_context;  // max over context_lens (host-known), sizes the split-KV grid
+  int32_t max_context;  // max over context_lens (host-known), sizes the split-KV grid (a smaller
+                        // value stays correct: the last split takes the rest of the context)
   int32_t n_head;
   int32_t n_head_kv;
   int32_t head_dim;     // 64 or 128
