@@ -14,9 +14,9 @@
 #   KESTREL_CUDA_BENCH=1 scripts/device/...        also time the ops (bench/cuda/bench_cuda_ops.cpp)
 # Logs go to $OUT (when set, as on the device tool) or build-cuda-ops/logs.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 filter="${1:-}"
-build=build-cuda-ops
+build="build-cuda-ops"
 logs="${OUT:-$build/logs}"
 mkdir -p "$logs"
 
@@ -94,4 +94,4 @@ n_fail=$(grep -cE '^\[  FAILED  \] .* \([0-9]+ ms\)$' "$logs/tests.log")
 n_skip=$(grep -cE '^\[  SKIPPED \] .* \([0-9]+ ms\)$' "$logs/tests.log")
 echo "passed $n_pass, failed $n_fail, skipped $n_skip (test binary exit $rc)"
 [ "$n_skip" -gt 0 ] && echo "note: skipped tests mean no usable GPU was found"
-if [ $rc -ne 0 ] || [ $san_rc -ne 0 ]; then exit 1; fi
+if [ "$rc" -ne 0 ] || [ "$san_rc" -ne 0 ]; then exit 1; fi
