@@ -24,7 +24,7 @@
 // void kestrel_emu_switch(void** save_sp, void* load_sp): saves the callee-saved registers on the
 // current stack, stores the stack pointer in *save_sp, loads load_sp and restores from there.
 asm(R"(
-  .text
+  .pushsection .text
   .globl kestrel_emu_switch
   .type kestrel_emu_switch, @function
 kestrel_emu_switch:
@@ -44,7 +44,7 @@ kestrel_emu_switch:
   popq %rbp
   ret
   .size kestrel_emu_switch, .-kestrel_emu_switch
-  .section .note.GNU-stack,"",@progbits
+  .popsection
 )");
 extern "C" void kestrel_emu_switch(void** save_sp, void* load_sp);
 
