@@ -27,10 +27,33 @@ file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
 list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate\\.cpp$")
 
+# cuBLASLt: the toolkit's, else one named by KESTREL_CUBLAS_ROOT (a folder with include/cublasLt.h
+# and lib/libcublasLt.so*, as the nvidia-cublas Python wheel lays it out). Without it the GEMM
+# wrapper (gemm.cpp) is left out and KESTREL_CUDA_NO_GEMM is defined; the kernels still build.
+set(KESTREL_CUBLAS_ROOT "" CACHE PATH "cuBLAS outside the CUDA toolkit (include/, lib/)")
+set(kestrel_cublaslt "")
+if(TARGET CUDA::cublasLt)
+  set(kestrel_cublaslt CUDA::cublasLt)
+elseif(KESTREL_CUBLAS_ROOT)
+  find_library(KESTREL_CUBLASLT_LIBRARY NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12
+               HINTS ${KESTREL_CUBLAS_ROOT}/lib NO_DEFAULT_PATH)
+  find_path(KESTREL_CUBLASLT_INCLUDE cublasLt.h HINTS ${KESTREL_CUBLAS_ROOT}/include NO_DEFAULT_PATH)
+  if(KESTREL_CUBLASLT_LIBRARY AND KESTREL_CUBLASLT_INCLUDE)
+    add_library(kestrel_cublaslt_external SHARED IMPORTED)
+    set_target_properties(kestrel_cublaslt_external PROPERTIES IMPORTED_LOCATION ${KESTREL_CUBLASLT_LIBRARY}
+                          INTERFACE_INCLUDE_DIRECTORIES ${KESTREL_CUBLASLT_INCLUDE})
+    set(kestrel_cublaslt kestrel_cublaslt_external)
+  endif()
+endif()
+if(NOT kestrel_cublaslt)
+  message(WARNING "cuBLASLt not found: kestrel_cuda is built without the GEMM wrapper (gemm.cpp)")
+  list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/gemm\\.cpp$")
+endif()
+
 add_library(kestrel_cuda STATIC ${KESTREL_CUDA_KERNEL_SOURCES} ${KESTREL_CUDA_HOST_SOURCES})
 target_include_directories(kestrel_cuda PUBLIC ${CMAKE_SOURCE_DIR}/src)
-target_link_libraries(kestrel_cuda PUBLIC CUDA::cudart_static CUDA::cublasLt)
-target_compile_definitions(kestrel_cuda PUBLIC KESTREL_HAS_CUDA=1)
+target_link_libraries(kestrel_cuda PUBLIC CUDA::cudart_static ${kestrel_cublaslt})
+target_compile_definitions(kestrel_cuda PUBLIC KESTREL_HAS_CUDA=1 $<$<NOT:$<BOOL:${kestrel_cublaslt}>>:KESTREL_CUDA_NO_GEMM=1>)
 # -lineinfo: source lines in ncu and compute-sanitizer reports, no effect on the code.
 target_compile_options(kestrel_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>
                        $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)

@@ -17,7 +17,9 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
+#if !defined(KESTREL_CUDA_NO_GEMM)
 #include "backend/cuda/gemm.h"
+#endif
 
 namespace {
 
@@ -234,6 +236,7 @@ int main(int argc, char** argv) {
       });
       report("rope_write_kv", "4096 tokens, 32/8 heads, d128", ms, 2.0 * q.bytes + 4.0 * k.bytes, 0);
     }
+#if !defined(KESTREL_CUDA_NO_GEMM)
     if (wanted("gemm")) {
       kestrel::cuda::Gemm gemm;
       struct G {
@@ -254,6 +257,7 @@ int main(int argc, char** argv) {
         report("gemm", g.what, ms, static_cast<double>(x.bytes + w.bytes + y.bytes), 2.0 * g.t * g.in * g.out);
       }
     }
+#endif
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::printf("benchmark failed: %s\n", e.what());

@@ -23,6 +23,18 @@ mkdir -p "$logs"
 # nvcc where the CUDA image puts it, when it is not on PATH already.
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH="/usr/local/cuda/bin:$PATH"; fi
 
+# cuBLASLt: the toolkit's, else the nvidia-cublas Python wheel's (found and put on the loader's
+# path); without either the GEMM wrapper and its test are left out of the build.
+cublas_args=()
+if ! ls /usr/local/cuda/lib64/libcublasLt.so* >/dev/null 2>&1 && ! ls /usr/local/cuda/targets/*/lib/libcublasLt.so* >/dev/null 2>&1; then
+  wheel=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+  if [ -n "$wheel" ] && [ -d "$wheel/lib" ]; then
+    cublas_args=("-DKESTREL_CUBLAS_ROOT=$wheel")
+    export LD_LIBRARY_PATH="$wheel/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "cuBLASLt from the Python wheel: $wheel"
+  fi
+fi
+
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -4
 nvcc --version | tail -2 | head -1
@@ -32,7 +44,7 @@ echo "== build ($build)"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 t0=$(date +%s)
-if ! cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKESTREL_CUDA_OPS_ONLY=ON -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
+if ! cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKESTREL_CUDA_OPS_ONLY=ON -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" "${cublas_args[@]}" \
       >"$logs/configure.log" 2>&1; then
   tail -40 "$logs/configure.log"; echo "configure FAILED"; exit 1
 fi

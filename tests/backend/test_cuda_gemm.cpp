@@ -1,8 +1,8 @@
 // cuBLASLt GEMM wrapper (y = x . W^T, W row-major [n_out, n_in]) against a float64 reference.
 // Tolerances (relative L2): f32 output 1e-4 (bf16 operands are exact in both; only the f32
 // accumulation order differs, ~sqrt(n_in) * 2^-24); bf16 output 4e-3 (one rounding to bf16).
-// Not in the CPU emulation (cuBLASLt needs a GPU).
-#if !defined(KESTREL_CUDA_EMULATE)
+// Not in the CPU emulation (cuBLASLt needs a GPU), nor in a build without cuBLASLt.
+#if !defined(KESTREL_CUDA_EMULATE) && !defined(KESTREL_CUDA_NO_GEMM)
 
 #include "backend/cuda/gemm.h"
 #include "cuda_test_util.h"
@@ -69,4 +69,4 @@ TEST(CudaGemm, RejectsBadArguments) {
 }  // namespace
 }  // namespace kestrel::test
 
-#endif  // !KESTREL_CUDA_EMULATE
+#endif  // !KESTREL_CUDA_EMULATE && !KESTREL_CUDA_NO_GEMM
