@@ -31,6 +31,7 @@ struct BatchArgs {
   std::string stats_json;
   EngineConfig engine;
   bool no_prefix_cache = false;
+  std::string kv_dtype = "f16";
 };
 
 // The whole input ("-" = standard input). Throws kestrel::Error naming the file.
@@ -221,6 +222,7 @@ void run_batch(const BatchArgs& a) {
   LoadedModel lm = load_model(a.model);
   EngineConfig config = a.engine;
   config.enable_prefix_caching = !a.no_prefix_cache;
+  config.kv_dtype = parse_kv_dtype(a.kv_dtype, "--kv-dtype");
   std::unique_ptr<Engine> engine;
   try {
     engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config);
@@ -272,6 +274,8 @@ void register_batch(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   sub->add_flag("--no-prefix-cache", a->no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
+  sub->add_option("--kv-dtype", a->kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
+      ->capture_default_str();
   sub->add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
       ->check(CLI::Range(0, max_threads))
       ->capture_default_str();

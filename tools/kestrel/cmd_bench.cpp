@@ -29,6 +29,11 @@ struct BenchArgs {
   EngineFlags engine;
 };
 
+// Threads the CPU backend runs with (0 on the command line = every hardware thread).
+int bench_threads(const BenchArgs& a) {
+  return a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
   std::vector<int32_t> prompt(static_cast<size_t>(n));
   uint64_t x = 0x9e3779b97f4a7c15ull ^ (seed * 0xbf58476d1ce4e5b9ull);
@@ -79,7 +84,7 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
       run_tokens = e.stats().n_prompt_tokens_computed - prompt0;
       hits = m.n_cached_prompt_tokens;
     }
-    const int threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    const int threads = bench_threads(a);
     std::sort(ttft.begin(), ttft.end());
     std::printf("| %d | %lld | %lld | %s | %.1f (median of %zu) | %lld | %lld |\n", threads,
                 static_cast<long long>(a.shared_prefix), static_cast<long long>(n_suffix), caching ? "on" : "off",
@@ -145,7 +150,7 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
       tpot.push_back(1e3 * sum_tpot / n);
       steps = e.stats().n_steps - steps0;
     }
-    threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    threads = bench_threads(a);
     auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
     std::printf("| %d | %d | %.1f | %.1f | %.1f | %.2f | %lld |\n", threads, n, mean(pp), mean(tg), mean(ttft),
                 mean(tpot), static_cast<long long>(steps));
@@ -201,10 +206,10 @@ void run_bench(BenchArgs a) {
   std::printf("| model | threads | simd | test | tok/s |\n|---|---|---|---|---|\n");
   const auto& hp = lm.model->hparams();
   const std::string name = hp.name.empty() ? hp.arch : hp.name;
-  std::printf("| %s | %d | %s | pp%lld | %.1f ± %.1f |\n", name.c_str(), session.pool().size(),
+  std::printf("| %s | %d | %s | pp%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
               simd_level_name(simd_level()), static_cast<long long>(a.n_prompt), mean(pp), sd(pp));
   if (a.n_gen > 0)
-    std::printf("| %s | %d | %s | tg%lld | %.1f ± %.1f |\n", name.c_str(), session.pool().size(),
+    std::printf("| %s | %d | %s | tg%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
                 simd_level_name(simd_level()), static_cast<long long>(a.n_gen), mean(tg), sd(tg));
 }
 }  // namespace
