@@ -269,10 +269,15 @@ std::vector<RequestOutput> Engine::step() {
   for (size_t i = 0; i < m.sampling.size(); ++i) {
     RequestState& r = *m.sampling[i];
     const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
-    for (float v : row)
-      if (std::isnan(v))
-        throw Error("the model produced NaN logits for request " + std::to_string(r.id) +
-                    ": its weights are probably corrupt");
+    // NaN logits (corrupt weights) end this request with an error, not the engine.
+    if (std::any_of(row.begin(), row.end(), [](float v) { return std::isnan(v); })) {
+      RequestOutput o;
+      o.id = r.id;
+      o.error = "the model produced NaN logits at position " + std::to_string(r.seq.tokens.size() - 1) +
+                ": its weights are probably corrupt";
+      m.finish(r, "error", outputs, &o);
+      continue;
+    }
     // OpenAI semantics: presence/frequency penalties count generated tokens only.
     const int32_t token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
     m.post_process(r, token, outputs);

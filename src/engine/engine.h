@@ -58,7 +58,8 @@ struct RequestOutput {
   std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
   bool finished = false;
-  std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort"
+  std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"
+  std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
   RequestMetrics metrics;               // complete when finished
 };
 

@@ -154,6 +154,12 @@ class BatchRun {
     r.output_ids.insert(r.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     r.text += o.text_delta;
     if (!o.finished) return;
+    if (o.finish_reason == "error") {  // the engine ended this request (e.g. NaN logits)
+      finish_with_error(slot, o.error);
+      r = BatchResult();
+      running_.erase(it);
+      return;
+    }
     r.finish_reason = o.finish_reason;
     r.metrics = o.metrics;
     summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
