@@ -65,9 +65,11 @@ void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
   if (type == "linear") {
     hp.rope_linear_scale = static_cast<float>(positive(s, "factor"));
   } else if (type == "llama3") {
-    cfg.rope_freq_factors = llama3_rope_freq_factors(
-        hp.rope_dim, hp.rope_theta, positive(s, "factor"), positive(s, "low_freq_factor"),
-        positive(s, "high_freq_factor"), positive(s, "original_max_position_embeddings"));
+    const double factor = positive(s, "factor"), low = positive(s, "low_freq_factor"),
+                 high = positive(s, "high_freq_factor"), original = positive(s, "original_max_position_embeddings");
+    if (!(low < high))
+      s.fail("low_freq_factor " + std::to_string(low) + " must be below high_freq_factor " + std::to_string(high));
+    cfg.rope_freq_factors = llama3_rope_freq_factors(hp.rope_dim, hp.rope_theta, factor, low, high, original);
   } else {
     s.fail("rope type '" + type + "' is not supported (supported: default, linear, llama3)");
   }
