@@ -96,8 +96,15 @@ const GgufFile& LlamaModel::file() const {
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path) {
+  namespace fs = std::filesystem;
   std::error_code ec;
-  return std::filesystem::is_directory(path, ec) ? load_hf_dir(path) : load_gguf(path);
+  if (fs::is_directory(path, ec)) return load_hf_dir(path);
+  const fs::path p(path);
+  if (p.extension() == ".safetensors" || p.filename() == "config.json" ||
+      p.filename() == "model.safetensors.index.json")
+    throw Error(path + ": a file of a Hugging Face model folder; pass the folder (" +
+                p.parent_path().string() + ") instead");
+  return load_gguf(path);
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {

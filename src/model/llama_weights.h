@@ -63,7 +63,8 @@ class LlamaModel {
   // and the config's or the reader's errors.
   static std::unique_ptr<LlamaModel> load_hf_dir(const std::string& dir);
 
-  // load_hf_dir for a directory, load_gguf for anything else.
+  // load_hf_dir for a directory, load_gguf for anything else. Throws kestrel::Error pointing at the
+  // folder when given a *.safetensors, config.json or index file of one.
   static std::unique_ptr<LlamaModel> load(const std::string& path);
 
   ~LlamaModel();

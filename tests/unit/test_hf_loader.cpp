@@ -167,6 +167,8 @@ TEST(HfLoader, ViewsF32WeightsInPlace) {
   EXPECT_NE(error_of([&] { m->file(); }).find("has no GGUF metadata"), std::string::npos);
   // LlamaModel::load picks the loader from the path.
   EXPECT_EQ(LlamaModel::load(dir.path())->format(), ModelFormat::HfFolder);
+  EXPECT_NE(error_of([&] { LlamaModel::load(dir.path() + "/model.safetensors"); }).find("pass the folder"),
+            std::string::npos);
 }
 
 TEST(HfLoader, HalfPrecisionDtypesStayInTheirType) {
