@@ -261,7 +261,7 @@ void register_batch(CLI::App& app) {
   const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   CLI::App* sub = app.add_subcommand(
       "batch", "Run a file of requests (JSON lines) together through the engine; results in input order");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-i,--input", a->input,
                   "Requests, one JSON object per line: {\"id\", \"prompt\" or \"messages\", OpenAI sampling "
                   "fields}; - = stdin")

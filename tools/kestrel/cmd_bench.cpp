@@ -217,7 +217,7 @@ void run_bench(BenchArgs a) {
 void register_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* sub = app.add_subcommand("bench", "Measure prefill and decode speed (batch 1)");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens (pp test)")->capture_default_str();
   sub->add_option("-n,--n-gen", a->n_gen, "Generated tokens (tg test)")->capture_default_str();
   sub->add_option("-r,--reps", a->reps, "Timed repetitions")->capture_default_str();

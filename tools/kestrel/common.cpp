@@ -40,8 +40,9 @@ LoadedModel load_model(const std::string& model_flag, bool quiet) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel lm;
   const std::string path = resolve_model_path(model_flag);
-  lm.model = LlamaModel::load_gguf(path);
-  lm.tokenizer = Tokenizer::from_gguf(lm.model->file());
+  lm.model = LlamaModel::load(path);
+  lm.tokenizer = lm.model->format() == ModelFormat::Gguf ? Tokenizer::from_gguf(lm.model->file())
+                                                          : Tokenizer::from_hf_dir(path);
   if (lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
     throw Error(path + ": tokenizer has " + std::to_string(lm.tokenizer->n_vocab()) +
                 " tokens but the model's output has " + std::to_string(lm.model->hparams().n_vocab));

@@ -14,6 +14,9 @@
 namespace kestrel::cli {
 
 inline constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
+inline constexpr const char* kModelHelp =
+    "GGUF model file, or Hugging Face model folder (config.json, *.safetensors, tokenizer files); "
+    "default: the SmolLM2 model from setup";
 
 // -m PATH, or the default model: $KESTREL_MODEL, then models/<default> under the current
 // directory, the binary's directory and its parent. Throws kestrel::Error naming where it looked.
@@ -24,7 +27,9 @@ struct LoadedModel {
   std::unique_ptr<Tokenizer> tokenizer;
   double load_seconds = 0;
 };
-// Loads model and tokenizer, printing a one-line summary to stderr unless quiet.
+// Loads model and tokenizer from a GGUF file or a Hugging Face folder (LlamaModel::load; the
+// folder's tokenizer through Tokenizer::from_hf_dir), printing a one-line summary to stderr unless
+// quiet.
 LoadedModel load_model(const std::string& model_flag, bool quiet = false);
 
 // Sampling flags shared by generate and chat.

@@ -19,7 +19,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {
     if (!matmul_supports(w.type))
-      throw Error(model.file().path() + ": " + what + " has type " + std::string(type_name(w.type)) +
+      throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type)) +
                   ", which the CPU kernels do not support");
   };
   const auto& W = model.weights();
@@ -179,6 +179,8 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
     write_kv(b, il);
     attention(b, il);
     matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
+    if (!L.bo.empty())
+      for (int64_t t = 0; t < n; ++t) op.add(h_.data() + t * d, L.bo.data(), d);
     op.add(x_.data(), h_.data(), n * d);
 
     rms_norm_rows(x_.data(), L.ffn_norm.data(), h_.data(), n);
