@@ -32,6 +32,8 @@ struct BatchArgs {
   EngineConfig engine;
   bool no_prefix_cache = false;
   std::string kv_dtype = "f16";
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
 };
 
 // The whole input ("-" = standard input). Throws kestrel::Error naming the file.
@@ -231,7 +233,8 @@ void run_batch(const BatchArgs& a) {
   config.kv_dtype = parse_kv_dtype(a.kv_dtype, "--kv-dtype");
   std::unique_ptr<Engine> engine;
   try {
-    engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config);
+    engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
+                                      make_engine_runner(a.device, a.gpu_memory_utilization, *lm.model, config));
   } catch (const Error& e) {
     // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
     throw CLI::ValidationError("engine flags", e.what());
@@ -280,6 +283,7 @@ void register_batch(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   sub->add_flag("--no-prefix-cache", a->no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
+  add_device_flags(*sub, a->device, a->gpu_memory_utilization);
   sub->add_option("--kv-dtype", a->kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
   sub->add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")

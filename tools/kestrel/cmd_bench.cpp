@@ -63,7 +63,8 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
     c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
     c.enable_prefix_caching = caching;
-    Engine e(*lm.model, nullptr, c);
+    Engine e(*lm.model, nullptr, c,
+             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
     std::vector<double> ttft;
     int64_t run_tokens = 0, hits = 0;
     for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
@@ -109,7 +110,8 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
     c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
     c.enable_prefix_caching = false;
-    Engine e(*lm.model, nullptr, c);
+    Engine e(*lm.model, nullptr, c,
+             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
     std::vector<double> pp, tg, ttft, tpot;
     int64_t steps = 0;
     for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up
@@ -176,7 +178,7 @@ void run_bench(BenchArgs a) {
   if (so.n_ctx > lm.model->hparams().n_ctx_train)
     throw Error("bench: -p + -n = " + std::to_string(so.n_ctx - 1) + " tokens exceeds the model's context of " +
                 std::to_string(lm.model->hparams().n_ctx_train));
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   // A fixed pseudo-random prompt (the ids do not change the cost of a forward pass).
   std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));
   uint64_t x = 0x9e3779b97f4a7c15ull;

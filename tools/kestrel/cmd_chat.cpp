@@ -69,7 +69,7 @@ void run_chat(const ChatArgs& a) {
   go.stop_ids = stop_ids(tok);
   if (const auto eot = tok.token_id(tmpl.end_of_turn()); eot && !tmpl.end_of_turn().empty())
     go.stop_ids.push_back(*eot);
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   std::vector<ChatMessage> messages;
   if (!a.system.empty()) messages.push_back({"system", a.system});
 

@@ -47,7 +47,7 @@ void run_generate(const GenerateArgs& a) {
   const Tokenizer& tok = *lm.tokenizer;
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
 
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   if (!a.dump_logits.empty()) {
     write_npy(a.dump_logits, session.all_logits(prompt_ids), static_cast<int64_t>(prompt_ids.size()),
               lm.model->hparams().n_vocab);
