@@ -1,9 +1,13 @@
 # The CUDA backend's targets (included from the top-level CMakeLists.txt when KESTREL_CUDA is on):
-#   kestrel_cuda      static library: the kernels (src/backend/cuda/*.cu, nvcc, sm_90a) and the
-#                     cuBLASLt GEMM wrapper; links kestrel_lib when KESTREL_CUDA_CORE_TARGET names it,
-#                     else compiles the one file of it that it needs (src/core/error.cpp).
-#   kestrel_cuda_emu  the same kernel sources compiled by the host compiler against the CPU
-#                     emulation (src/backend/cuda/emulate.h), for tests on machines without a GPU.
+#   kestrel_cuda      static library: every .cu and .cpp of src/backend/cuda (nvcc, sm_90a): the op
+#                     kernels, the cuBLASLt GEMM wrapper, and whatever else lives there (a model
+#                     runner); links kestrel_lib (KESTREL_CUDA_CORE_TARGET).
+#                     With KESTREL_CUDA_OPS_ONLY (no kestrel_lib), only the ops: each .cu with a .cuh
+#                     of the same name (one op per pair), cuda_check.cpp, gemm.cpp, and the one file
+#                     of kestrel_lib they need (src/core/error.cpp).
+#   kestrel_cuda_emu  the ops' .cu files compiled by the host compiler against the CPU emulation
+#                     (src/backend/cuda/emulate.h), for tests on machines without a GPU.
+# So an op's .cu/.cuh may depend on core/error.h only.
 # Kept out of kestrel_lib: kestrel_lib never includes a CUDA header (docs/architecture.md).
 
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
@@ -26,6 +30,17 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
 list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate\\.cpp$")
+set(KESTREL_CUDA_OP_SOURCES "")
+foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
+  string(REGEX REPLACE "\\.cu$" ".cuh" cuh ${cu})
+  if(EXISTS ${cuh})
+    list(APPEND KESTREL_CUDA_OP_SOURCES ${cu})
+  endif()
+endforeach()
+if(NOT KESTREL_CUDA_CORE_TARGET)
+  set(KESTREL_CUDA_KERNEL_SOURCES ${KESTREL_CUDA_OP_SOURCES})
+  list(FILTER KESTREL_CUDA_HOST_SOURCES INCLUDE REGEX "/(cuda_check|gemm)\\.cpp$")
+endif()
 
 # cuBLASLt: the toolkit's, else one named by KESTREL_CUBLAS_ROOT (a folder with include/cublasLt.h
 # and lib/libcublasLt.so*, as the nvidia-cublas Python wheel lays it out). Without it the GEMM
@@ -66,7 +81,7 @@ endif()
 if(KESTREL_CUDA_EMULATION)
   # Each .cu file compiled as C++ through a one-line wrapper (a source file has one language).
   set(emu_sources ${CMAKE_SOURCE_DIR}/src/backend/cuda/emulate.cpp)
-  foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
+  foreach(cu ${KESTREL_CUDA_OP_SOURCES})
     get_filename_component(name ${cu} NAME_WE)
     set(wrapper ${CMAKE_BINARY_DIR}/cuda_emu/${name}_emu.cpp)
     file(CONFIGURE OUTPUT ${wrapper} CONTENT "#include \"${cu}\"\n")

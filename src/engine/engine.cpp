@@ -6,11 +6,8 @@
 #include <optional>
 #include <unordered_map>
 
-#include "backend/cpu/cpu_model_runner.h"
 #include "core/error.h"
-#include "core/thread_pool.h"
 #include "engine/stop_checker.h"
-#include "memory/kv_cache.h"
 #include "memory/kv_manager.h"
 #include "sampling/sampler.h"
 #include "scheduler/scheduler.h"
@@ -25,7 +22,7 @@ double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::d
 constexpr int64_t kDefaultMaxModelLen = 8192;
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
 
-EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp) {
+EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const ModelRunner* runner) {
   EngineConfig c = in;
   if (c.block_size <= 0) throw Error("block_size must be positive, got " + std::to_string(c.block_size));
   if (c.max_model_len < 0) throw Error("max_model_len must be >= 0, got " + std::to_string(c.max_model_len));
@@ -35,6 +32,13 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp) {
     throw Error("max_model_len " + std::to_string(c.max_model_len) + " exceeds the model's context of " +
                 std::to_string(hp.n_ctx_train));
   const int64_t blocks_per_seq = (c.max_model_len + c.block_size - 1) / c.block_size;
+  if (runner != nullptr) {
+    if (runner->block_size() != c.block_size)
+      throw Error("the backend's KV blocks hold " + std::to_string(runner->block_size()) + " tokens but block_size is " +
+                  std::to_string(c.block_size));
+    c.n_kv_blocks = runner->n_kv_blocks();
+    c.kv_dtype = runner->kv_dtype();
+  }
   if (c.n_kv_blocks == 0) {
     const int64_t bytes_per_block = 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * kv_dtype_bytes(c.kv_dtype) * c.block_size;
     const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
@@ -45,6 +49,15 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp) {
                 " tokens cannot hold one sequence of max_model_len " + std::to_string(c.max_model_len) +
                 " (needs " + std::to_string(blocks_per_seq) + " blocks): raise the blocks or lower max_model_len");
   return c;
+}
+
+std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig& c) {
+  RunnerOptions o;
+  o.block_size = c.block_size;
+  o.n_kv_blocks = c.n_kv_blocks;
+  o.kv_dtype = c.kv_dtype;
+  o.n_threads = c.n_threads;
+  return make_cpu_model_runner(m, o);
 }
 
 struct RequestState {
@@ -60,16 +73,13 @@ struct RequestState {
 }  // namespace
 
 struct Engine::Impl {
-  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c)
+  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r)
       : model(m),
         tokenizer(t),
-        config(resolve(c, m.hparams())),
-        pool(config.n_threads),
-        kv(m.hparams().n_layer, m.hparams().n_head_kv, m.hparams().head_dim, config.block_size, config.n_kv_blocks,
-           config.kv_dtype),
+        config(resolve(c, m.hparams(), r.get())),
+        runner(r ? std::move(r) : cpu_runner(m, config)),
         manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
-        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager),
-        runner(m, kv, pool) {
+        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager) {
     stats.n_kv_blocks = config.n_kv_blocks;
     refresh_kv_stats();
   }
@@ -89,11 +99,9 @@ struct Engine::Impl {
   const LlamaModel& model;
   const Tokenizer* tokenizer;
   EngineConfig config;
-  ThreadPool pool;
-  KvCache kv;
+  std::unique_ptr<ModelRunner> runner;
   KvManager manager;
   Scheduler scheduler;
-  cpu::CpuModelRunner runner;
   std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests;
   std::vector<RequestOutput> pending;  // aborts reported by the next step
   RequestId next_id = 1;
@@ -104,12 +112,14 @@ struct Engine::Impl {
   std::vector<RequestState*> sampling;  // [logits_indices.size()] whose row each logits row is
 };
 
-Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config)
-    : impl_(std::make_unique<Impl>(model, tokenizer, config)) {}
+Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
+               std::unique_ptr<ModelRunner> runner)
+    : impl_(std::make_unique<Impl>(model, tokenizer, config, std::move(runner))) {}
 Engine::~Engine() = default;
 
 const EngineStats& Engine::stats() const { return impl_->stats; }
 const EngineConfig& Engine::config() const { return impl_->config; }
+const ModelRunner& Engine::runner() const { return *impl_->runner; }
 size_t Engine::n_waiting() const { return impl_->scheduler.n_waiting(); }
 size_t Engine::n_running() const { return impl_->scheduler.n_running(); }
 bool Engine::has_unfinished() const { return !impl_->requests.empty() || !impl_->pending.empty(); }
@@ -239,7 +249,7 @@ std::vector<RequestOutput> Engine::step() {
   m.refresh_kv_stats();
   if (out.empty()) return outputs;
   ++m.stats.n_steps;
-  for (const BlockCopy& c : out.copies) m.kv.copy_block(c.src, c.dst);
+  if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   m.build_batch(out);
   m.stats.n_prompt_tokens_computed += out.n_tokens - out.n_decodes;
 
@@ -252,17 +262,22 @@ std::vector<RequestOutput> Engine::step() {
   fb.block_tables = m.block_tables;
   fb.max_blocks_per_seq = static_cast<int32_t>(m.block_tables.size() / std::max<size_t>(1, out.scheduled.size()));
   fb.logits_indices = m.logits_indices;
-  const std::span<const float> logits = m.runner.forward(fb);
+  const std::span<const float> logits = m.runner->forward(fb);
   m.scheduler.on_step_done(out);
 
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < m.sampling.size(); ++i) {
     RequestState& r = *m.sampling[i];
     const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
-    for (float v : row)
-      if (std::isnan(v))
-        throw Error("the model produced NaN logits for request " + std::to_string(r.id) +
-                    ": its weights are probably corrupt");
+    // NaN logits (corrupt weights) end this request with an error, not the engine.
+    if (std::any_of(row.begin(), row.end(), [](float v) { return std::isnan(v); })) {
+      RequestOutput o;
+      o.id = r.id;
+      o.error = "the model produced NaN logits at position " + std::to_string(r.seq.tokens.size() - 1) +
+                ": its weights are probably corrupt";
+      m.finish(r, "error", outputs, &o);
+      continue;
+    }
     // OpenAI semantics: presence/frequency penalties count generated tokens only.
     const int32_t token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
     m.post_process(r, token, outputs);

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "memory/kv_cache.h"
+#include "backend/model_runner.h"
 #include "model/llama_weights.h"
 #include "sampling/sampling_params.h"
 #include "tokenizer/tokenizer.h"
@@ -21,7 +21,7 @@ namespace kestrel {
 
 struct EngineConfig {
   int32_t block_size = 16;               // tokens per KV block
-  int32_t n_kv_blocks = 0;               // blocks in the KV pool; 0 = sized from max_model_len and max_num_seqs (capped at 2 GiB of KV)
+  int32_t n_kv_blocks = 0;               // blocks in the KV pool; 0 = sized from max_model_len and max_num_seqs (CPU: capped at 2 GiB of KV)
   int32_t max_num_seqs = 64;             // running sequences per step at most
   int64_t max_num_batched_tokens = 512;  // tokens (decode + prefill) per step at most
   int64_t max_model_len = 0;             // prompt + output tokens per sequence; 0 = the model's training context, capped at 8192
@@ -58,7 +58,8 @@ struct RequestOutput {
   std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
   bool finished = false;
-  std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort"
+  std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"
+  std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
   RequestMetrics metrics;               // complete when finished
 };
 
@@ -85,9 +86,12 @@ struct EngineStats {
 class Engine {
  public:
   // The model and the tokenizer must outlive the engine; tokenizer may be null (no text, no stop
-  // strings). Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than
-  // one max_model_len sequence).
-  Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config);
+  // strings). runner: the backend (make_cpu_model_runner, or CUDA's), whose KV pool then sets
+  // n_kv_blocks and must use config.block_size; null = a CPU runner made from the config.
+  // Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than one
+  // max_model_len sequence).
+  Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
+         std::unique_ptr<ModelRunner> runner = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -108,6 +112,7 @@ class Engine {
 
   const EngineStats& stats() const;
   const EngineConfig& config() const;  // with 0-defaults resolved
+  const ModelRunner& runner() const;
 
  private:
   struct Impl;

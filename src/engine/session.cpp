@@ -18,16 +18,22 @@ int64_t context_for(const LlamaModel& m, const SessionOptions& o) {
 }
 }  // namespace
 
-Session::Session(const LlamaModel& model, const SessionOptions& opts)
-    : model_(model),
-      opts_(opts),
-      n_ctx_(context_for(model, opts)),
-      pool_(opts.n_threads),
-      kv_(model.hparams().n_layer, model.hparams().n_head_kv, model.hparams().head_dim,
-          opts.block_size,
-          static_cast<int32_t>((n_ctx_ + opts.block_size - 1) / std::max(1, opts.block_size)), opts.kv_dtype),
-      allocator_(kv_.n_blocks()),
-      runner_(model, kv_, pool_) {
+Session::Session(const LlamaModel& model, const SessionOptions& opts, std::unique_ptr<ModelRunner> runner)
+    : model_(model), opts_(opts), n_ctx_(context_for(model, opts)), runner_(std::move(runner)) {
+  if (opts.block_size <= 0) throw Error("block size must be positive, got " + std::to_string(opts.block_size));
+  const int64_t n_blocks = (n_ctx_ + opts.block_size - 1) / opts.block_size;
+  if (runner_ == nullptr) {
+    RunnerOptions ro;
+    ro.block_size = opts.block_size;
+    ro.n_kv_blocks = static_cast<int32_t>(n_blocks);
+    ro.kv_dtype = opts.kv_dtype;
+    ro.n_threads = opts.n_threads;
+    runner_ = make_cpu_model_runner(model, ro);
+  }
+  if (runner_->block_size() != opts.block_size || runner_->n_kv_blocks() < n_blocks)
+    throw Error("session: the backend's KV pool (" + std::to_string(runner_->n_kv_blocks()) + " blocks of " +
+                std::to_string(runner_->block_size()) + ") cannot hold the context of " + std::to_string(n_ctx_));
+  allocator_ = BlockAllocator(static_cast<int32_t>(n_blocks));
   table_.block_size = opts.block_size;
   if (opts.prefill_chunk <= 0) throw Error("prefill chunk must be positive");
 }
@@ -70,7 +76,7 @@ std::span<const float> Session::run(int64_t begin, int64_t end, bool all_rows) {
   b.block_tables = table_.blocks;
   b.max_blocks_per_seq = static_cast<int32_t>(table_.blocks.size());
   b.logits_indices = logits_rows_;
-  return runner_.forward(b);
+  return runner_->forward(b);
 }
 
 std::vector<float> Session::all_logits(std::span<const int32_t> tokens) {

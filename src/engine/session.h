@@ -10,10 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/cpu_model_runner.h"
-#include "core/thread_pool.h"
+#include "backend/model_runner.h"
 #include "memory/block_table.h"
-#include "memory/kv_cache.h"
 #include "model/llama_weights.h"
 #include "sampling/sampler.h"
 
@@ -47,7 +45,9 @@ struct GenerateStats {
 
 class Session {
  public:
-  Session(const LlamaModel& model, const SessionOptions& opts);
+  // runner: the backend to run on, with at least ceil(n_ctx / block_size) KV blocks of
+  // opts.block_size tokens; null = a CPU runner made from opts.
+  Session(const LlamaModel& model, const SessionOptions& opts, std::unique_ptr<ModelRunner> runner = nullptr);
 
   // Appends `tokens` to the sequence, then samples up to max_tokens new tokens. on_token is called
   // with each generated id (a stop id is reported and ends generation); returning false aborts.
@@ -64,7 +64,7 @@ class Session {
   int64_t n_past() const { return static_cast<int64_t>(tokens_.size()); }
   int64_t n_ctx() const { return n_ctx_; }
   const std::vector<int32_t>& tokens() const { return tokens_; }
-  ThreadPool& pool() { return pool_; }
+  const ModelRunner& runner() const { return *runner_; }
 
  private:
   // Runs tokens [begin, end) of tokens_ (K/V of [0, begin) cached); returns the last row's logits,
@@ -74,11 +74,9 @@ class Session {
   const LlamaModel& model_;
   SessionOptions opts_;
   int64_t n_ctx_;
-  ThreadPool pool_;
-  KvCache kv_;
-  BlockAllocator allocator_;
+  BlockAllocator allocator_{0};
   BlockTable table_;
-  cpu::CpuModelRunner runner_;
+  std::unique_ptr<ModelRunner> runner_;
   std::vector<int32_t> tokens_;  // the whole sequence so far
   int64_t n_cached_ = 0;         // leading tokens whose K/V are in the cache
   std::vector<int32_t> positions_, logits_rows_, query_start_, context_lens_;

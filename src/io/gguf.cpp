@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/byte_cursor.h"
 #include "io/mapped_file.h"
+#include "io/quoted.h"
 
 namespace kestrel {
 namespace {
@@ -68,24 +69,6 @@ uint64_t fixed_size(VT t) {
     case VT::ARRAY: return 0;
   }
   return 0;
-}
-
-// A key or tensor name for an error message: quoted, non-printable bytes escaped, long names cut,
-// so a hostile file cannot put control characters or megabytes into the message.
-std::string quoted(std::string_view s) {
-  constexpr size_t kMaxShown = 96;
-  std::string out = "'";
-  for (size_t i = 0; i < s.size() && i < kMaxShown; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
-      out += static_cast<char>(c);
-    } else {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += {'\\', 'x', kHex[c >> 4], kHex[c & 15]};
-    }
-  }
-  if (s.size() > kMaxShown) out += "...";
-  return out + "'";
 }
 
 std::string type_desc(const GgufValue& v) {
@@ -198,8 +181,8 @@ class GgufParser {
     cur_.set_context("key of metadata entry #" + std::to_string(index));
     std::string key = cur_.read_string();
     if (key.empty()) fail("metadata entry #" + std::to_string(index) + " has an empty key");
-    if (file_.kv_index_.count(key) != 0) fail("duplicate metadata key " + quoted(key));
-    const std::string who = "key " + quoted(key);
+    if (file_.kv_index_.count(key) != 0) fail("duplicate metadata key " + quoted_name(key));
+    const std::string who = "key " + quoted_name(key);
     cur_.set_context("value of " + who);
     GgufValue v;
     v.type = read_type(who);
@@ -311,8 +294,8 @@ class GgufParser {
     GgufTensorInfo t;
     t.name = cur_.read_string();
     if (t.name.empty()) fail("tensor #" + std::to_string(index) + " has an empty name");
-    if (file_.tensor_index_.count(t.name) != 0) fail("duplicate tensor name " + quoted(t.name));
-    const std::string who = "tensor " + quoted(t.name);
+    if (file_.tensor_index_.count(t.name) != 0) fail("duplicate tensor name " + quoted_name(t.name));
+    const std::string who = "tensor " + quoted_name(t.name);
     cur_.set_context("info of " + who);
 
     const auto n_dims = cur_.read<uint32_t>();
@@ -370,7 +353,7 @@ class GgufParser {
     const uint64_t data_size = file_.data_offset_ <= size ? size - file_.data_offset_ : 0;
     for (auto& t : file_.tensors_) {
       if (t.offset > data_size || t.n_bytes > data_size - t.offset)
-        fail("truncated or corrupt file: tensor " + quoted(t.name) +
+        fail("truncated or corrupt file: tensor " + quoted_name(t.name) +
              " data is out of bounds: " + std::to_string(t.n_bytes) + " bytes at offset " +
              std::to_string(t.offset) + " of the data section, which starts at byte " +
              std::to_string(file_.data_offset_) + " of a " + std::to_string(size) + "-byte file");
@@ -386,8 +369,8 @@ class GgufParser {
       const auto& p = *by_offset[i - 1];
       const auto& q = *by_offset[i];
       if (p.offset + p.n_bytes > q.offset)
-        fail("tensors " + quoted(p.name) + " (bytes " + std::to_string(p.offset) + ".." +
-             std::to_string(p.offset + p.n_bytes) + ") and " + quoted(q.name) + " (from byte " +
+        fail("tensors " + quoted_name(p.name) + " (bytes " + std::to_string(p.offset) + ".." +
+             std::to_string(p.offset + p.n_bytes) + ") and " + quoted_name(q.name) + " (from byte " +
              std::to_string(q.offset) + ") overlap in the data section");
     }
   }
@@ -433,7 +416,7 @@ const GgufTensorInfo* GgufFile::find_tensor(std::string_view name) const {
 namespace {
 
 [[noreturn]] void key_error(const GgufFile& f, std::string_view key, const std::string& problem) {
-  throw Error(f.path() + ": key " + quoted(key) + " " + problem);
+  throw Error(f.path() + ": key " + quoted_name(key) + " " + problem);
 }
 
 const GgufValue& require(const GgufFile& f, std::string_view key) {

@@ -22,4 +22,9 @@ struct ForwardBatch {
   int64_t n_seqs() const { return static_cast<int64_t>(context_lens.size()); }
 };
 
+// Checks a batch against a model's vocabulary and a KV pool before any kernel reads it: sizes of
+// every array, token ids in [0, n_vocab), slots and block ids inside the pool, positions inside
+// their sequence's context, logits rows inside the batch. Throws kestrel::Error naming the field.
+void validate_forward_batch(const ForwardBatch& b, int64_t n_vocab, int32_t n_blocks, int32_t block_size);
+
 }  // namespace kestrel

@@ -73,7 +73,9 @@ std::string ModelHparams::summary() const {
   std::ostringstream s;
   s << arch << ": " << n_layer << " layers, n_embd " << n_embd << ", " << n_head << " heads / "
     << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
-    << ", context " << n_ctx_train << ", rope theta " << rope_theta;
+    << ", context " << n_ctx_train;
+  if (sliding_window > 0) s << " (the sliding window)";
+  s << ", rope theta " << rope_theta;
   return s.str();
 }
 

@@ -1,6 +1,9 @@
 #include "model/llama_weights.h"
 
+#include <filesystem>
+
 #include "core/error.h"
+#include "io/safetensors_checkpoint.h"
 
 namespace kestrel {
 
@@ -84,11 +87,36 @@ class Loader {
 
 }  // namespace
 
+LlamaModel::~LlamaModel() = default;
+
+const GgufFile& LlamaModel::file() const {
+  if (gguf_ == nullptr)
+    throw Error(path_ + ": the model was loaded from a Hugging Face folder and has no GGUF metadata");
+  return *gguf_;
+}
+
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return load_hf_dir(path);
+  const fs::path p(path);
+  if (p.extension() == ".safetensors" || p.filename() == "config.json" ||
+      p.filename() == "model.safetensors.index.json")
+    throw Error(path + ": a file of a Hugging Face model folder; pass the folder (" +
+                p.parent_path().string() + ") instead");
+  return load_gguf(path);
+}
+
 std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
-  std::unique_ptr<LlamaModel> m(new LlamaModel(GgufFile::open(path)));
-  m->hparams_ = ModelHparams::from_gguf(m->file_);
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->format_ = ModelFormat::Gguf;
+  m->path_ = path;
+  m->gguf_ = std::make_unique<GgufFile>(GgufFile::open(path));
+  const GgufFile& f = *m->gguf_;
+  m->hparams_ = ModelHparams::from_gguf(f);
+  m->chat_template_ = f.get_string_or("tokenizer.chat_template", "");
   const ModelHparams& hp = m->hparams_;
-  Loader ld(m->file_, m->weight_bytes_);
+  Loader ld(f, m->weight_bytes_);
   LlamaWeights& w = m->weights_;
   w.token_embd = ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
   w.output_norm = ld.vector("output_norm.weight", hp.n_embd);

@@ -1,10 +1,12 @@
-// The weights of a Llama-family model, viewed in place in the mapped GGUF file.
+// The weights of a Llama-family model, viewed in place in its mapped files: one GGUF file, or the
+// safetensors files of a Hugging Face model folder.
 //
-// Matrices stay in their file type (Q4_1, Q8_0, ...) and are read by the kernels as they are;
-// only the small norm vectors and biases are converted to owned f32 copies at load time.
+// Matrices stay in their file type (Q4_1, Q8_0, BF16, ...) and are read by the kernels as they
+// are; only the small norm vectors and biases are converted to owned f32 copies at load time.
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -13,6 +15,8 @@
 
 namespace kestrel {
 
+class SafetensorsCheckpoint;
+
 struct LlamaLayerWeights {
   std::vector<float> attn_norm;  // [n_embd], f32
   WeightView wq;                 // [q_dim rows, n_embd]
@@ -20,6 +24,7 @@ struct LlamaLayerWeights {
   WeightView wv;                 // [kv_dim rows, n_embd]
   WeightView wo;                 // [n_embd rows, q_dim]
   std::vector<float> bq, bk, bv; // optional biases (Qwen2): [q_dim], [kv_dim], [kv_dim], f32
+  std::vector<float> bo;         // optional o_proj bias (HF Llama attention_bias): [n_embd], f32
   std::vector<float> ffn_norm;   // [n_embd], f32
   WeightView w_gate;             // [n_ff rows, n_embd]
   WeightView w_up;               // [n_ff rows, n_embd]
@@ -36,7 +41,12 @@ struct LlamaWeights {
                                          // (Llama 3 scaling, GGUF tensor rope_freqs.weight), or empty
 };
 
-// A loaded model: the mapped file, its hyperparameters and weight views into it.
+enum class ModelFormat {
+  Gguf,      // one .gguf file
+  HfFolder,  // a Hugging Face folder: config.json + *.safetensors (+ tokenizer files)
+};
+
+// A loaded model: its mapped files, hyperparameters and weight views into the files.
 class LlamaModel {
  public:
   // Opens a GGUF file and checks every tensor the architecture needs: present and with the
@@ -44,14 +54,44 @@ class LlamaModel {
   // multiply with a tensor's type is the backend's check (CpuModelRunner's constructor).
   static std::unique_ptr<LlamaModel> load_gguf(const std::string& path);
 
-  const GgufFile& file() const { return file_; }
+  // Opens a Hugging Face model folder (model/hf_loader.cpp): config.json (HfModelConfig), the
+  // weights in model.safetensors or the shards of model.safetensors.index.json
+  // (SafetensorsCheckpoint), and the chat template of tokenizer_config.json (or
+  // chat_template.jinja / chat_template.json). Matrices must be F32, F16 or BF16 [out, in] and are
+  // viewed in place; norms and biases are converted to f32. Throws kestrel::Error naming the file
+  // and the tensor for a missing tensor, a wrong shape, an unsupported dtype or misaligned data,
+  // and the config's or the reader's errors.
+  static std::unique_ptr<LlamaModel> load_hf_dir(const std::string& dir);
+
+  // load_hf_dir for a directory, load_gguf for anything else. Throws kestrel::Error pointing at the
+  // folder when given a *.safetensors, config.json or index file of one.
+  static std::unique_ptr<LlamaModel> load(const std::string& path);
+
+  ~LlamaModel();
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  ModelFormat format() const { return format_; }
+  // The GGUF file or the HF folder the model was loaded from.
+  const std::string& path() const { return path_; }
+  // The GGUF file of a model from load_gguf. Throws kestrel::Error for a model from an HF folder,
+  // which has no GGUF metadata.
+  const GgufFile& file() const;
+  // Chat template source (Jinja): GGUF tokenizer.chat_template, or the HF folder's; "" when none.
+  const std::string& chat_template() const { return chat_template_; }
   const ModelHparams& hparams() const { return hparams_; }
   const LlamaWeights& weights() const { return weights_; }
+  // Bytes of the tensors the weights use (matrices in their file type, vectors as stored).
   uint64_t weight_bytes() const { return weight_bytes_; }
 
  private:
-  explicit LlamaModel(GgufFile file) : file_(std::move(file)) {}
-  GgufFile file_;
+  LlamaModel() = default;
+  ModelFormat format_ = ModelFormat::Gguf;
+  std::string path_;
+  // Exactly one of these owns the mappings the weight views point into.
+  std::unique_ptr<GgufFile> gguf_;
+  std::unique_ptr<SafetensorsCheckpoint> safetensors_;
+  std::string chat_template_;
   ModelHparams hparams_;
   LlamaWeights weights_;
   uint64_t weight_bytes_ = 0;

@@ -15,6 +15,7 @@
 #include "core/checked_int.h"
 #include "core/error.h"
 #include "io/gguf.h"
+#include "io/hf_fields.h"
 
 namespace kestrel {
 namespace {
@@ -22,59 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr int64_t kMaxDim = int64_t{1} << 30;  // bound for a layer count, head count or width
-
-// Integer fields of a config.json, each error naming the file and the field.
-class HfFields {
- public:
-  HfFields(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
-
-  // null counts as absent (DeepSeek-V2-Lite writes "q_lora_rank": null).
-  bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
-
-  // A required integer >= lo.
-  int64_t get(const char* key, int64_t lo = 1) const {
-    if (!has(key)) fail("missing required field '" + std::string(key) + "'");
-    return to_int(key, lo);
-  }
-  int64_t get_or(const char* key, int64_t fallback, int64_t lo = 1) const {
-    return has(key) ? to_int(key, lo) : fallback;
-  }
-  bool flag_or(const char* key, bool fallback) const {
-    if (!has(key)) return fallback;
-    if (!j_.at(key).is_boolean())
-      fail("field '" + std::string(key) + "' must be true or false, got " + j_.at(key).dump());
-    return j_.at(key).get<bool>();
-  }
-  std::string string_or(const char* key, std::string fallback) const {
-    if (!has(key)) return fallback;
-    if (!j_.at(key).is_string())
-      fail("field '" + std::string(key) + "' must be a string, got " + j_.at(key).dump());
-    return j_.at(key).get<std::string>();
-  }
-  [[noreturn]] void fail(const std::string& msg) const { throw Error(where_ + ": " + msg); }
-  const std::string& where() const { return where_; }
-
- private:
-  int64_t to_int(const char* key, int64_t lo) const {
-    const json& v = j_.at(key);
-    std::optional<int64_t> x;
-    if (v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{INT64_MAX})) {
-      x = v.get<int64_t>();
-    } else if (v.is_number_float() && std::isfinite(v.get<double>()) &&
-               std::trunc(v.get<double>()) == v.get<double>() && std::fabs(v.get<double>()) < 9e18) {
-      x = static_cast<int64_t>(v.get<double>());
-    }
-    if (!x) fail("field '" + std::string(key) + "' must be an integer, got " + v.dump());
-    if (*x < lo || *x > kMaxDim)
-      fail("field '" + std::string(key) + "' must be in [" + std::to_string(lo) + ", " +
-           std::to_string(kMaxDim) + "], got " + std::to_string(*x));
-    return *x;
-  }
-
-  const json& j_;
-  std::string where_;
-};
+constexpr int64_t kMaxDim = HfFields::kMaxDim;
 
 // Bytes per parameter of a torch_dtype name.
 std::optional<int64_t> torch_dtype_bytes(const std::string& name) {
@@ -142,14 +91,7 @@ ModelFootprint ModelFootprint::from_hf_config(const std::string& path) {
   std::error_code ec;
   const std::string config_path =
       fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
-  std::ifstream in(config_path);
-  if (!in) throw Error(config_path + ": cannot open config file: " + std::strerror(errno));
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw Error(config_path + ": invalid JSON: " + e.what());
-  }
+  const json j = read_json_file(config_path);
   const HfFields c(j, config_path);
   if (!j.is_object()) c.fail("expected a JSON object, got " + std::string(j.type_name()));
 

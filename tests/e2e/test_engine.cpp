@@ -4,12 +4,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/session.h"
+#include "io/gguf.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -361,4 +365,43 @@ TEST(Engine, ThousandRandomSubmitAbortFinishOperationsLeakNoBlock) {
   EXPECT_EQ(e.stats().kv_blocks_free, c.n_kv_blocks);
   EXPECT_GT(e.stats().kv_blocks_cached, 0);
   EXPECT_EQ(e.n_running() + e.n_waiting(), 0u);
+}
+
+// Corrupt weights (NaN in the final norm) end each request with an error; the engine itself keeps
+// working and frees every block.
+TEST(Engine, NanLogitsEndTheRequestNotTheEngine) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  std::string bytes = test::read_file(stories_path());
+  {
+    const GgufFile f = GgufFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+    const GgufTensorInfo* norm = nullptr;
+    for (const auto& t : f.tensors())
+      if (t.name == "output_norm.weight") norm = &t;
+    ASSERT_NE(norm, nullptr);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (uint64_t i = 0; i < norm->n_bytes; i += 4)
+      std::memcpy(bytes.data() + f.data_offset() + norm->offset + i, &nan, 4);
+  }
+  const std::string path = ::testing::TempDir() + "/nan_stories.gguf";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const Loaded l = load(path);
+  Engine e(*l.model, l.tokenizer.get(), EngineConfig{});
+  Request r;
+  r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+  r.max_tokens = 8;
+  e.add_request(r);
+  e.add_request(r);
+  int n_errors = 0;
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step()) {
+      EXPECT_TRUE(o.finished);
+      EXPECT_EQ(o.finish_reason, "error");
+      EXPECT_NE(o.error.find("NaN"), std::string::npos) << o.error;
+      ++n_errors;
+    }
+  EXPECT_EQ(n_errors, 2);
+  EXPECT_EQ(e.stats().kv_blocks_used, 0);
 }

@@ -280,8 +280,7 @@ BatchLine parse_batch_line(std::string_view line, int64_t line_index) {
 PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& tokenizer) {
   PromptFormat f;
   f.tokenizer = &tokenizer;
-  f.chat_template = ChatTemplate::detect(model.file().get_string_or("tokenizer.chat_template", ""),
-                                         tokenizer.token_id("<|im_start|>").has_value());
+  f.chat_template = ChatTemplate::detect(model.chat_template(), tokenizer.token_id("<|im_start|>").has_value());
   for (int32_t id = 0; id < tokenizer.n_vocab(); ++id)
     if (tokenizer.is_eog(id)) f.stop_ids.push_back(id);
   if (const std::string eot = f.chat_template.end_of_turn(); !eot.empty()) f.end_of_turn_id = tokenizer.token_id(eot);

@@ -62,7 +62,7 @@ struct PromptFormat {
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
   std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
 
-  // The chat template from the GGUF's tokenizer.chat_template (as `kestrel chat` picks it).
+  // The chat template of the model (LlamaModel::chat_template, as `kestrel chat` picks it).
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
 };
 

@@ -31,6 +31,9 @@ struct BatchArgs {
   std::string stats_json;
   EngineConfig engine;
   bool no_prefix_cache = false;
+  std::string kv_dtype = "f16";
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
 };
 
 // The whole input ("-" = standard input). Throws kestrel::Error naming the file.
@@ -153,6 +156,12 @@ class BatchRun {
     r.output_ids.insert(r.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     r.text += o.text_delta;
     if (!o.finished) return;
+    if (o.finish_reason == "error") {  // the engine ended this request (e.g. NaN logits)
+      finish_with_error(slot, o.error);
+      r = BatchResult();
+      running_.erase(it);
+      return;
+    }
     r.finish_reason = o.finish_reason;
     r.metrics = o.metrics;
     summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
@@ -221,9 +230,11 @@ void run_batch(const BatchArgs& a) {
   LoadedModel lm = load_model(a.model);
   EngineConfig config = a.engine;
   config.enable_prefix_caching = !a.no_prefix_cache;
+  config.kv_dtype = parse_kv_dtype(a.kv_dtype, "--kv-dtype");
   std::unique_ptr<Engine> engine;
   try {
-    engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config);
+    engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
+                                      make_engine_runner(a.device, a.gpu_memory_utilization, *lm.model, config));
   } catch (const Error& e) {
     // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
     throw CLI::ValidationError("engine flags", e.what());
@@ -253,7 +264,7 @@ void register_batch(CLI::App& app) {
   const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   CLI::App* sub = app.add_subcommand(
       "batch", "Run a file of requests (JSON lines) together through the engine; results in input order");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-i,--input", a->input,
                   "Requests, one JSON object per line: {\"id\", \"prompt\" or \"messages\", OpenAI sampling "
                   "fields}; - = stdin")
@@ -272,6 +283,9 @@ void register_batch(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   sub->add_flag("--no-prefix-cache", a->no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
+  add_device_flags(*sub, a->device, a->gpu_memory_utilization);
+  sub->add_option("--kv-dtype", a->kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
+      ->capture_default_str();
   sub->add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
       ->check(CLI::Range(0, max_threads))
       ->capture_default_str();

@@ -29,6 +29,11 @@ struct BenchArgs {
   EngineFlags engine;
 };
 
+// Threads the CPU backend runs with (0 on the command line = every hardware thread).
+int bench_threads(const BenchArgs& a) {
+  return a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
   std::vector<int32_t> prompt(static_cast<size_t>(n));
   uint64_t x = 0x9e3779b97f4a7c15ull ^ (seed * 0xbf58476d1ce4e5b9ull);
@@ -58,7 +63,8 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
     c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
     c.enable_prefix_caching = caching;
-    Engine e(*lm.model, nullptr, c);
+    Engine e(*lm.model, nullptr, c,
+             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
     std::vector<double> ttft;
     int64_t run_tokens = 0, hits = 0;
     for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
@@ -79,7 +85,7 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
       run_tokens = e.stats().n_prompt_tokens_computed - prompt0;
       hits = m.n_cached_prompt_tokens;
     }
-    const int threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    const int threads = bench_threads(a);
     std::sort(ttft.begin(), ttft.end());
     std::printf("| %d | %lld | %lld | %s | %.1f (median of %zu) | %lld | %lld |\n", threads,
                 static_cast<long long>(a.shared_prefix), static_cast<long long>(n_suffix), caching ? "on" : "off",
@@ -104,7 +110,8 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
     c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
     c.enable_prefix_caching = false;
-    Engine e(*lm.model, nullptr, c);
+    Engine e(*lm.model, nullptr, c,
+             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
     std::vector<double> pp, tg, ttft, tpot;
     int64_t steps = 0;
     for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up
@@ -145,7 +152,7 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
       tpot.push_back(1e3 * sum_tpot / n);
       steps = e.stats().n_steps - steps0;
     }
-    threads = a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::thread::hardware_concurrency());
+    threads = bench_threads(a);
     auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
     std::printf("| %d | %d | %.1f | %.1f | %.1f | %.2f | %lld |\n", threads, n, mean(pp), mean(tg), mean(ttft),
                 mean(tpot), static_cast<long long>(steps));
@@ -171,7 +178,7 @@ void run_bench(BenchArgs a) {
   if (so.n_ctx > lm.model->hparams().n_ctx_train)
     throw Error("bench: -p + -n = " + std::to_string(so.n_ctx - 1) + " tokens exceeds the model's context of " +
                 std::to_string(lm.model->hparams().n_ctx_train));
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   // A fixed pseudo-random prompt (the ids do not change the cost of a forward pass).
   std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));
   uint64_t x = 0x9e3779b97f4a7c15ull;
@@ -201,10 +208,10 @@ void run_bench(BenchArgs a) {
   std::printf("| model | threads | simd | test | tok/s |\n|---|---|---|---|---|\n");
   const auto& hp = lm.model->hparams();
   const std::string name = hp.name.empty() ? hp.arch : hp.name;
-  std::printf("| %s | %d | %s | pp%lld | %.1f ± %.1f |\n", name.c_str(), session.pool().size(),
+  std::printf("| %s | %d | %s | pp%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
               simd_level_name(simd_level()), static_cast<long long>(a.n_prompt), mean(pp), sd(pp));
   if (a.n_gen > 0)
-    std::printf("| %s | %d | %s | tg%lld | %.1f ± %.1f |\n", name.c_str(), session.pool().size(),
+    std::printf("| %s | %d | %s | tg%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
                 simd_level_name(simd_level()), static_cast<long long>(a.n_gen), mean(tg), sd(tg));
 }
 }  // namespace
@@ -212,7 +219,7 @@ void run_bench(BenchArgs a) {
 void register_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* sub = app.add_subcommand("bench", "Measure prefill and decode speed (batch 1)");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens (pp test)")->capture_default_str();
   sub->add_option("-n,--n-gen", a->n_gen, "Generated tokens (tg test)")->capture_default_str();
   sub->add_option("-r,--reps", a->reps, "Timed repetitions")->capture_default_str();

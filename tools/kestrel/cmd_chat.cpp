@@ -64,12 +64,12 @@ void run_chat(const ChatArgs& a) {
   const SessionOptions so = a.engine.session_options();
   LoadedModel lm = load_model(a.model, /*quiet=*/!a.stats);
   const Tokenizer& tok = *lm.tokenizer;
-  const ChatTemplate tmpl = ChatTemplate::detect(
-      lm.model->file().get_string_or("tokenizer.chat_template", ""), tok.token_id("<|im_start|>").has_value());
+  const ChatTemplate tmpl =
+      ChatTemplate::detect(lm.model->chat_template(), tok.token_id("<|im_start|>").has_value());
   go.stop_ids = stop_ids(tok);
   if (const auto eot = tok.token_id(tmpl.end_of_turn()); eot && !tmpl.end_of_turn().empty())
     go.stop_ids.push_back(*eot);
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   std::vector<ChatMessage> messages;
   if (!a.system.empty()) messages.push_back({"system", a.system});
 
@@ -107,7 +107,7 @@ void run_chat(const ChatArgs& a) {
 void register_chat(CLI::App& app) {
   auto a = std::make_shared<ChatArgs>();
   CLI::App* sub = app.add_subcommand("chat", "Chat with the model (interactive, or one message with -p)");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-p,--prompt", a->prompt, "One user message: answer it and exit");
   sub->add_option("--system", a->system, "System message");
   sub->add_option("-n,--n-predict", a->n_predict, "Tokens per answer at most (-1: until the turn ends)")

@@ -47,7 +47,7 @@ void run_generate(const GenerateArgs& a) {
   const Tokenizer& tok = *lm.tokenizer;
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
 
-  Session session(*lm.model, so);
+  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   if (!a.dump_logits.empty()) {
     write_npy(a.dump_logits, session.all_logits(prompt_ids), static_cast<int64_t>(prompt_ids.size()),
               lm.model->hparams().n_vocab);
@@ -95,7 +95,7 @@ void run_generate(const GenerateArgs& a) {
 void register_generate(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* sub = app.add_subcommand("generate", "Complete a prompt");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-p,--prompt", a->prompt, "Prompt text")->required();
   sub->add_option("-n,--n-predict", a->n_predict, "Tokens to generate at most (-1: to the end of the context)")
       ->capture_default_str();

@@ -1,11 +1,12 @@
 // kestrel plan: KV cache bytes per token and per sequence, how many tokens and sequences fit
 // beside the weights, and the bandwidth ceiling of batch-1 decode. Reads only a GGUF header or a
-// config.json; no weight is loaded.
+// config.json (--config, or -m with a model folder); no weight is loaded.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <vector>
@@ -153,7 +154,7 @@ void print_table(const ModelFootprint& fp, const KvPlanRequest& r, const KvPlan&
 
 void run_plan(const PlanArgs& a) {
   if (!a.model.empty() && !a.config.empty())
-    throw Error("give either -m (a GGUF file) or --config (a Hugging Face config.json), not both");
+    throw Error("give either -m (a GGUF file or a model folder) or --config (a Hugging Face config.json), not both");
   // Parse the flags before opening anything, so a typo fails fast.
   KvPlanRequest r;
   r.memory_bytes = parse_byte_size(a.memory, "--memory");
@@ -162,9 +163,15 @@ void run_plan(const PlanArgs& a) {
   if (a.context && *a.context <= 0)
     throw Error("--context must be positive, got " + std::to_string(*a.context));
 
-  const ModelFootprint fp = a.config.empty()
-                                ? ModelFootprint::from_gguf(GgufFile::open(resolve_model_path(a.model)))
-                                : ModelFootprint::from_hf_config(a.config);
+  ModelFootprint fp;
+  if (!a.config.empty()) {
+    fp = ModelFootprint::from_hf_config(a.config);
+  } else {
+    const std::string path = resolve_model_path(a.model);
+    std::error_code ec;
+    fp = std::filesystem::is_directory(path, ec) ? ModelFootprint::from_hf_config(path)
+                                                 : ModelFootprint::from_gguf(GgufFile::open(path));
+  }
   r.geometry = {fp.n_layer, fp.n_head_kv, fp.head_dim, fp.kv_lora_rank, fp.rope_dim};
   r.weight_bytes = fp.weight_bytes;
   r.context = a.context.value_or(fp.n_ctx_train);
@@ -186,7 +193,8 @@ void register_plan(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "plan", "KV cache per token and per sequence, what fits beside the weights, batch-1 decode ceiling");
   sub->add_option("-m,--model", a->model,
-                  "GGUF model file (default: the SmolLM2 model from setup); only its header is read");
+                  "GGUF model file (only its header is read) or Hugging Face model folder (its "
+                  "config.json; as --config); default: the SmolLM2 model from setup");
   sub->add_option("--config", a->config,
                   "Hugging Face config.json (or its folder) instead of a GGUF; weights: the "
                   "*.safetensors beside it, else estimated");

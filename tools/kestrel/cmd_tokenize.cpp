@@ -13,7 +13,7 @@ void register_tokenize(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   CLI::App* sub = app.add_subcommand("tokenize", "Print the token ids of a text");
-  sub->add_option("-m,--model", a->model, "GGUF model file (default: the SmolLM2 model from setup)");
+  sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("text", a->text, "Text to tokenize")->required();
   sub->add_flag("--special", a->special,
                 "Parse special-token text (e.g. <|im_start|>, <s>) into its ids; without it no BOS is added");

@@ -1,5 +1,9 @@
 #include "common.h"
 
+#if defined(KESTREL_HAS_CUDA)
+#include "backend/cuda/cuda_runner.h"
+#endif
+
 #include <unistd.h>
 
 #include <chrono>
@@ -40,8 +44,9 @@ LoadedModel load_model(const std::string& model_flag, bool quiet) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel lm;
   const std::string path = resolve_model_path(model_flag);
-  lm.model = LlamaModel::load_gguf(path);
-  lm.tokenizer = Tokenizer::from_gguf(lm.model->file());
+  lm.model = LlamaModel::load(path);
+  lm.tokenizer = lm.model->format() == ModelFormat::Gguf ? Tokenizer::from_gguf(lm.model->file())
+                                                          : Tokenizer::from_hf_dir(path);
   if (lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
     throw Error(path + ": tokenizer has " + std::to_string(lm.tokenizer->n_vocab()) +
                 " tokens but the model's output has " + std::to_string(lm.model->hparams().n_vocab));
@@ -83,6 +88,50 @@ void EngineFlags::add_to(CLI::App& app) {
   app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
+  add_device_flags(app, device, gpu_memory_utilization);
+}
+
+void add_device_flags(CLI::App& app, std::string& device, double& gpu_memory_utilization) {
+  app.add_option("--device", device, "Backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--gpu-memory-utilization", gpu_memory_utilization,
+                 "CUDA: fraction of the GPU's memory that weights and KV cache may use")
+      ->check(CLI::Range(0.05, 1.0))
+      ->capture_default_str();
+}
+
+std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaModel& model,
+                                         const RunnerOptions& options) {
+  if (device == "cpu") return make_cpu_model_runner(model, options);
+  if (device != "cuda") throw Error("--device must be cpu or cuda, got '" + device + "'");
+#if defined(KESTREL_HAS_CUDA)
+  return make_cuda_model_runner(model, options);
+#else
+  throw Error("--device cuda: this kestrel was built without CUDA (configure with the CUDA toolkit installed)");
+#endif
+}
+
+std::unique_ptr<ModelRunner> make_engine_runner(const std::string& device, double gpu_memory_utilization,
+                                                const LlamaModel& model, const EngineConfig& config) {
+  if (device == "cpu") return nullptr;
+  RunnerOptions o;
+  o.block_size = config.block_size;
+  o.n_kv_blocks = config.n_kv_blocks;
+  o.kv_dtype = config.kv_dtype;
+  o.n_threads = config.n_threads;
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  return make_runner(device, model, o);
+}
+
+std::unique_ptr<ModelRunner> EngineFlags::session_runner(const LlamaModel& model, const SessionOptions& so) const {
+  if (device == "cpu") return nullptr;
+  const int64_t n_ctx = std::min(so.n_ctx, model.hparams().n_ctx_train);
+  RunnerOptions o;
+  o.block_size = so.block_size;
+  o.n_kv_blocks = static_cast<int32_t>((n_ctx + so.block_size - 1) / so.block_size);
+  o.kv_dtype = so.kv_dtype;
+  o.n_threads = so.n_threads;
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  return make_runner(device, model, o);
 }
 
 SessionOptions EngineFlags::session_options() const {

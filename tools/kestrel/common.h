@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/engine.h"
 #include "engine/session.h"
 #include "model/llama_weights.h"
 #include "sampling/sampling_params.h"
@@ -14,6 +15,9 @@
 namespace kestrel::cli {
 
 inline constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
+inline constexpr const char* kModelHelp =
+    "GGUF model file, or Hugging Face model folder (config.json, *.safetensors, tokenizer files); "
+    "default: the SmolLM2 model from setup";
 
 // -m PATH, or the default model: $KESTREL_MODEL, then models/<default> under the current
 // directory, the binary's directory and its parent. Throws kestrel::Error naming where it looked.
@@ -24,7 +28,9 @@ struct LoadedModel {
   std::unique_ptr<Tokenizer> tokenizer;
   double load_seconds = 0;
 };
-// Loads model and tokenizer, printing a one-line summary to stderr unless quiet.
+// Loads model and tokenizer from a GGUF file or a Hugging Face folder (LlamaModel::load; the
+// folder's tokenizer through Tokenizer::from_hf_dir), printing a one-line summary to stderr unless
+// quiet.
 LoadedModel load_model(const std::string& model_flag, bool quiet = false);
 
 // Sampling flags shared by generate and chat.
@@ -44,9 +50,25 @@ struct EngineFlags {
   int64_t ctx_size = 4096;
   int block_size = 16;
   std::string kv_dtype = "f16";
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
   void add_to(CLI::App& app);
+  // The backend for a Session of these options: null for the CPU (the Session makes its own).
+  std::unique_ptr<ModelRunner> session_runner(const LlamaModel& model, const SessionOptions& so) const;
   SessionOptions session_options() const;
 };
+
+// The backend named by --device ("cpu" or "cuda") with these options. Throws kestrel::Error for an
+// unknown device, or "cuda" in a build without CUDA or on a machine without a GPU.
+std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaModel& model,
+                                         const RunnerOptions& options);
+// The backend for an Engine with this config: null for the CPU (the Engine makes its own, sized
+// by the config), else make_runner's (CUDA sizes its KV pool from free memory when
+// config.n_kv_blocks is 0).
+std::unique_ptr<ModelRunner> make_engine_runner(const std::string& device, double gpu_memory_utilization,
+                                                const LlamaModel& model, const EngineConfig& config);
+// Adds --device and --gpu-memory-utilization to a command.
+void add_device_flags(CLI::App& app, std::string& device, double& gpu_memory_utilization);
 
 // End-of-generation ids of the tokenizer (EOS, EOT, <|im_end|>, ...).
 std::vector<int32_t> stop_ids(const Tokenizer& tok);

@@ -19,7 +19,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {
     if (!matmul_supports(w.type))
-      throw Error(model.file().path() + ": " + what + " has type " + std::string(type_name(w.type)) +
+      throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type)) +
                   ", which the CPU kernels do not support");
   };
   const auto& W = model.weights();
@@ -42,32 +42,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
 }
 
 void CpuModelRunner::check(const ForwardBatch& b) const {
-  const int64_t n = b.n_tokens();
-  if (n == 0) throw Error("forward: empty batch");
-  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slot_mapping.size()) != n)
-    throw Error("forward: positions and slot_mapping must have one entry per token");
-  if (static_cast<int64_t>(b.query_start.size()) != b.n_seqs() + 1 || b.query_start.front() != 0 ||
-      b.query_start.back() != n)
-    throw Error("forward: query_start must have n_seqs + 1 offsets from 0 to n_tokens");
-  if (static_cast<int64_t>(b.block_tables.size()) != b.n_seqs() * b.max_blocks_per_seq)
-    throw Error("forward: block_tables must be [n_seqs, max_blocks_per_seq]");
-  for (int64_t t = 0; t < n; ++t) {
-    if (b.token_ids[t] < 0 || b.token_ids[t] >= hp_.n_vocab)
-      throw Error("forward: token id " + std::to_string(b.token_ids[t]) + " outside the vocabulary");
-    if (b.slot_mapping[t] < 0 || b.slot_mapping[t] >= kv_.n_slots())
-      throw Error("forward: slot " + std::to_string(b.slot_mapping[t]) + " outside the KV cache");
-  }
-  for (int64_t s = 0; s < b.n_seqs(); ++s) {
-    if (b.query_start[s + 1] < b.query_start[s]) throw Error("forward: query_start not ascending");
-    if (b.context_lens[s] > static_cast<int64_t>(b.max_blocks_per_seq) * kv_.block_size())
-      throw Error("forward: context longer than the block table");
-    for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t)
-      if (b.positions[t] < 0 || b.positions[t] >= b.context_lens[s])
-        throw Error("forward: position " + std::to_string(b.positions[t]) +
-                    " outside the sequence's context");
-  }
-  for (int32_t r : b.logits_indices)
-    if (r < 0 || r >= n) throw Error("forward: logits index outside the batch");
+  validate_forward_batch(b, hp_.n_vocab, kv_.n_blocks(), kv_.block_size());
 }
 
 void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
@@ -179,6 +154,8 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
     write_kv(b, il);
     attention(b, il);
     matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
+    if (!L.bo.empty())
+      for (int64_t t = 0; t < n; ++t) op.add(h_.data() + t * d, L.bo.data(), d);
     op.add(x_.data(), h_.data(), n * d);
 
     rms_norm_rows(x_.data(), L.ffn_norm.data(), h_.data(), n);

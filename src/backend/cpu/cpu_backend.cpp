@@ -1,0 +1,48 @@
+// The CPU backend behind the ModelRunner interface: a thread pool, the host KV cache and the
+// CpuModelRunner that computes on them.
+#include <string>
+
+#include "backend/cpu/cpu_model_runner.h"
+#include "backend/model_runner.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "memory/kv_cache.h"
+
+namespace kestrel {
+
+namespace {
+class CpuBackend final : public ModelRunner {
+ public:
+  CpuBackend(const LlamaModel& model, const RunnerOptions& o)
+      : pool_(o.n_threads),
+        kv_(model.hparams().n_layer, model.hparams().n_head_kv, model.hparams().head_dim, o.block_size,
+            o.n_kv_blocks, o.kv_dtype),
+        runner_(model, kv_, pool_) {}
+
+  std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }
+  void copy_blocks(std::span<const BlockCopy> copies) override {
+    for (const BlockCopy& c : copies) kv_.copy_block(c.src, c.dst);
+  }
+  int32_t n_kv_blocks() const override { return kv_.n_blocks(); }
+  int32_t block_size() const override { return kv_.block_size(); }
+  KvDtype kv_dtype() const override { return kv_.dtype(); }
+  std::string description() const override {
+    return "cpu (" + std::to_string(pool_.size()) + " threads, " + simd_level_name(simd_level()) + ", KV " +
+           std::string(kv_dtype_name(kv_.dtype())) + ")";
+  }
+
+ private:
+  ThreadPool pool_;
+  KvCache kv_;
+  cpu::CpuModelRunner runner_;
+};
+}  // namespace
+
+std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options) {
+  if (options.n_kv_blocks <= 0)
+    throw Error("the CPU backend needs a positive number of KV blocks, got " + std::to_string(options.n_kv_blocks));
+  return std::make_unique<CpuBackend>(model, options);
+}
+
+}  // namespace kestrel

@@ -1,0 +1,47 @@
+// The backend interface: one forward pass of the model over a flat batch, with the paged KV cache
+// the backend owns (host memory for the CPU, device memory for CUDA). The engine and the session
+// drive any backend through this; they never touch K/V storage themselves.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "memory/kv_dtype.h"
+#include "memory/kv_manager.h"
+#include "model/forward_batch.h"
+#include "model/llama_weights.h"
+
+namespace kestrel {
+
+struct RunnerOptions {
+  int32_t block_size = 16;          // tokens per KV block
+  int32_t n_kv_blocks = 0;          // blocks in the KV pool; 0 = the backend sizes it (CUDA: from free memory)
+  KvDtype kv_dtype = KvDtype::F16;  // element type of the cached K and V (what the backend supports)
+  int n_threads = 0;                // CPU threads; 0 = all hardware threads
+  double gpu_memory_utilization = 0.9;  // CUDA: fraction of the device's memory weights + KV may use
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  // Runs every layer over the batch, writes each token's K and V into its slot, and returns the
+  // logits of the rows batch.logits_indices: [logits_indices.size(), n_vocab], f32, host memory,
+  // valid until the next call. Errors: kestrel::Error on an inconsistent batch.
+  virtual std::span<const float> forward(const ForwardBatch& batch) = 0;
+  // Copies whole KV blocks (copy-on-write after a fork), in every layer, before the next forward.
+  virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
+  virtual int32_t n_kv_blocks() const = 0;
+  virtual int32_t block_size() const = 0;
+  virtual KvDtype kv_dtype() const = 0;
+  // "cpu (2 threads, avx512)", "cuda (NVIDIA H200)", for logs.
+  virtual std::string description() const = 0;
+};
+
+// The CPU backend (src/backend/cpu). options.n_kv_blocks must be positive. Errors: kestrel::Error
+// for a weight type the CPU kernels lack, a KV dtype other than f16/f32, or a pool too large for
+// memory.
+std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options);
+
+}  // namespace kestrel

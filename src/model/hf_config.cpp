@@ -1,0 +1,172 @@
+#include "model/hf_config.h"
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <numbers>
+
+#include "core/error.h"
+#include "io/hf_fields.h"
+
+namespace kestrel {
+namespace {
+
+using nlohmann::json;
+
+struct ArchInfo {
+  const char* hf_name;       // config "architectures" entry
+  const char* model_type;    // config "model_type"
+  const char* arch;          // ModelHparams::arch (GGUF naming)
+  int64_t default_max_pos;   // the config class's max_position_embeddings default
+};
+constexpr ArchInfo kArchs[] = {
+    {"LlamaForCausalLM", "llama", "llama", 2048},
+    {"MistralForCausalLM", "mistral", "mistral", 4096 * 32},
+    {"Qwen2ForCausalLM", "qwen2", "qwen2", 32768},
+};
+
+const ArchInfo& find_arch(const HfFields& c) {
+  std::string name;
+  const char* field = "architectures";
+  if (c.has("architectures")) {
+    const json& a = c.at("architectures");
+    if (!a.is_array() || a.empty() || !a[0].is_string())
+      c.fail("field 'architectures' must be a non-empty array of strings, got " + a.dump());
+    name = a[0].get<std::string>();
+    for (const ArchInfo& i : kArchs)
+      if (name == i.hf_name) return i;
+  } else {
+    field = "model_type";
+    name = c.string_or("model_type", "");
+    if (name.empty()) c.fail("missing field 'architectures' (and 'model_type')");
+    for (const ArchInfo& i : kArchs)
+      if (name == i.model_type) return i;
+  }
+  std::string supported;
+  for (const ArchInfo& i : kArchs) supported += (supported.empty() ? "" : ", ") + std::string(i.hf_name);
+  c.fail(std::string("unsupported ") + field + " '" + name + "' (supported: " + supported + ")");
+}
+
+// A positive finite number of rope_scaling.
+double positive(const HfFields& s, const char* key) {
+  const double v = s.number(key);
+  if (!(v > 0)) s.fail("field '" + std::string(key) + "' must be positive, got " + std::to_string(v));
+  return v;
+}
+
+void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
+  if (!c.has("rope_scaling")) return;
+  const json& rs = c.at("rope_scaling");
+  if (!rs.is_object()) c.fail("field 'rope_scaling' must be an object or null, got " + rs.dump());
+  const HfFields s(rs, c.where() + ": rope_scaling");
+  // transformers renamed "type" to "rope_type"; configs carry either.
+  const std::string type = s.has("rope_type") ? s.string_or("rope_type", "") : s.string_or("type", "");
+  ModelHparams& hp = cfg.hparams;
+  if (type == "default") return;
+  if (type == "linear") {
+    hp.rope_linear_scale = static_cast<float>(positive(s, "factor"));
+  } else if (type == "llama3") {
+    const double factor = positive(s, "factor"), low = positive(s, "low_freq_factor"),
+                 high = positive(s, "high_freq_factor"), original = positive(s, "original_max_position_embeddings");
+    if (!(low < high))
+      s.fail("low_freq_factor " + std::to_string(low) + " must be below high_freq_factor " + std::to_string(high));
+    cfg.rope_freq_factors = llama3_rope_freq_factors(hp.rope_dim, hp.rope_theta, factor, low, high, original);
+  } else {
+    s.fail("rope type '" + type + "' is not supported (supported: default, linear, llama3)");
+  }
+}
+
+}  // namespace
+
+std::vector<float> llama3_rope_freq_factors(int64_t rope_dim, double theta, double factor,
+                                            double low_freq_factor, double high_freq_factor,
+                                            double original_max_position_embeddings) {
+  if (!(factor > 0)) throw Error("llama3 rope scaling: factor must be positive, got " + std::to_string(factor));
+  if (!(low_freq_factor < high_freq_factor))
+    throw Error("llama3 rope scaling: low_freq_factor " + std::to_string(low_freq_factor) +
+                " must be below high_freq_factor " + std::to_string(high_freq_factor));
+  const double low_freq_wavelen = original_max_position_embeddings / low_freq_factor;
+  const double high_freq_wavelen = original_max_position_embeddings / high_freq_factor;
+  std::vector<float> out(static_cast<size_t>(rope_dim / 2));
+  for (int64_t i = 0; i < rope_dim / 2; ++i) {
+    const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rope_dim));
+    const double wavelen = 2 * std::numbers::pi / inv_freq;
+    double divisor = 1.0;
+    if (wavelen > low_freq_wavelen) {
+      divisor = factor;
+    } else if (wavelen >= high_freq_wavelen) {
+      const double smooth = (original_max_position_embeddings / wavelen - low_freq_factor) /
+                            (high_freq_factor - low_freq_factor);
+      divisor = 1.0 / ((1.0 - smooth) / factor + smooth);
+    }
+    out[static_cast<size_t>(i)] = static_cast<float>(divisor);
+  }
+  return out;
+}
+
+HfModelConfig HfModelConfig::from_json(const json& config, const std::string& where) {
+  const HfFields c(config, where);
+  if (!config.is_object()) c.fail("expected a JSON object, got " + std::string(config.type_name()));
+  const ArchInfo& arch = find_arch(c);
+  HfModelConfig cfg;
+  ModelHparams& hp = cfg.hparams;
+  hp.arch = arch.arch;
+  hp.rope_style = RopeStyle::RotateHalf;  // HF keeps q/k rows unpermuted: rotate x[i] with x[i + d/2]
+  hp.n_embd = c.get("hidden_size");
+  hp.n_ff = c.get("intermediate_size");
+  hp.n_layer = c.get("num_hidden_layers");
+  hp.n_head = c.get("num_attention_heads");
+  hp.n_head_kv = c.get_or("num_key_value_heads", hp.n_head);
+  if (hp.n_head % hp.n_head_kv != 0)
+    c.fail("num_key_value_heads " + std::to_string(hp.n_head_kv) + " does not divide num_attention_heads " +
+           std::to_string(hp.n_head));
+  if (c.has("head_dim")) {
+    hp.head_dim = c.get("head_dim");
+  } else {
+    if (hp.n_embd % hp.n_head != 0)
+      c.fail("hidden_size " + std::to_string(hp.n_embd) + " is not a multiple of num_attention_heads " +
+             std::to_string(hp.n_head) + " (and there is no head_dim)");
+    hp.head_dim = hp.n_embd / hp.n_head;
+  }
+  if (hp.head_dim % 2 != 0) c.fail("head dimension " + std::to_string(hp.head_dim) + " is odd (RoPE rotates pairs)");
+  hp.rope_dim = hp.head_dim;
+  hp.n_vocab = c.get("vocab_size");
+  hp.n_ctx_train = c.get_or("max_position_embeddings", arch.default_max_pos);
+  const double eps = c.number_or("rms_norm_eps", 1e-6);
+  if (!(eps > 0)) c.fail("field 'rms_norm_eps' must be positive, got " + std::to_string(eps));
+  hp.rms_eps = static_cast<float>(eps);
+  const double theta = c.number_or("rope_theta", 10000.0);
+  if (!(theta > 0)) c.fail("field 'rope_theta' must be positive, got " + std::to_string(theta));
+  hp.rope_theta = static_cast<float>(theta);
+
+  const std::string act = c.string_or("hidden_act", "silu");
+  if (act != "silu") c.fail("hidden_act '" + act + "' is not supported (only silu)");
+  cfg.tie_word_embeddings = c.flag_or("tie_word_embeddings", false);
+  cfg.torch_dtype = c.string_or("torch_dtype", "");
+  if (hp.arch == "qwen2") {
+    cfg.qkv_bias = true;  // Qwen2Attention: q/k/v_proj with bias, o_proj without
+  } else if (hp.arch == "llama") {
+    cfg.qkv_bias = cfg.o_bias = c.flag_or("attention_bias", false);  // LlamaAttention: all four
+    if (c.flag_or("mlp_bias", false)) c.fail("mlp_bias true is not supported (no MLP biases)");
+  }
+  read_rope_scaling(c, cfg);
+
+  // Mistral always honours sliding_window; Qwen2 only with use_sliding_window.
+  const bool windowed = hp.arch == "mistral" || (hp.arch == "qwen2" && c.flag_or("use_sliding_window", false));
+  if (windowed && c.has("sliding_window")) {
+    const int64_t window = c.get("sliding_window");
+    if (window < hp.n_ctx_train) {
+      hp.sliding_window = window;
+      hp.n_ctx_train = window;
+    }
+  }
+  try {
+    hp.validate();
+  } catch (const Error& e) {
+    c.fail(e.what());
+  }
+  return cfg;
+}
+
+HfModelConfig HfModelConfig::from_file(const std::string& path) { return from_json(read_json_file(path), path); }
+
+}  // namespace kestrel

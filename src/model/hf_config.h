@@ -1,0 +1,55 @@
+// A Hugging Face config.json of a Llama-family model, as ModelHparams plus what the weight loader
+// needs to know (tied embeddings, which biases exist, RoPE frequency divisors).
+//
+// Architectures (config "architectures"[0], else "model_type"): LlamaForCausalLM, MistralForCausalLM,
+// Qwen2ForCausalLM. Field meanings and defaults are those of transformers' LlamaConfig,
+// MistralConfig and Qwen2Config (src/transformers/models/<arch>/configuration_<arch>.py).
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "model/hparams.h"
+
+namespace kestrel {
+
+struct HfModelConfig {
+  ModelHparams hparams;  // arch "llama" / "mistral" / "qwen2"; rope_style RotateHalf
+  std::string torch_dtype;           // "bfloat16", "float32", ...; "" when absent (informational)
+  bool tie_word_embeddings = false;  // the output matrix is model.embed_tokens.weight
+  bool qkv_bias = false;             // q/k/v_proj.bias exist: Qwen2 always, Llama with attention_bias
+  bool o_bias = false;               // o_proj.bias exists: Llama with attention_bias
+  // [rope_dim / 2] divisors of the RoPE frequencies (rope_scaling type llama3), or empty; the same
+  // values a GGUF carries as rope_freqs.weight.
+  std::vector<float> rope_freq_factors;
+
+  // Reads the fields: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads and
+  // vocab_size (required); num_key_value_heads (default num_attention_heads), head_dim (default
+  // hidden_size / num_attention_heads), rms_norm_eps (1e-6), rope_theta (10000),
+  // max_position_embeddings (Llama 2048, Mistral 131072, Qwen2 32768), tie_word_embeddings
+  // (false), hidden_act (must be silu), attention_bias and mlp_bias (Llama; mlp_bias must be
+  // false), rope_scaling (null, default, linear {factor} or llama3 {factor, low_freq_factor,
+  // high_freq_factor, original_max_position_embeddings}), sliding_window (Mistral; Qwen2 only with
+  // use_sliding_window): a window shorter than max_position_embeddings caps n_ctx_train at it.
+  // Throws kestrel::Error("<where>: ...") naming the field and value for an unsupported
+  // architecture, a missing required field, a value of the wrong type or out of range, or an
+  // unsupported rope_scaling type or hidden_act. hparams.name is left empty for the caller.
+  static HfModelConfig from_json(const nlohmann::json& config, const std::string& where);
+  // from_json on the parsed file; also throws when it cannot be read or is not JSON.
+  static HfModelConfig from_file(const std::string& path);
+};
+
+// Divisors of the RoPE frequencies for rope_scaling type "llama3", per pair i of [0, rope_dim/2):
+// with inv_freq = theta^(-2i/rope_dim) and wavelen = 2 pi / inv_freq,
+//   wavelen < original_max_position_embeddings / high_freq_factor  -> 1 (high frequencies kept),
+//   wavelen > original_max_position_embeddings / low_freq_factor   -> factor,
+//   otherwise 1 / ((1 - s) / factor + s), s = (original / wavelen - low) / (high - low),
+// which is transformers' _compute_llama3_parameters (modeling_rope_utils.py) written as divisors:
+// its scaled inv_freq equals inv_freq / divisor. Computed in double. Throws kestrel::Error when
+// factor <= 0 or low_freq_factor >= high_freq_factor.
+std::vector<float> llama3_rope_freq_factors(int64_t rope_dim, double theta, double factor,
+                                            double low_freq_factor, double high_freq_factor,
+                                            double original_max_position_embeddings);
+
+}  // namespace kestrel

@@ -1,0 +1,203 @@
+// LlamaModel::load_hf_dir: a Hugging Face model folder into the same LlamaWeights the GGUF path
+// fills. Tensor names are those of transformers' LlamaForCausalLM / MistralForCausalLM /
+// Qwen2ForCausalLM state dicts. A PyTorch Linear weight is stored [out_features, in_features]
+// row-major, which is WeightView's layout (n_out rows of n_in), so matrices are viewed in place.
+// q_proj / k_proj rows stay in HF's order, which RoPE reads in rotate-half pairs (RopeStyle).
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_set>
+
+#include "core/error.h"
+#include "io/hf_fields.h"
+#include "io/quoted.h"
+#include "io/safetensors_checkpoint.h"
+#include "model/hf_config.h"
+#include "model/llama_weights.h"
+
+namespace kestrel {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Checks and views the tensors of one checkpoint, counting the bytes used.
+class HfTensorLoader {
+ public:
+  HfTensorLoader(const SafetensorsCheckpoint& ckpt, uint64_t& bytes) : ckpt_(ckpt), bytes_(bytes) {}
+
+  bool has(const std::string& name) const { return ckpt_.find(name) != nullptr; }
+
+  const SafetensorsTensor& require(const std::string& name) {
+    const SafetensorsTensor* t = ckpt_.find(name);
+    if (t == nullptr) throw Error(ckpt_.dir() + ": missing tensor " + quoted_name(name));
+    used_.insert(name);
+    return *t;
+  }
+
+  // Throws for a tensor that nothing read: a weight the model would silently go without (a bias
+  // the config does not announce, another architecture's tensor). RoPE's inv_freq buffer of older
+  // checkpoints and an lm_head.weight beside tied embeddings are not weights and are allowed.
+  void check_all_used(const std::string& arch) const {
+    for (const std::string& name : ckpt_.names()) {
+      if (used_.count(name) != 0 || name == "lm_head.weight" || name.ends_with(".rotary_emb.inv_freq")) continue;
+      throw Error(ckpt_.file_of(name) + ": tensor " + quoted_name(name) + " is not part of a " + arch +
+                  " model as config.json describes it (a bias without attention_bias, or another architecture?)");
+    }
+  }
+
+  // A [n_out, n_in] matrix of F32 / F16 / BF16, viewed in place.
+  WeightView matrix(const std::string& name, int64_t n_in, int64_t n_out) {
+    const SafetensorsTensor& t = require(name);
+    if (t.shape != std::vector<int64_t>{n_out, n_in})
+      fail(t, "has shape " + shape_text(t.shape) + ", expected [" + std::to_string(n_out) + ", " +
+                  std::to_string(n_in) + "]");
+    const GgmlType type = float_type(t);
+    bytes_ += t.n_bytes();
+    return WeightView{type, n_in, n_out, t.data};
+  }
+
+  // A [n] vector converted to f32.
+  std::vector<float> vector(const std::string& name, int64_t n) {
+    const SafetensorsTensor& t = require(name);
+    if (t.shape != std::vector<int64_t>{n})
+      fail(t, "has shape " + shape_text(t.shape) + ", expected [" + std::to_string(n) + "]");
+    const GgmlType type = float_type(t);
+    std::vector<float> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      if (type == GgmlType::F32) {
+        std::memcpy(&out[static_cast<size_t>(i)], t.data + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, t.data + 2 * i, 2);
+        out[static_cast<size_t>(i)] = type == GgmlType::F16 ? fp16_to_fp32(h) : bf16_to_fp32(h);
+      }
+    }
+    bytes_ += t.n_bytes();
+    return out;
+  }
+
+ private:
+  [[noreturn]] void fail(const SafetensorsTensor& t, const std::string& problem) const {
+    throw Error(ckpt_.file_of(t.name) + ": tensor " + quoted_name(t.name) + " " + problem);
+  }
+
+  // The kernels' element type of t; its data must be aligned to whole elements, as the kernels
+  // load them (the reference writer pads the header to 8 bytes, so real files always are).
+  GgmlType float_type(const SafetensorsTensor& t) const {
+    const auto type = to_ggml_type(t.dtype);
+    if (!type)
+      fail(t, "has dtype " + std::string(safetensors_dtype_name(t.dtype)) + ", expected F32, F16 or BF16");
+    const size_t align = safetensors_dtype_size(t.dtype);
+    if (reinterpret_cast<uintptr_t>(t.data) % align != 0)
+      fail(t, "data at byte " + std::to_string(t.begin) + " of the data section is not aligned to its " +
+                  std::to_string(align) + "-byte elements (is the header length a multiple of 8?)");
+    return *type;
+  }
+
+  const SafetensorsCheckpoint& ckpt_;
+  uint64_t& bytes_;
+  std::unordered_set<std::string> used_;
+};
+
+// The chat template of a folder: tokenizer_config.json "chat_template" (a string, or a list of
+// {name, template} of which "default" or else the first is taken), else chat_template.jinja, else
+// chat_template.json {"chat_template": ...}; "" when there is none.
+std::string read_chat_template(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path cfg_path = dir / "tokenizer_config.json";
+  if (fs::is_regular_file(cfg_path, ec)) {
+    const json cfg = read_json_file(cfg_path.string());
+    const HfFields c(cfg, cfg_path.string());
+    if (c.has("chat_template")) {
+      const json& t = c.at("chat_template");
+      if (t.is_string()) return t.get<std::string>();
+      if (t.is_array() && !t.empty()) {
+        const json* pick = &t[0];
+        for (const json& e : t)
+          if (e.is_object() && e.value("name", "") == "default") pick = &e;
+        if (pick->is_object() && pick->contains("template") && (*pick)["template"].is_string())
+          return (*pick)["template"].get<std::string>();
+      }
+      c.fail("field 'chat_template' must be a string or a list of {name, template}, got " +
+             std::string(t.type_name()));
+    }
+  }
+  const fs::path jinja = dir / "chat_template.jinja";
+  if (fs::is_regular_file(jinja, ec)) {
+    std::ifstream in(jinja, std::ios::binary);
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    if (!in && !in.eof()) throw Error(jinja.string() + ": cannot read");
+    return ss.str();
+  }
+  const fs::path json_path = dir / "chat_template.json";
+  if (fs::is_regular_file(json_path, ec)) {
+    const json j = read_json_file(json_path.string());
+    return HfFields(j, json_path.string()).string_or("chat_template", "");
+  }
+  return "";
+}
+
+}  // namespace
+
+std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
+  const fs::path root(dir);
+  const HfModelConfig cfg = HfModelConfig::from_file((root / "config.json").string());
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->format_ = ModelFormat::HfFolder;
+  m->path_ = dir;
+  m->safetensors_ = std::make_unique<SafetensorsCheckpoint>(SafetensorsCheckpoint::open_dir(dir));
+  m->hparams_ = cfg.hparams;
+  ModelHparams& hp = m->hparams_;
+  // The folder's name ("Llama-3.2-1B-Instruct"), for display; "models/x/" has an empty filename.
+  const fs::path abs = fs::absolute(root).lexically_normal();
+  hp.name = abs.has_filename() ? abs.filename().string() : abs.parent_path().filename().string();
+  m->chat_template_ = read_chat_template(root);
+
+  HfTensorLoader ld(*m->safetensors_, m->weight_bytes_);
+  LlamaWeights& w = m->weights_;
+  w.token_embd = ld.matrix("model.embed_tokens.weight", hp.n_embd, hp.n_vocab);
+  w.output_norm = ld.vector("model.norm.weight", hp.n_embd);
+  if (cfg.tie_word_embeddings) {
+    w.output = w.token_embd;  // as transformers ties them: a stored lm_head.weight is ignored
+    w.tied_output = true;
+  } else if (ld.has("lm_head.weight")) {
+    w.output = ld.matrix("lm_head.weight", hp.n_embd, hp.n_vocab);
+  } else {
+    throw Error(dir + ": missing tensor 'lm_head.weight' (config.json has tie_word_embeddings false)");
+  }
+  w.rope_freq_factors = cfg.rope_freq_factors;
+  w.layers.resize(static_cast<size_t>(hp.n_layer));
+  for (int64_t il = 0; il < hp.n_layer; ++il) {
+    const std::string p = "model.layers." + std::to_string(il) + ".";
+    LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
+    L.attn_norm = ld.vector(p + "input_layernorm.weight", hp.n_embd);
+    L.wq = ld.matrix(p + "self_attn.q_proj.weight", hp.n_embd, hp.q_dim());
+    L.wk = ld.matrix(p + "self_attn.k_proj.weight", hp.n_embd, hp.kv_dim());
+    L.wv = ld.matrix(p + "self_attn.v_proj.weight", hp.n_embd, hp.kv_dim());
+    L.wo = ld.matrix(p + "self_attn.o_proj.weight", hp.q_dim(), hp.n_embd);
+    if (cfg.qkv_bias) {
+      L.bq = ld.vector(p + "self_attn.q_proj.bias", hp.q_dim());
+      L.bk = ld.vector(p + "self_attn.k_proj.bias", hp.kv_dim());
+      L.bv = ld.vector(p + "self_attn.v_proj.bias", hp.kv_dim());
+    }
+    if (cfg.o_bias) L.bo = ld.vector(p + "self_attn.o_proj.bias", hp.n_embd);
+    L.ffn_norm = ld.vector(p + "post_attention_layernorm.weight", hp.n_embd);
+    L.w_gate = ld.matrix(p + "mlp.gate_proj.weight", hp.n_embd, hp.n_ff);
+    L.w_up = ld.matrix(p + "mlp.up_proj.weight", hp.n_embd, hp.n_ff);
+    L.w_down = ld.matrix(p + "mlp.down_proj.weight", hp.n_ff, hp.n_embd);
+  }
+  ld.check_all_used(hp.arch);
+  return m;
+}
+
+}  // namespace kestrel

@@ -1,0 +1,327 @@
+// HF config.json -> ModelHparams: the fields and defaults of transformers' Llama/Mistral/Qwen2
+// configs, rope scaling (llama3 divisors against values computed by hand from transformers'
+// _compute_llama3_parameters), and one named error per bad field.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/error.h"
+#include "hf_configs.h"
+#include "model/hf_config.h"
+
+using namespace kestrel;
+using nlohmann::json;
+
+namespace {
+
+// meta-llama/Llama-3.1-8B config.json (the fields kestrel reads, published values).
+json llama31_8b() {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_size", 4096},
+          {"intermediate_size", 14336},
+          {"num_hidden_layers", 32},
+          {"num_attention_heads", 32},
+          {"num_key_value_heads", 8},
+          {"max_position_embeddings", 131072},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 500000.0},
+          {"rope_scaling",
+           {{"factor", 8.0},
+            {"low_freq_factor", 1.0},
+            {"high_freq_factor", 4.0},
+            {"original_max_position_embeddings", 8192},
+            {"rope_type", "llama3"}}},
+          {"vocab_size", 128256},
+          {"tie_word_embeddings", false},
+          {"attention_bias", false},
+          {"mlp_bias", false},
+          {"hidden_act", "silu"},
+          {"torch_dtype", "bfloat16"}};
+}
+
+// Qwen/Qwen2.5-0.5B config.json.
+json qwen25_05b() {
+  return {{"architectures", {"Qwen2ForCausalLM"}},
+          {"model_type", "qwen2"},
+          {"hidden_size", 896},
+          {"intermediate_size", 4864},
+          {"num_hidden_layers", 24},
+          {"num_attention_heads", 14},
+          {"num_key_value_heads", 2},
+          {"max_position_embeddings", 32768},
+          {"max_window_layers", 24},
+          {"rms_norm_eps", 1e-6},
+          {"rope_theta", 1000000.0},
+          {"sliding_window", 32768},
+          {"use_sliding_window", false},
+          {"tie_word_embeddings", true},
+          {"vocab_size", 151936},
+          {"hidden_act", "silu"},
+          {"torch_dtype", "bfloat16"}};
+}
+
+// mistralai/Mistral-7B-v0.1 config.json.
+json mistral_7b_v01() {
+  return {{"architectures", {"MistralForCausalLM"}},
+          {"model_type", "mistral"},
+          {"hidden_size", 4096},
+          {"intermediate_size", 14336},
+          {"num_hidden_layers", 32},
+          {"num_attention_heads", 32},
+          {"num_key_value_heads", 8},
+          {"max_position_embeddings", 32768},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 10000.0},
+          {"sliding_window", 4096},
+          {"tie_word_embeddings", false},
+          {"vocab_size", 32000},
+          {"hidden_act", "silu"}};
+}
+
+HfModelConfig parse(const json& j) { return HfModelConfig::from_json(j, "config.json"); }
+
+// The message of the Error parsing j throws ("" when none).
+std::string error_of(const json& j) {
+  try {
+    parse(j);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+#define EXPECT_CONFIG_ERROR(j, phrase)                                          \
+  do {                                                                          \
+    const std::string msg_ = error_of(j);                                       \
+    EXPECT_EQ(msg_.rfind("config.json: ", 0), 0u) << msg_;                      \
+    EXPECT_NE(msg_.find(phrase), std::string::npos) << "got: " << msg_;         \
+  } while (0)
+
+}  // namespace
+
+TEST(HfConfig, Llama31) {
+  const HfModelConfig c = parse(llama31_8b());
+  const ModelHparams& hp = c.hparams;
+  EXPECT_EQ(hp.arch, "llama");
+  EXPECT_EQ(hp.n_embd, 4096);
+  EXPECT_EQ(hp.n_ff, 14336);
+  EXPECT_EQ(hp.n_layer, 32);
+  EXPECT_EQ(hp.n_head, 32);
+  EXPECT_EQ(hp.n_head_kv, 8);
+  EXPECT_EQ(hp.head_dim, 128);
+  EXPECT_EQ(hp.rope_dim, 128);
+  EXPECT_EQ(hp.n_vocab, 128256);
+  EXPECT_EQ(hp.n_ctx_train, 131072);
+  EXPECT_FLOAT_EQ(hp.rms_eps, 1e-5f);
+  EXPECT_FLOAT_EQ(hp.rope_theta, 500000.0f);
+  EXPECT_EQ(hp.rope_style, RopeStyle::RotateHalf);
+  EXPECT_EQ(hp.rope_linear_scale, 1.0f);
+  EXPECT_EQ(hp.sliding_window, 0);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
+  EXPECT_EQ(c.torch_dtype, "bfloat16");
+  EXPECT_EQ(hp.name, "");
+}
+
+// Hand-computed with transformers' steps in float64: inv_freq = 500000^(-2i/128); wavelen =
+// 2 pi / inv_freq; low/high wavelength bounds 8192 / 1 and 8192 / 4; pairs 0..28 have wavelen <
+// 2048 (kept, divisor 1), 35..63 have wavelen > 8192 (divisor 8), 29..34 are smoothed with
+// s = (8192 / wavelen - 1) / 3, divisor 1 / ((1 - s) / 8 + s). E.g. i = 30: wavelen = 2 pi x
+// 500000^(30/64) = 2949.8, s = 0.59238, divisor 1 / (0.050952 + 0.59238) = 1.55341.
+TEST(HfConfig, Llama3RopeScalingDivisors) {
+  const HfModelConfig c = parse(llama31_8b());
+  ASSERT_EQ(c.rope_freq_factors.size(), 64u);
+  const std::pair<int, double> expected[] = {
+      {0, 1.0},
+      {28, 1.0},
+      {29, 1.207483871283662},
+      {30, 1.5534146285049255},
+      {31, 2.0263132059050553},
+      {32, 2.694529687894733},
+      {33, 3.6842525277457185},
+      {34, 5.257326588708467},
+      {35, 8.0},
+      {63, 8.0},
+  };
+  for (const auto& [i, want] : expected) EXPECT_NEAR(c.rope_freq_factors[i], want, want * 1e-6) << "pair " << i;
+  for (int i = 1; i < 64; ++i) EXPECT_GE(c.rope_freq_factors[i], c.rope_freq_factors[i - 1]);  // monotone
+
+  // Llama 3.2 1B: head_dim 64, factor 32: only pairs 15..17 are smoothed.
+  json j = llama31_8b();
+  j["hidden_size"] = 2048;
+  j["num_attention_heads"] = 32;
+  j["head_dim"] = 64;
+  j["rope_scaling"]["factor"] = 32.0;
+  const auto f = parse(j).rope_freq_factors;
+  ASSERT_EQ(f.size(), 32u);
+  EXPECT_EQ(f[14], 1.0f);
+  EXPECT_NEAR(f[15], 1.6513292457638982, 1e-6);
+  EXPECT_NEAR(f[16], 3.2922621029408843, 1e-6);
+  EXPECT_NEAR(f[17], 9.66672897875329, 1e-5);
+  EXPECT_EQ(f[18], 32.0f);
+}
+
+TEST(HfConfig, RopeScalingTypes) {
+  json j = llama31_8b();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};  // the older key name
+  HfModelConfig c = parse(j);
+  EXPECT_EQ(c.hparams.rope_linear_scale, 4.0f);
+  EXPECT_TRUE(c.rope_freq_factors.empty());
+  j["rope_scaling"] = nullptr;
+  EXPECT_TRUE(parse(j).rope_freq_factors.empty());
+  j["rope_scaling"] = {{"rope_type", "default"}};
+  EXPECT_TRUE(parse(j).rope_freq_factors.empty());
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  EXPECT_CONFIG_ERROR(j, "rope_scaling: rope type 'yarn' is not supported (supported: default, linear, llama3)");
+  j["rope_scaling"] = {{"rope_type", "linear"}};
+  EXPECT_CONFIG_ERROR(j, "rope_scaling: missing required field 'factor'");
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", -2}};
+  EXPECT_CONFIG_ERROR(j, "field 'factor' must be positive");
+  j = llama31_8b();
+  j["rope_scaling"].erase("low_freq_factor");
+  EXPECT_CONFIG_ERROR(j, "missing required field 'low_freq_factor'");
+  j = llama31_8b();
+  j["rope_scaling"]["low_freq_factor"] = 4.0;
+  EXPECT_CONFIG_ERROR(j, "low_freq_factor 4.000000 must be below high_freq_factor 4.000000");
+  j["rope_scaling"] = "linear";
+  EXPECT_CONFIG_ERROR(j, "field 'rope_scaling' must be an object or null");
+}
+
+TEST(HfConfig, Qwen2HasQkvBiasAndAnUnusedWindow) {
+  const HfModelConfig c = parse(qwen25_05b());
+  EXPECT_EQ(c.hparams.arch, "qwen2");
+  EXPECT_EQ(c.hparams.head_dim, 64);
+  EXPECT_EQ(c.hparams.n_head_kv, 2);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.hparams.sliding_window, 0);  // use_sliding_window false
+  EXPECT_EQ(c.hparams.n_ctx_train, 32768);
+  json j = qwen25_05b();
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 4096;
+  EXPECT_EQ(parse(j).hparams.sliding_window, 4096);
+  EXPECT_EQ(parse(j).hparams.n_ctx_train, 4096);
+}
+
+TEST(HfConfig, LlamaAttentionBiasMeansAllFourProjections) {
+  json j = llama31_8b();
+  j["attention_bias"] = true;
+  const HfModelConfig c = parse(j);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_TRUE(c.o_bias);
+  j["attention_bias"] = "yes";
+  EXPECT_CONFIG_ERROR(j, "field 'attention_bias' must be true or false");
+  j["attention_bias"] = false;
+  j["mlp_bias"] = true;
+  EXPECT_CONFIG_ERROR(j, "mlp_bias true is not supported");
+}
+
+TEST(HfConfig, MistralSlidingWindowCapsTheContext) {
+  const HfModelConfig c = parse(mistral_7b_v01());
+  EXPECT_EQ(c.hparams.arch, "mistral");
+  EXPECT_EQ(c.hparams.sliding_window, 4096);
+  EXPECT_EQ(c.hparams.n_ctx_train, 4096);
+  EXPECT_NE(c.hparams.summary().find("context 4096 (the sliding window)"), std::string::npos);
+  json j = mistral_7b_v01();
+  j["sliding_window"] = nullptr;  // Mistral v0.2 and later
+  EXPECT_EQ(parse(j).hparams.sliding_window, 0);
+  EXPECT_EQ(parse(j).hparams.n_ctx_train, 32768);
+  j["sliding_window"] = 65536;  // longer than the context: no effect
+  EXPECT_EQ(parse(j).hparams.sliding_window, 0);
+  j["sliding_window"] = 0;
+  EXPECT_CONFIG_ERROR(j, "field 'sliding_window' must be in [1,");
+}
+
+TEST(HfConfig, Defaults) {
+  const json j = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64},   {"intermediate_size", 128},
+                  {"num_hidden_layers", 2},                {"num_attention_heads", 4}, {"vocab_size", 100}};
+  const HfModelConfig c = parse(j);
+  EXPECT_EQ(c.hparams.n_head_kv, 4);
+  EXPECT_EQ(c.hparams.head_dim, 16);
+  EXPECT_FLOAT_EQ(c.hparams.rms_eps, 1e-6f);
+  EXPECT_EQ(c.hparams.rope_theta, 10000.0f);
+  EXPECT_EQ(c.hparams.n_ctx_train, 2048);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  json m = j;
+  m["architectures"] = {"MistralForCausalLM"};
+  EXPECT_EQ(parse(m).hparams.n_ctx_train, 131072);
+  m["architectures"] = {"Qwen2ForCausalLM"};
+  EXPECT_EQ(parse(m).hparams.n_ctx_train, 32768);
+  json t = j;  // model_type when architectures is absent
+  t.erase("architectures");
+  t["model_type"] = "qwen2";
+  EXPECT_EQ(parse(t).hparams.arch, "qwen2");
+  json h = j;
+  h["head_dim"] = 32;  // head_dim need not be hidden / heads
+  EXPECT_EQ(parse(h).hparams.q_dim(), 128);
+}
+
+TEST(HfConfig, MissingAndBadFields) {
+  const json base = kestrel::test::llama2_7b_config();
+  for (const char* field :
+       {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"}) {
+    json j = base;
+    j.erase(field);
+    EXPECT_CONFIG_ERROR(j, std::string("missing required field '") + field + "'");
+  }
+  json j = base;
+  j["hidden_size"] = "4096";
+  EXPECT_CONFIG_ERROR(j, "field 'hidden_size' must be an integer, got \"4096\"");
+  j = base;
+  j["num_attention_heads"] = 0;
+  EXPECT_CONFIG_ERROR(j, "field 'num_attention_heads' must be in [1,");
+  j = base;
+  j["num_key_value_heads"] = 5;
+  EXPECT_CONFIG_ERROR(j, "num_key_value_heads 5 does not divide num_attention_heads 32");
+  j = base;
+  j["num_attention_heads"] = 30;
+  j["num_key_value_heads"] = 30;
+  EXPECT_CONFIG_ERROR(j, "hidden_size 4096 is not a multiple of num_attention_heads 30");
+  j = base;
+  j["head_dim"] = 7;
+  EXPECT_CONFIG_ERROR(j, "head dimension 7 is odd");
+  j = base;
+  j["rms_norm_eps"] = "small";
+  EXPECT_CONFIG_ERROR(j, "field 'rms_norm_eps' must be a finite number");
+  j = base;
+  j["rms_norm_eps"] = 0;
+  EXPECT_CONFIG_ERROR(j, "field 'rms_norm_eps' must be positive");
+  j = base;
+  j["rope_theta"] = -1;
+  EXPECT_CONFIG_ERROR(j, "field 'rope_theta' must be positive");
+  j = base;
+  j["hidden_act"] = "gelu";
+  EXPECT_CONFIG_ERROR(j, "hidden_act 'gelu' is not supported (only silu)");
+  j = base;
+  j["tie_word_embeddings"] = 1;
+  EXPECT_CONFIG_ERROR(j, "field 'tie_word_embeddings' must be true or false");
+  j = base;
+  j["architectures"] = {"GPT2LMHeadModel"};
+  EXPECT_CONFIG_ERROR(j, "unsupported architectures 'GPT2LMHeadModel' (supported: LlamaForCausalLM, MistralForCausalLM, "
+                         "Qwen2ForCausalLM)");
+  j["architectures"] = json::array();
+  EXPECT_CONFIG_ERROR(j, "field 'architectures' must be a non-empty array of strings");
+  j.erase("architectures");
+  j["model_type"] = "gemma";
+  EXPECT_CONFIG_ERROR(j, "unsupported model_type 'gemma'");
+  j.erase("model_type");
+  EXPECT_CONFIG_ERROR(j, "missing field 'architectures' (and 'model_type')");
+  EXPECT_CONFIG_ERROR(json::array(), "expected a JSON object");
+}
+
+TEST(HfConfig, FromFile) {
+  kestrel::test::TempDir dir;
+  const std::string path = dir.write_config(llama31_8b());
+  EXPECT_EQ(HfModelConfig::from_file(path).hparams.n_layer, 32);
+  const std::string bad = dir.write("bad.json", "{");
+  try {
+    HfModelConfig::from_file(bad);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(bad + ": invalid JSON"), std::string::npos) << e.what();
+  }
+}
