@@ -97,6 +97,10 @@ struct AttentionParams {
 size_t attention_workspace_bytes(const AttentionParams& p);
 void paged_attention(const AttentionParams& p, cudaStream_t stream);
 
+// y[t, i] += bias[i] (bias after a projection: Qwen2's q/k/v, HF Llama's attention_bias).
+// y [n_tokens, width] bf16 in place; bias [width] f32.
+void add_bias(bf16* y, const float* bias, int64_t n_tokens, int64_t width, cudaStream_t stream);
+
 // Copies K and V of whole blocks (copy-on-write): for each i, block dst[i] = block src[i], in
 // every cache tensor. layer_caches: a device array of n_caches device pointers (each layer's K and
 // its V, in any order), each tensor [n_blocks, ...] of whole blocks of block_bytes bytes;
