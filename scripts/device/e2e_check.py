@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""kestrel on CUDA against Hugging Face transformers on the same random weights (device machine).
+
+Builds a small random Llama (head_dim 64, GQA 16/4) with transformers, saves it as an HF folder
+with the Llama 2 SentencePiece tokenizer, then compares:
+  - logits of every prompt position: kestrel --device cuda vs transformers in float32 on the bf16
+    weights (the reference), and transformers in bf16 (the peer's own rounding, for scale);
+  - greedy continuations: kestrel cuda vs kestrel cpu vs transformers.
+Prints one line per check and exits non-zero on a failed check.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def kestrel(binary, *args):
+    out = subprocess.run([binary, *args], check=True, capture_output=True, text=True)
+    return out.stdout, out.stderr
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kestrel", required=True)
+    ap.add_argument("--tokenizer-model", required=True, help="Llama 2 tokenizer.model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--tol", type=float, default=2e-2)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger than HF's init so the logits are not nearly flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    model = model.to(torch.bfloat16).cuda().eval()
+    folder = tempfile.mkdtemp(prefix="kestrel_rand_")
+    model.save_pretrained(folder, safe_serialization=True)
+    shutil.copy(args.tokenizer_model, os.path.join(folder, "tokenizer.model"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+                   "tokenizer_class": "LlamaTokenizer"}, f)
+
+    prompt = ("Once upon a time, in a small village by the sea, there lived an old fisherman who told "
+              "stories to the children every evening. ") * 4
+    npy = os.path.join(args.out, "kestrel_cuda_logits.npy")
+    out, err = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
+                       "--json", "--dump-logits", npy, "--device", "cuda")
+    res_cuda = json.loads(out)
+    print("kestrel cuda:", err.strip().splitlines()[-1] if err.strip() else "")
+    out, _ = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
+                     "--json", "--device", "cpu", "--kv-dtype", "f32")
+    res_cpu = json.loads(out)
+    ids = res_cuda["prompt_ids"]
+    ours = np.load(npy).astype(np.float64)
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        ref32 = model.float()(x).logits[0].double().cpu().numpy()
+        model = model.to(torch.bfloat16)
+        ref16 = model(x).logits[0].double().cpu().numpy()
+        gen = model.generate(x, max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+
+    def rel(a, b):
+        return float((np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)).max())
+
+    ok = True
+    r_ours = rel(ours, ref32)
+    r_hf = rel(ref16, ref32)
+    agree = float((ours.argmax(1) == ref32.argmax(1)).mean())
+    agree_hf = float((ref16.argmax(1) == ref32.argmax(1)).mean())
+    print(f"positions {len(ids)}: max relative logit error vs fp32 reference: kestrel cuda {r_ours:.3e}, "
+          f"transformers bf16 {r_hf:.3e} (tolerance {args.tol:g})")
+    print(f"argmax agreement with the fp32 reference: kestrel cuda {agree:.4f}, transformers bf16 {agree_hf:.4f}")
+    ok &= r_ours <= args.tol and agree >= 0.99
+    n_same_cpu = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], res_cpu["output_ids"])) if a != b),
+                      min(len(res_cuda["output_ids"]), len(res_cpu["output_ids"])))
+    n_same_hf = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], gen)) if a != b),
+                     min(len(res_cuda["output_ids"]), len(gen)))
+    print(f"greedy: kestrel cuda == kestrel cpu for the first {n_same_cpu} of 32 tokens; "
+          f"== transformers bf16 for the first {n_same_hf}")
+    print("RESULT", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
