@@ -54,10 +54,14 @@ double positive(const HfFields& s, const char* key) {
 }
 
 void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
-  if (!c.has("rope_scaling")) return;
-  const json& rs = c.at("rope_scaling");
-  if (!rs.is_object()) c.fail("field 'rope_scaling' must be an object or null, got " + rs.dump());
-  const HfFields s(rs, c.where() + ": rope_scaling");
+  // transformers 5 writes one "rope_parameters" object (rope_theta, rope_type and the scaling
+  // fields) where earlier versions wrote "rope_theta" and "rope_scaling".
+  const char* key = c.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
+  if (!c.has(key)) return;
+  const json& rs = c.at(key);
+  if (!rs.is_object()) c.fail("field '" + std::string(key) + "' must be an object or null, got " + rs.dump());
+  const HfFields s(rs, c.where() + ": " + key);
+  if (!s.has("rope_type") && !s.has("type")) return;
   // transformers renamed "type" to "rope_type"; configs carry either.
   const std::string type = s.has("rope_type") ? s.string_or("rope_type", "") : s.string_or("type", "");
   ModelHparams& hp = cfg.hparams;
@@ -134,7 +138,9 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
   const double eps = c.number_or("rms_norm_eps", 1e-6);
   if (!(eps > 0)) c.fail("field 'rms_norm_eps' must be positive, got " + std::to_string(eps));
   hp.rms_eps = static_cast<float>(eps);
-  const double theta = c.number_or("rope_theta", 10000.0);
+  double theta = c.number_or("rope_theta", 10000.0);
+  if (!c.has("rope_theta") && c.has("rope_parameters") && c.at("rope_parameters").is_object())
+    theta = HfFields(c.at("rope_parameters"), c.where() + ": rope_parameters").number_or("rope_theta", 10000.0);
   if (!(theta > 0)) c.fail("field 'rope_theta' must be positive, got " + std::to_string(theta));
   hp.rope_theta = static_cast<float>(theta);
 

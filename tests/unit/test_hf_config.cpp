@@ -325,3 +325,25 @@ TEST(HfConfig, FromFile) {
     EXPECT_NE(std::string(e.what()).find(bad + ": invalid JSON"), std::string::npos) << e.what();
   }
 }
+
+// transformers 5 writes rope_theta and the scaling inside one "rope_parameters" object (seen on the
+// device machine's transformers 5.17: a saved Llama-3.1-shaped config had no top-level rope_theta).
+TEST(HfConfig, Transformers5RopeParameters) {
+  json j = llama31_8b();
+  const json scaling = j["rope_scaling"];
+  j.erase("rope_theta");
+  j.erase("rope_scaling");
+  j["rope_parameters"] = scaling;
+  j["rope_parameters"]["rope_theta"] = 500000.0;
+  const HfModelConfig c = parse(j);
+  EXPECT_FLOAT_EQ(c.hparams.rope_theta, 500000.0f);
+  EXPECT_EQ(c.rope_freq_factors, parse(llama31_8b()).rope_freq_factors);
+  EXPECT_FALSE(c.rope_freq_factors.empty());
+  json plain = llama31_8b();
+  plain.erase("rope_theta");
+  plain.erase("rope_scaling");
+  plain["rope_parameters"] = {{"rope_theta", 250000.0}, {"rope_type", "default"}};
+  const HfModelConfig d = parse(plain);
+  EXPECT_FLOAT_EQ(d.hparams.rope_theta, 250000.0f);
+  EXPECT_TRUE(d.rope_freq_factors.empty());
+}
