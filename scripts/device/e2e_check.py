@@ -52,7 +52,7 @@ def main() -> int:
                    "tokenizer_class": "LlamaTokenizer"}, f)
 
     prompt = ("Once upon a time, in a small village by the sea, there lived an old fisherman who told "
-              "stories to the children every evening. ") * 4
+              "stories to the children every evening. ") * 9
     npy = os.path.join(args.out, "kestrel_cuda_logits.npy")
     out, err = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
                        "--json", "--dump-logits", npy, "--device", "cuda")
@@ -73,6 +73,9 @@ def main() -> int:
     def rel(a, b):
         return float((np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)).max())
 
+    def rel_l2(a, b):  # mean over positions of ||a - b|| / ||b||
+        return float((np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)).mean())
+
     ok = True
     r_ours = rel(ours, ref32)
     r_hf = rel(ref16, ref32)
@@ -80,6 +83,8 @@ def main() -> int:
     agree_hf = float((ref16.argmax(1) == ref32.argmax(1)).mean())
     print(f"positions {len(ids)}: max relative logit error vs fp32 reference: kestrel cuda {r_ours:.3e}, "
           f"transformers bf16 {r_hf:.3e} (tolerance {args.tol:g})")
+    print(f"mean relative L2 error vs fp32 reference: kestrel cuda {rel_l2(ours, ref32):.3e}, "
+          f"transformers bf16 {rel_l2(ref16, ref32):.3e}; kestrel vs transformers bf16 {rel_l2(ours, ref16):.3e}")
     print(f"argmax agreement with the fp32 reference: kestrel cuda {agree:.4f}, transformers bf16 {agree_hf:.4f}")
     ok &= r_ours <= args.tol and agree >= 0.99
     n_same_cpu = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], res_cpu["output_ids"])) if a != b),
