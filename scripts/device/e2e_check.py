@@ -58,8 +58,9 @@ def main() -> int:
                        "--json", "--dump-logits", npy, "--device", "cuda")
     res_cuda = json.loads(out)
     print("kestrel cuda:", err.strip().splitlines()[-1] if err.strip() else "")
+    npy_cpu = os.path.join(tempfile.mkdtemp(), "kestrel_cpu_logits.npy")
     out, _ = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
-                     "--json", "--device", "cpu", "--kv-dtype", "f32")
+                     "--json", "--device", "cpu", "--kv-dtype", "f32", "--dump-logits", npy_cpu)
     res_cpu = json.loads(out)
     ids = res_cuda["prompt_ids"]
     ours = np.load(npy).astype(np.float64)
@@ -77,6 +78,11 @@ def main() -> int:
         return float((np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)).mean())
 
     ok = True
+    cpu = np.load(npy_cpu).astype(np.float64)
+    print(f"kestrel cpu (f32 math, bf16 weights) vs fp32 reference: max rel {rel(cpu, ref32):.3e}, "
+          f"mean rel L2 {rel_l2(cpu, ref32):.3e}, argmax {float((cpu.argmax(1) == ref32.argmax(1)).mean()):.4f}")
+    per_pos = np.linalg.norm(ours - ref32, axis=1) / np.linalg.norm(ref32, axis=1)
+    print("kestrel cuda rel L2 by position (every 16th):", " ".join(f"{v:.1e}" for v in per_pos[::16]))
     r_ours = rel(ours, ref32)
     r_hf = rel(ref16, ref32)
     agree = float((ours.argmax(1) == ref32.argmax(1)).mean())
