@@ -57,7 +57,8 @@ def main() -> int:
     out, err = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
                        "--json", "--dump-logits", npy, "--device", "cuda")
     res_cuda = json.loads(out)
-    print("kestrel cuda:", err.strip().splitlines()[-1] if err.strip() else "")
+    print("config.json:", open(os.path.join(folder, "config.json")).read().replace("\n", " "))
+    print("kestrel cuda:", " | ".join(err.strip().splitlines()))
     npy_cpu = os.path.join(tempfile.mkdtemp(), "kestrel_cpu_logits.npy")
     out, _ = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
                      "--json", "--device", "cpu", "--kv-dtype", "f32", "--dump-logits", npy_cpu)
