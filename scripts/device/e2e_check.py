@@ -69,6 +69,8 @@ def main() -> int:
     with torch.no_grad():
         # The reference: float64 on the CPU (a float32 GPU forward may use TF32 matmuls).
         ref32 = model.double().cpu()(x.cpu()).logits[0].numpy()
+        # transformers' own float32 forward on the CPU: how far plain f32 rounding moves this model.
+        hf32 = model.float()(x.cpu()).logits[0].double().numpy()
         model = model.cuda()
         model = model.to(torch.bfloat16)
         ref16 = model(x).logits[0].double().cpu().numpy()
@@ -84,6 +86,8 @@ def main() -> int:
     cpu = np.load(npy_cpu).astype(np.float64)
     print(f"kestrel cpu (f32 math, bf16 weights) vs float64 reference: max rel {rel(cpu, ref32):.3e}, "
           f"mean rel L2 {rel_l2(cpu, ref32):.3e}, argmax {float((cpu.argmax(1) == ref32.argmax(1)).mean()):.4f}")
+    per_pos_hf32 = np.linalg.norm(hf32 - ref32, axis=1) / np.linalg.norm(ref32, axis=1)
+    print("transformers f32 (CPU) rel L2 by position (every 16th):", " ".join(f"{v:.1e}" for v in per_pos_hf32[::16]))
     per_pos_cpu = np.linalg.norm(cpu - ref32, axis=1) / np.linalg.norm(ref32, axis=1)
     print("kestrel cpu rel L2 by position (every 16th):", " ".join(f"{v:.1e}" for v in per_pos_cpu[::16]))
     per_pos = np.linalg.norm(ours - ref32, axis=1) / np.linalg.norm(ref32, axis=1)
