@@ -4,7 +4,11 @@ softmax) on a checkpoint saved by transformers, against transformers' own float6
 kestrel's CPU backend. Usage: hf_semantics.py --kestrel BIN --tokenizer-model PATH."""
 import argparse, json, os, shutil, subprocess, tempfile
 import numpy as np, torch
-from safetensors.numpy import load_file
+from safetensors.torch import load_file as _load_torch
+
+
+def load_file(path):  # bf16 tensors through torch (numpy has no bfloat16)
+    return {k: v.double().numpy() for k, v in _load_torch(path).items()}
 from transformers import LlamaConfig, LlamaForCausalLM
 
 ap = argparse.ArgumentParser(); ap.add_argument("--kestrel"); ap.add_argument("--tokenizer-model"); a = ap.parse_args()
