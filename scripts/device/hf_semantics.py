@@ -65,3 +65,18 @@ print("numpy ref vs transformers f64 (sdpa):", e(ref, hf))
 if hf_eager is not None: print("numpy ref vs transformers f64 (eager):", e(ref, hf_eager))
 print("kestrel cpu vs numpy ref:           ", e(ours, ref))
 print("kestrel cpu vs transformers f64:    ", e(ours, hf))
+# Does the checkpoint on disk hold the in-memory weights? (transformers 5 converts some weights on save/load.)
+sd = _load_torch(d + "/model.safetensors")
+for name, prm in m.named_parameters():
+    disk = sd.get(name)
+    if disk is None:
+        print("not on disk:", name)
+    elif not torch.equal(disk.double(), prm.detach().double().cpu()):
+        print("differs on disk:", name, float((disk.double() - prm.detach().double().cpu()).abs().max()))
+m2 = LlamaForCausalLM.from_pretrained(d, dtype=torch.float64).eval()
+with torch.no_grad():
+    hf2 = m2(torch.tensor([ids])).logits[0].numpy()
+print("transformers reloaded vs in-memory:  ", e(hf2, hf))
+print("numpy ref vs transformers reloaded:  ", e(ref, hf2))
+ks = [k for k in m.state_dict().keys() if "rotary" in k]
+print("rotary buffers:", ks, [m.state_dict()[k][:4].tolist() for k in ks])
