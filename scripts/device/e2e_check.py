@@ -65,16 +65,19 @@ def main() -> int:
     res_cpu = json.loads(out)
     ids = res_cuda["prompt_ids"]
     ours = np.load(npy).astype(np.float64)
-    x = torch.tensor([ids], device="cuda")
+    # The references are reloaded from the saved folder: the in-memory model's non-persistent RoPE
+    # inv_freq buffer was cast to bf16 by .to(bfloat16) (wrong frequencies, errors growing with
+    # position); from_pretrained computes it afresh in float32, as for any real checkpoint.
+    del model
+    x = torch.tensor([ids])
     with torch.no_grad():
-        # The reference: float64 on the CPU (a float32 GPU forward may use TF32 matmuls).
-        ref32 = model.double().cpu()(x.cpu()).logits[0].numpy()
-        # transformers' own float32 forward on the CPU: how far plain f32 rounding moves this model.
-        hf32 = model.float()(x.cpu()).logits[0].double().numpy()
-        model = model.cuda()
-        model = model.to(torch.bfloat16)
-        ref16 = model(x).logits[0].double().cpu().numpy()
-        gen = model.generate(x, max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        ref_model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        ref32 = ref_model(x).logits[0].numpy()  # float64 on the CPU
+        hf32 = ref_model.float()(x).logits[0].double().numpy()
+        del ref_model
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+        ref16 = model(x.cuda()).logits[0].double().cpu().numpy()
+        gen = model.generate(x.cuda(), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
 
     def rel(a, b):
         return float((np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)).max())
