@@ -269,17 +269,19 @@ std::vector<RequestOutput> Engine::step() {
   for (size_t i = 0; i < m.sampling.size(); ++i) {
     RequestState& r = *m.sampling[i];
     const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
-    // NaN logits (corrupt weights) end this request with an error, not the engine.
-    if (std::any_of(row.begin(), row.end(), [](float v) { return std::isnan(v); })) {
+    // OpenAI semantics: presence/frequency penalties count generated tokens only. NaN logits
+    // (corrupt weights) end this request with an error, not the engine; the sampler finds them in
+    // the pass over the logits it makes anyway.
+    int32_t token = 0;
+    try {
+      token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+    } catch (const NanLogitsError& e) {
       RequestOutput o;
       o.id = r.id;
-      o.error = "the model produced NaN logits at position " + std::to_string(r.seq.tokens.size() - 1) +
-                ": its weights are probably corrupt";
+      o.error = std::string(e.what()) + " (position " + std::to_string(r.seq.tokens.size() - 1) + ")";
       m.finish(r, "error", outputs, &o);
       continue;
     }
-    // OpenAI semantics: presence/frequency penalties count generated tokens only.
-    const int32_t token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
     m.post_process(r, token, outputs);
   }
   m.refresh_kv_stats();

@@ -15,7 +15,7 @@ void CandidateList::assign(std::span<const float> logits) {
     any_nan |= std::isnan(logits[i]);
   }
   // A NaN would break the total order that sorting relies on (undefined behaviour in std::sort).
-  KESTREL_ASSERT(!any_nan, "NaN logit from the model");
+  if (any_nan) throw NanLogitsError();
   n_sorted_ = 0;
   id_indexed_ = true;
   has_probs_ = false;

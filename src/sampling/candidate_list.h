@@ -7,7 +7,16 @@
 #include <span>
 #include <vector>
 
+#include "core/error.h"
+
 namespace kestrel {
+
+// The logits handed to sampling contain a NaN (a model with corrupt weights, or a backend fault):
+// bad input for this sequence, not a broken invariant, so callers can end just that request.
+class NanLogitsError : public Error {
+ public:
+  NanLogitsError() : Error("the model produced NaN logits: its weights are probably corrupt") {}
+};
 
 struct TokenCandidate {
   int32_t id;

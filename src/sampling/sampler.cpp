@@ -46,7 +46,7 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
       max = l > max ? l : max;
       any_nan |= std::isnan(l);
     }
-    KESTREL_ASSERT(!any_nan, "NaN logit from the model");
+    if (any_nan) throw NanLogitsError();
     const auto it = std::find(logits.begin(), logits.end(), max);  // first: the lowest id wins
     return static_cast<int32_t>(it - logits.begin());
   }

@@ -496,3 +496,20 @@ TEST(Sampler, PresenceAndFrequencyPenaltiesSkipThePrompt) {
   kestrel::Sampler rep(p, 4);
   EXPECT_EQ(rep.sample(logits, history, 2), 0);  // prompt counts: 1 -> 0.75, 2 -> 0.6
 }
+
+// NaN logits are reported as NanLogitsError on both the plain-greedy and the processor-chain
+// paths, so the engine can end just the request concerned.
+TEST(Sampler, NanLogitsAreANamedError) {
+  std::vector<float> logits = {0.5f, std::numeric_limits<float>::quiet_NaN(), 1.0f};
+  kestrel::SamplingParams greedy;
+  greedy.temperature = 0;
+  kestrel::Sampler g(greedy, 3);
+  EXPECT_THROW(g.sample(logits, {}), kestrel::NanLogitsError);
+  kestrel::SamplingParams sampled;
+  sampled.temperature = 0.7f;
+  sampled.top_k = 2;
+  kestrel::Sampler s(sampled, 3);
+  EXPECT_THROW(s.sample(logits, {}), kestrel::NanLogitsError);
+  logits[1] = 0.0f;
+  EXPECT_EQ(g.sample(logits, {}), 2);
+}
