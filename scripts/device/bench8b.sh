@@ -28,6 +28,10 @@ print(f"saved {sum(p.numel() for p in m.parameters())/1e9:.2f}B params in {time.
 PY
 fi
 du -sh "$dir"
+echo "== load: kestrel generate --device cuda -n 1 (weights upload time on the 'ready in' line)"
+sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
+timeout 120 devbin/kestrel generate -m "$dir" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in|loaded"
+timeout 120 devbin/kestrel generate -m "$dir" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in"
 echo "== batch-1: kestrel bench --device cuda -p 128 -n 256"
 timeout 240 devbin/kestrel bench -m "$dir" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -4
 echo "== batched: --parallel 1,16,64 -p 512 -n 128"
