@@ -79,4 +79,15 @@ std::string ModelHparams::summary() const {
   return s.str();
 }
 
+std::vector<float> rope_inv_freq(const ModelHparams& hp, const std::vector<float>& freq_factors) {
+  const int64_t half = hp.rope_dim / 2;
+  std::vector<float> inv(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    double f = std::pow(static_cast<double>(hp.rope_theta), -2.0 * static_cast<double>(i) / static_cast<double>(hp.rope_dim));
+    if (!freq_factors.empty()) f /= freq_factors[static_cast<size_t>(i)];
+    inv[static_cast<size_t>(i)] = static_cast<float>(f);
+  }
+  return inv;
+}
+
 }  // namespace kestrel

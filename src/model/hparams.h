@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kestrel {
 
@@ -44,5 +45,10 @@ struct ModelHparams {
   void validate() const;
   std::string summary() const;
 };
+
+// RoPE inverse frequencies [rope_dim / 2]: theta^(-2i / rope_dim) / freq_factors[i] (factors
+// empty = 1), computed in double and rounded to f32 once (Su et al. 2021; Llama 3 factors as in
+// GGUF rope_freqs.weight or HF rope_scaling "llama3").
+std::vector<float> rope_inv_freq(const ModelHparams& hp, const std::vector<float>& freq_factors);
 
 }  // namespace kestrel

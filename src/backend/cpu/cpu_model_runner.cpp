@@ -30,15 +30,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
     for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
       require(*w, "a matrix of layer " + std::to_string(il));
   }
-  const int64_t half = hp_.rope_dim / 2;
-  const auto& factors = model.weights().rope_freq_factors;
-  inv_freq_.resize(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    double f = std::pow(static_cast<double>(hp_.rope_theta),
-                        -2.0 * static_cast<double>(i) / static_cast<double>(hp_.rope_dim));
-    if (!factors.empty()) f /= factors[static_cast<size_t>(i)];
-    inv_freq_[static_cast<size_t>(i)] = static_cast<float>(f);
-  }
+  inv_freq_ = rope_inv_freq(hp_, model.weights().rope_freq_factors);
 }
 
 void CpuModelRunner::check(const ForwardBatch& b) const {

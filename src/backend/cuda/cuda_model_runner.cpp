@@ -219,15 +219,7 @@ void CudaModelRunner::upload_weights() {
     if (!L.bv.empty()) d.bv = upload_f32(L.bv);
     if (!L.bo.empty()) d.bo = upload_f32(L.bo);
   }
-  const int64_t half = hp_.rope_dim / 2;
-  std::vector<float> inv(static_cast<size_t>(half));
-  const auto& factors = W.rope_freq_factors;
-  for (int64_t i = 0; i < half; ++i) {
-    double f = std::pow(static_cast<double>(hp_.rope_theta), -2.0 * static_cast<double>(i) / static_cast<double>(hp_.rope_dim));
-    if (!factors.empty()) f /= factors[static_cast<size_t>(i)];
-    inv[static_cast<size_t>(i)] = static_cast<float>(f);
-  }
-  inv_freq_ = upload_f32(inv);
+  inv_freq_ = upload_f32(rope_inv_freq(hp_, W.rope_freq_factors));
 }
 
 void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
