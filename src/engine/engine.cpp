@@ -94,7 +94,8 @@ struct Engine::Impl {
     stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
   }
   void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
-  void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs);
+  void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs,
+                    LogprobSummary* logprobs = nullptr);
 
   const LlamaModel& model;
   const Tokenizer* tokenizer;
@@ -136,6 +137,9 @@ RequestId Engine::add_request(Request request) {
     throw Error("prompt of " + std::to_string(n_prompt) + " tokens leaves no room to generate within max_model_len " +
                 std::to_string(m.config.max_model_len));
   if (request.max_tokens == 0) throw Error("max_tokens must be >= 1 (or < 0 for no limit), got 0");
+  if (request.logprobs < -1 || request.logprobs > kMaxRequestLogprobs)
+    throw Error("logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
+                std::to_string(request.logprobs));
   if (!request.stop.empty() && m.tokenizer == nullptr) throw Error("stop strings need a tokenizer");
   for (const std::string& s : request.stop)
     if (s.empty()) throw Error("stop strings must not be empty");
@@ -185,7 +189,8 @@ void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vecto
   requests.erase(r.id);  // r is gone from here on
 }
 
-void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs) {
+void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs,
+                                LogprobSummary* logprobs) {
   Sequence& s = r.seq;
   s.tokens.push_back(token);
   if (s.n_generated() == 1) r.first_token = Clock::now();
@@ -193,6 +198,7 @@ void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<Requ
   RequestOutput o;
   o.id = r.id;
   o.new_token_ids.push_back(token);
+  if (logprobs != nullptr) o.logprobs.push_back(std::move(*logprobs));
   const auto& ids = r.req.stop_ids;
   const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end();
   bool stop_string = false;
@@ -272,9 +278,19 @@ std::vector<RequestOutput> Engine::step() {
     // OpenAI semantics: presence/frequency penalties count generated tokens only. NaN logits
     // (corrupt weights) end this request with an error, not the engine; the sampler finds them in
     // the pass over the logits it makes anyway.
+    // Logprobs come from the raw logits on the host (logprobs.h). TODO(device sampling): a request
+    // with logprobs >= 0 must take this host path; a sampler on the device returns only ids.
     int32_t token = 0;
+    std::optional<LogprobSummary> logprobs;
     try {
-      token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+      if (r.req.logprobs >= 0) {
+        SampledToken st =
+            r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
+        token = st.token;
+        logprobs = std::move(st.logprobs);
+      } else {
+        token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+      }
     } catch (const NanLogitsError& e) {
       RequestOutput o;
       o.id = r.id;
@@ -282,7 +298,7 @@ std::vector<RequestOutput> Engine::step() {
       m.finish(r, "error", outputs, &o);
       continue;
     }
-    m.post_process(r, token, outputs);
+    m.post_process(r, token, outputs, logprobs ? &*logprobs : nullptr);
   }
   m.refresh_kv_stats();
   return outputs;

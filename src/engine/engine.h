@@ -14,6 +14,7 @@
 
 #include "backend/model_runner.h"
 #include "model/llama_weights.h"
+#include "sampling/logprobs.h"
 #include "sampling/sampling_params.h"
 #include "tokenizer/tokenizer.h"
 
@@ -39,7 +40,10 @@ struct Request {
   SamplingParams sampling;
   std::vector<int32_t> stop_ids;        // tokens that end generation (EOS, <|im_end|>); reported in output_ids
   std::vector<std::string> stop;        // stop strings (OpenAI `stop`): generation ends when the text contains one; the text is cut before it
+  int32_t logprobs = -1;                // -1: none; 0..kMaxRequestLogprobs: each sampled token's logprob plus this many top alternatives
 };
+
+inline constexpr int32_t kMaxRequestLogprobs = 20;
 
 // Timings and counts of one request, complete when it finishes.
 struct RequestMetrics {
@@ -56,6 +60,7 @@ struct RequestMetrics {
 struct RequestOutput {
   RequestId id = 0;
   std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
+  std::vector<LogprobSummary> logprobs; // [new_token_ids.size()] when the request asked for logprobs, else empty
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"

@@ -29,11 +29,7 @@ struct BatchArgs {
   std::string input;
   std::string output;
   std::string stats_json;
-  EngineConfig engine;
-  bool no_prefix_cache = false;
-  std::string kv_dtype = "f16";
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
+  EngineServingFlags engine;
 };
 
 // The whole input ("-" = standard input). Throws kestrel::Error naming the file.
@@ -228,17 +224,7 @@ void run_batch(const BatchArgs& a) {
   const std::string input = read_input(a.input);
   ResultFile out(a.output);
   LoadedModel lm = load_model(a.model);
-  EngineConfig config = a.engine;
-  config.enable_prefix_caching = !a.no_prefix_cache;
-  config.kv_dtype = parse_kv_dtype(a.kv_dtype, "--kv-dtype");
-  std::unique_ptr<Engine> engine;
-  try {
-    engine = std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
-                                      make_engine_runner(a.device, a.gpu_memory_utilization, *lm.model, config));
-  } catch (const Error& e) {
-    // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
-    throw CLI::ValidationError("engine flags", e.what());
-  }
+  const std::unique_ptr<Engine> engine = a.engine.make_engine(lm);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
 
   // All requests are submitted up front: the engine's waiting queue does the admission.
@@ -260,8 +246,6 @@ void run_batch(const BatchArgs& a) {
 
 void register_batch(CLI::App& app) {
   auto a = std::make_shared<BatchArgs>();
-  EngineConfig& c = a->engine;
-  const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   CLI::App* sub = app.add_subcommand(
       "batch", "Run a file of requests (JSON lines) together through the engine; results in input order");
   sub->add_option("-m,--model", a->model, kModelHelp);
@@ -271,28 +255,7 @@ void register_batch(CLI::App& app) {
       ->required();
   sub->add_option("-o,--output", a->output, "Results, one JSON object per line in input order; - = stdout")
       ->required();
-  sub->add_option("--max-num-seqs", c.max_num_seqs, "Running sequences per step at most")
-      ->check(CLI::Range(1, 1 << 20))
-      ->capture_default_str();
-  sub->add_option("--max-num-batched-tokens", c.max_num_batched_tokens,
-                  "Tokens (decode + prefill chunks) per step at most")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
-      ->capture_default_str();
-  sub->add_option("--block-size", c.block_size, "Tokens per KV block")->check(CLI::Range(1, 1024))->capture_default_str();
-  sub->add_option("--num-kv-blocks", c.n_kv_blocks, "KV blocks in the pool; 0 = sized from max-model-len and max-num-seqs")
-      ->check(CLI::Range(0, 1 << 30))
-      ->capture_default_str();
-  sub->add_flag("--no-prefix-cache", a->no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
-  add_device_flags(*sub, a->device, a->gpu_memory_utilization);
-  sub->add_option("--kv-dtype", a->kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
-      ->capture_default_str();
-  sub->add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
-      ->check(CLI::Range(0, max_threads))
-      ->capture_default_str();
-  sub->add_option("--max-model-len", c.max_model_len,
-                  "Prompt + output tokens per request at most; 0 = the model's context (at most 8192)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
-      ->capture_default_str();
+  a->engine.add_to(*sub);
   sub->add_option("--stats-json", a->stats_json, "Also write the end-of-run summary to this file as JSON");
   sub->callback([a] { run_batch(*a); });
 }

@@ -156,6 +156,46 @@ SessionOptions EngineFlags::session_options() const {
   return o;
 }
 
+void EngineServingFlags::add_to(CLI::App& app) {
+  EngineConfig& c = engine;
+  const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  app.add_option("--max-num-seqs", c.max_num_seqs, "Running sequences per step at most")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--max-num-batched-tokens", c.max_num_batched_tokens,
+                 "Tokens (decode + prefill chunks) per step at most")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--block-size", c.block_size, "Tokens per KV block")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--num-kv-blocks", c.n_kv_blocks, "KV blocks in the pool; 0 = sized from max-model-len and max-num-seqs")
+      ->check(CLI::Range(0, 1 << 30))
+      ->capture_default_str();
+  app.add_flag("--no-prefix-cache", no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
+  add_device_flags(app, device, gpu_memory_utilization);
+  app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
+      ->capture_default_str();
+  app.add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
+      ->check(CLI::Range(0, max_threads))
+      ->capture_default_str();
+  app.add_option("--max-model-len", c.max_model_len,
+                 "Prompt + output tokens per request at most; 0 = the model's context (at most 8192)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
+      ->capture_default_str();
+}
+
+std::unique_ptr<Engine> EngineServingFlags::make_engine(const LoadedModel& lm) const {
+  EngineConfig config = engine;
+  config.enable_prefix_caching = !no_prefix_cache;
+  config.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
+  try {
+    return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
+                                    make_engine_runner(device, gpu_memory_utilization, *lm.model, config));
+  } catch (const Error& e) {
+    // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
+    throw CLI::ValidationError("engine flags", e.what());
+  }
+}
+
 std::vector<int32_t> stop_ids(const Tokenizer& tok) {
   std::vector<int32_t> ids;
   for (int32_t id = 0; id < tok.n_vocab(); ++id)

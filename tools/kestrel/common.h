@@ -70,6 +70,19 @@ std::unique_ptr<ModelRunner> make_engine_runner(const std::string& device, doubl
 // Adds --device and --gpu-memory-utilization to a command.
 void add_device_flags(CLI::App& app, std::string& device, double& gpu_memory_utilization);
 
+// Flags of the commands that drive the serving engine (batch, serve): scheduling, KV pool, device.
+struct EngineServingFlags {
+  EngineConfig engine;
+  bool no_prefix_cache = false;
+  std::string kv_dtype = "f16";
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
+  void add_to(CLI::App& app);
+  // The engine these flags describe. Throws CLI::ValidationError when the engine rejects their
+  // combination (each flag is in range on its own), kestrel::Error when the device cannot start.
+  std::unique_ptr<Engine> make_engine(const LoadedModel& lm) const;
+};
+
 // End-of-generation ids of the tokenizer (EOS, EOT, <|im_end|>, ...).
 std::vector<int32_t> stop_ids(const Tokenizer& tok);
 
@@ -79,5 +92,6 @@ void register_chat(CLI::App& app);
 void register_batch(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_plan(CLI::App& app);
+void register_serve(CLI::App& app);
 
 }  // namespace kestrel::cli

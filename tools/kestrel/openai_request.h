@@ -1,0 +1,103 @@
+// The OpenAI request fields shared by `kestrel batch` and `kestrel serve`: a JSON object -> a
+// validated request (OpenAI field names and meanings, errors naming the field) -> engine Requests.
+// The engine itself never sees JSON (docs/architecture.md: only the server and the tools know it).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "model/llama_weights.h"
+#include "sampling/sampling_params.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel::cli {
+
+// JSON objects that keep their key order (result lines start with "id", responses with "id").
+using Json = nlohmann::ordered_json;
+
+// A request that cannot be served as given. param names the field at fault as OpenAI error bodies
+// do ("temperature", "messages[1].content"), "" when no single field is; the message names the
+// field and shows the bad value.
+class RequestError : public Error {
+ public:
+  RequestError(std::string param, const std::string& message) : Error(message), param_(std::move(param)) {}
+  const std::string& param() const { return param_; }
+
+ private:
+  std::string param_;
+};
+
+// Which endpoint's rules apply. Batch: prompt or messages, n = 1, no logprobs/echo/stream, default
+// max_tokens 256. Completions (/v1/completions): prompt; Chat (/v1/chat/completions): messages;
+// both with n, logprobs, stream, and no max_tokens default (until the context ends).
+enum class RequestApi { Batch, Completions, Chat };
+
+inline constexpr int64_t kBatchDefaultMaxTokens = 256;
+inline constexpr size_t kMaxStopStrings = 4;  // OpenAI's limit for `stop`
+inline constexpr int32_t kMaxN = 128;         // choices per request at most
+inline constexpr int32_t kMaxLogprobs = 20;   // top alternatives per token at most (OpenAI chat's limit)
+
+// A request after JSON validation, before tokenization. Sampling defaults are the OpenAI / vLLM
+// ones: temperature 1, top_p 1, top_k off, min_p off, no penalties.
+struct OpenAiRequest {
+  bool is_chat = false;               // messages (chat template) rather than prompt
+  std::string prompt;                 // when !is_chat and !prompt_ids
+  std::optional<std::vector<int32_t>> prompt_ids;  // when the prompt was given as token ids (used as is)
+  std::vector<ChatMessage> messages;  // when is_chat; at least one
+  Json messages_json;                 // the same messages as JSON, content flattened to a string (for render_chat)
+  int64_t max_tokens = kBatchDefaultMaxTokens;  // >= 1, or -1 (JSON null, or absent for the server): until max_model_len
+  bool max_tokens_given = false;      // the client set max_tokens / max_completion_tokens to a number
+  SamplingParams sampling;            // validated; its seed is filled in by to_engine_request
+  std::optional<uint64_t> seed;       // absent: a random seed per request
+  std::vector<std::string> stop;      // at most kMaxStopStrings, none empty
+  bool ignore_eos = false;            // no stop ids at all (neither EOS nor end of turn)
+  int32_t n = 1;                      // choices (server only)
+  int32_t logprobs = -1;              // -1: none; else the chosen token's logprob plus this many top ones
+  bool echo = false;                  // completions: the prompt text comes first in the output
+  bool stream = false;                // server-sent events
+  bool include_usage = false;         // stream_options.include_usage: a last chunk with usage
+  std::string model;                  // "" when absent
+};
+
+// Validates one request object (j must be an object). Throws RequestError naming the field for a
+// missing field, a wrong type or an out-of-range value (NaN and infinities are not JSON, so they
+// arrive as huge numbers or strings and are rejected as such). Unknown fields are ignored.
+OpenAiRequest parse_openai_request(const Json& j, RequestApi api);
+
+// Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for
+// the batch command's unknown-field warnings).
+bool is_known_field(const std::string& key, RequestApi api);
+
+// The value as it was written, short enough for a message (cut at a UTF-8 character boundary).
+std::string shown(const Json& v);
+
+// What turning a request into prompt tokens needs from the loaded model.
+struct PromptFormat {
+  const Tokenizer* tokenizer = nullptr;
+  ChatTemplate chat_template;
+  std::string template_source;            // the model's Jinja chat template ("" when it has none)
+  std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
+  std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
+
+  // The chat template of the model (LlamaModel::chat_template, as `kestrel chat` picks it).
+  static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
+};
+
+// The prompt text of a completions request (the string, or the token ids decoded), for echo.
+std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer);
+
+// Tokenizes the prompt (BOS as the model wants it; special-token text such as <|im_start|> is
+// parsed, as `kestrel generate` and `kestrel chat` do; chat messages through render_chat) and fills
+// in logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError
+// for a prompt with no tokens, a token id or a logit_bias id outside the vocabulary, or a chat
+// template error; the engine's add_request checks the rest.
+Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed);
+
+}  // namespace kestrel::cli

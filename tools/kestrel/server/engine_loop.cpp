@@ -1,0 +1,204 @@
+#include "server/engine_loop.h"
+
+#include <exception>
+#include <iostream>
+
+namespace kestrel::cli {
+
+RequestChannel::State RequestChannel::wait_admission(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  cv_.wait_for(lock, timeout, [&] { return state_ != State::Pending; });
+  return state_;
+}
+
+bool RequestChannel::wait_outputs(std::vector<ChoiceOutput>* out, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !outputs_.empty(); })) return false;
+  for (ChoiceOutput& o : outputs_) out->push_back(std::move(o));
+  outputs_.clear();
+  return true;
+}
+
+std::string RequestChannel::error() const {
+  std::lock_guard lock(mutex_);
+  return error_;
+}
+
+void RequestChannel::set_state(State s, std::string error) {
+  {
+    std::lock_guard lock(mutex_);
+    state_ = s;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+void RequestChannel::push(ChoiceOutput o) {
+  {
+    std::lock_guard lock(mutex_);
+    outputs_.push_back(std::move(o));
+  }
+  cv_.notify_all();
+}
+
+EngineLoop::EngineLoop(Engine& engine, std::function<void(const RequestOutput&)> on_finished)
+    : engine_(engine), on_finished_(std::move(on_finished)) {
+  publish();
+  thread_ = std::thread([this] { run(); });
+}
+
+EngineLoop::~EngineLoop() { shutdown(); }
+
+std::shared_ptr<RequestChannel> EngineLoop::submit(std::vector<Request> requests) {
+  std::shared_ptr<RequestChannel> channel(new RequestChannel(requests.size()));
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_) {
+      commands_.push_back(Command{Command::Kind::Submit, channel, std::move(requests)});
+      cv_.notify_one();
+      return channel;
+    }
+  }
+  channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
+  return channel;
+}
+
+void EngineLoop::abort(const std::shared_ptr<RequestChannel>& channel) {
+  std::lock_guard lock(mutex_);
+  if (stopping_) return;  // everything is being aborted anyway
+  commands_.push_back(Command{Command::Kind::Abort, channel, {}});
+  cv_.notify_one();
+}
+
+void EngineLoop::shutdown() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+bool EngineLoop::accepting() const {
+  std::lock_guard lock(mutex_);
+  return !stopping_;
+}
+
+EngineSnapshot EngineLoop::snapshot() const {
+  std::lock_guard lock(snapshot_mutex_);
+  return snapshot_;
+}
+
+void EngineLoop::apply(Command& c) {
+  RequestChannel& ch = *c.channel;
+  if (c.kind == Command::Kind::Abort) {
+    for (RequestId id : ch.ids_)
+      if (routes_.count(id) != 0) engine_.abort_request(id);
+    return;
+  }
+  std::vector<RequestId> ids;
+  try {
+    for (Request& r : c.requests) ids.push_back(engine_.add_request(std::move(r)));
+  } catch (const std::exception& e) {
+    // All or none: the choices already added go (their "abort" outputs have no route).
+    for (RequestId id : ids) engine_.abort_request(id);
+    ch.set_state(RequestChannel::State::Rejected, e.what());
+    return;
+  }
+  ch.ids_ = ids;
+  for (size_t i = 0; i < ids.size(); ++i) routes_[ids[i]] = Route{c.channel, static_cast<int32_t>(i)};
+  ch.set_state(RequestChannel::State::Admitted);
+}
+
+void EngineLoop::route(std::vector<RequestOutput>& outputs) {
+  for (RequestOutput& o : outputs) {
+    const auto it = routes_.find(o.id);
+    if (it == routes_.end()) continue;
+    const Route r = it->second;
+    if (o.finished) {
+      on_finished_(o);
+      routes_.erase(it);
+    }
+    r.channel->push(ChoiceOutput{r.index, std::move(o)});
+  }
+}
+
+void EngineLoop::publish() {
+  EngineSnapshot s;
+  s.stats = engine_.stats();
+  s.n_running = engine_.n_running();
+  s.n_waiting = engine_.n_waiting();
+  s.alive = true;
+  std::lock_guard lock(snapshot_mutex_);
+  snapshot_ = s;
+}
+
+void EngineLoop::fail_all(const std::string& error) {
+  for (auto& [id, r] : routes_) {
+    ChoiceOutput o{r.index, RequestOutput{}};
+    o.output.id = id;
+    o.output.finished = true;
+    o.output.finish_reason = "error";
+    o.output.error = error;
+    r.channel->push(std::move(o));
+  }
+  routes_.clear();
+}
+
+void EngineLoop::run() {
+  bool aborted_all = false;
+  for (;;) {
+    std::deque<Command> commands;
+    bool stopping = false;
+    {
+      std::unique_lock lock(mutex_);
+      // Sleep only when the engine has nothing to do (has_unfinished is read by this thread only).
+      if (!engine_.has_unfinished()) cv_.wait(lock, [&] { return !commands_.empty() || stopping_; });
+      commands.swap(commands_);
+      stopping = stopping_;
+    }
+    try {
+      for (Command& c : commands) {
+        if (stopping && c.kind == Command::Kind::Submit) {
+          c.channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
+          continue;
+        }
+        apply(c);
+      }
+      if (stopping && !aborted_all) {
+        for (const auto& [id, r] : routes_) engine_.abort_request(id);
+        aborted_all = true;
+      }
+      if (engine_.has_unfinished()) {
+        std::vector<RequestOutput> outputs = engine_.step();
+        route(outputs);
+        publish();
+      } else if (stopping) {
+        break;
+      } else {
+        publish();
+      }
+    } catch (const std::exception& e) {
+      // Not expected (the engine ends a request with an error rather than throwing): every open
+      // request fails, and the server stops taking new ones.
+      std::cerr << "kestrel serve: engine failure: " << e.what() << "\n";
+      fail_all(std::string("engine failure: ") + e.what());
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+      break;
+    }
+  }
+  std::deque<Command> left;
+  {
+    std::lock_guard lock(mutex_);
+    left.swap(commands_);
+  }
+  for (Command& c : left)
+    if (c.kind == Command::Kind::Submit)
+      c.channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
+  fail_all("the server is shutting down");
+  std::lock_guard lock(snapshot_mutex_);
+  snapshot_.alive = false;
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,155 @@
+#include "server/openai_api.h"
+
+#include <algorithm>
+#include <random>
+
+#include "tokenizer/utf8.h"
+
+namespace kestrel::cli {
+
+namespace {
+Json null_or(const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); }
+
+// Characters (code points) the bytes add to a text: continuation bytes do not start one, so a
+// character split over two tokens is counted once.
+int64_t n_chars(std::string_view bytes) {
+  int64_t n = 0;
+  for (char c : bytes) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+Json byte_list(std::string_view bytes) {
+  Json b = Json::array();
+  for (char c : bytes) b.push_back(static_cast<int>(static_cast<unsigned char>(c)));
+  return b;
+}
+
+Json chat_entry(const Tokenizer& tok, const TokenLogprob& t) {
+  const std::string piece = tok.token_to_piece(t.token);
+  return Json{{"token", utf8_sanitize(piece)}, {"logprob", t.logprob}, {"bytes", byte_list(piece)}};
+}
+}  // namespace
+
+Json error_body(const std::string& message, const std::string& type, const std::string& param,
+                const std::string& code) {
+  return Json{{"error", {{"message", message}, {"type", type}, {"param", null_or(param)}, {"code", null_or(code)}}}};
+}
+
+std::string new_response_id(const char* prefix) {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  static const char* const kHex = "0123456789abcdef";
+  std::string id = prefix;
+  for (int i = 0; i < 24; ++i) id += kHex[rng() & 15];
+  return id;
+}
+
+LoggedTokens logged_tokens(const RequestOutput& o, std::span<const int32_t> stop_ids) {
+  LoggedTokens t;
+  for (size_t i = 0; i < o.new_token_ids.size(); ++i) {
+    const int32_t id = o.new_token_ids[i];
+    const bool last = i + 1 == o.new_token_ids.size();
+    if (last && o.finished && o.finish_reason == "stop" &&
+        std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end())
+      continue;
+    if (i >= o.logprobs.size()) continue;  // the request did not ask for logprobs
+    t.ids.push_back(id);
+    t.logprobs.push_back(o.logprobs[i]);
+  }
+  return t;
+}
+
+Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* text_offset) {
+  Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
+  for (size_t i = 0; i < t.ids.size(); ++i) {
+    const LogprobSummary& s = t.logprobs[i];
+    const std::string piece = tok.token_to_piece(t.ids[i]);
+    tokens.push_back(utf8_sanitize(piece));
+    token_logprobs.push_back(s.chosen.logprob);
+    // OpenAI's legacy format: the top alternatives and the chosen token, by their text.
+    Json alts = Json::object();
+    for (const TokenLogprob& a : s.top) alts[utf8_sanitize(tok.token_to_piece(a.token))] = a.logprob;
+    const std::string chosen = utf8_sanitize(piece);
+    if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
+    top.push_back(std::move(alts));
+    offsets.push_back(*text_offset);
+    *text_offset += n_chars(piece);
+  }
+  return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+Json chat_logprobs(const Tokenizer& tok, const LoggedTokens& t) {
+  Json content = Json::array();
+  for (size_t i = 0; i < t.ids.size(); ++i) {
+    const LogprobSummary& s = t.logprobs[i];
+    Json entry = chat_entry(tok, s.chosen);
+    Json top = Json::array();
+    for (const TokenLogprob& a : s.top) top.push_back(chat_entry(tok, a));
+    entry["top_logprobs"] = std::move(top);
+    content.push_back(std::move(entry));
+  }
+  return Json{{"content", content}};
+}
+
+Json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+  return Json{{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage_null) {
+  Json choice;
+  choice["index"] = c.index;
+  if (h.chat) {
+    Json delta = Json::object();
+    if (c.role) delta["role"] = "assistant";
+    if (c.text) delta["content"] = *c.text;
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = c.text.value_or("");
+  }
+  choice["logprobs"] = c.logprobs;
+  choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
+  Json j{{"id", h.id},
+         {"object", h.chat ? "chat.completion.chunk" : "text_completion"},
+         {"created", h.created},
+         {"model", h.model},
+         {"choices", Json::array({std::move(choice)})}};
+  if (with_usage_null) j["usage"] = nullptr;
+  return j;
+}
+
+Json usage_chunk(const ResponseHeader& h, const Json& usage) {
+  return Json{{"id", h.id},
+              {"object", h.chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", h.created},
+              {"model", h.model},
+              {"choices", Json::array()},
+              {"usage", usage}};
+}
+
+Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choices, const Json& usage) {
+  Json list = Json::array();
+  for (const FinalChoice& c : choices) {
+    Json choice;
+    choice["index"] = c.index;
+    if (h.chat)
+      choice["message"] = Json{{"role", "assistant"}, {"content", c.text}};
+    else
+      choice["text"] = c.text;
+    choice["logprobs"] = c.logprobs;
+    choice["finish_reason"] = c.finish_reason;
+    list.push_back(std::move(choice));
+  }
+  return Json{{"id", h.id},
+              {"object", h.chat ? "chat.completion" : "text_completion"},
+              {"created", h.created},
+              {"model", h.model},
+              {"choices", std::move(list)},
+              {"usage", usage}};
+}
+
+std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+std::string sse_event(const Json& j) { return "data: " + dump(j) + "\n\n"; }
+
+}  // namespace kestrel::cli

@@ -1,0 +1,79 @@
+// The OpenAI response objects the server writes: completions ("text_completion") and chat
+// ("chat.completion", "chat.completion.chunk"), their logprobs, usage, server-sent event framing
+// and error bodies. Pure functions of native values; the HTTP layer (http_server.cpp) sends them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "openai_request.h"
+#include "sampling/logprobs.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel::cli {
+
+// What every object of one response shares.
+struct ResponseHeader {
+  std::string id;      // "cmpl-..." or "chatcmpl-..."
+  int64_t created = 0; // Unix seconds
+  std::string model;   // the served model name
+  bool chat = false;
+};
+
+// {"error": {"message", "type", "param", "code"}}; param and code are null when empty.
+Json error_body(const std::string& message, const std::string& type = "invalid_request_error",
+                const std::string& param = "", const std::string& code = "");
+
+// A fresh id with the prefix ("cmpl-", "chatcmpl-"): 24 random hex digits.
+std::string new_response_id(const char* prefix);
+
+// The tokens of one output whose logprobs are reported: every sampled token except a final stop id
+// (EOS, end of turn), which is not part of the text.
+struct LoggedTokens {
+  std::vector<int32_t> ids;
+  std::vector<LogprobSummary> logprobs;  // [ids.size()]
+};
+LoggedTokens logged_tokens(const RequestOutput& output, std::span<const int32_t> stop_ids);
+
+// Completions logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}.
+// *text_offset: characters of the choice's text before the first token; advanced past these tokens.
+Json completion_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens, int64_t* text_offset);
+// Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
+Json chat_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens);
+
+Json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+
+// One streamed chunk of one choice. Completions: {"text", "logprobs", "finish_reason"}; chat:
+// {"delta": {"role"?, "content"?}, "logprobs", "finish_reason"}. with_usage_null adds "usage": null
+// (stream_options.include_usage: every chunk but the last has it).
+struct ChunkChoice {
+  int32_t index = 0;
+  std::optional<std::string> text;           // chat: the delta's content, absent for {} deltas
+  bool role = false;                         // chat: the first chunk of a choice names the role
+  Json logprobs;                             // null or a logprobs object
+  std::optional<std::string> finish_reason;  // null until the last chunk of the choice
+};
+Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage_null);
+// The last chunk of an include_usage stream: "choices": [] and the usage.
+Json usage_chunk(const ResponseHeader& h, const Json& usage);
+
+// A finished choice of a non-streamed response.
+struct FinalChoice {
+  int32_t index = 0;
+  std::string text;
+  Json logprobs;  // null or a logprobs object
+  std::string finish_reason;
+};
+Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choices, const Json& usage);
+
+// "data: <compact JSON>\n\n" (invalid UTF-8 replaced by U+FFFD; nothing ever breaks the framing).
+std::string sse_event(const Json& j);
+inline constexpr const char* kSseDone = "data: [DONE]\n\n";
+// Compact JSON with invalid UTF-8 replaced by U+FFFD.
+std::string dump(const Json& j);
+
+}  // namespace kestrel::cli
