@@ -72,7 +72,17 @@ struct Job {
   bool done = false;     // the whole answer was written
   ConnectionProbe probe;
 
+  std::chrono::steady_clock::time_point last_probe{};
+
   explicit Job(const httplib::Request& req) : probe(req) {}
+
+  // At most every kPoll (outputs may arrive every few ms): has the client closed the connection?
+  bool client_gone() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_probe < kPoll) return false;
+    last_probe = now;
+    return probe.closed();
+  }
 
   int64_t n_completion() const {
     int64_t n = 0;
@@ -287,7 +297,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
 
   RequestChannel::State state;
   while ((state = job->channel->wait_admission(kPoll)) == RequestChannel::State::Pending) {
-    if (job->probe.closed()) {
+    if (job->client_gone()) {
       loop.abort(job->channel);  // queued after the submit: it aborts whatever was admitted
       res.status = kClientClosed;
       return;
@@ -313,14 +323,13 @@ void HttpServer::Impl::complete(Job& job, httplib::Response& res) {
   std::vector<ChoiceOutput> outputs;
   while (job.n_finished < job.choices.size()) {
     outputs.clear();
-    if (!job.channel->wait_outputs(&outputs, kPoll)) {
-      if (job.probe.closed()) {
-        loop.abort(job.channel);
-        res.status = kClientClosed;
-        return;
-      }
-      continue;
+    const bool got = job.channel->wait_outputs(&outputs, kPoll);
+    if (job.client_gone()) {
+      loop.abort(job.channel);
+      res.status = kClientClosed;
+      return;
     }
+    if (!got) continue;
     for (ChoiceOutput& o : outputs) {
       Job::Choice& c = job.choices[static_cast<size_t>(o.index)];
       c.text += o.output.text_delta;
@@ -412,13 +421,11 @@ bool HttpServer::Impl::stream_step(Job& job, httplib::DataSink& sink) {
     }
   }
   std::vector<ChoiceOutput> outputs;
-  // With something to send already, only take what has arrived; else wait a while, and check
-  // that the client is still there when nothing came.
-  if (job.channel->wait_outputs(&outputs, buf.empty() ? kPoll : milliseconds(0))) {
+  // With something to send already, only take what has arrived; else wait a while. A failed
+  // write tells that the client went away, but only once something is written: check meanwhile.
+  if (job.channel->wait_outputs(&outputs, buf.empty() ? kPoll : milliseconds(0)))
     for (ChoiceOutput& o : outputs) buf += chunks_for(job, o);
-  } else if (buf.empty() && job.probe.closed()) {
-    return false;
-  }
+  if (job.client_gone()) return false;
   const bool all_finished = job.n_finished == job.choices.size();
   if (all_finished) {
     if (job.include_usage) buf += sse_event(usage_chunk(job.header, usage_json(job.n_prompt, job.n_completion())));

@@ -1,0 +1,318 @@
+"""The OpenAI API of `kestrel serve` on stories260K, through the official openai client and raw HTTP."""
+
+import concurrent.futures
+import math
+import subprocess
+
+import pytest
+import requests
+
+from conftest import STORIES_CTX, Server, kestrel_binary, require, stories_model
+from sse import joined_text, stream_events
+
+PROMPT = "Once upon a time"
+
+
+def complete(server, **body):
+    body.setdefault("prompt", PROMPT)
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(server, **body):
+    body.setdefault("messages", [{"role": "user", "content": "Tell me a story."}])
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_models_and_health(server):
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    models = server.openai().models.list()
+    assert [m.id for m in models.data] == ["stories"]
+    r = requests.get(server.url + "/v1/models/stories", timeout=10)
+    assert r.status_code == 200 and r.json()["id"] == "stories"
+    assert requests.get(server.url + "/v1/models/other", timeout=10).status_code == 404
+
+
+def test_completion_with_openai_client(server):
+    client = server.openai()
+    r = client.completions.create(model="stories", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
+    assert r.model == "stories"
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.choices[0].text.startswith(", there was")
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 5  # BOS + 4 pieces
+    assert r.usage.completion_tokens == 16
+    assert r.usage.total_tokens == 21
+
+
+def test_chat_with_openai_client(server):
+    client = server.openai()
+    r = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.usage.completion_tokens == 8
+
+    # max_completion_tokens is the newer name; unknown fields are ignored.
+    r = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=3,
+        temperature=0, extra_body={"an_unknown_field": [1, 2], "user": "someone"})
+    assert r.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_stream_equals_non_stream_for_the_same_seed(server, api):
+    is_chat = api == "chat"
+    path = "/v1/chat/completions" if is_chat else "/v1/completions"
+    body = {"max_tokens": 96, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    if is_chat:
+        body["messages"] = [{"role": "user", "content": "Tell me about a cat."}]
+    else:
+        body["prompt"] = PROMPT
+    full = server.post(path, body).json()
+    events, done = stream_events(server.url + path, dict(body, stream=True))
+    assert done
+    text = full["choices"][0]["message"]["content"] if is_chat else full["choices"][0]["text"]
+    assert joined_text(events, is_chat) == [text]
+    assert len(text) > 20
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == [full["choices"][0]["finish_reason"]]
+    assert all(e["id"] == events[0]["id"] for e in events)
+    assert all(e["object"] == ("chat.completion.chunk" if is_chat else "text_completion") for e in events)
+    if is_chat:
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_stream_with_openai_client_and_usage(server):
+    client = server.openai()
+    stream = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0.7, seed=5,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    full = client.chat.completions.create(
+        model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0.7, seed=5)
+    assert text == full.choices[0].message.content
+
+    stream = client.completions.create(model="stories", prompt=PROMPT, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == complete(server, max_tokens=10, temperature=0)["choices"][0]["text"]
+
+
+def greedy_tokens(server, max_tokens=48):
+    r = complete(server, max_tokens=max_tokens, temperature=0, logprobs=0)
+    lp = r["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    return r["choices"][0]["text"], lp["tokens"]
+
+
+def test_stop_strings_across_token_boundaries(server):
+    text, tokens = greedy_tokens(server)
+    # A stop string made of the end of one token and the start of the next, whose first occurrence
+    # in the text is that boundary.
+    offset = 0
+    cases = []
+    for k in range(len(tokens) - 1):
+        offset += len(tokens[k])
+        a, b = tokens[k], tokens[k + 1]
+        if len(a) >= 2 and len(b) >= 2:
+            stop = a[-2:] + b[:2]
+            if text.find(stop) == offset - 2:
+                cases.append((stop, text[: offset - 2]))
+    assert len(cases) >= 3, tokens
+    for stop, expected in cases[:3]:
+        r = complete(server, max_tokens=48, temperature=0, stop=[stop, "never appears"])
+        assert r["choices"][0]["text"] == expected
+        assert r["choices"][0]["finish_reason"] == "stop"
+        events, done = stream_events(server.url + "/v1/completions",
+                                     {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stop": stop,
+                                      "stream": True})
+        # The concatenation is exactly the text before the stop string: no delta ever held part of it.
+        assert done and joined_text(events, False) == [expected]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_n_choices_match_single_requests_with_consecutive_seeds(server):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": 77}
+    r = complete(server, n=2, **{k: v for k, v in body.items() if k != "prompt"})
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    singles = [complete(server, **dict(body, seed=77 + i))["choices"][0]["text"] for i in range(2)]
+    assert [c["text"] for c in r["choices"]] == singles
+    assert singles[0] != singles[1]
+    assert r["usage"]["prompt_tokens"] == 5
+    assert r["usage"]["completion_tokens"] == 48
+
+    client = server.openai()
+    c = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                       max_tokens=6, seed=3)
+    assert sorted(ch.index for ch in c.choices) == [0, 1]
+    events, done = stream_events(server.url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 6,
+                                  "seed": 3, "stream": True})
+    assert done and joined_text(events, True, n=2) == [ch.message.content for ch in sorted(c.choices, key=lambda x: x.index)]
+
+
+def test_completion_logprobs_are_those_of_the_sampled_tokens(server):
+    # Greedy: each chosen token is the most likely one.
+    r = complete(server, max_tokens=20, temperature=0, logprobs=3)
+    lp = r["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 20
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen <= 0 and 3 <= len(top) <= 4
+        assert math.isclose(chosen, max(top.values()), abs_tol=1e-6)
+        assert math.isclose(top[tok], chosen, abs_tol=1e-6)
+    assert lp["text_offset"][0] == 0
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
+
+    # Sampled: the chosen token's logprob is its own, never above the most likely one's.
+    r = complete(server, max_tokens=40, temperature=1.0, seed=9, logprobs=5)
+    lp = r["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen <= max(top.values()) + 1e-6
+        assert math.isclose(top[tok], chosen, abs_tol=1e-6)
+    assert sum(lp["token_logprobs"]) < 0
+
+    # The stream carries the same logprobs.
+    events, _ = stream_events(server.url + "/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 40, "temperature": 1.0, "seed": 9, "logprobs": 5,
+                               "stream": True})
+    streamed = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+
+
+def test_chat_logprobs(server):
+    client = server.openai()
+    r = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                       temperature=0.8, seed=2, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8") == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob <= t.top_logprobs[0].logprob + 1e-6
+    r = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       logprobs=True)
+    assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
+    r = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.choices[0].logprobs is None
+
+
+def test_echo_and_token_id_prompts(server):
+    # The prompt as the server tokenizes it: BOS (id 1 in the llama2.c vocabulary) and the pieces.
+    ids = [1] + [int(t) for t in subprocess.run([str(kestrel_binary()), "tokenize", "-m", str(stories_model()), PROMPT],
+                                                capture_output=True, text=True, check=True).stdout.split()]
+    by_text = complete(server, max_tokens=12, temperature=0)
+    by_ids = complete(server, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert by_ids["usage"]["prompt_tokens"] == len(ids) == by_text["usage"]["prompt_tokens"]
+    assert complete(server, prompt=[ids], max_tokens=12, temperature=0)["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+    echoed = complete(server, max_tokens=12, temperature=0, echo=True)
+    assert echoed["choices"][0]["text"] == PROMPT + by_text["choices"][0]["text"]
+    events, _ = stream_events(server.url + "/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "echo": True, "stream": True})
+    assert events[0]["choices"][0]["text"] == PROMPT
+    assert joined_text(events, False) == [echoed["choices"][0]["text"]]
+
+
+def test_ignore_eos_and_no_max_tokens_runs_to_the_end_of_the_context(server):
+    r = complete(server, temperature=0, ignore_eos=True)
+    assert r["usage"]["completion_tokens"] == STORIES_CTX - 5
+    assert r["choices"][0]["finish_reason"] == "length"
+    r = complete(server, max_tokens=300, temperature=0, ignore_eos=True)
+    assert r["usage"]["completion_tokens"] == 300
+
+
+def test_prompt_longer_than_the_context_is_refused(server):
+    r = server.post("/v1/completions", {"prompt": [1] * STORIES_CTX, "max_tokens": 1})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert str(STORIES_CTX) in err["message"]
+    r = server.post("/v1/completions", {"prompt": [1] * (STORIES_CTX - 1), "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == STORIES_CTX - 1
+    r = server.post("/v1/completions", {"prompt": [1] * 100, "max_tokens": STORIES_CTX - 99})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert str(STORIES_CTX - 100) in r.json()["error"]["message"]
+
+
+def test_concurrent_streams(server):
+    def one(i):
+        events, done = stream_events(server.url + "/v1/completions",
+                                     {"prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": i,
+                                      "stream": True})
+        return done, joined_text(events, False)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(done for done, _ in results)
+    # Same seed, same text, whatever else shares the batch.
+    again = complete(server, max_tokens=40, temperature=0.8, seed=3)["choices"][0]["text"]
+    assert results[3][1] == again
+
+
+def test_metrics(server):
+    # The same long prompt twice: the second finds its blocks in the prefix cache.
+    long_prompt = PROMPT + " there was a little girl named Lily." * 8
+    complete(server, prompt=long_prompt, max_tokens=2)
+    complete(server, prompt=long_prompt, max_tokens=2)
+    m = server.metrics()
+    assert m['kestrel_requests_total{status="200"}'] >= 2
+    assert m["kestrel_prompt_tokens_total"] > 0 and m["kestrel_generation_tokens_total"] > 0
+    for h in ("kestrel_time_to_first_token_seconds", "kestrel_time_per_output_token_seconds",
+              "kestrel_e2e_request_latency_seconds"):
+        buckets = [(k, v) for k, v in m.items() if k.startswith(h + "_bucket")]
+        assert buckets[-1][0] == h + '_bucket{le="+Inf"}'
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and counts[-1] == m[h + "_count"] > 0
+    assert m["kestrel_num_requests_running"] == 0 and m["kestrel_num_requests_waiting"] == 0
+    assert m["kestrel_kv_blocks_used"] == 0 and m["kestrel_kv_blocks_total"] > 0
+    assert 0 < m["kestrel_prefix_cache_hit_rate"] <= 1
+    assert m["kestrel_preemptions_total"] >= 0
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    assert "# TYPE kestrel_time_to_first_token_seconds histogram" in text
+
+
+def test_routes_and_methods(server):
+    r = requests.get(server.url + "/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["Allow"] == "POST" and "error" in r.json()
+    r = requests.post(server.url + "/v1/unknown", json={}, timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    r = requests.post(server.url + "/health", timeout=10)
+    assert r.status_code == 405
+
+
+def test_api_key():
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--api-key", "sekrit", "--max-model-len", "256")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = s.post("/v1/completions", body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(s.url + "/v1/models", timeout=10).status_code == 401
+        assert s.post("/v1/completions", body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        r = s.openai(api_key="sekrit").completions.create(model=s.name, prompt=PROMPT, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        import openai
+
+        with pytest.raises(openai.AuthenticationError):
+            s.openai(api_key="wrong").completions.create(model=s.name, prompt=PROMPT, max_tokens=2)
+        # Health and metrics stay open for probes and scrapers.
+        assert requests.get(s.url + "/health", timeout=10).status_code == 200
+        assert requests.get(s.url + "/metrics", timeout=10).status_code == 200
+    finally:
+        assert s.stop() == 0, s.output()
