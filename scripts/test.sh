@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ unit/golden/e2e tests and the Python reference checks (CTest), then the
 # C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer. Installs what is missing
-# first (packages, the default model, a Python venv with numpy + gguf for the float64 reference and
-# safetensors for the Hugging Face folder checks),
+# first (packages, the default model, a Python venv with numpy + gguf for the float64 reference,
+# safetensors for the Hugging Face folder checks, pytest + requests + openai for the server tests),
 # so it works on a fresh clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,8 @@ scripts/fetch_model.sh
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check numpy==2.1.3 gguf==0.17.1 safetensors==0.6.2
+.venv/bin/python -m pip install --quiet --disable-pip-version-check numpy==2.1.3 gguf==0.17.1 safetensors==0.6.2 \
+  pytest==8.4.2 requests==2.32.5 openai==3.57.0
 export KESTREL_REQUIRE_REFERENCE=1  # a missing reference piece fails instead of skipping
 KESTREL_CMAKE_ARGS="-DPython3_EXECUTABLE=$PWD/.venv/bin/python" scripts/build.sh
 

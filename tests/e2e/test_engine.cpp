@@ -405,3 +405,47 @@ TEST(Engine, NanLogitsEndTheRequestNotTheEngine) {
   EXPECT_EQ(n_errors, 2);
   EXPECT_EQ(e.stats().kv_blocks_used, 0);
 }
+
+// logprobs: each sampled token comes with its own logprob and the top alternatives, and asking for
+// them changes no token.
+TEST(Engine, LogprobsComeWithEachTokenAndChangeNoToken) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  Engine e(*l.model, l.tokenizer.get(), EngineConfig{});
+  Request r;
+  r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+  r.max_tokens = 24;
+  r.sampling.temperature = 0.9f;
+  r.sampling.seed = 42;
+  const RequestId plain = e.add_request(r);
+  r.logprobs = 3;
+  const RequestId with = e.add_request(r);
+  r.sampling.temperature = 0;
+  const RequestId greedy = e.add_request(r);
+  std::map<RequestId, std::vector<int32_t>> ids;
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step()) {
+      ids[o.id].insert(ids[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      if (o.id == plain) {
+        EXPECT_TRUE(o.logprobs.empty());
+        continue;
+      }
+      ASSERT_EQ(o.logprobs.size(), o.new_token_ids.size());
+      for (size_t i = 0; i < o.logprobs.size(); ++i) {
+        const LogprobSummary& s = o.logprobs[i];
+        EXPECT_EQ(s.chosen.token, o.new_token_ids[i]);
+        ASSERT_EQ(s.top.size(), 3u);
+        EXPECT_LE(s.chosen.logprob, 0.0f);
+        EXPECT_LE(s.chosen.logprob, s.top[0].logprob);
+        EXPECT_GE(s.top[0].logprob, s.top[1].logprob);
+        if (o.id == greedy) {
+          EXPECT_EQ(s.chosen.token, s.top[0].token);
+          EXPECT_EQ(s.chosen.logprob, s.top[0].logprob);
+        }
+      }
+    }
+  EXPECT_EQ(ids[plain], ids[with]);
+  EXPECT_EQ(ids[plain].size(), 24u);
+  r.logprobs = kMaxRequestLogprobs + 1;
+  EXPECT_THROW(e.add_request(r), Error);
+}

@@ -88,6 +88,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
     def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Stops the server; returns its exit status and its output (the log file is removed)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -95,9 +96,10 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        out = self.output()
         self.log.close()
         os.unlink(self.log.name)
-        return self.proc.returncode
+        return self.proc.returncode, out
 
 
 # stories260K: 512-token vocabulary, context 2048, about 1,500 tokens/s on one stream here.
@@ -110,7 +112,8 @@ def server():
     require(stories_model())
     s = Server(stories_model(), "--max-model-len", str(STORIES_CTX), name="stories")
     yield s
-    assert s.stop() == 0, s.output()
+    rc, out = s.stop()
+    assert rc == 0, out
 
 
 @pytest.fixture(scope="session")
@@ -121,4 +124,5 @@ def chat_server():
         pytest.skip(f"missing {model} (scripts/fetch_model.sh)")
     s = Server(model, "--max-model-len", "2048")
     yield s
-    assert s.stop() == 0, s.output()
+    rc, out = s.stop()
+    assert rc == 0, out

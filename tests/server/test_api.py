@@ -315,4 +315,5 @@ def test_api_key():
         assert requests.get(s.url + "/health", timeout=10).status_code == 200
         assert requests.get(s.url + "/metrics", timeout=10).status_code == 200
     finally:
-        assert s.stop() == 0, s.output()
+        rc, out = s.stop()
+        assert rc == 0, out

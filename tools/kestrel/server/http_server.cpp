@@ -167,8 +167,12 @@ Json HttpServer::Impl::models_json() const {
 void HttpServer::Impl::routes() {
   const int n_threads = std::max(1, options.http_threads);
   svr.new_task_queue = [n_threads] { return new httplib::ThreadPool(static_cast<size_t>(n_threads)); };
+  // A stop waits for every connection thread: an idle keep-alive connection or a half-sent request
+  // holds one for up to these timeouts (reads), a client that stopped reading its stream for the
+  // write timeout.
   svr.set_keep_alive_max_count(1000);
-  svr.set_read_timeout(30, 0);
+  svr.set_keep_alive_timeout(5);
+  svr.set_read_timeout(5, 0);
   svr.set_write_timeout(30, 0);
   svr.set_payload_max_length(size_t{64} << 20);  // 413 above 64 MiB
   svr.set_tcp_nodelay(true);                     // each SSE chunk goes out at once

@@ -1,0 +1,109 @@
+// The server's side of the OpenAI request parser (openai_request.h): the fields only
+// /v1/completions and /v1/chat/completions read, the defaults that differ from batch mode, and the
+// parameter each error names (the `param` of the OpenAI error body).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "openai_request.h"
+
+namespace kestrel::cli {
+namespace {
+
+OpenAiRequest parse(const std::string& text, RequestApi api) { return parse_openai_request(Json::parse(text), api); }
+
+// The param of the RequestError the text raises ("<none>" when it parses).
+std::string param_of(const std::string& text, RequestApi api) {
+  try {
+    parse(text, api);
+  } catch (const RequestError& e) {
+    return e.param();
+  }
+  return "<none>";
+}
+
+TEST(OpenAiRequest, ServerDefaults) {
+  const OpenAiRequest r = parse(R"({"prompt": "a"})", RequestApi::Completions);
+  EXPECT_EQ(r.max_tokens, -1);  // until the context ends
+  EXPECT_FALSE(r.max_tokens_given);
+  EXPECT_EQ(r.n, 1);
+  EXPECT_EQ(r.logprobs, -1);
+  EXPECT_FALSE(r.echo || r.stream || r.include_usage);
+  EXPECT_EQ(r.model, "");
+  EXPECT_EQ(parse(R"({"prompt": "a"})", RequestApi::Batch).max_tokens, kBatchDefaultMaxTokens);
+}
+
+TEST(OpenAiRequest, ServerFields) {
+  const OpenAiRequest r = parse(
+      R"({"prompt": "a", "n": 3, "logprobs": 5, "stream": true, "max_tokens": 7,
+          "stream_options": {"include_usage": true}, "model": "m", "unknown": {"x": 1}})",
+      RequestApi::Completions);
+  EXPECT_EQ(r.n, 3);
+  EXPECT_EQ(r.logprobs, 5);
+  EXPECT_TRUE(r.stream && r.include_usage && r.max_tokens_given);
+  EXPECT_EQ(r.model, "m");
+  EXPECT_TRUE(parse(R"({"prompt": "a", "echo": true})", RequestApi::Completions).echo);
+}
+
+TEST(OpenAiRequest, ChatLogprobsAreABooleanPlusTopLogprobs) {
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  EXPECT_EQ(parse("{" + m + "}", RequestApi::Chat).logprobs, -1);
+  EXPECT_EQ(parse("{" + m + R"(, "logprobs": false})", RequestApi::Chat).logprobs, -1);
+  EXPECT_EQ(parse("{" + m + R"(, "logprobs": true})", RequestApi::Chat).logprobs, 0);
+  EXPECT_EQ(parse("{" + m + R"(, "logprobs": true, "top_logprobs": 4})", RequestApi::Chat).logprobs, 4);
+  EXPECT_EQ(param_of("{" + m + R"(, "top_logprobs": 4})", RequestApi::Chat), "top_logprobs");
+  EXPECT_EQ(param_of("{" + m + R"(, "logprobs": 2})", RequestApi::Chat), "logprobs");
+  const OpenAiRequest r = parse("{" + m + "}", RequestApi::Chat);
+  ASSERT_TRUE(r.is_chat);
+  EXPECT_EQ(r.messages_json, Json::parse(R"([{"role": "user", "content": "hi"}])"));
+}
+
+TEST(OpenAiRequest, PromptForms) {
+  EXPECT_EQ(parse(R"({"prompt": "x"})", RequestApi::Completions).prompt, "x");
+  EXPECT_EQ(parse(R"({"prompt": ["x"]})", RequestApi::Completions).prompt, "x");
+  EXPECT_EQ(*parse(R"({"prompt": [1, 2, 3]})", RequestApi::Completions).prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(*parse(R"({"prompt": [[4, 5]]})", RequestApi::Completions).prompt_ids, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(*parse(R"({"prompt": [7]})", RequestApi::Batch).prompt_ids, (std::vector<int32_t>{7}));
+  EXPECT_EQ(param_of(R"({"prompt": [1, -2]})", RequestApi::Completions), "prompt[1]");
+  EXPECT_EQ(param_of(R"({"prompt": []})", RequestApi::Completions), "prompt");
+  EXPECT_EQ(param_of(R"({"prompt": ["a", "b"]})", RequestApi::Completions), "prompt");
+  // Each endpoint takes its own input and ignores the other's.
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": "hi"}]})", RequestApi::Completions), "prompt");
+  EXPECT_EQ(param_of(R"({"prompt": "a"})", RequestApi::Chat), "messages");
+}
+
+TEST(OpenAiRequest, ErrorsNameTheParameter) {
+  const struct {
+    const char* body;
+    const char* param;
+  } cases[] = {
+      {R"({"prompt": "a", "n": 0})", "n"},
+      {R"({"prompt": "a", "n": 129})", "n"},
+      {R"({"prompt": "a", "logprobs": 21})", "logprobs"},
+      {R"({"prompt": "a", "echo": 1})", "echo"},
+      {R"({"prompt": "a", "echo": true, "logprobs": 1})", "echo"},
+      {R"({"prompt": "a", "stream": "yes"})", "stream"},
+      {R"({"prompt": "a", "stream_options": {"include_usage": 1}})", "stream_options.include_usage"},
+      {R"({"prompt": "a", "model": 1})", "model"},
+      {R"({"prompt": "a", "logit_bias": {"x": 1}})", "logit_bias"},
+      {R"({"prompt": "a", "logit_bias": {"3": "x"}})", "logit_bias"},
+      {R"({"prompt": "a", "stop": ["a", 2]})", "stop[1]"},
+      {R"({"prompt": "a", "top_p": 0})", "top_p"},
+      {R"({"prompt": "a", "max_tokens": 0})", "max_tokens"},
+      {R"({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 2})", "max_completion_tokens"},
+  };
+  for (const auto& c : cases) EXPECT_EQ(param_of(c.body, RequestApi::Completions), c.param) << c.body;
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": 1}]})", RequestApi::Chat), "messages[0].content");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "bot", "content": "x"}]})", RequestApi::Chat), "messages[0].role");
+}
+
+TEST(OpenAiRequest, KnownFields) {
+  EXPECT_TRUE(is_known_field("logprobs", RequestApi::Completions));
+  EXPECT_TRUE(is_known_field("stream_options", RequestApi::Chat));
+  EXPECT_FALSE(is_known_field("logprobs", RequestApi::Batch));
+  EXPECT_TRUE(is_known_field("id", RequestApi::Batch));
+  EXPECT_FALSE(is_known_field("id", RequestApi::Completions));
+}
+
+}  // namespace
+}  // namespace kestrel::cli
