@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
 #include <iostream>
+#include <mutex>
 #include <random>
 
 #include "server/connection_probe.h"
@@ -76,7 +78,34 @@ bool same_secret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-// One HTTP request's generation: its choices as they arrive and what is needed to answer.
+// Counts the generations whose responses are not written yet, so that a stop can wait for them.
+class OpenJobs {
+ public:
+  void add() {
+    std::lock_guard lock(mutex_);
+    ++n_;
+  }
+  void remove() {
+    {
+      std::lock_guard lock(mutex_);
+      --n_;
+    }
+    cv_.notify_all();
+  }
+  // True when none is left within the timeout.
+  bool wait_none(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return n_ == 0; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int64_t n_ = 0;
+};
+
+// One HTTP request's generation: its choices as they arrive and what is needed to answer. Lives
+// until httplib has written (or given up on) the response.
 struct Job {
   ResponseHeader header;
   std::shared_ptr<RequestChannel> channel;
@@ -101,7 +130,12 @@ struct Job {
 
   std::chrono::steady_clock::time_point last_probe{};
 
-  explicit Job(const httplib::Request& req) : probe(req) {}
+  OpenJobs& open_jobs;
+
+  Job(const httplib::Request& req, OpenJobs& open) : probe(req), open_jobs(open) { open_jobs.add(); }
+  ~Job() { open_jobs.remove(); }
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
 
   // At most every kPoll (outputs may arrive every few ms): has the client closed the connection?
   bool client_gone() {
@@ -151,6 +185,7 @@ struct HttpServer::Impl {
   std::mutex seed_mutex;
   std::mt19937_64 seeds;  // for requests without a seed
   int64_t started;
+  OpenJobs open_jobs;
   Server svr;
 };
 
@@ -180,7 +215,12 @@ int HttpServer::bind() {
 }
 
 void HttpServer::serve() { impl_->svr.listen_after_bind(); }
-void HttpServer::stop() { impl_->svr.stop(); }
+void HttpServer::stop() {
+  // httplib stops calling a stream's provider once it is stopping: give the open responses (which
+  // EngineLoop::shutdown has just ended) time to write their last chunks and [DONE] first.
+  impl_->open_jobs.wait_none(std::chrono::seconds(10));
+  impl_->svr.stop();
+}
 
 Json HttpServer::Impl::models_json() const {
   Json model{{"id", options.served_model_name},
@@ -315,7 +355,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   for (int32_t i = 0; i < r.n; ++i)
     requests[static_cast<size_t>(i)].sampling.seed = r.seed ? *r.seed + static_cast<uint64_t>(i) : random_seed();
 
-  auto job = std::make_shared<Job>(req);
+  auto job = std::make_shared<Job>(req, open_jobs);
   job->header = ResponseHeader{new_response_id(r.is_chat ? "chatcmpl-" : "cmpl-"), std::time(nullptr),
                                options.served_model_name, api == RequestApi::Chat};
   job->stop_ids = base.stop_ids;

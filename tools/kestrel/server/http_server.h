@@ -36,6 +36,8 @@ class HttpServer {
   int bind();
   // Serves until stop() (from another thread); returns once every connection thread has ended.
   void serve();
+  // Waits (at most 10 s) for the responses of open generations to be written, then stops
+  // listening. Call after EngineLoop::shutdown, which ends those generations.
   void stop();
 
  private:
