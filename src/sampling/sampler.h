@@ -45,12 +45,24 @@ class Sampler {
   SampledToken sample_with_logprobs(std::span<const float> logits,
                                     std::span<const int32_t> previous_tokens, int32_t n_top, size_t n_prompt = 0);
 
+  // True when the chain has only what the device sampler implements (top_k, top_p, min_p,
+  // temperature): no logit_bias, no repetition/presence/frequency penalty.
+  bool device_compatible() const;
+  // The uniform draw sample() would use next, for sampling this call on the device instead:
+  // advances the RNG exactly as sample() would (one next_double() when temperature > 0; none, and
+  // 0 returned, when greedy).
+  double take_uniform();
+  // What sample() returns for these logits when its draw is `uniform` (in [0, 1)), for a
+  // device_compatible() chain, without touching the RNG: the host reference of the device sampler
+  // (cuda::sample_tokens). Errors: asserts device_compatible(), the size, and no NaN logit.
+  int32_t sample_with_uniform(std::span<const float> logits, double uniform);
+
   const SamplingParams& params() const { return params_; }
   // The chain in the order it runs (for logs and tests).
   const std::vector<std::unique_ptr<LogitsProcessor>>& chain() const { return chain_; }
 
  private:
-  int32_t draw();
+  int32_t draw(double uniform);
 
   SamplingParams params_;
   int32_t n_vocab_;

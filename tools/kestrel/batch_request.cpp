@@ -168,8 +168,17 @@ BatchRequest parse_request(const json& j) {
   if (!prompt.is_null() && !messages.is_null()) throw Error("give either prompt or messages, not both");
   if (prompt.is_null() && messages.is_null()) throw Error("missing prompt or messages");
   if (!prompt.is_null()) {
-    if (!prompt.is_string()) bad("prompt", "must be a string", prompt);
-    r.prompt = prompt.get<std::string>();
+    if (prompt.is_array()) {  // token ids, as OpenAI's completions API accepts
+      if (prompt.empty()) bad("prompt", "must not be an empty array", prompt);
+      for (const json& id : prompt) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX)
+          bad("prompt", "must be a string or an array of non-negative token ids", prompt);
+        r.prompt_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+      }
+    } else {
+      if (!prompt.is_string()) bad("prompt", "must be a string or an array of token ids", prompt);
+      r.prompt = prompt.get<std::string>();
+    }
   } else {
     r.is_chat = true;
     r.messages = messages_field(messages);
@@ -290,10 +299,18 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
 Request to_engine_request(const BatchRequest& request, const PromptFormat& format, uint64_t random_seed) {
   const Tokenizer& tok = *format.tokenizer;
   Request out;
-  const std::string text =
-      request.is_chat ? format.chat_template.apply(request.messages, /*add_generation_prompt=*/true) : request.prompt;
-  out.prompt = tok.encode(text, /*add_special=*/true, /*parse_special=*/true);
-  if (out.prompt.empty()) throw Error("prompt " + shown(json(text)) + " has no tokens (the model adds no BOS)");
+  if (!request.prompt_ids.empty()) {
+    for (int32_t id : request.prompt_ids)
+      if (id >= tok.n_vocab())
+        throw Error("prompt token id " + std::to_string(id) + " is outside the vocabulary (" +
+                    std::to_string(tok.n_vocab()) + " tokens)");
+    out.prompt = request.prompt_ids;
+  } else {
+    const std::string text =
+        request.is_chat ? format.chat_template.apply(request.messages, /*add_generation_prompt=*/true) : request.prompt;
+    out.prompt = tok.encode(text, /*add_special=*/true, /*parse_special=*/true);
+    if (out.prompt.empty()) throw Error("prompt " + shown(json(text)) + " has no tokens (the model adds no BOS)");
+  }
   out.max_tokens = request.max_tokens;
   out.sampling = request.sampling;
   out.sampling.seed = request.seed.value_or(random_seed);

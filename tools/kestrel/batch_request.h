@@ -31,7 +31,8 @@ inline constexpr size_t kBatchMaxStopStrings = 4;  // OpenAI's limit for `stop`
 // vLLM ones: temperature 1, top_p 1, top_k off, min_p off, no penalties.
 struct BatchRequest {
   bool is_chat = false;               // messages (chat template) rather than prompt
-  std::string prompt;                 // when !is_chat
+  std::string prompt;                 // when !is_chat and prompt_ids is empty
+  std::vector<int32_t> prompt_ids;    // a prompt given as token ids (OpenAI completions), used as is
   std::vector<ChatMessage> messages;  // when is_chat; at least one
   int64_t max_tokens = kBatchDefaultMaxTokens;  // >= 1, or -1 (JSON null): until max_model_len
   SamplingParams sampling;            // validated; its seed is filled in by to_engine_request

@@ -51,6 +51,17 @@ void rope_write_kv(bf16* q, bf16* k, const bf16* v, const int32_t* positions, co
                    int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half, bf16* k_cache,
                    bf16* v_cache, int32_t block_size, cudaStream_t stream);
 
+// The same for a fused QKV projection: token t's q, k and v are the column slices [0, q_dim),
+// [q_dim, q_dim + kv_dim) and [q_dim + kv_dim, q_dim + 2 kv_dim) of row t of qkv, whose rows are
+// qkv_stride elements apart (q_dim = n_head * head_dim, kv_dim = n_head_kv * head_dim). q is
+// written rotated to q_out [n_tokens, n_head, head_dim] (contiguous, as paged_attention reads it);
+// k is rotated into the cache only; qkv is not modified. Errors: those of rope_write_kv, and
+// kestrel::Error when qkv_stride < q_dim + 2 kv_dim.
+void rope_write_kv_fused(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const int32_t* positions,
+                         const int64_t* slot_mapping, const float* inv_freq, float position_scale, int64_t n_tokens,
+                         int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half,
+                         bf16* k_cache, bf16* v_cache, int32_t block_size, cudaStream_t stream);
+
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, n_ff + i]  (SwiGLU; gate and up side by side as
 // one fused GEMM writes them). gate_up [n_tokens, 2 * n_ff] bf16; out [n_tokens, n_ff] bf16.
 void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
@@ -96,6 +107,10 @@ struct AttentionParams {
 // tile list and the split-KV partial outputs. Deterministic for the same fields.
 size_t attention_workspace_bytes(const AttentionParams& p);
 void paged_attention(const AttentionParams& p, cudaStream_t stream);
+
+// out[i, :] = in[rows[i], :]: in [*, width] bf16, rows [n_rows] int32 (device, each a valid row of
+// in), out [n_rows, width] bf16. Errors: kestrel::Error when n_rows exceeds the launch grid.
+void gather_rows(const bf16* in, const int32_t* rows, int64_t n_rows, int64_t width, bf16* out, cudaStream_t stream);
 
 // y[t, i] += bias[i] (bias after a projection: Qwen2's q/k/v, HF Llama's attention_bias).
 // y [n_tokens, width] bf16 in place; bias [width] f32.
