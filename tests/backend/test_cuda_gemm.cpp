@@ -25,6 +25,12 @@ TEST(CudaGemm, MatchesFloat64Reference) {
       {5, 64, 49152, cuda::GemmOutput::F32},      // logits-like: wide n_out
       {257, 2048, 520, cuda::GemmOutput::Bf16},   // n_out not a multiple of 16
       {1, 576, 576, cuda::GemmOutput::Bf16},      // a shape already cached
+      // stories260K (n_embd 64, kv_dim 32, n_ff 172): rows of 344 and 172 elements, not whole
+      // 16-byte chunks (the operands' bases stay 16-byte aligned).
+      {7, 64, 32, cuda::GemmOutput::Bf16},        // k/v projection
+      {7, 64, 344, cuda::GemmOutput::Bf16},       // gate|up
+      {7, 172, 64, cuda::GemmOutput::Bf16},       // down: n_in 172
+      {3, 64, 512, cuda::GemmOutput::F32},        // logits
   };
   cuda::Gemm gemm;
   for (const Case& c : cases) {
