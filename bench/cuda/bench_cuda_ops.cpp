@@ -195,6 +195,23 @@ int main(int argc, char** argv) {
       s.push_back({4096, 512});
       bench_attention("mixed 63 decodes @2048 + chunk 512 @4096", 32, 8, 128, 16, s);
     }
+    // Other head dims: Phi-2 (32/32, d80), Phi-3-mini (32/32, d96), Gemma-7B (16/16, d256),
+    // Gemma-2B (8/1, d256); d8 (stories260K's, the SIMT kernel) and d48 (SIMT) at a large model's
+    // head count for a per-key comparison with the tensor-core kernels.
+    bench_attention("prefill 1 x 2048, 32/32 heads, d80", 32, 32, 80, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 32/32 heads, d96", 32, 32, 96, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 16/16 heads, d256", 16, 16, 256, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 8/1 heads, d256", 8, 1, 256, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 32/8 heads, d48 (SIMT)", 32, 8, 48, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 8/4 heads, d8 (SIMT)", 8, 4, 8, 16, {{2048, 2048}});
+    {
+      std::vector<std::pair<int, int>> s(64, {2048, 1});
+      bench_attention("decode 64 x ctx 2048, 32/32, d96", 32, 32, 96, 16, s);
+      bench_attention("decode 64 x ctx 2048, 16/16, d256", 16, 16, 256, 16, s);
+      bench_attention("decode 64 x ctx 2048, 32/8, d48 (SIMT)", 32, 8, 48, 16, s);
+      bench_attention("decode 64 x ctx 2048, 8/4, d8 (SIMT)", 8, 4, 8, 16, s);
+      bench_attention("decode 1 x ctx 32768, 16/16, d256 (split)", 16, 16, 256, 16, {{32768, 1}});
+    }
     const int64_t n = 4096;  // tokens of a large prefill batch
     if (wanted("add_rms_norm")) {
       const int64_t dim = 4096;

@@ -43,6 +43,12 @@ TEST(CudaRopeWriteKv, MatchesFloat64ReferenceAndWritesOnlyItsSlots) {
       {6, 6, 2, 80, 80, true, 7, 1.0f, 10000.0},       // head_dim 80, block size 7
       {4, 3, 1, 64, 20, false, 16, 1.0f, 10000.0},     // rope_dim not a multiple of 8: scalar kernel
       {3, 2, 1, 6, 4, true, 4, 1.0f, 10000.0},         // tiny head: scalar kernel
+      {9, 8, 4, 8, 8, false, 16, 1.0f, 10000.0},       // stories260K (GGUF, adjacent pairs): one 16-byte item
+      {9, 8, 4, 8, 8, true, 16, 1.0f, 10000.0},        // head_dim 8 rotate-half: scalar kernel
+      {4, 4, 2, 8, 4, false, 3, 1.0f, 10000.0},        // head_dim 8, partial rotary
+      {5, 8, 1, 256, 256, true, 16, 1.0f, 10000.0},    // Gemma (head_dim 256)
+      {5, 4, 4, 80, 32, true, 16, 1.0f, 10000.0},      // Phi-2 (partial rotary 32 of 80)
+      {5, 4, 4, 96, 96, true, 16, 1.0f, 10000.0},      // Phi-3 (head_dim 96)
   };
   for (const RopeCase& c : cases) {
     SCOPED_TRACE("n_tokens " + std::to_string(c.n_tokens) + " heads " + std::to_string(c.n_head) + "/" +

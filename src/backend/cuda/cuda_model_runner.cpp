@@ -264,8 +264,9 @@ class CudaModelRunner final : public ModelRunner {
   CudaModelRunner(const LlamaModel& model, const RunnerOptions& o)
       : model_(model), hp_(model.hparams()), eager_(o.enforce_eager) {
     if (cuda_device_count() == 0) throw Error("--device cuda: no CUDA device is available");
-    if (hp_.head_dim != 64 && hp_.head_dim != 128)
-      throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) + " is not supported (64 or 128)");
+    if (!cuda::attention_supports_head_dim(static_cast<int32_t>(hp_.head_dim)))
+      throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
+                  " is not supported (a multiple of 8 from 8 to 256)");
     if (o.block_size <= 0) throw Error("block size must be positive");
     KESTREL_CUDA_CHECK(cudaSetDevice(0));
     KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

@@ -73,12 +73,17 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 // q [n_tokens, n_head, head_dim] bf16; out [n_tokens, n_head, head_dim] bf16.
 // Sequences with one query token (decode) go to a flash-decoding kernel that splits long contexts
 // over several blocks (split-KV) and combines the partial results in a second kernel; the others
-// (prefill chunks) to a FlashAttention-2 kernel on tensor cores (paged_attention.cuh).
-// head_dim: 64 or 128 (kestrel::Error otherwise); n_head a multiple of n_head_kv.
+// (prefill chunks) to a FlashAttention-2 kernel.
+// head_dim: any multiple of 8 from 8 to 256 (attention_supports_head_dim; kestrel::Error
+// otherwise); n_head a multiple of n_head_kv. Fast paths (tensor cores, paged_attention.cuh):
+// head_dim 32, 64, 80, 96, 128 and 256. The other head dims (8, 16, 24, 40, 48, ...) run on a
+// plain f32 kernel (paged_attention_simt.cuh) with the same split-KV plan: exact, but several
+// times slower per key than the tensor-core kernels.
 // Refined from the first draft: max_query_len added (lets a decode-only batch skip the prefill
 // launches); token_seq is no longer read (query_start says the same) and may be null; the
 // workspace size now depends on the whole parameter set (the split-KV partial results scale with
-// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context).
+// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context); head dims
+// other than 64 and 128 added.
 struct AttentionParams {
   const bf16* q;
   const bf16* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim]
@@ -96,7 +101,7 @@ struct AttentionParams {
                         // value stays correct: the last split takes the rest of the context)
   int32_t n_head;
   int32_t n_head_kv;
-  int32_t head_dim;     // 64 or 128
+  int32_t head_dim;     // a multiple of 8 in [8, 256]
   int32_t block_size;
   float scale;          // 1 / sqrt(head_dim)
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
@@ -104,8 +109,11 @@ struct AttentionParams {
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
 };
 // Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
-// tile list and the split-KV partial outputs. Deterministic for the same fields.
+// tile list and the split-KV partial outputs. Deterministic for the same fields. Errors: as
+// paged_attention's (head_dim, n_head_kv, block_size).
 size_t attention_workspace_bytes(const AttentionParams& p);
+// Whether paged_attention takes this head_dim: a multiple of 8 from 8 to 256.
+bool attention_supports_head_dim(int32_t head_dim);
 void paged_attention(const AttentionParams& p, cudaStream_t stream);
 
 // out[i, :] = in[rows[i], :]: in [*, width] bf16, rows [n_rows] int32 (device, each a valid row of
