@@ -131,4 +131,35 @@ void add_bias(bf16* y, const float* bias, int64_t n_tokens, int64_t width, cudaS
 void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src, const int32_t* dst,
                  int32_t n_copies, int64_t block_bytes, cudaStream_t stream);
 
+// Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
+// chains without logit_bias and penalties (Sampler::device_compatible()):
+// - temperature <= 0 (0 = greedy): the argmax, lowest id on ties;
+// - otherwise top_k, then top_p (Holtzman et al. 2019, "The Curious Case of Neural Text
+//   Degeneration": the shortest rank-order prefix whose softmax mass, over what top_k kept, is
+//   >= top_p), then min_p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative
+//   and Coherent LLM Outputs": keep logit >= max + ln(min_p)), then temperature, then the
+//   inverse-CDF draw with `uniform`, in the order the CPU candidate list has at that point: rank
+//   order (descending logit, lower id first on ties) when top_k or top_p cut, else id order.
+//   top_k <= 0 or >= n_vocab, top_p >= 1 and min_p <= 0 are off, as on the CPU.
+// For identical logits and uniform the token is kestrel::Sampler's, except when float rounding
+// puts a decision within about 1e-6 of its boundary (the draw's target near a CDF step, a top_p
+// prefix mass near top_p, a logit within an ulp of the min_p threshold). Deterministic: the same
+// inputs give the same tokens on every run (no floating-point atomics).
+// logits [n_rows, n_vocab] f32; params [n_rows]; tokens [n_rows] int32 out: a token id, or -1 for a
+// row with a NaN logit, or (temperature > 0) whose largest logit is +inf or -inf (no distribution;
+// the CPU Sampler throws for both). n_vocab <= INT32_MAX.
+// workspace: sampling_workspace_bytes(n_rows, n_vocab) bytes (0 today; may be null then).
+// Errors: kestrel::Error if n_rows < 0, n_vocab <= 0 or n_vocab > INT32_MAX.
+// Algorithm and costs: sampling.cuh.
+struct SampleParams {
+  float temperature;  // 0 = greedy
+  int32_t top_k;      // 0 = off
+  float top_p;        // 1 = off
+  float min_p;        // 0 = off
+  double uniform;     // the draw, in [0, 1): Sampler::take_uniform(); unused when greedy
+};
+size_t sampling_workspace_bytes(int64_t n_rows, int64_t n_vocab);
+void sample_tokens(const float* logits, const SampleParams* params, int64_t n_rows, int64_t n_vocab,
+                   int32_t* tokens, void* workspace, cudaStream_t stream);
+
 }  // namespace kestrel::cuda
