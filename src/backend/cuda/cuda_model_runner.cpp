@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -189,6 +190,15 @@ DevMem upload_bf16(const std::vector<float>& v) {
 }
 
 DevMem upload_f32(const std::vector<float>& v) { return upload(v.data(), v.size() * sizeof(float)); }
+
+// The engine's RowSampling rows go to the device as they are: cuda::SampleParams must match.
+static_assert(sizeof(RowSampling) == sizeof(cuda::SampleParams) &&
+                  offsetof(RowSampling, temperature) == offsetof(cuda::SampleParams, temperature) &&
+                  offsetof(RowSampling, top_k) == offsetof(cuda::SampleParams, top_k) &&
+                  offsetof(RowSampling, top_p) == offsetof(cuda::SampleParams, top_p) &&
+                  offsetof(RowSampling, min_p) == offsetof(cuda::SampleParams, min_p) &&
+                  offsetof(RowSampling, uniform) == offsetof(cuda::SampleParams, uniform),
+              "RowSampling and cuda::SampleParams differ in layout");
 
 struct Layer {
   DevMem attn_norm, ffn_norm;      // [n_embd] bf16
