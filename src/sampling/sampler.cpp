@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 #include "sampling/logits_processors.h"
@@ -63,6 +64,19 @@ SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
                                            int32_t n_top, size_t n_prompt) {
   const int32_t token = sample(logits, previous_tokens, n_prompt);
   return SampledToken{token, compute_logprobs(logits, token, n_top)};
+}
+
+bool Sampler::device_compatible() const {
+  for (const auto& processor : chain_) {
+    const std::string_view name = processor->name();
+    if (name != "top_k" && name != "top_p" && name != "min_p" && name != "temperature") return false;
+  }
+  return true;
+}
+
+double Sampler::take_uniform() {
+  if (params_.temperature == 0.0f) return 0.0;  // sample() takes the argmax: no draw
+  return rng_.next_double();                    // draw()'s one next_double()
 }
 
 int32_t Sampler::draw() {
