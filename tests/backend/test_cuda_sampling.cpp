@@ -243,7 +243,7 @@ TEST(CudaSampling, GridOfUniformsReproducesTheFilteredSoftmax) {
       if (prob[static_cast<size_t>(i)] == 0.0) {
         EXPECT_EQ(count[static_cast<size_t>(i)], 0) << "token " << i << " is filtered out";
       } else {
-        EXPECT_NEAR(f, prob[static_cast<size_t>(i)], 1.0 / n_draws + 1e-6) << "token " << i;
+        EXPECT_LE(std::fabs(f - prob[static_cast<size_t>(i)]), 1.0 / n_draws + 1e-6) << "token " << i;
       }
     }
   }
@@ -254,7 +254,7 @@ TEST(CudaSampling, RejectsBadShapes) {
   EXPECT_THROW(cuda::sample_tokens(nullptr, nullptr, 1, 0, nullptr, nullptr, nullptr), Error);
   EXPECT_THROW(cuda::sample_tokens(nullptr, nullptr, -1, 10, nullptr, nullptr, nullptr), Error);
   EXPECT_THROW(cuda::sample_tokens(nullptr, nullptr, 1, int64_t{1} << 31, nullptr, nullptr, nullptr), Error);
-  EXPECT_NO_THROW(cuda::sample_tokens(nullptr, nullptr, 0, 10, nullptr, nullptr, nullptr));
+  cuda::sample_tokens(nullptr, nullptr, 0, 10, nullptr, nullptr, nullptr);  // no rows: nothing to do
 }
 
 }  // namespace
