@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 #include "sampling/logits_processors.h"
@@ -77,11 +78,17 @@ SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
 }
 
 bool Sampler::device_compatible() const {
-  return params_.logit_bias.empty() && (params_.repetition_penalty == 1.0f || params_.repeat_last_n == 0) &&
-         params_.presence_penalty == 0.0f && params_.frequency_penalty == 0.0f;
+  for (const auto& processor : chain_) {
+    const std::string_view name = processor->name();
+    if (name != "top_k" && name != "top_p" && name != "min_p" && name != "temperature") return false;
+  }
+  return true;
 }
 
-double Sampler::take_uniform() { return params_.temperature == 0.0f ? 0.0 : rng_.next_double(); }
+double Sampler::take_uniform() {
+  if (params_.temperature == 0.0f) return 0.0;  // sample() takes the argmax: no draw
+  return rng_.next_double();                    // draw()'s one next_double()
+}
 
 int32_t Sampler::draw(double uniform) {
   candidates_.softmax();

@@ -45,12 +45,16 @@ class Sampler {
   SampledToken sample_with_logprobs(std::span<const float> logits,
                                     std::span<const int32_t> previous_tokens, int32_t n_top, size_t n_prompt = 0);
 
-  // True when the chain has only what the device sampler implements (top_k, top_p, min_p,
-  // temperature): no logit_bias, no repetition/presence/frequency penalty.
+  // True when the chain holds only what the CUDA sampler (cuda_ops.h: sample_tokens) implements:
+  // top_k, top_p, min_p and temperature, without logit_bias and without repetition, presence or
+  // frequency penalties. Such a sampler's token can then be drawn on the device from
+  // {temperature, top_k, top_p, min_p, take_uniform()}.
   bool device_compatible() const;
-  // The uniform draw sample() would use next, for sampling this call on the device instead:
-  // advances the RNG exactly as sample() would (one next_double() when temperature > 0; none, and
-  // 0 returned, when greedy).
+
+  // The uniform the next sample() would draw from, in [0, 1), advancing the RNG exactly as that
+  // sample() would: one next_double() when temperature > 0; greedy uses none and returns 0. Call it
+  // instead of sample() (not as well) when the token is drawn on the device, so the sequence's
+  // random stream stays the one the CPU path would have used.
   double take_uniform();
   // What sample() returns for these logits when its draw is `uniform` (in [0, 1)), for a
   // device_compatible() chain, without touching the RNG: the host reference of the device sampler

@@ -333,7 +333,8 @@ __device__ void sort_window(Shared& sh, uint32_t n) {
     const uint32_t t = threadIdx.x;
     const u64 mine = t < n ? sh.window[t] : 0;
     uint32_t rank = 0;
-    for (uint32_t j = 0; j < n; ++j) rank += sh.window[j] < mine;
+    if (t < n)
+      for (uint32_t j = 0; j < n; ++j) rank += sh.window[j] < mine;
     __syncthreads();
     if (t < n) sh.window[rank] = mine;
     __syncthreads();
