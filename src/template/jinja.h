@@ -53,9 +53,11 @@ struct RenderLimits {
   size_t max_output_bytes = size_t{64} << 20;  // the rendered text; also any one string value
   size_t max_list_items = size_t{1} << 20;     // any one list or dict
   int max_call_depth = 64;                     // nested macro calls
-  // Work units: one per node evaluated or loop iteration, plus one per 16 bytes or 1 element of
-  // every string or list built. 2e8 units are a few seconds of CPU at most.
-  uint64_t max_work = 200'000'000;
+  // Work units: one per node evaluated, statement run or loop iteration, plus one per 64 bytes
+  // or per element of every string or list built or scanned. Real chat templates need about
+  // 100 units per message; 5e7 units are about a second of CPU (measured: a tree of macro calls
+  // with no output runs 4e7 units per second on one core).
+  uint64_t max_work = 50'000'000;
 };
 
 struct RenderOptions {

@@ -217,7 +217,15 @@ std::string Interp::render(const StmtList& body, const Value& context) {
   }
   frame_ = root_;
   std::string out;
-  exec(body, out);
+  try {
+    exec(body, out);
+  } catch (const TemplateError& e) {
+    // Errors raised below the interpreter (values, JSON, the budget) get the current position.
+    if (e.line() != 0 || e.kind() == TemplateError::Kind::Raised) throw;
+    throw TemplateError(e.kind(),
+                        "template error at line " + std::to_string(line_) + ", column " + std::to_string(column_) + ": " + e.what(),
+                        line_, column_);
+  }
   return out;
 }
 
@@ -371,8 +379,12 @@ Value Interp::call_macro(const Stmt& def, const std::weak_ptr<Frame>& closure, C
   for (size_t k = 0; k < args.kw.size(); ++k) {
     if (!used_kw[k]) kwargs.emplace_back(Value(args.kw[k].first), args.kw[k].second);
   }
-  frame->set("varargs", make_list(std::move(varargs), true));
-  frame->set("kwargs", Value::dict(std::move(kwargs)));
+  if (empty_tuple_.is_undefined()) {
+    empty_tuple_ = Value::list({}, true);
+    empty_dict_ = Value::dict({});
+  }
+  frame->set("varargs", varargs.empty() ? empty_tuple_ : make_list(std::move(varargs), true));
+  frame->set("kwargs", kwargs.empty() ? empty_dict_ : Value::dict(std::move(kwargs)));
   if (caller != nullptr) frame->set("caller", *caller);
   std::string out;
   exec(body, out);
@@ -514,15 +526,20 @@ Interp::Flow Interp::exec_for(const Stmt& s, std::string& out) {
     }
     items = std::move(kept);
   }
-  if (items.empty()) return exec(s.else_body, out) == Flow::Normal ? Flow::Normal : Flow::Normal;
+  if (items.empty()) {
+    exec(s.else_body, out);
+    return Flow::Normal;
+  }
   const auto shared_items = std::make_shared<const std::vector<Value>>(std::move(items));
   const auto loop = std::make_shared<LoopObj>(shared_items);
   const Value loop_value = Value::object(loop);
+  // One scope for the loop, emptied at each iteration (Jinja gives each iteration a fresh one).
+  auto frame = std::make_shared<Frame>();
+  frame->parent = saved;
   for (size_t i = 0; i < shared_items->size(); ++i) {
     budget_.charge(1);
-    auto frame = std::make_shared<Frame>();
-    frame->parent = saved;
     set_position(s);
+    frame->vars.clear();
     assign(s.targets, (*shared_items)[i], *frame);
     frame->set("loop", loop_value);
     loop->set_index(i);

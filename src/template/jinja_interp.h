@@ -95,6 +95,8 @@ class Interp {
   int column_ = 0;
   int call_depth_ = 0;
   int eval_depth_ = 0;
+  Value empty_tuple_;  // varargs and kwargs of macro calls without extra arguments
+  Value empty_dict_;
 };
 
 // Python-style argument binding for builtins: get(i) is the i-th parameter given by position or

@@ -9,23 +9,24 @@
 
 namespace kestrel::jinja {
 
-SourceMap::SourceMap(std::string_view source) : source_(source) {
+SourceMap::SourceMap(std::string_view source) {
   line_starts_.push_back(0);
+  chars_before_.resize(source.size() + 1);
+  uint32_t n = 0;
   for (size_t i = 0; i < source.size(); ++i) {
+    chars_before_[i] = n;
+    if ((static_cast<unsigned char>(source[i]) & 0xC0) != 0x80) ++n;
     if (source[i] == '\n') line_starts_.push_back(i + 1);
   }
+  chars_before_[source.size()] = n;
 }
 
 void SourceMap::locate(size_t offset, int* line, int* column) const {
-  offset = std::min(offset, source_.size());
+  offset = std::min(offset, chars_before_.size() - 1);
   const auto it = std::upper_bound(line_starts_.begin(), line_starts_.end(), offset);
   const size_t l = static_cast<size_t>(it - line_starts_.begin()) - 1;
   *line = static_cast<int>(l + 1);
-  int col = 1;
-  for (size_t i = line_starts_[l]; i < offset; ++i) {
-    if ((static_cast<unsigned char>(source_[i]) & 0xC0) != 0x80) ++col;
-  }
-  *column = col;
+  *column = static_cast<int>(chars_before_[offset] - chars_before_[line_starts_[l]]) + 1;
 }
 
 namespace {
@@ -108,9 +109,10 @@ class Lexer {
     return std::string::npos;
   }
 
+  // `text` is a view into src_ (its position is the token's offset).
   void emit_text(std::string_view text) {
     if (text.empty()) return;
-    tokens_.push_back(Token{TokenType::Text, std::string(text), 0, 0.0, 0});
+    tokens_.push_back(Token{TokenType::Text, std::string(text), 0, 0.0, static_cast<size_t>(text.data() - src_.data())});
   }
 
   void push(TokenType type, size_t offset, std::string text = {}) {

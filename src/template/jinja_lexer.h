@@ -43,8 +43,8 @@ class SourceMap {
   void locate(size_t offset, int* line, int* column) const;
 
  private:
-  std::string_view source_;
   std::vector<size_t> line_starts_;
+  std::vector<uint32_t> chars_before_;  // [offset]: characters before that byte (columns in O(1))
 };
 
 struct LexResult {

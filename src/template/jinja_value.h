@@ -143,7 +143,7 @@ struct Budget {
     work += units;
     if (work > max_work) fail_work();
   }
-  void charge_bytes(size_t n) { charge(n / 16 + 1); }
+  void charge_bytes(size_t n) { charge(n / 64 + 1); }
   void check_bytes(size_t n) const {
     if (n > max_bytes) fail_bytes();
   }
