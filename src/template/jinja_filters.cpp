@@ -32,7 +32,9 @@ size_t length_of(Interp& in, const Value& v) {
   switch (v.kind()) {
     case Value::Kind::Undefined: return 0;
     case Value::Kind::String: return utf8_length(v.str());
-    case Value::Kind::List: return v.items().size();
+    case Value::Kind::List:
+      if (v.flavor() == SeqFlavor::Generator) in.fail("object of type 'generator' has no len()");
+      return v.items().size();
     case Value::Kind::Dict: return v.dict_obj().items.size();
     default: in.fail("object of type '" + v.type_name() + "' has no len()");
   }
@@ -149,7 +151,7 @@ Value f_batch(Interp& in, const Value& v, CallArgs& args) {
     }
     out.push_back(in.make_list(std::move(cur)));
   }
-  return in.make_list(std::move(out));
+  return in.make_seq(std::move(out), SeqFlavor::Generator);
 }
 
 Value f_capitalize(Interp& in, const Value& v, CallArgs& args) {
@@ -220,8 +222,7 @@ Value f_first(Interp& in, const Value& v, CallArgs& args) {
 
 Value f_last(Interp& in, const Value& v, CallArgs& args) {
   ArgBinder a(in, "last", args, {});
-  if (v.is_dict()) in.fail("'dict' object is not reversible");
-  std::vector<Value> items = v.is_list() ? v.items() : in.iterate(v);
+  std::vector<Value> items = v.is_list() ? v.items() : in.iterate(v);  // dicts: their last key
   return items.empty() ? Value::undefined("No last item, sequence was empty.") : items.back();
 }
 
@@ -339,11 +340,11 @@ Value f_indent(Interp& in, const Value& v, CallArgs& args) {
 
 Value f_items(Interp& in, const Value& v, CallArgs& args) {
   ArgBinder a(in, "items", args, {});
-  if (v.is_undefined()) return in.make_list({});
+  if (v.is_undefined()) return in.make_seq({}, SeqFlavor::Generator);
   if (!v.is_dict()) in.fail("Can only get item pairs from a mapping.");
   std::vector<Value> pairs;
   for (const auto& [k, val] : v.dict_obj().items) pairs.push_back(Value::list({k, val}, true));
-  return in.make_list(std::move(pairs));
+  return in.make_seq(std::move(pairs), SeqFlavor::Generator);
 }
 
 Value f_join(Interp& in, const Value& v, CallArgs& args) {
@@ -392,7 +393,7 @@ Value f_map(Interp& in, const Value& v, CallArgs& args) {
       if (x.is_undefined() && dflt != nullptr) x = *dflt;
       out.push_back(std::move(x));
     }
-    return in.make_list(std::move(out));
+    return in.make_seq(std::move(out), SeqFlavor::Generator);
   }
   if (args.pos.empty()) in.fail("map() needs a filter name or attribute=");
   const std::string name = str_of(in, args.pos[0]);
@@ -404,7 +405,7 @@ Value f_map(Interp& in, const Value& v, CallArgs& args) {
     CallArgs each = rest;
     out.push_back(apply_filter(in, name, item, each));
   }
-  return in.make_list(std::move(out));
+  return in.make_seq(std::move(out), SeqFlavor::Generator);
 }
 
 Value min_max(Interp& in, const Value& v, CallArgs& args, bool want_max) {
@@ -463,7 +464,7 @@ Value select_common(Interp& in, const Value& v, CallArgs& args, bool attr_mode, 
     }
     if (ok == keep_if) out.push_back(item);
   }
-  return in.make_list(std::move(out));
+  return in.make_seq(std::move(out), SeqFlavor::Generator);
 }
 
 Value f_select(Interp& in, const Value& v, CallArgs& args) { return select_common(in, v, args, false, true); }
@@ -492,7 +493,9 @@ Value f_reverse(Interp& in, const Value& v, CallArgs& args) {
   }
   std::vector<Value> items = in.iterate(v);
   std::reverse(items.begin(), items.end());
-  return in.make_list(std::move(items));
+  // reversed() of a sequence is an iterator; a generator cannot be reversed, so Jinja lists it.
+  if (v.is_list() && v.flavor() == SeqFlavor::Generator) return in.make_list(std::move(items));
+  return in.make_seq(std::move(items), SeqFlavor::Generator);
 }
 
 Value f_round(Interp& in, const Value& v, CallArgs& args) {
@@ -659,7 +662,7 @@ Value f_unique(Interp& in, const Value& v, CallArgs& args) {
     seen.push_back(std::move(k));
     out.push_back(item);
   }
-  return in.make_list(std::move(out));
+  return in.make_seq(std::move(out), SeqFlavor::Generator);
 }
 
 Value f_wordcount(Interp& in, const Value& v, CallArgs& args) {
@@ -734,19 +737,20 @@ KESTREL_JINJA_TEST(t_number, "number", v.is_number())
 KESTREL_JINJA_TEST(t_string, "string", v.is_string())
 KESTREL_JINJA_TEST(t_mapping, "mapping", v.is_dict())
 KESTREL_JINJA_TEST(t_iterable, "iterable", v.is_string() || v.is_list() || v.is_dict() || v.is_undefined())
-KESTREL_JINJA_TEST(t_sequence, "sequence", v.is_string() || v.is_list() || v.is_dict() || v.is_undefined())
+KESTREL_JINJA_TEST(t_sequence, "sequence", v.is_string() || v.is_indexable() || v.is_dict() || v.is_undefined())
 KESTREL_JINJA_TEST(t_none, "none", v.is_none())
 KESTREL_JINJA_TEST(t_filter, "filter", v.is_string() && is_known_filter(v.str()))
 KESTREL_JINJA_TEST(t_test, "test", v.is_string() && is_known_test(v.str()))
 
 #undef KESTREL_JINJA_TEST
 
+// Jinja's lower/upper tests look at str(value).
 bool t_lower(Interp& in, const Value& v, CallArgs& args) {
   no_args(in, args, "lower");
-  if (!v.is_string()) return false;
+  const std::string s = str_of(in, v);
   bool cased = false;
-  for (size_t i = 0; i < v.str().size();) {
-    const uint32_t cp = utf8_next(v.str(), i);
+  for (size_t i = 0; i < s.size();) {
+    const uint32_t cp = utf8_next(s, i);
     if (is_upper_cp(cp)) return false;
     cased = cased || is_lower_cp(cp);
   }
@@ -755,31 +759,34 @@ bool t_lower(Interp& in, const Value& v, CallArgs& args) {
 
 bool t_upper(Interp& in, const Value& v, CallArgs& args) {
   no_args(in, args, "upper");
-  if (!v.is_string()) return false;
+  const std::string s = str_of(in, v);
   bool cased = false;
-  for (size_t i = 0; i < v.str().size();) {
-    const uint32_t cp = utf8_next(v.str(), i);
+  for (size_t i = 0; i < s.size();) {
+    const uint32_t cp = utf8_next(s, i);
     if (is_lower_cp(cp)) return false;
     cased = cased || is_upper_cp(cp);
   }
   return cased;
 }
 
-bool parity(Interp& in, const Value& v, const char* name) {
+// value % 2 as Python computes it (0 or 1; 1.5 for 3.5, which is neither odd nor even).
+double mod2(Interp& in, const Value& v, const char* name) {
   in.require_defined(v);
   if (!v.is_number()) in.fail(std::string("test '") + name + "' needs a number, not " + v.type_name());
-  if (v.is_float()) return std::fmod(v.as_double(), 2.0) == 0.0;
-  return v.as_int() % 2 == 0;
+  if (!v.is_float()) return static_cast<double>(((v.as_int() % 2) + 2) % 2);
+  double m = std::fmod(v.as_double(), 2.0);
+  if (m < 0) m += 2.0;
+  return m;
 }
 
 bool t_even(Interp& in, const Value& v, CallArgs& args) {
   no_args(in, args, "even");
-  return parity(in, v, "even");
+  return mod2(in, v, "even") == 0.0;
 }
 
 bool t_odd(Interp& in, const Value& v, CallArgs& args) {
   no_args(in, args, "odd");
-  return !parity(in, v, "odd");
+  return mod2(in, v, "odd") == 1.0;
 }
 
 bool t_divisibleby(Interp& in, const Value& v, CallArgs& args) {

@@ -235,6 +235,12 @@ Value Interp::make_list(std::vector<Value> items, bool tuple) {
   return Value::list(std::move(items), tuple);
 }
 
+Value Interp::make_seq(std::vector<Value> items, SeqFlavor flavor) {
+  budget_.check_items(items.size());
+  budget_.charge(items.size());
+  return Value::sequence(std::move(items), flavor);
+}
+
 Value Interp::make_string(std::string s) {
   budget_.check_bytes(s.size());
   budget_.charge_bytes(s.size());
@@ -300,6 +306,9 @@ Value Interp::get_item(const Value& obj, const Value& key) {
     case Value::Kind::String: {
       if (key.is_string()) return get_attr(obj, key.str());
       if (!key.is_int() && !key.is_bool()) break;
+      if (obj.is_list() && !obj.is_indexable()) {
+        return Value::undefined("'" + obj.type_name() + "' object is not subscriptable");
+      }
       int64_t i = key.as_int();
       if (obj.is_list()) {
         const auto n = static_cast<int64_t>(obj.items().size());
@@ -599,7 +608,9 @@ Value Interp::eval_slice(const Expr& e, const Value& obj) {
   }
   set_position(e);
   if (obj.is_undefined()) return obj;
-  if (!obj.is_list() && !obj.is_string()) fail("'" + obj.type_name() + "' object is not subscriptable");
+  if (!obj.is_indexable() && !obj.is_string()) {
+    return Value::undefined("'" + obj.type_name() + "' object is not subscriptable");
+  }
   const int64_t step = parts[2].value_or(1);
   if (step == 0) fail("slice step cannot be zero");
   std::vector<std::string_view> chars;
@@ -674,7 +685,7 @@ Value Interp::eval_binary(const Expr& e, const Value& a, const Value& b) {
         budget_.check_bytes(a.str().size() + b.str().size());
         return make_string(a.str() + b.str());
       }
-      if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple()) {
+      if (a.is_indexable() && b.is_indexable() && a.is_tuple() == b.is_tuple()) {
         budget_.check_items(a.items().size() + b.items().size());
         std::vector<Value> items = a.items();
         items.insert(items.end(), b.items().begin(), b.items().end());
@@ -696,7 +707,7 @@ Value Interp::eval_binary(const Expr& e, const Value& a, const Value& b) {
       if (nums) return Value(a.as_double() * b.as_double());
       const Value& seq = a.is_number() ? b : a;
       const Value& count = a.is_number() ? a : b;
-      if (count.is_number() && !count.is_float() && (seq.is_string() || seq.is_list())) {
+      if (count.is_number() && !count.is_float() && (seq.is_string() || seq.is_indexable())) {
         const int64_t n = std::max<int64_t>(0, count.as_int());
         if (seq.is_string()) {
           if (n > 0 && seq.str().size() > budget_.max_bytes / static_cast<size_t>(n)) budget_.fail_bytes();
@@ -775,6 +786,7 @@ bool Interp::eval_compare(CmpOp op, const Value& a, const Value& b) {
           }
         }
       } else if (b.is_dict()) {
+        if (a.is_dict() || (a.is_list() && a.flavor() == SeqFlavor::List)) fail("unhashable type: '" + a.type_name() + "'");
         budget_.charge(b.dict_obj().index.empty() ? b.dict_obj().items.size() : 1);
         found = b.dict_obj().find(a) != nullptr;
       } else if (!b.is_undefined()) {

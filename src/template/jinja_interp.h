@@ -57,6 +57,7 @@ class Interp {
   std::vector<Value> iterate(const Value& v);
   // Builds a list or string result, checking the size limits.
   Value make_list(std::vector<Value> items, bool tuple = false);
+  Value make_seq(std::vector<Value> items, SeqFlavor flavor);
   Value make_string(std::string s);
 
   // Macros (and call-block bodies): renders def's body with args bound to its params.

@@ -601,14 +601,18 @@ std::string percent_format(Interp& in, const std::string& fmt, const Value& args
     out += piece;
     in.budget().check_bytes(out.size());
   }
-  if (!used_mapping && mapping == nullptr && next < pos.size()) in.fail("not all arguments converted during string formatting");
+  // Python only checks that a tuple (or a lone non-container value) was used up.
+  const bool container = args.is_dict() || (args.is_list() && !args.is_tuple());
+  if (!used_mapping && !container && next < pos.size()) in.fail("not all arguments converted during string formatting");
   return out;
 }
 
 bool has_method(const Value& self, std::string_view name) {
   switch (self.kind()) {
     case Value::Kind::String: return in_list(kStrMethods, name);
-    case Value::Kind::List: return in_list(kListMethods, name);
+    case Value::Kind::List:
+      if (self.flavor() == SeqFlavor::List) return in_list(kListMethods, name);
+      return self.is_tuple() && (name == "index" || name == "count");
     case Value::Kind::Dict: return in_list(kDictMethods, name);
     default: return false;
   }
@@ -641,7 +645,9 @@ Value call_method(Interp& in, const Value& self, std::string_view name, CallArgs
         if (name == "items") out.push_back(Value::list({k, v}, true));
         else out.push_back(name == "keys" ? k : v);
       }
-      return in.make_list(std::move(out));
+      return in.make_seq(std::move(out), name == "items"  ? SeqFlavor::DictItems
+                                         : name == "keys" ? SeqFlavor::DictKeys
+                                                          : SeqFlavor::DictValues);
     }
     if (name == "get") {
       ArgBinder a(in, name, args, {"key", "default"});

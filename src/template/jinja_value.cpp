@@ -84,6 +84,10 @@ Value Value::none() {
 }
 
 Value Value::list(std::vector<Value> items, bool tuple) {
+  return sequence(std::move(items), tuple ? SeqFlavor::Tuple : SeqFlavor::List);
+}
+
+Value Value::sequence(std::vector<Value> items, SeqFlavor flavor) {
   auto obj = std::make_shared<ListObj>();
   int depth = 0;
   bool ns = false;
@@ -93,7 +97,7 @@ Value Value::list(std::vector<Value> items, bool tuple) {
   }
   if (depth + 1 > kMaxValueDepth) fail_limit("list nested deeper than " + std::to_string(kMaxValueDepth));
   obj->items = std::move(items);
-  obj->tuple = tuple;
+  obj->flavor = flavor;
   obj->depth = depth + 1;
   obj->has_namespace = ns;
   Value v;
@@ -185,7 +189,7 @@ bool Value::truthy() const {
     case Kind::Int: return i_ != 0;
     case Kind::Float: return f_ != 0.0;
     case Kind::String: return !str().empty();
-    case Kind::List: return !items().empty();
+    case Kind::List: return list_obj().flavor == SeqFlavor::Generator || !items().empty();
     case Kind::Dict: return !dict_obj().items.empty();
     case Kind::Object: return object().truthy();
   }
@@ -200,7 +204,16 @@ std::string Value::type_name() const {
     case Kind::Int: return "int";
     case Kind::Float: return "float";
     case Kind::String: return "str";
-    case Kind::List: return is_tuple() ? "tuple" : "list";
+    case Kind::List:
+      switch (list_obj().flavor) {
+        case SeqFlavor::List: return "list";
+        case SeqFlavor::Tuple: return "tuple";
+        case SeqFlavor::Generator: return "generator";
+        case SeqFlavor::DictKeys: return "dict_keys";
+        case SeqFlavor::DictValues: return "dict_values";
+        case SeqFlavor::DictItems: return "dict_items";
+      }
+      return "list";
     case Kind::Dict: return "dict";
     case Kind::Object: return object().type_name();
   }
@@ -300,7 +313,13 @@ void append_repr(std::string& out, const Value& v, Budget& b, int depth) {
       append_py_string_repr(out, v.str());
       break;
     case Value::Kind::List: {
-      const bool tuple = v.is_tuple();
+      const SeqFlavor flavor = v.flavor();
+      if (flavor == SeqFlavor::Generator) {
+        out += "<generator object>";
+        break;
+      }
+      if (flavor != SeqFlavor::List && flavor != SeqFlavor::Tuple) out += v.type_name() + "(";
+      const bool tuple = flavor == SeqFlavor::Tuple;
       out += tuple ? '(' : '[';
       const auto& items = v.items();
       for (size_t i = 0; i < items.size(); ++i) {
@@ -310,6 +329,7 @@ void append_repr(std::string& out, const Value& v, Budget& b, int depth) {
       }
       if (tuple && items.size() == 1) out += ',';
       out += tuple ? ')' : ']';
+      if (flavor != SeqFlavor::List && flavor != SeqFlavor::Tuple) out += ')';
       break;
     }
     case Value::Kind::Dict: {
@@ -394,7 +414,8 @@ bool equals(const Value& a, const Value& b, Budget& budget, int depth) {
       return a.str() == b.str();
     case Value::Kind::List: {
       if (&a.list_obj() == &b.list_obj()) return true;
-      if (a.is_tuple() != b.is_tuple() || a.items().size() != b.items().size()) return false;
+      if (a.flavor() != b.flavor() || a.flavor() == SeqFlavor::Generator) return false;
+      if (a.items().size() != b.items().size()) return false;
       for (size_t i = 0; i < a.items().size(); ++i) {
         if (!equals(a.items()[i], b.items()[i], budget, depth + 1)) return false;
       }
@@ -430,7 +451,7 @@ std::optional<int> compare(const Value& a, const Value& b, Budget& budget, int d
     const int c = a.str().compare(b.str());
     return c < 0 ? -1 : (c > 0 ? 1 : 0);
   }
-  if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple()) {
+  if (a.is_indexable() && b.is_indexable() && a.is_tuple() == b.is_tuple()) {
     const auto& x = a.items();
     const auto& y = b.items();
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
@@ -550,6 +571,9 @@ void append_json(std::string& out, const Value& v, const JsonFormat& fmt, Budget
       append_json_string(out, v.str(), fmt.ensure_ascii);
       break;
     case Value::Kind::List: {
+      if (!v.is_indexable()) {
+        throw TemplateError(TemplateError::Kind::Runtime, "Object of type " + v.type_name() + " is not JSON serializable");
+      }
       const auto& items = v.items();
       if (items.empty()) {
         out += "[]";

@@ -27,9 +27,19 @@ struct Budget;
 // Lists and dicts deeper than this cannot be built (freeing and printing them recurse).
 inline constexpr int kMaxValueDepth = 256;
 
+// What a sequence is in Python terms: printing, truthiness, indexing and JSON differ.
+enum class SeqFlavor : uint8_t {
+  List,
+  Tuple,
+  Generator,   // what select/map/unique/batch/items/reverse give: always true, no len(), no [i]
+  DictKeys,    // dict.keys() / values() / items() views: no [i], not JSON
+  DictValues,
+  DictItems,
+};
+
 struct ListObj {
   std::vector<Value> items;
-  bool tuple = false;
+  SeqFlavor flavor = SeqFlavor::List;
   int depth = 1;               // 1 + the deepest element's depth
   bool has_namespace = false;  // some element is or holds a namespace object
 };
@@ -78,6 +88,7 @@ class Value {
   static Value none();
   // Errors: TemplateError (Limit) when deeper than kMaxValueDepth.
   static Value list(std::vector<Value> items, bool tuple = false);
+  static Value sequence(std::vector<Value> items, SeqFlavor flavor);
   // Later duplicates of a key replace the earlier value (in the earlier place), as in Python.
   static Value dict(std::vector<std::pair<Value, Value>> items);
   static Value object(std::shared_ptr<Object> o);
@@ -90,8 +101,13 @@ class Value {
   bool is_float() const { return kind_ == Kind::Float; }
   bool is_number() const { return kind_ == Kind::Int || kind_ == Kind::Float || kind_ == Kind::Bool; }
   bool is_string() const { return kind_ == Kind::String; }
-  bool is_list() const { return kind_ == Kind::List; }  // lists and tuples
-  bool is_tuple() const { return kind_ == Kind::List && list_obj().tuple; }
+  bool is_list() const { return kind_ == Kind::List; }  // every sequence flavor
+  bool is_tuple() const { return kind_ == Kind::List && list_obj().flavor == SeqFlavor::Tuple; }
+  SeqFlavor flavor() const { return list_obj().flavor; }
+  // A list or tuple (indexable, sliceable, JSON); not a generator or a dict view.
+  bool is_indexable() const {
+    return kind_ == Kind::List && (list_obj().flavor == SeqFlavor::List || list_obj().flavor == SeqFlavor::Tuple);
+  }
   bool is_dict() const { return kind_ == Kind::Dict; }
   bool is_object() const { return kind_ == Kind::Object; }
 

@@ -674,6 +674,26 @@ user: What is 2+2?
   check_cases(cases);
 }
 
+TEST(Jinja, LazySequences) {
+  const Case cases[] = {
+      {R"({% if [1, 2]|select('gt', 5) %}truthy{% endif %}|{% if [1, 2]|select('gt', 5)|list %}{% else %}empty list{% endif %})",
+       R"(truthy|empty list)"},
+      {R"({{ {'a': 1}.items() }}|{{ {'a': 1}.keys() }}|{{ {'a': 1}.values() }}|{{ {'a': 1}.items()|length }})",
+       R"(dict_items([('a', 1)])|dict_keys(['a'])|dict_values([1])|1)"},
+      {R"({{ ([1, 2]|select('odd'))[0] }}|{{ ([1, 2]|map('string')|list)[0] }}|{{ {'a': 1}.keys()[0] }})",
+       R"(|1|)"},
+      {R"({{ [1, 2]|batch(1)|reverse }}|{{ [1, 2]|select|first }}|{{ 'b' in ['a', 'b']|map('lower') }})",
+       R"([[2], [1]]|1|True)"},
+      {R"({{ [1, 2]|select('odd') is sequence }}|{{ [1, 2]|select('odd') is iterable }}|{{ {'a': 1}.keys() is sequence }})",
+       R"(False|True|False)"},
+      {R"({{ 3.5 is odd }}|{{ 3 is odd }}|{{ -3 is odd }}|{{ -4 is even }}|{{ 2.0 is even }})",
+       R"(False|True|True|True|True)"},
+      {R"({{ [1] is lower }}|{{ 'abc'|list is lower }}|{{ {'a': 1}|last }}|{{ '{}' % [1] }})",
+       R"(False|True|a|{})"},
+  };
+  check_cases(cases);
+}
+
 TEST(Jinja, SortedContextKeysWithPlainJson) {
   // nlohmann::json sorts object keys; ordered_json keeps them (as Python dicts do).
   const Template t = Template::parse("{{ d|tojson }}|{% for k in d %}{{ k }}{% endfor %}");
