@@ -31,6 +31,10 @@ struct Frame {
   void set(const std::string& name, Value v);
 };
 
+// Nested eval/exec calls at once (expressions, blocks and macro calls together): bounds the
+// native stack whatever the template does.
+inline constexpr int kMaxEvalDepth = 500;
+
 class Interp {
  public:
   explicit Interp(const RenderOptions& options);
@@ -66,7 +70,18 @@ class Interp {
 
  private:
   enum class Flow { Normal, Break, Continue };
-  struct DepthGuard;
+  struct DepthGuard {
+    Interp& in;
+    explicit DepthGuard(Interp& interp) : in(interp) {
+      if (++in.eval_depth_ > kMaxEvalDepth) {
+        throw TemplateError(TemplateError::Kind::Limit,
+                            "template recursion too deep at line " + std::to_string(in.line_) + ", column " +
+                                std::to_string(in.column_),
+                            in.line_, in.column_);
+      }
+    }
+    ~DepthGuard() { --in.eval_depth_; }
+  };
 
   Flow exec(const StmtList& body, std::string& out);
   Flow exec_stmt(const Stmt& s, std::string& out);
