@@ -70,6 +70,7 @@ namespace detail {
 struct TemplateBody;  // the parsed statements (jinja_ast.h)
 }
 
+// Immutable once parsed: copies share the parsed body, and renders may run on several threads.
 class Template {
  public:
   // Parses once. Errors: TemplateError (Syntax) with line and column.
@@ -83,6 +84,7 @@ class Template {
   std::string render(const nlohmann::ordered_json& context, const RenderOptions& options = {}) const;
 
  private:
+  Template() = default;  // only parse() makes one: a Template always holds a parsed body
   std::shared_ptr<const detail::TemplateBody> body_;
 };
 

@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -706,6 +708,24 @@ TEST(Jinja, NullContextAndReuse) {
   EXPECT_EQ(t.render(nlohmann::json()), "none");
   EXPECT_EQ(t.render(nlohmann::json{{"x", 1}}), "1");
   EXPECT_EQ(t.render(nlohmann::json{{"x", "again"}}), "again");  // a Template renders many times
+}
+
+TEST(Jinja, ConcurrentRendersOfOneTemplate) {
+  const Template t = Template::parse(
+      "{% macro m(x) %}[{{ x|upper }}]{% endmacro %}{% set ns = namespace(n=0) %}"
+      "{% for msg in messages %}{% set ns.n = ns.n + 1 %}{{ m(msg.role) }}{{ msg.content|tojson }}{% endfor %}{{ ns.n }}");
+  const auto context = nlohmann::ordered_json::parse(kContext);
+  const std::string expected = t.render(context);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (int i = 0; i < 200; ++i) mismatches[k] += t.render(context) != expected;
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
+  EXPECT_EQ(expected.substr(0, 19), R"([SYSTEM]"Be brief.")");
 }
 
 TEST(Jinja, StrftimeNowUsesTheClock) {
