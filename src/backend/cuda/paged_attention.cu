@@ -15,10 +15,12 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU and the
-// contexts are long: aim for about this many blocks (H200: 132 SMs, 3 decode blocks of 70 KB
-// shared memory each), with at least kMinPartition keys per split.
-constexpr int64_t kSplitTargetBlocks = 512;
+// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU, or
+// fills it in a fraction of a wave, and the contexts are long: aim for about this many blocks,
+// four waves of the H200's 132 SMs x 3 resident decode blocks (70 KB of shared memory each), with
+// at least kMinPartition keys per split. (The first target, 512 blocks = 1.3 waves, left 64
+// sequences x 8 KV heads unsplit: their second wave ran a quarter full, 2.86 TB/s at 64 x 2048.)
+constexpr int64_t kSplitTargetBlocks = 4 * 132 * 3;
 constexpr int64_t kMinPartition = 256;
 
 int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
