@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -166,6 +167,45 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   report("attention", name, ms, bytes, flops);
 }
 
+// 64 rows of Llama 3's 128256 logits. "model-like": N(0, 2) with a few dozen tokens lifted by 6 to
+// 12, so that top_k / top_p keep tens of tokens, as on real next-token logits; "flat": U(-1, 1), where
+// top_p keeps most of the row (the radix-select path).
+void bench_sampling() {
+  if (!wanted("sample")) return;
+  const int64_t rows = 64, vocab = 128256;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::uniform_real_distribution<float> flat(-1.0f, 1.0f), lift(6.0f, 12.0f);
+  std::vector<float> model_like(static_cast<size_t>(rows * vocab)), uniform(model_like.size());
+  for (float& x : model_like) x = normal(rng);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < 40; ++i) model_like[static_cast<size_t>(r * vocab + rng() % vocab)] += lift(rng);
+  for (float& x : uniform) x = flat(rng);
+  Buf logits(model_like.size() * 4), flat_logits(uniform.size() * 4), params(rows * sizeof(kestrel::cuda::SampleParams)),
+      tokens(rows * 4);
+  fill(logits, model_like);
+  fill(flat_logits, uniform);
+  struct Case {
+    const char* what;
+    kestrel::cuda::SampleParams p;
+    const Buf* data;
+  };
+  for (const Case& c : {Case{"greedy", {0.0f, 0, 1.0f, 0.0f, 0.5}, &logits},
+                        Case{"temperature 0.8", {0.8f, 0, 1.0f, 0.0f, 0.5}, &logits},
+                        Case{"min_p 0.05", {1.0f, 0, 1.0f, 0.05f, 0.5}, &logits},
+                        Case{"top_k 50, t 0.7", {0.7f, 50, 1.0f, 0.0f, 0.5}, &logits},
+                        Case{"top_p 0.9", {1.0f, 0, 0.9f, 0.0f, 0.5}, &logits},
+                        Case{"top_k 40 top_p 0.9 min_p 0.05", {0.7f, 40, 0.9f, 0.05f, 0.5}, &logits},
+                        Case{"top_p 0.9, flat (radix)", {1.0f, 0, 0.9f, 0.0f, 0.5}, &flat_logits}}) {
+    fill(params, std::vector<kestrel::cuda::SampleParams>(static_cast<size_t>(rows), c.p));
+    const double ms = time_ms([&] {
+      kestrel::cuda::sample_tokens(c.data->as<float>(), params.as<kestrel::cuda::SampleParams>(), rows, vocab,
+                                   tokens.as<int32_t>(), nullptr, nullptr);
+    });
+    report("sample_tokens", std::string("64 x 128256, ") + c.what, ms, static_cast<double>(rows * vocab * 4), 0);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -195,6 +235,24 @@ int main(int argc, char** argv) {
       s.push_back({4096, 512});
       bench_attention("mixed 63 decodes @2048 + chunk 512 @4096", 32, 8, 128, 16, s);
     }
+    // Other head dims: Phi-2 (32/32, d80), Phi-3-mini (32/32, d96), Gemma-7B (16/16, d256),
+    // Gemma-2B (8/1, d256); d8 (stories260K's, the SIMT kernel) and d48 (SIMT) at a large model's
+    // head count for a per-key comparison with the tensor-core kernels.
+    bench_attention("prefill 1 x 2048, 32/32 heads, d80", 32, 32, 80, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 32/32 heads, d96", 32, 32, 96, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 16/16 heads, d256", 16, 16, 256, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 8/1 heads, d256", 8, 1, 256, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 32/8 heads, d48 (SIMT)", 32, 8, 48, 16, {{2048, 2048}});
+    bench_attention("prefill 1 x 2048, 8/4 heads, d8 (SIMT)", 8, 4, 8, 16, {{2048, 2048}});
+    {
+      std::vector<std::pair<int, int>> s(64, {2048, 1});
+      bench_attention("decode 64 x ctx 2048, 32/32, d96", 32, 32, 96, 16, s);
+      bench_attention("decode 64 x ctx 2048, 16/16, d256", 16, 16, 256, 16, s);
+      bench_attention("decode 64 x ctx 2048, 32/8, d48 (SIMT)", 32, 8, 48, 16, s);
+      bench_attention("decode 64 x ctx 2048, 8/4, d8 (SIMT)", 8, 4, 8, 16, s);
+      bench_attention("decode 1 x ctx 32768, 16/16, d256 (split)", 16, 16, 256, 16, {{32768, 1}});
+    }
+    bench_sampling();
     const int64_t n = 4096;  // tokens of a large prefill batch
     if (wanted("add_rms_norm")) {
       const int64_t dim = 4096;

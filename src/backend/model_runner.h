@@ -21,6 +21,19 @@ struct RunnerOptions {
   KvDtype kv_dtype = KvDtype::F16;  // element type of the cached K and V (what the backend supports)
   int n_threads = 0;                // CPU threads; 0 = all hardware threads
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of the device's memory weights + KV may use
+  bool enforce_eager = false;       // CUDA: never replay decode steps from captured CUDA graphs
+};
+
+// What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,
+// min_p and temperature (Sampler::device_compatible), and the uniform draw it would have used
+// (Sampler::take_uniform), so the device picks the token the CPU sampler would pick from the
+// same logits.
+struct RowSampling {
+  float temperature = 0.0f;  // 0 = greedy
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  double uniform = 0.0;      // in [0, 1)
 };
 
 class ModelRunner {
@@ -30,6 +43,14 @@ class ModelRunner {
   // logits of the rows batch.logits_indices: [logits_indices.size(), n_vocab], f32, host memory,
   // valid until the next call. Errors: kestrel::Error on an inconsistent batch.
   virtual std::span<const float> forward(const ForwardBatch& batch) = 0;
+  // True when forward_sample() is implemented (the CUDA backend): the logits then never leave the
+  // device.
+  virtual bool samples_on_device() const { return false; }
+  // forward(), then one token per logits row sampled on the device with rows[i]'s settings
+  // (rows.size() == batch.logits_indices.size()). Returns the token ids in host memory, valid until
+  // the next call; -1 marks a row whose logits hold a NaN. Errors: those of forward(); kestrel::Error
+  // from backends without device sampling.
+  virtual std::span<const int32_t> forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows);
   // Copies whole KV blocks (copy-on-write after a fork), in every layer, before the next forward.
   virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
   virtual int32_t n_kv_blocks() const = 0;

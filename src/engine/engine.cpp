@@ -111,6 +111,7 @@ struct Engine::Impl {
   std::vector<int32_t> token_ids, positions, query_start, context_lens, block_tables, logits_indices;
   std::vector<int64_t> slot_mapping;
   std::vector<RequestState*> sampling;  // [logits_indices.size()] whose row each logits row is
+  std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
 };
 
 Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
@@ -268,28 +269,51 @@ std::vector<RequestOutput> Engine::step() {
   fb.block_tables = m.block_tables;
   fb.max_blocks_per_seq = static_cast<int32_t>(m.block_tables.size() / std::max<size_t>(1, out.scheduled.size()));
   fb.logits_indices = m.logits_indices;
-  const std::span<const float> logits = m.runner->forward(fb);
+  // Backends that sample on the device (CUDA) do so whenever every sampling request's chain is one
+  // they implement (no logit bias, no penalties): the logits then never leave the device. The
+  // uniform each sampler would have drawn goes with its row, so the token is the one the CPU
+  // sampler would pick from the same logits.
+  // A request that wants logprobs needs the logits on the host (the device sampler returns ids).
+  bool on_device = m.runner->samples_on_device();
+  for (size_t i = 0; on_device && i < m.sampling.size(); ++i)
+    on_device = m.sampling[i]->sampler->device_compatible() && m.sampling[i]->req.logprobs < 0;
+  std::span<const float> logits;
+  std::span<const int32_t> device_tokens;
+  if (on_device) {
+    m.row_sampling.clear();
+    for (RequestState* r : m.sampling) {
+      const SamplingParams& p = r->sampler->params();
+      m.row_sampling.push_back(RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform()});
+    }
+    device_tokens = m.runner->forward_sample(fb, m.row_sampling);
+  } else {
+    logits = m.runner->forward(fb);
+  }
   m.scheduler.on_step_done(out);
 
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < m.sampling.size(); ++i) {
     RequestState& r = *m.sampling[i];
-    const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
     // OpenAI semantics: presence/frequency penalties count generated tokens only. NaN logits
     // (corrupt weights) end this request with an error, not the engine; the sampler finds them in
-    // the pass over the logits it makes anyway.
-    // Logprobs come from the raw logits on the host (logprobs.h). TODO(device sampling): a request
-    // with logprobs >= 0 must take this host path; a sampler on the device returns only ids.
+    // the pass over the logits it makes anyway (the device sampler marks the row with -1).
+    // Logprobs come from the raw logits on the host (logprobs.h).
     int32_t token = 0;
     std::optional<LogprobSummary> logprobs;
     try {
-      if (r.req.logprobs >= 0) {
-        SampledToken st =
-            r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
-        token = st.token;
-        logprobs = std::move(st.logprobs);
+      if (on_device) {
+        token = device_tokens[i];
+        if (token < 0) throw NanLogitsError();
       } else {
-        token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+        const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+        if (r.req.logprobs >= 0) {
+          SampledToken st =
+              r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
+          token = st.token;
+          logprobs = std::move(st.logprobs);
+        } else {
+          token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+        }
       }
     } catch (const NanLogitsError& e) {
       RequestOutput o;

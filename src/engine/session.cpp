@@ -50,7 +50,7 @@ void Session::truncate(int64_t n) {
   n_cached_ = std::min(n_cached_, n);
 }
 
-std::span<const float> Session::run(int64_t begin, int64_t end, bool all_rows) {
+ForwardBatch Session::make_batch(int64_t begin, int64_t end, bool all_rows) {
   const int64_t n = end - begin;
   table_.reserve(end, allocator_);
   positions_.resize(static_cast<size_t>(n));
@@ -76,7 +76,11 @@ std::span<const float> Session::run(int64_t begin, int64_t end, bool all_rows) {
   b.block_tables = table_.blocks;
   b.max_blocks_per_seq = static_cast<int32_t>(table_.blocks.size());
   b.logits_indices = logits_rows_;
-  return runner_->forward(b);
+  return b;
+}
+
+std::span<const float> Session::run(int64_t begin, int64_t end, bool all_rows) {
+  return runner_->forward(make_batch(begin, end, all_rows));
 }
 
 std::vector<float> Session::all_logits(std::span<const int32_t> tokens) {
@@ -114,27 +118,40 @@ GenerateStats Session::generate(std::span<const int32_t> tokens, const GenerateO
   Sampler sampler(opts.sampling, static_cast<int32_t>(n_vocab));
   const auto t0 = Clock::now();
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
-  std::span<const float> logits;
   if (n_cached_ == n_past()) --n_cached_;  // nothing new: recompute the last position's logits
-  while (n_cached_ < n_past()) {
-    const int64_t end = std::min(n_past(), n_cached_ + opts_.prefill_chunk);
-    logits = run(n_cached_, end, false);
-    n_cached_ = end;
+  // Every prefill chunk but the last; the decode loop's first pass runs the last one and samples.
+  while (n_past() - n_cached_ > opts_.prefill_chunk) {
+    run(n_cached_, n_cached_ + opts_.prefill_chunk, false);
+    n_cached_ += opts_.prefill_chunk;
   }
+  // A backend that samples on the device (CUDA) keeps the logits there when the sampler needs
+  // nothing but top_k/top_p/min_p/temperature; the token is the one sample() would pick.
+  const bool on_device = runner_->samples_on_device() && sampler.device_compatible();
+  auto forward_and_sample = [&]() -> int32_t {
+    const int64_t begin = n_cached_;
+    n_cached_ = n_past();
+    if (on_device) {
+      const SamplingParams& p = sampler.params();
+      const RowSampling row{p.temperature, p.top_k, p.top_p, p.min_p, sampler.take_uniform()};
+      const std::span<const int32_t> t = runner_->forward_sample(make_batch(begin, n_past(), false), {&row, 1});
+      if (t[0] < 0)
+        throw Error("the model produced NaN logits at position " + std::to_string(n_past() - 1) +
+                    ": its weights are probably corrupt");
+      return t[0];
+    }
+    const std::span<const float> logits = run(begin, n_past(), false);
+    for (float v : logits)
+      if (std::isnan(v))
+        throw Error("the model produced NaN logits at position " + std::to_string(n_past() - 1) +
+                    ": its weights are probably corrupt");
+    return sampler.sample(logits, tokens_);
+  };
 
   auto t_decode = Clock::now();
   st.finish_reason = "length";
   const int64_t max_new = opts.max_tokens < 0 ? n_ctx_ : opts.max_tokens;
   while (st.n_generated < max_new && n_past() < n_ctx_) {
-    if (st.n_generated > 0) {
-      logits = run(n_cached_, n_past(), false);
-      n_cached_ = n_past();
-    }
-    for (float v : logits)
-      if (std::isnan(v))
-        throw Error("the model produced NaN logits at position " + std::to_string(n_past() - 1) +
-                    ": its weights are probably corrupt");
-    const int32_t id = sampler.sample(logits, tokens_);
+    const int32_t id = forward_and_sample();
     ++st.n_generated;
     if (st.n_generated == 1) {
       st.prefill_seconds = seconds_since(t0);
@@ -150,6 +167,10 @@ GenerateStats Session::generate(std::span<const int32_t> tokens, const GenerateO
       st.finish_reason = "stop";
       break;
     }
+  }
+  if (n_cached_ < n_past() && st.n_generated == 0) {  // nothing generated: still cache the prompt
+    run(n_cached_, n_past(), false);
+    n_cached_ = n_past();
   }
   if (st.n_generated == 0) st.prefill_seconds = seconds_since(t0);
   st.decode_seconds = st.n_generated > 1 ? seconds_since(t_decode) : 0;

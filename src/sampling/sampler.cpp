@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 #include "sampling/logits_processors.h"
@@ -55,7 +56,18 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   for (const auto& processor : chain_)
     processor->apply(candidates_, processor->reads_prompt() ? previous_tokens : generated);
   if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
-  return draw();
+  return draw(rng_.next_double());
+}
+
+int32_t Sampler::sample_with_uniform(std::span<const float> logits, double uniform) {
+  KESTREL_ASSERT(device_compatible(), "sample_with_uniform needs a chain without bias or penalties");
+  KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");
+  for (float l : logits)
+    if (std::isnan(l)) throw NanLogitsError();
+  candidates_.assign(logits);
+  for (const auto& processor : chain_) processor->apply(candidates_, {});
+  if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
+  return draw(uniform);
 }
 
 SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
@@ -65,13 +77,26 @@ SampledToken Sampler::sample_with_logprobs(std::span<const float> logits,
   return SampledToken{token, compute_logprobs(logits, token, n_top)};
 }
 
-int32_t Sampler::draw() {
+bool Sampler::device_compatible() const {
+  for (const auto& processor : chain_) {
+    const std::string_view name = processor->name();
+    if (name != "top_k" && name != "top_p" && name != "min_p" && name != "temperature") return false;
+  }
+  return true;
+}
+
+double Sampler::take_uniform() {
+  if (params_.temperature == 0.0f) return 0.0;  // sample() takes the argmax: no draw
+  return rng_.next_double();                    // draw()'s one next_double()
+}
+
+int32_t Sampler::draw(double uniform) {
   candidates_.softmax();
   // Inverse CDF over the list in its current order, which every processor leaves deterministic.
   // Scaling u by the float probs' own total makes rounding in their sum harmless.
   double total = 0.0;
   for (const TokenCandidate& c : candidates_.items()) total += c.prob;
-  const double target = rng_.next_double() * total;
+  const double target = uniform * total;
   double cumulative = 0.0;
   for (const TokenCandidate& c : candidates_.items()) {
     cumulative += c.prob;

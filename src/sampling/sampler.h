@@ -45,12 +45,28 @@ class Sampler {
   SampledToken sample_with_logprobs(std::span<const float> logits,
                                     std::span<const int32_t> previous_tokens, int32_t n_top, size_t n_prompt = 0);
 
+  // True when the chain holds only what the CUDA sampler (cuda_ops.h: sample_tokens) implements:
+  // top_k, top_p, min_p and temperature, without logit_bias and without repetition, presence or
+  // frequency penalties. Such a sampler's token can then be drawn on the device from
+  // {temperature, top_k, top_p, min_p, take_uniform()}.
+  bool device_compatible() const;
+
+  // The uniform the next sample() would draw from, in [0, 1), advancing the RNG exactly as that
+  // sample() would: one next_double() when temperature > 0; greedy uses none and returns 0. Call it
+  // instead of sample() (not as well) when the token is drawn on the device, so the sequence's
+  // random stream stays the one the CPU path would have used.
+  double take_uniform();
+  // What sample() returns for these logits when its draw is `uniform` (in [0, 1)), for a
+  // device_compatible() chain, without touching the RNG: the host reference of the device sampler
+  // (cuda::sample_tokens). Errors: asserts device_compatible(), the size, and no NaN logit.
+  int32_t sample_with_uniform(std::span<const float> logits, double uniform);
+
   const SamplingParams& params() const { return params_; }
   // The chain in the order it runs (for logs and tests).
   const std::vector<std::unique_ptr<LogitsProcessor>>& chain() const { return chain_; }
 
  private:
-  int32_t draw();
+  int32_t draw(double uniform);
 
   SamplingParams params_;
   int32_t n_vocab_;

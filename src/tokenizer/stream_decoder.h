@@ -22,7 +22,8 @@ class StreamDecoder {
   // Tokenizer::decode), so the first piece keeps its leading space.
   explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special = false, bool continuation = false);
 
-  // New complete text after appending token `id`. Throws kestrel::Error for an id out of range.
+  // New complete text after appending token `id`. An id at or above the tokenizer's n_vocab (a
+  // model with padded embedding rows) adds no text. Throws kestrel::Error for a negative id.
   std::string push(int32_t id);
   // The held-back bytes (as U+FFFD when they do not form a character); resets to a fresh sequence.
   std::string flush();

@@ -169,6 +169,9 @@ bool Tokenizer::is_special(int32_t id) const {
 }
 
 void Tokenizer::append_piece(int32_t id, bool skip_special, bool* at_start, std::string* out) const {
+  // A model may have more embedding rows than its tokenizer has tokens (vocabularies padded to a
+  // multiple of 64 or 128, e.g. Qwen2's 151,936 rows for 151,665 tokens): such an id has no text.
+  if (id >= n_vocab()) return;
   check_id(id);
   const bool special = is_special(id);
   if (special && skip_special) return;

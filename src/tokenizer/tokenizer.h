@@ -115,8 +115,8 @@ class Tokenizer {
   // SentencePiece with a dummy prefix: the leading space of the first piece that is not a special
   // token is dropped (as sentencepiece's decoder and llama2.c do), so decode(encode(x)) == x for
   // text without special tokens. continuation: the ids continue an earlier text (generated tokens
-  // after a prompt), so no leading space is dropped. Throws kestrel::Error for an id outside
-  // [0, n_vocab()).
+  // after a prompt), so no leading space is dropped. An id at or above n_vocab() (a model with
+  // padded embedding rows) has no text. Throws kestrel::Error for a negative id.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false,
                      bool continuation = false) const;
 
@@ -126,7 +126,8 @@ class Tokenizer {
 
   // Appends token `id`'s bytes to *out for sequence decoding. *at_start is true before the first
   // non-special piece and is cleared by it; it drives the SentencePiece leading-space rule above.
-  // (Used by decode() and StreamDecoder.) Throws kestrel::Error for an id out of range.
+  // (Used by decode() and StreamDecoder.) Ids >= n_vocab() append nothing (see decode()).
+  // Throws kestrel::Error for a negative id.
   void append_piece(int32_t id, bool skip_special, bool* at_start, std::string* out) const;
 
   TokenizerKind kind() const { return kind_; }

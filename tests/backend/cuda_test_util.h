@@ -20,6 +20,14 @@
 
 namespace kestrel::test {
 
+// True in kestrel_cuda_emu_tests (the kernels on the CPU emulation, slow): tests keep their
+// emulated shapes small and add bigger ones only on a real GPU.
+#if defined(KESTREL_CUDA_EMULATE)
+inline constexpr bool kCudaEmulated = true;
+#else
+inline constexpr bool kCudaEmulated = false;
+#endif
+
 // Why no CUDA device can be used ("" when one can). Asked once per process.
 inline const std::string& cuda_unavailable_reason() {
   static const std::string reason = [] {

@@ -10,9 +10,9 @@ TEST(CudaAddRmsNorm, MatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(2);
   const float eps = 1e-5f;
-  // 576 (SmolLM2), 4096 (Llama-3.1-8B), 8192 and 9000 (two and four chunks per thread); 100 and 3
-  // are not whole 16-byte chunks (scalar kernel).
-  for (const int64_t dim : {576, 4096, 8192, 9000, 100, 3}) {
+  // 576 (SmolLM2), 4096 (Llama-3.1-8B), 8192 and 9000 (two and four chunks per thread), 64
+  // (stories260K: 8 chunks, one warp); 100 and 3 are not whole 16-byte chunks (scalar kernel).
+  for (const int64_t dim : {576, 4096, 8192, 9000, 64, 100, 3}) {
     for (const int64_t n_tokens : {1, 7, 33}) {
       for (const bool with_add : {true, false}) {
         SCOPED_TRACE("dim " + std::to_string(dim) + " n_tokens " + std::to_string(n_tokens) +

@@ -11,8 +11,8 @@ TEST(CudaEmbedding, MatchesTableRows) {
   struct Case {
     int64_t n_vocab, n_embd, n_tokens;
   };
-  // 576: SmolLM2; 100 and 3: widths that are not whole 16-byte chunks (scalar kernel).
-  for (const Case c : {Case{1000, 576, 7}, Case{50, 100, 1}, Case{300, 4096, 33}, Case{17, 3, 5}}) {
+  // 576: SmolLM2; 64: stories260K; 100 and 3: widths that are not whole 16-byte chunks (scalar kernel).
+  for (const Case c : {Case{1000, 576, 7}, Case{512, 64, 9}, Case{50, 100, 1}, Case{300, 4096, 33}, Case{17, 3, 5}}) {
     SCOPED_TRACE("n_vocab " + std::to_string(c.n_vocab) + " n_embd " + std::to_string(c.n_embd) + " n_tokens " +
                  std::to_string(c.n_tokens));
     const auto table = random_bf16(static_cast<size_t>(c.n_vocab * c.n_embd), rng);

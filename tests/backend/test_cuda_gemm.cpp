@@ -24,6 +24,12 @@ TEST(CudaGemm, MatchesFloat64Reference) {
       {128, 1024, 4096, cuda::GemmOutput::F32},
       {5, 64, 49152, cuda::GemmOutput::F32},      // logits-like: wide n_out
       {257, 2048, 520, cuda::GemmOutput::Bf16},   // n_out not a multiple of 16
+      // stories260K (n_embd 64, kv_dim 32, n_ff 172): rows of 344 and 172 elements, not whole
+      // 16-byte chunks (the operands' bases stay 16-byte aligned).
+      {7, 64, 32, cuda::GemmOutput::Bf16},        // k/v projection
+      {7, 64, 344, cuda::GemmOutput::Bf16},       // gate|up
+      {7, 172, 64, cuda::GemmOutput::Bf16},       // down: n_in 172
+      {3, 64, 512, cuda::GemmOutput::F32},        // logits
       {1, 576, 576, cuda::GemmOutput::Bf16},      // a shape already cached
   };
   cuda::Gemm gemm;
@@ -55,7 +61,7 @@ TEST(CudaGemm, MatchesFloat64Reference) {
     }
     EXPECT_LE(rel_error(out, ref), f32 ? 1e-4 : 4e-3);
   }
-  EXPECT_EQ(gemm.cached_shapes(), 6u);
+  EXPECT_EQ(gemm.cached_shapes(), 10u);  // the distinct shapes above
 }
 
 TEST(CudaGemm, RejectsBadArguments) {

@@ -2,13 +2,15 @@
 // sequence s at position p and query head h, softmax(q . k_j * scale) over keys j in [0, p] of the
 // sequence's cache (through its block table, KV head h / group), times v_j. Batches mix prefill
 // chunks (some with a cached prefix) and decode tokens; block tables are shuffled; contexts are not
-// multiples of the block size; GQA groups 1, 3, 4, 8, 32 and 72; long decode contexts take the
-// split-KV path.
-// Tolerance: relative L2 error <= 4e-3. q, K and V are exact bf16 values in both; the kernel
-// rounds the softmax weights to bf16 for the tensor cores and the output to bf16 (2^-9 relative
-// each, ~1.5e-3 measured on the emulation).
+// multiples of the block size; GQA groups 1, 2, 3, 4, 8, 20, 32 and 72; long decode contexts take the
+// split-KV path. Head dims: 64 and 128, the other tensor-core ones (32, 80, 96, 256) and the SIMT
+// kernel's (8 = stories260K, 24, 40, 48, 136, 248; and every multiple of 8 up to 256 once).
+// Tolerance: relative L2 error <= 4e-3. q, K and V are exact bf16 values in both; the tensor-core
+// kernels round the softmax weights to bf16 and all kernels round the output to bf16 (2^-9
+// relative each, ~1.5e-3 measured on the emulation).
 #include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "cuda_test_util.h"
 
@@ -157,15 +159,92 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
   for (const auto& c : cases) run_case(c, rng);
 }
 
+// Head dims other than 64 and 128: the tensor-core kernels' odd k-step count (80: 5 x 16), padded
+// tiles (32, 80, 96), Q read from shared memory and 32-key prefill tiles (256), and the SIMT
+// kernel (8, 24, 40, 48, 136, 248); prefill chunks longer than one block's tokens, cached
+// prefixes, GQA groups 1, 2, 4, 8 and 20 (two head chunks on the SIMT kernel).
+TEST(CudaPagedAttention, OtherHeadDimsMatchFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(8);
+  std::vector<AttnCase> cases = {
+      {"stories260K shape (d8, group 2), mixed", 8, 4, 8, 16, {{40, 40}, {70, 1}, {25, 6}, {1, 1}, {33, 2}}, 1.0f, true},
+      {"d8 MQA group 8, block size 5", 8, 1, 8, 5, {{30, 30}, {17, 1}}, 2.0f, false},
+      {"d8 group 20: two head chunks", 20, 1, 8, 16, {{10, 3}, {12, 1}}, 1.0f, true},
+      {"d32 MHA, chunk of 70 (two tiles)", 4, 4, 32, 16, {{90, 70}, {50, 1}, {9, 4}}, 1.0f, true},
+      {"d32 group 4, block size 8", 8, 2, 32, 8, {{40, 20}, {60, 1}}, 2.0f, true},
+      {"Phi-2 shape (d80, MHA), block size 7", 4, 4, 80, 7, {{45, 45}, {100, 1}, {12, 3}}, 2.0f, true},
+      {"d80 group 2", 4, 2, 80, 16, {{30, 10}, {64, 1}}, 1.0f, false},
+      {"Phi-3 shape (d96, MHA)", 3, 3, 96, 16, {{50, 50}, {80, 1}}, 2.0f, true},
+      {"d96 group 4, cached prefix", 8, 2, 96, 16, {{33, 17}, {129, 1}, {2, 2}}, 1.0f, true},
+      {"Gemma-2B shape (d256, group 8)", 8, 1, 256, 16, {{40, 40}, {70, 1}}, 2.0f, true},
+      {"d256 group 2, chunk of 40 after 35", 4, 2, 256, 16, {{75, 40}, {33, 1}}, 1.0f, true},
+      {"d256 MHA, block size 8", 2, 2, 256, 8, {{20, 7}, {5, 1}}, 1.0f, false},
+      {"d24 (SIMT) group 4", 8, 2, 24, 16, {{37, 37}, {60, 1}}, 2.0f, true},
+      {"d40 (SIMT) MHA, block size 7", 3, 3, 40, 7, {{50, 20}, {31, 1}}, 1.0f, true},
+      {"d48 (SIMT) group 2", 4, 2, 48, 16, {{21, 21}, {40, 1}}, 1.0f, false},
+      {"d136 (SIMT) group 4", 4, 1, 136, 16, {{30, 9}, {45, 1}}, 1.0f, true},
+      {"d248 (SIMT, over 48 KB shared)", 2, 1, 248, 16, {{40, 12}, {20, 1}}, 1.0f, true},
+  };
+  if (!kCudaEmulated) {  // real-model sizes
+    std::vector<SeqSpec> decodes;
+    for (int i = 0; i < 48; ++i) decodes.push_back({200 + 37 * i, 1});
+    decodes.push_back({700, 300});
+    cases.push_back({"stories260K shape, 48 decodes + chunk 300", 8, 4, 8, 16, decodes, 1.0f, true});
+    cases.push_back({"Phi-2 shape (d80, 32/32), prefill 1 x 600", 32, 32, 80, 16, {{600, 600}}, 2.0f, true});
+    cases.push_back({"Phi-3 shape (d96, 32/32), 48 decodes + chunk 300", 32, 32, 96, 16, decodes, 2.0f, true});
+    cases.push_back(
+        {"Gemma-7B shape (d256, 16/16), prefill 2 x 300", 16, 16, 256, 16, {{300, 300}, {310, 300}}, 2.0f, true});
+    cases.push_back({"d256 group 8, chunk 512 at 1024", 8, 1, 256, 16, {{1024, 512}, {900, 1}}, 2.0f, true});
+    cases.push_back({"d40 (SIMT) group 4, 48 decodes + chunk 300", 16, 4, 40, 16, decodes, 1.0f, true});
+  }
+  for (const auto& c : cases) run_case(c, rng);
+}
+
+TEST(CudaPagedAttention, OtherHeadDimsLongContextsSplitKv) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(9);
+  std::vector<AttnCase> cases = {
+      {"stories260K shape (d8), 2100 and 900 keys", 8, 4, 8, 16, {{2100, 1}, {900, 1}}, 2.0f, true},
+      {"d32 group 2, 1300 keys", 4, 2, 32, 16, {{1300, 1}}, 1.0f, true},
+      {"Phi-2 shape (d80), 1800 keys", 4, 4, 80, 16, {{1800, 1}}, 2.0f, true},
+      {"d96 group 4, chunk + decode, 1500 and 2000 keys", 8, 2, 96, 16, {{1500, 3}, {2000, 1}}, 1.0f, true},
+      {"d256 group 8, 2049 keys, block size 32", 8, 1, 256, 32, {{2049, 1}}, 2.0f, false},
+      // max_context understated: the last split must take the rest of the context.
+      {"d40 (SIMT), 3001 keys, max_context given as 1000", 4, 2, 40, 16, {{3001, 1}}, 1.0f, true, 1000},
+  };
+  if (!kCudaEmulated) {
+    cases.push_back({"d256 group 2, 4 decodes at up to 20000 keys", 8, 4, 256, 16,
+                     {{20000, 1}, {19000, 1}, {15000, 1}, {20000, 1}}, 3.0f, true});
+    cases.push_back({"d8 group 2, 30000 keys", 8, 4, 8, 16, {{30000, 1}}, 3.0f, true});
+    cases.push_back({"d80 MHA, 12000 keys", 32, 32, 80, 16, {{12000, 1}}, 3.0f, true});
+  }
+  for (const auto& c : cases) run_case(c, rng);
+}
+
+// Every supported head dim once (the SIMT kernel's four register variants and each tensor-core
+// instantiation), prefill and decode in one batch.
+TEST(CudaPagedAttention, EverySupportedHeadDim) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(10);
+  for (int32_t d = 8; d <= 256; d += 8) {
+    ASSERT_TRUE(cuda::attention_supports_head_dim(d)) << d;
+    const std::string name = "head_dim " + std::to_string(d);
+    run_case({name.c_str(), 4, 2, d, 16, {{20, 5}, {37, 1}}, 1.0f, true}, rng);
+  }
+}
+
 TEST(CudaPagedAttention, RejectsUnsupportedShapes) {
+  for (int32_t d : {0, 4, 12, 100, 264, 512, -8}) EXPECT_FALSE(cuda::attention_supports_head_dim(d)) << d;
   cuda::AttentionParams p{};
   p.n_tokens = 1;
   p.n_seqs = 1;
   p.n_head = 8;
   p.n_head_kv = 2;
   p.block_size = 16;
-  p.head_dim = 96;
-  EXPECT_THROW(cuda::attention_workspace_bytes(p), Error);
+  for (int32_t d : {0, 12, 100, 264}) {
+    p.head_dim = d;
+    EXPECT_THROW(cuda::attention_workspace_bytes(p), Error) << d;
+  }
   p.head_dim = 64;
   p.n_head_kv = 3;
   EXPECT_THROW(cuda::attention_workspace_bytes(p), Error);

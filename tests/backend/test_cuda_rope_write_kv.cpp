@@ -43,6 +43,12 @@ TEST(CudaRopeWriteKv, MatchesFloat64ReferenceAndWritesOnlyItsSlots) {
       {6, 6, 2, 80, 80, true, 7, 1.0f, 10000.0},       // head_dim 80, block size 7
       {4, 3, 1, 64, 20, false, 16, 1.0f, 10000.0},     // rope_dim not a multiple of 8: scalar kernel
       {3, 2, 1, 6, 4, true, 4, 1.0f, 10000.0},         // tiny head: scalar kernel
+      {9, 8, 4, 8, 8, false, 16, 1.0f, 10000.0},       // stories260K (GGUF, adjacent pairs): one 16-byte item
+      {9, 8, 4, 8, 8, true, 16, 1.0f, 10000.0},        // head_dim 8 rotate-half: scalar kernel
+      {4, 4, 2, 8, 4, false, 3, 1.0f, 10000.0},        // head_dim 8, partial rotary
+      {5, 8, 1, 256, 256, true, 16, 1.0f, 10000.0},    // Gemma (head_dim 256)
+      {5, 4, 4, 80, 32, true, 16, 1.0f, 10000.0},      // Phi-2 (partial rotary 32 of 80)
+      {5, 4, 4, 96, 96, true, 16, 1.0f, 10000.0},      // Phi-3 (head_dim 96)
   };
   for (const RopeCase& c : cases) {
     SCOPED_TRACE("n_tokens " + std::to_string(c.n_tokens) + " heads " + std::to_string(c.n_head) + "/" +
@@ -100,6 +106,27 @@ TEST(CudaRopeWriteKv, MatchesFloat64ReferenceAndWritesOnlyItsSlots) {
     }
     EXPECT_TRUE(kc == kc_want) << "K cache differs from the rotated k at the slots (or was written elsewhere)";
     EXPECT_TRUE(vc == vc_want) << "V cache differs from v at the slots (or was written elsewhere)";
+
+    // The fused-QKV form on the same data, packed into rows of one wider buffer (8 spare columns,
+    // as a padded GEMM output would have): the same bits in q and both caches, and qkv untouched.
+    const int64_t qd = c.n_head * c.head_dim, kvd = c.n_head_kv * c.head_dim, stride = qd + 2 * kvd + 8;
+    std::vector<uint16_t> qkv(static_cast<size_t>(c.n_tokens * stride), 0x7FC0);
+    for (int64_t t = 0; t < c.n_tokens; ++t) {
+      std::copy_n(q.begin() + t * qd, qd, qkv.begin() + t * stride);
+      std::copy_n(k.begin() + t * kvd, kvd, qkv.begin() + t * stride + qd);
+      std::copy_n(v.begin() + t * kvd, kvd, qkv.begin() + t * stride + qd + kvd);
+    }
+    DeviceBuffer<uint16_t> d_qkv(qkv), d_qf(q_n), d_kc2(cache_n), d_vc2(cache_n);
+    d_qf.poison();
+    d_kc2.poison();
+    d_vc2.poison();
+    cuda::rope_write_kv_fused(d_qkv.bf16(), stride, d_qf.bf16(), d_pos.get(), d_slots.get(), d_inv.get(),
+                              c.position_scale, c.n_tokens, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim,
+                              c.rotate_half, d_kc2.bf16(), d_vc2.bf16(), c.block_size, nullptr);
+    EXPECT_TRUE(d_qf.download() == q_out) << "fused form: q differs from the in-place form";
+    EXPECT_TRUE(d_kc2.download() == kc) << "fused form: K cache differs";
+    EXPECT_TRUE(d_vc2.download() == vc) << "fused form: V cache differs";
+    EXPECT_TRUE(d_qkv.download() == qkv) << "fused form: the qkv input was modified";
   }
 }
 

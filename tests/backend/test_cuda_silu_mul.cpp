@@ -8,8 +8,9 @@ namespace {
 TEST(CudaSiluMul, MatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(3);
-  // 1536 (SmolLM2's n_ff), 14336 (Llama-3.1-8B's); 100 and 5 are not whole 16-byte chunks.
-  for (const int64_t n_ff : {1536, 14336, 100, 5}) {
+  // 1536 (SmolLM2's n_ff), 14336 (Llama-3.1-8B's); 172 (stories260K's), 100 and 5 are not whole
+  // 16-byte chunks.
+  for (const int64_t n_ff : {1536, 14336, 172, 100, 5}) {
     for (const int64_t n_tokens : {1, 5, 64}) {
       SCOPED_TRACE("n_ff " + std::to_string(n_ff) + " n_tokens " + std::to_string(n_tokens));
       const auto gate_up = random_bf16(static_cast<size_t>(n_tokens * 2 * n_ff), rng, -6.0f, 6.0f);

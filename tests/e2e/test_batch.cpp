@@ -254,6 +254,42 @@ TEST(CliBatch, MalformedLinesGiveErrorsInOrderAndTheRestRuns) {
   EXPECT_EQ(r[8]["output_ids"].size(), 3u);
 }
 
+// A prompt given as token ids (OpenAI completions' other form) runs those ids as they are: the
+// same prompt_tokens and greedy output as the text whose encoding they are; an id outside the
+// vocabulary or a non-integer is an error line naming the field.
+TEST(CliBatch, PromptAsTokenIdsRunsThoseIds) {
+  KESTREL_REQUIRE_FILE(stories_model());
+  TempDir dir;
+  const BatchRun text = run_batch(dir, {{{"id", "text"}, {"prompt", "Once upon a time"}, {"max_tokens", 6},
+                                         {"temperature", 0}}},
+                                  "-m " + stories_model());
+  ASSERT_EQ(text.rc, 0) << text.err;
+  ASSERT_EQ(text.results.size(), 1u);
+  std::string ids_out;
+  ASSERT_EQ(run_command(kestrel_binary() + " tokenize -m " + stories_model() + " 'Once upon a time' 2>/dev/null", &ids_out),
+            0);
+  json ids = json::array({1});  // batch prompts get the BOS (id 1 in the Llama 2 vocabulary); tokenize adds none
+  std::istringstream in(ids_out);
+  for (int64_t id; in >> id;) ids.push_back(id);
+  ASSERT_EQ(static_cast<int64_t>(ids.size()), text.results[0]["usage"]["prompt_tokens"].get<int64_t>()) << ids_out;
+  const BatchRun run = run_batch(dir,
+                                 {{{"id", "ids"}, {"prompt", ids}, {"max_tokens", 6}, {"temperature", 0}},
+                                  {{"id", "big"}, {"prompt", {1, 512}}, {"max_tokens", 2}},
+                                  {{"id", "neg"}, {"prompt", {1, -3}}, {"max_tokens", 2}},
+                                  {{"id", "empty"}, {"prompt", json::array()}, {"max_tokens", 2}}},
+                                 "-m " + stories_model());
+  ASSERT_EQ(run.rc, 0) << run.err;
+  ASSERT_EQ(run.results.size(), 4u);
+  EXPECT_EQ(run.results[0]["output_ids"], text.results[0]["output_ids"]);
+  EXPECT_EQ(run.results[0]["usage"]["prompt_tokens"], text.results[0]["usage"]["prompt_tokens"]);
+  for (size_t i : {1u, 2u, 3u}) {
+    ASSERT_TRUE(run.results[i].contains("error")) << run.results[i].dump();
+    EXPECT_NE(run.results[i]["error"]["message"].get<std::string>().find("prompt"), std::string::npos)
+        << run.results[i].dump();
+  }
+  EXPECT_NE(run.results[1]["error"]["message"].get<std::string>().find("outside the vocabulary"), std::string::npos);
+}
+
 // (d) The engine's check: prompt + 1 token must fit in max_model_len.
 TEST(CliBatch, PromptLongerThanTheContextIsAnErrorLine) {
   KESTREL_REQUIRE_FILE(stories_model());

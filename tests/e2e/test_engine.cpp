@@ -14,6 +14,7 @@
 #include "engine/engine.h"
 #include "engine/session.h"
 #include "io/gguf.h"
+#include "sampling/sampler.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -448,4 +449,117 @@ TEST(Engine, LogprobsComeWithEachTokenAndChangeNoToken) {
   EXPECT_EQ(ids[plain].size(), 24u);
   r.logprobs = kMaxRequestLogprobs + 1;
   EXPECT_THROW(e.add_request(r), Error);
+
+namespace {
+
+// A backend that "samples on the device" the way the CUDA runner must: forward() on the CPU, then
+// each row's token picked by Sampler::sample_with_uniform (the host reference of
+// cuda::sample_tokens) from the row's settings and uniform alone. If the engine hands over the
+// uniform each request's own sampler would have drawn, its outputs match the CPU path exactly.
+class DeviceSamplingRunner final : public ModelRunner {
+ public:
+  DeviceSamplingRunner(const LlamaModel& model, int32_t n_blocks)
+      : n_vocab_(static_cast<int32_t>(model.hparams().n_vocab)) {
+    RunnerOptions o;
+    o.n_kv_blocks = n_blocks;
+    inner_ = make_cpu_model_runner(model, o);
+  }
+  std::span<const float> forward(const ForwardBatch& b) override {
+    ++host_calls;
+    return inner_->forward(b);
+  }
+  bool samples_on_device() const override { return true; }
+  std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows) override {
+    ++device_calls;
+    const std::span<const float> logits = inner_->forward(b);
+    EXPECT_EQ(rows.size(), b.logits_indices.size());
+    tokens_.clear();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      SamplingParams p;
+      p.temperature = rows[i].temperature;
+      p.top_k = rows[i].top_k;
+      p.top_p = rows[i].top_p;
+      p.min_p = rows[i].min_p;
+      Sampler s(p, n_vocab_);
+      tokens_.push_back(s.sample_with_uniform(logits.subspan(i * n_vocab_, n_vocab_), rows[i].uniform));
+    }
+    return tokens_;
+  }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_->copy_blocks(copies); }
+  int32_t n_kv_blocks() const override { return inner_->n_kv_blocks(); }
+  int32_t block_size() const override { return inner_->block_size(); }
+  KvDtype kv_dtype() const override { return inner_->kv_dtype(); }
+  std::string description() const override { return "device-sampling wrapper over " + inner_->description(); }
+
+  int host_calls = 0, device_calls = 0;
+
+ private:
+  int32_t n_vocab_;
+  std::unique_ptr<ModelRunner> inner_;
+  std::vector<int32_t> tokens_;
+};
+
+std::vector<std::vector<int32_t>> run_sampled(Engine& e, const std::vector<std::vector<int32_t>>& prompts,
+                                              const std::vector<SamplingParams>& params) {
+  std::map<RequestId, size_t> index;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Request r;
+    r.prompt = prompts[i];
+    r.max_tokens = 24;
+    r.sampling = params[i % params.size()];
+    r.sampling.seed = 1000 + i;
+    index[e.add_request(r)] = i;
+  }
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step())
+      out[index.at(o.id)].insert(out[index.at(o.id)].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+  return out;
+}
+
+}  // namespace
+
+// Device sampling (issue 4) keeps each request's random stream: the engine passes each row the
+// uniform its own Sampler would have drawn, so with the same logits a backend that samples on the
+// device gives exactly the CPU path's tokens, for greedy, temperature, top-k, top-p and min-p
+// requests in one batch. A request with a penalty or logit bias sends its whole step down the
+// host path (the device sampler implements neither).
+TEST(Engine, DeviceSamplingGivesTheHostSamplersTokens) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  const auto prompts = tokenize_all(*l.tokenizer, story_prompts());
+  std::vector<SamplingParams> params(5);
+  params[0].temperature = 0;
+  params[1].temperature = 0.8f;
+  params[2].temperature = 1.0f, params[2].top_k = 20;
+  params[3].temperature = 1.3f, params[3].top_p = 0.9f;
+  params[4].temperature = 0.7f, params[4].min_p = 0.05f, params[4].top_k = 40, params[4].top_p = 0.95f;
+  EngineConfig c;
+  c.max_num_batched_tokens = 64;
+  c.max_num_seqs = 12;
+  c.n_kv_blocks = 256;
+  Engine host(*l.model, l.tokenizer.get(), c);
+  const auto want = run_sampled(host, prompts, params);
+  auto runner = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
+  DeviceSamplingRunner* dev = runner.get();
+  Engine device(*l.model, l.tokenizer.get(), c, std::move(runner));
+  EXPECT_EQ(run_sampled(device, prompts, params), want);
+  EXPECT_GT(dev->device_calls, 0);
+  EXPECT_EQ(dev->host_calls, 0);
+  // Different seeds per request actually sampled differently from greedy somewhere.
+  std::vector<SamplingParams> greedy(1);
+  greedy[0].temperature = 0;
+  Engine g(*l.model, l.tokenizer.get(), c);
+  EXPECT_NE(run_sampled(g, prompts, greedy), want);
+
+  // One request with a repetition penalty: every step it is in goes through forward() and the
+  // host samplers, and the tokens still match.
+  params[2].repetition_penalty = 1.3f;
+  Engine host2(*l.model, l.tokenizer.get(), c);
+  const auto want2 = run_sampled(host2, prompts, params);
+  auto runner2 = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
+  DeviceSamplingRunner* dev2 = runner2.get();
+  Engine device2(*l.model, l.tokenizer.get(), c, std::move(runner2));
+  EXPECT_EQ(run_sampled(device2, prompts, params), want2);
+  EXPECT_GT(dev2->host_calls, 0);
 }

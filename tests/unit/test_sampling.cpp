@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/sampling_reference.h"  // the CUDA sampling test's reference, checked below
 #include "core/error.h"
 #include "sampling/candidate_list.h"
 #include "sampling/logits_processors.h"
@@ -512,4 +513,115 @@ TEST(Sampler, NanLogitsAreANamedError) {
   EXPECT_THROW(s.sample(logits, {}), kestrel::NanLogitsError);
   logits[1] = 0.0f;
   EXPECT_EQ(g.sample(logits, {}), 2);
+}
+
+// ---- the device sampler's contract (cuda_ops.h: sample_tokens) ---------------------------------
+
+TEST(SamplingSampler, DeviceCompatibleOnlyWithoutBiasAndPenalties) {
+  auto compatible = [](auto edit) {
+    SamplingParams params;
+    edit(params);
+    return Sampler(params, 8).device_compatible();
+  };
+  EXPECT_TRUE(compatible([](SamplingParams&) {}));
+  EXPECT_TRUE(compatible([](SamplingParams& p) { p.temperature = 0.0f; }));
+  EXPECT_TRUE(compatible([](SamplingParams& p) {
+    p.temperature = 0.7f;
+    p.top_k = 40;
+    p.top_p = 0.9f;
+    p.min_p = 0.05f;
+  }));
+  EXPECT_TRUE(compatible([](SamplingParams& p) {  // a penalty that looks at no token is left out
+    p.repetition_penalty = 1.3f;
+    p.repeat_last_n = 0;
+  }));
+  EXPECT_FALSE(compatible([](SamplingParams& p) { p.logit_bias[3] = 2.0f; }));
+  EXPECT_FALSE(compatible([](SamplingParams& p) { p.repetition_penalty = 1.1f; }));
+  EXPECT_FALSE(compatible([](SamplingParams& p) { p.presence_penalty = 0.5f; }));
+  EXPECT_FALSE(compatible([](SamplingParams& p) {
+    p.temperature = 0.0f;
+    p.frequency_penalty = 0.5f;
+  }));
+}
+
+TEST(SamplingSampler, TakeUniformIsTheDrawSampleWouldUse) {
+  // The uniforms are the seed's xoshiro256** stream, one per sampled token.
+  SamplingParams params;
+  params.temperature = 0.8f;
+  params.seed = 42;
+  Sampler sampler(params, 16);
+  Rng rng(42);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sampler.take_uniform(), rng.next_double());
+
+  // Greedy draws nothing, and says so with 0.
+  params.temperature = 0.0f;
+  Sampler greedy(params, 16);
+  EXPECT_EQ(greedy.take_uniform(), 0.0);
+  EXPECT_EQ(greedy.take_uniform(), 0.0);
+}
+
+TEST(SamplingSampler, TakeUniformKeepsTheStreamOfSample) {
+  // One sampler samples every step on the CPU; its twin draws every third token "on the device"
+  // (take_uniform, then the CPU arithmetic with that uniform: sampling_reference.h). Same tokens
+  // at every step: the uniform is the one sample() would have used, and the stream after it is
+  // the same.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  SamplingParams params;
+  params.temperature = 0.9f;
+  params.top_k = 20;
+  params.top_p = 0.95f;
+  params.min_p = 0.01f;
+  params.seed = 77;
+  Sampler cpu(params, 100), mixed(params, 100);
+  const test::ReferenceParams ref{params.temperature, params.top_k, params.top_p, params.min_p};
+  for (int step = 0; step < 60; ++step) {
+    std::vector<float> logits(100);
+    for (float& l : logits) l = normal(rng);
+    const int32_t expected = cpu.sample(logits, {});
+    const int32_t got = step % 3 == 0 ? test::reference_sample(logits.data(), 100, ref, mixed.take_uniform()).token
+                                      : mixed.sample(logits, {});
+    EXPECT_EQ(got, expected) << "step " << step;
+  }
+}
+
+TEST(SamplingReference, MatchesTheSamplerOnRandomChains) {
+  // tests/backend/sampling_reference.h re-implements the Sampler's arithmetic for the CUDA test;
+  // with the uniform the Sampler draws it must pick the same token, exactly.
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::bernoulli_distribution coin(0.3);
+  const float temperatures[] = {0.0f, 0.3f, 0.7f, 1.0f, 2.0f};
+  const int32_t top_ks[] = {0, 1, 5, 50, 400};
+  const float top_ps[] = {1.0f, 0.95f, 0.9f, 0.5f};
+  const float min_ps[] = {0.0f, 0.02f, 0.1f};
+  int n_cases = 0;
+  for (const int32_t n : {1, 7, 1000}) {
+    for (int c = 0; c < 150; ++c) {
+      SamplingParams params;
+      params.temperature = temperatures[rng() % 5];
+      params.top_k = top_ks[rng() % 5];
+      params.top_p = top_ps[rng() % 4];
+      params.min_p = min_ps[rng() % 3];
+      params.seed = rng();
+      std::vector<float> logits(static_cast<size_t>(n));
+      const int kind = c % 3;  // plain, ties (halves), 30% banned
+      for (float& l : logits) {
+        l = normal(rng);
+        if (kind == 1) l = std::round(l * 2.0f) / 2.0f;
+        if (kind == 2 && coin(rng)) l = -INFINITY;
+      }
+      logits[rng() % logits.size()] = 1.0f;  // something finite
+      Sampler sampler(params, n);
+      Rng uniforms(params.seed);
+      const double u = params.temperature > 0.0f ? uniforms.next_double() : 0.0;
+      const test::ReferenceDraw ref = test::reference_sample(
+          logits.data(), n, test::ReferenceParams{params.temperature, params.top_k, params.top_p, params.min_p}, u);
+      EXPECT_EQ(ref.token, sampler.sample(logits, {}))
+          << "n " << n << " temperature " << params.temperature << " top_k " << params.top_k << " top_p "
+          << params.top_p << " min_p " << params.min_p;
+      ++n_cases;
+    }
+  }
+  EXPECT_EQ(n_cases, 450);
 }

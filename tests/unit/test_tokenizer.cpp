@@ -186,7 +186,9 @@ TEST(TokSpm, LlamaSpmPiecesAndDecode) {
   EXPECT_FALSE(tok->is_eog(1));
   EXPECT_TRUE(tok->is_special(1));
   EXPECT_FALSE(tok->is_special(15043));
-  EXPECT_THROW(tok->decode(Ids{32000}), Error);
+  EXPECT_EQ(tok->decode(Ids{32000}), "");  // padded embedding rows have no text (decode())
+  EXPECT_THROW(tok->token_to_piece(32000), Error);
+  EXPECT_THROW(tok->decode(Ids{-1}), Error);
   EXPECT_THROW(tok->token_to_piece(-1), Error);
 }
 
@@ -286,6 +288,20 @@ void expect_stream_matches_decode(const Tokenizer& tok, const Ids& ids) {
   EXPECT_TRUE(utf8_is_valid(rest));
   all += rest;
   EXPECT_EQ(all, tok.decode(ids));
+}
+
+// Models may have more embedding rows than the tokenizer has tokens (padded vocabularies): those
+// ids decode to nothing, in decode() and in a stream alike; a negative id is still an error.
+TEST(TokStream, IdsBeyondTheVocabularyHaveNoText) {
+  KESTREL_REQUIRE_FILE(vectors_dir() + "/ggml-vocab-llama-spm.gguf");
+  const auto tok = load_gguf_tokenizer(vectors_dir() + "/ggml-vocab-llama-spm.gguf");
+  const Ids ids = tok->encode("Hello world", false, false);
+  Ids padded = ids;
+  padded.insert(padded.begin() + 1, tok->n_vocab());
+  padded.push_back(tok->n_vocab() + 1000);
+  EXPECT_EQ(tok->decode(padded), tok->decode(ids));
+  expect_stream_matches_decode(*tok, padded);
+  EXPECT_THROW(tok->decode(Ids{-1}), Error);
 }
 
 TEST(TokStream, EmojiOneByteTokenAtATimeSpm) {

@@ -341,6 +341,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
 PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& tokenizer) {
   PromptFormat f;
   f.tokenizer = &tokenizer;
+  f.n_vocab = static_cast<int32_t>(model.hparams().n_vocab);
   f.template_source = model.chat_template();
   f.chat_template = ChatTemplate::detect(model.chat_template(), tokenizer.token_id("<|im_start|>").has_value());
   for (int32_t id = 0; id < tokenizer.n_vocab(); ++id)
@@ -356,12 +357,13 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed) {
   const Tokenizer& tok = *format.tokenizer;
+  const int32_t n_vocab = format.n_vocab > 0 ? format.n_vocab : tok.n_vocab();
   Request out;
   if (request.prompt_ids) {
     for (size_t i = 0; i < request.prompt_ids->size(); ++i)
-      if ((*request.prompt_ids)[i] >= tok.n_vocab())
+      if ((*request.prompt_ids)[i] >= n_vocab)
         throw RequestError("prompt", "prompt[" + std::to_string(i) + "] = " + std::to_string((*request.prompt_ids)[i]) +
-                                         " is outside the vocabulary (" + std::to_string(tok.n_vocab()) + " tokens)");
+                                         " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
     out.prompt = *request.prompt_ids;
   } else {
     const std::string text =
@@ -376,9 +378,9 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
   out.sampling.seed = request.seed.value_or(random_seed);
   out.logprobs = request.logprobs;
   for (const auto& [id, bias] : out.sampling.logit_bias)
-    if (id >= tok.n_vocab())
+    if (id >= n_vocab)
       throw RequestError("logit_bias", "logit_bias token id " + std::to_string(id) + " is outside the vocabulary (" +
-                                           std::to_string(tok.n_vocab()) + " tokens)");
+                                           std::to_string(n_vocab) + " tokens)");
   if (!request.ignore_eos) {
     out.stop_ids = format.stop_ids;
     if (request.is_chat && format.end_of_turn_id && !tok.is_eog(*format.end_of_turn_id))

@@ -81,6 +81,7 @@ std::string shown(const Json& v);
 // What turning a request into prompt tokens needs from the loaded model.
 struct PromptFormat {
   const Tokenizer* tokenizer = nullptr;
+  int32_t n_vocab = 0;                    // the model's; may exceed the tokenizer's (padded embedding rows)
   ChatTemplate chat_template;
   std::string template_source;            // the model's Jinja chat template ("" when it has none)
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
@@ -97,7 +98,8 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 // parsed, as `kestrel generate` and `kestrel chat` do; chat messages through render_chat) and fills
 // in logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError
 // for a prompt with no tokens, a token id or a logit_bias id outside the vocabulary, or a chat
-// template error; the engine's add_request checks the rest.
+// template error (token ids and logit_bias ids are checked against the model's vocabulary); the
+// engine's add_request checks the rest.
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed);
 
 }  // namespace kestrel::cli

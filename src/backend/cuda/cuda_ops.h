@@ -51,6 +51,17 @@ void rope_write_kv(bf16* q, bf16* k, const bf16* v, const int32_t* positions, co
                    int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half, bf16* k_cache,
                    bf16* v_cache, int32_t block_size, cudaStream_t stream);
 
+// The same for a fused QKV projection: token t's q, k and v are the column slices [0, q_dim),
+// [q_dim, q_dim + kv_dim) and [q_dim + kv_dim, q_dim + 2 kv_dim) of row t of qkv, whose rows are
+// qkv_stride elements apart (q_dim = n_head * head_dim, kv_dim = n_head_kv * head_dim). q is
+// written rotated to q_out [n_tokens, n_head, head_dim] (contiguous, as paged_attention reads it);
+// k is rotated into the cache only; qkv is not modified. Errors: those of rope_write_kv, and
+// kestrel::Error when qkv_stride < q_dim + 2 kv_dim.
+void rope_write_kv_fused(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const int32_t* positions,
+                         const int64_t* slot_mapping, const float* inv_freq, float position_scale, int64_t n_tokens,
+                         int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half,
+                         bf16* k_cache, bf16* v_cache, int32_t block_size, cudaStream_t stream);
+
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, n_ff + i]  (SwiGLU; gate and up side by side as
 // one fused GEMM writes them). gate_up [n_tokens, 2 * n_ff] bf16; out [n_tokens, n_ff] bf16.
 void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
@@ -62,12 +73,17 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 // q [n_tokens, n_head, head_dim] bf16; out [n_tokens, n_head, head_dim] bf16.
 // Sequences with one query token (decode) go to a flash-decoding kernel that splits long contexts
 // over several blocks (split-KV) and combines the partial results in a second kernel; the others
-// (prefill chunks) to a FlashAttention-2 kernel on tensor cores (paged_attention.cuh).
-// head_dim: 64 or 128 (kestrel::Error otherwise); n_head a multiple of n_head_kv.
+// (prefill chunks) to a FlashAttention-2 kernel.
+// head_dim: any multiple of 8 from 8 to 256 (attention_supports_head_dim; kestrel::Error
+// otherwise); n_head a multiple of n_head_kv. Fast paths (tensor cores, paged_attention.cuh):
+// head_dim 32, 64, 80, 96, 128 and 256. The other head dims (8, 16, 24, 40, 48, ...) run on a
+// plain f32 kernel (paged_attention_simt.cuh) with the same split-KV plan: exact, but several
+// times slower per key than the tensor-core kernels.
 // Refined from the first draft: max_query_len added (lets a decode-only batch skip the prefill
 // launches); token_seq is no longer read (query_start says the same) and may be null; the
 // workspace size now depends on the whole parameter set (the split-KV partial results scale with
-// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context).
+// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context); head dims
+// other than 64 and 128 added.
 struct AttentionParams {
   const bf16* q;
   const bf16* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim]
@@ -85,7 +101,7 @@ struct AttentionParams {
                         // value stays correct: the last split takes the rest of the context)
   int32_t n_head;
   int32_t n_head_kv;
-  int32_t head_dim;     // 64 or 128
+  int32_t head_dim;     // a multiple of 8 in [8, 256]
   int32_t block_size;
   float scale;          // 1 / sqrt(head_dim)
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
@@ -93,9 +109,16 @@ struct AttentionParams {
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
 };
 // Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
-// tile list and the split-KV partial outputs. Deterministic for the same fields.
+// tile list and the split-KV partial outputs. Deterministic for the same fields. Errors: as
+// paged_attention's (head_dim, n_head_kv, block_size).
 size_t attention_workspace_bytes(const AttentionParams& p);
+// Whether paged_attention takes this head_dim: a multiple of 8 from 8 to 256.
+bool attention_supports_head_dim(int32_t head_dim);
 void paged_attention(const AttentionParams& p, cudaStream_t stream);
+
+// out[i, :] = in[rows[i], :]: in [*, width] bf16, rows [n_rows] int32 (device, each a valid row of
+// in), out [n_rows, width] bf16. Errors: kestrel::Error when n_rows exceeds the launch grid.
+void gather_rows(const bf16* in, const int32_t* rows, int64_t n_rows, int64_t width, bf16* out, cudaStream_t stream);
 
 // y[t, i] += bias[i] (bias after a projection: Qwen2's q/k/v, HF Llama's attention_bias).
 // y [n_tokens, width] bf16 in place; bias [width] f32.
@@ -107,5 +130,36 @@ void add_bias(bf16* y, const float* bias, int64_t n_tokens, int64_t width, cudaS
 // src, dst [n_copies] block ids (device). 16-byte aligned tensors when block_bytes % 16 == 0.
 void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src, const int32_t* dst,
                  int32_t n_copies, int64_t block_bytes, cudaStream_t stream);
+
+// Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
+// chains without logit_bias and penalties (Sampler::device_compatible()):
+// - temperature <= 0 (0 = greedy): the argmax, lowest id on ties;
+// - otherwise top_k, then top_p (Holtzman et al. 2019, "The Curious Case of Neural Text
+//   Degeneration": the shortest rank-order prefix whose softmax mass, over what top_k kept, is
+//   >= top_p), then min_p (Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative
+//   and Coherent LLM Outputs": keep logit >= max + ln(min_p)), then temperature, then the
+//   inverse-CDF draw with `uniform`, in the order the CPU candidate list has at that point: rank
+//   order (descending logit, lower id first on ties) when top_k or top_p cut, else id order.
+//   top_k <= 0 or >= n_vocab, top_p >= 1 and min_p <= 0 are off, as on the CPU.
+// For identical logits and uniform the token is kestrel::Sampler's, except when float rounding
+// puts a decision within about 1e-6 of its boundary (the draw's target near a CDF step, a top_p
+// prefix mass near top_p, a logit within an ulp of the min_p threshold). Deterministic: the same
+// inputs give the same tokens on every run (no floating-point atomics).
+// logits [n_rows, n_vocab] f32; params [n_rows]; tokens [n_rows] int32 out: a token id, or -1 for a
+// row with a NaN logit, or (temperature > 0) whose largest logit is +inf or -inf (no distribution;
+// the CPU Sampler throws for both). n_vocab <= INT32_MAX.
+// workspace: sampling_workspace_bytes(n_rows, n_vocab) bytes (0 today; may be null then).
+// Errors: kestrel::Error if n_rows < 0, n_vocab <= 0 or n_vocab > INT32_MAX.
+// Algorithm and costs: sampling.cuh.
+struct SampleParams {
+  float temperature;  // 0 = greedy
+  int32_t top_k;      // 0 = off
+  float top_p;        // 1 = off
+  float min_p;        // 0 = off
+  double uniform;     // the draw, in [0, 1): Sampler::take_uniform(); unused when greedy
+};
+size_t sampling_workspace_bytes(int64_t n_rows, int64_t n_vocab);
+void sample_tokens(const float* logits, const SampleParams* params, int64_t n_rows, int64_t n_vocab,
+                   int32_t* tokens, void* workspace, cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -68,6 +68,7 @@ struct Fiber {
   dim3 tid;
   int warp = 0;
   int lane = 0;
+  unsigned exchanges = 0;  // warp exchanges so far: which of the two slot buffers is next
   State state = State::Done;
   std::vector<std::vector<PendingCopy>> groups;  // committed cp.async groups, oldest first
   std::vector<PendingCopy> open;                 // issued since the last commit
@@ -82,9 +83,17 @@ struct Launch {
   int current = -1;
   std::exception_ptr error;
   std::function<void()> body;
-  unsigned char slots[kMaxThreads / 32][32][kSlotBytes];
+  // Two buffers: a lane can write exchange k + 1's slot while a slower lane still reads exchange k's,
+  // but not exchange k + 2's before every lane has reached k + 1 (and so finished reading k).
+  unsigned char slots[kMaxThreads / 32][2][32][kSlotBytes];
   std::mt19937 rng{12345};
   std::vector<int> warp_order;  // warp priority for this block (release_barrier)
+  // Kept up to date as fibers wait, finish and are released, so that a release costs O(warp)
+  // rather than a scan of the block (warp collectives are the emulation's hot path).
+  int n_done = 0;
+  int n_at_block = 0;
+  std::vector<int> warp_waiting;  // lanes of each warp waiting at a warp barrier
+  std::vector<int> runnable;      // released, not yet run
 };
 
 Launch* g_launch = nullptr;
@@ -104,6 +113,7 @@ void yield_to_scheduler() {
   }
   Fiber& f = self();
   f.state = State::Done;
+  ++g_launch->n_done;
   kestrel_emu_switch(&f.sp, g_launch->scheduler_sp);
   __builtin_trap();  // a finished fiber is never resumed
 }
@@ -117,6 +127,7 @@ void init_fiber(Fiber& f) {
   for (int i = 0; i < 6; ++i) *--p = nullptr;           // rbp rbx r12 r13 r14 r15
   f.sp = p;
   f.state = State::Runnable;
+  f.exchanges = 0;
   f.groups.clear();
   f.open.clear();
 }
@@ -129,29 +140,31 @@ void land(const PendingCopy& c) { std::memcpy(c.dst, c.data, 16); }
 // between a warp's reads of shared memory and another warp's writes shows up.
 // False when the waiting threads wait on different barriers (a deadlock).
 bool release_barrier(Launch& L) {
-  int live = 0, at_block = 0;
-  for (const Fiber& f : L.fibers) {
-    if (f.state != State::Done) ++live;
-    if (f.state == State::AtBlockBarrier) ++at_block;
-  }
-  if (live > 0 && at_block == live) {
-    for (Fiber& f : L.fibers)
-      if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
+  const int live = L.n_threads - L.n_done;
+  if (live > 0 && L.n_at_block == live) {
+    for (int i = 0; i < L.n_threads; ++i) {
+      Fiber& f = L.fibers[static_cast<size_t>(i)];
+      if (f.state == State::AtBlockBarrier) {
+        f.state = State::Runnable;
+        L.runnable.push_back(i);
+      }
+    }
+    L.n_at_block = 0;
     return true;
   }
   std::vector<int> ready;
   for (int w : L.warp_order) {
-    int waiting = 0, lanes = 0;
-    for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i) {
-      ++lanes;
-      if (L.fibers[static_cast<size_t>(i)].state == State::AtWarpBarrier) ++waiting;
-    }
+    const int lanes = std::min(L.n_threads, w * 32 + 32) - w * 32;
+    const int waiting = L.warp_waiting[static_cast<size_t>(w)];
     if (waiting > 0 && waiting == lanes) ready.push_back(w);
   }
   if (ready.empty()) return false;
   const int w = (L.rng() % 4 != 0) ? ready.front() : ready[L.rng() % ready.size()];
-  for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i)
+  for (int i = w * 32; i < std::min(L.n_threads, w * 32 + 32); ++i) {
     L.fibers[static_cast<size_t>(i)].state = State::Runnable;
+    L.runnable.push_back(i);
+  }
+  L.warp_waiting[static_cast<size_t>(w)] = 0;
   return true;
 }
 
@@ -168,15 +181,17 @@ void run_block(Launch& L) {
   L.warp_order.resize(static_cast<size_t>((L.n_threads + 31) / 32));
   std::iota(L.warp_order.begin(), L.warp_order.end(), 0);
   std::shuffle(L.warp_order.begin(), L.warp_order.end(), L.rng);
+  L.n_done = 0;
+  L.n_at_block = 0;
+  L.warp_waiting.assign(L.warp_order.size(), 0);
+  L.runnable.resize(static_cast<size_t>(L.n_threads));
+  std::iota(L.runnable.begin(), L.runnable.end(), 0);
   std::vector<int> order;
   for (;;) {
-    order.clear();
-    for (int i = 0; i < L.n_threads; ++i)
-      if (L.fibers[static_cast<size_t>(i)].state == State::Runnable) order.push_back(i);
+    order.swap(L.runnable);
+    L.runnable.clear();
     if (order.empty()) {
-      bool all_done = true;
-      for (const Fiber& f : L.fibers) all_done = all_done && f.state == State::Done;
-      if (all_done) break;
+      if (L.n_done == L.n_threads) break;
       if (!release_barrier(L))
         throw Error("CUDA emulation: deadlock (threads of block " + std::to_string(L.block_id.x) + "," +
                     std::to_string(L.block_id.y) + "," + std::to_string(L.block_id.z) +
@@ -197,7 +212,10 @@ void run_block(Launch& L) {
 }
 
 void wait_at(State s) {
-  self().state = s;
+  Fiber& f = self();
+  f.state = s;
+  if (s == State::AtBlockBarrier) ++g_launch->n_at_block;
+  if (s == State::AtWarpBarrier) ++g_launch->warp_waiting[static_cast<size_t>(f.warp)];
   yield_to_scheduler();
 }
 
@@ -224,12 +242,13 @@ void sync_warp() {
 void warp_exchange(const void* mine, size_t bytes, void* all) {
   if (bytes > kSlotBytes) throw Error("CUDA emulation: warp exchange of more than 64 bytes");
   if (g_launch->n_threads % 32 != 0) throw Error("CUDA emulation: warp collective in a partial warp");
-  const Fiber& f = self();
-  std::memcpy(g_launch->slots[f.warp][f.lane], mine, bytes);
+  Fiber& f = self();
+  const unsigned buffer = f.exchanges++ & 1u;
+  std::memcpy(g_launch->slots[f.warp][buffer][f.lane], mine, bytes);
   sync_warp();  // every lane has written its slot
   auto* out = static_cast<unsigned char*>(all);
-  for (int l = 0; l < 32; ++l) std::memcpy(out + static_cast<size_t>(l) * bytes, g_launch->slots[f.warp][l], bytes);
-  sync_warp();  // every lane has read, so the slots can be reused
+  for (int l = 0; l < 32; ++l)
+    std::memcpy(out + static_cast<size_t>(l) * bytes, g_launch->slots[f.warp][buffer][l], bytes);
 }
 
 void async_copy16(void* dst, const void* src, int src_bytes) {

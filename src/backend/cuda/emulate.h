@@ -7,7 +7,9 @@
 // __shfl_xor_sync, static and dynamic shared memory (dynamic shared memory is filled with 0xFF,
 // a NaN pattern, before each block), cp.async (each copy lands either when issued or at its
 // wait_group, at random) and, in device_common.cuh, ldmatrix and mma.sync through warp exchanges.
-// Not emulated: timing, occupancy, memory ordering between blocks, atomics.
+// atomicAdd, __ballot_sync and __popc are provided too: an atomic is a plain read-modify-write,
+// exact because a fiber never switches inside one (so a missing atomic goes unnoticed here).
+// Not emulated: timing, occupancy, memory ordering between blocks.
 //
 // Only device_common.cuh includes this header, and only when KESTREL_CUDA_EMULATE is defined: the
 // real build never sees it. Used by the CPU test binary kestrel_cuda_emu_tests (CMakeLists.txt).
@@ -83,6 +85,24 @@ inline T __shfl_sync(unsigned, T v, int src_lane) {
   ::kestrel::cuda::emu::warp_exchange(&v, sizeof v, all);
   return all[src_lane & 31];
 }
+template <class T>
+inline unsigned __ballot_sync(unsigned, T predicate) {
+  const bool mine = predicate != 0;
+  bool all[32];
+  ::kestrel::cuda::emu::warp_exchange(&mine, sizeof mine, all);
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= all[l] ? 1u << l : 0u;
+  return bits;
+}
+// Fibers switch only at barriers and warp collectives and blocks run one after another, so no other
+// thread can run between this read and this write.
+template <class T>
+inline T atomicAdd(T* address, T value) {
+  const T old = *address;
+  *address = old + value;
+  return old;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, sizeof f);

@@ -1,7 +1,9 @@
-// Launcher of the paged attention kernels (paged_attention.cuh): sizes the workspace, picks the
-// split-KV count, and enqueues plan + prefill (when some sequence has 2+ query tokens), decode, and
-// the split-KV reduction (when the decode kernel splits).
+// Launcher of the paged attention kernels (paged_attention.cuh, paged_attention_simt.cuh): picks
+// the kernels for the head dim, sizes the workspace, picks the split-KV count, and enqueues plan +
+// prefill (when some sequence has 2+ query tokens), decode, and the split-KV reduction (when the
+// decode kernel splits).
 #include "backend/cuda/paged_attention.cuh"
+#include "backend/cuda/paged_attention_simt.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -13,15 +15,33 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU and the
-// contexts are long: aim for about this many blocks (H200: 132 SMs, 3 decode blocks of 70 KB
-// shared memory each), with at least kMinPartition keys per split.
-constexpr int64_t kSplitTargetBlocks = 512;
+// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU, or
+// fills it in a fraction of a wave, and the contexts are long: aim for about this many blocks,
+// four waves of the H200's 132 SMs x 3 resident decode blocks (70 KB of shared memory each), with
+// at least kMinPartition keys per split. (The first target, 512 blocks = 1.3 waves, left 64
+// sequences x 8 KV heads unsplit: their second wave ran a quarter full, 2.86 TB/s at 64 x 2048.)
+constexpr int64_t kSplitTargetBlocks = 4 * 132 * 3;
 constexpr int64_t kMinPartition = 256;
 
 int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
 
+// Head dims with tensor-core kernels (paged_attention.cuh): 64 and 128 (most models), 32, 80
+// (Phi-2), 96 (Phi-3) and 256 (Gemma). Adding one (a multiple of 16) is adding it to this list and
+// checking ptxas' register and spill report. The other multiples of 8 up to 256 run on the SIMT
+// kernel (paged_attention_simt.cuh).
+template <int... Ds>
+struct HeadDimList {
+  static bool contains(int32_t d) { return ((d == Ds) || ...); }
+  // Calls f.template operator()<D>() for the D equal to d; false when d is not in the list.
+  template <class F>
+  static bool dispatch(int32_t d, F&& f) {
+    return ((d == Ds && (f.template operator()<Ds>(), true)) || ...);
+  }
+};
+using MmaHeadDims = HeadDimList<32, 64, 80, 96, 128, 256>;
+
 struct Plan {
+  bool mma = true;  // tensor-core kernels (else the SIMT kernel)
   int32_t group = 1;
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
@@ -32,17 +52,21 @@ struct Plan {
 };
 
 Plan make_plan(const AttentionParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128)
-    throw Error("paged_attention: head_dim " + std::to_string(p.head_dim) + " unsupported (64 or 128)");
+  if (!attention_supports_head_dim(p.head_dim))
+    throw Error("paged_attention: head_dim " + std::to_string(p.head_dim) +
+                " unsupported (a multiple of 8 from 8 to 256)");
   if (p.n_head_kv <= 0 || p.n_head % p.n_head_kv != 0)
     throw Error("paged_attention: n_head " + std::to_string(p.n_head) + " is not a multiple of n_head_kv " +
                 std::to_string(p.n_head_kv));
   if (p.block_size <= 0) throw Error("paged_attention: block_size must be positive");
   Plan plan;
+  plan.mma = MmaHeadDims::contains(p.head_dim);
+  const int32_t prefill_rows = plan.mma ? kPrefillRows : kSimtRows;
   plan.group = p.n_head / p.n_head_kv;
-  plan.prefill_heads = std::min(plan.group, kPrefillRows);
+  plan.prefill_heads = std::min(plan.group, prefill_rows);
   plan.prefill_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.prefill_heads));
-  plan.tokens_per_tile = kPrefillRows / plan.prefill_heads;
+  plan.tokens_per_tile = prefill_rows / plan.prefill_heads;
+  static_assert(kSimtRows == kDecodeRows, "one decode plan for both kernels");
   plan.decode_heads = std::min(plan.group, kDecodeRows);
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
@@ -111,7 +135,48 @@ void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs
   }
 }
 
+// The SIMT kernel: the same launches as launch_all with attention_simt_kernel, kSlots = ceil(D / 32)
+// rounded up to a power of two.
+template <int kSlots>
+void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  const size_t smem = attn_simt_smem_bytes(p.head_dim);
+  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
+  if (any_prefill) {
+    AttnKernelArgs a = base;
+    a.heads_per_tile = plan.prefill_heads;
+    a.head_chunks = plan.prefill_head_chunks;
+    auto* plan_kernel = &attention_plan_kernel;
+    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
+                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
+    KESTREL_CUDA_CHECK_LAUNCH();
+    auto* kernel = &attention_simt_kernel<kSlots, false>;
+    set_max_dynamic_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+  AttnKernelArgs a = base;
+  a.heads_per_tile = plan.decode_heads;
+  a.head_chunks = plan.decode_head_chunks;
+  {
+    auto* kernel = &attention_simt_kernel<kSlots, true>;
+    set_max_dynamic_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+                    static_cast<unsigned>(plan.n_splits));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+  if (plan.n_splits > 1) {
+    auto* kernel = &attention_reduce_kernel<0>;
+    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
+    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace
+
+bool attention_supports_head_dim(int32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
 size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
 
@@ -140,6 +205,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.n_head = p.n_head;
   a.n_head_kv = p.n_head_kv;
   a.block_size = p.block_size;
+  a.head_dim = p.head_dim;
   a.group = plan.group;
   a.tokens_per_tile = plan.tokens_per_tile;
   a.scale_log2 = p.scale * 1.4426950408889634f;
@@ -149,10 +215,16 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.n_splits = plan.n_splits;
   a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
-  if (p.head_dim == 64) {
-    launch_all<64>(p, plan, a, stream);
+  if (plan.mma) {
+    MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
+  } else if (p.head_dim <= 32) {
+    launch_simt<1>(p, plan, a, stream);
+  } else if (p.head_dim <= 64) {
+    launch_simt<2>(p, plan, a, stream);
+  } else if (p.head_dim <= 128) {
+    launch_simt<4>(p, plan, a, stream);
   } else {
-    launch_all<128>(p, plan, a, stream);
+    launch_simt<8>(p, plan, a, stream);
   }
 }
 

@@ -2,14 +2,20 @@
 // 2023), bf16 in shared memory and on the tensor cores (mma.sync m16n8k16, f32 accumulate),
 // softmax in f32 with exp2 (scores pre-multiplied by scale * log2 e).
 //
-// One block = 4 warps = 128 threads, over keys in tiles of 64 that cp.async double-buffers in
-// shared memory; each tile row is a key's head_dim values, gathered through the block table, so any
-// block size works. Rows of a tile are stored with their 16-byte chunks XOR-swizzled by (row % 8),
-// so the ldmatrix reads of 8 rows hit 8 different bank groups.
+// Templated on the head dimension D, a multiple of 16 (paged_attention.cu instantiates the fast
+// head dims it lists; every other head dim of 8..256 goes to the SIMT kernel of
+// paged_attention_simt.cuh). One block = 4 warps = 128 threads, over keys in tiles of 64 (32 for
+// prefill with D > 128, see kPrefillKeyTile) that cp.async double-buffers in shared memory; each
+// tile row is a key's D values, gathered through the block table, so any block size works. When D
+// is a multiple of 64, rows of a tile are stored with their 16-byte chunks XOR-swizzled by
+// (row % 8); otherwise rows are padded by 16 bytes (D / 8 + 1 chunks, an odd number); either way
+// the ldmatrix reads of 8 rows hit 8 different bank groups. Up to D = 128 each warp keeps its Q
+// fragments in registers; above, they are re-read from shared memory for each key tile (Q in
+// registers would take D / 4 more registers per thread and spill at D = 256).
 //
 // Prefill kernel (sequences with 2+ query tokens): a block takes 64 query rows = up to 64 / group
 //   tokens x the group's query heads of one KV head (GQA packing: K and V are read once per group);
-//   each warp owns 16 rows and does S = Q K^T (16 x 64) and O += P V for the whole key tile, with
+//   each warp owns 16 rows and does S = Q K^T (16 x key tile) and O += P V for the whole tile, with
 //   the online softmax in registers. Keys run from 0 to the largest position in the block; tiles
 //   past the smallest position are masked per element (key > position -> -inf). The block's
 //   (sequence, first token) comes from a tile list that attention_plan_kernel builds on the device.
@@ -32,6 +38,19 @@ constexpr int kKeyTile = 64;       // keys per shared-memory tile
 constexpr int kPrefillRows = 64;   // query rows per prefill block (16 per warp)
 constexpr int kDecodeRows = 16;    // query heads per decode block
 
+// Keys per prefill tile: 32 above D = 128 halves the K/V buffers (D = 256: 97 KB of shared memory
+// instead of 161 KB, so two blocks fit on an SM) and the score registers. Measured on an H200
+// (bench_cuda_ops, prefill 1 x 2048 at D = 256): 16/16 heads 361 us with 32-key tiles against
+// 424 us with 64; 8/1 heads (fewer, longer blocks) 205 us against 175 us.
+template <int D>
+constexpr int kPrefillKeyTile = D > 128 ? 32 : kKeyTile;
+// Whether a warp keeps its Q fragments in registers (D / 4 registers per thread).
+template <int D>
+constexpr bool kQInRegisters = D <= 128;
+// Elements between consecutive rows of a shared-memory tile (see the header comment).
+template <int D>
+constexpr int kTileStride = D % 64 == 0 ? D : D + 8;
+
 struct AttnKernelArgs {
   const __nv_bfloat16* q;        // [n_tokens, n_head, D]
   const __nv_bfloat16* k_cache;  // [n_blocks, n_head_kv, block_size, D]
@@ -53,12 +72,17 @@ struct AttnKernelArgs {
   int32_t n_splits;
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
+  int32_t head_dim;              // D (read by the kernels that take it at run time)
 };
 
-// Element offset of chunk `chunk` (8 bf16) of row `row` in a swizzled [rows, D] tile.
+// Element offset of chunk `chunk` (8 bf16) of row `row` in a [rows, D] tile (swizzled or padded).
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
+  if constexpr (D % 64 == 0) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+  } else {
+    return row * kTileStride<D> + (chunk << 3);
+  }
 }
 
 // Bytes of dynamic shared memory: Q tile, two K tiles, two V tiles, per-row position and output
@@ -66,17 +90,19 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 template <int D, bool kDecode>
 constexpr size_t attn_smem_bytes() {
   constexpr int rows = kDecode ? kDecodeRows : kPrefillRows;
-  return static_cast<size_t>(rows) * D * 2 + 4 * static_cast<size_t>(kKeyTile) * D * 2 + rows * (4 + 8);
+  constexpr int keys = kDecode ? kKeyTile : kPrefillKeyTile<D>;
+  return static_cast<size_t>(rows) * kTileStride<D> * 2 + 4 * static_cast<size_t>(keys) * kTileStride<D> * 2 +
+         rows * (4 + 8);
 }
 
-// Gathers keys [key0, key0 + 64) of one KV head through the block table into a K and a V tile
+// Gathers keys [key0, key0 + kKeys) of one KV head through the block table into a K and a V tile
 // (cp.async, not waited for); keys at or past key_end are zero-filled (never stale NaN, which
 // 0 * NaN would carry into O).
-template <int D>
+template <int D, int kKeys = kKeyTile>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
                                              const int32_t* block_table, int kvh, int key0, int key_end) {
   constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < kKeyTile * kChunks; i += kAttnThreads) {
+  for (int i = threadIdx.x; i < kKeys * kChunks; i += kAttnThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const int key = key0 + r;
     const bool valid = key < key_end;
@@ -100,36 +126,107 @@ struct WarpSoftmax {
   float l[2];
 };
 
-// Loads the warp's 16 query rows starting at row_base as mma A fragments (one per 16 dims).
-template <int D>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[D / 16][4], const __nv_bfloat16* sq, int row_base) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int row = row_base + (lane & 7) + ((lane >> 3) & 1) * 8;
+// The warp's 16 query rows as mma A fragments (one per 16 dims): in registers up to D = 128,
+// else read from the Q tile in shared memory where they are used (load() only records where).
+template <int D, bool kInRegisters = kQInRegisters<D>>
+struct QFragments {
+  uint32_t f[D / 16][4];
+  // Loads the warp's 16 query rows starting at row_base.
+  __device__ __forceinline__ void load(const __nv_bfloat16* sq, int row_base) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int row = row_base + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sq + swz<D>(row, kk * 2 + (lane >> 4)));
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(f[kk], sq + swz<D>(row, kk * 2 + (lane >> 4)));
+  }
+};
+template <int D>
+struct QFragments<D, false> {
+  const __nv_bfloat16* sq;
+  int row_base;
+  __device__ __forceinline__ void load(const __nv_bfloat16* q_tile, int base) {
+    sq = q_tile;
+    row_base = base;
+  }
+  // Fragment kk (dims 16 kk ... 16 kk + 15) from shared memory.
+  __device__ __forceinline__ void get(uint32_t (&r)[4], int kk) const {
+    const int lane = threadIdx.x % kWarpSize;
+    ldmatrix_x4(r, sq + swz<D>(row_base + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4)));
+  }
+};
+
+// With D / 16 odd, the last 16 dims of S = Q K^T: one ldmatrix .x4 gives that k-step's B fragments
+// of two key groups (nt, nt + 1).
+template <int D, int kNK>
+__device__ __forceinline__ void scores_last_k16(float (&s)[kNK / 8][4], const uint32_t (&qa)[4],
+                                                const __nv_bfloat16* sk, int key_off) {
+  constexpr int kk = D / 16 - 1;
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int nt = 0; nt < kNK / 8; nt += 2) {
+    uint32_t b[4];
+    ldmatrix_x4(b, sk + swz<D>(key_off + (nt + (lane >> 4)) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+    const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    mma_bf16_16816(s[nt], qa, b0);
+    mma_bf16_16816(s[nt + 1], qa, b1);
+  }
+}
+
+// S = Q K^T for the warp's 16 rows and kNK keys of the tile starting at tile row key_off.
+template <int D, int kNK>
+__device__ __forceinline__ void tile_scores(float (&s)[kNK / 8][4], const QFragments<D>& q,
+                                            const __nv_bfloat16* sk, int key_off) {
+  constexpr int kPairs = D / 16 / 2 * 2;  // k-steps taken two at a time
+  const int lane = threadIdx.x % kWarpSize;
+  if constexpr (kQInRegisters<D>) {
+#pragma unroll
+    for (int nt = 0; nt < kNK / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      const int row = key_off + nt * 8 + (lane & 7);
+#pragma unroll
+      for (int kk = 0; kk < kPairs; kk += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + swz<D>(row, kk * 2 + (lane >> 3)));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_bf16_16816(s[nt], q.f[kk], b0);
+        mma_bf16_16816(s[nt], q.f[kk + 1], b1);
+      }
+    }
+    if constexpr (kPairs < D / 16) scores_last_k16<D, kNK>(s, q.f[D / 16 - 1], sk, key_off);
+  } else {
+    // k-steps outside, key groups inside: each Q fragment is read from shared memory once per tile.
+#pragma unroll
+    for (int nt = 0; nt < kNK / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kPairs; kk += 2) {
+      uint32_t qa[4], qb[4];
+      q.get(qa, kk);
+      q.get(qb, kk + 1);
+#pragma unroll
+      for (int nt = 0; nt < kNK / 8; ++nt) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + swz<D>(key_off + nt * 8 + (lane & 7), kk * 2 + (lane >> 3)));
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_bf16_16816(s[nt], qa, b0);
+        mma_bf16_16816(s[nt], qb, b1);
+      }
+    }
+    if constexpr (kPairs < D / 16) {
+      uint32_t qa[4];
+      q.get(qa, D / 16 - 1);
+      scores_last_k16<D, kNK>(s, qa, sk, key_off);
+    }
+  }
 }
 
 // The warp's rows against kNK keys of the tile starting at tile row key_off (absolute key index of
 // tile row 0: key0). pos0, pos1: positions of the lane's two rows (INT_MAX: never masked).
 template <int D, int kNK>
-__device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const uint32_t (&qf)[D / 16][4],
+__device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments<D>& q,
                                             const __nv_bfloat16* sk, const __nv_bfloat16* sv, int key_off, int key0,
                                             bool need_mask, int pos0, int pos1, float scale_log2) {
   const int lane = threadIdx.x % kWarpSize;
   float s[kNK / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < kNK / 8; ++nt) {
-    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-    const int row = key_off + nt * 8 + (lane & 7);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk += 2) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sk + swz<D>(row, kk * 2 + (lane >> 3)));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-      mma_bf16_16816(s[nt], qf[kk], b0);
-      mma_bf16_16816(s[nt], qf[kk + 1], b1);
-    }
-  }
+  tile_scores<D, kNK>(s, q, sk, key_off);
   const int c2 = (lane & 3) * 2;
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -231,14 +328,14 @@ __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, i
 // grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_smem_bytes<D, false>().
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
-  constexpr int kRows = kPrefillRows, kChunks = D / 8;
+  constexpr int kRows = kPrefillRows, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
   const int n_tiles = *a.n_tiles;
   if (static_cast<int>(blockIdx.x) >= n_tiles) return;
   KESTREL_DYNAMIC_SMEM(smem);
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* sk = sq + kRows * D;        // [2][kKeyTile][D]
-  auto* sv = sk + 2 * kKeyTile * D;  // [2][kKeyTile][D]
-  auto* row_off = reinterpret_cast<int64_t*>(sv + 2 * kKeyTile * D);  // [kRows] q/out element offset or -1
+  auto* sk = sq + kRows * kStride;        // [2][kKeys][kStride]
+  auto* sv = sk + 2 * kKeys * kStride;    // [2][kKeys][kStride]
+  auto* row_off = reinterpret_cast<int64_t*>(sv + 2 * kKeys * kStride);  // [kRows] q/out element offset or -1
   auto* row_pos = reinterpret_cast<int32_t*>(row_off + kRows);         // [kRows]
 
   // Last tiles first: within a sequence they attend the most keys, so the long blocks start early.
@@ -270,29 +367,29 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
     if (p != INT_MAX) max_pos = max(max_pos, p);
   }
   const int kv_end = max_pos + 1;
-  const int n_kv_tiles = (kv_end + kKeyTile - 1) / kKeyTile;
-  load_kv_tile<D>(sk, sv, a, block_table, kvh, 0, kv_end);
+  const int n_kv_tiles = (kv_end + kKeys - 1) / kKeys;
+  load_kv_tile<D, kKeys>(sk, sv, a, block_table, kvh, 0, kv_end);
   cp_async_commit();
 
   const int pos0 = row_pos[warp * 16 + lane / 4], pos1 = row_pos[warp * 16 + lane / 4 + 8];
-  uint32_t qf[D / 16][4];
+  QFragments<D> qf;
   WarpSoftmax<D> st;
   init_softmax(st);
   for (int j = 0; j < n_kv_tiles; ++j) {
     const int buf = j & 1;
     if (j + 1 < n_kv_tiles) {
-      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * D, sv + (buf ^ 1) * kKeyTile * D, a, block_table, kvh,
-                      (j + 1) * kKeyTile, kv_end);
+      load_kv_tile<D, kKeys>(sk + (buf ^ 1) * kKeys * kStride, sv + (buf ^ 1) * kKeys * kStride, a, block_table,
+                             kvh, (j + 1) * kKeys, kv_end);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (j == 0) load_q_fragments<D>(qf, sq, warp * 16);
-    const int key0 = j * kKeyTile;
-    attend_tile<D, kKeyTile>(st, qf, sk + buf * kKeyTile * D, sv + buf * kKeyTile * D, 0, key0,
-                             key0 + kKeyTile - 1 > min_pos, pos0, pos1, a.scale_log2);
+    if (j == 0) qf.load(sq, warp * 16);
+    const int key0 = j * kKeys;
+    attend_tile<D, kKeys>(st, qf, sk + buf * kKeys * kStride, sv + buf * kKeys * kStride, 0, key0,
+                          key0 + kKeys - 1 > min_pos, pos0, pos1, a.scale_log2);
     __syncthreads();  // the buffer is refilled in the next iteration
   }
 
@@ -320,7 +417,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
 // grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_smem_bytes<D, true>().
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKernelArgs a) {
-  constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize;
+  constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   const int seq = blockIdx.x;
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;  // a prefill sequence: the other kernel's
@@ -332,8 +429,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKern
 
   KESTREL_DYNAMIC_SMEM(smem);
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* sk = sq + kRows * D;
-  auto* sv = sk + 2 * kKeyTile * D;
+  auto* sk = sq + kRows * kStride;
+  auto* sv = sk + 2 * kKeyTile * kStride;
   const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;
   const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
   const int n_rows = min(a.heads_per_tile, a.group - h0);  // valid rows: query heads h0 ...
@@ -351,13 +448,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKern
   load_kv_tile<D>(sk, sv, a, block_table, kvh, key_begin, key_end);
   cp_async_commit();
 
-  uint32_t qf[D / 16][4];
+  QFragments<D> qf;
   WarpSoftmax<D> st;
   init_softmax(st);
   for (int j = 0; j < n_kv_tiles; ++j) {
     const int buf = j & 1;
     if (j + 1 < n_kv_tiles) {
-      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * D, sv + (buf ^ 1) * kKeyTile * D, a, block_table, kvh,
+      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * kStride, sv + (buf ^ 1) * kKeyTile * kStride, a, block_table, kvh,
                       key_begin + (j + 1) * kKeyTile, key_end);
       cp_async_commit();
       cp_async_wait<1>();
@@ -365,9 +462,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKern
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (j == 0) load_q_fragments<D>(qf, sq, 0);
+    if (j == 0) qf.load(sq, 0);
     const int key0 = key_begin + j * kKeyTile;
-    attend_tile<D, kKeyTile / kWarps>(st, qf, sk + buf * kKeyTile * D, sv + buf * kKeyTile * D,
+    attend_tile<D, kKeyTile / kWarps>(st, qf, sk + buf * kKeyTile * kStride, sv + buf * kKeyTile * kStride,
                                       warp * (kKeyTile / kWarps), key0, key0 + kKeyTile - 1 > pos, pos, pos,
                                       a.scale_log2);
     __syncthreads();
@@ -420,9 +517,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKern
 }
 
 // Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
-// with w_s = 2^(lse_s - max lse). grid (n_seqs, n_head), 128 threads.
+// with w_s = 2^(lse_s - max lse). grid (n_seqs, n_head), 128 threads. D = 0: a.head_dim (the SIMT
+// kernel's head dims).
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKernelArgs a) {
+  const int dim = D > 0 ? D : a.head_dim;
   const int seq = blockIdx.x, head = blockIdx.y;
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;
@@ -432,15 +531,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKern
   const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
   float m = -INFINITY;
   for (int s = 0; s < n_parts; ++s) m = fmaxf(m, a.part_lse[first + s * stride]);
-  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+  for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
     float num = 0.0f, den = 0.0f;
     for (int s = 0; s < n_parts; ++s) {
       const float lse = a.part_lse[first + s * stride];
       const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
-      num += w * a.part_out[(first + s * stride) * D + d];
+      num += w * a.part_out[(first + s * stride) * dim + d];
       den += w;
     }
-    a.out[(static_cast<int64_t>(token) * a.n_head + head) * D + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
+    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
   }
 }
 

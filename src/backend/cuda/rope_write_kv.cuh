@@ -9,9 +9,16 @@
 namespace kestrel::cuda {
 
 struct RopeWriteKvArgs {
-  __nv_bfloat16* q;             // [n_tokens, n_head, head_dim], rotated in place
-  __nv_bfloat16* k;             // [n_tokens, n_head_kv, head_dim], rotated in place
-  const __nv_bfloat16* v;       // [n_tokens, n_head_kv, head_dim]
+  // Token t's q heads are read at q_src + t * q_stride and written rotated to q + t * n_head *
+  // head_dim (the same place for the in-place form); k heads are read at k + t * k_stride and
+  // rotated in place unless k_keep is false (the fused form writes rotated k only to the cache);
+  // v heads are read at v + t * v_stride. Strides are in elements.
+  const __nv_bfloat16* q_src;
+  __nv_bfloat16* q;             // [n_tokens, n_head, head_dim] rotated output
+  __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  int64_t q_stride, k_stride, v_stride;
+  bool k_keep;
   const int32_t* positions;     // [n_tokens]
   const int64_t* slot_mapping;  // [n_tokens]; a negative slot writes nothing to the cache
   const float* inv_freq;        // [rope_dim / 2]
@@ -29,8 +36,9 @@ __device__ __forceinline__ int64_t cache_offset(int64_t slot, int32_t head, cons
 }
 
 // Rotates 8 elements of one head (vector kernel): item r of the head's rotation items.
-__device__ __forceinline__ void rope_chunk8(__nv_bfloat16* x, __nv_bfloat16* cache, int r, const float* cs,
-                                            const float* sn, const RopeWriteKvArgs& a) {
+// x: the source head; out: where the rotated head goes (may be x, or null for none).
+__device__ __forceinline__ void rope_chunk8(const __nv_bfloat16* x, __nv_bfloat16* out, __nv_bfloat16* cache, int r,
+                                            const float* cs, const float* sn, const RopeWriteKvArgs& a) {
   const int half = a.rope_dim / 2;
   if (a.rotate_half) {
     const int i0 = 8 * r;
@@ -43,8 +51,10 @@ __device__ __forceinline__ void rope_chunk8(__nv_bfloat16* x, __nv_bfloat16* cac
       nhi[j] = lo[j] * sn[i0 + j] + hi[j] * cs[i0 + j];
     }
     const uint4 plo = pack_bf16x8(nlo), phi = pack_bf16x8(nhi);
-    *reinterpret_cast<uint4*>(x + i0) = plo;
-    *reinterpret_cast<uint4*>(x + i0 + half) = phi;
+    if (out != nullptr) {
+      *reinterpret_cast<uint4*>(out + i0) = plo;
+      *reinterpret_cast<uint4*>(out + i0 + half) = phi;
+    }
     if (cache != nullptr) {
       *reinterpret_cast<uint4*>(cache + i0) = plo;
       *reinterpret_cast<uint4*>(cache + i0 + half) = phi;
@@ -60,22 +70,24 @@ __device__ __forceinline__ void rope_chunk8(__nv_bfloat16* x, __nv_bfloat16* cac
       y[2 * p + 1] = v[2 * p] * s + v[2 * p + 1] * c;
     }
     const uint4 py = pack_bf16x8(y);
-    *reinterpret_cast<uint4*>(x + e0) = py;
+    if (out != nullptr) *reinterpret_cast<uint4*>(out + e0) = py;
     if (cache != nullptr) *reinterpret_cast<uint4*>(cache + e0) = py;
   }
 }
 
 // Rotates one pair (scalar kernel): pair i of the head.
-__device__ __forceinline__ void rope_pair(__nv_bfloat16* x, __nv_bfloat16* cache, int i, const float* cs,
-                                          const float* sn, const RopeWriteKvArgs& a) {
+__device__ __forceinline__ void rope_pair(const __nv_bfloat16* x, __nv_bfloat16* out, __nv_bfloat16* cache, int i,
+                                          const float* cs, const float* sn, const RopeWriteKvArgs& a) {
   const int half = a.rope_dim / 2;
   const int i0 = a.rotate_half ? i : 2 * i;
   const int i1 = a.rotate_half ? i + half : 2 * i + 1;
   const float x0 = __bfloat162float(x[i0]), x1 = __bfloat162float(x[i1]);
   const __nv_bfloat16 y0 = __float2bfloat16_rn(x0 * cs[i] - x1 * sn[i]);
   const __nv_bfloat16 y1 = __float2bfloat16_rn(x0 * sn[i] + x1 * cs[i]);
-  x[i0] = y0;
-  x[i1] = y1;
+  if (out != nullptr) {
+    out[i0] = y0;
+    out[i1] = y1;
+  }
   if (cache != nullptr) {
     cache[i0] = y0;
     cache[i1] = y1;
@@ -107,28 +119,38 @@ __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
   const int n_rot = kVec ? (a.rotate_half ? half / 8 : a.rope_dim / 8) : half;
   const int n_pass = (a.head_dim - a.rope_dim) / width;     // k's unrotated tail, copied to the cache
   const int n_copy = a.head_dim / width;
-  const int n_q = a.n_head * n_rot;
+  // Out of place (the fused form), q's unrotated tail is copied too.
+  const int n_q_items = n_rot + (a.q_src != a.q ? n_pass : 0);
+  const int n_q = a.n_head * n_q_items;
   const int n_k = a.n_head_kv * (n_rot + n_pass);
   const int n_total = n_q + n_k + a.n_head_kv * n_copy;
   for (int idx = threadIdx.x; idx < n_total; idx += blockDim.x) {
     if (idx < n_q) {
-      const int h = idx / n_rot, r = idx % n_rot;
-      __nv_bfloat16* x = a.q + (t * a.n_head + h) * a.head_dim;
-      if constexpr (kVec) {
-        rope_chunk8(x, nullptr, r, cs, sn, a);
+      const int h = idx / n_q_items, r = idx % n_q_items;
+      const __nv_bfloat16* x = a.q_src + t * a.q_stride + h * a.head_dim;
+      __nv_bfloat16* out = a.q + (t * a.n_head + h) * a.head_dim;
+      if (r >= n_rot) {
+        const int e = a.rope_dim + (r - n_rot) * width;
+        if constexpr (kVec) {
+          *reinterpret_cast<uint4*>(out + e) = *reinterpret_cast<const uint4*>(x + e);
+        } else {
+          out[e] = x[e];
+        }
+      } else if constexpr (kVec) {
+        rope_chunk8(x, out, nullptr, r, cs, sn, a);
       } else {
-        rope_pair(x, nullptr, r, cs, sn, a);
+        rope_pair(x, out, nullptr, r, cs, sn, a);
       }
     } else if (idx < n_q + n_k) {
       const int j = idx - n_q;
       const int h = j / (n_rot + n_pass), r = j % (n_rot + n_pass);
-      __nv_bfloat16* x = a.k + (t * a.n_head_kv + h) * a.head_dim;
+      __nv_bfloat16* x = a.k + t * a.k_stride + h * a.head_dim;
       __nv_bfloat16* cache = slot >= 0 ? a.k_cache + cache_offset(slot, h, a) : nullptr;
       if (r < n_rot) {
         if constexpr (kVec) {
-          rope_chunk8(x, cache, r, cs, sn, a);
+          rope_chunk8(x, a.k_keep ? x : nullptr, cache, r, cs, sn, a);
         } else {
-          rope_pair(x, cache, r, cs, sn, a);
+          rope_pair(x, a.k_keep ? x : nullptr, cache, r, cs, sn, a);
         }
       } else if (cache != nullptr) {
         const int e = a.rope_dim + (r - n_rot) * width;
@@ -141,7 +163,7 @@ __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
     } else if (slot >= 0) {
       const int j = idx - n_q - n_k;
       const int h = j / n_copy, e = (j % n_copy) * width;
-      const __nv_bfloat16* x = a.v + (t * a.n_head_kv + h) * a.head_dim;
+      const __nv_bfloat16* x = a.v + t * a.v_stride + h * a.head_dim;
       __nv_bfloat16* cache = a.v_cache + cache_offset(slot, h, a);
       if constexpr (kVec) {
         *reinterpret_cast<uint4*>(cache + e) = *reinterpret_cast<const uint4*>(x + e);

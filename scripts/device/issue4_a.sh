@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 4, device call 1 of 3 (then issue4_b.sh, issue4_c.sh on the same warm machine):
+# GPU op tests, CPU-vs-GPU greedy on stories260K, the Llama-3.1-8B-shaped random model, and kestrel's benchmarks on it.
+# Carry: devbin (kestrel, kestrel_tests, libpcre2-8.so.0, libxxhash.so.0, tokenizer.model,
+# stories260K.gguf) and devdata/a (first part of the SmolLM2 GGUF, kept in /tmp for call 2).
+set -uo pipefail
+source scripts/device/issue4_common.sh
+: > "$SUMMARY"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+[ -f devdata/a/smol.part ] && cp devdata/a/smol.part /tmp/k4/smol.part1
+
+echo "== GPU op tests (kestrel_tests, Cuda*)"
+timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15
+note "op tests: $($BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | grep -E '^\[  (PASSED|FAILED) ' | tr '\n' ' ')"
+
+echo "== stories260K: greedy, CPU vs CUDA, 32 tokens"
+for dev in cpu cuda; do
+  timeout 60 "$K" generate -m $BIN/stories260K.gguf -p "Once upon a time" -n 32 --temperature 0 --json \
+    --device $dev > /tmp/k4/stories_$dev.json 2>/tmp/k4/stories_$dev.err || tail -3 /tmp/k4/stories_$dev.err
+done
+python3 - <<'PY' | tee -a "$SUMMARY"
+import json
+a = json.load(open("/tmp/k4/stories_cpu.json"))["output_ids"]
+b = json.load(open("/tmp/k4/stories_cuda.json"))["output_ids"]
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
+PY
+
+echo "== Llama-3.1-8B-shaped random model"
+if [ ! -f "$M8/config.json" ]; then
+  python3 - "$M8" <<'PY'
+import json, os, shutil, sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+d = sys.argv[1]
+cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16")
+t = time.time()
+torch.manual_seed(0)
+with torch.device("cuda"):
+    m = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
+m.save_pretrained(d, safe_serialization=True, max_shard_size="5GB")
+shutil.copy("/tmp/k4/devbin/tokenizer.model", os.path.join(d, "tokenizer.model"))
+json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, open(os.path.join(d, "tokenizer_config.json"), "w"))
+print(f"saved {sum(p.numel() for p in m.parameters())/1e9:.2f}B params in {time.time()-t:.1f} s")
+PY
+fi
+du -sh "$M8"
+echo "== load (weights upload), page cache warm"
+timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" | tee /tmp/k4/load.txt
+note "load 8B (warm page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+echo "== batch-1 decode: -p 128 -n 256"
+timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -4 | tee /tmp/k4/b1.txt
+note "batch-1: $(tail -1 /tmp/k4/b1.txt)"
+echo "== batch-64 decode at 512-token contexts; prefill 8 x 2048"
+timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 --max-num-batched-tokens 8192 2>&1 \
+  | tail -3 | tee /tmp/k4/b64.txt
+note "batch-64 @512: $(tail -1 /tmp/k4/b64.txt)"
+timeout 200 "$K" bench -m "$M8" --device cuda --parallel 8 -p 2048 -n 2 -r 3 --max-num-batched-tokens 16384 2>&1 \
+  | tail -3 | tee /tmp/k4/pp.txt
+note "prefill 8x2048: $(tail -1 /tmp/k4/pp.txt)"
+echo "== summary (call 1)"
+cat "$SUMMARY"

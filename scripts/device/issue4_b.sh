@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 4, device call 2 of 3 (after issue4_a.sh on the same warm machine): SmolLM2 (the real
+# default weights, GGUF Q4_1) and the 8B-shaped model against transformers, then the peer's
+# benchmarks (hf_bench.py). Carry: devdata/b (second part of the SmolLM2 GGUF, its sha256, the
+# gguf wheel transformers' GGUF loader needs).
+set -uo pipefail
+source scripts/device/issue4_common.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site devdata/b/*.whl \
+  && export PYTHONPATH=/tmp/site
+mkdir -p /tmp/k4/smol
+cat /tmp/k4/smol.part1 devdata/b/smol.part > /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+echo "$(cat devdata/b/smol.sha256)  /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
+echo "== SmolLM2-135M-Instruct (GGUF Q4_1) vs transformers"
+timeout 240 python3 scripts/device/logits_check.py --kestrel "$K" --gguf /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --name SmolLM2 2>&1 | grep -v Warning | tail -6 | tee /tmp/k4/smol.log
+note "$(grep -E 'argmax agreement|vs transformers f32|RESULT' /tmp/k4/smol.log | tr '\n' ' ')"
+echo "== 8B-shaped random model vs transformers"
+timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
+  | tee /tmp/k4/l8.log
+note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+echo "== transformers benchmarks (same GPU, same run)"
+timeout 300 python3 scripts/device/hf_bench.py -m "$M8" 2>&1 | grep -E "^HF" | tee /tmp/k4/hf.txt
+cat /tmp/k4/hf.txt >> "$SUMMARY"
+echo "== summary (calls 1-2)"
+cat "$SUMMARY"

@@ -1,0 +1,19 @@
+# Sourced by the issue-4 device scripts: environment for the kestrel build carried in devbin/
+# (built on the CPU machine; see issue4_a.sh), and the paths shared between the calls of one warm
+# machine (/tmp survives from one call to the next while the machine is held).
+OUT="${OUT:-/tmp/kestrel_out}"
+mkdir -p "$OUT" /tmp/k4
+# devbin/ travels with call 1 only; the later calls use the copy call 1 left in /tmp/k4.
+if [ -x devbin/kestrel ]; then
+  rm -rf /tmp/k4/devbin && cp -r devbin /tmp/k4/devbin
+fi
+BIN=/tmp/k4/devbin
+cublas_dir=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null || true)
+export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONUNBUFFERED=1
+chmod +x $BIN/kestrel $BIN/kestrel_tests 2>/dev/null
+K="$BIN/kestrel"
+M8=/tmp/k4/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by issue4_a.sh)
+SUMMARY=/tmp/k4/summary.txt
+# note KEY VALUE: one line of the closing table
+note() { echo "$*" | tee -a "$SUMMARY"; }
