@@ -449,6 +449,7 @@ TEST(Engine, LogprobsComeWithEachTokenAndChangeNoToken) {
   EXPECT_EQ(ids[plain].size(), 24u);
   r.logprobs = kMaxRequestLogprobs + 1;
   EXPECT_THROW(e.add_request(r), Error);
+}
 
 namespace {
 
@@ -562,4 +563,32 @@ TEST(Engine, DeviceSamplingGivesTheHostSamplersTokens) {
   Engine device2(*l.model, l.tokenizer.get(), c, std::move(runner2));
   EXPECT_EQ(run_sampled(device2, prompts, params), want2);
   EXPECT_GT(dev2->host_calls, 0);
+}
+
+// A request that asks for logprobs needs the logits on the host: its steps take forward() even on
+// a backend that samples on the device, and it gets a logprob for every token.
+TEST(Engine, LogprobsTakeTheHostPathOnADeviceSamplingBackend) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  EngineConfig c;
+  c.n_kv_blocks = 256;
+  auto runner = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
+  DeviceSamplingRunner* dev = runner.get();
+  Engine e(*l.model, l.tokenizer.get(), c, std::move(runner));
+  Request r;
+  r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+  r.max_tokens = 8;
+  r.sampling.temperature = 0.8f;
+  r.logprobs = 2;
+  e.add_request(r);
+  size_t n_tokens = 0, n_logprobs = 0;
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step()) {
+      n_tokens += o.new_token_ids.size();
+      n_logprobs += o.logprobs.size();
+    }
+  EXPECT_EQ(n_tokens, 8u);
+  EXPECT_EQ(n_logprobs, 8u);
+  EXPECT_GT(dev->host_calls, 0);
+  EXPECT_EQ(dev->device_calls, 0);
 }

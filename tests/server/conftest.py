@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -123,6 +124,37 @@ def chat_server():
     if not model.exists():
         pytest.skip(f"missing {model} (scripts/fetch_model.sh)")
     s = Server(model, "--max-model-len", "2048")
+    yield s
+    rc, out = s.stop()
+    assert rc == 0, out
+
+
+# A chat template that refuses system messages, for the template-error test. It writes the BOS text
+# itself (the server must not add a second BOS).
+REFUSING_TEMPLATE = """{%- for m in messages -%}
+{%- if m['role'] == 'system' -%}{{ raise_exception('This model does not take a system message') }}{%- endif -%}
+{{ bos_token if loop.first else '' }}{{ m['role'] }}: {{ m['content'] }}
+{% endfor -%}
+{%- if add_generation_prompt %}assistant:{% endif -%}"""
+
+
+@pytest.fixture(scope="module")
+def templated_server(tmp_path_factory):
+    """stories260K as a Hugging Face folder (tests/reference/gguf_to_hf.py) with REFUSING_TEMPLATE."""
+    require(kestrel_binary())
+    require(stories_model())
+    for module in ("numpy", "gguf", "safetensors"):
+        try:
+            __import__(module)
+        except ImportError:
+            if os.environ.get("KESTREL_REQUIRE_REFERENCE"):
+                pytest.fail(f"missing the Python package {module}")
+            pytest.skip(f"missing the Python package {module}")
+    folder = tmp_path_factory.mktemp("stories-hf")
+    subprocess.run([sys.executable, str(REPO / "tests" / "reference" / "gguf_to_hf.py"), "--gguf", str(stories_model()),
+                    "--out", str(folder), "--tie"], check=True, capture_output=True)
+    (folder / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
+    s = Server(folder, "--max-model-len", "256", name="stories-hf")
     yield s
     rc, out = s.stop()
     assert rc == 0, out

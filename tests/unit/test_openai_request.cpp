@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "chat_prompt.h"
 #include "openai_request.h"
 
 namespace kestrel::cli {
@@ -103,6 +104,36 @@ TEST(OpenAiRequest, KnownFields) {
   EXPECT_FALSE(is_known_field("logprobs", RequestApi::Batch));
   EXPECT_TRUE(is_known_field("id", RequestApi::Batch));
   EXPECT_FALSE(is_known_field("id", RequestApi::Completions));
+}
+
+// render_chat: the model's Jinja template with the special tokens; its failures name `messages`.
+TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
+  PromptFormat f;
+  f.bos_token = "<s>";
+  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(
+      "{{ bos_token }}{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
+      "{% if add_generation_prompt %}>{% endif %}{% if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}"));
+  const Json two = Json::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])");
+  EXPECT_EQ(render_chat(f, two, true), "<s>[system|s][user|u]>");
+  EXPECT_EQ(render_chat(f, two, false), "<s>[system|s][user|u]");
+  Json three = two;
+  three.push_back(Json{{"role", "assistant"}, {"content", "a"}});
+  try {
+    render_chat(f, three, true);
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "messages");
+    EXPECT_NE(std::string(e.what()).find("too long"), std::string::npos) << e.what();
+  }
+  PromptFormat broken;
+  broken.template_error = "unexpected end of template at line 1";
+  try {
+    render_chat(broken, two, true);
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "messages");
+    EXPECT_NE(std::string(e.what()).find("line 1"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <limits>
 
-#include "chat_render.h"
+#include "chat_prompt.h"
 
 namespace kestrel::cli {
 
@@ -343,6 +343,15 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
   f.tokenizer = &tokenizer;
   f.n_vocab = static_cast<int32_t>(model.hparams().n_vocab);
   f.template_source = model.chat_template();
+  if (!f.template_source.empty()) {
+    try {
+      f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(f.template_source));
+    } catch (const jinja::TemplateError& e) {
+      f.template_error = e.what();
+    }
+  }
+  if (tokenizer.bos_id() >= 0) f.bos_token = tokenizer.token(tokenizer.bos_id()).text;
+  if (tokenizer.eos_id() >= 0) f.eos_token = tokenizer.token(tokenizer.eos_id()).text;
   f.chat_template = ChatTemplate::detect(model.chat_template(), tokenizer.token_id("<|im_start|>").has_value());
   for (int32_t id = 0; id < tokenizer.n_vocab(); ++id)
     if (tokenizer.is_eog(id)) f.stop_ids.push_back(id);
@@ -368,7 +377,9 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
   } else {
     const std::string text =
         request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true) : request.prompt;
-    out.prompt = tok.encode(text, /*add_special=*/true, /*parse_special=*/true);
+    // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
+    const bool has_bos = request.is_chat && !format.bos_token.empty() && text.rfind(format.bos_token, 0) == 0;
+    out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);
     if (out.prompt.empty())
       throw RequestError(request.is_chat ? "messages" : "prompt",
                          "prompt " + shown(json(text)) + " has no tokens (the model adds no BOS)");

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "engine/engine.h"
 #include "model/llama_weights.h"
 #include "sampling/sampling_params.h"
+#include "template/jinja.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
@@ -82,12 +84,16 @@ std::string shown(const Json& v);
 struct PromptFormat {
   const Tokenizer* tokenizer = nullptr;
   int32_t n_vocab = 0;                    // the model's; may exceed the tokenizer's (padded embedding rows)
-  ChatTemplate chat_template;
+  ChatTemplate chat_template;             // the recognised family: end of turn; the format when the model has no template
   std::string template_source;            // the model's Jinja chat template ("" when it has none)
+  std::shared_ptr<const jinja::Template> jinja_template;  // template_source parsed, when it parses
+  std::string template_error;             // why template_source does not parse ("" when it does)
+  std::string bos_token, eos_token;       // their text, for the template
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
   std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
 
-  // The chat template of the model (LlamaModel::chat_template, as `kestrel chat` picks it).
+  // The chat template of the model (LlamaModel::chat_template), parsed once; a template that does
+  // not parse is kept as template_error (chat requests then get it as their error).
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
 };
 
