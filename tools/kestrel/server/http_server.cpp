@@ -349,8 +349,9 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
                           " tokens (max_tokens may be at most " + std::to_string(max_model_len - n_prompt) + ")",
                       "max_tokens", "context_length_exceeded");
 
-  // n choices: n engine requests on the same prompt (the prefix cache shares its blocks); with a
-  // seed, choice i draws from seed + i.
+  // n choices: n engine requests on the same prompt; with a seed, choice i draws from seed + i.
+  // They are admitted in the same step, so each prefills the prompt (the prefix cache only shares
+  // blocks computed in earlier steps; forking one prefilled sequence would save that work).
   std::vector<Request> requests(static_cast<size_t>(r.n), base);
   for (int32_t i = 0; i < r.n; ++i)
     requests[static_cast<size_t>(i)].sampling.seed = r.seed ? *r.seed + static_cast<uint64_t>(i) : random_seed();
