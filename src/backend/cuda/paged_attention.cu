@@ -97,8 +97,12 @@ Plan make_plan(const AttentionParams& p) {
   return plan;
 }
 
-template <int D>
-void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+// The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens),
+// decode, and the split-KV reduction (when the decode kernel splits). The tensor-core and the
+// SIMT kernel families differ only in the kernels and their shared memory.
+void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
+                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
+                    size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
   const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
   if (any_prefill) {
     AttnKernelArgs a = base;
@@ -108,70 +112,39 @@ void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs
     KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
                    const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
     KESTREL_CUDA_CHECK_LAUNCH();
-    auto* kernel = &attention_prefill_kernel<D>;
-    constexpr size_t smem = attn_smem_bytes<D, false>();
-    set_max_dynamic_smem(kernel, smem);
+    set_max_dynamic_smem(prefill, prefill_smem);
     const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
+    KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
   AttnKernelArgs a = base;
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
-  {
-    auto* kernel = &attention_decode_kernel<D>;
-    constexpr size_t smem = attn_smem_bytes<D, true>();
-    set_max_dynamic_smem(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
-                    static_cast<unsigned>(plan.n_splits));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
-    KESTREL_CUDA_CHECK_LAUNCH();
-  }
+  set_max_dynamic_smem(decode, decode_smem);
+  const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+                  static_cast<unsigned>(plan.n_splits));
+  KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
+  KESTREL_CUDA_CHECK_LAUNCH();
   if (plan.n_splits > 1) {
-    auto* kernel = &attention_reduce_kernel<D>;
-    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, a);
+    const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
+    KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
 }
 
-// The SIMT kernel: the same launches as launch_all with attention_simt_kernel, kSlots = ceil(D / 32)
-// rounded up to a power of two.
+// The tensor-core kernels for head_dim D.
+template <int D>
+void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_smem_bytes<D, false>(),
+                 &attention_decode_kernel<D>, attn_smem_bytes<D, true>(), &attention_reduce_kernel<D>, stream);
+}
+
+// The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.
 template <int kSlots>
 void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   const size_t smem = attn_simt_smem_bytes(p.head_dim);
-  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
-  if (any_prefill) {
-    AttnKernelArgs a = base;
-    a.heads_per_tile = plan.prefill_heads;
-    a.head_chunks = plan.prefill_head_chunks;
-    auto* plan_kernel = &attention_plan_kernel;
-    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
-                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
-    KESTREL_CUDA_CHECK_LAUNCH();
-    auto* kernel = &attention_simt_kernel<kSlots, false>;
-    set_max_dynamic_smem(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
-    KESTREL_CUDA_CHECK_LAUNCH();
-  }
-  AttnKernelArgs a = base;
-  a.heads_per_tile = plan.decode_heads;
-  a.head_chunks = plan.decode_head_chunks;
-  {
-    auto* kernel = &attention_simt_kernel<kSlots, true>;
-    set_max_dynamic_smem(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
-                    static_cast<unsigned>(plan.n_splits));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), smem, stream, a);
-    KESTREL_CUDA_CHECK_LAUNCH();
-  }
-  if (plan.n_splits > 1) {
-    auto* kernel = &attention_reduce_kernel<0>;
-    const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
-    KESTREL_LAUNCH(kernel, grid, dim3(kAttnThreads), 0, stream, a);
-    KESTREL_CUDA_CHECK_LAUNCH();
-  }
+  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, &attention_simt_kernel<kSlots, true>,
+                 smem, &attention_reduce_kernel<0>, stream);
 }
 
 }  // namespace
