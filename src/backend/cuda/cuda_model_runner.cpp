@@ -263,7 +263,6 @@ struct DecodeGraph {
   cudaGraphExec_t exec = nullptr;
   DevMem arrays;               // the device BatchArrays the graph reads
   BatchArrays dev;             // pointers into `arrays`
-  bool sample = false;
   ~DecodeGraph() {
     if (exec != nullptr) cudaGraphExecDestroy(exec);
   }
@@ -607,7 +606,6 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
       // First use of this shape: allocate its arrays, run it eagerly (warming cuBLASLt's
       // algorithm cache outside the capture), then capture it for the next steps.
       g = std::make_unique<DecodeGraph>();
-      g->sample = sample;
       g->arrays.reset(BatchArrays::layout(nullptr, bsz, bsz, width, bsz).bytes + 16 +
                       static_cast<size_t>(bsz) * 4 + 16);
       g->dev = BatchArrays::layout(g->arrays.as<unsigned char>(), bsz, bsz, width, bsz);
