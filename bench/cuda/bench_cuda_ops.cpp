@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -208,6 +209,85 @@ void bench_sampling() {
 
 }  // namespace
 
+
+#if !defined(KESTREL_CUDA_NO_GEMM)
+// Decode-step projections of the Llama-3.1-8B shape at few tokens: cuBLASLt against
+// kestrel::cuda::skinny_gemm and its variants. Each timed call uses the next of several copies of
+// W (at least 400 MB in all), so W comes from HBM as in a model's forward pass, not from the 50 MB
+// L2. Each timing covers 16 back-to-back calls (as a forward pass issues them; with PDL the next
+// skinny call streams its weights while the previous drains) and reports the time per call.
+// GB/s counts W, x and y once.
+void bench_skinny() {
+  using kestrel::cuda::GemmOutput;
+  kestrel::cuda::Gemm gemm;
+  struct S {
+    int64_t in, out;
+    bool swiglu, f32;
+    const char* what;
+  };
+  const S shapes[] = {{4096, 6144, false, false, "qkv 4096->6144"},
+                      {4096, 4096, false, false, "o 4096->4096"},
+                      {4096, 28672, false, false, "gate_up 4096->28672"},
+                      {14336, 4096, true, false, "down+swiglu 14336->4096"},
+                      {4096, 128256, false, true, "head 4096->128256 f32"}};
+  for (const S& sh : shapes) {
+    const size_t w_bytes = static_cast<size_t>(sh.in * sh.out) * 2;
+    const size_t n_copies = std::min<size_t>(16, std::max<size_t>(2, (size_t{400} << 20) / w_bytes + 1));
+    std::vector<std::unique_ptr<Buf>> ws;
+    for (size_t i = 0; i < n_copies; ++i) {
+      ws.push_back(std::make_unique<Buf>(w_bytes));
+      fill_bf16(*ws.back());
+    }
+    for (const int64_t m : {1, 4, 8, 16, 64}) {
+      const int64_t x_cols = sh.swiglu ? 2 * sh.in : sh.in;
+      Buf x(static_cast<size_t>(m * x_cols) * 2), act(static_cast<size_t>(m * sh.in) * 2),
+          y(static_cast<size_t>(m * sh.out) * (sh.f32 ? 4 : 2));
+      fill_bf16(x);
+      const double bytes = static_cast<double>(w_bytes + x.bytes + y.bytes);
+      size_t next = 0;
+      const std::string shape = std::string(sh.what) + " M=" + std::to_string(m);
+      constexpr int kCalls = 16;
+      const double ms_cublas = time_ms([&] {
+        for (int c = 0; c < kCalls; ++c) {
+          const bf16* in = x.as<bf16>();
+          if (sh.swiglu) {
+            kestrel::cuda::silu_mul(in, act.as<bf16>(), m, sh.in, nullptr);
+            in = act.as<bf16>();
+          }
+          gemm.run(in, ws[next++ % n_copies]->as<bf16>(), y.p, sh.f32 ? GemmOutput::F32 : GemmOutput::Bf16, m,
+                   sh.in, sh.out, nullptr);
+        }
+      }) / kCalls;
+      report("cublaslt", shape, ms_cublas, bytes, 0);
+      std::vector<std::pair<int, int>> variants = {{0, 0}};
+      if (m <= 8) variants = {{4, 8}, {4, 4}, {2, 8}, {2, 4}, {8, 8}, {8, 4}};
+      else if (m <= 16) variants = {{4, 8}, {2, 8}};
+      else if (m <= 32) variants = {{2, 8}, {1, 8}};
+      for (const auto& [u, wp] : variants) {
+        kestrel::cuda::SkinnyGemmArgs a{};
+        a.x = x.as<bf16>();
+        a.x_stride = x_cols;
+        a.y = y.p;
+        a.n_tokens = m;
+        a.n_in = sh.in;
+        a.n_out = sh.out;
+        a.swiglu = sh.swiglu;
+        a.f32_out = sh.f32;
+        a.unroll = u;
+        a.warps = wp;
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            a.w = ws[next++ % n_copies]->as<bf16>();
+            kestrel::cuda::skinny_gemm(a, nullptr);
+          }
+        }) / kCalls;
+        report("skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms, bytes, 0);
+      }
+    }
+  }
+}
+#endif
+
 int main(int argc, char** argv) {
   if (argc > 1) g_filter = argv[1];
   int n_dev = 0;
@@ -315,6 +395,7 @@ int main(int argc, char** argv) {
         report("gemm", g.what, ms, static_cast<double>(x.bytes + w.bytes + y.bytes), 2.0 * g.t * g.in * g.out);
       }
     }
+    if (wanted("skinny")) bench_skinny();
 #endif
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {

@@ -9,6 +9,7 @@ namespace kestrel::cuda {
 // min(n_tokens, 65535)); rows beyond gridDim.y are covered by striding.
 __global__ void add_bias_kernel(__nv_bfloat16* __restrict__ y, const float* __restrict__ bias, int64_t n_tokens,
                                 int64_t width) {
+  KESTREL_PDL_ENTRY();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= width) return;
   for (int64_t t = blockIdx.y; t < n_tokens; t += gridDim.y) {

@@ -14,6 +14,7 @@ template <int kChunks>
 __global__ void add_rms_norm_vec_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
                                         const __nv_bfloat16* __restrict__ weight, __nv_bfloat16* __restrict__ out,
                                         int64_t dim, float eps) {
+  KESTREL_PDL_ENTRY();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int64_t n_chunks = dim / 8;
@@ -58,6 +59,7 @@ __global__ void add_rms_norm_vec_kernel(float* __restrict__ residual, const __nv
 __global__ void add_rms_norm_scalar_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
                                            const __nv_bfloat16* __restrict__ weight,
                                            __nv_bfloat16* __restrict__ out, int64_t dim, float eps) {
+  KESTREL_PDL_ENTRY();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   float* res = residual + row * dim;

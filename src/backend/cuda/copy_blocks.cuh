@@ -12,6 +12,7 @@ namespace kestrel::cuda {
 template <bool kVec>
 __global__ void copy_blocks_kernel(void* const* __restrict__ caches, const int32_t* __restrict__ src,
                                    const int32_t* __restrict__ dst, int64_t block_bytes) {
+  KESTREL_PDL_ENTRY();
   auto* base = static_cast<unsigned char*>(caches[blockIdx.y]);
   const unsigned char* from = base + static_cast<int64_t>(src[blockIdx.x]) * block_bytes;
   unsigned char* to = base + static_cast<int64_t>(dst[blockIdx.x]) * block_bytes;

@@ -10,6 +10,11 @@ namespace kestrel::cuda {
 
 [[noreturn]] void cuda_fail(cudaError_t err, const char* expr, const char* file, int line);
 
+// Whether kernels are launched with programmatic dependent launch (PDL, sm_90: the next kernel of
+// the stream may start while this one drains; device_common.cuh). On unless the environment sets
+// KESTREL_PDL=0; read once.
+bool pdl_enabled();
+
 }  // namespace kestrel::cuda
 
 #define KESTREL_CUDA_CHECK(expr)                                                          \

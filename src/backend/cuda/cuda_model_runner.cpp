@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <array>
 #include <map>
+#include <set>
 #include <tuple>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_runner.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/op_profiler.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -283,6 +286,14 @@ class CudaModelRunner final : public ModelRunner {
     KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     device_name_ = prop.name;
     gemm_ = std::make_unique<cuda::Gemm>();
+    if (const char* env = std::getenv("KESTREL_SKINNY_MAX_TOKENS"); env != nullptr)
+      skinny_max_tokens_ = std::clamp<int64_t>(std::atoll(env), 0, cuda::kSkinnyMaxTokens);
+    if (const char* env = std::getenv("KESTREL_GEMM_TUNE"); env != nullptr && std::string(env) == "0")
+      tune_gemms_ = false;
+    if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
+      prof_ = std::make_unique<cuda::OpProfiler>(stream_);
+      eager_ = true;  // events between the ops of every pass, no graphs
+    }
     upload_weights();
     block_size_ = o.block_size;
     allocate_kv(o);
@@ -318,6 +329,10 @@ class CudaModelRunner final : public ModelRunner {
   // invalidates the captured graphs (they hold the old addresses).
   void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
   void enqueue_forward(const BatchArrays& d, const PassShape& s);
+  // y [n, n_out] = a(x) . W^T: the skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt
+  // (after silu_mul into act_ when swiglu: x then holds [gate | up] rows of 2 n_in).
+  void linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
+              bool swiglu = false);
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
   // pinned staging buffer in BatchArrays layout; returns the host layout.
@@ -329,6 +344,18 @@ class CudaModelRunner final : public ModelRunner {
   cudaStream_t stream_ = nullptr;
   std::string device_name_;
   std::unique_ptr<cuda::Gemm> gemm_;
+  // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
+  // H200 measurements in docs/performance.md; KESTREL_SKINNY_MAX_TOKENS overrides, 0 = never).
+  int64_t skinny_max_tokens_ = 8;
+  static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
+  // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
+  bool tune_gemms_ = true;
+  std::set<int64_t> tuned_sizes_;
+  void tune_gemms(int64_t n);
+  std::unique_ptr<cuda::OpProfiler> prof_;  // KESTREL_PROFILE_OPS=1 (op_profiler.h)
+  void mark(const char* op) {
+    if (prof_ != nullptr) prof_->mark(op);
+  }
   DevMem embd_, out_norm_, lm_head_, inv_freq_;
   std::vector<Layer> layers_;
   // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16.
@@ -483,33 +510,40 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   bf16* attn = attn_.as<bf16>();
   bf16* o = o_.as<bf16>();
   bf16* gate_up = gate_up_.as<bf16>();
-  bf16* act = act_.as<bf16>();
   bf16* down = down_.as<bf16>();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
-  const auto bf16_out = cuda::GemmOutput::Bf16;
 
+  if (prof_ != nullptr) prof_->begin(s.max_query == 1 ? "decode" : "prefill");
   cuda::embedding(embd_.as<bf16>(), da.ids, n, d, residual, stream_);
+  mark("embedding");
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
     cuda::add_rms_norm(residual, l == 0 ? nullptr : down, L.attn_norm.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
-    gemm_->run(h, L.w_qkv.as<bf16>(), qkv, bf16_out, n, d, qkv_w, stream_);
+    mark("add_rms_norm");
+    linear(h, L.w_qkv.as<bf16>(), qkv, false, n, d, qkv_w);
+    mark("gemm qkv");
     if (L.b_qkv.bytes() > 0) cuda::add_bias(qkv, L.b_qkv.as<float>(), n, qkv_w, stream_);
     bf16* kc = k_cache_[static_cast<size_t>(l)].as<bf16>();
     bf16* vc = v_cache_[static_cast<size_t>(l)].as<bf16>();
     cuda::rope_write_kv_fused(qkv, qkv_w, q, da.positions, da.slots, inv_freq_.as<float>(), hp_.rope_linear_scale, n,
                               hp_.n_head, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, rotate_half, kc, vc, block_size_,
                               stream_);
+    mark("rope_write_kv");
     ap.q = q;
     ap.k_cache = kc;
     ap.v_cache = vc;
     ap.out = attn;
     cuda::paged_attention(ap, stream_);
-    gemm_->run(attn, L.wo.as<bf16>(), o, bf16_out, n, qd, d, stream_);
+    mark("attention");
+    linear(attn, L.wo.as<bf16>(), o, false, n, qd, d);
+    mark("gemm o");
     if (L.bo.bytes() > 0) cuda::add_bias(o, L.bo.as<float>(), n, d, stream_);
     cuda::add_rms_norm(residual, o, L.ffn_norm.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
-    gemm_->run(h, L.w_gate_up.as<bf16>(), gate_up, bf16_out, n, d, 2 * ff, stream_);
-    cuda::silu_mul(gate_up, act, n, ff, stream_);
-    gemm_->run(act, L.w_down.as<bf16>(), down, bf16_out, n, ff, d, stream_);
+    mark("add_rms_norm");
+    linear(h, L.w_gate_up.as<bf16>(), gate_up, false, n, d, 2 * ff);
+    mark("gemm gate_up");
+    linear(gate_up, L.w_down.as<bf16>(), down, false, n, ff, d, /*swiglu=*/true);
+    mark("gemm down (+silu)");
   }
   if (s.n_out == 0) return;
   cuda::add_rms_norm(residual, down, out_norm_.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
@@ -519,12 +553,64 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
     cuda::gather_rows(h, da.logits_rows, s.n_out, d, logits_in_.as<bf16>(), stream_);
     rows = logits_in_.as<bf16>();
   }
+  mark("final norm");
   const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-  gemm_->run(rows, head, logits_.as<void>(), cuda::GemmOutput::F32, s.n_out, d, nv, stream_);
+  linear(rows, head, logits_.as<void>(), true, s.n_out, d, nv);
+  mark("gemm lm_head");
   if (s.sample) {
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out, nv,
                         da.tokens, sample_ws_.as<void>(), stream_);
+    mark("sample");
   }
+}
+
+// The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates are timed
+// over all layers' weights (Gemm::tune) and the fastest kept. At 64 rows, say, the heuristic's pick
+// for the 4096-wide outputs leaves most SMs idle. Scratch inputs and outputs are the activation
+// buffers (sized for n by reserve_activations); their contents do not matter.
+void CudaModelRunner::tune_gemms(int64_t n) {
+  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
+  auto tune = [&](const bf16* x, auto weight_of, void* y, bool f32_out, int64_t n_in, int64_t n_out) {
+    if (n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems && cuda::skinny_gemm_supports(n, n_in, n_out))
+      return;  // linear() takes the skinny GEMM
+    std::vector<const bf16*> ws;
+    for (const Layer& L : layers_) ws.push_back(weight_of(L));
+    gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
+                stream_);
+  };
+  tune(h_.as<bf16>(), [](const Layer& L) { return L.w_qkv.as<bf16>(); }, qkv_.as<void>(), false, d, qd + 2 * kvd);
+  tune(attn_.as<bf16>(), [](const Layer& L) { return L.wo.as<bf16>(); }, o_.as<void>(), false, qd, d);
+  tune(h_.as<bf16>(), [](const Layer& L) { return L.w_gate_up.as<bf16>(); }, gate_up_.as<void>(), false, d, 2 * ff);
+  tune(act_.as<bf16>(), [](const Layer& L) { return L.w_down.as<bf16>(); }, down_.as<void>(), false, ff, d);
+  const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
+  tune(logits_in_.as<bf16>(), [&](const Layer&) { return head; }, logits_.as<void>(), true, d, nv);
+}
+
+void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
+                             int64_t n_out, bool swiglu) {
+  // The skinny GEMM beats cuBLASLt on small weights only (H200, bench/cuda: 4096 x 6144 and
+  // 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's gate/up, down and head)
+  // cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel's one-wave grid does not.
+  const bool small_weight = n_in * n_out <= kSkinnyMaxWeightElems;
+  if (n <= skinny_max_tokens_ && small_weight && cuda::skinny_gemm_supports(n, n_in, n_out)) {
+    cuda::SkinnyGemmArgs a{};
+    a.x = x;
+    a.x_stride = swiglu ? 2 * n_in : n_in;
+    a.w = w;
+    a.y = y;
+    a.n_tokens = n;
+    a.n_in = n_in;
+    a.n_out = n_out;
+    a.swiglu = swiglu;
+    a.f32_out = f32_out;
+    cuda::skinny_gemm(a, stream_);
+    return;
+  }
+  if (swiglu) {
+    cuda::silu_mul(x, act_.as<bf16>(), n, n_in, stream_);
+    x = act_.as<bf16>();
+  }
+  gemm_->run(x, w, y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out, stream_);
 }
 
 BatchArrays CudaModelRunner::stage(const ForwardBatch& b, std::span<const RowSampling> rows, int64_t n_seqs_pad,
@@ -602,6 +688,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
     reserve_activations(bsz, bsz, cuda::attention_workspace_bytes(probe));
     const BatchArrays h = stage(b, rows, bsz, width);
     auto& g = graphs_[{bsz, width, sample}];
+    if (g == nullptr && tune_gemms_ && tuned_sizes_.insert(bsz).second) tune_gemms(bsz);
     if (g == nullptr) {
       // First use of this shape: allocate its arrays, run it eagerly (warming cuBLASLt's
       // algorithm cache outside the capture), then capture it for the next steps.
@@ -658,12 +745,14 @@ std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size()), nv = hp_.n_vocab;
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (prof_ != nullptr) prof_->collect();
     return {};
   }
   const size_t logit_bytes = static_cast<size_t>(n_out * nv) * sizeof(float);
   logits_h_.reserve(logit_bytes);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_h_.as<void>(), logits_.as<void>(), logit_bytes, cudaMemcpyDeviceToHost, stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (prof_ != nullptr) prof_->collect();
   return {logits_h_.as<const float>(), static_cast<size_t>(n_out * nv)};
 }
 
@@ -672,11 +761,13 @@ std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, 
   const size_t n_out = b.logits_indices.size();
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (prof_ != nullptr) prof_->collect();
     return {};
   }
   tokens_h_.reserve(n_out * sizeof(int32_t));
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(tokens_h_.as<void>(), tokens, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (prof_ != nullptr) prof_->collect();
   return {tokens_h_.as<const int32_t>(), n_out};
 }
 

@@ -131,6 +131,31 @@ void add_bias(bf16* y, const float* bias, int64_t n_tokens, int64_t width, cudaS
 void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src, const int32_t* dst,
                  int32_t n_copies, int64_t block_bytes, cudaStream_t stream);
 
+// Skinny GEMM for decode steps (skinny_gemm.cuh has the design): y = a(x) . W^T for at most
+// kSkinnyMaxTokens tokens, streaming W once at close to the memory bandwidth. bf16 operands, f32
+// accumulation (mma.sync), one rounding of the output.
+// x [n_tokens, *] bf16 with rows x_stride elements apart; a(x) = x[:, 0 .. n_in), or with swiglu
+// silu(x[:, 0 .. n_in)) * x[:, n_in .. 2 n_in) rounded to bf16 (silu_mul's result, bit for bit:
+// the [gate | up] rows of the fused gate/up projection). w [n_out, n_in] bf16 row-major;
+// y [n_tokens, n_out], f32 when f32_out else bf16. x and w 16-byte aligned, n_in and x_stride
+// multiples of 8. unroll / warps pick a kernel variant for benchmarks (0 = the default).
+// Errors: kestrel::Error for an unsupported shape (skinny_gemm_supports), a bad stride or
+// alignment, swiglu with f32_out, or a variant that is not built.
+constexpr int64_t kSkinnyMaxTokens = 64;
+struct SkinnyGemmArgs {
+  const bf16* x;
+  int64_t x_stride;
+  const bf16* w;
+  void* y;
+  int64_t n_tokens, n_in, n_out;
+  bool swiglu = false;
+  bool f32_out = false;
+  int unroll = 0;
+  int warps = 0;
+};
+bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
+void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
+
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
 // chains without logit_bias and penalties (Sampler::device_compatible()):
 // - temperature <= 0 (0 = greedy): the argmax, lowest id on ties;

@@ -14,21 +14,66 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "backend/cuda/cuda_check.h"
 
 // Kernel launch and dynamic shared memory, spelled once for both builds.
+// Every launch asks for programmatic dependent launch (PDL; CUDA Programming Guide, "Programmatic
+// Dependent Launch and Synchronization"): the next kernel in the stream may be scheduled while
+// this one drains. So EVERY kernel of this folder starts with KESTREL_PDL_ENTRY() (wait for the
+// previous kernel's results, then let the next kernel launch) before it touches global memory,
+// except for reads of data no kernel writes (weights), which may come first: skinny_gemm streams
+// its first weight tiles before it waits. cuBLASLt's kernels and memcpys in between are ordinary
+// stream dependencies. Off with KESTREL_PDL=0 (pdl_enabled).
 #if defined(KESTREL_CUDA_EMULATE)
 #define KESTREL_LAUNCH(kernel, grid, block, smem, stream, ...) \
   ::kestrel::cuda::emu::launch((grid), (block), (smem), [&] { kernel(__VA_ARGS__); })
 #define KESTREL_DYNAMIC_SMEM(name) unsigned char* name = ::kestrel::cuda::emu::dynamic_smem()
 #else
 #define KESTREL_LAUNCH(kernel, grid, block, smem, stream, ...) \
-  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+  ::kestrel::cuda::launch_pdl((kernel), (grid), (block), (smem), (stream), __VA_ARGS__)
 #define KESTREL_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
+#define KESTREL_PDL_ENTRY()            \
+  do {                                 \
+    ::kestrel::cuda::pdl_wait();       \
+    ::kestrel::cuda::pdl_launch_next(); \
+  } while (0)
 
 namespace kestrel::cuda {
+
+// griddepcontrol (PTX ISA, sm_90): wait until the grids this one depends on have completed and
+// their writes are visible; allow the dependent grid to be scheduled. No-ops without PDL.
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(KESTREL_CUDA_EMULATE)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_next() {
+#if !defined(KESTREL_CUDA_EMULATE)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+#if !defined(KESTREL_CUDA_EMULATE)
+// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
+// attribute when pdl_enabled(). Errors: kestrel::Error for a failed launch.
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+#endif
 
 constexpr int kWarpSize = 32;
 

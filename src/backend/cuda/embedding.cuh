@@ -10,6 +10,7 @@ namespace kestrel::cuda {
 template <bool kVec>
 __global__ void embedding_kernel(const __nv_bfloat16* __restrict__ table, const int32_t* __restrict__ ids,
                                  int64_t n_embd, float* __restrict__ out) {
+  KESTREL_PDL_ENTRY();
   const int64_t t = blockIdx.x;
   const __nv_bfloat16* row = table + static_cast<int64_t>(ids[t]) * n_embd;
   float* dst = out + t * n_embd;

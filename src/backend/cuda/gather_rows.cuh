@@ -11,6 +11,7 @@ namespace kestrel::cuda {
 template <bool kVec>
 __global__ void gather_rows_kernel(const __nv_bfloat16* __restrict__ in, const int32_t* __restrict__ rows,
                                    int64_t width, __nv_bfloat16* __restrict__ out) {
+  KESTREL_PDL_ENTRY();
   const int64_t i = blockIdx.x;
   const __nv_bfloat16* src = in + static_cast<int64_t>(rows[i]) * width;
   __nv_bfloat16* dst = out + i * width;

@@ -2,7 +2,9 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <map>
+#include <vector>
 #include <string>
 #include <tuple>
 
@@ -49,6 +51,8 @@ struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (candidates[0] == first algo)
+  bool tuned = false;
 
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;
@@ -77,7 +81,7 @@ struct Gemm::Impl {
   size_t workspace_bytes = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<GemmPlan>> plans;
 
-  const GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out) {
+  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out) {
     const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out));
     auto it = plans.find(key);
     if (it != plans.end()) return *it->second;
@@ -106,14 +110,17 @@ struct Gemm::Impl {
     for (const auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
       KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, attr, &align, sizeof align));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[Gemm::kTuneCandidates]{};
     int n_results = 0;
-    KESTREL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->w, p->x, p->y, p->y, pref.pref, 1,
-                                                        &result, &n_results));
+    KESTREL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->w, p->x, p->y, p->y, pref.pref,
+                                                        Gemm::kTuneCandidates, results, &n_results));
     if (n_results == 0)
       throw Error("cuBLASLt has no algorithm for the GEMM n_tokens " + std::to_string(n_tokens) + ", n_in " +
                   std::to_string(n_in) + ", n_out " + std::to_string(n_out));
-    p->algo = result.algo;
+    for (int i = 0; i < n_results; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) p->candidates.push_back(results[i].algo);
+    if (p->candidates.empty()) throw Error("cuBLASLt's heuristic returned no usable algorithm");
+    p->algo = p->candidates.front();
     return *plans.emplace(key, std::move(p)).first->second;
   }
 };
@@ -137,6 +144,50 @@ Gemm::~Gemm() {
 }
 
 size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
+
+int Gemm::tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmOutput out, int64_t n_tokens,
+               int64_t n_in, int64_t n_out, cudaStream_t stream) {
+  if (n_ws == 0) throw Error("gemm tune: no weight matrices");
+  run(x, ws[0], y, out, n_tokens, n_in, n_out, stream);  // validates the arguments, creates the plan
+  GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
+  if (p.candidates.size() < 2) return 0;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  KESTREL_CUDA_CHECK(cudaEventCreate(&start));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&stop));
+  const float alpha = 1.0f, beta = 0.0f;
+  std::vector<float> ms(p.candidates.size(), -1.0f);
+  try {
+    for (size_t c = 0; c < p.candidates.size(); ++c) {
+      auto pass = [&]() {
+        for (size_t i = 0; i < n_ws; ++i)
+          if (cublasLtMatmul(impl_->handle, p.desc, &alpha, ws[i], p.w, x, p.x, &beta, y, p.y, y, p.y,
+                             &p.candidates[c], impl_->workspace, impl_->workspace_bytes,
+                             stream) != CUBLAS_STATUS_SUCCESS)
+            return false;
+        return true;
+      };
+      if (!pass()) continue;  // an algorithm that cannot run this shape is skipped
+      KESTREL_CUDA_CHECK(cudaEventRecord(start, stream));
+      bool ok = pass() && pass();
+      KESTREL_CUDA_CHECK(cudaEventRecord(stop, stream));
+      KESTREL_CUDA_CHECK(cudaEventSynchronize(stop));
+      if (ok) KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms[c], start, stop));
+    }
+  } catch (...) {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    throw;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  size_t best = 0;
+  for (size_t c = 1; c < ms.size(); ++c)
+    if (ms[c] > 0 && (ms[best] <= 0 || ms[c] < ms[best])) best = c;
+  if (ms[0] > 0 && ms[best] > 0.97f * ms[0]) best = 0;  // keep the heuristic's choice unless clearly beaten
+  p.algo = p.candidates[best];
+  p.tuned = true;
+  return static_cast<int>(best);
+}
 
 void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out,
                cudaStream_t stream) {

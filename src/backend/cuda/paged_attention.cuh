@@ -294,6 +294,7 @@ __device__ __forceinline__ void init_softmax(WarpSoftmax<D>& st) {
 // entries (sequence, first token). One block of 256 threads; n_tiles receives the count.
 __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, int64_t n_seqs, int32_t tokens_per_tile,
                                       int2* __restrict__ tiles, int32_t* __restrict__ n_tiles) {
+  KESTREL_PDL_ENTRY();
   constexpr int kThreads = 256;
   __shared__ int32_t scan[kThreads];
   __shared__ int32_t base;
@@ -328,6 +329,7 @@ __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, i
 // grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_smem_bytes<D, false>().
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
+  KESTREL_PDL_ENTRY();
   constexpr int kRows = kPrefillRows, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
   const int n_tiles = *a.n_tiles;
   if (static_cast<int>(blockIdx.x) >= n_tiles) return;
@@ -417,6 +419,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
 // grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_smem_bytes<D, true>().
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKernelArgs a) {
+  KESTREL_PDL_ENTRY();
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   const int seq = blockIdx.x;
   const int token = a.query_start[seq];
@@ -521,6 +524,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKern
 // kernel's head dims).
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKernelArgs a) {
+  KESTREL_PDL_ENTRY();
   const int dim = D > 0 ? D : a.head_dim;
   const int seq = blockIdx.x, head = blockIdx.y;
   const int token = a.query_start[seq];

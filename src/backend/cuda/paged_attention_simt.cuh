@@ -38,6 +38,7 @@ inline size_t attn_simt_smem_bytes(int d) {
 // n_splits). 128 threads, attn_simt_smem_bytes(head_dim). kSlots: head_dim <= 32 * kSlots.
 template <int kSlots, bool kDecode>
 __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernelArgs a) {
+  KESTREL_PDL_ENTRY();
   const int D = a.head_dim, kChunks = D / 8;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;

@@ -100,6 +100,7 @@ __device__ __forceinline__ void rope_pair(const __nv_bfloat16* x, __nv_bfloat16*
 // pass-through items of every k head (k goes to the cache whole); the copy items of every v head.
 template <bool kVec>
 __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
+  KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
   const int64_t t = blockIdx.x;
   const int half = a.rope_dim / 2;

@@ -475,6 +475,7 @@ __device__ int32_t id_path(const Row& r, Shared& sh) {
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(const float* __restrict__ logits, const SampleParams* __restrict__ params, int64_t n,
                   float fixed_scale, int32_t* __restrict__ tokens) {
+  KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
   Shared& sh = *reinterpret_cast<Shared*>(smem);
   const int64_t row = blockIdx.x;

@@ -13,6 +13,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 template <bool kVec>
 __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
                                 int64_t n_tokens, int64_t n_ff) {
+  KESTREL_PDL_ENTRY();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t t = blockIdx.y; t < n_tokens; t += gridDim.y) {
     const __nv_bfloat16* gate = gate_up + t * 2 * n_ff;

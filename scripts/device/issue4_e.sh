@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 4: the skinny decode GEMM (src/backend/cuda/skinny_gemm.cuh), in one call on a fresh
+# machine: the GPU op tests, the projection microbenchmark (cuBLASLt against the skinny kernel's
+# variants at 1..64 tokens), then batch-1 and batch-64 decode of the 8B-shaped model with the
+# skinny GEMM and PDL off and on ("-" is the defaults). Set STAGES to skip parts (default "tests
+# micro e2e").
+# Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
+# stories260K.gguf, tokenizer.model).
+set -uo pipefail
+source scripts/device/issue4_common.sh
+STAGES="${STAGES:-tests micro e2e}"
+: > "$SUMMARY"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+if [[ $STAGES == *tests* ]]; then
+  echo "== GPU op tests (kestrel_tests, Cuda*)"
+  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
+  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
+fi
+if [[ $STAGES == *tests* ]]; then
+  echo "== stories260K: greedy, CPU vs CUDA, 32 tokens"
+  for dev in cpu cuda; do
+    timeout 60 "$K" generate -m $BIN/stories260K.gguf -p "Once upon a time" -n 32 --temperature 0 --json \
+      --device $dev > /tmp/k4/stories_$dev.json 2>/tmp/k4/stories_$dev.err || tail -3 /tmp/k4/stories_$dev.err
+  done
+  python3 - <<'PY' | tee -a "$SUMMARY"
+import json
+a = json.load(open("/tmp/k4/stories_cpu.json"))["output_ids"]
+b = json.load(open("/tmp/k4/stories_cuda.json"))["output_ids"]
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
+PY
+fi
+if [[ $STAGES == *micro* ]]; then
+  echo "== projections at few tokens: cuBLASLt vs skinny_gemm"
+  timeout 300 $BIN/kestrel_cuda_bench skinny 2>&1 | tee "$OUT/skinny.txt"
+fi
+if [[ $STAGES == *e2e* ]]; then
+  [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
+  # Each configuration is a set of environment variables (KESTREL_SKINNY_MAX_TOKENS, KESTREL_PDL).
+  for cfg in ${B1_CONFIGS:-KESTREL_SKINNY_MAX_TOKENS=0,KESTREL_PDL=0,KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
+    echo "== batch-1 decode: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
+      | tee /tmp/k4/b1.txt
+    note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
+  done
+  for cfg in ${B64_CONFIGS:-KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
+    echo "== batch-64 decode at 512: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
+    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
+  done
+  echo "== op profile (eager, CUDA events): batch-1 and batch-64 decode, skinny at the default"
+  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
+  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
+    --max-num-batched-tokens 8192 2>&1 | grep -A24 "op profile"
+fi
+echo "== summary"
+cat "$SUMMARY"
