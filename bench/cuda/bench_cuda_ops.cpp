@@ -103,7 +103,7 @@ bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_fi
 // seqs: (context, q_len) pairs; one layer of KV cache sized to fit them.
 void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, int block_size,
                      const std::vector<std::pair<int, int>>& seqs) {
-  if (!wanted("attention")) return;
+  if (!wanted("attention " + name)) return;
   std::vector<int32_t> qs{0}, ctx, pos, tables;
   int max_blocks = 0, max_ctx = 0, max_q = 0, n_blocks = 0;
   for (auto [c, q] : seqs) {
@@ -307,7 +307,9 @@ int main(int argc, char** argv) {
     bench_attention("chunk 512 at 8192, 32/8, d128", 32, 8, 128, 16, {{8192, 512}});
     bench_attention("decode 1 x ctx 32768, 32/8, d128 (split)", 32, 8, 128, 16, {{32768, 1}});
     {
-      std::vector<std::pair<int, int>> s(64, {2048, 1});
+      std::vector<std::pair<int, int>> s(64, {576, 1});  // kestrel bench --parallel 64 -p 512 -n 128: mean context
+      bench_attention("decode 64 x ctx 576, 32/8, d128", 32, 8, 128, 16, s);
+      s.assign(64, {2048, 1});
       bench_attention("decode 64 x ctx 2048, 32/8, d128", 32, 8, 128, 16, s);
       s.assign(256, {1024, 1});
       bench_attention("decode 256 x ctx 1024, 32/8, d128", 32, 8, 128, 16, s);
@@ -325,7 +327,9 @@ int main(int argc, char** argv) {
     bench_attention("prefill 1 x 2048, 32/8 heads, d48 (SIMT)", 32, 8, 48, 16, {{2048, 2048}});
     bench_attention("prefill 1 x 2048, 8/4 heads, d8 (SIMT)", 8, 4, 8, 16, {{2048, 2048}});
     {
-      std::vector<std::pair<int, int>> s(64, {2048, 1});
+      std::vector<std::pair<int, int>> s(64, {576, 1});  // kestrel bench --parallel 64 -p 512 -n 128: mean context
+      bench_attention("decode 64 x ctx 576, 32/8, d128", 32, 8, 128, 16, s);
+      s.assign(64, {2048, 1});
       bench_attention("decode 64 x ctx 2048, 32/32, d96", 32, 32, 96, 16, s);
       bench_attention("decode 64 x ctx 2048, 16/16, d256", 16, 16, 256, 16, s);
       bench_attention("decode 64 x ctx 2048, 32/8, d48 (SIMT)", 32, 8, 48, 16, s);

@@ -8,7 +8,7 @@
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
 source scripts/device/issue4_common.sh
-STAGES="${STAGES:-tests micro e2e}"
+STAGES="${STAGES:-tests micro e2e profile}"
 : > "$SUMMARY"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
@@ -50,6 +50,14 @@ if [[ $STAGES == *e2e* ]]; then
       --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
     note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
   done
+  echo "== prefill 8 x 2048"
+  timeout 200 "$K" bench -m "$M8" --device cuda --parallel 8 -p 2048 -n 2 -r 3 --max-num-batched-tokens 16384 2>&1 \
+    | tail -1 | tee /tmp/k4/pp.txt
+  note "prefill 8x2048: $(tail -1 /tmp/k4/pp.txt)"
+  echo "== load (weights upload), page cache warm"
+  timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" | tee /tmp/k4/load.txt
+  note "load 8B (warm page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+  [[ $STAGES == *profile* ]] || { echo "== summary"; cat "$SUMMARY"; exit 0; }
   echo "== op profile (eager, CUDA events): batch-1 and batch-64 decode, skinny at the default"
   KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
   KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \

@@ -178,6 +178,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.n_head = p.n_head;
   a.n_head_kv = p.n_head_kv;
   a.block_size = p.block_size;
+  a.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
   a.head_dim = p.head_dim;
   a.group = plan.group;
   a.tokens_per_tile = plan.tokens_per_tile;

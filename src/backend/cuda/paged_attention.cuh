@@ -61,6 +61,7 @@ struct AttnKernelArgs {
   __nv_bfloat16* out;            // [n_tokens, n_head, D]
   int64_t n_seqs;
   int32_t max_blocks_per_seq, n_head, n_head_kv, block_size;
+  int32_t block_shift;           // log2(block_size) when it is a power of two, else -1
   int32_t group;                 // n_head / n_head_kv
   int32_t heads_per_tile;        // query heads of one group per block: min(group, rows per block)
   int32_t head_chunks;           // ceil(group / heads_per_tile): grid.y = n_head_kv * head_chunks
@@ -98,6 +99,15 @@ constexpr size_t attn_smem_bytes() {
 // Gathers keys [key0, key0 + kKeys) of one KV head through the block table into a K and a V tile
 // (cp.async, not waited for); keys at or past key_end are zero-filled (never stale NaN, which
 // 0 * NaN would carry into O).
+// (block-table index, offset in the block) of a key. Shifts for the usual power-of-two block
+// sizes: an integer division by a run-time divisor is a ~20-instruction sequence, and the tile
+// loaders do this per 16-byte chunk (ncu on the decode kernel: issue-bound, not memory-bound).
+__device__ __forceinline__ int2 block_of_key(const AttnKernelArgs& a, int key) {
+  if (a.block_shift >= 0) return make_int2(key >> a.block_shift, key & (a.block_size - 1));
+  const int b = key / a.block_size;
+  return make_int2(b, key - b * a.block_size);
+}
+
 template <int D, int kKeys = kKeyTile>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
                                              const int32_t* block_table, int kvh, int key0, int key_end) {
@@ -108,8 +118,9 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* s
     const bool valid = key < key_end;
     int64_t off = 0;
     if (valid) {
-      const int64_t blk = block_table[key / a.block_size];
-      off = ((blk * a.n_head_kv + kvh) * a.block_size + key % a.block_size) * D + c * 8;
+      const int2 bk = block_of_key(a, key);
+      const int64_t blk = block_table[bk.x];
+      off = ((blk * a.n_head_kv + kvh) * a.block_size + bk.y) * D + c * 8;
     }
     cp_async16(sk + swz<D>(r, c), a.k_cache + off, valid);
     cp_async16(sv + swz<D>(r, c), a.v_cache + off, valid);

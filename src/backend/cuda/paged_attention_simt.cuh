@@ -114,8 +114,9 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
       const int key = key0 + r;
       uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;  // past the end: zeros (never stale NaN)
       if (key < key_end) {
-        const int64_t blk = block_table[key / a.block_size];
-        const int64_t off = ((blk * a.n_head_kv + kvh) * a.block_size + key % a.block_size) * D + c * 8;
+        const int2 bk = block_of_key(a, key);
+        const int64_t blk = block_table[bk.x];
+        const int64_t off = ((blk * a.n_head_kv + kvh) * a.block_size + bk.y) * D + c * 8;
         kx = *reinterpret_cast<const uint4*>(a.k_cache + off);
         vx = *reinterpret_cast<const uint4*>(a.v_cache + off);
       }
