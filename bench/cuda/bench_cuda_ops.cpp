@@ -101,8 +101,9 @@ void report(const std::string& op, const std::string& shape, double ms, double b
 bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
 
 // seqs: (context, q_len) pairs; one layer of KV cache sized to fit them.
+// max_context_override > 0: pass that bound (as a CUDA graph does: its block-table width).
 void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, int block_size,
-                     const std::vector<std::pair<int, int>>& seqs) {
+                     const std::vector<std::pair<int, int>>& seqs, int max_context_override = 0) {
   if (!wanted("attention " + name)) return;
   std::vector<int32_t> qs{0}, ctx, pos, tables;
   int max_blocks = 0, max_ctx = 0, max_q = 0, n_blocks = 0;
@@ -153,7 +154,7 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.n_tokens = n_tokens;
   p.n_seqs = static_cast<int64_t>(seqs.size());
   p.max_blocks_per_seq = max_blocks;
-  p.max_context = max_ctx;
+  p.max_context = max_context_override > 0 ? max_context_override : max_ctx;
   p.n_head = n_head;
   p.n_head_kv = n_head_kv;
   p.head_dim = d;
@@ -309,6 +310,7 @@ int main(int argc, char** argv) {
     {
       std::vector<std::pair<int, int>> s(64, {576, 1});  // kestrel bench --parallel 64 -p 512 -n 128: mean context
       bench_attention("decode 64 x ctx 576, 32/8, d128", 32, 8, 128, 16, s);
+      bench_attention("decode 64 x ctx 576 graphed (max_context 1024)", 32, 8, 128, 16, s, 1024);
       s.assign(64, {2048, 1});
       bench_attention("decode 64 x ctx 2048, 32/8, d128", 32, 8, 128, 16, s);
       s.assign(256, {1024, 1});
@@ -329,6 +331,7 @@ int main(int argc, char** argv) {
     {
       std::vector<std::pair<int, int>> s(64, {576, 1});  // kestrel bench --parallel 64 -p 512 -n 128: mean context
       bench_attention("decode 64 x ctx 576, 32/8, d128", 32, 8, 128, 16, s);
+      bench_attention("decode 64 x ctx 576 graphed (max_context 1024)", 32, 8, 128, 16, s, 1024);
       s.assign(64, {2048, 1});
       bench_attention("decode 64 x ctx 2048, 32/32, d96", 32, 32, 96, 16, s);
       bench_attention("decode 64 x ctx 2048, 16/16, d256", 16, 16, 256, 16, s);

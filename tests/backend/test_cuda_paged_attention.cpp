@@ -28,7 +28,8 @@ struct AttnCase {
   std::vector<SeqSpec> seqs;
   float q_range;          // q uniform in [-q_range, q_range]: larger means peakier softmax
   bool pass_max_query_len;
-  int32_t max_context_override = 0;  // > 0: pass this (too small) max_context instead of the true one
+  int32_t max_context_override = 0;  // > 0: pass this max_context (too small, or a graph's too large
+                                     // bound) instead of the true one
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -155,6 +156,9 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
       {"chunk + decode, 2000 and 2500 keys", 8, 2, 128, 16, {{2000, 5}, {2500, 1}}, 1.0f, true},
       // max_context understated: the last split must take the rest of the context.
       {"3001 keys, max_context given as 1000", 8, 2, 128, 16, {{3001, 1}}, 1.0f, true, 1000},
+      // max_context overstated, as a CUDA graph's block-table bound: splits sized for 4096 keys.
+      {"decodes at 300, 700 and 65 keys, max_context given as 4096", 8, 2, 128, 16, {{300, 1}, {700, 1}, {65, 1}},
+       2.0f, true, 4096},
   };
   for (const auto& c : cases) run_case(c, rng);
 }
@@ -211,6 +215,7 @@ TEST(CudaPagedAttention, OtherHeadDimsLongContextsSplitKv) {
       {"d256 group 8, 2049 keys, block size 32", 8, 1, 256, 32, {{2049, 1}}, 2.0f, false},
       // max_context understated: the last split must take the rest of the context.
       {"d40 (SIMT), 3001 keys, max_context given as 1000", 4, 2, 40, 16, {{3001, 1}}, 1.0f, true, 1000},
+      {"d40 (SIMT), 300 and 65 keys, max_context given as 4096", 4, 2, 40, 16, {{300, 1}, {65, 1}}, 1.0f, true, 4096},
   };
   if (!kCudaEmulated) {
     cases.push_back({"d256 group 2, 4 decodes at up to 20000 keys", 8, 4, 256, 16,

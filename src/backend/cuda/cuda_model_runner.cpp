@@ -350,6 +350,10 @@ class CudaModelRunner final : public ModelRunner {
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
   bool tune_gemms_ = true;
+  // Tuned only up to 64 rows: there it gained 1-2% (batch-64 decode, H200), while tuning the
+  // larger, compute-bound decode batches of an offline run cost 7% of its throughput
+  // (docs/performance.md): timed alone, the winners did worse inside the real step.
+  static constexpr int64_t kTuneMaxTokens = 64;
   std::set<int64_t> tuned_sizes_;
   void tune_gemms(int64_t n);
   std::unique_ptr<cuda::OpProfiler> prof_;  // KESTREL_PROFILE_OPS=1 (op_profiler.h)
@@ -688,7 +692,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
     reserve_activations(bsz, bsz, cuda::attention_workspace_bytes(probe));
     const BatchArrays h = stage(b, rows, bsz, width);
     auto& g = graphs_[{bsz, width, sample}];
-    if (g == nullptr && tune_gemms_ && tuned_sizes_.insert(bsz).second) tune_gemms(bsz);
+    if (g == nullptr && tune_gemms_ && bsz <= kTuneMaxTokens && tuned_sizes_.insert(bsz).second) tune_gemms(bsz);
     if (g == nullptr) {
       // First use of this shape: allocate its arrays, run it eagerly (warming cuBLASLt's
       // algorithm cache outside the capture), then capture it for the next steps.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/cuda_ops.h"
@@ -16,12 +17,31 @@ namespace kestrel::cuda {
 namespace {
 
 // Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU, or
-// fills it in a fraction of a wave, and the contexts are long: aim for about this many blocks,
-// four waves of the H200's 132 SMs x 3 resident decode blocks (70 KB of shared memory each), with
-// at least kMinPartition keys per split. (The first target, 512 blocks = 1.3 waves, left 64
-// sequences x 8 KV heads unsplit: their second wave ran a quarter full, 2.86 TB/s at 64 x 2048.)
-constexpr int64_t kSplitTargetBlocks = 4 * 132 * 3;
+// fills it in a fraction of a wave, and the contexts are long: aim for about this many blocks
+// (2.6 waves of the H200's 132 SMs x 3 resident decode blocks of 70 KB shared memory), with at
+// least kMinPartition keys per split. History, decode attention at 32/8 heads, d128 on the H200
+// (bench/cuda, scripts/device/attn_split_sweep.sh, 2026-11-30): 512 blocks (1.3 waves, 64
+// sequences unsplit) ran 64 x 2048 in 181 us and 64 x 576 in 62 us; 1,584 (four waves) 166 and
+// 66 us; 1,024 155 and 62.5 us; 4,096 with 128-key partitions 175 and 74 us. Giving each
+// sequence an even share of the splits (instead of max_context's partition) gained nothing.
+constexpr int64_t kSplitTargetBlocks = 1024;
 constexpr int64_t kMinPartition = 256;
+// Overrides for benchmarks (bench/cuda, scripts/device/attn_split_sweep.sh): KESTREL_ATTN_SPLIT_BLOCKS
+// and KESTREL_ATTN_MIN_PARTITION (rounded down to a multiple of kKeyTile), read once.
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  const long long x = std::atoll(v);
+  return x > 0 ? x : fallback;
+}
+int64_t split_target_blocks() {
+  static const int64_t v = env_or("KESTREL_ATTN_SPLIT_BLOCKS", kSplitTargetBlocks);
+  return v;
+}
+int64_t min_partition() {
+  static const int64_t v = std::max<int64_t>(kKeyTile, env_or("KESTREL_ATTN_MIN_PARTITION", kMinPartition) / kKeyTile * kKeyTile);
+  return v;
+}
 
 int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
 
@@ -74,8 +94,8 @@ Plan make_plan(const AttentionParams& p) {
   const int64_t max_ctx = std::max<int32_t>(p.max_context, 1);
   const int64_t base_blocks = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
   int64_t splits = 1;
-  if (base_blocks < kSplitTargetBlocks && max_ctx > kMinPartition)
-    splits = std::min(ceil_div(kSplitTargetBlocks, base_blocks), ceil_div(max_ctx, kMinPartition));
+  if (base_blocks < split_target_blocks() && max_ctx > min_partition())
+    splits = std::min(ceil_div(split_target_blocks(), base_blocks), ceil_div(max_ctx, min_partition()));
   const int64_t partition = round_up(ceil_div(max_ctx, splits), kKeyTile);
   plan.n_splits = static_cast<int32_t>(ceil_div(max_ctx, partition));
   plan.partition = static_cast<int32_t>(partition);
