@@ -64,7 +64,7 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
     c.enable_prefix_caching = caching;
     Engine e(*lm.model, nullptr, c,
-             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
+             make_engine_runner(a.engine.device, *lm.model, c));
     std::vector<double> ttft;
     int64_t run_tokens = 0, hits = 0;
     for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
@@ -111,7 +111,7 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
     c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
     c.enable_prefix_caching = false;
     Engine e(*lm.model, nullptr, c,
-             make_engine_runner(a.engine.device, a.engine.gpu_memory_utilization, *lm.model, c));
+             make_engine_runner(a.engine.device, *lm.model, c));
     std::vector<double> pp, tg, ttft, tpot;
     int64_t steps = 0;
     for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up

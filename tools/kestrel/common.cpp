@@ -88,15 +88,21 @@ void EngineFlags::add_to(CLI::App& app) {
   app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
-  add_device_flags(app, device, gpu_memory_utilization);
+  device.add_to(app);
 }
 
-void add_device_flags(CLI::App& app, std::string& device, double& gpu_memory_utilization) {
+void DeviceFlags::add_to(CLI::App& app) {
   app.add_option("--device", device, "Backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--gpu-memory-utilization", gpu_memory_utilization,
                  "CUDA: fraction of the GPU's memory that weights and KV cache may use")
       ->check(CLI::Range(0.05, 1.0))
       ->capture_default_str();
+  app.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every step's kernels eagerly (no CUDA graphs)");
+}
+
+void DeviceFlags::apply(RunnerOptions& o) const {
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  o.enforce_eager = enforce_eager;
 }
 
 std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaModel& model,
@@ -115,28 +121,28 @@ std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaM
 #endif
 }
 
-std::unique_ptr<ModelRunner> make_engine_runner(const std::string& device, double gpu_memory_utilization,
-                                                const LlamaModel& model, const EngineConfig& config) {
-  if (device == "cpu") return nullptr;
+std::unique_ptr<ModelRunner> make_engine_runner(const DeviceFlags& device, const LlamaModel& model,
+                                                const EngineConfig& config) {
+  if (device.device == "cpu") return nullptr;
   RunnerOptions o;
   o.block_size = config.block_size;
   o.n_kv_blocks = config.n_kv_blocks;
   o.kv_dtype = config.kv_dtype;
   o.n_threads = config.n_threads;
-  o.gpu_memory_utilization = gpu_memory_utilization;
-  return make_runner(device, model, o);
+  device.apply(o);
+  return make_runner(device.device, model, o);
 }
 
 std::unique_ptr<ModelRunner> EngineFlags::session_runner(const LlamaModel& model, const SessionOptions& so) const {
-  if (device == "cpu") return nullptr;
+  if (device.device == "cpu") return nullptr;
   const int64_t n_ctx = std::min(so.n_ctx, model.hparams().n_ctx_train);
   RunnerOptions o;
   o.block_size = so.block_size;
   o.n_kv_blocks = static_cast<int32_t>((n_ctx + so.block_size - 1) / so.block_size);
   o.kv_dtype = so.kv_dtype;
   o.n_threads = so.n_threads;
-  o.gpu_memory_utilization = gpu_memory_utilization;
-  return make_runner(device, model, o);
+  device.apply(o);
+  return make_runner(device.device, model, o);
 }
 
 SessionOptions EngineFlags::session_options() const {
@@ -171,7 +177,7 @@ void EngineServingFlags::add_to(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   app.add_flag("--no-prefix-cache", no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
-  add_device_flags(app, device, gpu_memory_utilization);
+  device.add_to(app);
   app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
   app.add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
@@ -189,7 +195,7 @@ std::unique_ptr<Engine> EngineServingFlags::make_engine(const LoadedModel& lm) c
   config.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
   try {
     return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
-                                    make_engine_runner(device, gpu_memory_utilization, *lm.model, config));
+                                    make_engine_runner(device, *lm.model, config));
   } catch (const Error& e) {
     // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
     throw CLI::ValidationError("engine flags", e.what());

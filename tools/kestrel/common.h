@@ -45,13 +45,21 @@ struct SamplingFlags {
   SamplingParams params() const;
 };
 
+// --device and the options of the GPU backend.
+struct DeviceFlags {
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
+  bool enforce_eager = false;  // CUDA: no CUDA graphs (RunnerOptions::enforce_eager)
+  void add_to(CLI::App& app);
+  void apply(RunnerOptions& o) const;  // fills the device options of o
+};
+
 struct EngineFlags {
   int threads = 0;
   int64_t ctx_size = 4096;
   int block_size = 16;
   std::string kv_dtype = "f16";
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
+  DeviceFlags device;
   void add_to(CLI::App& app);
   // The backend for a Session of these options: null for the CPU (the Session makes its own).
   std::unique_ptr<ModelRunner> session_runner(const LlamaModel& model, const SessionOptions& so) const;
@@ -65,18 +73,15 @@ std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaM
 // The backend for an Engine with this config: null for the CPU (the Engine makes its own, sized
 // by the config), else make_runner's (CUDA sizes its KV pool from free memory when
 // config.n_kv_blocks is 0).
-std::unique_ptr<ModelRunner> make_engine_runner(const std::string& device, double gpu_memory_utilization,
-                                                const LlamaModel& model, const EngineConfig& config);
-// Adds --device and --gpu-memory-utilization to a command.
-void add_device_flags(CLI::App& app, std::string& device, double& gpu_memory_utilization);
+std::unique_ptr<ModelRunner> make_engine_runner(const DeviceFlags& device, const LlamaModel& model,
+                                                const EngineConfig& config);
 
 // Flags of the commands that drive the serving engine (batch, serve): scheduling, KV pool, device.
 struct EngineServingFlags {
   EngineConfig engine;
   bool no_prefix_cache = false;
   std::string kv_dtype = "f16";
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
+  DeviceFlags device;
   void add_to(CLI::App& app);
   // The engine these flags describe. Throws CLI::ValidationError when the engine rejects their
   // combination (each flag is in range on its own), kestrel::Error when the device cannot start.
