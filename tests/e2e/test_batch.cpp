@@ -353,6 +353,25 @@ TEST(CliBatch, MessagesUseTheChatTemplate) {
   EXPECT_EQ(r["text"].get<std::string>().find("<|im_end|>"), std::string::npos) << r.dump();
 }
 
+// `kestrel chat` renders the conversation through the same Jinja template as batch mode (SmolLM2's
+// adds its default system message), so a greedy answer is the batch answer to the same message.
+TEST(CliBatch, ChatAnswersAsBatchMessagesDo) {
+  KESTREL_REQUIRE_FILE(smollm2_model());
+  TempDir dir;
+  const std::string question = "Name a fruit that is yellow.";
+  const BatchRun run = run_batch(
+      dir, {{{"messages", {{{"role", "user"}, {"content", question}}}}, {"max_tokens", 32}, {"temperature", 0}}},
+      "-m " + smollm2_model());
+  ASSERT_EQ(run.rc, 0) << run.err;
+  ASSERT_EQ(run.results.size(), 1u);
+  std::string chat;
+  ASSERT_EQ(run_command(kestrel_binary() + " chat -m " + smollm2_model() + " --temperature 0 -n 32 -p " +
+                            shell_quote(question) + " 2>/dev/null",
+                        &chat),
+            0);
+  EXPECT_EQ(chat, run.results[0]["text"].get<std::string>() + "\n");
+}
+
 // The same seed gives the same tokens, alone or among other requests; other seeds differ.
 TEST(CliBatch, SeededSamplingIsReproducible) {
   KESTREL_REQUIRE_FILE(stories_model());

@@ -43,6 +43,7 @@ class Server:
     """One running `kestrel serve` process."""
 
     def __init__(self, model, *args, name=None):
+        self.model = Path(model)
         self.log = tempfile.NamedTemporaryFile(prefix="kestrel-serve-", suffix=".log", delete=False)
         cmd = [str(kestrel_binary()), "serve", "-m", str(model), "--port", "0", *args]
         self.name = name or Path(model).name

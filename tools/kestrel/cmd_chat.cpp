@@ -1,12 +1,16 @@
 // kestrel chat: a conversation with the model's chat template. Interactive on a terminal; with
-// piped input every line is one user message; with -p one message and exit.
+// piped input every line is one user message; with -p one message and exit. The prompt is rendered
+// as `kestrel batch` and `kestrel serve` render chat messages (render_chat: the model's own Jinja
+// template, else ChatTemplate's format), so the same conversation gives the same tokens everywhere.
 #include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
 
+#include "chat_prompt.h"
 #include "common.h"
 #include "core/error.h"
+#include "openai_request.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/stream_decoder.h"
 
@@ -24,9 +28,16 @@ struct ChatArgs {
 };
 
 // Answers the conversation's last user message, streaming the reply to stdout.
-std::string answer(Session& session, const Tokenizer& tok, const ChatTemplate& tmpl,
+std::string answer(Session& session, const Tokenizer& tok, const PromptFormat& format,
                    const std::vector<ChatMessage>& messages, const GenerateOptions& go, bool stats) {
-  const std::string prompt = tmpl.apply(messages, /*add_generation_prompt=*/true);
+  Json conversation = Json::array();
+  for (const ChatMessage& m : messages) conversation.push_back({{"role", m.role}, {"content", m.content}});
+  std::string prompt;
+  try {
+    prompt = render_chat(format, conversation, /*add_generation_prompt=*/true);
+  } catch (const RequestError& e) {  // the template's own error (raise_exception, a bad template)
+    throw Error(e.what());
+  }
   const std::vector<int32_t> ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
   // Reuse the KV of the longest common prefix with what the session already holds.
   const auto& have = session.tokens();
@@ -64,22 +75,23 @@ void run_chat(const ChatArgs& a) {
   const SessionOptions so = a.engine.session_options();
   LoadedModel lm = load_model(a.model, /*quiet=*/!a.stats);
   const Tokenizer& tok = *lm.tokenizer;
-  const ChatTemplate tmpl =
-      ChatTemplate::detect(lm.model->chat_template(), tok.token_id("<|im_start|>").has_value());
-  go.stop_ids = stop_ids(tok);
-  if (const auto eot = tok.token_id(tmpl.end_of_turn()); eot && !tmpl.end_of_turn().empty())
-    go.stop_ids.push_back(*eot);
+  const PromptFormat format = PromptFormat::for_model(*lm.model, tok);
+  go.stop_ids = format.stop_ids;
+  if (format.end_of_turn_id) go.stop_ids.push_back(*format.end_of_turn_id);
   Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   std::vector<ChatMessage> messages;
   if (!a.system.empty()) messages.push_back({"system", a.system});
 
   if (!a.prompt.empty()) {
     messages.push_back({"user", a.prompt});
-    answer(session, tok, tmpl, messages, go, a.stats);
+    answer(session, tok, format, messages, go, a.stats);
     return;
   }
   const bool tty = ::isatty(STDIN_FILENO) != 0;
-  if (tty) std::fprintf(stderr, "kestrel chat (%s template). Ctrl-D or /exit to quit, /reset to start over.\n", tmpl.kind_name());
+  if (tty)
+    std::fprintf(stderr, "kestrel chat (%s). Ctrl-D or /exit to quit, /reset to start over.\n",
+                 format.jinja_template ? "the model's chat template"
+                                       : (std::string(format.chat_template.kind_name()) + " format").c_str());
   std::string line;
   for (;;) {
     if (tty) std::fputs("> ", stderr);
@@ -93,7 +105,7 @@ void run_chat(const ChatArgs& a) {
     if (line.empty()) continue;
     messages.push_back({"user", line});
     try {
-      messages.push_back({"assistant", answer(session, tok, tmpl, messages, go, a.stats)});
+      messages.push_back({"assistant", answer(session, tok, format, messages, go, a.stats)});
     } catch (const Error& e) {
       if (!tty) throw;  // piped input: report once (main) and exit non-zero
       // Interactive: the turn that does not fit is dropped and the conversation goes on.
