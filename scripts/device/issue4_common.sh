@@ -17,3 +17,19 @@ M8=/tmp/k4/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by issue4_a
 SUMMARY=/tmp/k4/summary.txt
 # note KEY VALUE: one line of the closing table
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# stories260K greedy from "Once upon a time", 32 tokens, --device cpu against --device cuda; one
+# PASS/FAIL line into the summary.
+stories_check() {
+  echo "== stories260K: greedy, CPU vs CUDA, 32 tokens"
+  for dev in cpu cuda; do
+    timeout 60 "$K" generate -m $BIN/stories260K.gguf -p "Once upon a time" -n 32 --temperature 0 --json \
+      --device $dev > /tmp/k4/stories_$dev.json 2>/tmp/k4/stories_$dev.err || tail -3 /tmp/k4/stories_$dev.err
+  done
+  python3 - <<'PY' | tee -a "$SUMMARY"
+import json
+a = json.load(open("/tmp/k4/stories_cpu.json"))["output_ids"]
+b = json.load(open("/tmp/k4/stories_cuda.json"))["output_ids"]
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
+PY
+}
