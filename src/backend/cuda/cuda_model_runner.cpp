@@ -574,20 +574,25 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
 // buffers (sized for n by reserve_activations); their contents do not matter.
 void CudaModelRunner::tune_gemms(int64_t n) {
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
-  auto tune = [&](const bf16* x, auto weight_of, void* y, bool f32_out, int64_t n_in, int64_t n_out) {
+  auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
+                  int64_t n_out) {
     if (n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems && cuda::skinny_gemm_supports(n, n_in, n_out))
       return;  // linear() takes the skinny GEMM
-    std::vector<const bf16*> ws;
-    for (const Layer& L : layers_) ws.push_back(weight_of(L));
     gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
                 stream_);
   };
-  tune(h_.as<bf16>(), [](const Layer& L) { return L.w_qkv.as<bf16>(); }, qkv_.as<void>(), false, d, qd + 2 * kvd);
-  tune(attn_.as<bf16>(), [](const Layer& L) { return L.wo.as<bf16>(); }, o_.as<void>(), false, qd, d);
-  tune(h_.as<bf16>(), [](const Layer& L) { return L.w_gate_up.as<bf16>(); }, gate_up_.as<void>(), false, d, 2 * ff);
-  tune(act_.as<bf16>(), [](const Layer& L) { return L.w_down.as<bf16>(); }, down_.as<void>(), false, ff, d);
+  auto all_layers = [&](DevMem Layer::*w) {
+    std::vector<const bf16*> ws;
+    for (const Layer& L : layers_) ws.push_back((L.*w).as<bf16>());
+    return ws;
+  };
+  tune(h_.as<bf16>(), all_layers(&Layer::w_qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);
+  tune(attn_.as<bf16>(), all_layers(&Layer::wo), o_.as<void>(), false, qd, d);
+  tune(h_.as<bf16>(), all_layers(&Layer::w_gate_up), gate_up_.as<void>(), false, d, 2 * ff);
+  tune(act_.as<bf16>(), all_layers(&Layer::w_down), down_.as<void>(), false, ff, d);
+  // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).
   const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-  tune(logits_in_.as<bf16>(), [&](const Layer&) { return head; }, logits_.as<void>(), true, d, nv);
+  tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
 }
 
 void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
