@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "engine/stop_checker.h"
 #include "memory/kv_manager.h"
+#include "sampling/candidate_list.h"
+#include "sampling/logprobs.h"
 #include "sampling/sampler.h"
 #include "scheduler/scheduler.h"
 #include "tokenizer/stream_decoder.h"
@@ -69,6 +71,11 @@ struct RequestState {
   StopChecker stop_checker;
   Clock::time_point arrival, first_token;
   bool finished = false;
+  // prompt_logprobs: the next prompt position to report (position 0 has no logprob), the ones
+  // computed but not yet reported (they go out with the first sampled token), and NaN logits met.
+  int64_t next_prompt_logprob = 1;
+  std::vector<LogprobSummary> pending_prompt_logprobs;
+  bool prompt_nan = false;
 };
 }  // namespace
 
@@ -110,7 +117,15 @@ struct Engine::Impl {
   // The flat batch of the current step.
   std::vector<int32_t> token_ids, positions, query_start, context_lens, block_tables, logits_indices;
   std::vector<int64_t> slot_mapping;
-  std::vector<RequestState*> sampling;  // [logits_indices.size()] whose row each logits row is
+  std::vector<RequestState*> sampling;  // whose row each of the first sampling.size() logits rows is
+  // The logits rows after those: prompt positions whose logprobs a request wants (prompt_logprobs),
+  // each row predicting prompt token `target` of `r`.
+  struct PromptRow {
+    RequestState* r;
+    int64_t target;
+  };
+  std::vector<PromptRow> prompt_rows;
+  void prompt_logprobs_from(std::span<const float> logits);
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
 };
 
@@ -141,6 +156,9 @@ RequestId Engine::add_request(Request request) {
   if (request.logprobs < -1 || request.logprobs > kMaxRequestLogprobs)
     throw Error("logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
                 std::to_string(request.logprobs));
+  if (request.prompt_logprobs < -1 || request.prompt_logprobs > kMaxRequestLogprobs)
+    throw Error("prompt_logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
+                std::to_string(request.prompt_logprobs));
   if (!request.stop.empty() && m.tokenizer == nullptr) throw Error("stop strings need a tokenizer");
   for (const std::string& s : request.stop)
     if (s.empty()) throw Error("stop strings must not be empty");
@@ -153,6 +171,12 @@ RequestId Engine::add_request(Request request) {
   r->seq.id = r->id;
   r->seq.tokens = request.prompt;
   r->seq.n_prompt = n_prompt;
+  if (request.prompt_logprobs >= 0) {
+    r->seq.reuse_prefix_cache = false;  // cached positions would have no logits
+    // Every prompt position of a chunk is a logits row: bound the rows (n_vocab floats each, on
+    // the host and on the device) a step holds.
+    r->seq.max_chunk = kMaxPromptLogprobRowsPerStep;
+  }
   r->req = std::move(request);
   r->arrival = Clock::now();
   RequestState& ref = *r;
@@ -198,6 +222,8 @@ void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<Requ
   ++stats.n_generated_tokens;
   RequestOutput o;
   o.id = r.id;
+  o.prompt_logprobs = std::move(r.pending_prompt_logprobs);
+  r.pending_prompt_logprobs.clear();
   o.new_token_ids.push_back(token);
   if (logprobs != nullptr) o.logprobs.push_back(std::move(*logprobs));
   const auto& ids = r.req.stop_ids;
@@ -222,6 +248,8 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
   slot_mapping.clear();
   logits_indices.clear();
   sampling.clear();
+  prompt_rows.clear();
+  std::vector<int32_t> prompt_row_indices;
   query_start.assign(1, 0);
   context_lens.clear();
   size_t max_blocks = 0;
@@ -238,12 +266,44 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
       positions.push_back(static_cast<int32_t>(p));
       slot_mapping.push_back(static_cast<int64_t>(table[static_cast<size_t>(p / bs)]) * bs + p % bs);
     }
+    RequestState* r = requests.at(sc.seq->id).get();
+    if (r->req.prompt_logprobs >= 0) {
+      // Row p's logits predict token p + 1: the prompt's tokens 1 .. n_prompt - 1 (the last prompt
+      // position's row is the sampling row, for the first generated token).
+      const int32_t first_row = query_start.back();
+      for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p)
+        if (p + 1 < sc.seq->n_prompt && p + 1 >= r->next_prompt_logprob) {
+          prompt_row_indices.push_back(first_row + static_cast<int32_t>(p - sc.n_computed));
+          prompt_rows.push_back({r, p + 1});
+        }
+    }
     query_start.push_back(static_cast<int32_t>(token_ids.size()));
     context_lens.push_back(static_cast<int32_t>(sc.n_computed + sc.n_new));
     if (sc.samples()) {
       logits_indices.push_back(static_cast<int32_t>(token_ids.size()) - 1);
-      sampling.push_back(requests.at(sc.seq->id).get());
+      sampling.push_back(r);
     }
+  }
+  logits_indices.insert(logits_indices.end(), prompt_row_indices.begin(), prompt_row_indices.end());
+}
+
+// The prompt rows' logprobs (after the sampling rows in `logits`), into each request's pending
+// list; a row with a NaN or infinite maximum marks its request (step() ends it with an error).
+void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
+  const size_t n_vocab = static_cast<size_t>(model.hparams().n_vocab);
+  for (size_t i = 0; i < prompt_rows.size(); ++i) {
+    RequestState& r = *prompt_rows[i].r;
+    if (r.prompt_nan) continue;
+    const auto row = logits.subspan((sampling.size() + i) * n_vocab, n_vocab);
+    const float mx = *std::max_element(row.begin(), row.end());
+    if (!std::isfinite(mx) || std::any_of(row.begin(), row.end(), [](float x) { return std::isnan(x); })) {
+      r.prompt_nan = true;
+      continue;
+    }
+    const int64_t target = prompt_rows[i].target;
+    r.pending_prompt_logprobs.push_back(
+        compute_logprobs(row, r.seq.tokens[static_cast<size_t>(target)], r.req.prompt_logprobs));
+    r.next_prompt_logprob = target + 1;
   }
 }
 
@@ -274,7 +334,8 @@ std::vector<RequestOutput> Engine::step() {
   // uniform each sampler would have drawn goes with its row, so the token is the one the CPU
   // sampler would pick from the same logits.
   // A request that wants logprobs needs the logits on the host (the device sampler returns ids).
-  bool on_device = m.runner->samples_on_device();
+  // Prompt rows need the logits on the host too.
+  bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i)
     on_device = m.sampling[i]->sampler->device_compatible() && m.sampling[i]->req.logprobs < 0;
   std::span<const float> logits;
@@ -290,6 +351,7 @@ std::vector<RequestOutput> Engine::step() {
     logits = m.runner->forward(fb);
   }
   m.scheduler.on_step_done(out);
+  m.prompt_logprobs_from(logits);
 
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < m.sampling.size(); ++i) {
@@ -301,6 +363,7 @@ std::vector<RequestOutput> Engine::step() {
     int32_t token = 0;
     std::optional<LogprobSummary> logprobs;
     try {
+      if (r.prompt_nan) throw NanLogitsError();
       if (on_device) {
         token = device_tokens[i];
         if (token < 0) throw NanLogitsError();
@@ -323,6 +386,20 @@ std::vector<RequestOutput> Engine::step() {
       continue;
     }
     m.post_process(r, token, outputs, logprobs ? &*logprobs : nullptr);
+  }
+  // A prompt chunk with NaN logits whose request did not sample this step ends here.
+  std::vector<RequestId> nan_ids;
+  for (const Impl::PromptRow& pr : m.prompt_rows)
+    // (Requests that sampled may be gone by now: test membership before touching pr.r.)
+    if (std::find(m.sampling.begin(), m.sampling.end(), pr.r) == m.sampling.end() && pr.r->prompt_nan)
+      nan_ids.push_back(pr.r->id);
+  for (const RequestId id : nan_ids) {
+    const auto it = m.requests.find(id);
+    if (it == m.requests.end()) continue;  // already ended (a repeated id)
+    RequestOutput o;
+    o.id = id;
+    o.error = std::string(NanLogitsError().what()) + " (prompt)";
+    m.finish(*it->second, "error", outputs, &o);
   }
   m.refresh_kv_stats();
   return outputs;

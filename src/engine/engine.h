@@ -41,9 +41,17 @@ struct Request {
   std::vector<int32_t> stop_ids;        // tokens that end generation (EOS, <|im_end|>); reported in output_ids
   std::vector<std::string> stop;        // stop strings (OpenAI `stop`): generation ends when the text contains one; the text is cut before it
   int32_t logprobs = -1;                // -1: none; 0..kMaxRequestLogprobs: each sampled token's logprob plus this many top alternatives
+  // -1: none; 0..kMaxRequestLogprobs: the logprob of every prompt token after the first, given the
+  // tokens before it, plus this many top alternatives (OpenAI completions' echo with logprobs,
+  // vLLM's prompt_logprobs). Such a request computes its whole prompt (no prefix-cache hit), in
+  // chunks of at most kMaxPromptLogprobRowsPerStep tokens.
+  int32_t prompt_logprobs = -1;
 };
 
 inline constexpr int32_t kMaxRequestLogprobs = 20;
+// A request with prompt_logprobs prefills at most this many prompt tokens per step (each one's
+// logits row is kept: 256 x 128k vocabulary x 4 B = 131 MB).
+inline constexpr int64_t kMaxPromptLogprobRowsPerStep = 256;
 
 // Timings and counts of one request, complete when it finishes.
 struct RequestMetrics {
@@ -61,6 +69,10 @@ struct RequestOutput {
   RequestId id = 0;
   std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
   std::vector<LogprobSummary> logprobs; // [new_token_ids.size()] when the request asked for logprobs, else empty
+  // With the first sampled token of a request that asked for prompt_logprobs: prompt positions 1 ..
+  // n_prompt - 1 in order, each the prompt token's logprob (chosen) and the top alternatives at
+  // that position; position 0 has none. Empty on every other output.
+  std::vector<LogprobSummary> prompt_logprobs;
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"

@@ -38,8 +38,8 @@ int64_t KvManager::cached_prefix_len(std::span<const int32_t> tokens) const {
   return static_cast<int64_t>(find_prefix(tokens).blocks.size()) * block_size_;
 }
 
-bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens) const {
-  const PrefixHit hit = find_prefix(tokens);
+bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix) const {
+  const PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
   const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - n_hit);
   // A hit on an evictable block takes it out of the free count.
@@ -48,10 +48,10 @@ bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens) 
   return n_new + n_revived <= pool_.n_free();
 }
 
-int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens) {
+int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix) {
   KESTREL_ASSERT(!has(seq), "KvManager: allocate of an existing sequence " + std::to_string(seq));
-  KESTREL_ASSERT(can_allocate(tokens, n_tokens), "KvManager: allocate without enough free blocks");
-  PrefixHit hit = find_prefix(tokens);
+  KESTREL_ASSERT(can_allocate(tokens, n_tokens, reuse_prefix), "KvManager: allocate without enough free blocks");
+  PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
   PoolChange change;
   change.ref = hit.blocks;
@@ -62,7 +62,7 @@ int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t 
   s.blocks.insert(s.blocks.end(), taken.begin(), taken.end());
   s.n_published = n_hit;
   s.last_hash = hit.last_hash;
-  if (caching_) {
+  if (caching_ && reuse_prefix) {
     n_queried_ += static_cast<int64_t>(tokens.size());
     n_hit_ += n_hit * block_size_;
   }

@@ -44,8 +44,8 @@ class KvManager {
   // Tokens at the start of `tokens` whose K/V are in the prefix cache: whole blocks, and never
   // all of `tokens` (the last token is always computed, so its logits exist). 0 when caching is off.
   int64_t cached_prefix_len(std::span<const int32_t> tokens) const;
-  // Whether allocate(seq, tokens, n_tokens) would find enough blocks.
-  bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens) const;
+  // Whether allocate(seq, tokens, n_tokens, reuse_prefix) would find enough blocks.
+  bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true) const;
   // Whether append(seq, ..., n_computed, n_tokens) would find enough blocks (growth + copies).
   bool can_append(SeqId seq, int64_t n_computed, int64_t n_tokens) const;
   bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
@@ -55,8 +55,10 @@ class KvManager {
   // --- commits ---
   // Starts `seq` (must be new): reuses the cached prefix of `tokens` and takes fresh blocks so
   // positions [0, max(n_tokens, cached)) have slots. Returns the cached prefix length (tokens
-  // whose K/V need no computing). KESTREL_ASSERT when !can_allocate.
-  int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens);
+  // whose K/V need no computing). With !reuse_prefix nothing is reused (the caller wants every
+  // position computed); the sequence's blocks are still published as they fill. KESTREL_ASSERT when
+  // !can_allocate.
+  int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true);
   // Grows `seq` so positions [0, n_tokens) have slots. `tokens` holds the sequence's known ids
   // (at least n_computed of them); the first n_computed have K/V written, and its full blocks
   // among them are published to the prefix cache. A shared block that positions

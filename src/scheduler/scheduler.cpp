@@ -75,6 +75,7 @@ SchedulerOutput Scheduler::schedule() {
   for (Sequence* s : prefilling) {
     if (budget <= 0) break;
     int64_t n_new = std::min(s->n_uncomputed(), budget);
+    if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
     const int64_t capacity = static_cast<int64_t>(kv_.block_table(s->id).size()) * kv_.block_size();
     const int64_t room = capacity + static_cast<int64_t>(kv_.n_free_blocks()) * kv_.block_size() - s->n_computed;
     n_new = std::min(n_new, room);
@@ -88,10 +89,12 @@ SchedulerOutput Scheduler::schedule() {
   while (out.preempted.empty() && !waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* s = waiting_.front();
-    const int64_t n_cached = kv_.cached_prefix_len(s->tokens);
-    const int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
-    if (!kv_.can_allocate(s->tokens, n_cached + n_new)) break;
-    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new);
+    const bool reuse = s->reuse_prefix_cache;
+    const int64_t n_cached = reuse ? kv_.cached_prefix_len(s->tokens) : 0;
+    int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
+    if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
+    if (!kv_.can_allocate(s->tokens, n_cached + n_new, reuse)) break;
+    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new, reuse);
     KESTREL_ASSERT(n_hit == n_cached, "Scheduler: prefix cache changed between query and commit");
     waiting_.pop_front();
     s->n_computed = n_hit;

@@ -22,6 +22,8 @@ struct Sequence {
   SeqStatus status = SeqStatus::Waiting;
   int32_t n_preemptions = 0;
   int64_t n_cached_prompt = -1;  // prefix-cache hit on first admission; -1 until admitted
+  bool reuse_prefix_cache = true;  // false: compute the whole prompt (its logits are wanted)
+  int64_t max_chunk = 0;           // > 0: prefill at most this many tokens of it per step
 
   int64_t n_generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
   int64_t n_uncomputed() const { return static_cast<int64_t>(tokens.size()) - n_computed; }

@@ -14,6 +14,7 @@
 #include "engine/engine.h"
 #include "engine/session.h"
 #include "io/gguf.h"
+#include "sampling/logprobs.h"
 #include "sampling/sampler.h"
 #include "test_util.h"
 
@@ -449,6 +450,106 @@ TEST(Engine, LogprobsComeWithEachTokenAndChangeNoToken) {
   EXPECT_EQ(ids[plain].size(), 24u);
   r.logprobs = kMaxRequestLogprobs + 1;
   EXPECT_THROW(e.add_request(r), Error);
+}
+
+// prompt_logprobs: every prompt token after the first gets its logprob under the model given the
+// tokens before it, equal to log_softmax of a lone Session's logits at the previous position
+// (tolerance 1e-4: the engine runs the prompt in 16-token chunks, the Session in one pass, so
+// attention sums in another order); the request skips the prefix cache (a second identical
+// request still gets every position) and its generated tokens are those of a plain request.
+TEST(Engine, PromptLogprobsMatchTheModelsLogitsAtEveryPosition) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  const std::vector<int32_t> prompt =
+      l.tokenizer->encode("Once upon a time, there was a little girl named Lily. She liked to play in the park with "
+                          "her big red ball, and every day she ran",
+                          true, false);
+  ASSERT_GT(prompt.size(), 33u);  // three chunks of 16
+  const int64_t n_vocab = l.model->hparams().n_vocab;
+  Session session(*l.model, SessionOptions{});
+  const std::vector<float> ref_logits = session.all_logits(prompt);
+
+  EngineConfig c;
+  c.max_num_batched_tokens = 16;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  Request r;
+  r.prompt = prompt;
+  r.max_tokens = 8;
+  r.sampling.temperature = 0;
+  const RequestId plain = e.add_request(r);
+  r.prompt_logprobs = 3;
+  const RequestId first = e.add_request(r);
+  std::map<RequestId, std::vector<int32_t>> ids;
+  std::map<RequestId, std::vector<LogprobSummary>> got;
+  std::map<RequestId, RequestMetrics> metrics;
+  auto drain = [&] {
+    while (e.has_unfinished())
+      for (const RequestOutput& o : e.step()) {
+        if (!o.prompt_logprobs.empty()) {
+          EXPECT_TRUE(got[o.id].empty()) << "prompt logprobs come once, with the first token";
+          EXPECT_EQ(o.new_token_ids.size(), 1u);
+        }
+        got[o.id].insert(got[o.id].end(), o.prompt_logprobs.begin(), o.prompt_logprobs.end());
+        ids[o.id].insert(ids[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        if (o.finished) metrics[o.id] = o.metrics;
+      }
+  };
+  drain();
+  const RequestId second = e.add_request(r);  // the prompt's blocks are in the prefix cache now
+  drain();
+  EXPECT_TRUE(got[plain].empty());
+  EXPECT_EQ(metrics[second].n_cached_prompt_tokens, 0);
+  for (const RequestId id : {first, second}) {
+    SCOPED_TRACE(id == first ? "first" : "second");
+    EXPECT_EQ(ids[id], ids[plain]);
+    ASSERT_EQ(got[id].size(), prompt.size() - 1);
+    for (size_t p = 1; p < prompt.size(); ++p) {
+      const LogprobSummary& s = got[id][p - 1];
+      const LogprobSummary want = compute_logprobs(
+          std::span<const float>(ref_logits).subspan((p - 1) * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab)),
+          prompt[p], 3);
+      EXPECT_EQ(s.chosen.token, prompt[p]);
+      EXPECT_NEAR(s.chosen.logprob, want.chosen.logprob, 1e-4) << "position " << p;
+      ASSERT_EQ(s.top.size(), 3u);
+      for (size_t k = 0; k < 3; ++k) {
+        EXPECT_EQ(s.top[k].token, want.top[k].token) << "position " << p;
+        EXPECT_NEAR(s.top[k].logprob, want.top[k].logprob, 1e-4);
+      }
+    }
+  }
+  EXPECT_EQ(e.stats().kv_blocks_used, 0);
+  r.prompt_logprobs = kMaxRequestLogprobs + 1;
+  EXPECT_THROW(e.add_request(r), Error);
+}
+
+// A prompt_logprobs request keeps each step's logits rows bounded: a 300-token prompt under a
+// 1,024-token step budget is prefilled as 256 + 44 tokens, and still scored at every position.
+TEST(Engine, PromptLogprobsPrefillInBoundedChunks) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  std::vector<int32_t> prompt{1};
+  std::mt19937 rng(5);
+  while (prompt.size() < 300) prompt.push_back(static_cast<int32_t>(3 + rng() % 500));
+  EngineConfig c;
+  c.max_num_batched_tokens = 1024;
+  Engine e(*l.model, l.tokenizer.get(), c);
+  Request r;
+  r.prompt = prompt;
+  r.max_tokens = 2;
+  r.sampling.temperature = 0;
+  r.prompt_logprobs = 0;
+  e.add_request(r);
+  std::vector<int64_t> computed;
+  size_t n_scored = 0;
+  while (e.has_unfinished()) {
+    const int64_t before = e.stats().n_prompt_tokens_computed;
+    for (const RequestOutput& o : e.step()) n_scored += o.prompt_logprobs.size();
+    computed.push_back(e.stats().n_prompt_tokens_computed - before);
+  }
+  ASSERT_GE(computed.size(), 2u);
+  EXPECT_EQ(computed[0], kMaxPromptLogprobRowsPerStep);
+  EXPECT_EQ(computed[1], 300 - kMaxPromptLogprobRowsPerStep);
+  EXPECT_EQ(n_scored, prompt.size() - 1);
 }
 
 namespace {

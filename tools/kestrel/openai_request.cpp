@@ -263,8 +263,6 @@ void server_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   logprobs_fields(j, api, r);
   if (api == RequestApi::Completions) {
     if (const json& v = field(j, "echo"); !v.is_null()) r.echo = boolean("echo", v);
-    if (r.echo && r.logprobs >= 0)
-      throw RequestError("echo", "echo with logprobs is not supported (prompt logprobs are not computed)");
   }
   if (const json& v = field(j, "stream"); !v.is_null()) r.stream = boolean("stream", v);
   if (const json& v = field(j, "stream_options"); !v.is_null()) {
@@ -388,6 +386,8 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
   out.sampling = request.sampling;
   out.sampling.seed = request.seed.value_or(random_seed);
   out.logprobs = request.logprobs;
+  // echo with logprobs: the prompt tokens' logprobs too (the engine then computes the whole prompt).
+  if (request.echo && request.logprobs >= 0) out.prompt_logprobs = request.logprobs;
   for (const auto& [id, bias] : out.sampling.logit_bias)
     if (id >= n_vocab)
       throw RequestError("logit_bias", "logit_bias token id " + std::to_string(id) + " is outside the vocabulary (" +

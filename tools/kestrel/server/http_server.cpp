@@ -114,9 +114,12 @@ struct Job {
   bool want_logprobs = false;
   bool include_usage = false;
   std::string echo_text;  // completions with echo: the prompt text
+  std::vector<int32_t> prompt_ids;  // echo with logprobs: the prompt's tokens, listed in the logprobs
   struct Choice {
     std::string text;
     LoggedTokens logged;      // non-streamed: every logged token
+    std::vector<LogprobSummary> prompt_logprobs;  // non-streamed echo with logprobs
+    bool echo_sent = false;   // streamed echo with logprobs: the echo chunk is out
     int64_t text_offset = 0;  // completions logprobs: characters before the next token
     bool finished = false;
     std::string finish_reason, error;
@@ -364,6 +367,7 @@ void HttpServer::Impl::generate(const httplib::Request& req, httplib::Response& 
   job->want_logprobs = r.logprobs >= 0;
   job->include_usage = r.stream && r.include_usage;
   if (r.echo) job->echo_text = prompt_text(r, *format.tokenizer);
+  if (r.echo && job->want_logprobs) job->prompt_ids = base.prompt;
   job->choices.resize(static_cast<size_t>(r.n));
   job->channel = loop.submit(std::move(requests));
 
@@ -405,6 +409,7 @@ void HttpServer::Impl::complete(Job& job, httplib::Response& res) {
     for (ChoiceOutput& o : outputs) {
       Job::Choice& c = job.choices[static_cast<size_t>(o.index)];
       c.text += o.output.text_delta;
+      if (!o.output.prompt_logprobs.empty()) c.prompt_logprobs = o.output.prompt_logprobs;
       if (job.want_logprobs) {
         LoggedTokens t = logged_tokens(o.output, job.stop_ids);
         c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
@@ -423,9 +428,13 @@ void HttpServer::Impl::complete(Job& job, httplib::Response& res) {
     FinalChoice f;
     f.index = static_cast<int32_t>(i);
     f.text = job.echo_text + c.text;
-    if (job.want_logprobs)
-      f.logprobs = job.header.chat ? chat_logprobs(*format.tokenizer, c.logged)
-                                   : completion_logprobs(*format.tokenizer, c.logged, &c.text_offset);
+    if (job.want_logprobs && job.header.chat) {
+      f.logprobs = chat_logprobs(*format.tokenizer, c.logged);
+    } else if (job.want_logprobs) {
+      if (!job.echo_text.empty())
+        f.logprobs = echo_logprobs(*format.tokenizer, job.prompt_ids, c.prompt_logprobs, &c.text_offset);
+      append_completion_logprobs(f.logprobs, completion_logprobs(*format.tokenizer, c.logged, &c.text_offset));
+    }
     f.finish_reason = c.finish_reason;
     choices.push_back(std::move(f));
   }
@@ -440,6 +449,15 @@ std::string HttpServer::Impl::chunks_for(Job& job, ChoiceOutput& co) {
   if (o.finished && o.finish_reason == "error") {
     job.finish(c, o);
     return sse_event(error_body("generation failed: " + o.error, "server_error"));
+  }
+  if (!job.echo_text.empty() && job.want_logprobs && !c.echo_sent) {
+    // Echo with logprobs: the prompt goes out with its logprobs, which come with the first token.
+    c.echo_sent = true;
+    ChunkChoice echo;
+    echo.index = co.index;
+    echo.text = job.echo_text;
+    echo.logprobs = echo_logprobs(*format.tokenizer, job.prompt_ids, o.prompt_logprobs, &c.text_offset);
+    out += sse_event(stream_chunk(job.header, echo, job.include_usage));
   }
   ChunkChoice chunk;
   chunk.index = co.index;
@@ -484,7 +502,7 @@ bool HttpServer::Impl::stream_step(Job& job, httplib::DataSink& sink) {
       if (job.header.chat) {
         first.role = true;
         first.text = "";
-      } else if (!job.echo_text.empty()) {
+      } else if (!job.echo_text.empty() && !job.want_logprobs) {  // with logprobs: see chunks_for
         first.text = job.echo_text;
       } else {
         continue;

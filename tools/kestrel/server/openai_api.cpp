@@ -58,6 +58,17 @@ LoggedTokens logged_tokens(const RequestOutput& o, std::span<const int32_t> stop
   return t;
 }
 
+namespace {
+// OpenAI's legacy format: the top alternatives and the chosen token, by their text.
+Json top_by_text(const Tokenizer& tok, const LogprobSummary& s) {
+  Json alts = Json::object();
+  for (const TokenLogprob& a : s.top) alts[utf8_sanitize(tok.token_to_piece(a.token))] = a.logprob;
+  const std::string chosen = utf8_sanitize(tok.token_to_piece(s.chosen.token));
+  if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
+  return alts;
+}
+}  // namespace
+
 Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* text_offset) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
   for (size_t i = 0; i < t.ids.size(); ++i) {
@@ -65,16 +76,35 @@ Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* t
     const std::string piece = tok.token_to_piece(t.ids[i]);
     tokens.push_back(utf8_sanitize(piece));
     token_logprobs.push_back(s.chosen.logprob);
-    // OpenAI's legacy format: the top alternatives and the chosen token, by their text.
-    Json alts = Json::object();
-    for (const TokenLogprob& a : s.top) alts[utf8_sanitize(tok.token_to_piece(a.token))] = a.logprob;
-    const std::string chosen = utf8_sanitize(piece);
-    if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
-    top.push_back(std::move(alts));
+    top.push_back(top_by_text(tok, s));
     offsets.push_back(*text_offset);
     *text_offset += n_chars(piece);
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::span<const LogprobSummary> prompt_logprobs,
+                   int64_t* text_offset) {
+  Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const std::string piece = tok.token_to_piece(prompt[i]);
+    tokens.push_back(utf8_sanitize(piece));
+    const bool scored = i > 0 && i - 1 < prompt_logprobs.size();
+    token_logprobs.push_back(scored ? Json(prompt_logprobs[i - 1].chosen.logprob) : Json(nullptr));
+    top.push_back(scored ? top_by_text(tok, prompt_logprobs[i - 1]) : Json(nullptr));
+    offsets.push_back(*text_offset);
+    if (!tok.is_special(prompt[i])) *text_offset += n_chars(piece);
+  }
+  return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+void append_completion_logprobs(Json& into, const Json& more) {
+  if (into.is_null()) {
+    into = more;
+    return;
+  }
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    for (const Json& v : more.at(key)) into[key].push_back(v);
 }
 
 Json chat_logprobs(const Tokenizer& tok, const LoggedTokens& t) {

@@ -42,6 +42,14 @@ LoggedTokens logged_tokens(const RequestOutput& output, std::span<const int32_t>
 // Completions logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}.
 // *text_offset: characters of the choice's text before the first token; advanced past these tokens.
 Json completion_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens, int64_t* text_offset);
+// Completions logprobs of an echoed prompt (echo with logprobs): every prompt token, the first with
+// null logprob and top_logprobs (nothing precedes it), the others with prompt_logprobs[i - 1]
+// (Request::prompt_logprobs). Special tokens (BOS) are listed but add no characters to
+// text_offset, as the echoed text leaves them out; *text_offset advances as in completion_logprobs.
+Json echo_logprobs(const Tokenizer& tokenizer, std::span<const int32_t> prompt,
+                   std::span<const LogprobSummary> prompt_logprobs, int64_t* text_offset);
+// Appends the entries of completions logprobs object `more` to `into` (a null `into` becomes `more`).
+void append_completion_logprobs(Json& into, const Json& more);
 // Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
 Json chat_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens);
 
