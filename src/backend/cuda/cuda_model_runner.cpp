@@ -333,6 +333,13 @@ class CudaModelRunner final : public ModelRunner {
   // (after silu_mul into act_ when swiglu: x then holds [gate | up] rows of 2 n_in).
   void linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
               bool swiglu = false);
+  // Whether linear() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
+  // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
+  // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
+  bool uses_skinny(int64_t n, int64_t n_in, int64_t n_out) const {
+    return n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems &&
+           cuda::skinny_gemm_supports(n, n_in, n_out);
+  }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
   // pinned staging buffer in BatchArrays layout; returns the host layout.
@@ -569,15 +576,14 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
 }
 
 // The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates are timed
-// over all layers' weights (Gemm::tune) and the fastest kept. At 64 rows, say, the heuristic's pick
-// for the 4096-wide outputs leaves most SMs idle. Scratch inputs and outputs are the activation
-// buffers (sized for n by reserve_activations); their contents do not matter.
+// over all layers' weights (Gemm::tune) and the fastest kept (+1.1% at batch 64 on the H200).
+// Scratch inputs and outputs are the activation buffers (sized for n by reserve_activations);
+// their contents do not matter.
 void CudaModelRunner::tune_gemms(int64_t n) {
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
-    if (n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems && cuda::skinny_gemm_supports(n, n_in, n_out))
-      return;  // linear() takes the skinny GEMM
+    if (uses_skinny(n, n_in, n_out)) return;
     gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
                 stream_);
   };
@@ -597,11 +603,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
 
 void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
                              int64_t n_out, bool swiglu) {
-  // The skinny GEMM beats cuBLASLt on small weights only (H200, bench/cuda: 4096 x 6144 and
-  // 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's gate/up, down and head)
-  // cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel's one-wave grid does not.
-  const bool small_weight = n_in * n_out <= kSkinnyMaxWeightElems;
-  if (n <= skinny_max_tokens_ && small_weight && cuda::skinny_gemm_supports(n, n_in, n_out)) {
+  if (uses_skinny(n, n_in, n_out)) {
     cuda::SkinnyGemmArgs a{};
     a.x = x;
     a.x_stride = swiglu ? 2 * n_in : n_in;

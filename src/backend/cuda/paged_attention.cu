@@ -39,7 +39,8 @@ int64_t split_target_blocks() {
   return v;
 }
 int64_t min_partition() {
-  static const int64_t v = std::max<int64_t>(kKeyTile, env_or("KESTREL_ATTN_MIN_PARTITION", kMinPartition) / kKeyTile * kKeyTile);
+  static const int64_t v =
+      std::max<int64_t>(kKeyTile, env_or("KESTREL_ATTN_MIN_PARTITION", kMinPartition) / kKeyTile * kKeyTile);
   return v;
 }
 
