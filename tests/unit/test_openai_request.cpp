@@ -44,6 +44,11 @@ TEST(OpenAiRequest, ServerFields) {
   EXPECT_TRUE(r.stream && r.include_usage && r.max_tokens_given);
   EXPECT_EQ(r.model, "m");
   EXPECT_TRUE(parse(R"({"prompt": "a", "echo": true})", RequestApi::Completions).echo);
+  // echo with logprobs: the prompt's logprobs too (the engine's prompt_logprobs; see
+  // tests/server/test_echo_logprobs.py for the response).
+  const OpenAiRequest e = parse(R"({"prompt": "a", "echo": true, "logprobs": 1})", RequestApi::Completions);
+  EXPECT_TRUE(e.echo);
+  EXPECT_EQ(e.logprobs, 1);
 }
 
 TEST(OpenAiRequest, ChatLogprobsAreABooleanPlusTopLogprobs) {
@@ -82,7 +87,6 @@ TEST(OpenAiRequest, ErrorsNameTheParameter) {
       {R"({"prompt": "a", "n": 129})", "n"},
       {R"({"prompt": "a", "logprobs": 21})", "logprobs"},
       {R"({"prompt": "a", "echo": 1})", "echo"},
-      {R"({"prompt": "a", "echo": true, "logprobs": 1})", "echo"},
       {R"({"prompt": "a", "stream": "yes"})", "stream"},
       {R"({"prompt": "a", "stream_options": {"include_usage": 1}})", "stream_options.include_usage"},
       {R"({"prompt": "a", "model": 1})", "model"},
