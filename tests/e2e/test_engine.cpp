@@ -406,6 +406,23 @@ TEST(Engine, NanLogitsEndTheRequestNotTheEngine) {
     }
   EXPECT_EQ(n_errors, 2);
   EXPECT_EQ(e.stats().kv_blocks_used, 0);
+
+  // prompt_logprobs meets the NaN logits in a prompt chunk that samples nothing yet: the request
+  // ends in that step, with an error that names the prompt.
+  EngineConfig c;
+  c.max_num_batched_tokens = 8;
+  Engine chunked(*l.model, l.tokenizer.get(), c);
+  r.prompt = l.tokenizer->encode("Once upon a time, there was a little girl named Lily who", true, false);
+  ASSERT_GT(r.prompt.size(), 8u);
+  r.prompt_logprobs = 1;
+  const RequestId scored = chunked.add_request(r);
+  std::vector<RequestOutput> first = chunked.step();
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].id, scored);
+  EXPECT_EQ(first[0].finish_reason, "error");
+  EXPECT_NE(first[0].error.find("prompt"), std::string::npos) << first[0].error;
+  EXPECT_FALSE(chunked.has_unfinished());
+  EXPECT_EQ(chunked.stats().kv_blocks_used, 0);
 }
 
 // logprobs: each sampled token comes with its own logprob and the top alternatives, and asking for
