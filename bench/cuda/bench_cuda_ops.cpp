@@ -318,6 +318,12 @@ int main(int argc, char** argv) {
       s.assign(63, {2048, 1});
       s.push_back({4096, 512});
       bench_attention("mixed 63 decodes @2048 + chunk 512 @4096", 32, 8, 128, 16, s);
+      // The offline benchmark's steady state: 400 sequences at contexts spread over 1000-2000.
+      s.clear();
+      for (int i = 0; i < 400; ++i) s.push_back({1000 + (i * 389) % 1000, 1});
+      bench_attention("decode 400 x ctx 1000-2000, 32/8, d128", 32, 8, 128, 16, s);
+      // Batch 1 in a graph: a 128-token prompt 100 tokens in, block-table width 32 (512 keys).
+      bench_attention("decode 1 x ctx 228 graphed (max_context 512)", 32, 8, 128, 16, {{228, 1}}, 512);
     }
     // Other head dims: Phi-2 (32/32, d80), Phi-3-mini (32/32, d96), Gemma-7B (16/16, d256),
     // Gemma-2B (8/1, d256); d8 (stories260K's, the SIMT kernel) and d48 (SIMT) at a large model's

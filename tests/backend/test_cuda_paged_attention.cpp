@@ -163,6 +163,27 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
   for (const auto& c : cases) run_case(c, rng);
 }
 
+// The decode kernel is persistent: each block takes items (sequence, KV head, split) in turn,
+// loading the next item's first tile while it finishes the current one. The emulation runs 6
+// resident blocks, so these batches give each block dozens of items, past prefill sequences (no
+// decode item) and splits left empty by short contexts, with contexts from 1 key to several tiles.
+TEST(CudaPagedAttention, PersistentDecodeRunsManyItemsPerBlock) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(11);
+  std::vector<SeqSpec> seqs;
+  std::uniform_int_distribution<int32_t> context(1, 700);
+  for (int i = 0; i < 30; ++i) {
+    if (i % 10 == 4) seqs.push_back({context(rng) + 20, 20});  // a prefill chunk among the decodes
+    seqs.push_back({i == 0 ? 1 : context(rng), 1});
+  }
+  const std::vector<AttnCase> cases = {
+      {"33 sequences, 32/8 heads d128, graph bound 1024", 32, 8, 128, 16, seqs, 2.0f, true, 1024},
+      {"33 sequences, 8/2 heads d64, true max_context", 8, 2, 64, 16, seqs, 2.0f, true},
+      {"33 sequences, 8/2 heads d40 (SIMT), graph bound 2048", 8, 2, 40, 16, seqs, 2.0f, true, 2048},
+  };
+  for (const auto& c : cases) run_case(c, rng);
+}
+
 // Head dims other than 64 and 128: the tensor-core kernels' odd k-step count (80: 5 x 16), padded
 // tiles (32, 80, 96), Q read from shared memory and 32-key prefill tiles (256), and the SIMT
 // kernel (8, 24, 40, 48, 136, 248); prefill chunks longer than one block's tokens, cached

@@ -3,11 +3,14 @@
 // prefill (when some sequence has 2+ query tokens), decode, and the split-KV reduction (when the
 // decode kernel splits).
 #include "backend/cuda/paged_attention.cuh"
+#include "backend/cuda/paged_attention_decode.cuh"
 #include "backend/cuda/paged_attention_simt.cuh"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "backend/cuda/cuda_ops.h"
@@ -16,32 +19,62 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV pays when the decode grid (sequences x KV heads) is too small to fill the GPU, or
-// fills it in a fraction of a wave, and the contexts are long: aim for about this many blocks
-// (2.6 waves of the H200's 132 SMs x 3 resident decode blocks of 70 KB shared memory), with at
-// least kMinPartition keys per split. History, decode attention at 32/8 heads, d128 on the H200
-// (bench/cuda, scripts/device/attn_split_sweep.sh, 2026-11-30): 512 blocks (1.3 waves, 64
-// sequences unsplit) ran 64 x 2048 in 181 us and 64 x 576 in 62 us; 1,584 (four waves) 166 and
-// 66 us; 1,024 155 and 62.5 us; 4,096 with 128-key partitions 175 and 74 us. Giving each
-// sequence an even share of the splits (instead of max_context's partition) gained nothing.
-constexpr int64_t kSplitTargetBlocks = 1024;
-constexpr int64_t kMinPartition = 256;
-// Overrides for benchmarks (bench/cuda, scripts/device/attn_split_sweep.sh): KESTREL_ATTN_SPLIT_BLOCKS
-// and KESTREL_ATTN_MIN_PARTITION (rounded down to a multiple of kKeyTile), read once.
+// Split-KV. The decode work is one item per (sequence, KV head chunk); when there are fewer than
+// kItemsPerBlock items per resident decode block (SMs x blocks per SM), each sequence's context is
+// cut into n_splits ranges of whole 64-key tiles (split_key_range), with at least kMinSplitTiles
+// tiles per range at max_context. The tensor-core decode kernel is persistent, so an item's start
+// costs little and the items only need to be many enough to balance the blocks; the SIMT kernel
+// takes one block per item. Overrides for benchmarks (bench/cuda, scripts/device/attn_split_sweep.sh):
+// KESTREL_ATTN_ITEMS_PER_BLOCK and KESTREL_ATTN_MIN_SPLIT_TILES, read once.
+constexpr int64_t kItemsPerBlock = 4;
+constexpr int64_t kMinSplitTiles = 2;
 int64_t env_or(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr) return fallback;
   const long long x = std::atoll(v);
   return x > 0 ? x : fallback;
 }
-int64_t split_target_blocks() {
-  static const int64_t v = env_or("KESTREL_ATTN_SPLIT_BLOCKS", kSplitTargetBlocks);
+int64_t items_per_block() {
+  static const int64_t v = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", kItemsPerBlock);
   return v;
 }
-int64_t min_partition() {
-  static const int64_t v =
-      std::max<int64_t>(kKeyTile, env_or("KESTREL_ATTN_MIN_PARTITION", kMinPartition) / kKeyTile * kKeyTile);
+int64_t min_split_tiles() {
+  static const int64_t v = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", kMinSplitTiles);
   return v;
+}
+// KESTREL_ATTN_PERSISTENT=0: the decode kernel gets one block per item (for A/B measurements).
+bool persistent_decode_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("KESTREL_ATTN_PERSISTENT");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return v;
+}
+
+// Blocks of `kernel` (128 threads, `smem` bytes of dynamic shared memory) resident on the whole
+// device at once, queried once per kernel. The emulation answers 6, so that its tests run several
+// items per persistent block.
+template <class Kernel>
+int64_t resident_blocks(Kernel kernel, size_t smem) {
+#if defined(KESTREL_CUDA_EMULATE)
+  (void)kernel;
+  (void)smem;
+  return 6;
+#else
+  static std::mutex mu;
+  static std::map<const void*, int64_t> cache;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = reinterpret_cast<const void*>(kernel);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  int dev = 0, sms = 0, per_sm = 0;
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+  KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  set_max_dynamic_smem(kernel, smem);
+  KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads, smem));
+  const int64_t n = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  cache.emplace(key, n);
+  return n;
+#endif
 }
 
 int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
@@ -61,13 +94,40 @@ struct HeadDimList {
 };
 using MmaHeadDims = HeadDimList<32, 64, 80, 96, 128, 256>;
 
+// The SIMT kernels' slot count for head_dim d: ceil(d / 32) rounded up to a power of two.
+template <class F>
+void dispatch_simt(int32_t d, F&& f) {
+  if (d <= 32) {
+    f.template operator()<1>();
+  } else if (d <= 64) {
+    f.template operator()<2>();
+  } else if (d <= 128) {
+    f.template operator()<4>();
+  } else {
+    f.template operator()<8>();
+  }
+}
+
+int64_t decode_resident_blocks(int32_t d) {
+  int64_t n = 1;
+  if (!MmaHeadDims::dispatch(d, [&]<int D>() {
+        n = resident_blocks(&attention_decode_kernel<D>, attn_decode_smem_bytes<D>());
+      }))
+    dispatch_simt(d, [&]<int kSlots>() {
+      n = resident_blocks(&attention_simt_kernel<kSlots, true>, attn_simt_smem_bytes(d));
+    });
+  return n;
+}
+
 struct Plan {
   bool mma = true;  // tensor-core kernels (else the SIMT kernel)
   int32_t group = 1;
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
-  int32_t n_splits = 1, partition = kKeyTile;
+  int32_t n_splits = 1;
+  int64_t resident = 1;      // decode blocks resident at once (the persistent kernel's grid bound)
+  int64_t decode_items = 0;  // n_seqs x n_head_kv x decode_head_chunks x n_splits
   // Workspace layout (bytes).
   size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
 };
@@ -92,14 +152,13 @@ Plan make_plan(const AttentionParams& p) {
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
 
-  const int64_t max_ctx = std::max<int32_t>(p.max_context, 1);
-  const int64_t base_blocks = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-  int64_t splits = 1;
-  if (base_blocks < split_target_blocks() && max_ctx > min_partition())
-    splits = std::min(ceil_div(split_target_blocks(), base_blocks), ceil_div(max_ctx, min_partition()));
-  const int64_t partition = round_up(ceil_div(max_ctx, splits), kKeyTile);
-  plan.n_splits = static_cast<int32_t>(ceil_div(max_ctx, partition));
-  plan.partition = static_cast<int32_t>(partition);
+  const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
+  const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+  plan.resident = decode_resident_blocks(p.head_dim);
+  int64_t splits = ceil_div(items_per_block() * plan.resident, items);
+  splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / min_split_tiles()));
+  plan.n_splits = static_cast<int32_t>(splits);
+  plan.decode_items = items * splits;
 
   size_t at = 0;
   plan.n_tiles_offset = at;
@@ -120,10 +179,11 @@ Plan make_plan(const AttentionParams& p) {
 
 // The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens),
 // decode, and the split-KV reduction (when the decode kernel splits). The tensor-core and the
-// SIMT kernel families differ only in the kernels and their shared memory.
+// SIMT kernel families differ in the kernels, their shared memory and the decode grid (persistent:
+// at most the resident blocks; else one block per item).
 void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
                     void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
-                    size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
+                    size_t decode_smem, bool persistent_decode, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
   const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
   if (any_prefill) {
     AttnKernelArgs a = base;
@@ -142,8 +202,12 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
   set_max_dynamic_smem(decode, decode_smem);
-  const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
-                  static_cast<unsigned>(plan.n_splits));
+  const dim3 grid = persistent_decode
+                        ? dim3(static_cast<unsigned>(persistent_decode_enabled()
+                                                         ? std::min(plan.decode_items, plan.resident)
+                                                         : plan.decode_items))
+                        : dim3(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+                               static_cast<unsigned>(plan.n_splits));
   KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
   if (plan.n_splits > 1) {
@@ -156,8 +220,8 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
 // The tensor-core kernels for head_dim D.
 template <int D>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_smem_bytes<D, false>(),
-                 &attention_decode_kernel<D>, attn_smem_bytes<D, true>(), &attention_reduce_kernel<D>, stream);
+  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(),
+                 &attention_decode_kernel<D>, attn_decode_smem_bytes<D>(), true, &attention_reduce_kernel<D>, stream);
 }
 
 // The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.
@@ -165,7 +229,7 @@ template <int kSlots>
 void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   const size_t smem = attn_simt_smem_bytes(p.head_dim);
   launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, &attention_simt_kernel<kSlots, true>,
-                 smem, &attention_reduce_kernel<0>, stream);
+                 smem, false, &attention_reduce_kernel<0>, stream);
 }
 
 }  // namespace
@@ -182,7 +246,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
                 std::to_string(plan.total) + " needed (attention_workspace_bytes)");
   if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) throw Error("paged_attention: workspace not 16-byte aligned");
   if (p.n_seqs > 0x7fffffff || p.n_head_kv * std::max(plan.prefill_head_chunks, plan.decode_head_chunks) > 65535 ||
-      plan.n_splits > 65535 || p.n_head > 65535)
+      plan.n_splits > 65535 || p.n_head > 65535 || plan.decode_items > 0x7fffffff)
     throw Error("paged_attention: batch too large for the launch grid");
 
   auto* ws = static_cast<unsigned char*>(p.workspace);
@@ -206,20 +270,13 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.scale_log2 = p.scale * 1.4426950408889634f;
   a.tiles = reinterpret_cast<const int2*>(ws + plan.tiles_offset);
   a.n_tiles = reinterpret_cast<const int32_t*>(ws + plan.n_tiles_offset);
-  a.partition = plan.partition;
   a.n_splits = plan.n_splits;
   a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
-  } else if (p.head_dim <= 32) {
-    launch_simt<1>(p, plan, a, stream);
-  } else if (p.head_dim <= 64) {
-    launch_simt<2>(p, plan, a, stream);
-  } else if (p.head_dim <= 128) {
-    launch_simt<4>(p, plan, a, stream);
   } else {
-    launch_simt<8>(p, plan, a, stream);
+    dispatch_simt(p.head_dim, [&]<int kSlots>() { launch_simt<kSlots>(p, plan, a, stream); });
   }
 }
 

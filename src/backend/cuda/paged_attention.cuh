@@ -19,12 +19,7 @@
 //   the online softmax in registers. Keys run from 0 to the largest position in the block; tiles
 //   past the smallest position are masked per element (key > position -> -inf). The block's
 //   (sequence, first token) comes from a tile list that attention_plan_kernel builds on the device.
-// Decode kernel (sequences with one query token): a block takes the token's group of query heads
-//   (up to 16 rows, one mma tile, padding rows zero) for one KV head and one partition of the
-//   context; the 4 warps split each key tile (16 keys each) and their softmax states are merged
-//   through shared memory at the end. With n_splits > 1 (long contexts, few sequences) each
-//   partition writes its normalised output and log-sum-exp, and attention_reduce_kernel combines
-//   them; else the block writes the output directly.
+// Decode kernel (sequences with one query token): paged_attention_decode.cuh.
 #pragma once
 
 #include <climits>
@@ -69,7 +64,6 @@ struct AttnKernelArgs {
   float scale_log2;              // softmax scale * log2(e)
   const int2* tiles;             // prefill tile list: (sequence, first token), from the plan kernel
   const int32_t* n_tiles;        // its length
-  int32_t partition;             // decode: keys per split, a multiple of kKeyTile
   int32_t n_splits;
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
@@ -86,14 +80,24 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   }
 }
 
-// Bytes of dynamic shared memory: Q tile, two K tiles, two V tiles, per-row position and output
-// offset. The decode kernel reuses the K/V region to merge its warps (4 x 16 x D f32 + m, l).
-template <int D, bool kDecode>
-constexpr size_t attn_smem_bytes() {
-  constexpr int rows = kDecode ? kDecodeRows : kPrefillRows;
-  constexpr int keys = kDecode ? kKeyTile : kPrefillKeyTile<D>;
+// Bytes of dynamic shared memory of the prefill kernel: Q tile, two K tiles, two V tiles, per-row
+// position and output offset.
+template <int D>
+constexpr size_t attn_prefill_smem_bytes() {
+  constexpr int rows = kPrefillRows, keys = kPrefillKeyTile<D>;
   return static_cast<size_t>(rows) * kTileStride<D> * 2 + 4 * static_cast<size_t>(keys) * kTileStride<D> * 2 +
          rows * (4 + 8);
+}
+
+// The keys [x, y) of split `split` of `n_splits` for a decode query at position n_keys - 1: whole
+// kKeyTile-key tiles shared out as evenly as possible (the last range ends at n_keys); empty
+// (x >= y) when the context has fewer tiles than splits. The decode kernels and the split-KV
+// reduction use this one rule, so they agree on which splits hold a result.
+__device__ __forceinline__ int2 split_key_range(int n_keys, int split, int n_splits) {
+  const int64_t tiles = (n_keys + kKeyTile - 1) / kKeyTile;
+  const int begin = static_cast<int>(tiles * split / n_splits) * kKeyTile;
+  const int end = min(static_cast<int>(tiles * (split + 1) / n_splits) * kKeyTile, n_keys);
+  return make_int2(begin, end);
 }
 
 // Gathers keys [key0, key0 + kKeys) of one KV head through the block table into a K and a V tile
@@ -337,7 +341,7 @@ __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, i
   if (tid == 0) *n_tiles = base;
 }
 
-// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_smem_bytes<D, false>().
+// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_prefill_smem_bytes<D>().
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
@@ -424,137 +428,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
     const int row = warp * 16 + i / kChunks, c = i % kChunks;
     const int64_t off = row_off[row];
     if (off >= 0) *reinterpret_cast<uint4*>(a.out + off + c * 8) = *reinterpret_cast<const uint4*>(sq + swz<D>(row, c));
-  }
-}
-
-// grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_smem_bytes<D, true>().
-template <int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_decode_kernel(AttnKernelArgs a) {
-  KESTREL_PDL_ENTRY();
-  constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
-  const int seq = blockIdx.x;
-  const int token = a.query_start[seq];
-  if (a.query_start[seq + 1] - token != 1) return;  // a prefill sequence: the other kernel's
-  const int pos = a.positions[token];
-  const int split = blockIdx.z;
-  const int key_begin = split * a.partition;
-  if (key_begin > pos) return;  // this partition is past the context: nothing to write
-  const int key_end = split == a.n_splits - 1 ? pos + 1 : min(key_begin + a.partition, pos + 1);
-
-  KESTREL_DYNAMIC_SMEM(smem);
-  auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* sk = sq + kRows * kStride;
-  auto* sv = sk + 2 * kKeyTile * kStride;
-  const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;
-  const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
-  const int n_rows = min(a.heads_per_tile, a.group - h0);  // valid rows: query heads h0 ...
-  const int head0 = kvh * a.group + h0;                    // first query head of the block
-  const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-
-  for (int i = tid; i < kRows * kChunks; i += kAttnThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool valid = r < n_rows;
-    cp_async16(sq + swz<D>(r, c), a.q + (valid ? (static_cast<int64_t>(token) * a.n_head + head0 + r) * D + c * 8 : 0),
-               valid);
-  }
-  const int n_kv_tiles = (key_end - key_begin + kKeyTile - 1) / kKeyTile;
-  load_kv_tile<D>(sk, sv, a, block_table, kvh, key_begin, key_end);
-  cp_async_commit();
-
-  QFragments<D> qf;
-  WarpSoftmax<D> st;
-  init_softmax(st);
-  for (int j = 0; j < n_kv_tiles; ++j) {
-    const int buf = j & 1;
-    if (j + 1 < n_kv_tiles) {
-      load_kv_tile<D>(sk + (buf ^ 1) * kKeyTile * kStride, sv + (buf ^ 1) * kKeyTile * kStride, a, block_table, kvh,
-                      key_begin + (j + 1) * kKeyTile, key_end);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (j == 0) qf.load(sq, 0);
-    const int key0 = key_begin + j * kKeyTile;
-    attend_tile<D, kKeyTile / kWarps>(st, qf, sk + buf * kKeyTile * kStride, sv + buf * kKeyTile * kStride,
-                                      warp * (kKeyTile / kWarps), key0, key0 + kKeyTile - 1 > pos, pos, pos,
-                                      a.scale_log2);
-    __syncthreads();
-  }
-
-  // Merge the 4 warps' states through shared memory (the K/V tiles are free now).
-  float* so = reinterpret_cast<float*>(sk);   // [kWarps][kRows][D]
-  float* sm = so + kWarps * kRows * D;        // [kWarps][kRows]
-  float* sl = sm + kWarps * kRows;            // [kWarps][kRows]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = st.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = lane / 4 + 8 * r;
-    if ((lane & 3) == 0) {
-      sm[warp * kRows + row] = st.m[r];
-      sl[warp * kRows + row] = l;
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2] = st.o[dt][2 * r];
-      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2 + 1] = st.o[dt][2 * r + 1];
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < n_rows * D; i += kAttnThreads) {
-    const int row = i / D, d = i % D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + row]);
-    float l = 0.0f, o = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = sm[w * kRows + row];
-      const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
-      l += sl[w * kRows + row] * e;
-      o += so[(w * kRows + row) * D + d] * e;
-    }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int head = head0 + row;
-    if (a.n_splits == 1) {
-      a.out[(static_cast<int64_t>(token) * a.n_head + head) * D + d] = __float2bfloat16_rn(o * inv);
-    } else {
-      const int64_t part = (static_cast<int64_t>(split) * a.n_seqs + seq) * a.n_head + head;
-      a.part_out[part * D + d] = o * inv;
-      if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
-    }
-  }
-}
-
-// Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
-// with w_s = 2^(lse_s - max lse). grid (n_seqs, n_head), 128 threads. D = 0: a.head_dim (the SIMT
-// kernel's head dims).
-template <int D>
-__global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKernelArgs a) {
-  KESTREL_PDL_ENTRY();
-  const int dim = D > 0 ? D : a.head_dim;
-  const int seq = blockIdx.x, head = blockIdx.y;
-  const int token = a.query_start[seq];
-  if (a.query_start[seq + 1] - token != 1) return;
-  const int n_keys = a.positions[token] + 1;
-  const int n_parts = min(a.n_splits, (n_keys + a.partition - 1) / a.partition);
-  const int64_t stride = a.n_seqs * a.n_head;  // between splits
-  const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
-  float m = -INFINITY;
-  for (int s = 0; s < n_parts; ++s) m = fmaxf(m, a.part_lse[first + s * stride]);
-  for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < n_parts; ++s) {
-      const float lse = a.part_lse[first + s * stride];
-      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
-      num += w * a.part_out[(first + s * stride) * dim + d];
-      den += w;
-    }
-    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
   }
 }
 

@@ -5,8 +5,9 @@
 // kernels, so the launcher plans both alike: a prefill block takes the tile list's (sequence,
 // first token) and kSimtRows query rows (up to kSimtRows / group tokens x the group's query heads
 // of one KV head: GQA packing, K and V are read once per group); a decode block takes one
-// token's group of query heads for one KV head and one split-KV partition, writing either the
-// output or the partition's normalised output and log-sum-exp for attention_reduce_kernel.
+// token's group of query heads for one KV head and one split-KV range (split_key_range; one block
+// per (sequence, KV head chunk, split), not persistent), writing either the output or the split's
+// normalised output and log-sum-exp for attention_reduce_kernel.
 //
 // One block = 4 warps; each warp owns kSimtRows / 4 rows (one row's softmax state per warp, the
 // output dims spread over the lanes: lane l holds dims l, l + 32, ...). Keys go through shared
@@ -45,14 +46,16 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
   const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
 
   // Which rows, and which keys [key_begin, key_end), this block does.
-  int seq, token0, key_begin = 0, split = 0;
+  int seq, token0, key_begin = 0, split = 0, split_end = 0;
   if constexpr (kDecode) {
     seq = blockIdx.x;
     token0 = a.query_start[seq];
     if (a.query_start[seq + 1] - token0 != 1) return;  // a prefill sequence: the prefill launch's
     split = blockIdx.z;
-    key_begin = split * a.partition;
-    if (key_begin > a.positions[token0]) return;  // this partition is past the context
+    const int2 keys = split_key_range(a.positions[token0] + 1, split, a.n_splits);
+    if (keys.x >= keys.y) return;  // the context has fewer key tiles than splits
+    key_begin = keys.x;
+    split_end = keys.y;
   } else {
     const int n_tiles = *a.n_tiles;
     if (static_cast<int>(blockIdx.x) >= n_tiles) return;
@@ -83,9 +86,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
   int max_pos = 0;
   for (int r = 0; r < kSimtRows; ++r) max_pos = max(max_pos, row_pos[r]);
   int key_end = max_pos + 1;
-  if constexpr (kDecode) {
-    if (split < a.n_splits - 1) key_end = min(key_end, key_begin + a.partition);
-  }
+  if constexpr (kDecode) key_end = min(key_end, split_end);
   for (int i = tid; i < kSimtRows * D; i += kAttnThreads) {
     const int64_t off = row_off[i / D];
     sq[i] = off >= 0 ? __bfloat162float(a.q[off + i % D]) * a.scale_log2 : 0.0f;

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 4: the persistent decode attention kernel (src/backend/cuda/paged_attention_decode.cuh) in
+# one call on a fresh machine: the GPU op tests and stories260K CPU vs GPU; decode attention in the
+# op benchmark one block per item (KESTREL_ATTN_PERSISTENT=0) against persistent, and the split
+# policy's knobs; then batch-1 and batch-64 decode of the 8B-shaped model with the kernel
+# persistent and not, prefill, and an op profile. STAGES picks parts (default "tests attn e2e
+# profile").
+# Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
+# stories260K.gguf, tokenizer.model).
+set -uo pipefail
+source scripts/device/issue4_common.sh
+STAGES="${STAGES:-tests attn e2e profile}"
+: > "$SUMMARY"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+if [[ $STAGES == *tests* ]]; then
+  echo "== GPU op tests (kestrel_tests, Cuda*)"
+  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
+  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
+  stories_check
+fi
+if [[ $STAGES == *attn* ]]; then
+  for cfg in ${ATTN_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1 KESTREL_ATTN_ITEMS_PER_BLOCK=2 \
+      KESTREL_ATTN_ITEMS_PER_BLOCK=8 KESTREL_ATTN_MIN_SPLIT_TILES=1 KESTREL_ATTN_MIN_SPLIT_TILES=4}; do
+    echo "== decode attention: $cfg"
+    env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT \
+      | tee -a "$OUT/attn_$cfg.txt"
+  done
+fi
+if [[ $STAGES == *e2e* ]]; then
+  [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
+  for cfg in ${B1_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1}; do
+    echo "== batch-1 decode: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
+      | tee /tmp/k4/b1.txt
+    note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
+  done
+  for cfg in ${B64_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1}; do
+    echo "== batch-64 decode at 512: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
+    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
+  done
+  echo "== prefill 8 x 2048"
+  timeout 200 "$K" bench -m "$M8" --device cuda --parallel 8 -p 2048 -n 2 -r 3 --max-num-batched-tokens 16384 2>&1 \
+    | tail -1 | tee /tmp/k4/pp.txt
+  note "prefill 8x2048: $(tail -1 /tmp/k4/pp.txt)"
+fi
+if [[ $STAGES == *profile* ]]; then
+  echo "== op profile (eager, CUDA events): batch-64 decode"
+  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
+    --max-num-batched-tokens 8192 2>&1 | grep -A24 "op profile"
+fi
+echo "== summary"
+cat "$SUMMARY"
