@@ -116,7 +116,11 @@ template <int D, int kKeys = kKeyTile>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
                                              const int32_t* block_table, int kvh, int key0, int key_end) {
   constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < kKeys * kChunks; i += kAttnThreads) {
+  static_assert(kKeys * kChunks % kAttnThreads == 0, "whole rounds of 16-byte chunks");
+  // A fixed trip count, so that the compiler can issue all the block-table reads before the copies.
+#pragma unroll 4
+  for (int k = 0; k < kKeys * kChunks / kAttnThreads; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * kAttnThreads;
     const int r = i / kChunks, c = i % kChunks;
     const int key = key0 + r;
     const bool valid = key < key_end;

@@ -83,8 +83,19 @@ __device__ __forceinline__ void load_decode_q(__nv_bfloat16* sq, const AttnKerne
   }
 }
 
-// Merges the 4 warps' softmax states of the item (so: a consumed K/V stage; sml: [2][4][16]) and
-// writes the output or the split's partial result. Ends with the block synchronised.
+// Float pair `pair` (floats 2 pair, 2 pair + 1) of query row `row` in the merge scratch
+// [kWarps][kDecodeRows][D] f32: pairs XOR-swizzled by row within aligned runs of kRun pairs (the
+// largest power of two dividing D / 2, at most 32), so that a warp's 64-bit stores of 8 rows x 4
+// pairs and its reads of consecutive outputs of one row hit distinct banks.
+template <int D>
+__device__ __forceinline__ int merge_index(int warp, int row, int pair) {
+  constexpr int kHalf = D / 2, kRun = (kHalf & -kHalf) < 32 ? (kHalf & -kHalf) : 32;
+  return ((warp * kDecodeRows + row) * kHalf + (pair ^ (((row & 7) << 2) & (kRun - 1)))) * 2;
+}
+
+// Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
+// [2][4][16]) and writes the output or the split's partial result. Ends with the block
+// synchronised.
 template <int D>
 __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, const AttnKernelArgs& a,
                                                    const DecodeItem& it, float* so, float* sml) {
@@ -98,15 +109,15 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int row = lane / 4 + 8 * r;
+    if (row >= it.n_rows) continue;  // padding rows (GQA groups under 16) are not merged
     if ((lane & 3) == 0) {
       sm[warp * kRows + row] = st.m[r];
       sl[warp * kRows + row] = l;
     }
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2] = st.o[dt][2 * r];
-      so[(warp * kRows + row) * D + dt * 8 + (lane & 3) * 2 + 1] = st.o[dt][2 * r + 1];
-    }
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<float2*>(so + merge_index<D>(warp, row, dt * 4 + (lane & 3))) =
+          make_float2(st.o[dt][2 * r], st.o[dt][2 * r + 1]);
   }
   __syncthreads();
   for (int i = tid; i < it.n_rows * D; i += kAttnThreads) {
@@ -120,7 +131,7 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       const float mw = sm[w * kRows + row];
       const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
       l += sl[w * kRows + row] * e;
-      o += so[(w * kRows + row) * D + d] * e;
+      o += so[merge_index<D>(w, row, d / 2) + (d & 1)] * e;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int head = it.head0 + row;
@@ -160,8 +171,10 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_deco
   cp_async_commit();
   int qbuf = 0, stage = 0;
   while (true) {
+    // The next item is looked up once per item, after this item's next tile has been requested
+    // (its loads then wait behind the tile's instead of holding the request back).
     DecodeItem next;
-    const int64_t next_index = next_decode_item(a, item + gridDim.x, n_items, n_kvc, next);
+    int64_t next_index = -1;
     const int n_tiles = (cur.key_end - cur.key_begin + kKeyTile - 1) / kKeyTile;
     QFragments<D> qf;
     WarpSoftmax<D> st;
@@ -172,12 +185,16 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_deco
       if (j + 1 < n_tiles) {
         load_kv_tile<D>(other, other + kKeyTile * kStride, a, table, cur.kvh, cur.key_begin + (j + 1) * kKeyTile,
                         cur.key_end);
-      } else if (next_index < n_items) {
-        load_decode_q<D>(sq + (qbuf ^ 1) * kRows * kStride, a, next);
-        const int32_t* next_table = a.block_tables + static_cast<int64_t>(next.seq) * a.max_blocks_per_seq;
-        load_kv_tile<D>(other, other + kKeyTile * kStride, a, next_table, next.kvh, next.key_begin, next.key_end);
+      } else {
+        if (next_index < 0) next_index = next_decode_item(a, item + gridDim.x, n_items, n_kvc, next);
+        if (next_index < n_items) {
+          load_decode_q<D>(sq + (qbuf ^ 1) * kRows * kStride, a, next);
+          const int32_t* next_table = a.block_tables + static_cast<int64_t>(next.seq) * a.max_blocks_per_seq;
+          load_kv_tile<D>(other, other + kKeyTile * kStride, a, next_table, next.kvh, next.key_begin, next.key_end);
+        }
       }
       cp_async_commit();
+      if (next_index < 0) next_index = next_decode_item(a, item + gridDim.x, n_items, n_kvc, next);
       cp_async_wait<1>();
       __syncthreads();
       if (j == 0) qf.load(sq + qbuf * kRows * kStride, 0);
