@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 4: the persistent decode attention kernel (src/backend/cuda/paged_attention_decode.cuh) in
+# Issue 4: the balanced decode attention kernel (src/backend/cuda/paged_attention_decode.cuh) in
 # one call on a fresh machine: the GPU op tests and stories260K CPU vs GPU; decode attention in the
-# op benchmark one block per item (KESTREL_ATTN_PERSISTENT=0) against persistent, and the split
-# policy's knobs; then batch-1 and batch-64 decode of the 8B-shaped model with the kernel
-# persistent and not, prefill, and an op profile. STAGES picks parts (default "tests attn e2e
-# profile").
+# op benchmark, the previous kernel (one block per item; devbin/*_itemwise, when carried) against
+# this one at its default grid and smaller ones; then batch-1 and batch-64 decode of the 8B-shaped
+# model with both builds, prefill, and an op profile. STAGES picks parts (default "tests attn e2e
+# profile"); B1_CONFIGS and B64_CONFIGS list environment settings per run, "itemwise" meaning the
+# previous build.
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
@@ -20,8 +21,14 @@ if [[ $STAGES == *tests* ]]; then
   stories_check
 fi
 if [[ $STAGES == *attn* ]]; then
-  for cfg in ${ATTN_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1 KESTREL_ATTN_ITEMS_PER_BLOCK=2 \
-      KESTREL_ATTN_ITEMS_PER_BLOCK=8 KESTREL_ATTN_MIN_SPLIT_TILES=1 KESTREL_ATTN_MIN_SPLIT_TILES=4}; do
+  if [ -x $BIN/kestrel_cuda_bench_itemwise ] || chmod +x $BIN/kestrel_cuda_bench_itemwise 2>/dev/null; then
+    # The previous decode kernel (one block per (sequence, KV head, split), two splits here), for
+    # the same-run comparison: the build of commit 4aacb88.
+    echo "== decode attention: one block per item (commit 4aacb88, KESTREL_ATTN_PERSISTENT=0, 2 items per block)"
+    KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2 timeout 120 $BIN/kestrel_cuda_bench_itemwise \
+      "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
+  fi
+  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_DECODE_BLOCKS=264 KESTREL_ATTN_DECODE_BLOCKS=132}; do
     echo "== decode attention: $cfg"
     env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT \
       | tee -a "$OUT/attn_$cfg.txt"
@@ -29,15 +36,17 @@ if [[ $STAGES == *attn* ]]; then
 fi
 if [[ $STAGES == *e2e* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
-  for cfg in ${B1_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1}; do
+  for cfg in ${B1_CONFIGS:-itemwise KESTREL_DEFAULTS=1}; do
     echo "== batch-1 decode: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
+    kb="$K"; [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; cfg=KESTREL_ATTN_PERSISTENT=0,KESTREL_ATTN_ITEMS_PER_BLOCK=2; }
+    env ${cfg//,/ } timeout 200 "$kb" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
       | tee /tmp/k4/b1.txt
     note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
   done
-  for cfg in ${B64_CONFIGS:-KESTREL_ATTN_PERSISTENT=0 KESTREL_DEFAULTS=1}; do
+  for cfg in ${B64_CONFIGS:-itemwise KESTREL_DEFAULTS=1}; do
     echo "== batch-64 decode at 512: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+    kb="$K"; [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; cfg=KESTREL_ATTN_PERSISTENT=0,KESTREL_ATTN_ITEMS_PER_BLOCK=2; }
+    env ${cfg//,/ } timeout 200 "$kb" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
       --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
     note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
   done

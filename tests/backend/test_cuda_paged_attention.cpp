@@ -163,11 +163,12 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
   for (const auto& c : cases) run_case(c, rng);
 }
 
-// The decode kernel is persistent: each block takes items (sequence, KV head, split) in turn,
-// loading the next item's first tile while it finishes the current one. The emulation runs 6
-// resident blocks, so these batches give each block dozens of items, past prefill sequences (no
-// decode item) and splits left empty by short contexts, with contexts from 1 key to several tiles.
-TEST(CudaPagedAttention, PersistentDecodeRunsManyItemsPerBlock) {
+// The tensor-core decode kernel shares the item tiles of a batch out evenly over its blocks, so a
+// block's range starts and ends inside items and holds several whole ones. The emulation runs 6
+// decode blocks, so these batches give each block tens of tiles across many items (contexts from
+// 1 key to 12 tiles), prefill sequences without decode work among them, and items split over up
+// to three blocks, whose pieces the reduction combines.
+TEST(CudaPagedAttention, BalancedDecodeSplitsItemsAcrossBlocks) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(11);
   std::vector<SeqSpec> seqs;

@@ -19,41 +19,18 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV. The decode work is one item per (sequence, KV head chunk); when there are fewer than
-// kItemsPerBlock items per resident decode block (SMs x blocks per SM), each sequence's context is
-// cut into n_splits ranges of whole 64-key tiles (split_key_range), with at least kMinSplitTiles
-// tiles per range at max_context. The tensor-core decode kernel is persistent, so an item's start
-// costs little and the items only need to be many enough to balance the blocks; the SIMT kernel
-// takes one block per item. Overrides for benchmarks (bench/cuda, scripts/device/attn_split_sweep.sh):
-// KESTREL_ATTN_ITEMS_PER_BLOCK and KESTREL_ATTN_MIN_SPLIT_TILES, read once.
-constexpr int64_t kItemsPerBlock = 4;
+// Split-KV for the SIMT decode kernel (one block per (sequence, KV head chunk, split)): when
+// there are fewer than kSimtItemsPerBlock items per resident block, each sequence's context is cut
+// into n_splits ranges of whole 64-key tiles (split_key_range), with at least kMinSplitTiles tiles
+// per range at max_context. The tensor-core decode kernel needs no split count: its blocks share
+// the tiles out evenly (paged_attention_decode.cuh).
+constexpr int64_t kSimtItemsPerBlock = 4;
 constexpr int64_t kMinSplitTiles = 2;
-int64_t env_or(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return fallback;
-  const long long x = std::atoll(v);
-  return x > 0 ? x : fallback;
-}
-int64_t items_per_block() {
-  static const int64_t v = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", kItemsPerBlock);
-  return v;
-}
-int64_t min_split_tiles() {
-  static const int64_t v = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", kMinSplitTiles);
-  return v;
-}
-// KESTREL_ATTN_PERSISTENT=0: the decode kernel gets one block per item (for A/B measurements).
-bool persistent_decode_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("KESTREL_ATTN_PERSISTENT");
-    return e == nullptr || std::string(e) != "0";
-  }();
-  return v;
-}
 
 // Blocks of `kernel` (128 threads, `smem` bytes of dynamic shared memory) resident on the whole
-// device at once, queried once per kernel. The emulation answers 6, so that its tests run several
-// items per persistent block.
+// device at once, queried once per kernel. The emulation answers 6, so that its tests give each
+// decode block many segments. KESTREL_ATTN_DECODE_BLOCKS overrides the tensor-core decode grid
+// (for benchmarks).
 template <class Kernel>
 int64_t resident_blocks(Kernel kernel, size_t smem) {
 #if defined(KESTREL_CUDA_EMULATE)
@@ -125,11 +102,11 @@ struct Plan {
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
-  int32_t n_splits = 1;
-  int64_t resident = 1;      // decode blocks resident at once (the persistent kernel's grid bound)
-  int64_t decode_items = 0;  // n_seqs x n_head_kv x decode_head_chunks x n_splits
+  int32_t n_splits = 1;      // SIMT decode
+  int64_t decode_blocks = 1; // tensor-core decode grid: the resident blocks
   // Workspace layout (bytes).
-  size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
+  size_t n_tiles_offset = 0, tiles_offset = 0, prefix_offset = 0, first_seq_offset = 0, lse_offset = 0,
+         out_offset = 0, total = 0;
 };
 
 Plan make_plan(const AttentionParams& p) {
@@ -151,85 +128,105 @@ Plan make_plan(const AttentionParams& p) {
   plan.decode_heads = std::min(plan.group, kDecodeRows);
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
-
-  const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
-  const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-  plan.resident = decode_resident_blocks(p.head_dim);
-  int64_t splits = ceil_div(items_per_block() * plan.resident, items);
-  splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / min_split_tiles()));
-  plan.n_splits = static_cast<int32_t>(splits);
-  plan.decode_items = items * splits;
+  const int64_t resident = decode_resident_blocks(p.head_dim);
+  if (plan.mma) {
+    static const int64_t forced = [] {
+      const char* v = std::getenv("KESTREL_ATTN_DECODE_BLOCKS");
+      return v == nullptr ? int64_t{0} : static_cast<int64_t>(std::atoll(v));
+    }();
+    plan.decode_blocks = forced > 0 ? std::min(forced, resident) : resident;
+  } else {
+    const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
+    const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+    const int64_t splits = ceil_div(kSimtItemsPerBlock * resident, items);
+    plan.n_splits = static_cast<int32_t>(std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / kMinSplitTiles)));
+  }
 
   size_t at = 0;
-  plan.n_tiles_offset = at;
-  at += 16;
-  plan.tiles_offset = at;
-  at += static_cast<size_t>(plan.max_tiles) * sizeof(int2);
-  if (plan.n_splits > 1) {
+  const auto take = [&](size_t bytes) {
     at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
-    plan.lse_offset = at;
-    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head) * sizeof(float);
-    at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
-    plan.out_offset = at;
-    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head * p.head_dim) * sizeof(float);
+    const size_t offset = at;
+    at += bytes;
+    return offset;
+  };
+  plan.n_tiles_offset = take(16);
+  plan.tiles_offset = take(static_cast<size_t>(plan.max_tiles) * sizeof(int2));
+  if (plan.mma) {
+    const size_t slots = 2 * static_cast<size_t>(plan.decode_blocks) * kDecodeRows;
+    plan.prefix_offset = take(static_cast<size_t>(p.n_seqs + 1) * sizeof(int32_t));
+    plan.first_seq_offset = take(static_cast<size_t>(plan.decode_blocks) * sizeof(int32_t));
+    plan.lse_offset = take(slots * sizeof(float));
+    plan.out_offset = take(slots * static_cast<size_t>(p.head_dim) * sizeof(float));
+  } else if (plan.n_splits > 1) {
+    const size_t rows = static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head);
+    plan.lse_offset = take(rows * sizeof(float));
+    plan.out_offset = take(rows * static_cast<size_t>(p.head_dim) * sizeof(float));
   }
   plan.total = at;
   return plan;
 }
 
-// The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens),
-// decode, and the split-KV reduction (when the decode kernel splits). The tensor-core and the
-// SIMT kernel families differ in the kernels, their shared memory and the decode grid (persistent:
-// at most the resident blocks; else one block per item).
-void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
-                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
-                    size_t decode_smem, bool persistent_decode, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
-  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
-  if (any_prefill) {
-    AttnKernelArgs a = base;
-    a.heads_per_tile = plan.prefill_heads;
-    a.head_chunks = plan.prefill_head_chunks;
-    auto* plan_kernel = &attention_plan_kernel;
-    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
-                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
-    KESTREL_CUDA_CHECK_LAUNCH();
-    set_max_dynamic_smem(prefill, prefill_smem);
-    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
-    KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
-    KESTREL_CUDA_CHECK_LAUNCH();
-  }
+// The prefill launches of one attention call (when some sequence has 2+ query tokens): the tile
+// list, then the prefill kernel.
+void launch_prefill(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
+                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, cudaStream_t stream) {
+  if (p.max_query_len > 0 && p.max_query_len <= 1) return;
+  AttnKernelArgs a = base;
+  a.heads_per_tile = plan.prefill_heads;
+  a.head_chunks = plan.prefill_head_chunks;
+  auto* plan_kernel = &attention_plan_kernel;
+  KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
+                 const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
+  KESTREL_CUDA_CHECK_LAUNCH();
+  set_max_dynamic_smem(prefill, prefill_smem);
+  const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
+  KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+// The tensor-core kernels for head_dim D: prefill; decode plan, decode and the reduction of the
+// items the decode blocks split.
+template <int D>
+void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  launch_prefill(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(), stream);
   AttnKernelArgs a = base;
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
-  set_max_dynamic_smem(decode, decode_smem);
-  const dim3 grid = persistent_decode
-                        ? dim3(static_cast<unsigned>(persistent_decode_enabled()
-                                                         ? std::min(plan.decode_items, plan.resident)
-                                                         : plan.decode_items))
-                        : dim3(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
-                               static_cast<unsigned>(plan.n_splits));
-  KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
+  auto* plan_kernel = &attention_decode_plan_kernel;
+  KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(kDecodePlanThreads), 0, stream, a);
+  KESTREL_CUDA_CHECK_LAUNCH();
+  auto* decode = &attention_decode_kernel<D>;
+  const size_t smem = attn_decode_smem_bytes<D>();
+  set_max_dynamic_smem(decode, smem);
+  KESTREL_LAUNCH(decode, dim3(static_cast<unsigned>(plan.decode_blocks)), dim3(kAttnThreads), smem, stream, a);
+  KESTREL_CUDA_CHECK_LAUNCH();
+  auto* reduce = &attention_decode_reduce_kernel<D>;
+  const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks));
+  KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+// The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two: prefill; decode, one block
+// per (sequence, KV head chunk, split), and the split-KV reduction when it splits.
+template <int kSlots>
+void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  const size_t smem = attn_simt_smem_bytes(p.head_dim);
+  launch_prefill(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, stream);
+  AttnKernelArgs a = base;
+  a.heads_per_tile = plan.decode_heads;
+  a.head_chunks = plan.decode_head_chunks;
+  auto* decode = &attention_simt_kernel<kSlots, true>;
+  set_max_dynamic_smem(decode, smem);
+  const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+                  static_cast<unsigned>(plan.n_splits));
+  KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
   if (plan.n_splits > 1) {
+    auto* reduce = &attention_split_reduce_kernel;
     const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
     KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
-}
-
-// The tensor-core kernels for head_dim D.
-template <int D>
-void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(),
-                 &attention_decode_kernel<D>, attn_decode_smem_bytes<D>(), true, &attention_reduce_kernel<D>, stream);
-}
-
-// The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.
-template <int kSlots>
-void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  const size_t smem = attn_simt_smem_bytes(p.head_dim);
-  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, &attention_simt_kernel<kSlots, true>,
-                 smem, false, &attention_reduce_kernel<0>, stream);
 }
 
 }  // namespace
@@ -246,7 +243,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
                 std::to_string(plan.total) + " needed (attention_workspace_bytes)");
   if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) throw Error("paged_attention: workspace not 16-byte aligned");
   if (p.n_seqs > 0x7fffffff || p.n_head_kv * std::max(plan.prefill_head_chunks, plan.decode_head_chunks) > 65535 ||
-      plan.n_splits > 65535 || p.n_head > 65535 || plan.decode_items > 0x7fffffff)
+      plan.n_splits > 65535 || p.n_head > 65535)
     throw Error("paged_attention: batch too large for the launch grid");
 
   auto* ws = static_cast<unsigned char*>(p.workspace);
@@ -271,8 +268,12 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.tiles = reinterpret_cast<const int2*>(ws + plan.tiles_offset);
   a.n_tiles = reinterpret_cast<const int32_t*>(ws + plan.n_tiles_offset);
   a.n_splits = plan.n_splits;
-  a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
-  a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
+  const bool partials = plan.mma || plan.n_splits > 1;
+  a.part_lse = partials ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
+  a.part_out = partials ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
+  a.decode_prefix = plan.mma ? reinterpret_cast<int32_t*>(ws + plan.prefix_offset) : nullptr;
+  a.decode_first_seq = plan.mma ? reinterpret_cast<int32_t*>(ws + plan.first_seq_offset) : nullptr;
+  a.decode_blocks = static_cast<int32_t>(plan.decode_blocks);
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
   } else {
