@@ -163,12 +163,10 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
   for (const auto& c : cases) run_case(c, rng);
 }
 
-// The tensor-core decode kernel shares the item tiles of a batch out evenly over its blocks, so a
-// block's range starts and ends inside items and holds several whole ones. The emulation runs 6
-// decode blocks, so these batches give each block tens of tiles across many items (contexts from
-// 1 key to 12 tiles), prefill sequences without decode work among them, and items split over up
-// to three blocks, whose pieces the reduction combines.
-TEST(CudaPagedAttention, BalancedDecodeSplitsItemsAcrossBlocks) {
+// Many decode sequences with contexts from 1 key to 12 tiles, prefill chunks among them (decode
+// blocks with nothing to do, returning before the kernel's griddepcontrol.wait), at the true
+// max_context and at a graph's larger bound.
+TEST(CudaPagedAttention, ManyDecodesAmongPrefillChunks) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(11);
   std::vector<SeqSpec> seqs;

@@ -50,6 +50,14 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// Brings the line holding p into L1 (a hint; no fault, nothing returned).
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+#if !defined(KESTREL_CUDA_EMULATE)
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
 __device__ __forceinline__ void pdl_launch_next() {
 #if !defined(KESTREL_CUDA_EMULATE)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

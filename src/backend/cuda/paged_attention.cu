@@ -19,18 +19,33 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV for the SIMT decode kernel (one block per (sequence, KV head chunk, split)): when
-// there are fewer than kSimtItemsPerBlock items per resident block, each sequence's context is cut
-// into n_splits ranges of whole 64-key tiles (split_key_range), with at least kMinSplitTiles tiles
-// per range at max_context. The tensor-core decode kernel needs no split count: its blocks share
-// the tiles out evenly (paged_attention_decode.cuh).
-constexpr int64_t kSimtItemsPerBlock = 4;
+// Split-KV. The decode work is one block per (sequence, KV head chunk); when there are fewer than
+// kItemsPerBlock of those per resident decode block (SMs x blocks per SM), each sequence's context
+// is cut into n_splits ranges of whole 64-key tiles (split_key_range), with at least
+// kMinSplitTiles tiles per range at max_context. Measured on an H200 (op benchmark, 32/8 heads,
+// d128; docs/performance.md, issue 4, fourth session): 64 x 576 keys ran in 62 us with 2 items
+// per block (two splits), 60 us with 1 (one), 71 us with 4 and 8; 1 x 32768 keys in 101 us with 1,
+// 131 with 2, 223 with 4. Overrides for benchmarks (bench/cuda, scripts/device/issue4_f.sh):
+// KESTREL_ATTN_ITEMS_PER_BLOCK and KESTREL_ATTN_MIN_SPLIT_TILES, read once.
+constexpr int64_t kItemsPerBlock = 2;
 constexpr int64_t kMinSplitTiles = 2;
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  const long long x = std::atoll(v);
+  return x > 0 ? x : fallback;
+}
+int64_t items_per_block() {
+  static const int64_t v = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", kItemsPerBlock);
+  return v;
+}
+int64_t min_split_tiles() {
+  static const int64_t v = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", kMinSplitTiles);
+  return v;
+}
 
 // Blocks of `kernel` (128 threads, `smem` bytes of dynamic shared memory) resident on the whole
-// device at once, queried once per kernel. The emulation answers 6, so that its tests give each
-// decode block many segments. KESTREL_ATTN_DECODE_BLOCKS overrides the tensor-core decode grid
-// (for benchmarks).
+// device at once, queried once per kernel (the emulation answers 6).
 template <class Kernel>
 int64_t resident_blocks(Kernel kernel, size_t smem) {
 #if defined(KESTREL_CUDA_EMULATE)
@@ -102,11 +117,9 @@ struct Plan {
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
-  int32_t n_splits = 1;      // SIMT decode
-  int64_t decode_blocks = 1; // tensor-core decode grid: the resident blocks
+  int32_t n_splits = 1;
   // Workspace layout (bytes).
-  size_t n_tiles_offset = 0, tiles_offset = 0, prefix_offset = 0, first_seq_offset = 0, lse_offset = 0,
-         out_offset = 0, total = 0;
+  size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
 };
 
 Plan make_plan(const AttentionParams& p) {
@@ -128,105 +141,78 @@ Plan make_plan(const AttentionParams& p) {
   plan.decode_heads = std::min(plan.group, kDecodeRows);
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
-  const int64_t resident = decode_resident_blocks(p.head_dim);
-  if (plan.mma) {
-    static const int64_t forced = [] {
-      const char* v = std::getenv("KESTREL_ATTN_DECODE_BLOCKS");
-      return v == nullptr ? int64_t{0} : static_cast<int64_t>(std::atoll(v));
-    }();
-    plan.decode_blocks = forced > 0 ? std::min(forced, resident) : resident;
-  } else {
-    const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
-    const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-    const int64_t splits = ceil_div(kSimtItemsPerBlock * resident, items);
-    plan.n_splits = static_cast<int32_t>(std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / kMinSplitTiles)));
-  }
+
+  const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
+  const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+  int64_t splits = ceil_div(items_per_block() * decode_resident_blocks(p.head_dim), items);
+  splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / min_split_tiles()));
+  plan.n_splits = static_cast<int32_t>(splits);
 
   size_t at = 0;
-  const auto take = [&](size_t bytes) {
+  plan.n_tiles_offset = at;
+  at += 16;
+  plan.tiles_offset = at;
+  at += static_cast<size_t>(plan.max_tiles) * sizeof(int2);
+  if (plan.n_splits > 1) {
     at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
-    const size_t offset = at;
-    at += bytes;
-    return offset;
-  };
-  plan.n_tiles_offset = take(16);
-  plan.tiles_offset = take(static_cast<size_t>(plan.max_tiles) * sizeof(int2));
-  if (plan.mma) {
-    const size_t slots = 2 * static_cast<size_t>(plan.decode_blocks) * kDecodeRows;
-    plan.prefix_offset = take(static_cast<size_t>(p.n_seqs + 1) * sizeof(int32_t));
-    plan.first_seq_offset = take(static_cast<size_t>(plan.decode_blocks) * sizeof(int32_t));
-    plan.lse_offset = take(slots * sizeof(float));
-    plan.out_offset = take(slots * static_cast<size_t>(p.head_dim) * sizeof(float));
-  } else if (plan.n_splits > 1) {
-    const size_t rows = static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head);
-    plan.lse_offset = take(rows * sizeof(float));
-    plan.out_offset = take(rows * static_cast<size_t>(p.head_dim) * sizeof(float));
+    plan.lse_offset = at;
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head) * sizeof(float);
+    at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
+    plan.out_offset = at;
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head * p.head_dim) * sizeof(float);
   }
   plan.total = at;
   return plan;
 }
 
-// The prefill launches of one attention call (when some sequence has 2+ query tokens): the tile
-// list, then the prefill kernel.
-void launch_prefill(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
-                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, cudaStream_t stream) {
-  if (p.max_query_len > 0 && p.max_query_len <= 1) return;
-  AttnKernelArgs a = base;
-  a.heads_per_tile = plan.prefill_heads;
-  a.head_chunks = plan.prefill_head_chunks;
-  auto* plan_kernel = &attention_plan_kernel;
-  KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
-                 const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
-  KESTREL_CUDA_CHECK_LAUNCH();
-  set_max_dynamic_smem(prefill, prefill_smem);
-  const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
-  KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
-  KESTREL_CUDA_CHECK_LAUNCH();
-}
-
-// The tensor-core kernels for head_dim D: prefill; decode plan, decode and the reduction of the
-// items the decode blocks split.
-template <int D>
-void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  launch_prefill(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(), stream);
+// The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens),
+// decode, and the split-KV reduction (when the decode kernel splits). The tensor-core and the
+// SIMT kernel families differ only in the kernels and their shared memory.
+void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
+                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
+                    size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
+  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
+  if (any_prefill) {
+    AttnKernelArgs a = base;
+    a.heads_per_tile = plan.prefill_heads;
+    a.head_chunks = plan.prefill_head_chunks;
+    auto* plan_kernel = &attention_plan_kernel;
+    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
+                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
+    KESTREL_CUDA_CHECK_LAUNCH();
+    set_max_dynamic_smem(prefill, prefill_smem);
+    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
+    KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
+    KESTREL_CUDA_CHECK_LAUNCH();
+  }
   AttnKernelArgs a = base;
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
-  auto* plan_kernel = &attention_decode_plan_kernel;
-  KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(kDecodePlanThreads), 0, stream, a);
-  KESTREL_CUDA_CHECK_LAUNCH();
-  auto* decode = &attention_decode_kernel<D>;
-  const size_t smem = attn_decode_smem_bytes<D>();
-  set_max_dynamic_smem(decode, smem);
-  KESTREL_LAUNCH(decode, dim3(static_cast<unsigned>(plan.decode_blocks)), dim3(kAttnThreads), smem, stream, a);
-  KESTREL_CUDA_CHECK_LAUNCH();
-  auto* reduce = &attention_decode_reduce_kernel<D>;
-  const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks));
-  KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
-  KESTREL_CUDA_CHECK_LAUNCH();
-}
-
-// The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two: prefill; decode, one block
-// per (sequence, KV head chunk, split), and the split-KV reduction when it splits.
-template <int kSlots>
-void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  const size_t smem = attn_simt_smem_bytes(p.head_dim);
-  launch_prefill(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, stream);
-  AttnKernelArgs a = base;
-  a.heads_per_tile = plan.decode_heads;
-  a.head_chunks = plan.decode_head_chunks;
-  auto* decode = &attention_simt_kernel<kSlots, true>;
-  set_max_dynamic_smem(decode, smem);
+  set_max_dynamic_smem(decode, decode_smem);
   const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
                   static_cast<unsigned>(plan.n_splits));
-  KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), smem, stream, a);
+  KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
   if (plan.n_splits > 1) {
-    auto* reduce = &attention_split_reduce_kernel;
     const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
     KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
+}
+
+// The tensor-core kernels for head_dim D.
+template <int D>
+void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(),
+                 &attention_decode_kernel<D>, attn_decode_smem_bytes<D>(), &attention_reduce_kernel<D>, stream);
+}
+
+// The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.
+template <int kSlots>
+void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
+  const size_t smem = attn_simt_smem_bytes(p.head_dim);
+  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, &attention_simt_kernel<kSlots, true>,
+                 smem, &attention_reduce_kernel<0>, stream);
 }
 
 }  // namespace
@@ -268,12 +254,8 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.tiles = reinterpret_cast<const int2*>(ws + plan.tiles_offset);
   a.n_tiles = reinterpret_cast<const int32_t*>(ws + plan.n_tiles_offset);
   a.n_splits = plan.n_splits;
-  const bool partials = plan.mma || plan.n_splits > 1;
-  a.part_lse = partials ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
-  a.part_out = partials ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
-  a.decode_prefix = plan.mma ? reinterpret_cast<int32_t*>(ws + plan.prefix_offset) : nullptr;
-  a.decode_first_seq = plan.mma ? reinterpret_cast<int32_t*>(ws + plan.first_seq_offset) : nullptr;
-  a.decode_blocks = static_cast<int32_t>(plan.decode_blocks);
+  a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
+  a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
   } else {

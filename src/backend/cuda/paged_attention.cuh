@@ -64,16 +64,9 @@ struct AttnKernelArgs {
   float scale_log2;              // softmax scale * log2(e)
   const int2* tiles;             // prefill tile list: (sequence, first token), from the plan kernel
   const int32_t* n_tiles;        // its length
-  // Partial decode results, normalised outputs and their log2-sum-exp2 (f32). SIMT decode: per
-  // split, [n_splits, n_seqs, n_head, D] and [n_splits, n_seqs, n_head]; tensor-core decode: two
-  // slots per decode block, [2 x decode_blocks, kDecodeRows, D] and [2 x decode_blocks, kDecodeRows].
-  int32_t n_splits;              // SIMT decode: split-KV ranges per sequence (split_key_range)
-  float* part_out;
-  float* part_lse;
-  int32_t* decode_prefix;        // tensor-core decode: [n_seqs + 1] work before each sequence, in
-                                 // item tiles (64 keys x one KV head chunk), from the decode plan
-  int32_t* decode_first_seq;     // [decode_blocks] the sequence of each decode block's first tile
-  int32_t decode_blocks;         // the tensor-core decode grid
+  int32_t n_splits;              // decode: split-KV ranges per sequence (split_key_range)
+  float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
+  float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
   int32_t head_dim;              // D (read by the kernels that take it at run time)
 };
 
