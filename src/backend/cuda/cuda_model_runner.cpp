@@ -10,6 +10,7 @@
 #include <tuple>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -575,8 +576,9 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   }
 }
 
-// The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates are timed
-// over all layers' weights (Gemm::tune) and the fastest kept (+1.1% at batch 64 on the H200).
+// The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates and their
+// split-K variants are timed over all layers' weights (Gemm::tune) and the fastest kept (+1.1% at
+// batch 64 on the H200 with the heuristic's alone). KESTREL_GEMM_TUNE_LOG=1 prints the picks.
 // Scratch inputs and outputs are the activation buffers (sized for n by reserve_activations);
 // their contents do not matter.
 void CudaModelRunner::tune_gemms(int64_t n) {
@@ -584,8 +586,12 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
     if (uses_skinny(n, n_in, n_out)) return;
-    gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
-                stream_);
+    const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
+                                 n, n_in, n_out, stream_);
+    static const bool log = std::getenv("KESTREL_GEMM_TUNE_LOG") != nullptr;
+    if (log)
+      std::fprintf(stderr, "gemm tune: %lld x %lld -> %lld: candidate %d\n", static_cast<long long>(n),
+                   static_cast<long long>(n_in), static_cast<long long>(n_out), pick);
   };
   auto all_layers = [&](DevMem Layer::*w) {
     std::vector<const bf16*> ws;

@@ -3,10 +3,11 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
-#include <vector>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 
@@ -53,6 +54,7 @@ struct GemmPlan {
   cublasLtMatmulAlgo_t algo{};
   std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's, best first (candidates[0] == first algo)
   bool tuned = false;
+  bool split_k_added = false;  // tune() appended the split-K variants of the candidates
 
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;
@@ -145,11 +147,72 @@ Gemm::~Gemm() {
 
 size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
 
+namespace {
+
+// KESTREL_GEMM_SPLITK=0 leaves the split-K variants out of the tuning (for A/B measurements).
+bool split_k_tuning_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("KESTREL_GEMM_SPLITK");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return v;
+}
+
+// The split-K variants (2, 4 and 8 slices of n_in, at least 256 deep each) of the candidates that
+// support it and do not split already, reduced in f32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+// partial sums in the workspace, then one reduction; not the bf16 in-place or output-type sums),
+// each checked by cublasLtMatmulAlgoCheck against the workspace. A decode GEMM of few tokens has
+// few output tiles (64 x 4096 outputs in 128 x 64 tiles: 32 blocks for 132 SMs), so slicing the
+// reduction is how it fills the GPU.
+std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, const GemmPlan& p, int64_t n_in,
+                                                   size_t workspace_bytes) {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  for (const cublasLtMatmulAlgo_t& base : p.candidates) {
+    int32_t supported = 0;
+    uint32_t schemes = 0, current = 1;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &supported, sizeof supported,
+                                          &written) != CUBLAS_STATUS_SUCCESS ||
+        supported == 0)
+      continue;
+    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes,
+                                          &written) != CUBLAS_STATUS_SUCCESS ||
+        (schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) == 0)
+      continue;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &current, sizeof current,
+                                             &written) != CUBLAS_STATUS_SUCCESS ||
+        current > 1)
+      continue;
+    for (const uint32_t slices : {2u, 4u, 8u}) {
+      if (n_in / slices < 256) break;
+      cublasLtMatmulAlgo_t v = base;
+      const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &slices, sizeof slices) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoCheck(handle, p.desc, p.w, p.x, p.y, p.y, &v, &check) != CUBLAS_STATUS_SUCCESS ||
+          check.workspaceSize > workspace_bytes)
+        continue;
+      out.push_back(v);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 int Gemm::tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmOutput out, int64_t n_tokens,
                int64_t n_in, int64_t n_out, cudaStream_t stream) {
   if (n_ws == 0) throw Error("gemm tune: no weight matrices");
   run(x, ws[0], y, out, n_tokens, n_in, n_out, stream);  // validates the arguments, creates the plan
   GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
+  if (!p.split_k_added && split_k_tuning_enabled()) {
+    const auto extra = split_k_variants(impl_->handle, p, n_in, impl_->workspace_bytes);
+    p.candidates.insert(p.candidates.end(), extra.begin(), extra.end());
+  }
+  p.split_k_added = true;
   if (p.candidates.size() < 2) return 0;
   cudaEvent_t start = nullptr, stop = nullptr;
   KESTREL_CUDA_CHECK(cudaEventCreate(&start));
