@@ -47,7 +47,8 @@ if [[ $STAGES == *e2e* ]]; then
     echo "== batch-64 decode at 512: $cfg"
     kb="$K"; [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; cfg=KESTREL_ATTN_PERSISTENT=0,KESTREL_ATTN_ITEMS_PER_BLOCK=2; }
     env ${cfg//,/ } timeout 200 "$kb" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
+      --max-num-batched-tokens 8192 2>&1 | tee /tmp/k4/b64_full.txt | tail -1 | tee /tmp/k4/b64.txt
+    grep "gemm tune" /tmp/k4/b64_full.txt | grep -E "^gemm tune: (1|64) x" | head -10
     note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
   done
   echo "== prefill 8 x 2048"
