@@ -4,27 +4,23 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <map>
-#include <set>
-#include <tuple>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <map>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "backend/cpu/matmul.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/cuda_runner.h"
+#include "backend/cuda/device_memory.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/op_profiler.h"
-#include "core/dtype.h"
 #include "core/error.h"
-#include "core/thread_pool.h"
 
 namespace kestrel {
 
@@ -39,161 +35,12 @@ int cuda_device_count() {
 
 namespace {
 using cuda::bf16;
-
-// One device allocation, freed with its owner.
-class DevMem {
- public:
-  DevMem() = default;
-  explicit DevMem(size_t bytes) { reset(bytes); }
-  ~DevMem() {
-    if (p_ != nullptr) cudaFree(p_);
-  }
-  DevMem(DevMem&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr, o.bytes_ = 0; }
-  DevMem& operator=(DevMem&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  void reset(size_t bytes) {
-    if (p_ != nullptr) cudaFree(p_);
-    p_ = nullptr;
-    bytes_ = 0;
-    if (bytes == 0) return;
-    const cudaError_t err = cudaMalloc(&p_, bytes);
-    if (err == cudaErrorMemoryAllocation) {
-      cudaGetLastError();
-      throw Error("CUDA: out of device memory allocating " + std::to_string(bytes >> 20) + " MiB");
-    }
-    KESTREL_CUDA_CHECK(err);
-    bytes_ = bytes;
-  }
-  // Grows (contents lost) to at least `bytes`.
-  void reserve(size_t bytes) {
-    if (bytes > bytes_) reset(bytes + bytes / 4);
-  }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// Page-locked host memory, for asynchronous copies.
-class PinnedMem {
- public:
-  ~PinnedMem() {
-    if (p_ != nullptr) cudaFreeHost(p_);
-  }
-  void reserve(size_t bytes) {
-    if (bytes <= bytes_) return;
-    if (p_ != nullptr) cudaFreeHost(p_);
-    p_ = nullptr;
-    bytes_ = bytes + bytes / 4;
-    KESTREL_CUDA_CHECK(cudaMallocHost(&p_, bytes_));
-  }
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// Streams weights to the device as bf16: worker threads convert rows (a plain copy for bf16
-// checkpoints, dequantization through f32 for GGUF types) into one of three pinned staging buffers
-// while the copies of the others run, so reading the checkpoint, converting and the PCIe transfer
-// overlap. (The first version built each matrix in a pageable std::vector and copied it
-// synchronously: 13.8 s for 16 GB with a warm page cache.)
-class WeightUploader {
- public:
-  explicit WeightUploader(cudaStream_t stream) : stream_(stream), pool_(0) {
-    for (Stage& s : stages_) {
-      KESTREL_CUDA_CHECK(cudaMallocHost(&s.host, kStageBytes));
-      KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-    }
-  }
-  ~WeightUploader() {
-    cudaStreamSynchronize(stream_);
-    for (Stage& s : stages_) {
-      if (s.host != nullptr) cudaFreeHost(s.host);
-      if (s.done != nullptr) cudaEventDestroy(s.done);
-    }
-  }
-  WeightUploader(const WeightUploader&) = delete;
-  WeightUploader& operator=(const WeightUploader&) = delete;
-
-  // The matrices' rows, in order, as one bf16 device allocation [sum n_out, n_in].
-  // Errors: kestrel::Error if the matrices' n_in differ or CUDA fails.
-  DevMem matrices(std::initializer_list<const WeightView*> ws) {
-    size_t total = 0;
-    for (const WeightView* w : ws) {
-      if (w->n_in != (*ws.begin())->n_in) throw Error("CUDA upload: stacked matrices differ in width");
-      total += static_cast<size_t>(w->n_out * w->n_in) * 2;
-    }
-    DevMem d(total);
-    auto* dst = d.as<unsigned char>();
-    for (const WeightView* w : ws) {
-      const size_t row_bytes = static_cast<size_t>(w->n_in) * 2;
-      const int64_t rows_per_stage = std::max<int64_t>(1, static_cast<int64_t>(kStageBytes / row_bytes));
-      if (static_cast<size_t>(rows_per_stage) * row_bytes > kStageBytes)
-        throw Error("CUDA upload: a row of " + std::to_string(row_bytes) + " bytes exceeds the staging buffer");
-      for (int64_t r0 = 0; r0 < w->n_out; r0 += rows_per_stage) {
-        const int64_t n_rows = std::min(rows_per_stage, w->n_out - r0);
-        Stage& s = stages_[next_++ % stages_.size()];
-        KESTREL_CUDA_CHECK(cudaEventSynchronize(s.done));  // its previous copy has finished
-        auto* out = static_cast<uint16_t*>(s.host);
-        pool_.parallel_for(n_rows, 16, [&](int64_t begin, int64_t end) {
-          if (w->type == GgmlType::BF16) {
-            std::memcpy(out + begin * w->n_in, w->row(r0 + begin), static_cast<size_t>(end - begin) * row_bytes);
-            return;
-          }
-          std::vector<float> row(static_cast<size_t>(w->n_in));
-          for (int64_t r = begin; r < end; ++r) {
-            cpu::dequantize_row(w->type, w->row(r0 + r), row.data(), w->n_in);
-            uint16_t* o = out + r * w->n_in;
-            for (int64_t i = 0; i < w->n_in; ++i) o[i] = fp32_to_bf16(row[static_cast<size_t>(i)]);
-          }
-        });
-        const size_t bytes = static_cast<size_t>(n_rows) * row_bytes;
-        KESTREL_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, stream_));
-        KESTREL_CUDA_CHECK(cudaEventRecord(s.done, stream_));
-        dst += bytes;
-      }
-    }
-    return d;
-  }
-
- private:
-  static constexpr size_t kStageBytes = size_t{64} << 20;
-  struct Stage {
-    void* host = nullptr;
-    cudaEvent_t done = nullptr;
-  };
-  cudaStream_t stream_;
-  ThreadPool pool_;
-  std::array<Stage, 3> stages_{};
-  size_t next_ = 0;
-};
-
-DevMem upload(const void* host, size_t bytes) {
-  DevMem d(bytes);
-  KESTREL_CUDA_CHECK(cudaMemcpy(d.as<void>(), host, bytes, cudaMemcpyHostToDevice));
-  return d;
-}
-
-DevMem upload_bf16(const std::vector<float>& v) {
-  std::vector<uint16_t> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = fp32_to_bf16(v[i]);
-  return upload(h.data(), h.size() * 2);
-}
-
-DevMem upload_f32(const std::vector<float>& v) { return upload(v.data(), v.size() * sizeof(float)); }
+using cuda::DevMem;
+using cuda::PinnedMem;
+using cuda::upload;
+using cuda::upload_bf16;
+using cuda::upload_f32;
+using cuda::WeightUploader;
 
 // The engine's RowSampling rows go to the device as they are: cuda::SampleParams must match.
 static_assert(sizeof(RowSampling) == sizeof(cuda::SampleParams) &&
