@@ -159,6 +159,8 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
       // max_context overstated, as a CUDA graph's block-table bound: splits sized for 4096 keys.
       {"decodes at 300, 700 and 65 keys, max_context given as 4096", 8, 2, 128, 16, {{300, 1}, {700, 1}, {65, 1}},
        2.0f, true, 4096},
+      // One sequence of 2 tiles among several splits: the splits past its tiles have no keys.
+      {"65 keys alone, max_context given as 4096 (empty splits)", 8, 1, 128, 16, {{65, 1}}, 2.0f, true, 4096},
   };
   for (const auto& c : cases) run_case(c, rng);
 }
@@ -236,6 +238,8 @@ TEST(CudaPagedAttention, OtherHeadDimsLongContextsSplitKv) {
       // max_context understated: the last split must take the rest of the context.
       {"d40 (SIMT), 3001 keys, max_context given as 1000", 4, 2, 40, 16, {{3001, 1}}, 1.0f, true, 1000},
       {"d40 (SIMT), 300 and 65 keys, max_context given as 4096", 4, 2, 40, 16, {{300, 1}, {65, 1}}, 1.0f, true, 4096},
+      {"d40 (SIMT), 65 keys alone, max_context given as 4096 (empty splits)", 4, 1, 40, 16, {{65, 1}}, 1.0f, true,
+       4096},
   };
   if (!kCudaEmulated) {
     cases.push_back({"d256 group 2, 4 decodes at up to 20000 keys", 8, 4, 256, 16,

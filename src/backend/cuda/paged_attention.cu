@@ -19,29 +19,33 @@ namespace kestrel::cuda {
 
 namespace {
 
-// Split-KV. The decode work is one block per (sequence, KV head chunk); when there are fewer than
-// kItemsPerBlock of those per resident decode block (SMs x blocks per SM), each sequence's context
-// is cut into n_splits ranges of whole 64-key tiles (split_key_range), with at least
-// kMinSplitTiles tiles per range at max_context. Measured on an H200 (op benchmark, 32/8 heads,
-// d128; docs/performance.md, issue 4, fourth session): 64 x 576 keys ran in 62 us with 2 items
-// per block (two splits), 60 us with 1 (one), 71 us with 4 and 8; 1 x 32768 keys in 101 us with 1,
-// 131 with 2, 223 with 4. Overrides for benchmarks (bench/cuda, scripts/device/issue4_f.sh):
-// KESTREL_ATTN_ITEMS_PER_BLOCK and KESTREL_ATTN_MIN_SPLIT_TILES, read once.
-constexpr int64_t kItemsPerBlock = 2;
-constexpr int64_t kMinSplitTiles = 2;
+// Split-KV. The decode work is one block per (sequence, KV head chunk) "item"; a split cuts each
+// sequence's context into n_splits ranges of whole 64-key tiles (split_key_range), paid for by a
+// partial result per split and the reduction kernel. Two regimes (split_count):
+// - fewer items than half the resident decode blocks (SMs x blocks per SM): the GPU would sit
+//   mostly idle, so split up to one wave of blocks, at least 2 tiles per split at max_context;
+// - else the items fill the GPU already, and a split only evens out the waves: up to two waves,
+//   and only with at least 12 tiles (768 keys) per split at max_context.
+// Measured on an H200 (op benchmark, 32/8 heads, d128; docs/performance.md, issue 4, fourth
+// session), splits chosen as ceil(k x resident / items) with 2 tiles minimum, for k = 1 / 2 / 4:
+// 64 x 576 keys 58.7 / 61.4 / 71.2 us (1 / 2 / 4 splits); 64 x 2048 175.0 / 156.2 / 166.5 us;
+// 1 x 32768 95.8 / 131 / 223 us; 1 x 228 (graph bound 512) 14.2 / 13.8 / 14.1 us; 256 x 1024 and
+// 400 x 1000-2000 unsplit either way. KESTREL_ATTN_ITEMS_PER_BLOCK=k and
+// KESTREL_ATTN_MIN_SPLIT_TILES=t replace the rule by ceil(k x resident / items) with t tiles per
+// split at least (for sweeps: scripts/device/issue4_f.sh), read once.
 int64_t env_or(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr) return fallback;
   const long long x = std::atoll(v);
   return x > 0 ? x : fallback;
 }
-int64_t items_per_block() {
-  static const int64_t v = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", kItemsPerBlock);
-  return v;
-}
-int64_t min_split_tiles() {
-  static const int64_t v = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", kMinSplitTiles);
-  return v;
+int64_t split_count(int64_t items, int64_t resident, int64_t max_tiles) {
+  static const int64_t forced_k = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", 0);
+  static const int64_t forced_t = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", 0);
+  const bool sparse = 2 * items < resident;
+  const int64_t k = forced_k > 0 ? forced_k : (sparse ? 1 : 2);
+  const int64_t min_tiles = forced_t > 0 ? forced_t : (forced_k > 0 || sparse ? 2 : 12);
+  return std::clamp<int64_t>(ceil_div(k * resident, items), 1, std::max<int64_t>(1, max_tiles / min_tiles));
 }
 
 // Blocks of `kernel` (128 threads, `smem` bytes of dynamic shared memory) resident on the whole
@@ -144,8 +148,7 @@ Plan make_plan(const AttentionParams& p) {
 
   const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-  int64_t splits = ceil_div(items_per_block() * decode_resident_blocks(p.head_dim), items);
-  splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(1, max_tiles / min_split_tiles()));
+  const int64_t splits = split_count(items, decode_resident_blocks(p.head_dim), max_tiles);
   plan.n_splits = static_cast<int32_t>(splits);
 
   size_t at = 0;
