@@ -183,7 +183,7 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
                                              &written) != CUBLAS_STATUS_SUCCESS ||
         current > 1)
       continue;
-    for (const uint32_t slices : {2u, 4u, 8u}) {
+    for (const int32_t slices : {2, 4, 8}) {
       if (n_in / slices < 256) break;
       cublasLtMatmulAlgo_t v = base;
       const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "backend/cuda/cuda_ops.h"
 
@@ -42,6 +43,7 @@ int64_t env_or(const char* name, int64_t fallback) {
 int64_t split_count(int64_t items, int64_t resident, int64_t max_tiles) {
   static const int64_t forced_k = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", 0);
   static const int64_t forced_t = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", 0);
+  if (items <= 0) return 1;
   const bool sparse = 2 * items < resident;
   const int64_t k = forced_k > 0 ? forced_k : (sparse ? 1 : 2);
   const int64_t min_tiles = forced_t > 0 ? forced_t : (forced_k > 0 || sparse ? 2 : 12);
@@ -58,9 +60,9 @@ int64_t resident_blocks(Kernel kernel, size_t smem) {
   return 6;
 #else
   static std::mutex mu;
-  static std::map<const void*, int64_t> cache;
+  static std::map<std::pair<const void*, size_t>, int64_t> cache;  // one device: the runner's
   const std::lock_guard<std::mutex> lock(mu);
-  const auto key = reinterpret_cast<const void*>(kernel);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   int dev = 0, sms = 0, per_sm = 0;
   KESTREL_CUDA_CHECK(cudaGetDevice(&dev));

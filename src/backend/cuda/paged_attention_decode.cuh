@@ -116,6 +116,9 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_deco
   it.pos = decode ? a.positions[it.token] : 0;
   const int2 keys = split_key_range(it.pos + 1, it.split, a.n_splits);
   if (!decode || keys.x >= keys.y) {  // nothing to do (an empty split: fewer key tiles than splits)
+    // Still wait: the next kernel's griddepcontrol.wait covers this grid only, so this grid may
+    // not complete before the one it follows (a pass without decodes has no block that waits).
+    pdl_wait();
     pdl_launch_next();
     return;
   }
