@@ -217,8 +217,9 @@ void bench_sampling() {
 // W (at least 400 MB in all), so W comes from HBM as in a model's forward pass, not from the 50 MB
 // L2. Each timing covers 16 back-to-back calls (as a forward pass issues them; with PDL the next
 // skinny call streams its weights while the previous drains) and reports the time per call.
-// GB/s counts W, x and y once.
-void bench_skinny() {
+// GB/s counts W, x and y once. From 16 tokens on, kestrel::cuda::mid_gemm too, at its own split
+// count and at 1, 2, 4 and 8. mid_only: only 16, 32 and 64 tokens, without the skinny variants.
+void bench_skinny(bool mid_only) {
   using kestrel::cuda::GemmOutput;
   kestrel::cuda::Gemm gemm;
   struct S {
@@ -239,7 +240,9 @@ void bench_skinny() {
       ws.push_back(std::make_unique<Buf>(w_bytes));
       fill_bf16(*ws.back());
     }
-    for (const int64_t m : {1, 4, 8, 16, 64}) {
+    std::vector<int64_t> ms_list = {1, 4, 8, 16, 32, 64};
+    if (mid_only) ms_list = {16, 32, 64};
+    for (const int64_t m : ms_list) {
       const int64_t x_cols = sh.swiglu ? 2 * sh.in : sh.in;
       Buf x(static_cast<size_t>(m * x_cols) * 2), act(static_cast<size_t>(m * sh.in) * 2),
           y(static_cast<size_t>(m * sh.out) * (sh.f32 ? 4 : 2));
@@ -260,6 +263,34 @@ void bench_skinny() {
         }
       }) / kCalls;
       report("cublaslt", shape, ms_cublas, bytes, 0);
+      if (m > 8) {
+        for (const int splits : {0, 1, 2, 4, 8}) {
+          const size_t ws_bytes = kestrel::cuda::mid_gemm_workspace_bytes(m, sh.in, sh.out, splits);
+          Buf mid_ws(std::max<size_t>(ws_bytes, 16));
+          kestrel::cuda::MidGemmArgs a{};
+          a.x = x.as<bf16>();
+          a.x_stride = x_cols;
+          a.y = y.p;
+          a.n_tokens = m;
+          a.n_in = sh.in;
+          a.n_out = sh.out;
+          a.swiglu = sh.swiglu;
+          a.f32_out = sh.f32;
+          a.splits = splits;
+          a.workspace = mid_ws.as<float>();
+          a.workspace_bytes = ws_bytes;
+          const double ms = time_ms([&] {
+            for (int c = 0; c < kCalls; ++c) {
+              a.w = ws[next++ % n_copies]->as<bf16>();
+              kestrel::cuda::mid_gemm(a, nullptr);
+            }
+          }) / kCalls;
+          report("mid s" + std::to_string(kestrel::cuda::mid_gemm_splits(sh.in, sh.out, splits)) +
+                     (splits == 0 ? " (auto)" : ""),
+                 shape, ms, bytes, 0);
+        }
+      }
+      if (mid_only) continue;
       std::vector<std::pair<int, int>> variants = {{0, 0}};
       if (m <= 8) variants = {{4, 8}, {4, 4}, {2, 8}, {2, 4}, {8, 8}, {8, 4}};
       else if (m <= 16) variants = {{4, 8}, {2, 8}};
@@ -408,7 +439,8 @@ int main(int argc, char** argv) {
         report("gemm", g.what, ms, static_cast<double>(x.bytes + w.bytes + y.bytes), 2.0 * g.t * g.in * g.out);
       }
     }
-    if (wanted("skinny")) bench_skinny();
+    if (wanted("skinny")) bench_skinny(false);
+    if (!g_filter.empty() && std::string("mid").find(g_filter) != std::string::npos) bench_skinny(true);
 #endif
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {

@@ -156,6 +156,33 @@ struct SkinnyGemmArgs {
 bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
 void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 
+// GEMM for decode batches of 9 to kMidGemmMaxTokens tokens (mid_gemm.cuh): y = a(x) . W^T, bf16
+// in, f32 accumulation, y bf16 or f32 [n_tokens, n_out]; x rows x_stride elements apart, in SwiGLU
+// mode [gate | up] rows of 2 n_in (a = silu(gate) * up, rounded to bf16 as silu_mul rounds); w
+// [n_out, n_in] row-major; n_in % 8 == 0; x and w 16-byte aligned. Split-K over `splits` slices of
+// n_in (0: about two blocks per SM) needs mid_gemm_workspace_bytes of f32 partial sums; the sum
+// over slices is in a fixed order (deterministic). Errors: kestrel::Error for an unsupported shape,
+// a bad stride, misalignment or a short workspace. Enqueued on stream; never synchronises.
+constexpr int64_t kMidGemmMaxTokens = 64;
+struct MidGemmArgs {
+  const bf16* x;
+  int64_t x_stride;
+  const bf16* w;
+  void* y;
+  int64_t n_tokens, n_in, n_out;
+  bool swiglu = false;
+  bool f32_out = false;
+  int splits = 0;
+  float* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+bool mid_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
+// The split count mid_gemm uses for `splits` (0: its own choice): whole 128-wide chunks of n_in
+// per slice, none empty.
+int mid_gemm_splits(int64_t n_in, int64_t n_out, int splits);
+size_t mid_gemm_workspace_bytes(int64_t n_tokens, int64_t n_in, int64_t n_out, int splits);
+void mid_gemm(const MidGemmArgs& args, cudaStream_t stream);
+
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
 // chains without logit_bias and penalties (Sampler::device_compatible()):
 // - temperature <= 0 (0 = greedy): the argmax, lowest id on ties;
