@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Issue 4: the balanced decode attention kernel (src/backend/cuda/paged_attention_decode.cuh) in
-# one call on a fresh machine: the GPU op tests and stories260K CPU vs GPU; decode attention in the
-# op benchmark, the previous kernel (one block per item; devbin/*_itemwise, when carried) against
-# this one at its default grid and smaller ones; then batch-1 and batch-64 decode of the 8B-shaped
-# model with both builds, prefill, an op profile, and (stage "mid", not in the default) mid_gemm
-# against cuBLASLt in the op benchmark and end to end. STAGES picks parts (default "tests attn e2e
-# profile"); B1_CONFIGS and B64_CONFIGS list environment settings per run, "itemwise" meaning the
-# previous build.
+# Issue 4, fourth session: decode attention (src/backend/cuda/paged_attention_decode.cuh) and the
+# GEMMs, in one call on a fresh machine: the GPU op tests and stories260K CPU vs GPU; decode
+# attention in the op benchmark under split-plan overrides (ATTN_CONFIGS), and a previous build
+# (devbin/*_itemwise, when carried) for comparison; batch-1 and batch-64 decode of the 8B-shaped
+# model (B1_CONFIGS, B64_CONFIGS: environment settings per run, "itemwise" meaning the previous
+# build), prefill, an op profile, and (stage "mid", not in the default) mid_gemm against cuBLASLt
+# in the op benchmark and end to end. STAGES picks parts (default "tests attn e2e profile").
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
@@ -23,13 +22,13 @@ if [[ $STAGES == *tests* ]]; then
 fi
 if [[ $STAGES == *attn* ]]; then
   if [ -x $BIN/kestrel_cuda_bench_itemwise ] || chmod +x $BIN/kestrel_cuda_bench_itemwise 2>/dev/null; then
-    # The previous decode kernel (one block per (sequence, KV head, split), two splits here), for
-    # the same-run comparison: the build of commit 4aacb88.
-    echo "== decode attention: one block per item (commit 4aacb88, KESTREL_ATTN_PERSISTENT=0, 2 items per block)"
+    # A previous build for the same-run comparison (this session's: commit 4aacb88, whose
+    # KESTREL_ATTN_PERSISTENT=0 gives one block per item).
+    echo "== decode attention: previous build (KESTREL_ATTN_PERSISTENT=0, 2 items per block)"
     KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2 timeout 120 $BIN/kestrel_cuda_bench_itemwise \
       "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
   fi
-  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_DECODE_BLOCKS=264 KESTREL_ATTN_DECODE_BLOCKS=132}; do
+  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_ITEMS_PER_BLOCK=1 KESTREL_ATTN_ITEMS_PER_BLOCK=2}; do
     echo "== decode attention: $cfg"
     env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT \
       | tee -a "$OUT/attn_$cfg.txt"
