@@ -154,6 +154,11 @@ struct SkinnyGemmArgs {
   int warps = 0;
 };
 bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
+// The operand checks skinny_gemm and mid_gemm share (op names the caller in the message): SwiGLU
+// input only with bf16 output, x_stride a multiple of 8 and at least a row (2 n_in for SwiGLU), x
+// and w 16-byte aligned. Errors: kestrel::Error.
+void check_gemv_operands(const char* op, const bf16* x, const bf16* w, int64_t x_stride, int64_t n_in, bool swiglu,
+                         bool f32_out);
 void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 
 // GEMM for decode batches of 9 to kMidGemmMaxTokens tokens (mid_gemm.cuh): y = a(x) . W^T, bf16

@@ -65,13 +65,7 @@ void mid_gemm(const MidGemmArgs& a, cudaStream_t stream) {
   if (!mid_gemm_supports(a.n_tokens, a.n_in, a.n_out))
     throw Error("mid_gemm: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
                 std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ")");
-  if (a.swiglu && a.f32_out) throw Error("mid_gemm: SwiGLU input with f32 output is not built");
-  const int64_t min_stride = a.swiglu ? 2 * a.n_in : a.n_in;
-  if (a.x_stride < min_stride || a.x_stride % 8 != 0)
-    throw Error("mid_gemm: x_stride " + std::to_string(a.x_stride) + " must be a multiple of 8 and >= " +
-                std::to_string(min_stride));
-  for (const void* ptr : {static_cast<const void*>(a.x), static_cast<const void*>(a.w)})
-    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("mid_gemm: operand not 16-byte aligned");
+  check_gemv_operands("mid_gemm", a.x, a.w, a.x_stride, a.n_in, a.swiglu, a.f32_out);
   const int splits = mid_gemm_splits(a.n_in, a.n_out, a.splits);
   const size_t need = mid_gemm_workspace_bytes(a.n_tokens, a.n_in, a.n_out, a.splits);
   if (a.workspace_bytes < need || (need > 0 && a.workspace == nullptr))
