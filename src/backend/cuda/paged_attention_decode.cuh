@@ -49,8 +49,7 @@ __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
 }
 
 // Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
-// [2][4][16]) and writes the output or the split's partial result. Ends with the block
-// synchronised.
+// [2][4][16]) and writes the output or the split's partial result.
 template <int D>
 __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, const AttnKernelArgs& a,
                                                    const DecodeItem& it, float* so, float* sml) {
@@ -98,7 +97,6 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
     }
   }
-  __syncthreads();  // the merge scratch is a K/V stage again
 }
 
 // grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_decode_smem_bytes<D>(); at
