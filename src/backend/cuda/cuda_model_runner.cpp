@@ -190,10 +190,10 @@ class CudaModelRunner final : public ModelRunner {
     return n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems &&
            cuda::skinny_gemm_supports(n, n_in, n_out);
   }
-  // Token counts past the skinny kernel's and up to mid_max_tokens_ use cuda::mid_gemm instead of
-  // cuBLASLt (KESTREL_MID_GEMM=N; off by default until measured faster on the GPU).
+  // Token counts from 9 up to mid_max_tokens_ use cuda::mid_gemm instead of cuBLASLt
+  // (KESTREL_MID_GEMM=N; off by default until measured faster on the GPU).
   bool uses_mid(int64_t n, int64_t n_in, int64_t n_out) const {
-    return n <= mid_max_tokens_ && !uses_skinny(n, n_in, n_out) && cuda::mid_gemm_supports(n, n_in, n_out);
+    return n >= 9 && n <= mid_max_tokens_ && !uses_skinny(n, n_in, n_out) && cuda::mid_gemm_supports(n, n_in, n_out);
   }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
