@@ -30,6 +30,7 @@ struct AttnCase {
   bool pass_max_query_len;
   int32_t max_context_override = 0;  // > 0: pass this max_context (too small, or a graph's too large
                                      // bound) instead of the true one
+  int32_t decode_stages = 0;         // AttentionParams::decode_stages
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -90,6 +91,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.block_size = c.block_size;
   p.scale = scale;
   p.max_query_len = c.pass_max_query_len ? max_q : 0;
+  p.decode_stages = c.decode_stages;
   const size_t ws_bytes = cuda::attention_workspace_bytes(p);
   DeviceBuffer<unsigned char> d_ws(ws_bytes);
   d_ws.poison();
@@ -181,6 +183,24 @@ TEST(CudaPagedAttention, ManyDecodesAmongPrefillChunks) {
       {"33 sequences, 32/8 heads d128, graph bound 1024", 32, 8, 128, 16, seqs, 2.0f, true, 1024},
       {"33 sequences, 8/2 heads d64, true max_context", 8, 2, 64, 16, seqs, 2.0f, true},
       {"33 sequences, 8/2 heads d40 (SIMT), graph bound 2048", 8, 2, 40, 16, seqs, 2.0f, true, 2048},
+  };
+  for (const auto& c : cases) run_case(c, rng);
+}
+
+// The decode kernel with three K/V stages (two tiles loading while one is computed): contexts of
+// 1, 2, 3 and many tiles, splits, prefill sequences among the decodes, and the head dims with
+// padded tiles (80) and Q in shared memory (256).
+TEST(CudaPagedAttention, ThreeStageDecodeMatchesFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(12);
+  const std::vector<AttnCase> cases = {
+      {"d128, 1 to 3 tiles and a prefill chunk", 32, 8, 128, 16, {{1, 1}, {64, 1}, {100, 1}, {150, 1}, {90, 20}},
+       2.0f, true, 0, 3},
+      {"d128, 3001 and 1500 keys (split-KV)", 8, 2, 128, 16, {{3001, 1}, {1500, 1}}, 2.0f, true, 0, 3},
+      {"d128, 65 keys alone, max_context given as 4096", 8, 1, 128, 16, {{65, 1}}, 2.0f, true, 4096, 3},
+      {"d64 group 3, block size 7", 9, 3, 64, 7, {{300, 1}, {33, 1}, {700, 1}}, 1.0f, true, 0, 3},
+      {"d80 group 2", 8, 4, 80, 16, {{500, 1}, {2, 1}}, 1.0f, true, 0, 3},
+      {"d256 group 8", 8, 1, 256, 16, {{400, 1}, {129, 1}}, 2.0f, true, 0, 3},
   };
   for (const auto& c : cases) run_case(c, rng);
 }

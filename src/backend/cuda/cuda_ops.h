@@ -107,6 +107,8 @@ struct AttentionParams {
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
   size_t workspace_bytes;
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
+  int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3; 0 =
+                              // KESTREL_ATTN_STAGES, else 2 (3: two tiles load while one is computed)
 };
 // Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
 // tile list and the split-KV partial outputs. Deterministic for the same fields. Errors: as

@@ -106,10 +106,19 @@ void dispatch_simt(int32_t d, F&& f) {
   }
 }
 
-int64_t decode_resident_blocks(int32_t d) {
+// K/V stages of the tensor-core decode kernel: p.decode_stages, else KESTREL_ATTN_STAGES, else 2.
+int32_t decode_stages(const AttentionParams& p) {
+  static const int32_t from_env = static_cast<int32_t>(env_or("KESTREL_ATTN_STAGES", 2));
+  const int32_t s = p.decode_stages > 0 ? p.decode_stages : from_env;
+  if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
+  return s;
+}
+
+int64_t decode_resident_blocks(int32_t d, int32_t stages) {
   int64_t n = 1;
   if (!MmaHeadDims::dispatch(d, [&]<int D>() {
-        n = resident_blocks(&attention_decode_kernel<D>, attn_decode_smem_bytes<D>());
+        n = stages == 3 ? resident_blocks(&attention_decode_kernel<D, 3>, attn_decode_smem_bytes<D, 3>())
+                        : resident_blocks(&attention_decode_kernel<D, 2>, attn_decode_smem_bytes<D, 2>());
       }))
     dispatch_simt(d, [&]<int kSlots>() {
       n = resident_blocks(&attention_simt_kernel<kSlots, true>, attn_simt_smem_bytes(d));
@@ -124,6 +133,7 @@ struct Plan {
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
   int32_t n_splits = 1;
+  int32_t decode_stages = 2;  // K/V stages of the tensor-core decode kernel
   // Workspace layout (bytes).
   size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
 };
@@ -150,7 +160,8 @@ Plan make_plan(const AttentionParams& p) {
 
   const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-  const int64_t splits = split_count(items, decode_resident_blocks(p.head_dim), max_tiles);
+  plan.decode_stages = decode_stages(p);
+  const int64_t splits = split_count(items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
   plan.n_splits = static_cast<int32_t>(splits);
 
   size_t at = 0;
@@ -209,7 +220,9 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
 template <int D>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(),
-                 &attention_decode_kernel<D>, attn_decode_smem_bytes<D>(), &attention_reduce_kernel<D>, stream);
+                 plan.decode_stages == 3 ? &attention_decode_kernel<D, 3> : &attention_decode_kernel<D, 2>,
+                 plan.decode_stages == 3 ? attn_decode_smem_bytes<D, 3>() : attn_decode_smem_bytes<D, 2>(),
+                 &attention_reduce_kernel<D>, stream);
 }
 
 // The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.

@@ -23,13 +23,13 @@
 
 namespace kestrel::cuda {
 
-// Shared memory of the decode kernel: the Q tile, two K/V stages (a stage's K tile and V tile are
-// contiguous, so a consumed stage holds the 4-warp merge's 4 x 16 x D f32 outputs), and the
+// Shared memory of the decode kernel: the Q tile, kStages K/V stages (a stage's K tile and V tile
+// are contiguous, so a consumed stage holds the 4-warp merge's 4 x 16 x D f32 outputs), and the
 // merge's row max and row sum per warp.
-template <int D>
+template <int D, int kStages = 2>
 constexpr size_t attn_decode_smem_bytes() {
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
-         2 * 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2 + 2 * 4 * kDecodeRows * sizeof(float);
+         kStages * 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2 + 2 * 4 * kDecodeRows * sizeof(float);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
 
@@ -99,10 +99,14 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
   }
 }
 
-// grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_decode_smem_bytes<D>(); at
-// most 168 registers for D <= 128, so that three blocks fit on an SM.
-template <int D>
-__global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_decode_kernel(AttnKernelArgs a) {
+// grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_decode_smem_bytes<D,
+// kStages>(). kStages K/V tiles in flight or computed at once: 2 (one loads while one is computed;
+// at most 168 registers for D <= 128, so that three blocks fit on an SM) or 3 (two load while one
+// is computed; two blocks per SM by shared memory).
+template <int D, int kStages = 2>
+__global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2) : 1)
+    attention_decode_kernel(AttnKernelArgs a) {
+  static_assert(kStages >= 2, "at least one tile loads while another is computed");
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a K/V stage
   // Before griddepcontrol.wait: only arrays written before the forward pass.
@@ -133,8 +137,8 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_deco
 
   KESTREL_DYNAMIC_SMEM(smem);
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRows][kStride]
-  auto* stages = sq + kRows * kStride;                 // [2][K tile, V tile]
-  auto* sml = reinterpret_cast<float*>(stages + 2 * kStage);
+  auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile]
+  auto* sml = reinterpret_cast<float*>(stages + kStages * kStage);
   const int warp = threadIdx.x / kWarpSize;
   for (int i = threadIdx.x; i < kRows * kChunks; i += kAttnThreads) {
     const int r = i / kChunks, c = i % kChunks;
@@ -142,33 +146,39 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? 3 : 1) attention_deco
     cp_async16(sq + swz<D>(r, c),
                a.q + (valid ? (static_cast<int64_t>(it.token) * a.n_head + it.head0 + r) * D + c * 8 : 0), valid);
   }
-  load_kv_tile<D>(stages, stages + kKeyTile * kStride, a, table, it.kvh, it.key_begin, it.key_end);
-  cp_async_commit();
-
+  // Tiles 0 .. kStages - 2 (the first with Q), one commit group each.
   const int n_tiles = (it.key_end - it.key_begin + kKeyTile - 1) / kKeyTile;
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < n_tiles) {
+      __nv_bfloat16* sk = stages + j * kStage;
+      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end);
+    }
+    cp_async_commit();
+  }
   QFragments<D> qf;
   WarpSoftmax<D> st;
   init_softmax(st);
   for (int j = 0; j < n_tiles; ++j) {
-    const int stage = j & 1;
-    if (j + 1 < n_tiles) {
-      __nv_bfloat16* other = stages + (stage ^ 1) * kStage;
-      load_kv_tile<D>(other, other + kKeyTile * kStride, a, table, it.kvh, it.key_begin + (j + 1) * kKeyTile,
+    // Refill the stage computed in the previous iteration with tile j + kStages - 1 (every
+    // iteration commits a group, maybe empty, so that tile j's is always kStages - 1 groups back).
+    if (j + kStages - 1 < n_tiles) {
+      __nv_bfloat16* sk = stages + (j + kStages - 1) % kStages * kStage;
+      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + (j + kStages - 1) * kKeyTile,
                       it.key_end);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
     __syncthreads();
     if (j == 0) qf.load(sq, 0);
-    const __nv_bfloat16* sk = stages + stage * kStage;
+    const __nv_bfloat16* sk = stages + j % kStages * kStage;
     const int key0 = it.key_begin + j * kKeyTile;
     attend_tile<D, kKeyTile / kWarps>(st, qf, sk, sk + kKeyTile * kStride, warp * (kKeyTile / kWarps), key0,
                                       key0 + kKeyTile - 1 > it.pos, it.pos, it.pos, a.scale_log2);
     __syncthreads();  // this stage is refilled (or merged into) next
   }
-  finish_decode_item<D>(st, a, it, reinterpret_cast<float*>(stages + ((n_tiles - 1) & 1) * kStage), sml);
+  cp_async_wait<0>();  // only empty groups are left
+  finish_decode_item<D>(st, a, it, reinterpret_cast<float*>(stages + (n_tiles - 1) % kStages * kStage), sml);
 }
 
 // Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
