@@ -263,19 +263,14 @@ void bench_skinny(bool mid_only) {
         }
       }) / kCalls;
       report("cublaslt", shape, ms_cublas, bytes, 0);
+      // The weights pointer is set per call (the rotating copies).
+      const kestrel::cuda::ProjectionOperands ops{x.as<bf16>(), x_cols, nullptr, y.p, m, sh.in, sh.out, sh.swiglu,
+                                                  sh.f32};
       if (m > 8) {
         for (const int splits : {0, 1, 2, 4, 8}) {
           const size_t ws_bytes = kestrel::cuda::mid_gemm_workspace_bytes(m, sh.in, sh.out, splits);
           Buf mid_ws(std::max<size_t>(ws_bytes, 16));
-          kestrel::cuda::MidGemmArgs a{};
-          a.x = x.as<bf16>();
-          a.x_stride = x_cols;
-          a.y = y.p;
-          a.n_tokens = m;
-          a.n_in = sh.in;
-          a.n_out = sh.out;
-          a.swiglu = sh.swiglu;
-          a.f32_out = sh.f32;
+          kestrel::cuda::MidGemmArgs a{ops};
           a.splits = splits;
           a.workspace = mid_ws.as<float>();
           a.workspace_bytes = ws_bytes;
@@ -296,15 +291,7 @@ void bench_skinny(bool mid_only) {
       else if (m <= 16) variants = {{4, 8}, {2, 8}};
       else if (m <= 32) variants = {{2, 8}, {1, 8}};
       for (const auto& [u, wp] : variants) {
-        kestrel::cuda::SkinnyGemmArgs a{};
-        a.x = x.as<bf16>();
-        a.x_stride = x_cols;
-        a.y = y.p;
-        a.n_tokens = m;
-        a.n_in = sh.in;
-        a.n_out = sh.out;
-        a.swiglu = sh.swiglu;
-        a.f32_out = sh.f32;
+        kestrel::cuda::SkinnyGemmArgs a{ops};
         a.unroll = u;
         a.warps = wp;
         const double ms = time_ms([&] {

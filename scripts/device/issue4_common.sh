@@ -33,3 +33,10 @@ n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)
 print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
 PY
 }
+# The GPU op tests (kestrel_tests, Cuda*) and the stories260K check, with their summary lines.
+op_tests() {
+  echo "== GPU op tests (kestrel_tests, Cuda*)"
+  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
+  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
+  stories_check
+}

@@ -12,12 +12,7 @@ STAGES="${STAGES:-tests micro e2e profile}"
 : > "$SUMMARY"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
-if [[ $STAGES == *tests* ]]; then
-  echo "== GPU op tests (kestrel_tests, Cuda*)"
-  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
-  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
-  stories_check
-fi
+[[ $STAGES == *tests* ]] && op_tests
 if [[ $STAGES == *micro* ]]; then
   echo "== projections at few tokens: cuBLASLt vs skinny_gemm"
   timeout 300 $BIN/kestrel_cuda_bench skinny 2>&1 | tee "$OUT/skinny.txt"

@@ -14,12 +14,7 @@ STAGES="${STAGES:-tests attn e2e profile}"
 : > "$SUMMARY"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
-if [[ $STAGES == *tests* ]]; then
-  echo "== GPU op tests (kestrel_tests, Cuda*)"
-  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
-  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
-  stories_check
-fi
+[[ $STAGES == *tests* ]] && op_tests
 if [[ $STAGES == *attn* ]]; then
   if [ -x $BIN/kestrel_cuda_bench_itemwise ] || chmod +x $BIN/kestrel_cuda_bench_itemwise 2>/dev/null; then
     # A previous build for the same-run comparison (this session's: commit 4aacb88, whose

@@ -472,26 +472,13 @@ void CudaModelRunner::tune_gemms(int64_t n) {
 
 void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
                              int64_t n_out, bool swiglu) {
-  auto operands = [&](auto& a) {  // the fields SkinnyGemmArgs and MidGemmArgs share
-    a.x = x;
-    a.x_stride = swiglu ? 2 * n_in : n_in;
-    a.w = w;
-    a.y = y;
-    a.n_tokens = n;
-    a.n_in = n_in;
-    a.n_out = n_out;
-    a.swiglu = swiglu;
-    a.f32_out = f32_out;
-  };
+  const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
   if (uses_skinny(n, n_in, n_out)) {
-    cuda::SkinnyGemmArgs a{};
-    operands(a);
-    cuda::skinny_gemm(a, stream_);
+    cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream_);
     return;
   }
   if (uses_mid(n, n_in, n_out)) {
-    cuda::MidGemmArgs a{};
-    operands(a);
+    cuda::MidGemmArgs a{ops};
     a.workspace = mid_ws_.as<float>();
     a.workspace_bytes = mid_ws_.bytes();
     cuda::mid_gemm(a, stream_);

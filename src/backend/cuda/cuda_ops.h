@@ -144,14 +144,17 @@ void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src
 // Errors: kestrel::Error for an unsupported shape (skinny_gemm_supports), a bad stride or
 // alignment, swiglu with f32_out, or a variant that is not built.
 constexpr int64_t kSkinnyMaxTokens = 64;
-struct SkinnyGemmArgs {
-  const bf16* x;
-  int64_t x_stride;
-  const bf16* w;
-  void* y;
-  int64_t n_tokens, n_in, n_out;
+// The operands of a decode projection, as skinny_gemm and mid_gemm take them.
+struct ProjectionOperands {
+  const bf16* x = nullptr;
+  int64_t x_stride = 0;
+  const bf16* w = nullptr;
+  void* y = nullptr;
+  int64_t n_tokens = 0, n_in = 0, n_out = 0;
   bool swiglu = false;
   bool f32_out = false;
+};
+struct SkinnyGemmArgs : ProjectionOperands {
   int unroll = 0;
   int warps = 0;
 };
@@ -159,8 +162,7 @@ bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
 // The operand checks skinny_gemm and mid_gemm share (op names the caller in the message): SwiGLU
 // input only with bf16 output, x_stride a multiple of 8 and at least a row (2 n_in for SwiGLU), x
 // and w 16-byte aligned. Errors: kestrel::Error.
-void check_gemv_operands(const char* op, const bf16* x, const bf16* w, int64_t x_stride, int64_t n_in, bool swiglu,
-                         bool f32_out);
+void check_gemv_operands(const char* op, const ProjectionOperands& a);
 void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 
 // GEMM for decode batches of 9 to kMidGemmMaxTokens tokens (mid_gemm.cuh): y = a(x) . W^T, bf16
@@ -171,14 +173,7 @@ void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 // over slices is in a fixed order (deterministic). Errors: kestrel::Error for an unsupported shape,
 // a bad stride, misalignment or a short workspace. Enqueued on stream; never synchronises.
 constexpr int64_t kMidGemmMaxTokens = 64;
-struct MidGemmArgs {
-  const bf16* x;
-  int64_t x_stride;
-  const bf16* w;
-  void* y;
-  int64_t n_tokens, n_in, n_out;
-  bool swiglu = false;
-  bool f32_out = false;
+struct MidGemmArgs : ProjectionOperands {
   int splits = 0;
   float* workspace = nullptr;
   size_t workspace_bytes = 0;

@@ -65,7 +65,7 @@ void mid_gemm(const MidGemmArgs& a, cudaStream_t stream) {
   if (!mid_gemm_supports(a.n_tokens, a.n_in, a.n_out))
     throw Error("mid_gemm: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
                 std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ")");
-  check_gemv_operands("mid_gemm", a.x, a.w, a.x_stride, a.n_in, a.swiglu, a.f32_out);
+  check_gemv_operands("mid_gemm", a);
   const int splits = mid_gemm_splits(a.n_in, a.n_out, a.splits);
   const size_t need = mid_gemm_workspace_bytes(a.n_tokens, a.n_in, a.n_out, a.splits);
   if (a.workspace_bytes < need || (need > 0 && a.workspace == nullptr))

@@ -6,14 +6,13 @@
 
 namespace kestrel::cuda {
 
-void check_gemv_operands(const char* op, const bf16* x, const bf16* w, int64_t x_stride, int64_t n_in, bool swiglu,
-                         bool f32_out) {
-  if (swiglu && f32_out) throw Error(std::string(op) + ": SwiGLU input with f32 output is not built");
-  const int64_t min_stride = swiglu ? 2 * n_in : n_in;
-  if (x_stride < min_stride || x_stride % 8 != 0)
-    throw Error(std::string(op) + ": x_stride " + std::to_string(x_stride) + " must be a multiple of 8 and >= " +
+void check_gemv_operands(const char* op, const ProjectionOperands& a) {
+  if (a.swiglu && a.f32_out) throw Error(std::string(op) + ": SwiGLU input with f32 output is not built");
+  const int64_t min_stride = a.swiglu ? 2 * a.n_in : a.n_in;
+  if (a.x_stride < min_stride || a.x_stride % 8 != 0)
+    throw Error(std::string(op) + ": x_stride " + std::to_string(a.x_stride) + " must be a multiple of 8 and >= " +
                 std::to_string(min_stride));
-  for (const void* ptr : {static_cast<const void*>(x), static_cast<const void*>(w)})
+  for (const void* ptr : {static_cast<const void*>(a.x), static_cast<const void*>(a.w)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error(std::string(op) + ": operand not 16-byte aligned");
 }
 
@@ -47,7 +46,7 @@ void skinny_gemm(const SkinnyGemmArgs& a, cudaStream_t stream) {
   if (!skinny_gemm_supports(a.n_tokens, a.n_in, a.n_out))
     throw Error("skinny_gemm: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
                 std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ")");
-  check_gemv_operands("skinny_gemm", a.x, a.w, a.x_stride, a.n_in, a.swiglu, a.f32_out);
+  check_gemv_operands("skinny_gemm", a);
   const int u = a.unroll, wp = a.warps;
   if (a.n_tokens <= 8) {
     if ((u == 0 || u == 4) && (wp == 0 || wp == 8)) return launch_skinny<1, 4, 8>(a, stream);
