@@ -217,9 +217,9 @@ void bench_sampling() {
 // W (at least 400 MB in all), so W comes from HBM as in a model's forward pass, not from the 50 MB
 // L2. Each timing covers 16 back-to-back calls (as a forward pass issues them; with PDL the next
 // skinny call streams its weights while the previous drains) and reports the time per call.
-// GB/s counts W, x and y once. From 16 tokens on, kestrel::cuda::mid_gemm too, at its own split
-// count and at 1, 2, 4 and 8. mid_only: only 16, 32 and 64 tokens, without the skinny variants.
-void bench_skinny(bool mid_only) {
+// GB/s counts W, x and y once. The down projection is timed with the SwiGLU input (cuBLASLt after
+// silu_mul; skinny forming it on load) and on a ready activation (both GEMMs alone).
+void bench_skinny() {
   using kestrel::cuda::GemmOutput;
   kestrel::cuda::Gemm gemm;
   struct S {
@@ -231,6 +231,7 @@ void bench_skinny(bool mid_only) {
                       {4096, 4096, false, false, "o 4096->4096"},
                       {4096, 28672, false, false, "gate_up 4096->28672"},
                       {14336, 4096, true, false, "down+swiglu 14336->4096"},
+                      {14336, 4096, false, false, "down 14336->4096"},
                       {4096, 128256, false, true, "head 4096->128256 f32"}};
   for (const S& sh : shapes) {
     const size_t w_bytes = static_cast<size_t>(sh.in * sh.out) * 2;
@@ -241,7 +242,6 @@ void bench_skinny(bool mid_only) {
       fill_bf16(*ws.back());
     }
     std::vector<int64_t> ms_list = {1, 4, 8, 16, 32, 64};
-    if (mid_only) ms_list = {16, 32, 64};
     for (const int64_t m : ms_list) {
       const int64_t x_cols = sh.swiglu ? 2 * sh.in : sh.in;
       Buf x(static_cast<size_t>(m * x_cols) * 2), act(static_cast<size_t>(m * sh.in) * 2),
@@ -266,26 +266,6 @@ void bench_skinny(bool mid_only) {
       // The weights pointer is set per call (the rotating copies).
       const kestrel::cuda::ProjectionOperands ops{x.as<bf16>(), x_cols, nullptr, y.p, m, sh.in, sh.out, sh.swiglu,
                                                   sh.f32};
-      if (m > 8) {
-        for (const int splits : {0, 1, 2, 4, 8}) {
-          const size_t ws_bytes = kestrel::cuda::mid_gemm_workspace_bytes(m, sh.in, sh.out, splits);
-          Buf mid_ws(std::max<size_t>(ws_bytes, 16));
-          kestrel::cuda::MidGemmArgs a{ops};
-          a.splits = splits;
-          a.workspace = mid_ws.as<float>();
-          a.workspace_bytes = ws_bytes;
-          const double ms = time_ms([&] {
-            for (int c = 0; c < kCalls; ++c) {
-              a.w = ws[next++ % n_copies]->as<bf16>();
-              kestrel::cuda::mid_gemm(a, nullptr);
-            }
-          }) / kCalls;
-          report("mid s" + std::to_string(kestrel::cuda::mid_gemm_splits(sh.in, sh.out, splits)) +
-                     (splits == 0 ? " (auto)" : ""),
-                 shape, ms, bytes, 0);
-        }
-      }
-      if (mid_only) continue;
       std::vector<std::pair<int, int>> variants = {{0, 0}};
       if (m <= 8) variants = {{4, 8}, {4, 4}, {2, 8}, {2, 4}, {8, 8}, {8, 4}};
       else if (m <= 16) variants = {{4, 8}, {2, 8}};
@@ -426,8 +406,7 @@ int main(int argc, char** argv) {
         report("gemm", g.what, ms, static_cast<double>(x.bytes + w.bytes + y.bytes), 2.0 * g.t * g.in * g.out);
       }
     }
-    if (wanted("skinny")) bench_skinny(false);
-    if (!g_filter.empty() && std::string("mid").find(g_filter) != std::string::npos) bench_skinny(true);
+    if (wanted("skinny")) bench_skinny();
 #endif
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {

@@ -187,22 +187,26 @@ TEST(CudaPagedAttention, ManyDecodesAmongPrefillChunks) {
   for (const auto& c : cases) run_case(c, rng);
 }
 
-// The decode kernel with three K/V stages (two tiles loading while one is computed): contexts of
-// 1, 2, 3 and many tiles, splits, prefill sequences among the decodes, and the head dims with
-// padded tiles (80) and Q in shared memory (256).
-TEST(CudaPagedAttention, ThreeStageDecodeMatchesFloat64Reference) {
+// The decode kernel with two and with three K/V stages (three: two tiles loading while one is
+// computed) forced, whatever the item count would pick: contexts of 1, 2, 3 and many tiles,
+// splits, prefill sequences among the decodes, and the head dims with padded tiles (80) and Q in
+// shared memory (256).
+TEST(CudaPagedAttention, EachDecodeStageCountMatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(12);
-  const std::vector<AttnCase> cases = {
-      {"d128, 1 to 3 tiles and a prefill chunk", 32, 8, 128, 16, {{1, 1}, {64, 1}, {100, 1}, {150, 1}, {90, 20}},
-       2.0f, true, 0, 3},
-      {"d128, 3001 and 1500 keys (split-KV)", 8, 2, 128, 16, {{3001, 1}, {1500, 1}}, 2.0f, true, 0, 3},
-      {"d128, 65 keys alone, max_context given as 4096", 8, 1, 128, 16, {{65, 1}}, 2.0f, true, 4096, 3},
-      {"d64 group 3, block size 7", 9, 3, 64, 7, {{300, 1}, {33, 1}, {700, 1}}, 1.0f, true, 0, 3},
-      {"d80 group 2", 8, 4, 80, 16, {{500, 1}, {2, 1}}, 1.0f, true, 0, 3},
-      {"d256 group 8", 8, 1, 256, 16, {{400, 1}, {129, 1}}, 2.0f, true, 0, 3},
-  };
-  for (const auto& c : cases) run_case(c, rng);
+  for (const int32_t stages : {2, 3}) {
+    SCOPED_TRACE("decode_stages " + std::to_string(stages));
+    const std::vector<AttnCase> cases = {
+        {"d128, 1 to 3 tiles and a prefill chunk", 32, 8, 128, 16, {{1, 1}, {64, 1}, {100, 1}, {150, 1}, {90, 20}},
+         2.0f, true, 0, stages},
+        {"d128, 3001 and 1500 keys (split-KV)", 8, 2, 128, 16, {{3001, 1}, {1500, 1}}, 2.0f, true, 0, stages},
+        {"d128, 65 keys alone, max_context given as 4096", 8, 1, 128, 16, {{65, 1}}, 2.0f, true, 4096, stages},
+        {"d64 group 3, block size 7", 9, 3, 64, 7, {{300, 1}, {33, 1}, {700, 1}}, 1.0f, true, 0, stages},
+        {"d80 group 2", 8, 4, 80, 16, {{500, 1}, {2, 1}}, 1.0f, true, 0, stages},
+        {"d256 group 8", 8, 1, 256, 16, {{400, 1}, {129, 1}}, 2.0f, true, 0, stages},
+    };
+    for (const auto& c : cases) run_case(c, rng);
+  }
 }
 
 // Head dims other than 64 and 128: the tensor-core kernels' odd k-step count (80: 5 x 16), padded

@@ -136,8 +136,6 @@ class CudaModelRunner final : public ModelRunner {
     gemm_ = std::make_unique<cuda::Gemm>();
     if (const char* env = std::getenv("KESTREL_SKINNY_MAX_TOKENS"); env != nullptr)
       skinny_max_tokens_ = std::clamp<int64_t>(std::atoll(env), 0, cuda::kSkinnyMaxTokens);
-    if (const char* env = std::getenv("KESTREL_MID_GEMM"); env != nullptr)
-      mid_max_tokens_ = std::clamp<int64_t>(std::atoll(env), 0, cuda::kMidGemmMaxTokens);
     if (const char* env = std::getenv("KESTREL_GEMM_TUNE"); env != nullptr && std::string(env) == "0")
       tune_gemms_ = false;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -190,11 +188,6 @@ class CudaModelRunner final : public ModelRunner {
     return n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems &&
            cuda::skinny_gemm_supports(n, n_in, n_out);
   }
-  // Token counts from 9 up to mid_max_tokens_ use cuda::mid_gemm instead of cuBLASLt
-  // (KESTREL_MID_GEMM=N; off by default until measured faster on the GPU).
-  bool uses_mid(int64_t n, int64_t n_in, int64_t n_out) const {
-    return n >= 9 && n <= mid_max_tokens_ && !uses_skinny(n, n_in, n_out) && cuda::mid_gemm_supports(n, n_in, n_out);
-  }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
   // pinned staging buffer in BatchArrays layout; returns the host layout.
@@ -209,7 +202,6 @@ class CudaModelRunner final : public ModelRunner {
   // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
   // H200 measurements in docs/performance.md; KESTREL_SKINNY_MAX_TOKENS overrides, 0 = never).
   int64_t skinny_max_tokens_ = 8;
-  int64_t mid_max_tokens_ = 0;
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
   bool tune_gemms_ = true;
@@ -233,7 +225,6 @@ class CudaModelRunner final : public ModelRunner {
   // Activations (grown to the largest batch seen).
   int64_t cap_tokens_ = 0, cap_out_ = 0;
   DevMem residual_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
-  DevMem mid_ws_;      // mid_gemm's split-K partial sums
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
   PinnedMem logits_h_;
@@ -341,13 +332,6 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     cap_out_ = std::max(cap_out_, n_out);
   }
   grow(workspace_, std::max<size_t>(16, attention_ws));
-  if (mid_max_tokens_ > 0) {
-    const int64_t m = std::min(n, mid_max_tokens_);
-    size_t bytes = 16;
-    for (const auto& [n_in, n_out] : {std::pair{d, qd + 2 * kvd}, {qd, d}, {d, 2 * ff}, {ff, d}, {d, nv}})
-      bytes = std::max(bytes, cuda::mid_gemm_workspace_bytes(m, n_in, n_out, 0));
-    grow(mid_ws_, bytes);
-  }
   if (grew) graphs_.clear();
 }
 
@@ -448,7 +432,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
-    if (uses_skinny(n, n_in, n_out) || uses_mid(n, n_in, n_out)) return;
+    if (uses_skinny(n, n_in, n_out)) return;
     const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
                                  n, n_in, n_out, stream_);
     static const bool log = std::getenv("KESTREL_GEMM_TUNE_LOG") != nullptr;
@@ -475,13 +459,6 @@ void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out
   const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
   if (uses_skinny(n, n_in, n_out)) {
     cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream_);
-    return;
-  }
-  if (uses_mid(n, n_in, n_out)) {
-    cuda::MidGemmArgs a{ops};
-    a.workspace = mid_ws_.as<float>();
-    a.workspace_bytes = mid_ws_.bytes();
-    cuda::mid_gemm(a, stream_);
     return;
   }
   if (swiglu) {

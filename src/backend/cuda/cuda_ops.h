@@ -107,8 +107,9 @@ struct AttentionParams {
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
   size_t workspace_bytes;
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
-  int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3; 0 =
-                              // KESTREL_ATTN_STAGES, else 2 (3: two tiles load while one is computed)
+  int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
+                              // tiles load while one is computed); 0 = KESTREL_ATTN_STAGES, else
+                              // chosen by the number of decode items (paged_attention.cu)
 };
 // Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
 // tile list and the split-KV partial outputs. Deterministic for the same fields. Errors: as
@@ -144,7 +145,7 @@ void copy_blocks(void* const* layer_caches, int32_t n_caches, const int32_t* src
 // Errors: kestrel::Error for an unsupported shape (skinny_gemm_supports), a bad stride or
 // alignment, swiglu with f32_out, or a variant that is not built.
 constexpr int64_t kSkinnyMaxTokens = 64;
-// The operands of a decode projection, as skinny_gemm and mid_gemm take them.
+// The operands of a decode projection, as skinny_gemm takes them.
 struct ProjectionOperands {
   const bf16* x = nullptr;
   int64_t x_stride = 0;
@@ -159,31 +160,11 @@ struct SkinnyGemmArgs : ProjectionOperands {
   int warps = 0;
 };
 bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
-// The operand checks skinny_gemm and mid_gemm share (op names the caller in the message): SwiGLU
+// The operand checks of skinny_gemm (op names the caller in the message): SwiGLU
 // input only with bf16 output, x_stride a multiple of 8 and at least a row (2 n_in for SwiGLU), x
 // and w 16-byte aligned. Errors: kestrel::Error.
 void check_gemv_operands(const char* op, const ProjectionOperands& a);
 void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
-
-// GEMM for decode batches of 9 to kMidGemmMaxTokens tokens (mid_gemm.cuh): y = a(x) . W^T, bf16
-// in, f32 accumulation, y bf16 or f32 [n_tokens, n_out]; x rows x_stride elements apart, in SwiGLU
-// mode [gate | up] rows of 2 n_in (a = silu(gate) * up, rounded to bf16 as silu_mul rounds); w
-// [n_out, n_in] row-major; n_in % 8 == 0; x and w 16-byte aligned. Split-K over `splits` slices of
-// n_in (0: about two blocks per SM) needs mid_gemm_workspace_bytes of f32 partial sums; the sum
-// over slices is in a fixed order (deterministic). Errors: kestrel::Error for an unsupported shape,
-// a bad stride, misalignment or a short workspace. Enqueued on stream; never synchronises.
-constexpr int64_t kMidGemmMaxTokens = 64;
-struct MidGemmArgs : ProjectionOperands {
-  int splits = 0;
-  float* workspace = nullptr;
-  size_t workspace_bytes = 0;
-};
-bool mid_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
-// The split count mid_gemm uses for `splits` (0: its own choice): whole 128-wide chunks of n_in
-// per slice, none empty.
-int mid_gemm_splits(int64_t n_in, int64_t n_out, int splits);
-size_t mid_gemm_workspace_bytes(int64_t n_tokens, int64_t n_in, int64_t n_out, int splits);
-void mid_gemm(const MidGemmArgs& args, cudaStream_t stream);
 
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
 // chains without logit_bias and penalties (Sampler::device_compatible()):

@@ -106,14 +106,6 @@ void dispatch_simt(int32_t d, F&& f) {
   }
 }
 
-// K/V stages of the tensor-core decode kernel: p.decode_stages, else KESTREL_ATTN_STAGES, else 2.
-int32_t decode_stages(const AttentionParams& p) {
-  static const int32_t from_env = static_cast<int32_t>(env_or("KESTREL_ATTN_STAGES", 2));
-  const int32_t s = p.decode_stages > 0 ? p.decode_stages : from_env;
-  if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
-  return s;
-}
-
 int64_t decode_resident_blocks(int32_t d, int32_t stages) {
   int64_t n = 1;
   if (!MmaHeadDims::dispatch(d, [&]<int D>() {
@@ -124,6 +116,21 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages) {
       n = resident_blocks(&attention_simt_kernel<kSlots, true>, attn_simt_smem_bytes(d));
     });
   return n;
+}
+
+// K/V stages of the tensor-core decode kernel: p.decode_stages, else KESTREL_ATTN_STAGES, else by
+// the item count. Three stages (two 32 KB tiles loading while one is computed, 2 blocks per SM at
+// d128) against two (3 blocks per SM), H200 op benchmark, 32/8 heads, d128 (docs/performance.md,
+// issue 4, fifth session): 64 x 576 keys 49.9 against 58.8 us, 1 x 32768 66.1 against 95.9 us,
+// 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and 400 x 1000-2000 keys
+// 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
+// kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
+int32_t decode_stages(const AttentionParams& p, int64_t items) {
+  static const int32_t from_env = static_cast<int32_t>(env_or("KESTREL_ATTN_STAGES", 0));
+  const int32_t s = p.decode_stages > 0 ? p.decode_stages : from_env;
+  if (s == 0) return items <= 2 * decode_resident_blocks(p.head_dim, 2) ? 3 : 2;
+  if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
+  return s;
 }
 
 struct Plan {
@@ -160,7 +167,7 @@ Plan make_plan(const AttentionParams& p) {
 
   const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-  plan.decode_stages = decode_stages(p);
+  plan.decode_stages = decode_stages(p, items);
   const int64_t splits = split_count(items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
   plan.n_splits = static_cast<int32_t>(splits);
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 4, fifth session: batch-1, batch-64 and offline decode of the 8B-shaped model and the
+# decode-attention op benchmark under environment configurations, in one call. Stages (STAGES, default
+# "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU; batch-1 decode of the
+# 8B-shaped model under each of B1_CONFIGS; the decode-attention op benchmark under ATTN_CONFIGS;
+# batch-64 decode under B64_CONFIGS; "profile1": an op profile of batch-1 decode (eager, CUDA
+# events); "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS.
+# A configuration is environment settings joined by commas ("KESTREL_DEFAULTS=1" sets nothing).
+# Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
+# stories260K.gguf, tokenizer.model).
+set -uo pipefail
+source scripts/device/issue4_common.sh
+STAGES="${STAGES:-tests b1 attn b64}"
+: > "$SUMMARY"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+[[ $STAGES == *tests* ]] && op_tests
+if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* ]]; then
+  [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
+fi
+if [[ $STAGES == *b1* ]]; then
+  for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1}; do
+    echo "== batch-1 decode: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/k4/b1.txt
+    note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
+  done
+fi
+if [[ $STAGES == *attn* ]]; then
+  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_STAGES=2 KESTREL_ATTN_STAGES=3}; do
+    echo "== decode attention: $cfg"
+    env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
+  done
+fi
+if [[ $STAGES == *b64* ]]; then
+  for cfg in ${B64_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_STAGES=2}; do
+    echo "== batch-64 decode at 512: $cfg"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
+    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
+  done
+fi
+if [[ $STAGES == *profile1* ]]; then
+  echo "== op profile (eager, CUDA events): batch-1 decode"
+  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
+fi
+if [[ $STAGES == *offline* ]]; then
+  for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do
+    echo "== offline 1000 x (1000 + 1000): $cfg"
+    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/issue4_c.sh 2>&1 | tail -4 | tee /tmp/k4/off.txt
+    note "offline [$cfg]: $(grep -i "tok/s" /tmp/k4/off.txt | tail -1)"
+  done
+fi
+echo "== summary"
+cat "$SUMMARY"
