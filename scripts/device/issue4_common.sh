@@ -36,7 +36,7 @@ PY
 # The GPU op tests (kestrel_tests, Cuda*) and the stories260K check, with their summary lines.
 op_tests() {
   echo "== GPU op tests (kestrel_tests, Cuda*)"
-  timeout 300 $BIN/kestrel_tests --gtest_filter='Cuda*' --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
+  timeout 300 $BIN/kestrel_tests --gtest_filter="${TEST_FILTER:-Cuda*}" --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
   note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
   stories_check
 }

@@ -4,8 +4,7 @@
 # attention in the op benchmark under split-plan overrides (ATTN_CONFIGS), and a previous build
 # (devbin/*_itemwise, when carried) for comparison; batch-1 and batch-64 decode of the 8B-shaped
 # model (B1_CONFIGS, B64_CONFIGS: environment settings per run, "itemwise" meaning the previous
-# build), prefill, an op profile, and (stage "mid", not in the default) mid_gemm against cuBLASLt
-# in the op benchmark and end to end. STAGES picks parts (default "tests attn e2e profile").
+# build), prefill and an op profile. STAGES picks parts (default "tests attn e2e profile").
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
@@ -50,18 +49,6 @@ if [[ $STAGES == *e2e* ]]; then
   timeout 200 "$K" bench -m "$M8" --device cuda --parallel 8 -p 2048 -n 2 -r 3 --max-num-batched-tokens 16384 2>&1 \
     | tail -1 | tee /tmp/k4/pp.txt
   note "prefill 8x2048: $(tail -1 /tmp/k4/pp.txt)"
-fi
-if [[ $STAGES == *mid* ]]; then
-  # mid_gemm (off by default): the op benchmark against cuBLASLt, then batch-64 decode with it.
-  echo "== projections at 16-64 tokens: cuBLASLt vs mid_gemm"
-  timeout 300 $BIN/kestrel_cuda_bench mid 2>&1 | grep -E "^(cublaslt|mid)"
-  [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
-  for cfg in KESTREL_DEFAULTS=1 KESTREL_MID_GEMM=64; do
-    echo "== batch-64 decode at 512: $cfg"
-    env $cfg timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
-    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
-  done
 fi
 if [[ $STAGES == *profile* ]]; then
   echo "== op profile (eager, CUDA events): batch-64 decode"

@@ -4,7 +4,11 @@
 # "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU; batch-1 decode of the
 # 8B-shaped model under each of B1_CONFIGS; the decode-attention op benchmark under ATTN_CONFIGS;
 # batch-64 decode under B64_CONFIGS; "profile1": an op profile of batch-1 decode (eager, CUDA
-# events); "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS.
+# events); "load": the 8B's start-up time from a cold and a warm page cache; "logits": the
+# 8B-shaped model's logits against transformers (logits_check.py); "nsys1": Nsight Systems over
+# batch-1 decode, kernel time per step and launch gaps (kernel_trace.py; needs nsys, which the
+# device machine lacked); "skinny": the projection benchmark (cuBLASLt against skinny_gemm);
+# "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS.
 # A configuration is environment settings joined by commas ("KESTREL_DEFAULTS=1" sets nothing).
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
@@ -15,7 +19,7 @@ STAGES="${STAGES:-tests b1 attn b64}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
 [[ $STAGES == *tests* ]] && op_tests
-if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* ]]; then
+if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* || $STAGES == *logits* || $STAGES == *load* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
 fi
 if [[ $STAGES == *b1* ]]; then
@@ -42,6 +46,50 @@ fi
 if [[ $STAGES == *profile1* ]]; then
   echo "== op profile (eager, CUDA events): batch-1 decode"
   KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
+fi
+if [[ $STAGES == *load* ]]; then
+  # Start-up of the 8B: the `ready in` line of generate, with the model's files first evicted from
+  # the page cache (fsync, then posix_fadvise DONTNEED on every file: no root needed), then warm.
+  for state in cold warm; do
+    if [ $state = cold ]; then
+      python3 - "$M8" <<'PY'
+import os, sys
+for name in os.listdir(sys.argv[1]):
+    fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+PY
+    fi
+    timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" > /tmp/k4/load.txt
+    note "load 8B ($state page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+  done
+fi
+if [[ $STAGES == *logits* ]]; then
+  # Logits of the 8B-shaped model against transformers (f32 reference, bf16 for scale), 256+ positions.
+  echo "== 8B-shaped random model vs transformers"
+  timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
+    | tee /tmp/k4/l8.log
+  note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+fi
+if [[ $STAGES == *nsys1* ]]; then
+  # Nsight Systems over batch-1 decode (graphs traced per node): kernel time per step and gaps.
+  echo "== nsys: batch-1 decode"
+  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$NSYS" ]; then
+    nsys() { "$NSYS" "$@"; }
+    timeout 300 nsys profile --cuda-graph-trace=node --trace=cuda -o /tmp/k4/b1trace --force-overwrite true \
+      "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 > /tmp/k4/nsys.log 2>&1 || tail -5 /tmp/k4/nsys.log
+    nsys stats --report cuda_gpu_trace --format csv -o /tmp/k4/b1trace /tmp/k4/b1trace.nsys-rep >/dev/null 2>&1
+    ls /tmp/k4/ | grep b1trace
+    python3 scripts/device/kernel_trace.py /tmp/k4/b1trace_cuda_gpu_trace.csv --skip 8 2>&1 | tee -a "$SUMMARY"
+  else
+    echo "nsys not found"
+  fi
+fi
+if [[ $STAGES == *skinny* ]]; then
+  echo "== projections: cuBLASLt vs skinny_gemm"
+  timeout 300 $BIN/kestrel_cuda_bench skinny 2>&1 | grep -E "^(cublaslt|skinny)" | grep -E "M=(1|8|64) "
 fi
 if [[ $STAGES == *offline* ]]; then
   for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do

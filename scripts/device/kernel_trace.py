@@ -1,0 +1,57 @@
+"""Summarises an Nsight Systems GPU trace of kestrel decode steps (CSV from `nsys stats --report
+cuda_gpu_trace --format csv`): per kernel name, the time per decode step, and how much of the
+steps' span the GPU ran no kernel (launch gaps). Decode steps are told apart by the sampling
+kernel that ends each one; the first `--skip` steps (prefill, warm-up, graph capture) are dropped.
+Usage: python3 kernel_trace.py trace.csv [--skip 8]"""
+import argparse
+import collections
+import csv
+import re
+
+ap = argparse.ArgumentParser()
+ap.add_argument("csv")
+ap.add_argument("--skip", type=int, default=8)
+args = ap.parse_args()
+
+rows = []
+with open(args.csv) as f:
+    lines = [l for l in f if l.strip() and not l.startswith("NOTICE") and not l.startswith("Processing")]
+for r in csv.DictReader(lines):
+    name = r.get("Name") or ""
+    start = int(float(r.get("Start (ns)") or 0))
+    dur = int(float(r.get("Duration (ns)") or 0))
+    if "[CUDA mem" in name or dur <= 0:
+        continue
+    rows.append((start, dur, name))
+rows.sort()
+# Steps end with the sampling kernel.
+steps, cur = [], []
+for row in rows:
+    cur.append(row)
+    if "sample" in row[2]:
+        steps.append(cur)
+        cur = []
+steps = steps[args.skip:]
+if not steps:
+    raise SystemExit("no decode steps found")
+per_name = collections.defaultdict(float)
+busy = span = 0.0
+for st in steps:
+    s0 = st[0][0]
+    s1 = max(a + d for a, d, _ in st)
+    span += s1 - s0
+    # busy: union of kernel intervals (PDL lets them overlap)
+    end = s0
+    for a, d, n in st:
+        short = re.sub(r"<.*", "", re.sub(r"^void ", "", n))[:60]
+        per_name[short] += d
+        if a + d > end:
+            busy += a + d - max(a, end)
+            end = a + d
+n = len(steps)
+period = (steps[-1][0][0] - steps[0][0][0]) / max(n - 1, 1)
+print(f"step period (first kernel to first kernel, host time included): {period / 1e3:.1f} us")
+print(f"{n} decode steps: span {span / n / 1e3:.1f} us per step, kernels busy {busy / n / 1e3:.1f} us "
+      f"({100 * busy / span:.1f}%), gaps {(span - busy) / n / 1e3:.1f} us")
+for name, t in sorted(per_name.items(), key=lambda kv: -kv[1]):
+    print(f"  {t / n / 1e3:9.1f} us/step  {name}")
