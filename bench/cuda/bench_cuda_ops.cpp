@@ -218,7 +218,8 @@ void bench_sampling() {
 // L2. Each timing covers 16 back-to-back calls (as a forward pass issues them; with PDL the next
 // skinny call streams its weights while the previous drains) and reports the time per call.
 // GB/s counts W, x and y once. The down projection is timed with the SwiGLU input (cuBLASLt after
-// silu_mul; skinny forming it on load) and on a ready activation (both GEMMs alone).
+// silu_mul; skinny forming it on load) and on a ready activation (both GEMMs alone). At one and
+// two tokens, kestrel::cuda::stream_gemv too, with 4 and 6 stages where it applies.
 void bench_skinny() {
   using kestrel::cuda::GemmOutput;
   kestrel::cuda::Gemm gemm;
@@ -281,6 +282,18 @@ void bench_skinny() {
           }
         }) / kCalls;
         report("skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms, bytes, 0);
+      }
+      for (const int stages : {4, 6}) {
+        if (!kestrel::cuda::stream_gemv_supports(m, sh.in, sh.out, 0, stages)) continue;
+        kestrel::cuda::StreamGemvArgs a{ops};
+        a.stages = stages;
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            a.w = ws[next++ % n_copies]->as<bf16>();
+            kestrel::cuda::stream_gemv(a, nullptr);
+          }
+        }) / kCalls;
+        report("stream s" + std::to_string(stages), shape, ms, bytes, 0);
       }
     }
   }

@@ -89,7 +89,8 @@ if [[ $STAGES == *nsys1* ]]; then
 fi
 if [[ $STAGES == *skinny* ]]; then
   echo "== projections: cuBLASLt vs skinny_gemm"
-  timeout 300 $BIN/kestrel_cuda_bench skinny 2>&1 | grep -E "^(cublaslt|skinny)" | grep -E "M=(1|8|64) "
+  timeout 300 $BIN/kestrel_cuda_bench skinny 2>&1 | grep -E "^(cublaslt|skinny u0|skinny u4 w8|stream)" \
+    | grep -E "M=(1|2|8) "
 fi
 if [[ $STAGES == *offline* ]]; then
   for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do

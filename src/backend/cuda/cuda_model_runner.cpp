@@ -138,6 +138,10 @@ class CudaModelRunner final : public ModelRunner {
       skinny_max_tokens_ = std::clamp<int64_t>(std::atoll(env), 0, cuda::kSkinnyMaxTokens);
     if (const char* env = std::getenv("KESTREL_GEMM_TUNE"); env != nullptr && std::string(env) == "0")
       tune_gemms_ = false;
+    if (const char* env = std::getenv("KESTREL_STREAM_GEMV"); env != nullptr && std::string(env) == "0")
+      stream_gemv_ = false;
+    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr)
+      stream_gemv_stages_ = std::atoi(env);
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
       prof_ = std::make_unique<cuda::OpProfiler>(stream_);
       eager_ = true;  // events between the ops of every pass, no graphs
@@ -177,8 +181,9 @@ class CudaModelRunner final : public ModelRunner {
   // invalidates the captured graphs (they hold the old addresses).
   void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
   void enqueue_forward(const BatchArrays& d, const PassShape& s);
-  // y [n, n_out] = a(x) . W^T: the skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt
-  // (after silu_mul into act_ when swiglu: x then holds [gate | up] rows of 2 n_in).
+  // y [n, n_out] = a(x) . W^T: the streaming GEMV where it applies (uses_stream_gemv), else the
+  // skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt (after silu_mul into act_ when
+  // swiglu: x then holds [gate | up] rows of 2 n_in).
   void linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
               bool swiglu = false);
   // Whether linear() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
@@ -187,6 +192,11 @@ class CudaModelRunner final : public ModelRunner {
   bool uses_skinny(int64_t n, int64_t n_in, int64_t n_out) const {
     return n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems &&
            cuda::skinny_gemm_supports(n, n_in, n_out);
+  }
+  // Whether linear() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
+  // most 256 rows per SM: the 8B's projections but its head; KESTREL_STREAM_GEMV=0: never).
+  bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
+    return stream_gemv_ && cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
   }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
@@ -202,6 +212,8 @@ class CudaModelRunner final : public ModelRunner {
   // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
   // H200 measurements in docs/performance.md; KESTREL_SKINNY_MAX_TOKENS overrides, 0 = never).
   int64_t skinny_max_tokens_ = 8;
+  bool stream_gemv_ = true;
+  int stream_gemv_stages_ = 0;  // 0: the kernel's default (KESTREL_STREAM_GEMV_STAGES=4|6)
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
   bool tune_gemms_ = true;
@@ -432,7 +444,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
-    if (uses_skinny(n, n_in, n_out)) return;
+    if (uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;
     const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
                                  n, n_in, n_out, stream_);
     static const bool log = std::getenv("KESTREL_GEMM_TUNE_LOG") != nullptr;
@@ -457,6 +469,12 @@ void CudaModelRunner::tune_gemms(int64_t n) {
 void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
                              int64_t n_out, bool swiglu) {
   const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
+  if (uses_stream_gemv(n, n_in, n_out)) {
+    cuda::StreamGemvArgs a{ops};
+    a.stages = stream_gemv_stages_;
+    cuda::stream_gemv(a, stream_);
+    return;
+  }
   if (uses_skinny(n, n_in, n_out)) {
     cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream_);
     return;

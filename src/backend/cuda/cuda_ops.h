@@ -166,6 +166,27 @@ bool skinny_gemm_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
 void check_gemv_operands(const char* op, const ProjectionOperands& a);
 void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 
+// Streaming GEMV for decode steps of one or two tokens (stream_gemv.cuh has the design): y = a(x) .
+// W^T with one block per SM, each streaming a contiguous range of whole rows of W through a
+// cp.async ring in shared memory, and its first stages requested before the previous kernel
+// finishes (PDL). Operands as for skinny_gemm (ProjectionOperands: x rows x_stride apart, SwiGLU
+// input [gate | up] rows of 2 n_in with bf16 output, f32 or bf16 y [n_tokens, n_out]), with
+// n_in a multiple of 2048 up to kStreamGemvMaxIn and at most kStreamGemvMaxRowsPerBlock rows per
+// block. f32 accumulation; the sum over a row's partial sums is in a fixed order (deterministic).
+// blocks (0: the SM count) and stages (0: kStreamGemvDefaultStages; else 4 or 6 stages of 32 KB)
+// are for tests and benchmarks. Errors: kestrel::Error for an unsupported shape
+// (stream_gemv_supports) or the operand errors of skinny_gemm. Never synchronises.
+constexpr int64_t kStreamGemvMaxTokens = 2;
+constexpr int64_t kStreamGemvMaxIn = 16384;
+constexpr int64_t kStreamGemvMaxRowsPerBlock = 256;
+constexpr int kStreamGemvDefaultStages = 4;
+struct StreamGemvArgs : ProjectionOperands {
+  int blocks = 0;
+  int stages = 0;
+};
+bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
+void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);
+
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for
 // chains without logit_bias and penalties (Sampler::device_compatible()):
 // - temperature <= 0 (0 = greedy): the argmax, lowest id on ties;

@@ -1,0 +1,90 @@
+#include "backend/cuda/stream_gemv.cuh"
+
+#include <algorithm>
+#include <string>
+
+#include "backend/cuda/cuda_ops.h"
+
+namespace kestrel::cuda {
+
+namespace {
+
+// The device's SM count and opt-in shared memory per block, asked once (the emulation: 4 SMs and
+// the H200's 227 KB).
+struct DeviceShape {
+  int sms = 4;
+  size_t max_smem = 232448;
+};
+const DeviceShape& device_shape() {
+  static const DeviceShape shape = [] {
+    DeviceShape s;
+#if !defined(KESTREL_CUDA_EMULATE)
+    int dev = 0, v = 0;
+    KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
+    KESTREL_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    s.max_smem = static_cast<size_t>(v);
+#endif
+    return s;
+  }();
+  return shape;
+}
+
+struct Layout {
+  int blocks = 0, rows_per_block = 0, k_lines = 0, stages = 0;
+  size_t smem = 0;
+};
+
+Layout layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
+  Layout l;
+  l.stages = stages == 0 ? kStreamGemvDefaultStages : stages;
+  const int64_t want = blocks > 0 ? blocks : device_shape().sms;
+  l.rows_per_block = static_cast<int>(ceil_div(n_out, std::max<int64_t>(1, std::min(want, n_out))));
+  l.blocks = static_cast<int>(ceil_div(n_out, l.rows_per_block));
+  l.k_lines = static_cast<int>(n_in / kGemvLine);
+  l.smem = stream_gemv_smem_bytes(static_cast<int>(n_tokens), l.stages, l.k_lines, l.rows_per_block);
+  return l;
+}
+
+template <int kM, int kStages>
+void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+  const int no = static_cast<int>(a.n_out);
+  auto go = [&](auto* k) {
+    set_max_dynamic_smem(k, l.smem);
+    KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block);
+  };
+  if (a.swiglu)
+    go(&stream_gemv_kernel<kM, kStages, true, false>);
+  else if (a.f32_out)
+    go(&stream_gemv_kernel<kM, kStages, false, true>);
+  else
+    go(&stream_gemv_kernel<kM, kStages, false, false>);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
+  if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
+      n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)
+    return false;
+  if (stages != 0 && stages != 4 && stages != 6) return false;
+  const Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
+}
+
+void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
+  if (!stream_gemv_supports(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages))
+    throw Error("stream_gemv: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
+                std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ", blocks " +
+                std::to_string(a.blocks) + ", stages " + std::to_string(a.stages) + ")");
+  check_gemv_operands("stream_gemv", a);
+  const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);
+  if (a.n_tokens == 1)
+    l.stages == 6 ? launch<1, 6>(a, l, stream) : launch<1, 4>(a, l, stream);
+  else
+    l.stages == 6 ? launch<2, 6>(a, l, stream) : launch<2, 4>(a, l, stream);
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,145 @@
+// Streaming GEMV for one or two tokens: y[n_tokens, n_out] = a(x)[n_tokens, n_in] . W^T, where the
+// time is one pass over W and every byte in flight counts.
+//
+// Design:
+// - One block per SM (the grid is the SM count, or n_out if smaller), each owning a contiguous
+//   range of whole rows of W, i.e. one contiguous byte range: every SM streams the same number of
+//   bytes to the end (within one row), with no second wave.
+// - The range is cut into lines of kGemvLine = 2048 elements (n_in % 2048 == 0, so a line lies in
+//   one row); thread t always handles the 16 bytes t of a line, i.e. the same 8 k of every row,
+//   so it needs only those k of x (kept in shared memory in its own slots, with SwiGLU formed there
+//   once per block when the input is [gate | up]).
+// - W goes global -> shared memory with cp.async in stages of kGemvLinesPerStage lines (32 KB),
+//   kStages - 1 stages in flight. A thread reads back only the bytes its own cp.async wrote, so a
+//   thread's own cp.async.wait_group is the only synchronisation of the main loop (no barrier).
+// - PDL: the first kStages - 1 stages of W (written by no kernel) are requested before
+//   griddepcontrol.wait, so on the SMs the previous kernel leaves free (all but a few at batch 1:
+//   RoPE, attention, norms) the weights stream while it runs; x is read after the wait.
+// - When a row's last line is done, each warp reduces its 32 partial sums (shuffles) into a
+//   per-warp slot; the 8 warps' slots are summed in a fixed order at the end (deterministic), in
+//   f32, and rounded once.
+// Source: the cp.async multistage pipeline of CUTLASS-style GEMMs (PTX ISA 8.x, "cp.async"),
+// applied to a GEMV with the CUDA Programming Guide's programmatic dependent launch.
+#pragma once
+
+#include "backend/cuda/device_common.cuh"
+#include "backend/cuda/silu_mul.cuh"
+
+namespace kestrel::cuda {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvLine = kGemvThreads * 8;  // elements of W per line: 16 bytes per thread
+constexpr int kGemvLinesPerStage = 8;         // 32 KB of W per stage
+constexpr int kGemvWarps = kGemvThreads / kWarpSize;
+
+// Dynamic shared memory of stream_gemv_kernel<kM, kStages, ...>: the W ring, x (this block's k of
+// every token), and the per-warp row sums.
+constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows_per_block) {
+  return static_cast<size_t>(stages) * kGemvLinesPerStage * kGemvThreads * 16 +
+         static_cast<size_t>(m) * k_lines * kGemvThreads * 16 + static_cast<size_t>(rows_per_block) * m * kGemvWarps * 4;
+}
+
+// x: [kM, *] rows x_stride elements apart, 16-byte aligned; with kSwiGLU row t's gate is
+// x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
+// y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
+template <int kM, int kStages, bool kSwiGLU, bool kF32Out>
+__global__ void __launch_bounds__(kGemvThreads, 1)
+    stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
+                       void* __restrict__ y, int n_out, int k_lines, int rows_per_block) {
+  KESTREL_DYNAMIC_SMEM(smem);
+  const int t = static_cast<int>(threadIdx.x);
+  const int warp = t / kWarpSize, lane = t % kWarpSize;
+  uint4* ring = reinterpret_cast<uint4*>(smem);                              // [kStages][lines][256]
+  uint4* xs = ring + kStages * kGemvLinesPerStage * kGemvThreads;            // [kM][k_lines][256]
+  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);  // [rows][kM][warps]
+
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int64_t n_in = static_cast<int64_t>(k_lines) * kGemvLine;
+  const __nv_bfloat16* wb = w + row0 * n_in + t * 8;
+  const int total = rows * k_lines;  // lines of this block
+  const int n_stages = (total + kGemvLinesPerStage - 1) / kGemvLinesPerStage;
+
+  // Stage s of W into ring slot s % kStages (nothing past the last stage), then a commit, so that
+  // the group count stays uniform.
+  auto issue = [&](int s) {
+    if (s < n_stages) {
+      uint4* dst = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
+#pragma unroll
+      for (int j = 0; j < kGemvLinesPerStage; ++j) {
+        const int line = s * kGemvLinesPerStage + j;
+        if (line < total) cp_async16(dst + j * kGemvThreads, wb + static_cast<int64_t>(line) * kGemvLine, true);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  pdl_wait();
+  // This thread's k of x, as the activation the rows are multiplied by.
+#pragma unroll
+  for (int tok = 0; tok < kM; ++tok) {
+    for (int kb = 0; kb < k_lines; ++kb) {
+      const __nv_bfloat16* xr = x + tok * x_stride + kb * kGemvLine + t * 8;
+      uint4 v = *reinterpret_cast<const uint4*>(xr);
+      if constexpr (kSwiGLU) {
+        float g[8], u[8], a[8];
+        unpack_bf16x8(v, g);
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(xr + n_in), u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = silu(g[e]) * u[e];
+        v = pack_bf16x8(a);
+      }
+      xs[(tok * k_lines + kb) * kGemvThreads + t] = v;
+    }
+  }
+  pdl_launch_next();
+
+  float acc[kM];
+#pragma unroll
+  for (int tok = 0; tok < kM; ++tok) acc[tok] = 0.0f;
+  int kb = 0, row = 0;
+  for (int s = 0; s < n_stages; ++s) {
+    issue(s + kStages - 1);
+    cp_async_wait<kStages - 1>();  // stage s (this thread's part of it) has landed
+    const uint4* src = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
+#pragma unroll
+    for (int j = 0; j < kGemvLinesPerStage; ++j) {
+      if (s * kGemvLinesPerStage + j >= total) break;  // the same for every thread
+      float wf[8];
+      unpack_bf16x8(src[j * kGemvThreads], wf);
+#pragma unroll
+      for (int tok = 0; tok < kM; ++tok) {
+        float xf[8];
+        unpack_bf16x8(xs[(tok * k_lines + kb) * kGemvThreads + t], xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[tok] = fmaf(wf[e], xf[e], acc[tok]);
+      }
+      if (++kb == k_lines) {  // row done: the warp's sum into its slot
+#pragma unroll
+        for (int tok = 0; tok < kM; ++tok) {
+          const float v = warp_reduce_sum(acc[tok]);
+          if (lane == 0) part[(row * kM + tok) * kGemvWarps + warp] = v;
+          acc[tok] = 0.0f;
+        }
+        kb = 0;
+        ++row;
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int i = t; i < rows * kM; i += kGemvThreads) {
+    const int r = i / kM, tok = i % kM;
+    float s = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kGemvWarps; ++v) s += part[i * kGemvWarps + v];
+    const int64_t at = static_cast<int64_t>(tok) * n_out + row0 + r;
+    if constexpr (kF32Out)
+      static_cast<float*>(y)[at] = s;
+    else
+      static_cast<__nv_bfloat16*>(y)[at] = __float2bfloat16_rn(s);
+  }
+}
+
+}  // namespace kestrel::cuda
