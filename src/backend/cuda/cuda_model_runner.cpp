@@ -142,6 +142,8 @@ class CudaModelRunner final : public ModelRunner {
       stream_gemv_ = false;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr)
       stream_gemv_stages_ = std::atoi(env);
+    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
+      stream_gemv_min_elems_ = (std::max<int64_t>(std::atoll(env), 0) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
       prof_ = std::make_unique<cuda::OpProfiler>(stream_);
       eager_ = true;  // events between the ops of every pass, no graphs
@@ -196,7 +198,8 @@ class CudaModelRunner final : public ModelRunner {
   // Whether linear() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
   // most 256 rows per SM: the 8B's projections but its head; KESTREL_STREAM_GEMV=0: never).
   bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
-    return stream_gemv_ && cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
+    return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
+           cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
   }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
@@ -214,6 +217,7 @@ class CudaModelRunner final : public ModelRunner {
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
   int stream_gemv_stages_ = 0;  // 0: the kernel's default (KESTREL_STREAM_GEMV_STAGES=4|6)
+  int64_t stream_gemv_min_elems_ = 0;  // smaller weights keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB)
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
   bool tune_gemms_ = true;

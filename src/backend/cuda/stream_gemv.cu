@@ -65,6 +65,8 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
 
 }  // namespace
 
+static_assert(kStreamGemvMaxIn == int64_t{kGemvMaxKLines} * kGemvLine, "x is loaded in at most kGemvMaxKLines lines");
+
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
   if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
       n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)

@@ -31,6 +31,7 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvLine = kGemvThreads * 8;  // elements of W per line: 16 bytes per thread
 constexpr int kGemvLinesPerStage = 8;         // 32 KB of W per stage
 constexpr int kGemvWarps = kGemvThreads / kWarpSize;
+constexpr int kGemvMaxKLines = 8;             // n_in up to 16384 (kStreamGemvMaxIn)
 
 // Dynamic shared memory of stream_gemv_kernel<kM, kStages, ...>: the W ring, x (this block's k of
 // every token), and the per-warp row sums.
@@ -76,21 +77,32 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
   pdl_wait();
-  // This thread's k of x, as the activation the rows are multiplied by.
+  // This thread's k of x, as the activation the rows are multiplied by: every load issued before
+  // any is used (one round trip, not one per line of a row).
 #pragma unroll
   for (int tok = 0; tok < kM; ++tok) {
-    for (int kb = 0; kb < k_lines; ++kb) {
-      const __nv_bfloat16* xr = x + tok * x_stride + kb * kGemvLine + t * 8;
-      uint4 v = *reinterpret_cast<const uint4*>(xr);
-      if constexpr (kSwiGLU) {
-        float g[8], u[8], a[8];
-        unpack_bf16x8(v, g);
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(xr + n_in), u);
+    uint4 v[kGemvMaxKLines], up[kSwiGLU ? kGemvMaxKLines : 1];
+    const __nv_bfloat16* xr = x + tok * x_stride + t * 8;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) a[e] = silu(g[e]) * u[e];
-        v = pack_bf16x8(a);
+    for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+      if (kb < k_lines) {
+        v[kb] = *reinterpret_cast<const uint4*>(xr + kb * kGemvLine);
+        if constexpr (kSwiGLU) up[kb] = *reinterpret_cast<const uint4*>(xr + n_in + kb * kGemvLine);
       }
-      xs[(tok * k_lines + kb) * kGemvThreads + t] = v;
+    }
+#pragma unroll
+    for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+      if (kb < k_lines) {
+        if constexpr (kSwiGLU) {
+          float g[8], u[8], a[8];
+          unpack_bf16x8(v[kb], g);
+          unpack_bf16x8(up[kb], u);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) a[e] = silu(g[e]) * u[e];
+          v[kb] = pack_bf16x8(a);
+        }
+        xs[(tok * k_lines + kb) * kGemvThreads + t] = v[kb];
+      }
     }
   }
   pdl_launch_next();
