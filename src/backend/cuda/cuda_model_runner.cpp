@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -196,7 +197,8 @@ class CudaModelRunner final : public ModelRunner {
            cuda::skinny_gemm_supports(n, n_in, n_out);
   }
   // Whether linear() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
-  // most 256 rows per SM: the 8B's projections but its head; KESTREL_STREAM_GEMV=0: never).
+  // most 256 rows per SM, weights of 40 MiB or more: the 8B's QKV, gate/up and down projections;
+  // KESTREL_STREAM_GEMV=0: never).
   bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
     return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
            cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
@@ -217,7 +219,11 @@ class CudaModelRunner final : public ModelRunner {
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
   int stream_gemv_stages_ = 0;  // 0: the kernel's default (KESTREL_STREAM_GEMV_STAGES=4|6)
-  int64_t stream_gemv_min_elems_ = 0;  // smaller weights keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB)
+  // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
+  // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
+  // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md, issue 4,
+  // fifth session).
+  int64_t stream_gemv_min_elems_ = (int64_t{40} << 20) / 2;
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
   bool tune_gemms_ = true;
@@ -251,6 +257,19 @@ class CudaModelRunner final : public ModelRunner {
 
 void CudaModelRunner::upload_weights() {
   const auto& W = model_.weights();
+  // With a cold page cache the upload waits on the disk: the matrices are asked for in upload
+  // order ahead of it (KESTREL_READAHEAD=0: off).
+  std::vector<std::pair<const uint8_t*, size_t>> ranges;
+  auto add = [&](const WeightView& w) {
+    if (!w.empty()) ranges.emplace_back(w.data, w.row_size() * static_cast<size_t>(w.n_out));
+  };
+  add(W.token_embd);
+  if (!W.tied_output) add(W.output);
+  for (const auto& L : W.layers)
+    for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) add(*w);
+  const char* ra_env = std::getenv("KESTREL_READAHEAD");
+  std::optional<cuda::ReadAhead> read_ahead;
+  if (ra_env == nullptr || std::string(ra_env) != "0") read_ahead.emplace(std::move(ranges));
   WeightUploader up(stream_);
   embd_ = up.matrices({&W.token_embd});
   lm_head_ = W.tied_output ? DevMem() : up.matrices({&W.output});
