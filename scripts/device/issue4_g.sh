@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 4, fifth session: batch-1, batch-64 and offline decode of the 8B-shaped model and the
 # decode-attention op benchmark under environment configurations, in one call. Stages (STAGES, default
-# "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU; batch-1 decode of the
+# "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU ("stories": the latter alone); batch-1 decode of the
 # 8B-shaped model under each of B1_CONFIGS; the decode-attention op benchmark under ATTN_CONFIGS;
 # batch-64 decode under B64_CONFIGS; "profile1": an op profile of batch-1 decode (eager, CUDA
-# events); "load": the 8B's start-up time from a cold and a warm page cache; "logits": the
+# events); "load": the 8B's start-up time from a cold page cache under LOAD_CONFIGS and warm, and
+# the disk's read rate; "logits": the
 # 8B-shaped model's logits against transformers (logits_check.py); "nsys1": Nsight Systems over
 # batch-1 decode, kernel time per step and launch gaps (kernel_trace.py; needs nsys, which the
 # device machine lacked); "skinny": the projection benchmark (cuBLASLt against skinny_gemm);
@@ -19,6 +20,7 @@ STAGES="${STAGES:-tests b1 attn b64}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
 [[ $STAGES == *tests* ]] && op_tests
+[[ $STAGES == *stories* ]] && stories_check
 if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* || $STAGES == *logits* || $STAGES == *load* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
 fi
@@ -48,11 +50,12 @@ if [[ $STAGES == *profile1* ]]; then
   KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
 fi
 if [[ $STAGES == *load* ]]; then
-  # Start-up of the 8B: the `ready in` line of generate, with the model's files first evicted from
-  # the page cache (fsync, then posix_fadvise DONTNEED on every file: no root needed), then warm.
-  for state in cold warm; do
-    if [ $state = cold ]; then
-      python3 - "$M8" <<'PY'
+  # Start-up of the 8B: the `ready in` line of generate with the model's files first evicted from
+  # the page cache (fsync, then posix_fadvise DONTNEED on every file: no root needed), under each
+  # of LOAD_CONFIGS, then warm; and the disk's own rate: the shards read cold by cat, one after
+  # another and all at once.
+  evict() {
+    python3 - "$M8" <<'PY'
 import os, sys
 for name in os.listdir(sys.argv[1]):
     fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
@@ -60,10 +63,19 @@ for name in os.listdir(sys.argv[1]):
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
 PY
-    fi
-    timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" > /tmp/k4/load.txt
-    note "load 8B ($state page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+  }
+  for cfg in ${LOAD_CONFIGS:-KESTREL_DEFAULTS=1} warm; do
+    [ "$cfg" = warm ] || evict
+    env ${cfg//,/ } timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null \
+      | grep -E "ready in" > /tmp/k4/load.txt
+    note "load 8B [$cfg]: $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
   done
+  evict
+  t0=$(date +%s.%N); cat "$M8"/*.safetensors > /dev/null; t1=$(date +%s.%N)
+  note "disk: cat of the shards one after another, cold: $(python3 -c "print(round($t1 - $t0, 2))") s"
+  evict
+  t0=$(date +%s.%N); for f in "$M8"/*.safetensors; do cat "$f" > /dev/null & done; wait; t1=$(date +%s.%N)
+  note "disk: the shards read at once, cold: $(python3 -c "print(round($t1 - $t0, 2))") s ($(du -sb "$M8" | cut -f1) bytes)"
 fi
 if [[ $STAGES == *logits* ]]; then
   # Logits of the 8B-shaped model against transformers (f32 reference, bf16 for scale), 256+ positions.
