@@ -66,6 +66,7 @@ PY
   }
   for cfg in ${LOAD_CONFIGS:-KESTREL_DEFAULTS=1} warm; do
     [ "$cfg" = warm ] || evict
+    [ "$cfg" = warm ] && cfg=KESTREL_DEFAULTS=1,warm=1
     env ${cfg//,/ } timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null \
       | grep -E "ready in" > /tmp/k4/load.txt
     note "load 8B [$cfg]: $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"

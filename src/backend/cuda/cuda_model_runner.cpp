@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -257,19 +256,6 @@ class CudaModelRunner final : public ModelRunner {
 
 void CudaModelRunner::upload_weights() {
   const auto& W = model_.weights();
-  // With a cold page cache the upload waits on the disk: the matrices are asked for in upload
-  // order ahead of it (KESTREL_READAHEAD=0: off).
-  std::vector<std::pair<const uint8_t*, size_t>> ranges;
-  auto add = [&](const WeightView& w) {
-    if (!w.empty()) ranges.emplace_back(w.data, w.row_size() * static_cast<size_t>(w.n_out));
-  };
-  add(W.token_embd);
-  if (!W.tied_output) add(W.output);
-  for (const auto& L : W.layers)
-    for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) add(*w);
-  const char* ra_env = std::getenv("KESTREL_READAHEAD");
-  std::optional<cuda::ReadAhead> read_ahead;
-  if (ra_env == nullptr || std::string(ra_env) != "0") read_ahead.emplace(std::move(ranges));
   WeightUploader up(stream_);
   embd_ = up.matrices({&W.token_embd});
   lm_head_ = W.tied_output ? DevMem() : up.matrices({&W.output});

@@ -1,8 +1,5 @@
 #include "backend/cuda/device_memory.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -49,18 +46,6 @@ DevMem WeightUploader::matrices(std::initializer_list<const WeightView*> ws) {
   }
   return d;
 }
-
-ReadAhead::ReadAhead(std::vector<std::pair<const uint8_t*, size_t>> ranges)
-    : thread_([ranges = std::move(ranges)](const std::stop_token& stop) {
-        const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-        for (const auto& [p, n] : ranges) {
-          if (stop.stop_requested()) return;
-          if (p == nullptr || n == 0) continue;
-          const uintptr_t begin = reinterpret_cast<uintptr_t>(p) / page * page;
-          const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
-          (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
-        }
-      }) {}
 
 DevMem upload(const void* host, size_t bytes) {
   DevMem d(bytes);

@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -130,17 +129,5 @@ class WeightUploader {
 DevMem upload(const void* host, size_t bytes);
 DevMem upload_bf16(const std::vector<float>& v);
 DevMem upload_f32(const std::vector<float>& v);
-
-// Reads weights into the page cache ahead of their upload: a background thread asks the kernel
-// (madvise MADV_WILLNEED, a hint) for each range in turn, so that with a cold page cache the disk
-// keeps reading while the uploader converts and copies earlier matrices. Page-aligned outward; a
-// failed hint is ignored. The destructor stops the thread (between ranges) and joins it.
-class ReadAhead {
- public:
-  explicit ReadAhead(std::vector<std::pair<const uint8_t*, size_t>> ranges);
-
- private:
-  std::jthread thread_;
-};
 
 }  // namespace kestrel::cuda
