@@ -183,6 +183,23 @@ inline double rel_error(const std::vector<float>& out, const std::vector<double>
   return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// y = x . W^T in float64 for the GEMV tests: x [n_tokens, *] bf16 rows x_stride apart, w [n_out,
+// n_in] bf16; returns y [n_tokens, n_out].
+inline std::vector<double> gemv_reference(const std::vector<uint16_t>& x, int64_t x_stride,
+                                          const std::vector<uint16_t>& w, int64_t n_tokens, int64_t n_in,
+                                          int64_t n_out) {
+  std::vector<double> ref(static_cast<size_t>(n_tokens * n_out));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      double s = 0.0;
+      for (int64_t k = 0; k < n_in; ++k)
+        s += static_cast<double>(from_bf16(x[static_cast<size_t>(t * x_stride + k)])) *
+             from_bf16(w[static_cast<size_t>(o * n_in + k)]);
+      ref[static_cast<size_t>(t * n_out + o)] = s;
+    }
+  return ref;
+}
+
 }  // namespace kestrel::test
 
 #define KESTREL_REQUIRE_CUDA()                                                         \
