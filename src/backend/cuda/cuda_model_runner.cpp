@@ -140,10 +140,13 @@ class CudaModelRunner final : public ModelRunner {
       tune_gemms_ = false;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV"); env != nullptr && std::string(env) == "0")
       stream_gemv_ = false;
-    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr)
+    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr) {
       stream_gemv_stages_ = std::atoi(env);
+      if (stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
+        throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 4 or 6");
+    }
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
-      stream_gemv_min_elems_ = (std::max<int64_t>(std::atoll(env), 0) << 20) / 2;
+      stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
       prof_ = std::make_unique<cuda::OpProfiler>(stream_);
       eager_ = true;  // events between the ops of every pass, no graphs

@@ -51,7 +51,9 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
   const int no = static_cast<int>(a.n_out);
   auto go = [&](auto* k) {
-    set_max_dynamic_smem(k, l.smem);
+    // The device's limit, not this launch's size: one instantiation serves several shapes, and a
+    // smaller setting would not be raised back by a graph replaying a larger one.
+    set_max_dynamic_smem(k, device_shape().max_smem);
     KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block);
   };
   if (a.swiglu)

@@ -3,8 +3,8 @@
 //
 // Design:
 // - One block per SM (the grid is the SM count, or n_out if smaller), each owning a contiguous
-//   range of whole rows of W, i.e. one contiguous byte range: every SM streams the same number of
-//   bytes to the end (within one row), with no second wave.
+//   range of whole rows of W, i.e. one contiguous byte range: the SMs stream about the same number
+//   of bytes (ceil(n_out / blocks) rows each, the last block fewer), with no second wave.
 // - The range is cut into lines of kGemvLine = 2048 elements (n_in % 2048 == 0, so a line lies in
 //   one row); thread t always handles the 16 bytes t of a line, i.e. the same 8 k of every row,
 //   so it needs only those k of x (kept in shared memory in its own slots, with SwiGLU formed there
