@@ -1,6 +1,8 @@
 #include "backend/cuda/stream_gemv.cuh"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "backend/cuda/cuda_ops.h"
@@ -30,6 +32,20 @@ const DeviceShape& device_shape() {
   return shape;
 }
 
+// Raises a kernel's dynamic shared-memory limit to `bytes` if it is below (one instantiation
+// serves several shapes: a smaller shape's launch never lowers what a larger one set, so a graph
+// captured with the larger one stays launchable).
+template <class Kernel>
+void raise_smem_limit(Kernel kernel, size_t bytes) {
+  static std::mutex mu;
+  static std::map<const void*, size_t> limits;
+  const std::lock_guard<std::mutex> lock(mu);
+  size_t& have = limits[reinterpret_cast<const void*>(kernel)];
+  if (bytes <= have) return;
+  set_max_dynamic_smem(kernel, bytes);
+  have = bytes;
+}
+
 struct Layout {
   int blocks = 0, rows_per_block = 0, k_lines = 0, stages = 0;
   size_t smem = 0;
@@ -51,9 +67,7 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
   const int no = static_cast<int>(a.n_out);
   auto go = [&](auto* k) {
-    // The device's limit, not this launch's size: one instantiation serves several shapes, and a
-    // smaller setting would not be raised back by a graph replaying a larger one.
-    set_max_dynamic_smem(k, device_shape().max_smem);
+    raise_smem_limit(k, l.smem);
     KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block);
   };
   if (a.swiglu)
