@@ -145,6 +145,8 @@ class CudaModelRunner final : public ModelRunner {
       if (stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
         throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 4 or 6");
     }
+    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr && std::string(env) == "1")
+      fused_norm_ = true;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -220,6 +222,10 @@ class CudaModelRunner final : public ModelRunner {
   // H200 measurements in docs/performance.md; KESTREL_SKINNY_MAX_TOKENS overrides, 0 = never).
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
+  // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
+  // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=1; off until
+  // measured on the GPU).
+  bool fused_norm_ = false;
   int stream_gemv_stages_ = 0;  // 0: the kernel's default (KESTREL_STREAM_GEMV_STAGES=4|6)
   // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
   // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
@@ -248,7 +254,7 @@ class CudaModelRunner final : public ModelRunner {
   int32_t block_size_ = 16;
   // Activations (grown to the largest batch seen).
   int64_t cap_tokens_ = 0, cap_out_ = 0;
-  DevMem residual_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
+  DevMem residual_, residual_alt_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
   PinnedMem logits_h_;
@@ -339,6 +345,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   if (n > cap_tokens_) {
     grow(residual_, static_cast<size_t>(n * d) * 4);
+    if (fused_norm_) grow(residual_alt_, static_cast<size_t>(n * d) * 4);
     grow(h_, static_cast<size_t>(n * d) * 2);
     grow(qkv_, static_cast<size_t>(n * (qd + 2 * kvd)) * 2);
     grow(q_, static_cast<size_t>(n * qd) * 2);
@@ -395,16 +402,37 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   bf16* gate_up = gate_up_.as<bf16>();
   bf16* down = down_.as<bf16>();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
+  // residual += add, then y = RMSNorm(residual) * norm_w . W^T: two kernels, or one streaming GEMV
+  // reading residual and writing the sum to the other residual buffer (fused_norm_).
+  const bool fuse = fused_norm_ && uses_stream_gemv(n, d, qkv_w) && uses_stream_gemv(n, d, 2 * ff);
+  float* spare = residual_alt_.as<float>();
+  auto norm_linear = [&](const bf16* add, const DevMem& norm_w, const DevMem& w, bf16* y, int64_t n_out,
+                         const char* what) {
+    if (!fuse) {
+      cuda::add_rms_norm(residual, add, norm_w.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
+      mark("add_rms_norm");
+      linear(h, w.as<bf16>(), y, false, n, d, n_out);
+      mark(what);
+      return;
+    }
+    cuda::StreamGemvArgs a{cuda::ProjectionOperands{nullptr, d, w.as<bf16>(), y, n, d, n_out, false, false}};
+    a.stages = stream_gemv_stages_;
+    a.norm_residual_in = residual;
+    a.norm_add = add;
+    a.norm_weight = norm_w.as<bf16>();
+    a.norm_residual_out = spare;
+    a.norm_eps = hp_.rms_eps;
+    cuda::stream_gemv(a, stream_);
+    std::swap(residual, spare);
+    mark(what);
+  };
 
   if (prof_ != nullptr) prof_->begin(s.max_query == 1 ? "decode" : "prefill");
   cuda::embedding(embd_.as<bf16>(), da.ids, n, d, residual, stream_);
   mark("embedding");
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    cuda::add_rms_norm(residual, l == 0 ? nullptr : down, L.attn_norm.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
-    mark("add_rms_norm");
-    linear(h, L.w_qkv.as<bf16>(), qkv, false, n, d, qkv_w);
-    mark("gemm qkv");
+    norm_linear(l == 0 ? nullptr : down, L.attn_norm, L.w_qkv, qkv, qkv_w, "gemm qkv");
     if (L.b_qkv.bytes() > 0) cuda::add_bias(qkv, L.b_qkv.as<float>(), n, qkv_w, stream_);
     bf16* kc = k_cache_[static_cast<size_t>(l)].as<bf16>();
     bf16* vc = v_cache_[static_cast<size_t>(l)].as<bf16>();
@@ -421,10 +449,7 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
     linear(attn, L.wo.as<bf16>(), o, false, n, qd, d);
     mark("gemm o");
     if (L.bo.bytes() > 0) cuda::add_bias(o, L.bo.as<float>(), n, d, stream_);
-    cuda::add_rms_norm(residual, o, L.ffn_norm.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
-    mark("add_rms_norm");
-    linear(h, L.w_gate_up.as<bf16>(), gate_up, false, n, d, 2 * ff);
-    mark("gemm gate_up");
+    norm_linear(o, L.ffn_norm, L.w_gate_up, gate_up, 2 * ff, "gemm gate_up");
     linear(gate_up, L.w_down.as<bf16>(), down, false, n, ff, d, /*swiglu=*/true);
     mark("gemm down (+silu)");
   }

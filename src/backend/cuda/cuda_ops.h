@@ -175,14 +175,24 @@ void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 // block. f32 accumulation; the sum over a row's partial sums is in a fixed order (deterministic).
 // blocks (0: the SM count) and stages (0: kStreamGemvDefaultStages; else 4 or 6 stages of 32 KB)
 // are for tests and benchmarks. Errors: kestrel::Error for an unsupported shape
-// (stream_gemv_supports) or the operand errors of skinny_gemm. Never synchronises.
+// (stream_gemv_supports), the operand errors of skinny_gemm, or a fused norm with a missing,
+// misaligned or aliased operand. Never synchronises.
 constexpr int64_t kStreamGemvMaxTokens = 2;
 constexpr int64_t kStreamGemvMaxIn = 16384;
 constexpr int64_t kStreamGemvMaxRowsPerBlock = 256;
 constexpr int kStreamGemvDefaultStages = 4;
+// Fused input norm (norm_residual_in set): x is not read; the input is instead h =
+// RMSNorm(norm_residual_in + norm_add) * norm_weight rounded to bf16, as add_rms_norm computes it,
+// and norm_residual_in + norm_add is written to norm_residual_out (another buffer). residual
+// [n_tokens, n_in] f32, add [n_tokens, n_in] bf16 or null, weight [n_in] bf16; bf16 output only.
 struct StreamGemvArgs : ProjectionOperands {
   int blocks = 0;
   int stages = 0;
+  const float* norm_residual_in = nullptr;
+  const bf16* norm_add = nullptr;
+  const bf16* norm_weight = nullptr;
+  float* norm_residual_out = nullptr;
+  float norm_eps = 1e-5f;
 };
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
 void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);

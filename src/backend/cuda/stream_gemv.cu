@@ -68,14 +68,17 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   const int no = static_cast<int>(a.n_out);
   auto go = [&](auto* k) {
     raise_smem_limit(k, l.smem);
-    KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block);
+    KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block,
+                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
   };
-  if (a.swiglu)
-    go(&stream_gemv_kernel<kM, kStages, true, false>);
+  if (a.norm_residual_in != nullptr)
+    go(&stream_gemv_kernel<kM, kStages, false, false, true>);
+  else if (a.swiglu)
+    go(&stream_gemv_kernel<kM, kStages, true, false, false>);
   else if (a.f32_out)
-    go(&stream_gemv_kernel<kM, kStages, false, true>);
+    go(&stream_gemv_kernel<kM, kStages, false, true, false>);
   else
-    go(&stream_gemv_kernel<kM, kStages, false, false>);
+    go(&stream_gemv_kernel<kM, kStages, false, false, false>);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
@@ -97,7 +100,19 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
     throw Error("stream_gemv: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
                 std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ", blocks " +
                 std::to_string(a.blocks) + ", stages " + std::to_string(a.stages) + ")");
-  check_gemv_operands("stream_gemv", a);
+  if (a.norm_residual_in != nullptr) {
+    if (a.swiglu || a.f32_out) throw Error("stream_gemv: the fused input norm is built for bf16 output only");
+    if (a.norm_weight == nullptr || a.norm_residual_out == nullptr)
+      throw Error("stream_gemv: the fused input norm needs its weight and a residual output");
+    if (a.norm_residual_out == a.norm_residual_in)
+      throw Error("stream_gemv: the fused input norm's residual output must not be its input");
+    for (const void* p : {static_cast<const void*>(a.w), static_cast<const void*>(a.norm_residual_in),
+                          static_cast<const void*>(a.norm_add),
+                          static_cast<const void*>(a.norm_weight), static_cast<const void*>(a.norm_residual_out)})
+      if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error("stream_gemv: norm operand not 16-byte aligned");
+  } else {
+    check_gemv_operands("stream_gemv", a);
+  }
   const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);
   if (a.n_tokens == 1)
     l.stages == 6 ? launch<1, 6>(a, l, stream) : launch<1, 4>(a, l, stream);

@@ -18,6 +18,12 @@
 // - When a row's last line is done, each warp reduces its 32 partial sums (shuffles) into a
 //   per-warp slot; the 8 warps' slots are summed in a fixed order at the end (deterministic), in
 //   f32, and rounded once.
+// - Fused input norm (kNormIn): the input is h = RMSNorm(residual_in + add) * norm_w rounded to
+//   bf16, with the arithmetic of add_rms_norm (f32 add, f32 sum of squares, x * inv * w), computed
+//   by every block for its own k (the block's threads cover all of n_in, so one block reduction
+//   gives the row's sum of squares); block 0 writes residual_in + add to residual_out, which must
+//   be another buffer (the other blocks are still reading residual_in). That takes the residual
+//   add + RMSNorm kernel out of a decode step; the caller alternates two residual buffers.
 // Source: the cp.async multistage pipeline of CUTLASS-style GEMMs (PTX ISA 8.x, "cp.async"),
 // applied to a GEMV with the CUDA Programming Guide's programmatic dependent launch.
 #pragma once
@@ -43,10 +49,14 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
 // x: [kM, *] rows x_stride elements apart, 16-byte aligned; with kSwiGLU row t's gate is
 // x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
-template <int kM, int kStages, bool kSwiGLU, bool kF32Out>
+// kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
+// res_out [kM, n_in] f32 (not res_in), eps.
+template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
-                       void* __restrict__ y, int n_out, int k_lines, int rows_per_block) {
+                       void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
+                       const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
@@ -77,31 +87,84 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
   pdl_wait();
-  // This thread's k of x, as the activation the rows are multiplied by: every load issued before
-  // any is used (one round trip, not one per line of a row).
+  if constexpr (kNormIn) {
+    // h = RMSNorm(res_in + add) * norm_w for this thread's k, as add_rms_norm computes it.
+    __shared__ float scratch[kWarpSize];
 #pragma unroll
-  for (int tok = 0; tok < kM; ++tok) {
-    uint4 v[kGemvMaxKLines], up[kSwiGLU ? kGemvMaxKLines : 1];
-    const __nv_bfloat16* xr = x + tok * x_stride + t * 8;
+    for (int tok = 0; tok < kM; ++tok) {
+      float r[kGemvMaxKLines][8];
+      uint4 av[kGemvMaxKLines];
+      float ss = 0.0f;
+      // Every load first (one round trip), then the sums.
 #pragma unroll
-    for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
-      if (kb < k_lines) {
-        v[kb] = *reinterpret_cast<const uint4*>(xr + kb * kGemvLine);
-        if constexpr (kSwiGLU) up[kb] = *reinterpret_cast<const uint4*>(xr + n_in + kb * kGemvLine);
+      for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+        if (kb < k_lines) {
+          const int64_t off = tok * n_in + kb * kGemvLine + t * 8;
+          const float4 lo = *reinterpret_cast<const float4*>(res_in + off);
+          const float4 hi = *reinterpret_cast<const float4*>(res_in + off + 4);
+          r[kb][0] = lo.x, r[kb][1] = lo.y, r[kb][2] = lo.z, r[kb][3] = lo.w;
+          r[kb][4] = hi.x, r[kb][5] = hi.y, r[kb][6] = hi.z, r[kb][7] = hi.w;
+          if (add != nullptr) av[kb] = *reinterpret_cast<const uint4*>(add + off);
+        }
+      }
+#pragma unroll
+      for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+        if (kb < k_lines) {
+          const int64_t off = tok * n_in + kb * kGemvLine + t * 8;
+          if (add != nullptr) {
+            float a[8];
+            unpack_bf16x8(av[kb], a);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) r[kb][e] += a[e];
+          }
+          if (blockIdx.x == 0) {
+            *reinterpret_cast<float4*>(res_out + off) = make_float4(r[kb][0], r[kb][1], r[kb][2], r[kb][3]);
+            *reinterpret_cast<float4*>(res_out + off + 4) = make_float4(r[kb][4], r[kb][5], r[kb][6], r[kb][7]);
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) ss += r[kb][e] * r[kb][e];
+        }
+      }
+      ss = block_reduce_sum(ss, scratch);
+      const float inv = rsqrtf(ss / static_cast<float>(n_in) + eps);
+#pragma unroll
+      for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+        if (kb < k_lines) {
+          float wn[8], h[8];
+          unpack_bf16x8(*reinterpret_cast<const uint4*>(norm_w + kb * kGemvLine + t * 8), wn);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) h[e] = r[kb][e] * inv * wn[e];
+          xs[(tok * k_lines + kb) * kGemvThreads + t] = pack_bf16x8(h);
+        }
       }
     }
+  } else {
+    // This thread's k of x, as the activation the rows are multiplied by: every load issued before
+    // any is used (one round trip, not one per line of a row).
 #pragma unroll
-    for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
-      if (kb < k_lines) {
-        if constexpr (kSwiGLU) {
-          float g[8], u[8], a[8];
-          unpack_bf16x8(v[kb], g);
-          unpack_bf16x8(up[kb], u);
+    for (int tok = 0; tok < kM; ++tok) {
+      uint4 v[kGemvMaxKLines], up[kSwiGLU ? kGemvMaxKLines : 1];
+      const __nv_bfloat16* xr = x + tok * x_stride + t * 8;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) a[e] = silu(g[e]) * u[e];
-          v[kb] = pack_bf16x8(a);
+      for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+        if (kb < k_lines) {
+          v[kb] = *reinterpret_cast<const uint4*>(xr + kb * kGemvLine);
+          if constexpr (kSwiGLU) up[kb] = *reinterpret_cast<const uint4*>(xr + n_in + kb * kGemvLine);
         }
-        xs[(tok * k_lines + kb) * kGemvThreads + t] = v[kb];
+      }
+#pragma unroll
+      for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
+        if (kb < k_lines) {
+          if constexpr (kSwiGLU) {
+            float g[8], u[8], a[8];
+            unpack_bf16x8(v[kb], g);
+            unpack_bf16x8(up[kb], u);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) a[e] = silu(g[e]) * u[e];
+            v[kb] = pack_bf16x8(a);
+          }
+          xs[(tok * k_lines + kb) * kGemvThreads + t] = v[kb];
+        }
       }
     }
   }
