@@ -20,8 +20,8 @@ STAGES="${STAGES:-tests b1 attn b64}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
 [[ $STAGES == *tests* ]] && op_tests
-[[ $STAGES == *stories* ]] && stories_check
-if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* || $STAGES == *logits* || $STAGES == *load* ]]; then
+[[ $STAGES == *stories* && $STAGES != *tests* ]] && stories_check
+if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* || $STAGES == *logits* || $STAGES == *load* || $STAGES == *nsys1* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
 fi
 if [[ $STAGES == *b1* ]]; then
@@ -90,11 +90,9 @@ if [[ $STAGES == *nsys1* ]]; then
   echo "== nsys: batch-1 decode"
   NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
   if [ -n "$NSYS" ]; then
-    nsys() { "$NSYS" "$@"; }
-    timeout 300 nsys profile --cuda-graph-trace=node --trace=cuda -o /tmp/k4/b1trace --force-overwrite true \
+    timeout 300 "$NSYS" profile --cuda-graph-trace=node --trace=cuda -o /tmp/k4/b1trace --force-overwrite true \
       "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 > /tmp/k4/nsys.log 2>&1 || tail -5 /tmp/k4/nsys.log
-    nsys stats --report cuda_gpu_trace --format csv -o /tmp/k4/b1trace /tmp/k4/b1trace.nsys-rep >/dev/null 2>&1
-    ls /tmp/k4/ | grep b1trace
+    "$NSYS" stats --report cuda_gpu_trace --format csv -o /tmp/k4/b1trace /tmp/k4/b1trace.nsys-rep >/dev/null 2>&1
     python3 scripts/device/kernel_trace.py /tmp/k4/b1trace_cuda_gpu_trace.csv --skip 8 2>&1 | tee -a "$SUMMARY"
   else
     echo "nsys not found"

@@ -403,12 +403,12 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   bf16* down = down_.as<bf16>();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
   // residual += add, then y = RMSNorm(residual) * norm_w . W^T: two kernels, or one streaming GEMV
-  // reading residual and writing the sum to the other residual buffer (fused_norm_).
-  const bool fuse = fused_norm_ && uses_stream_gemv(n, d, qkv_w) && uses_stream_gemv(n, d, 2 * ff);
+  // reading residual and writing the sum to the other residual buffer (fused_norm_), after which
+  // the two buffers swap roles.
   float* spare = residual_alt_.as<float>();
   auto norm_linear = [&](const bf16* add, const DevMem& norm_w, const DevMem& w, bf16* y, int64_t n_out,
                          const char* what) {
-    if (!fuse) {
+    if (!fused_norm_ || !uses_stream_gemv(n, d, n_out)) {
       cuda::add_rms_norm(residual, add, norm_w.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
       mark("add_rms_norm");
       linear(h, w.as<bf16>(), y, false, n, d, n_out);

@@ -182,7 +182,8 @@ constexpr int64_t kStreamGemvMaxIn = 16384;
 constexpr int64_t kStreamGemvMaxRowsPerBlock = 256;
 constexpr int kStreamGemvDefaultStages = 4;
 // Fused input norm (norm_residual_in set): x is not read; the input is instead h =
-// RMSNorm(norm_residual_in + norm_add) * norm_weight rounded to bf16, as add_rms_norm computes it,
+// RMSNorm(norm_residual_in + norm_add) * norm_weight rounded to bf16, with add_rms_norm's
+// arithmetic but its sum of squares in another order (h may differ by a bf16 ulp),
 // and norm_residual_in + norm_add is written to norm_residual_out (another buffer). residual
 // [n_tokens, n_in] f32, add [n_tokens, n_in] bf16 or null, weight [n_in] bf16; bf16 output only.
 struct StreamGemvArgs : ProjectionOperands {

@@ -19,7 +19,8 @@
 //   per-warp slot; the 8 warps' slots are summed in a fixed order at the end (deterministic), in
 //   f32, and rounded once.
 // - Fused input norm (kNormIn): the input is h = RMSNorm(residual_in + add) * norm_w rounded to
-//   bf16, with the arithmetic of add_rms_norm (f32 add, f32 sum of squares, x * inv * w), computed
+//   bf16, with the arithmetic of add_rms_norm (f32 add, f32 sum of squares, x * inv * w; the sum
+//   of squares added in another order, so h may differ from add_rms_norm's by a bf16 ulp), computed
 //   by every block for its own k (the block's threads cover all of n_in, so one block reduction
 //   gives the row's sum of squares); block 0 writes residual_in + add to residual_out, which must
 //   be another buffer (the other blocks are still reading residual_in). That takes the residual
@@ -88,8 +89,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   for (int s = 0; s < kStages - 1; ++s) issue(s);
   pdl_wait();
   if constexpr (kNormIn) {
-    // h = RMSNorm(res_in + add) * norm_w for this thread's k, as add_rms_norm computes it.
-    __shared__ float scratch[kWarpSize];
+    // h = RMSNorm(res_in + add) * norm_w for this thread's k, with add_rms_norm's arithmetic (the
+    // sum of squares in another order). The reduction's scratch is `part` (8 floats; the main loop
+    // writes it only after the reduction's closing barrier), so no static shared memory is added.
+    float* scratch = part;
 #pragma unroll
     for (int tok = 0; tok < kM; ++tok) {
       float r[kGemvMaxKLines][8];
