@@ -32,9 +32,16 @@ def main() -> int:
     ap.add_argument("--tokenizer-model", required=True, help="Llama 2 tokenizer.model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--tol", type=float, default=2e-2)
+    # Sizes of the random model: the defaults keep n_in off the streaming GEMV's multiples of 2048;
+    # --hidden 2048 --intermediate 4096 (with KESTREL_STREAM_GEMV_MIN_MB=0) sends every decode
+    # projection but the head through it, so the greedy continuation checks it against the CPU.
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                       bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")

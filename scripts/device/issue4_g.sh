@@ -4,7 +4,8 @@
 # "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU ("stories": the latter alone); batch-1 decode of the
 # 8B-shaped model under each of B1_CONFIGS; the decode-attention op benchmark under ATTN_CONFIGS;
 # batch-64 decode under B64_CONFIGS; "profile1": an op profile of batch-1 decode (eager, CUDA
-# events); "load": the 8B's start-up time from a cold page cache under LOAD_CONFIGS and warm, and
+# events); "decodecheck": greedy decode through the streaming GEMV against the CPU backend
+# (e2e_check.py on a random n_embd-2048 Llama, under DECODE_CONFIGS); "load": the 8B's start-up time from a cold page cache under LOAD_CONFIGS and warm, and
 # the disk's read rate; "logits": the
 # 8B-shaped model's logits against transformers (logits_check.py); "nsys1": Nsight Systems over
 # batch-1 decode, kernel time per step and launch gaps (kernel_trace.py; needs nsys, which the
@@ -84,6 +85,17 @@ if [[ $STAGES == *logits* ]]; then
   timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
     | tee /tmp/k4/l8.log
   note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+fi
+if [[ $STAGES == *decodecheck* ]]; then
+  # Decode through the streaming GEMV (and its fused norm) against kestrel's CPU backend and the
+  # float64 reference: a random Llama with n_embd 2048 and n_ff 4096 (e2e_check.py), under each of
+  # DECODE_CONFIGS; the greedy line says how many of 32 tokens agree.
+  for cfg in ${DECODE_CONFIGS:-KESTREL_STREAM_GEMV=0 KESTREL_STREAM_GEMV_MIN_MB=0 KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1}; do
+    echo "== decode check: $cfg"
+    env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
+      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|RESULT" | tee /tmp/k4/dc.txt
+    note "decode check [$cfg]: $(grep -E 'greedy' /tmp/k4/dc.txt)"
+  done
 fi
 if [[ $STAGES == *nsys1* ]]; then
   # Nsight Systems over batch-1 decode (graphs traced per node): kernel time per step and gaps.
