@@ -40,3 +40,9 @@ op_tests() {
   note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
   stories_check
 }
+# The start of a staged script: an empty summary, the GPU named, the bench binary executable.
+begin_run() {
+  : > "$SUMMARY"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+}

@@ -9,9 +9,7 @@
 set -uo pipefail
 source scripts/device/issue4_common.sh
 STAGES="${STAGES:-tests micro e2e profile}"
-: > "$SUMMARY"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+begin_run
 [[ $STAGES == *tests* ]] && op_tests
 if [[ $STAGES == *micro* ]]; then
   echo "== projections at few tokens: cuBLASLt vs skinny_gemm"

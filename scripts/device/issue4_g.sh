@@ -17,9 +17,7 @@
 set -uo pipefail
 source scripts/device/issue4_common.sh
 STAGES="${STAGES:-tests b1 attn b64}"
-: > "$SUMMARY"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-chmod +x $BIN/kestrel_cuda_bench 2>/dev/null
+begin_run
 [[ $STAGES == *tests* ]] && op_tests
 [[ $STAGES == *stories* && $STAGES != *tests* ]] && stories_check
 if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES == *offline* || $STAGES == *logits* || $STAGES == *load* || $STAGES == *nsys1* ]]; then

@@ -183,6 +183,22 @@ inline double rel_error(const std::vector<float>& out, const std::vector<double>
   return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Runs launch(y) on a poisoned output of n_y elements, f32 or bf16, and returns it as f32 (for
+// the GEMV tests' two output types).
+template <class Launch>
+std::vector<float> run_to_f32(size_t n_y, bool f32_out, Launch&& launch) {
+  if (f32_out) {
+    DeviceBuffer<float> d_y(n_y);
+    d_y.poison();
+    launch(static_cast<void*>(d_y.get()));
+    return d_y.download();
+  }
+  DeviceBuffer<uint16_t> d_y(n_y);
+  d_y.poison();
+  launch(static_cast<void*>(d_y.get()));
+  return bf16_to_f32(d_y.download());
+}
+
 // y = x . W^T in float64 for the GEMV tests: x [n_tokens, *] bf16 rows x_stride apart, w [n_out,
 // n_in] bf16; returns y [n_tokens, n_out].
 inline std::vector<double> gemv_reference(const std::vector<uint16_t>& x, int64_t x_stride,

@@ -54,19 +54,10 @@ TEST(CudaSkinnyGemm, MatchesFloat64ReferenceForEveryVariant) {
         a.f32_out = f32_out;
         a.unroll = unroll;
         a.warps = warps;
-        if (f32_out) {
-          DeviceBuffer<float> d_y(n_y);
-          d_y.poison();
-          a.y = d_y.get();
+        out = run_to_f32(n_y, f32_out, [&](void* y) {
+          a.y = y;
           cuda::skinny_gemm(a, nullptr);
-          out = d_y.download();
-        } else {
-          DeviceBuffer<uint16_t> d_y(n_y);
-          d_y.poison();
-          a.y = d_y.get();
-          cuda::skinny_gemm(a, nullptr);
-          out = bf16_to_f32(d_y.download());
-        }
+        });
         EXPECT_LE(rel_error(out, gemv_reference(x, x_stride, w, c.n_tokens, c.n_in, c.n_out)), f32_out ? 1e-5 : 4e-3);
       }
     }

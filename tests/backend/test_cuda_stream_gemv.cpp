@@ -56,23 +56,12 @@ TEST(CudaStreamGemv, MatchesFloat64Reference) {
         const auto w = random_bf16(static_cast<size_t>(c.n_out * c.n_in), rng);
         DeviceBuffer<uint16_t> d_x(x), d_w(w);
         const size_t n_y = static_cast<size_t>(c.n_tokens * c.n_out);
-        std::vector<float> out;
-        if (f32_out) {
-          DeviceBuffer<float> d_y(n_y);
-          d_y.poison();
-          cuda::StreamGemvArgs a = args(d_x, x_stride, d_w, d_y.get(), c);
-          a.f32_out = true;
+        const auto out = run_to_f32(n_y, f32_out, [&](void* y) {
+          cuda::StreamGemvArgs a = args(d_x, x_stride, d_w, y, c);
+          a.f32_out = f32_out;
           a.stages = stages;
           cuda::stream_gemv(a, nullptr);
-          out = d_y.download();
-        } else {
-          DeviceBuffer<uint16_t> d_y(n_y);
-          d_y.poison();
-          cuda::StreamGemvArgs a = args(d_x, x_stride, d_w, d_y.get(), c);
-          a.stages = stages;
-          cuda::stream_gemv(a, nullptr);
-          out = bf16_to_f32(d_y.download());
-        }
+        });
         EXPECT_LE(rel_error(out, gemv_reference(x, x_stride, w, c.n_tokens, c.n_in, c.n_out)), f32_out ? 1e-5 : 4e-3);
       }
     }
