@@ -106,13 +106,11 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
       throw Error("stream_gemv: the fused input norm needs its weight and a residual output");
     if (a.norm_residual_out == a.norm_residual_in)
       throw Error("stream_gemv: the fused input norm's residual output must not be its input");
-    for (const void* p : {static_cast<const void*>(a.w), static_cast<const void*>(a.norm_residual_in),
-                          static_cast<const void*>(a.norm_add),
+    for (const void* p : {static_cast<const void*>(a.norm_residual_in), static_cast<const void*>(a.norm_add),
                           static_cast<const void*>(a.norm_weight), static_cast<const void*>(a.norm_residual_out)})
       if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error("stream_gemv: norm operand not 16-byte aligned");
-  } else {
-    check_gemv_operands("stream_gemv", a);
   }
+  check_gemv_operands("stream_gemv", a);  // w (and x, unread in the fused mode) aligned, x_stride
   const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);
   if (a.n_tokens == 1)
     l.stages == 6 ? launch<1, 6>(a, l, stream) : launch<1, 4>(a, l, stream);
