@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prefill-chunk", type=int, default=int(os.environ.get("E2E_PREFILL_CHUNK", "256")),
+                    help="kestrel cuda's prompt tokens per forward pass: 1 or 2 run every position's logits "
+                         "through the decode path (teacher-forced decode)")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -62,7 +65,8 @@ def main() -> int:
               "stories to the children every evening. ") * 9
     npy = os.path.join(args.out, "kestrel_cuda_logits.npy")
     out, err = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
-                       "--json", "--dump-logits", npy, "--device", "cuda")
+                       "--json", "--dump-logits", npy, "--device", "cuda",
+                       "--prefill-chunk", str(args.prefill_chunk))
     res_cuda = json.loads(out)
     print("config.json:", open(os.path.join(folder, "config.json")).read().replace("\n", " "))
     print("kestrel cuda:", " | ".join(err.strip().splitlines()))
@@ -111,6 +115,9 @@ def main() -> int:
     print(f"mean relative L2 error vs float64 reference: kestrel cuda {rel_l2(ours, ref32):.3e}, "
           f"transformers bf16 {rel_l2(ref16, ref32):.3e}; kestrel vs transformers bf16 {rel_l2(ours, ref16):.3e}")
     print(f"argmax agreement with the float64 reference: kestrel cuda {agree:.4f}, transformers bf16 {agree_hf:.4f}")
+    print(f"kestrel cuda (prefill chunk {args.prefill_chunk}) vs kestrel cpu: mean rel L2 {rel_l2(ours, cpu):.3e}, "
+          f"max over positions {float((np.linalg.norm(ours - cpu, axis=1) / np.linalg.norm(cpu, axis=1)).max()):.3e}, "
+          f"argmax agreement {float((ours.argmax(1) == cpu.argmax(1)).mean()):.4f}")
     ok &= r_ours <= args.tol and agree >= 0.99
     n_same_cpu = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], res_cpu["output_ids"])) if a != b),
                       min(len(res_cuda["output_ids"]), len(res_cpu["output_ids"])))

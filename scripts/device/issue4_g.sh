@@ -10,7 +10,8 @@
 # 8B-shaped model's logits against transformers (logits_check.py); "nsys1": Nsight Systems over
 # batch-1 decode, kernel time per step and launch gaps (kernel_trace.py; needs nsys, which the
 # device machine lacked); "skinny": the projection benchmark (cuBLASLt against skinny_gemm);
-# "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS.
+# "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS; "sass": where the
+# one-token stream_gemv's loads sit against griddepcontrol.wait in carried cubins.
 # A configuration is environment settings joined by commas ("KESTREL_DEFAULTS=1" sets nothing).
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
@@ -88,11 +89,13 @@ if [[ $STAGES == *decodecheck* ]]; then
   # Decode through the streaming GEMV (and its fused norm) against kestrel's CPU backend and the
   # float64 reference: a random Llama with n_embd 2048 and n_ff 4096 (e2e_check.py), under each of
   # DECODE_CONFIGS; the greedy line says how many of 32 tokens agree.
-  for cfg in ${DECODE_CONFIGS:-KESTREL_STREAM_GEMV=0 KESTREL_STREAM_GEMV_MIN_MB=0 KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1}; do
+  # E2E_PREFILL_CHUNK=1 (or 2) makes kestrel cuda's logits of every prompt position come from
+  # one- (two-) token steps, the decode path: a teacher-forced check, free of greedy near-ties.
+  for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1}; do
     echo "== decode check: $cfg"
     env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
-      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|RESULT" | tee /tmp/k4/dc.txt
-    note "decode check [$cfg]: $(grep -E 'greedy' /tmp/k4/dc.txt)"
+      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|RESULT|Error|error" | tee /tmp/k4/dc.txt
+    note "decode check [$cfg]: $(grep -E 'greedy|vs kestrel cpu' /tmp/k4/dc.txt | tr '\n' ' ')"
   done
 fi
 if [[ $STAGES == *nsys1* ]]; then
@@ -118,6 +121,34 @@ if [[ $STAGES == *offline* ]]; then
     echo "== offline 1000 x (1000 + 1000): $cfg"
     env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/issue4_c.sh 2>&1 | tail -4 | tee /tmp/k4/off.txt
     note "offline [$cfg]: $(grep -i "tok/s" /tmp/k4/off.txt | tail -1)"
+  done
+fi
+if [[ $STAGES == *sass* ]]; then
+  # Where the one-token stream_gemv's loads of x sit against griddepcontrol.wait in the SASS of
+  # each carried cubin (devbin/sg_*.cubin: built from stream_gemv.cu before and after a change).
+  CUOBJDUMP=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2>/dev/null | head -1)
+  for cubin in $BIN/sg_*.cubin; do
+    [ -f "$cubin" ] && [ -n "$CUOBJDUMP" ] || { echo "no cubin or no cuobjdump"; break; }
+    "$CUOBJDUMP" -sass "$cubin" | awk '/Function : .*stream_gemv_kernelILi1ELi4ELb0ELb0ELb0E/{p=1} p&&/Function : /&&!/ILi1ELi4ELb0ELb0ELb0E/{p=0} p' \
+      > /tmp/k4/sass.txt
+    echo "== $(basename "$cubin"): $(wc -l < /tmp/k4/sass.txt) lines; loads and the grid-dependency wait, in order:"
+    # The opcodes in order up to the first FFMA (the main loop), repeats collapsed.
+    python3 - /tmp/k4/sass.txt <<'PY'
+import re, sys
+ops = []
+for line in open(sys.argv[1]):
+    m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+    if not m:
+        continue
+    op = m.group(2)
+    if op.startswith("FFMA"):
+        break
+    if ops and ops[-1][0] == op:
+        ops[-1][1] += 1
+    else:
+        ops.append([op, 1])
+print(" ".join(f"{o}x{n}" if n > 1 else o for o, n in ops))
+PY
   done
 fi
 echo "== summary"

@@ -72,14 +72,17 @@ TEST(CliE2e, GreedyTranscriptsMatchLlama2c) {
     const size_t n_forced = c.prompt_ids.size() - 1;
     ASSERT_GE(c.next_ids.size(), n_forced);
     const std::vector<int> expected(c.next_ids.begin() + static_cast<long>(n_forced), c.next_ids.end());
-    std::string out;
-    const std::string cmd = kestrel_binary() + " generate -m " + dir + "/stories260K.gguf -p " +
-                            shell_quote(c.prompt) + " -n " + std::to_string(expected.size()) +
-                            " --temperature 0 --json 2>/dev/null";
-    ASSERT_EQ(run_command(cmd, &out), 0) << cmd;
-    const auto j = nlohmann::json::parse(out);
-    EXPECT_EQ(j["prompt_ids"].get<std::vector<int>>(), c.prompt_ids);
-    EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected);
+    // The prompt in one forward pass, and one token per pass (--prefill-chunk 1: decode steps).
+    for (const std::string chunk : {"", " --prefill-chunk 1"}) {
+      std::string out;
+      const std::string cmd = kestrel_binary() + " generate -m " + dir + "/stories260K.gguf -p " +
+                              shell_quote(c.prompt) + " -n " + std::to_string(expected.size()) +
+                              " --temperature 0 --json" + chunk + " 2>/dev/null";
+      ASSERT_EQ(run_command(cmd, &out), 0) << cmd;
+      const auto j = nlohmann::json::parse(out);
+      EXPECT_EQ(j["prompt_ids"].get<std::vector<int>>(), c.prompt_ids) << cmd;
+      EXPECT_EQ(j["output_ids"].get<std::vector<int>>(), expected) << cmd;
+    }
   }
 }
 

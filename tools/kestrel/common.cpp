@@ -88,6 +88,10 @@ void EngineFlags::add_to(CLI::App& app) {
   app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
+  app.add_option("--prefill-chunk", prefill_chunk,
+                 "Prompt tokens per forward pass (chunked prefill; 1 runs the prompt as decode steps)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
   device.add_to(app);
 }
 
@@ -159,6 +163,7 @@ SessionOptions EngineFlags::session_options() const {
   o.n_ctx = ctx_size;
   o.block_size = block_size;
   o.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
+  o.prefill_chunk = prefill_chunk;
   return o;
 }
 

@@ -59,6 +59,7 @@ struct EngineFlags {
   int64_t ctx_size = 4096;
   int block_size = 16;
   std::string kv_dtype = "f16";
+  int64_t prefill_chunk = 256;  // prompt tokens per forward pass
   DeviceFlags device;
   void add_to(CLI::App& app);
   // The backend for a Session of these options: null for the CPU (the Session makes its own).

@@ -64,6 +64,27 @@ __device__ __forceinline__ void pdl_launch_next() {
 #endif
 }
 
+// 16 bytes that the preceding grid wrote, read after pdl_wait(): ld.global.cg (cached at L2 only,
+// coherent), as volatile asm, so it stays where it is written. A plain dereference of a
+// const __restrict__ pointer becomes ld.global.nc, the read-only path, which assumes the data does
+// not change while the kernel runs; under PDL it does (the previous grid is still writing). In
+// stream_gemv, whose weight cp.asyncs precede the wait, such loads returned the previous step's
+// data on the H200 (one token; decode check and CudaStreamGemv.ReadsWhatThePrecedingKernelWrote).
+__device__ __forceinline__ uint4 ld_dependent16(const void* p) {
+#if defined(KESTREL_CUDA_EMULATE)
+  uint4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#else
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+#endif
+}
+
 #if !defined(KESTREL_CUDA_EMULATE)
 // kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
 // attribute when pdl_enabled(). Errors: kestrel::Error for a failed launch.

@@ -58,7 +58,8 @@ struct SkinnyFrag {
 // x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in]; y [n_tokens, n_out], f32 when
 // kF32Out else bf16. n_in % 8 == 0. grid: ceil(n_out / 16) blocks of kWarps warps.
 // PDL: the first weight tiles are requested before griddepcontrol.wait (weights are written by no
-// kernel), so they stream while the previous kernel drains; x is read after it.
+// kernel), so they stream while the previous kernel drains; x is read after it, with coherent loads
+// (ld_dependent16).
 template <int kNT, int kU, int kWarps, bool kSwiGLU, bool kF32Out>
 __global__ void __launch_bounds__(kWarps * 32)
     skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
@@ -100,8 +101,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int j = 0; j < kNT; ++j) {
         const bool live = k < n_in && x_live[j];
-        f.x[j][u] = live ? *reinterpret_cast<const uint4*>(x_row[j] + k) : zero;
-        if constexpr (kSwiGLU) f.up[j][u] = live ? *reinterpret_cast<const uint4*>(x_row[j] + n_in + k) : zero;
+        f.x[j][u] = live ? ld_dependent16(x_row[j] + k) : zero;
+        if constexpr (kSwiGLU) f.up[j][u] = live ? ld_dependent16(x_row[j] + n_in + k) : zero;
       }
     }
   };

@@ -5,6 +5,8 @@
 // - One block per SM (the grid is the SM count, or n_out if smaller), each owning a contiguous
 //   range of whole rows of W, i.e. one contiguous byte range: the SMs stream about the same number
 //   of bytes (ceil(n_out / blocks) rows each, the last block fewer), with no second wave.
+// - What the previous kernel wrote (x, or the norm's residual and add) is read after the wait with
+//   ld_dependent16 (coherent loads), never through the read-only path (see device_common.cuh).
 // - The range is cut into lines of kGemvLine = 2048 elements (n_in % 2048 == 0, so a line lies in
 //   one row); thread t always handles the 16 bytes t of a line, i.e. the same 8 k of every row,
 //   so it needs only those k of x (kept in shared memory in its own slots, with SwiGLU formed there
@@ -103,11 +105,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
         if (kb < k_lines) {
           const int64_t off = tok * n_in + kb * kGemvLine + t * 8;
-          const float4 lo = *reinterpret_cast<const float4*>(res_in + off);
-          const float4 hi = *reinterpret_cast<const float4*>(res_in + off + 4);
-          r[kb][0] = lo.x, r[kb][1] = lo.y, r[kb][2] = lo.z, r[kb][3] = lo.w;
-          r[kb][4] = hi.x, r[kb][5] = hi.y, r[kb][6] = hi.z, r[kb][7] = hi.w;
-          if (add != nullptr) av[kb] = *reinterpret_cast<const uint4*>(add + off);
+          const uint4 lo = ld_dependent16(res_in + off), hi = ld_dependent16(res_in + off + 4);
+          r[kb][0] = __uint_as_float(lo.x), r[kb][1] = __uint_as_float(lo.y);
+          r[kb][2] = __uint_as_float(lo.z), r[kb][3] = __uint_as_float(lo.w);
+          r[kb][4] = __uint_as_float(hi.x), r[kb][5] = __uint_as_float(hi.y);
+          r[kb][6] = __uint_as_float(hi.z), r[kb][7] = __uint_as_float(hi.w);
+          if (add != nullptr) av[kb] = ld_dependent16(add + off);
         }
       }
 #pragma unroll
@@ -151,8 +154,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 #pragma unroll
       for (int kb = 0; kb < kGemvMaxKLines; ++kb) {
         if (kb < k_lines) {
-          v[kb] = *reinterpret_cast<const uint4*>(xr + kb * kGemvLine);
-          if constexpr (kSwiGLU) up[kb] = *reinterpret_cast<const uint4*>(xr + n_in + kb * kGemvLine);
+          v[kb] = ld_dependent16(xr + kb * kGemvLine);
+          if constexpr (kSwiGLU) up[kb] = ld_dependent16(xr + n_in + kb * kGemvLine);
         }
       }
 #pragma unroll
