@@ -11,7 +11,8 @@
 # batch-1 decode, kernel time per step and launch gaps (kernel_trace.py; needs nsys, which the
 # device machine lacked); "skinny": the projection benchmark (cuBLASLt against skinny_gemm);
 # "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS; "sass": where the
-# one-token stream_gemv's loads sit against griddepcontrol.wait in carried cubins.
+# one-token stream_gemv's loads sit against griddepcontrol.wait in carried cubins; "pdlaudit": the
+# loads before the wait in every kernel of devbin/cubins (pdl_audit.py).
 # A configuration is environment settings joined by commas ("KESTREL_DEFAULTS=1" sets nothing).
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
@@ -25,7 +26,7 @@ if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES ==
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
 fi
 if [[ $STAGES == *b1* ]]; then
-  for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_FUSED_NORM=1}; do
+  for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_FUSED_NORM=0}; do
     echo "== batch-1 decode: $cfg"
     env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/k4/b1.txt
     note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
@@ -81,9 +82,12 @@ fi
 if [[ $STAGES == *logits* ]]; then
   # Logits of the 8B-shaped model against transformers (f32 reference, bf16 for scale), 256+ positions.
   echo "== 8B-shaped random model vs transformers"
-  timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
-    | tee /tmp/k4/l8.log
-  note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+  # LOGITS_CHUNKS: kestrel's --prefill-chunk values (1: every position through one-token steps).
+  for chunk in ${LOGITS_CHUNKS:-256}; do
+    timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b --prefill-chunk $chunk \
+      2>&1 | tail -6 | tee /tmp/k4/l8.log
+    note "logits, prefill chunk $chunk: $(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+  done
 fi
 if [[ $STAGES == *decodecheck* ]]; then
   # Decode through the streaming GEMV (and its fused norm) against kestrel's CPU backend and the
@@ -91,7 +95,8 @@ if [[ $STAGES == *decodecheck* ]]; then
   # DECODE_CONFIGS; the greedy line says how many of 32 tokens agree.
   # E2E_PREFILL_CHUNK=1 (or 2) makes kestrel cuda's logits of every prompt position come from
   # one- (two-) token steps, the decode path: a teacher-forced check, free of greedy near-ties.
-  for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=1}; do
+  # MIN_MB=20 streams (and fuses the norm into) gate/up alone: one residual swap per layer.
+  for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=20 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0}; do
     echo "== decode check: $cfg"
     env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
       --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|RESULT|Error|error" | tee /tmp/k4/dc.txt
@@ -150,6 +155,10 @@ for line in open(sys.argv[1]):
 print(" ".join(f"{o}x{n}" if n > 1 else o for o, n in ops))
 PY
   done
+fi
+if [[ $STAGES == *pdlaudit* ]]; then
+  echo "== PDL audit: global loads before griddepcontrol.wait (devbin/cubins)"
+  python3 scripts/device/pdl_audit.py $BIN/cubins/*.cubin 2>&1 | sort | uniq -c | sort -rn | head -60
 fi
 echo "== summary"
 cat "$SUMMARY"

@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=2e-2, help="max mean relative L2 error of kestrel cuda")
     ap.add_argument("--min-agree", type=float, default=0.99)
     ap.add_argument("--chat", action="store_true", help="no BOS games: the text is used as is")
+    ap.add_argument("--prefill-chunk", type=int, default=256,
+                    help="kestrel's prompt tokens per forward pass: 1 or 2 give every position's logits "
+                         "from decode-path steps (teacher-forced decode)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -46,10 +49,11 @@ def main() -> int:
     npy = os.path.join(tempfile.mkdtemp(), "logits.npy")
     t = time.time()
     out = subprocess.run([args.kestrel, "generate", "-m", path, "-p", text, "-n", "1", "--temperature", "0",
-                          "--json", "--dump-logits", npy, "--device", "cuda"], check=True, capture_output=True,
+                          "--json", "--dump-logits", npy, "--device", "cuda", "--prefill-chunk",
+                          str(args.prefill_chunk)], check=True, capture_output=True,
                          text=True)
     ids = json.loads(out.stdout)["prompt_ids"]
-    print(f"[{args.name}] kestrel cuda: {len(ids)} prompt positions in {time.time() - t:.1f} s "
+    print(f"[{args.name}] kestrel cuda (prefill chunk {args.prefill_chunk}): {len(ids)} prompt positions in {time.time() - t:.1f} s "
           f"({' | '.join(out.stderr.strip().splitlines()[-2:])})")
     ours = np.load(npy).astype(np.float64)
     x = torch.tensor([ids], device="cuda")

@@ -145,8 +145,8 @@ class CudaModelRunner final : public ModelRunner {
       if (stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
         throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 4 or 6");
     }
-    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr && std::string(env) == "1")
-      fused_norm_ = true;
+    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr && std::string(env) == "0")
+      fused_norm_ = false;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -223,10 +223,13 @@ class CudaModelRunner final : public ModelRunner {
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
   // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
-  // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=1; off until
-  // measured on the GPU).
-  bool fused_norm_ = false;
-  int stream_gemv_stages_ = 0;  // 0: the kernel's default (KESTREL_STREAM_GEMV_STAGES=4|6)
+  // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=0: off).
+  // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
+  bool fused_norm_ = true;
+  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=4|6). Six stages for gate/up and down
+  // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
+  // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
+  int stream_gemv_stages_ = 0;
   // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
   // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
   // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md, issue 4,
@@ -345,7 +348,8 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   if (n > cap_tokens_) {
     grow(residual_, static_cast<size_t>(n * d) * 4);
-    if (fused_norm_) grow(residual_alt_, static_cast<size_t>(n * d) * 4);
+    // The fused norm's second residual: passes of at most kStreamGemvMaxTokens rows only.
+    if (fused_norm_) grow(residual_alt_, static_cast<size_t>(std::min(n, cuda::kStreamGemvMaxTokens) * d) * 4);
     grow(h_, static_cast<size_t>(n * d) * 2);
     grow(qkv_, static_cast<size_t>(n * (qd + 2 * kvd)) * 2);
     grow(q_, static_cast<size_t>(n * qd) * 2);
