@@ -158,7 +158,8 @@ PY
 fi
 if [[ $STAGES == *pdlaudit* ]]; then
   echo "== PDL audit: global loads before griddepcontrol.wait (devbin/cubins)"
-  python3 scripts/device/pdl_audit.py $BIN/cubins/*.cubin 2>&1 | sort | uniq -c | sort -rn | head -60
+  python3 scripts/device/pdl_audit.py $BIN/cubins/*.cubin > "$OUT/pdl_audit.txt" 2>&1
+  note "pdl audit: $(wc -l < "$OUT/pdl_audit.txt") kernels, $(grep -c '^NO WAIT' "$OUT/pdl_audit.txt") without a wait, $(grep -c 'CONSTANT' "$OUT/pdl_audit.txt") with read-only loads before it (list in \$OUT/pdl_audit.txt)"
 fi
 echo "== summary"
 cat "$SUMMARY"

@@ -13,7 +13,11 @@ TEST(CudaSiluMul, MatchesFloat64Reference) {
   for (const int64_t n_ff : {1536, 14336, 172, 100, 5}) {
     for (const int64_t n_tokens : {1, 5, 64}) {
       SCOPED_TRACE("n_ff " + std::to_string(n_ff) + " n_tokens " + std::to_string(n_tokens));
-      const auto gate_up = random_bf16(static_cast<size_t>(n_tokens * 2 * n_ff), rng, -6.0f, 6.0f);
+      auto gate_up = random_bf16(static_cast<size_t>(n_tokens * 2 * n_ff), rng, -6.0f, 6.0f);
+      // Gates where e^-g overflows or nears it (silu -> 0), and large positive ones (silu -> g).
+      const float extremes[] = {-200.0f, -100.0f, -88.0f, -87.0f, -80.0f, 40.0f, 100.0f, 3e4f};
+      for (size_t e = 0; e < std::size(extremes) && e < static_cast<size_t>(n_ff); ++e)
+        gate_up[e * static_cast<size_t>(n_ff) / std::size(extremes)] = to_bf16(extremes[e]);
       DeviceBuffer<uint16_t> d_in(gate_up), d_out(static_cast<size_t>(n_tokens * n_ff));
       d_out.poison();
       cuda::silu_mul(d_in.bf16(), d_out.bf16(), n_tokens, n_ff, nullptr);
