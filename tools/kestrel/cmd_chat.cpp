@@ -127,6 +127,7 @@ void register_chat(CLI::App& app) {
   sub->add_flag("--stats", a->stats, "Print load and speed figures to stderr");
   a->sampling.add_to(*sub);
   a->engine.add_to(*sub);
+  a->engine.add_prefill_chunk(*sub);
   sub->callback([a] { run_chat(*a); });
 }
 

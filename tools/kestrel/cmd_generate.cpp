@@ -104,6 +104,7 @@ void register_generate(CLI::App& app) {
                   "Also write the logits of every prompt position to this .npy file (float32, [n_prompt, n_vocab])");
   a->sampling.add_to(*sub);
   a->engine.add_to(*sub);
+  a->engine.add_prefill_chunk(*sub);
   sub->callback([a] { run_generate(*a); });
 }
 

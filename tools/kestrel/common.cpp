@@ -88,11 +88,14 @@ void EngineFlags::add_to(CLI::App& app) {
   app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
   app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
       ->capture_default_str();
+  device.add_to(app);
+}
+
+void EngineFlags::add_prefill_chunk(CLI::App& app) {
   app.add_option("--prefill-chunk", prefill_chunk,
                  "Prompt tokens per forward pass (chunked prefill; 1 runs the prompt as decode steps)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->capture_default_str();
-  device.add_to(app);
 }
 
 void DeviceFlags::add_to(CLI::App& app) {

@@ -62,6 +62,9 @@ struct EngineFlags {
   int64_t prefill_chunk = 256;  // prompt tokens per forward pass
   DeviceFlags device;
   void add_to(CLI::App& app);
+  // --prefill-chunk, for the commands that run one Session (generate, chat); the engine's commands
+  // chunk by --max-num-batched-tokens instead and bench by -p.
+  void add_prefill_chunk(CLI::App& app);
   // The backend for a Session of these options: null for the CPU (the Session makes its own).
   std::unique_ptr<ModelRunner> session_runner(const LlamaModel& model, const SessionOptions& so) const;
   SessionOptions session_options() const;
