@@ -31,7 +31,6 @@ def main() -> int:
     ap.add_argument("--kestrel", required=True)
     ap.add_argument("--tokenizer-model", required=True, help="Llama 2 tokenizer.model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--tol", type=float, default=2e-2)
     # Sizes of the random model: the defaults keep n_in off the streaming GEMV's multiples of 2048;
     # --hidden 2048 --intermediate 4096 (with KESTREL_STREAM_GEMV_MIN_MB=0) sends every decode
     # projection but the head through it, so the greedy continuation checks it against the CPU.
@@ -111,14 +110,20 @@ def main() -> int:
     agree = float((ours.argmax(1) == ref32.argmax(1)).mean())
     agree_hf = float((ref16.argmax(1) == ref32.argmax(1)).mean())
     print(f"positions {len(ids)}: max relative logit error vs float64 reference: kestrel cuda {r_ours:.3e}, "
-          f"transformers bf16 {r_hf:.3e} (tolerance {args.tol:g})")
+          f"transformers bf16 {r_hf:.3e}")
     print(f"mean relative L2 error vs float64 reference: kestrel cuda {rel_l2(ours, ref32):.3e}, "
           f"transformers bf16 {rel_l2(ref16, ref32):.3e}; kestrel vs transformers bf16 {rel_l2(ours, ref16):.3e}")
     print(f"argmax agreement with the float64 reference: kestrel cuda {agree:.4f}, transformers bf16 {agree_hf:.4f}")
     print(f"kestrel cuda (prefill chunk {args.prefill_chunk}) vs kestrel cpu: mean rel L2 {rel_l2(ours, cpu):.3e}, "
           f"max over positions {float((np.linalg.norm(ours - cpu, axis=1) / np.linalg.norm(cpu, axis=1)).max()):.3e}, "
           f"argmax agreement {float((ours.argmax(1) == cpu.argmax(1)).mean()):.4f}")
-    ok &= r_ours <= args.tol and agree >= 0.99
+    # Random weights have near-ties, so an absolute argmax bar fails correct runs (transformers bf16
+    # itself agrees with float64 on ~93% here). PASS: kestrel cuda's mean relative L2 error to
+    # float64 is at most 1.25 x transformers bf16's, and its argmax agreement at most 2 points
+    # below it. (The one-token streaming GEMV that read stale input gave 0.456 against 0.041.)
+    l2_ours, l2_hf = rel_l2(ours, ref32), rel_l2(ref16, ref32)
+    ok &= l2_ours <= 1.25 * l2_hf and agree >= agree_hf - 0.02
+    print(f"check: mean rel L2 {l2_ours:.3e} <= 1.25 x {l2_hf:.3e}, argmax {agree:.4f} >= {agree_hf:.4f} - 0.02")
     n_same_cpu = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], res_cpu["output_ids"])) if a != b),
                       min(len(res_cuda["output_ids"]), len(res_cpu["output_ids"])))
     n_same_hf = next((i for i, (a, b) in enumerate(zip(res_cuda["output_ids"], gen)) if a != b),

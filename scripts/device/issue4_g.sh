@@ -99,8 +99,8 @@ if [[ $STAGES == *decodecheck* ]]; then
   for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=20 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0}; do
     echo "== decode check: $cfg"
     env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
-      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|RESULT|Error|error" | tee /tmp/k4/dc.txt
-    note "decode check [$cfg]: $(grep -E 'greedy|vs kestrel cpu' /tmp/k4/dc.txt | tr '\n' ' ')"
+      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|check:|RESULT|Error|error" | tee /tmp/k4/dc.txt
+    note "decode check [$cfg]: $(grep -E 'vs kestrel cpu|RESULT' /tmp/k4/dc.txt | tr '\n' ' ')"
   done
 fi
 if [[ $STAGES == *nsys1* ]]; then
