@@ -38,8 +38,9 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=int(os.environ.get("E2E_PREFILL_CHUNK", "256")),
-                    help="kestrel cuda's prompt tokens per forward pass: 1 or 2 run every position's logits "
-                         "through the decode path (teacher-forced decode)")
+                    help="kestrel cuda's prompt tokens per forward pass: 1 runs every position through a "
+                         "one-token decode step (decode graph, decode attention: teacher-forced decode); 2 "
+                         "through two-token steps (the two-row GEMVs and fused norm, prefill attention)")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,

@@ -33,12 +33,15 @@ n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)
 print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
 PY
 }
-# The GPU op tests (kestrel_tests, Cuda*) and the stories260K check, with their summary lines.
+# The GPU op tests (kestrel_tests, Cuda*), the stories260K check and the PDL audit of the kernels'
+# SASS, with their summary lines.
 op_tests() {
   echo "== GPU op tests (kestrel_tests, Cuda*)"
   timeout 300 $BIN/kestrel_tests --gtest_filter="${TEST_FILTER:-Cuda*}" --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
   note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
   stories_check
+  # No kernel may load the previous kernel's output before griddepcontrol.wait (pdl_audit.py).
+  note "$(python3 scripts/device/pdl_audit.py $BIN/kestrel 2>&1 | tail -4 | tr '\n' ' ')"
 }
 # The start of a staged script: an empty summary, the GPU named, the bench binary executable.
 begin_run() {

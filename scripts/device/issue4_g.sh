@@ -12,7 +12,9 @@
 # device machine lacked); "skinny": the projection benchmark (cuBLASLt against skinny_gemm);
 # "offline": the 1,000 x (1,000 + 1,000) batch run under OFFLINE_CONFIGS; "sass": where the
 # one-token stream_gemv's loads sit against griddepcontrol.wait in carried cubins; "pdlaudit": the
-# loads before the wait in every kernel of devbin/cubins (pdl_audit.py).
+# loads before the wait in every kernel of the kestrel binary, listed (pdl_audit.py; the "tests"
+# stage runs its pass/fail check too); "mutant": the PDL input test on a test binary built with the
+# old one-token stream_gemv (devbin/kestrel_tests_mutant), which must fail.
 # A configuration is environment settings joined by commas ("KESTREL_DEFAULTS=1" sets nothing).
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
@@ -93,8 +95,9 @@ if [[ $STAGES == *decodecheck* ]]; then
   # Decode through the streaming GEMV (and its fused norm) against kestrel's CPU backend and the
   # float64 reference: a random Llama with n_embd 2048 and n_ff 4096 (e2e_check.py), under each of
   # DECODE_CONFIGS; the greedy line says how many of 32 tokens agree.
-  # E2E_PREFILL_CHUNK=1 (or 2) makes kestrel cuda's logits of every prompt position come from
-  # one- (two-) token steps, the decode path: a teacher-forced check, free of greedy near-ties.
+  # E2E_PREFILL_CHUNK=1 makes kestrel cuda's logits of every prompt position come from one-token
+  # decode steps (decode graph and attention): a teacher-forced check, free of greedy near-ties;
+  # =2 from two-token steps (the two-row GEMVs and fused norm, with prefill attention).
   # MIN_MB=20 streams (and fuses the norm into) gate/up alone: one residual swap per layer.
   for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=20 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0}; do
     echo "== decode check: $cfg"
@@ -156,10 +159,18 @@ print(" ".join(f"{o}x{n}" if n > 1 else o for o, n in ops))
 PY
   done
 fi
+if [[ $STAGES == *mutant* ]]; then
+  # The PDL input test against a kestrel_tests built with the old stream_gemv.cuh (commit 9093bda:
+  # x read through the read-only path), carried as devbin/kestrel_tests_mutant: it must fail.
+  echo "== PDL input test on the old stream_gemv (must fail)"
+  chmod +x $BIN/kestrel_tests_mutant
+  timeout 300 $BIN/kestrel_tests_mutant --gtest_filter='CudaPdlInputs.*' 2>&1 | grep -E "Failure|mode|trace:|tokens|FAILED|PASSED" | head -12
+  note "mutant (old stream_gemv): $(timeout 300 $BIN/kestrel_tests_mutant --gtest_filter='CudaPdlInputs.*' --gtest_brief=1 2>&1 | grep -E '^\[  (PASSED|FAILED) ' | tr '\n' ' ')"
+fi
 if [[ $STAGES == *pdlaudit* ]]; then
-  echo "== PDL audit: global loads before griddepcontrol.wait (devbin/cubins)"
-  python3 scripts/device/pdl_audit.py $BIN/cubins/*.cubin > "$OUT/pdl_audit.txt" 2>&1
-  note "pdl audit: $(wc -l < "$OUT/pdl_audit.txt") kernels, $(grep -c '^NO WAIT' "$OUT/pdl_audit.txt") without a wait, $(grep -c 'CONSTANT' "$OUT/pdl_audit.txt") with read-only loads before it (list in \$OUT/pdl_audit.txt)"
+  echo "== PDL audit: every kernel's global loads before griddepcontrol.wait (list in \$OUT/pdl_audit.txt)"
+  python3 scripts/device/pdl_audit.py $BIN/kestrel ${PDL_AUDIT_EXTRA:-} --list > "$OUT/pdl_audit.txt" 2>&1
+  note "$(grep -E '^PDL' "$OUT/pdl_audit.txt" | tr '\n' ' ')"
 fi
 echo "== summary"
 cat "$SUMMARY"

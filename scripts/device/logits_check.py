@@ -37,8 +37,8 @@ def main() -> int:
     ap.add_argument("--min-agree", type=float, default=0.99)
     ap.add_argument("--chat", action="store_true", help="no BOS games: the text is used as is")
     ap.add_argument("--prefill-chunk", type=int, default=256,
-                    help="kestrel's prompt tokens per forward pass: 1 or 2 give every position's logits "
-                         "from decode-path steps (teacher-forced decode)")
+                    help="kestrel's prompt tokens per forward pass: 1 gives every position's logits from a "
+                         "one-token decode step (teacher-forced decode)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

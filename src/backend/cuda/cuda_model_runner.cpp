@@ -145,8 +145,11 @@ class CudaModelRunner final : public ModelRunner {
       if (stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
         throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 4 or 6");
     }
-    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr && std::string(env) == "0")
-      fused_norm_ = false;
+    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr) {
+      if (std::string(env) != "0" && std::string(env) != "1")
+        throw Error(std::string("KESTREL_FUSED_NORM=") + env + ": 0 or 1");
+      fused_norm_ = std::string(env) == "1";
+    }
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -419,6 +422,8 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
       mark(what);
       return;
     }
+    if (residual_alt_.bytes() < static_cast<size_t>(n * d) * 4)
+      throw Error("fused norm: the second residual buffer holds fewer than " + std::to_string(n) + " rows");
     cuda::StreamGemvArgs a{cuda::ProjectionOperands{nullptr, d, w.as<bf16>(), y, n, d, n_out, false, false}};
     a.stages = stream_gemv_stages_;
     a.norm_residual_in = residual;

@@ -123,6 +123,12 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream);
 // in), out [n_rows, width] bf16. Errors: kestrel::Error when n_rows exceeds the launch grid.
 void gather_rows(const bf16* in, const int32_t* rows, int64_t n_rows, int64_t width, bf16* out, cudaStream_t stream);
 
+// Test instrument (delayed_copy.cuh): dst = src, bytes apart, by a kernel that lets the next
+// kernel launch at once and sleeps delay_ns before it copies (so a PDL-launched kernel that read
+// dst before its wait would see the old bytes). Errors: kestrel::Error unless both are 16-byte
+// aligned and bytes a multiple of 16.
+void delayed_copy(const void* src, void* dst, size_t bytes, unsigned delay_ns, cudaStream_t stream);
+
 // y[t, i] += bias[i] (bias after a projection: Qwen2's q/k/v, HF Llama's attention_bias).
 // y [n_tokens, width] bf16 in place; bias [width] f32.
 void add_bias(bf16* y, const float* bias, int64_t n_tokens, int64_t width, cudaStream_t stream);

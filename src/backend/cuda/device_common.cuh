@@ -24,7 +24,12 @@
 // this one drains. So EVERY kernel of this folder starts with KESTREL_PDL_ENTRY() (wait for the
 // previous kernel's results, then let the next kernel launch) before it touches global memory,
 // except for reads of data no kernel writes (weights), which may come first: skinny_gemm streams
-// its first weight tiles before it waits. cuBLASLt's kernels and memcpys in between are ordinary
+// its first weight tiles before it waits. No load of the previous kernel's output may execute
+// before the wait, in source or in the compiled code: ptxas may move a read-only-path load
+// (ld.global.nc, which a const __restrict__ dereference can become) above griddepcontrol.wait,
+// so kernels with work before the wait read such data with ld_dependent16, and
+// scripts/device/pdl_audit.py fails on any compiler-made read-only load before a wait in the
+// SASS (the device test calls run it). cuBLASLt's kernels and memcpys in between are ordinary
 // stream dependencies. Off with KESTREL_PDL=0 (pdl_enabled).
 #if defined(KESTREL_CUDA_EMULATE)
 #define KESTREL_LAUNCH(kernel, grid, block, smem, stream, ...) \
@@ -69,7 +74,7 @@ __device__ __forceinline__ void pdl_launch_next() {
 // const __restrict__ pointer becomes ld.global.nc, the read-only path, which assumes the data does
 // not change while the kernel runs; under PDL it does (the previous grid is still writing). In
 // stream_gemv, whose weight cp.asyncs precede the wait, such loads returned the previous step's
-// data on the H200 (one token; decode check and CudaStreamGemv.ReadsWhatThePrecedingKernelWrote).
+// data on the H200 (one token; the decode check and CudaPdlInputs.GemvReadsWhatThePrecedingKernelWrote).
 __device__ __forceinline__ uint4 ld_dependent16(const void* p) {
 #if defined(KESTREL_CUDA_EMULATE)
   uint4 v;
