@@ -219,7 +219,7 @@ void bench_sampling() {
 // skinny call streams its weights while the previous drains) and reports the time per call.
 // GB/s counts W, x and y once. The down projection is timed with the SwiGLU input (cuBLASLt after
 // silu_mul; skinny forming it on load) and on a ready activation (both GEMMs alone). At one and
-// two tokens, kestrel::cuda::stream_gemv too, with 4 and 6 stages where it applies.
+// two tokens, kestrel::cuda::stream_gemv too, with 3, 4 and 6 stages where it applies.
 void bench_skinny() {
   using kestrel::cuda::GemmOutput;
   kestrel::cuda::Gemm gemm;
@@ -283,7 +283,7 @@ void bench_skinny() {
         }) / kCalls;
         report("skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms, bytes, 0);
       }
-      for (const int stages : {4, 6}) {
+      for (const int stages : {3, 4, 6}) {
         if (!kestrel::cuda::stream_gemv_supports(m, sh.in, sh.out, 0, stages)) continue;
         kestrel::cuda::StreamGemvArgs a{ops};
         a.stages = stages;

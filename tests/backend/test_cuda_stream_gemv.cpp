@@ -45,7 +45,7 @@ TEST(CudaStreamGemv, MatchesFloat64Reference) {
   for (const Case& c : cases) {
     // The default 4 stages fit every case; 6 do not fit with two tokens at n_in 14336 (250 KB).
     ASSERT_TRUE(cuda::stream_gemv_supports(c.n_tokens, c.n_in, c.n_out, c.blocks, 4));
-    for (const int stages : {4, 6}) {
+    for (const int stages : {3, 4, 6}) {
       if (!cuda::stream_gemv_supports(c.n_tokens, c.n_in, c.n_out, c.blocks, stages)) continue;
       for (const bool f32_out : {false, true}) {
         SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in) + " n_out " +
@@ -106,65 +106,71 @@ TEST(CudaStreamGemv, FusedNormMatchesAddRmsNormThenGemv) {
   std::vector<Case> cases = {{1, 2048, 9, 3}, {2, 4096, 20, 4}, {1, 6144, 5, 0}};
   if (!kCudaEmulated) cases.push_back({1, 4096, 6144, 0});
   for (const Case& c : cases) {
-    for (const bool with_add : {true, false}) {
-      SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in) + " n_out " +
-                   std::to_string(c.n_out) + (with_add ? " with add" : " no add"));
-      const size_t n_x = static_cast<size_t>(c.n_tokens * c.n_in);
-      std::vector<float> residual(n_x);
-      std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
-      for (float& v : residual) v = dist(rng);
-      const auto add = random_bf16(n_x, rng, -2.0f, 2.0f);
-      const auto norm_w = random_bf16(static_cast<size_t>(c.n_in), rng, 0.5f, 1.5f);
-      const auto w = random_bf16(static_cast<size_t>(c.n_out * c.n_in), rng);
-      DeviceBuffer<float> d_res(residual), d_res_out(n_x), d_res_ref(residual);
-      DeviceBuffer<uint16_t> d_add(add), d_norm(norm_w), d_w(w), d_h(n_x);
-      const size_t n_y = static_cast<size_t>(c.n_tokens * c.n_out);
-      DeviceBuffer<uint16_t> d_fused(n_y), d_plain(n_y);
-      d_res_out.poison();
-      d_fused.poison();
-      d_plain.poison();
-      const float eps = 1e-5f;
-      cuda::StreamGemvArgs a = args(d_h, c.n_in, d_w, d_fused.get(), c);
-      a.x = nullptr;
-      a.norm_residual_in = d_res.get();
-      a.norm_add = with_add ? d_add.bf16() : nullptr;
-      a.norm_weight = d_norm.bf16();
-      a.norm_residual_out = d_res_out.get();
-      a.norm_eps = eps;
-      cuda::stream_gemv(a, nullptr);
-      // The unfused path on a copy of the residual.
-      cuda::add_rms_norm(d_res_ref.get(), with_add ? d_add.bf16() : nullptr, d_norm.bf16(), d_h.bf16(),
-                         c.n_tokens, c.n_in, eps, nullptr);
-      cuda::stream_gemv(args(d_h, c.n_in, d_w, d_plain.get(), c), nullptr);
+    for (const int stages : {0, 3}) {
+      for (const bool with_add : {true, false}) {
+        SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in) + " n_out " +
+                     std::to_string(c.n_out) + (with_add ? " with add" : " no add") + " stages " +
+                     std::to_string(stages));
+        const size_t n_x = static_cast<size_t>(c.n_tokens * c.n_in);
+        std::vector<float> residual(n_x);
+        std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+        for (float& v : residual) v = dist(rng);
+        const auto add = random_bf16(n_x, rng, -2.0f, 2.0f);
+        const auto norm_w = random_bf16(static_cast<size_t>(c.n_in), rng, 0.5f, 1.5f);
+        const auto w = random_bf16(static_cast<size_t>(c.n_out * c.n_in), rng);
+        DeviceBuffer<float> d_res(residual), d_res_out(n_x), d_res_ref(residual);
+        DeviceBuffer<uint16_t> d_add(add), d_norm(norm_w), d_w(w), d_h(n_x);
+        const size_t n_y = static_cast<size_t>(c.n_tokens * c.n_out);
+        DeviceBuffer<uint16_t> d_fused(n_y), d_plain(n_y);
+        d_res_out.poison();
+        d_fused.poison();
+        d_plain.poison();
+        const float eps = 1e-5f;
+        cuda::StreamGemvArgs a = args(d_h, c.n_in, d_w, d_fused.get(), c);
+        a.stages = stages;
+        a.x = nullptr;
+        a.norm_residual_in = d_res.get();
+        a.norm_add = with_add ? d_add.bf16() : nullptr;
+        a.norm_weight = d_norm.bf16();
+        a.norm_residual_out = d_res_out.get();
+        a.norm_eps = eps;
+        cuda::stream_gemv(a, nullptr);
+        // The unfused path on a copy of the residual.
+        cuda::add_rms_norm(d_res_ref.get(), with_add ? d_add.bf16() : nullptr, d_norm.bf16(), d_h.bf16(),
+                           c.n_tokens, c.n_in, eps, nullptr);
+        cuda::StreamGemvArgs unfused = args(d_h, c.n_in, d_w, d_plain.get(), c);
+        unfused.stages = stages;
+        cuda::stream_gemv(unfused, nullptr);
 
-      EXPECT_EQ(d_res.download(), residual);  // the input is not written
-      const auto res_out = d_res_out.download();
-      EXPECT_EQ(res_out, d_res_ref.download());
-      const auto fused = bf16_to_f32(d_fused.download());
-      const auto plain = bf16_to_f32(d_plain.download());
-      EXPECT_LE(rel_error(fused, std::vector<double>(plain.begin(), plain.end())), 1e-3);
-      // float64: h from the summed residual, rounded to bf16 as the kernel's input is, then the
-      // product.
-      std::vector<double> ref(n_y);
-      for (int64_t t = 0; t < c.n_tokens; ++t) {
-        double ss = 0.0;
-        for (int64_t k = 0; k < c.n_in; ++k) {
-          const double r = res_out[static_cast<size_t>(t * c.n_in + k)];
-          ss += r * r;
-        }
-        const double inv = 1.0 / std::sqrt(ss / static_cast<double>(c.n_in) + eps);
-        std::vector<double> h(static_cast<size_t>(c.n_in));
-        for (int64_t k = 0; k < c.n_in; ++k)
-          h[static_cast<size_t>(k)] = from_bf16(to_bf16(static_cast<float>(
-              res_out[static_cast<size_t>(t * c.n_in + k)] * inv * from_bf16(norm_w[static_cast<size_t>(k)]))));
-        for (int64_t o = 0; o < c.n_out; ++o) {
-          double y = 0.0;
+        EXPECT_EQ(d_res.download(), residual);  // the input is not written
+        const auto res_out = d_res_out.download();
+        EXPECT_EQ(res_out, d_res_ref.download());
+        const auto fused = bf16_to_f32(d_fused.download());
+        const auto plain = bf16_to_f32(d_plain.download());
+        EXPECT_LE(rel_error(fused, std::vector<double>(plain.begin(), plain.end())), 1e-3);
+        // float64: h from the summed residual, rounded to bf16 as the kernel's input is, then the
+        // product.
+        std::vector<double> ref(n_y);
+        for (int64_t t = 0; t < c.n_tokens; ++t) {
+          double ss = 0.0;
+          for (int64_t k = 0; k < c.n_in; ++k) {
+            const double r = res_out[static_cast<size_t>(t * c.n_in + k)];
+            ss += r * r;
+          }
+          const double inv = 1.0 / std::sqrt(ss / static_cast<double>(c.n_in) + eps);
+          std::vector<double> h(static_cast<size_t>(c.n_in));
           for (int64_t k = 0; k < c.n_in; ++k)
-            y += h[static_cast<size_t>(k)] * from_bf16(w[static_cast<size_t>(o * c.n_in + k)]);
-          ref[static_cast<size_t>(t * c.n_out + o)] = y;
+            h[static_cast<size_t>(k)] = from_bf16(to_bf16(static_cast<float>(
+                res_out[static_cast<size_t>(t * c.n_in + k)] * inv * from_bf16(norm_w[static_cast<size_t>(k)]))));
+          for (int64_t o = 0; o < c.n_out; ++o) {
+            double y = 0.0;
+            for (int64_t k = 0; k < c.n_in; ++k)
+              y += h[static_cast<size_t>(k)] * from_bf16(w[static_cast<size_t>(o * c.n_in + k)]);
+            ref[static_cast<size_t>(t * c.n_out + o)] = y;
+          }
         }
+        EXPECT_LE(rel_error(fused, ref), 4e-3);
       }
-      EXPECT_LE(rel_error(fused, ref), 4e-3);
     }
   }
 }

@@ -142,8 +142,8 @@ class CudaModelRunner final : public ModelRunner {
       stream_gemv_ = false;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr) {
       stream_gemv_stages_ = std::atoi(env);
-      if (stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
-        throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 4 or 6");
+      if (stream_gemv_stages_ != 3 && stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
+        throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 3, 4 or 6");
     }
     if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr) {
       if (std::string(env) != "0" && std::string(env) != "1")
@@ -229,7 +229,7 @@ class CudaModelRunner final : public ModelRunner {
   // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=0: off).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
   bool fused_norm_ = true;
-  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=4|6). Six stages for gate/up and down
+  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=3|4|6; 3 is not yet measured). Six stages for gate/up and down
   // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
   // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
   int stream_gemv_stages_ = 0;

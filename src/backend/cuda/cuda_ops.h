@@ -179,7 +179,8 @@ void skinny_gemm(const SkinnyGemmArgs& args, cudaStream_t stream);
 // input [gate | up] rows of 2 n_in with bf16 output, f32 or bf16 y [n_tokens, n_out]), with
 // n_in a multiple of 2048 up to kStreamGemvMaxIn and at most kStreamGemvMaxRowsPerBlock rows per
 // block. f32 accumulation; the sum over a row's partial sums is in a fixed order (deterministic).
-// blocks (0: the SM count) and stages (0: kStreamGemvDefaultStages; else 4 or 6 stages of 32 KB)
+// blocks (0: the SM count) and stages (0: kStreamGemvDefaultStages; else 3, 4 or 6 stages of 32 KB;
+// 3 asks for two blocks per SM)
 // are for tests and benchmarks. Errors: kestrel::Error for an unsupported shape
 // (stream_gemv_supports), the operand errors of skinny_gemm, or a fused norm with a missing,
 // misaligned or aliased operand. Never synchronises.

@@ -90,7 +90,7 @@ bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blo
   if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
       n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)
     return false;
-  if (stages != 0 && stages != 4 && stages != 6) return false;
+  if (stages != 0 && stages != 3 && stages != 4 && stages != 6) return false;
   const Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
   return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
@@ -112,10 +112,18 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
   }
   check_gemv_operands("stream_gemv", a);  // w (and x, unread in the fused mode) aligned, x_stride
   const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);
+  auto by_stages = [&]<int kM>() {
+    if (l.stages == 3)
+      launch<kM, 3>(a, l, stream);
+    else if (l.stages == 6)
+      launch<kM, 6>(a, l, stream);
+    else
+      launch<kM, 4>(a, l, stream);
+  };
   if (a.n_tokens == 1)
-    l.stages == 6 ? launch<1, 6>(a, l, stream) : launch<1, 4>(a, l, stream);
+    by_stages.template operator()<1>();
   else
-    l.stages == 6 ? launch<2, 6>(a, l, stream) : launch<2, 4>(a, l, stream);
+    by_stages.template operator()<2>();
 }
 
 }  // namespace kestrel::cuda

@@ -54,8 +54,10 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
 // kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
 // res_out [kM, n_in] f32 (not res_in), eps.
+// kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
+// next projection's block can be resident, and requesting its first stages, while this one ends.
 template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
-__global__ void __launch_bounds__(kGemvThreads, 1)
+__global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
     stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
                        void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
                        const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
