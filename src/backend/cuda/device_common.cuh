@@ -69,6 +69,22 @@ __device__ __forceinline__ void pdl_launch_next() {
 #endif
 }
 
+// 16 bytes of a stream read once (weights, which no kernel writes): the read-only path, no L1
+// allocation; may be issued before pdl_wait().
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+#if defined(KESTREL_CUDA_EMULATE)
+  uint4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#else
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#endif
+}
+
 // 16 bytes that the preceding grid wrote, read after pdl_wait(): ld.global.cg (cached at L2 only,
 // coherent), as volatile asm, so it stays where it is written. A plain dereference of a
 // const __restrict__ pointer becomes ld.global.nc, the read-only path, which assumes the data does

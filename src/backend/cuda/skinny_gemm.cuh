@@ -30,21 +30,6 @@ namespace kestrel::cuda {
 
 constexpr int kSkinnyRows = 16;  // rows of W per block
 
-// 16 bytes of a stream read once (W): no L1 allocation.
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint4 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-#endif
-}
-
 // The loads of one k-step group (kU k-steps of 32) of one warp, as loaded: for kSwiGLU, x holds
 // the gate and up holds the up half; silu is applied at use, so no load waits on another.
 template <int kNT, int kU, bool kSwiGLU>
