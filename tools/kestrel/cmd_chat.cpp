@@ -120,7 +120,8 @@ void register_chat(CLI::App& app) {
   auto a = std::make_shared<ChatArgs>();
   CLI::App* sub = app.add_subcommand("chat", "Chat with the model (interactive, or one message with -p)");
   sub->add_option("-m,--model", a->model, kModelHelp);
-  sub->add_option("-p,--prompt", a->prompt, "One user message: answer it and exit");
+  sub->add_option("-p,--prompt", a->prompt, "One user message: answer it and exit")
+      ->check([](const std::string& s) { return s.empty() ? std::string("an empty message") : std::string(); });
   sub->add_option("--system", a->system, "System message");
   sub->add_option("-n,--n-predict", a->n_predict, "Tokens per answer at most (-1: until the turn ends)")
       ->capture_default_str();

@@ -47,6 +47,7 @@ void run_generate(const GenerateArgs& a) {
   const Tokenizer& tok = *lm.tokenizer;
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
 
+  if (prompt_ids.empty()) throw Error("empty prompt: nothing to condition on");
   Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
   if (!a.dump_logits.empty()) {
     write_npy(a.dump_logits, session.all_logits(prompt_ids), static_cast<int64_t>(prompt_ids.size()),
@@ -85,6 +86,7 @@ void run_generate(const GenerateArgs& a) {
     std::fwrite(tail.data(), 1, tail.size(), stdout);
     std::fputc('\n', stdout);
   }
+  std::fflush(stdout);  // the text before the statistics when both go to one pipe
   std::fprintf(stderr,
                "kestrel: prompt %lld tokens, prefill %.1f tok/s; generated %lld tokens, decode %.1f tok/s (%s)\n",
                static_cast<long long>(st.n_prompt), st.prefill_tok_per_s(),
@@ -99,7 +101,7 @@ void register_generate(CLI::App& app) {
   sub->add_option("-p,--prompt", a->prompt, "Prompt text")->required();
   sub->add_option("-n,--n-predict", a->n_predict, "Tokens to generate at most (-1: to the end of the context)")
       ->capture_default_str();
-  sub->add_flag("--json", a->json, "Print one JSON object {prompt_ids, output_ids, text} instead of streaming");
+  sub->add_flag("--json", a->json, "Print one JSON object {prompt_ids, output_ids, text, finish_reason} instead of streaming");
   sub->add_option("--dump-logits", a->dump_logits,
                   "Also write the logits of every prompt position to this .npy file (float32, [n_prompt, n_vocab])");
   a->sampling.add_to(*sub);
