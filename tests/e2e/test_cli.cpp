@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -137,6 +138,9 @@ TEST(CliE2e, BadInputGivesOneClearLineAndNonZeroExit) {
       {"generate -m " + stories + " -p hi --frobnicate", "frobnicate"},
       {"generate -m " + stories + " -p hi -n abc", "abc"},
       {"generate -m " + stories + " -p hi --ctx-size 0", "ctx-size"},
+      {"generate -m " + stories + " -p hi --prefill-chunk 0", "prefill-chunk"},
+      {"bench -m " + stories + " --prefill-chunk 2", "prefill-chunk"},  // generate and chat only
+      {"chat -m " + stories + " -p ''", "empty message"},
       {"frobnicate", "frobnicate"},
   };
   for (const auto& c : cases) {
@@ -157,6 +161,20 @@ TEST(CliE2e, PromptLongerThanContextIsAnError) {
                              &err);
   EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("exceeds the context"), std::string::npos) << err;
+}
+
+// SmolLM2's tokenizer adds no BOS, so "" has no tokens: an error, and no half-written logits file.
+TEST(CliE2e, EmptyPromptIsAnErrorAndWritesNoLogitsFile) {
+  const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  KESTREL_REQUIRE_FILE(model);
+  const std::string npy = ::testing::TempDir() + "/kestrel_empty_prompt_logits.npy";
+  std::remove(npy.c_str());
+  std::string err;
+  const int rc =
+      run_command(kestrel_binary() + " generate -m " + model + " -p '' --dump-logits " + npy + " 2>&1 >/dev/null", &err);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("empty prompt"), std::string::npos) << err;
+  EXPECT_FALSE(std::ifstream(npy).good()) << npy << " was written";
 }
 
 TEST(CliE2e, ChatReadsOneMessagePerLineFromAPipe) {
