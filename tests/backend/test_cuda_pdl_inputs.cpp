@@ -60,28 +60,14 @@ TEST(CudaPdlInputs, GemvReadsWhatThePrecedingKernelWrote) {
       DeviceBuffer<uint16_t> d_x(n_x), d_x_stage(n_x), d_add(n_x), d_add_stage(n_x);
       DeviceBuffer<float> d_res(n_x), d_res_stage(n_x), d_res_out(n_x);
       auto run = [&](void* y) {
+        // x is unread in the fused-norm mode.
+        const cuda::ProjectionOperands ops{norm ? nullptr : d_x.bf16(), x_width, d_w.bf16(), y, c.n_tokens, c.n_in,
+                                           c.n_out, swiglu, f32};
         if (mode == Mode::kSkinny) {
-          cuda::SkinnyGemmArgs a{};
-          a.x = d_x.bf16();
-          a.x_stride = c.n_in;
-          a.w = d_w.bf16();
-          a.y = y;
-          a.n_tokens = c.n_tokens;
-          a.n_in = c.n_in;
-          a.n_out = c.n_out;
-          cuda::skinny_gemm(a, nullptr);
+          cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, nullptr);
           return;
         }
-        cuda::StreamGemvArgs a{};
-        a.x = norm ? nullptr : d_x.bf16();
-        a.x_stride = x_width;
-        a.w = d_w.bf16();
-        a.y = y;
-        a.n_tokens = c.n_tokens;
-        a.n_in = c.n_in;
-        a.n_out = c.n_out;
-        a.swiglu = swiglu;
-        a.f32_out = f32;
+        cuda::StreamGemvArgs a{ops};
         if (norm) {
           a.norm_residual_in = d_res.get();
           a.norm_add = d_add.bf16();
