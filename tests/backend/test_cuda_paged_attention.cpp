@@ -3,7 +3,8 @@
 // sequence's cache (through its block table, KV head h / group), times v_j. Batches mix prefill
 // chunks (some with a cached prefix) and decode tokens; block tables are shuffled; contexts are not
 // multiples of the block size; GQA groups 1, 2, 3, 4, 8, 20, 32 and 72; long decode contexts take the
-// split-KV path. Head dims: 64 and 128, the other tensor-core ones (32, 80, 96, 256) and the SIMT
+// split-KV path, its partial results combined by the reduction kernel and, bit for bit the same,
+// by the decode kernel's last split (split_counters). Head dims: 64 and 128, the other tensor-core ones (32, 80, 96, 256) and the SIMT
 // kernel's (8 = stories260K, 24, 40, 48, 136, 248; and every multiple of 8 up to 256 once).
 // Tolerance: relative L2 error <= 4e-3. q, K and V are exact bf16 values in both; the tensor-core
 // kernels round the softmax weights to bf16 and all kernels round the output to bf16 (2^-9
@@ -99,7 +100,21 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.workspace_bytes = ws_bytes;
   d_out.poison();
   cuda::paged_attention(p, nullptr);
-  const auto out = bf16_to_f32(d_out.download());
+  const auto out_bits = d_out.download();
+  const auto out = bf16_to_f32(out_bits);
+  // The decode kernel's own split combination (split_counters): the same bits as the reduction
+  // kernel's, twice over the same counters, which every call must leave at zero.
+  const int64_t n_counters = cuda::attention_split_counter_count(p);
+  ASSERT_EQ(n_counters, int64_t{n_seqs} * c.n_head_kv * ((group + 15) / 16));
+  DeviceBuffer<unsigned> d_counters(std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
+  p.split_counters = d_counters.get();
+  for (int rep = 0; rep < 2; ++rep) {
+    d_ws.poison();
+    d_out.poison();
+    cuda::paged_attention(p, nullptr);
+    EXPECT_EQ(d_out.download(), out_bits) << "split counters, call " << rep;
+    EXPECT_EQ(d_counters.download(), std::vector<unsigned>(static_cast<size_t>(n_counters), 0u)) << "call " << rep;
+  }
 
   std::vector<double> ref(q.size());
   std::vector<double> w;

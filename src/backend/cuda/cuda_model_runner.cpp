@@ -160,6 +160,7 @@ class CudaModelRunner final : public ModelRunner {
         throw Error(std::string(name) + "=" + env + ": an integer in [0, " + std::to_string(hi) + "]");
       return v;
     };
+    if (auto v = env_count("KESTREL_ATTN_FUSED_REDUCE", 1)) fused_split_reduce_ = *v == 1;
     if (auto v = env_count("KESTREL_L2_PREFETCH_O_MB", 1024)) l2_prefetch_o_bytes_ = *v << 20;
     if (auto v = env_count("KESTREL_L2_PREFETCH_FFN_KB", 1 << 20)) l2_prefetch_ffn_bytes_ = *v << 10;
     if (auto v = env_count("KESTREL_L2_PREFETCH_LEAD", 1 << 20)) l2_prefetch_lead_ = static_cast<int>(*v);
@@ -251,6 +252,9 @@ class CudaModelRunner final : public ModelRunner {
   // the first l2_prefetch_ffn_bytes_ of each gate/up block's range (KESTREL_L2_PREFETCH_FFN_KB),
   // requested l2_prefetch_lead_ stages before each block's end (KESTREL_L2_PREFETCH_LEAD; 0: when
   // its own requests end). Not yet measured: off by default.
+  // The decode attention kernel's last split combines the splits (no reduction kernel;
+  // KESTREL_ATTN_FUSED_REDUCE=0: the reduction kernel).
+  bool fused_split_reduce_ = true;
   int64_t l2_prefetch_o_bytes_ = 0;
   int64_t l2_prefetch_ffn_bytes_ = 0;
   int l2_prefetch_lead_ = 0;
@@ -281,6 +285,7 @@ class CudaModelRunner final : public ModelRunner {
   int32_t block_size_ = 16;
   // Activations (grown to the largest batch seen).
   int64_t cap_tokens_ = 0, cap_out_ = 0;
+  DevMem split_counters_;  // AttentionParams::split_counters, zero between passes
   DevMem residual_, residual_alt_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
@@ -382,6 +387,14 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     grow(gate_up_, static_cast<size_t>(n * 2 * ff) * 2);
     grow(act_, static_cast<size_t>(n * ff) * 2);
     grow(down_, static_cast<size_t>(n * d) * 2);
+    // Split-KV counters: one per (sequence, KV head, head chunk of 16), n_seqs <= n; zero.
+    const int64_t chunks = (hp_.n_head / hp_.n_head_kv + 15) / 16;
+    const size_t counter_bytes = static_cast<size_t>(n * hp_.n_head_kv * chunks) * sizeof(unsigned);
+    if (counter_bytes > split_counters_.bytes()) {
+      split_counters_.reserve(counter_bytes);
+      KESTREL_CUDA_CHECK(cudaMemsetAsync(split_counters_.as<void>(), 0, split_counters_.bytes(), stream_));
+      grew = true;
+    }
     cap_tokens_ = std::max(cap_tokens_, n);
   }
   if (n_out > cap_out_) {
@@ -413,6 +426,7 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.scale = 1.0f / std::sqrt(static_cast<float>(hp_.head_dim));
   ap.workspace = workspace_.as<void>();
   ap.workspace_bytes = workspace_.bytes();
+  if (fused_split_reduce_) ap.split_counters = split_counters_.as<unsigned>();
   return ap;
 }
 

@@ -1,7 +1,7 @@
 // Launcher of the paged attention kernels (paged_attention.cuh, paged_attention_simt.cuh): picks
 // the kernels for the head dim, sizes the workspace, picks the split-KV count, and enqueues plan +
 // prefill (when some sequence has 2+ query tokens), decode, and the split-KV reduction (when the
-// decode kernel splits).
+// decode kernel splits and does not combine its splits itself: split_counters).
 #include "backend/cuda/paged_attention.cuh"
 #include "backend/cuda/paged_attention_decode.cuh"
 #include "backend/cuda/paged_attention_simt.cuh"
@@ -216,7 +216,7 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
                   static_cast<unsigned>(plan.n_splits));
   KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
-  if (plan.n_splits > 1) {
+  if (plan.n_splits > 1 && a.split_counters == nullptr) {
     const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
     KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
@@ -245,6 +245,11 @@ void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArg
 bool attention_supports_head_dim(int32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
 size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
+
+int64_t attention_split_counter_count(const AttentionParams& p) {
+  const Plan plan = make_plan(p);
+  return p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+}
 
 void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.n_tokens <= 0 || p.n_seqs <= 0) return;
@@ -281,6 +286,8 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.n_splits = plan.n_splits;
   a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
+  // The tensor-core decode kernel combines its splits itself when given counters.
+  a.split_counters = plan.mma && plan.n_splits > 1 ? p.split_counters : nullptr;
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
   } else {

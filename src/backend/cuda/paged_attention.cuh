@@ -68,6 +68,10 @@ struct AttnKernelArgs {
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
   int32_t head_dim;              // D (read by the kernels that take it at run time)
+  // Tensor-core decode with n_splits > 1: [n_seqs, n_head_kv * head_chunks] arrival counters, zero
+  // between calls; the last split of each item to finish combines the partial results (no
+  // reduction kernel). Null: attention_reduce_kernel does it.
+  unsigned* split_counters;
 };
 
 // Element offset of chunk `chunk` (8 bf16) of row `row` in a [rows, D] tile (swizzled or padded).

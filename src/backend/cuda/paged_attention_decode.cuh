@@ -9,8 +9,9 @@
 // and key range, and the block-table entries of its first tile) is read before
 // griddepcontrol.wait: those arrays are written before the forward pass, not by the kernel this
 // one follows, so under programmatic dependent launch the block's start overlaps that kernel's end.
-// With n_splits > 1 each item writes its normalised output and log2-sum-exp2 for
-// attention_reduce_kernel; else it writes the output.
+// With n_splits > 1 each item writes its normalised output and log2-sum-exp2, which the item's
+// last split to finish combines when split_counters is given, else attention_reduce_kernel; with
+// one split it writes the output.
 //
 // Measured against alternatives on an H200 (docs/performance.md, issue 4, fourth session): a
 // persistent version of this kernel (resident blocks taking items in turn, the next item's first
@@ -46,6 +47,36 @@ template <int D>
 __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
   constexpr int kHalf = D / 2, kRun = (kHalf & -kHalf) < 32 ? (kHalf & -kHalf) : 32;
   return ((warp * kDecodeRows + row) * kHalf + (pair ^ (((row & 7) << 2) & (kRun - 1)))) * 2;
+}
+
+// The split-KV combination (flash-decoding) for query head `first` % n_head of sequence `first` /
+// n_head with n_keys keys: m = the largest log2-sum-exp2 over the splits that split_key_range gives
+// keys, then element d of out = sum_s w_s O_s / sum_s w_s with w_s = 2^(lse_s - m), splits in
+// order. Shared by attention_reduce_kernel and the decode kernel's last split (the same arithmetic,
+// so the two give the same bits); the partial results are read from L2 (ld_cg_f32), as other
+// blocks of the same grid may have written them.
+__device__ __forceinline__ float split_lse_max(const AttnKernelArgs& a, int64_t first, int n_keys) {
+  const int64_t stride = a.n_seqs * a.n_head;  // between splits
+  float m = -INFINITY;
+  for (int s = 0; s < a.n_splits; ++s) {
+    const int2 keys = split_key_range(n_keys, s, a.n_splits);
+    if (keys.x < keys.y) m = fmaxf(m, ld_cg_f32(a.part_lse + first + s * stride));
+  }
+  return m;
+}
+__device__ __forceinline__ float split_combine(const AttnKernelArgs& a, int64_t first, int n_keys, float m, int dim,
+                                               int d) {
+  const int64_t stride = a.n_seqs * a.n_head;
+  float num = 0.0f, den = 0.0f;
+  for (int s = 0; s < a.n_splits; ++s) {
+    const int2 keys = split_key_range(n_keys, s, a.n_splits);
+    if (keys.x >= keys.y) continue;
+    const float lse = ld_cg_f32(a.part_lse + first + s * stride);
+    const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
+    num += w * ld_cg_f32(a.part_out + (first + s * stride) * dim + d);
+    den += w;
+  }
+  return den > 0.0f ? num / den : 0.0f;
 }
 
 // Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
@@ -96,6 +127,35 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       a.part_out[part * D + d] = o * inv;
       if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
     }
+  }
+  if (a.n_splits == 1 || a.split_counters == nullptr) return;
+  // The last of the item's splits to get here combines them (the threadfence-reduction pattern of
+  // the CUDA samples): each thread's partial results are made visible device-wide, then one
+  // arrival is counted; atomicInc wraps the counter back to zero on the last arrival, so it is
+  // ready for the next call.
+  __shared__ unsigned s_last;
+  __threadfence();
+  __syncthreads();
+  const int n_keys = it.pos + 1;
+  if (tid == 0) {
+    unsigned n_active = 0;
+    for (int s = 0; s < a.n_splits; ++s) {
+      const int2 keys = split_key_range(n_keys, s, a.n_splits);
+      n_active += keys.x < keys.y ? 1u : 0u;
+    }
+    const unsigned old = atomicInc(a.split_counters + static_cast<int64_t>(it.seq) * gridDim.y + blockIdx.y, n_active - 1);
+    s_last = old == n_active - 1 ? 1u : 0u;
+  }
+  __syncthreads();
+  if (s_last == 0) return;
+  __threadfence();
+  for (int i = tid; i < it.n_rows * D; i += kAttnThreads) {
+    const int row = i / D, d = i % D;
+    const int head = it.head0 + row;
+    const int64_t first = static_cast<int64_t>(it.seq) * a.n_head + head;
+    const float m = split_lse_max(a, first, n_keys);
+    a.out[(static_cast<int64_t>(it.token) * a.n_head + head) * D + d] =
+        __float2bfloat16_rn(split_combine(a, first, n_keys, m, D, d));
   }
 }
 
@@ -192,25 +252,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKern
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;
   const int n_keys = a.positions[token] + 1;
-  const int64_t stride = a.n_seqs * a.n_head;  // between splits
   const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
-  float m = -INFINITY;
-  for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = split_key_range(n_keys, s, a.n_splits);
-    if (keys.x < keys.y) m = fmaxf(m, a.part_lse[first + s * stride]);
-  }
-  for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < a.n_splits; ++s) {
-      const int2 keys = split_key_range(n_keys, s, a.n_splits);
-      if (keys.x >= keys.y) continue;
-      const float lse = a.part_lse[first + s * stride];
-      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
-      num += w * a.part_out[(first + s * stride) * dim + d];
-      den += w;
-    }
-    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
-  }
+  const float m = split_lse_max(a, first, n_keys);
+  for (int d = threadIdx.x; d < dim; d += kAttnThreads)
+    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] =
+        __float2bfloat16_rn(split_combine(a, first, n_keys, m, dim, d));
 }
 
 }  // namespace kestrel::cuda
