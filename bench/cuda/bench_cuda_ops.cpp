@@ -312,6 +312,14 @@ int main(int argc, char** argv) {
   std::printf("%s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
   std::printf("%-16s %-44s %12s\n", "op", "shape", "median");
   try {
+    // The machine's copy rate, the roofline that decode figures are set against (H200s differ by a
+    // few percent between machines): a 4 GiB device-to-device copy, read + written bytes.
+    if (wanted("copy")) {
+      const size_t bytes = size_t{4} << 30;
+      Buf src(bytes), dst(bytes);
+      const double ms = time_ms([&] { KESTREL_CUDA_CHECK(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice)); });
+      report("copy", "4 GiB device to device (read + write)", ms, 2.0 * static_cast<double>(bytes), 0);
+    }
     // Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim 128; SmolLM2-135M: 9 / 3 / 64.
     bench_attention("prefill 1 x 2048, 32/8 heads, d128", 32, 8, 128, 16, {{2048, 2048}});
     bench_attention("prefill 4 x 512, 32/8 heads, d128", 32, 8, 128, 16, {{512, 512}, {512, 512}, {512, 512}, {512, 512}});

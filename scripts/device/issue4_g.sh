@@ -28,6 +28,8 @@ if [[ $STAGES == *b1* || $STAGES == *b64* || $STAGES == *profile1* || $STAGES ==
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
 fi
 if [[ $STAGES == *b1* ]]; then
+  # This machine's copy rate (H200s differ by a few percent): the roofline for the figures below.
+  note "copy rate: $(timeout 60 $BIN/kestrel_cuda_bench copy 2>&1 | grep '^copy' | tr -s ' ')"
   for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_FUSED_NORM=0}; do
     echo "== batch-1 decode: $cfg"
     env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/k4/b1.txt

@@ -301,6 +301,147 @@ TEST(CudaPagedAttention, EverySupportedHeadDim) {
   }
 }
 
+// Fused RoPE + KV write (AttentionParams::rope): the decode kernel reads q un-rotated from the QKV
+// rows and the token's last split writes its k and v into the cache; the output and the whole of
+// both caches must be the same bits as rope_write_kv_fused followed by paged_attention. Decode-only
+// batches: contexts of 1 key, tile edges, splits (a graph's larger max_context), a padding token
+// (slot -1, nothing written), rotate-half and interleaved pairs, a partial rope_dim, linear position
+// scaling, two head chunks (group 32: both chunks' last splits write the same bits), d80 (padded
+// tiles), with and without split counters.
+struct FusedRopeCase {
+  const char* name;
+  int32_t n_head, n_head_kv, head_dim, block_size, rope_dim;
+  bool rotate_half;
+  float position_scale;
+  std::vector<int32_t> contexts;
+  int32_t max_context;  // passed as the bound (>= the largest context)
+  int padding_seq;      // this sequence's token has slot -1 (-1: none)
+};
+
+void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
+  SCOPED_TRACE(c.name);
+  const int32_t n_seqs = static_cast<int32_t>(c.contexts.size()), D = c.head_dim;
+  std::vector<int32_t> query_start{0}, positions;
+  int32_t max_blocks = 0, total = 0;
+  for (const int32_t ctx : c.contexts) {
+    positions.push_back(ctx - 1);
+    query_start.push_back(query_start.back() + 1);
+    max_blocks = std::max(max_blocks, (ctx + c.block_size - 1) / c.block_size);
+    total += (ctx + c.block_size - 1) / c.block_size;
+  }
+  const int32_t n_blocks = total + 3;
+  std::vector<int32_t> ids(static_cast<size_t>(n_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(static_cast<size_t>(n_seqs * max_blocks), -1);
+  std::vector<int64_t> slots;
+  size_t next = 0;
+  for (int32_t s = 0; s < n_seqs; ++s) {
+    const int32_t ctx = c.contexts[static_cast<size_t>(s)];
+    for (int32_t b = 0; b < (ctx + c.block_size - 1) / c.block_size; ++b)
+      tables[static_cast<size_t>(s * max_blocks + b)] = ids[next++];
+    const int32_t pos = ctx - 1;
+    slots.push_back(s == c.padding_seq ? -1
+                                       : int64_t{tables[static_cast<size_t>(s * max_blocks + pos / c.block_size)]} *
+                                                 c.block_size + pos % c.block_size);
+  }
+  const int64_t stride = int64_t{c.n_head + 2 * c.n_head_kv} * D + 8;  // rows not packed
+  const auto qkv = random_bf16(static_cast<size_t>(n_seqs * stride), rng, -2.0f, 2.0f);
+  const size_t cache_n = static_cast<size_t>(n_blocks) * c.n_head_kv * c.block_size * D;
+  const auto k_cache = random_bf16(cache_n, rng), v_cache = random_bf16(cache_n, rng);
+  std::vector<float> inv_freq(static_cast<size_t>(c.rope_dim / 2));
+  for (size_t i = 0; i < inv_freq.size(); ++i)
+    inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / c.rope_dim));
+
+  DeviceBuffer<uint16_t> d_qkv(qkv), d_q(static_cast<size_t>(n_seqs * c.n_head * D));
+  DeviceBuffer<uint16_t> k_a(k_cache), v_a(v_cache), k_b(k_cache), v_b(v_cache);
+  DeviceBuffer<uint16_t> out_a(static_cast<size_t>(n_seqs * c.n_head * D)), out_b(out_a.size());
+  DeviceBuffer<int32_t> d_tables(tables), d_qs(query_start), d_pos(positions);
+  DeviceBuffer<int64_t> d_slots(slots);
+  DeviceBuffer<float> d_freq(inv_freq);
+  cuda::AttentionParams p{};
+  p.block_tables = d_tables.get();
+  p.query_start = d_qs.get();
+  p.positions = d_pos.get();
+  p.n_tokens = n_seqs;
+  p.n_seqs = n_seqs;
+  p.max_blocks_per_seq = max_blocks;
+  p.max_context = c.max_context;
+  p.n_head = c.n_head;
+  p.n_head_kv = c.n_head_kv;
+  p.head_dim = D;
+  p.block_size = c.block_size;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  p.max_query_len = 1;
+  const size_t ws_bytes = cuda::attention_workspace_bytes(p);
+  DeviceBuffer<unsigned char> d_ws(ws_bytes);
+  d_ws.poison();
+  p.workspace = d_ws.get();
+  p.workspace_bytes = ws_bytes;
+  // A: the separate RoPE kernel, then attention.
+  cuda::rope_write_kv_fused(d_qkv.bf16(), stride, d_q.bf16(), d_pos.get(), d_slots.get(), d_freq.get(),
+                            c.position_scale, n_seqs, c.n_head, c.n_head_kv, D, c.rope_dim, c.rotate_half, k_a.bf16(),
+                            v_a.bf16(), c.block_size, nullptr);
+  p.q = d_q.bf16();
+  p.k_cache = k_a.bf16();
+  p.v_cache = v_a.bf16();
+  p.out = out_a.bf16();
+  out_a.poison();
+  cuda::paged_attention(p, nullptr);
+  const auto want = out_a.download();
+  const auto want_k = k_a.download(), want_v = v_a.download();
+  ASSERT_NE(want_k, k_cache);  // the step's keys were written
+  // B: fused, without and with split counters, each on fresh copies of the caches.
+  const int64_t n_counters = cuda::attention_split_counter_count(p);
+  DeviceBuffer<unsigned> d_counters(std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
+  for (const bool counters : {false, true}) {
+    SCOPED_TRACE(counters ? "split counters" : "reduction kernel");
+    k_b.upload(k_cache);
+    v_b.upload(v_cache);
+    p.q = nullptr;
+    p.k_cache = k_b.bf16();
+    p.v_cache = v_b.bf16();
+    p.out = out_b.bf16();
+    p.split_counters = counters ? d_counters.get() : nullptr;
+    p.rope = {d_qkv.bf16(), stride, d_slots.get(), d_freq.get(), c.position_scale, c.rope_dim, c.rotate_half};
+    out_b.poison();
+    d_ws.poison();
+    cuda::paged_attention(p, nullptr);
+    EXPECT_EQ(out_b.download(), want);
+    EXPECT_EQ(k_b.download(), want_k);
+    EXPECT_EQ(v_b.download(), want_v);
+  }
+  EXPECT_EQ(d_counters.download(), std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
+  // Refused before any launch: an odd or too large rope_dim, a pass that may hold prefill tokens,
+  // qkv rows too short for q, k and v.
+  for (const int32_t bad_dim : {c.rope_dim - 1, D + 2}) {
+    p.rope.rope_dim = bad_dim;
+    EXPECT_THROW(cuda::paged_attention(p, nullptr), Error) << bad_dim;
+  }
+  p.rope.rope_dim = c.rope_dim;
+  p.max_query_len = 0;
+  EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+  p.max_query_len = 1;
+  p.rope.stride = int64_t{c.n_head + 2 * c.n_head_kv - 1} * D;
+  EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+}
+
+TEST(CudaPagedAttention, FusedRopeIsRopeThenAttention) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(14);
+  const std::vector<FusedRopeCase> cases = {
+      {"8B shape d128, rotate-half, graph bound 1024 (splits)", 32, 8, 128, 16, 128, true, 1.0f,
+       {1, 64, 65, 300, 700}, 1024, 2},
+      {"d64 group 3, interleaved, rope_dim 32, scale 2, block 8", 9, 3, 64, 8, 32, false, 2.0f, {5, 129, 2049}, 2049,
+       -1},
+      {"MQA group 32 d64 (two head chunks)", 32, 1, 64, 16, 64, true, 1.0f, {40, 90, 1}, 4096, -1},
+      {"d80 (padded tiles), rope_dim 64, interleaved", 8, 2, 80, 16, 64, false, 1.0f, {33, 200}, 512, 0},
+  };
+  for (const auto& c : cases) run_fused_rope_case(c, rng);
+  EXPECT_FALSE(cuda::attention_supports_fused_rope(40));
+  EXPECT_TRUE(cuda::attention_supports_fused_rope(128));
+}
+
 TEST(CudaPagedAttention, RejectsUnsupportedShapes) {
   for (int32_t d : {0, 4, 12, 100, 264, 512, -8}) EXPECT_FALSE(cuda::attention_supports_head_dim(d)) << d;
   cuda::AttentionParams p{};

@@ -175,62 +175,6 @@ TEST(CudaStreamGemv, FusedNormMatchesAddRmsNormThenGemv) {
   }
 }
 
-// The L2 prefetch a GEMV issues for later kernels is a hint: the output is bit-identical with and
-// without it, at any lead; a head prefetch covers each block's first bytes and never runs past W
-// (under the emulation each piece's ends are read, so AddressSanitizer sees a request out of its
-// buffer); misaligned requests are refused.
-TEST(CudaStreamGemv, L2PrefetchLeavesTheResultAlone) {
-  KESTREL_REQUIRE_CUDA();
-  std::mt19937 rng(24);
-  for (const Case& c : {Case{1, 4096, 39, 0}, Case{2, 2048, 33, 3}}) {
-    SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in) + " n_out " +
-                 std::to_string(c.n_out));
-    const auto x = random_bf16(static_cast<size_t>(c.n_tokens * c.n_in), rng);
-    const auto w = random_bf16(static_cast<size_t>(c.n_out * c.n_in), rng);
-    const auto other = random_bf16(static_cast<size_t>(c.n_out * c.n_in), rng);
-    DeviceBuffer<uint16_t> d_x(x), d_w(w), d_other(other);
-    const size_t n_y = static_cast<size_t>(c.n_tokens * c.n_out);
-    DeviceBuffer<uint16_t> d_plain(n_y), d_pf(n_y);
-    d_plain.poison();
-    cuda::stream_gemv(args(d_x, c.n_in, d_w, d_plain.get(), c), nullptr);
-    const auto plain = d_plain.download();
-    const int64_t w_bytes = c.n_out * c.n_in * 2;
-    for (const int64_t head : {int64_t{16}, int64_t{8192}, int64_t{100000}, w_bytes}) {
-      const cuda::L2Prefetch heads = cuda::stream_gemv_head_prefetch(c.n_tokens, c.n_in, c.n_out, d_other.bf16(), head);
-      ASSERT_GT(heads.parts, 0);
-      EXPECT_EQ(heads.len % 16, 0);
-      EXPECT_LE(heads.len, head);
-      EXPECT_LE((heads.parts - 1) * heads.stride + heads.len, w_bytes);  // inside W
-      for (const int lead : {0, 1, 100}) {
-        cuda::StreamGemvArgs a = args(d_x, c.n_in, d_w, d_pf.get(), c);
-        a.l2_prefetch[0] = cuda::L2Prefetch{d_other.get(), 0, w_bytes, 1};  // all of another W
-        a.l2_prefetch[1] = heads;
-        a.l2_prefetch_lead = lead;
-        d_pf.poison();
-        cuda::stream_gemv(a, nullptr);
-        EXPECT_EQ(d_pf.download(), plain) << "head " << head << " lead " << lead;
-      }
-    }
-  }
-  // A 39-row W: under the emulation (4 SMs) 4 blocks of 10 rows, the last owning 9, so a 10-row head
-  // leaves it out; on the H200, 39 blocks of one row.
-  DeviceBuffer<uint16_t> w39(39 * 2048);
-  const cuda::L2Prefetch pf = cuda::stream_gemv_head_prefetch(1, 2048, 39, w39.bf16(), 10 * 4096, 0);
-  const int64_t rows = (pf.stride / 4096), blocks = (39 + rows - 1) / rows;
-  EXPECT_EQ(pf.parts, 39 % rows == 0 ? blocks : blocks - 1);
-  EXPECT_EQ(cuda::stream_gemv_head_prefetch(1, 2048, 39, w39.bf16(), 0).parts, 0);
-  EXPECT_EQ(cuda::stream_gemv_head_prefetch(3, 2048, 39, w39.bf16(), 4096).parts, 0);  // unsupported shape
-  // Misaligned base, length or stride.
-  DeviceBuffer<uint16_t> d(2048 * 16);
-  const Case c{1, 2048, 16, 0};
-  for (const cuda::L2Prefetch bad : {cuda::L2Prefetch{d.bf16() + 4, 0, 4096, 1}, cuda::L2Prefetch{d.get(), 0, 24, 1},
-                                     cuda::L2Prefetch{d.get(), 40, 16, 2}, cuda::L2Prefetch{nullptr, 0, 16, 1}}) {
-    cuda::StreamGemvArgs a = args(d, 2048, d, d.get(), c);
-    a.l2_prefetch[1] = bad;
-    EXPECT_THROW(cuda::stream_gemv(a, nullptr), Error);
-  }
-}
-
 TEST(CudaStreamGemv, RejectsWhatItCannotRun) {
   KESTREL_REQUIRE_CUDA();
   EXPECT_FALSE(cuda::stream_gemv_supports(0, 2048, 16));

@@ -161,9 +161,7 @@ class CudaModelRunner final : public ModelRunner {
       return v;
     };
     if (auto v = env_count("KESTREL_ATTN_FUSED_REDUCE", 1)) fused_split_reduce_ = *v == 1;
-    if (auto v = env_count("KESTREL_L2_PREFETCH_O_MB", 1024)) l2_prefetch_o_bytes_ = *v << 20;
-    if (auto v = env_count("KESTREL_L2_PREFETCH_FFN_KB", 1 << 20)) l2_prefetch_ffn_bytes_ = *v << 10;
-    if (auto v = env_count("KESTREL_L2_PREFETCH_LEAD", 1 << 20)) l2_prefetch_lead_ = static_cast<int>(*v);
+    if (auto v = env_count("KESTREL_ATTN_FUSED_ROPE", 1)) fused_rope_ = *v == 1;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -247,17 +245,12 @@ class CudaModelRunner final : public ModelRunner {
   // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
   // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
   int stream_gemv_stages_ = 0;
-  // L2 prefetch from the QKV streaming GEMV's tail, for the weights read after RoPE and attention
-  // (which leave DRAM idle): the first l2_prefetch_o_bytes_ of W_o (KESTREL_L2_PREFETCH_O_MB) and
-  // the first l2_prefetch_ffn_bytes_ of each gate/up block's range (KESTREL_L2_PREFETCH_FFN_KB),
-  // requested l2_prefetch_lead_ stages before each block's end (KESTREL_L2_PREFETCH_LEAD; 0: when
-  // its own requests end). Not yet measured: off by default.
   // The decode attention kernel's last split combines the splits (no reduction kernel;
   // KESTREL_ATTN_FUSED_REDUCE=0: the reduction kernel).
   bool fused_split_reduce_ = true;
-  int64_t l2_prefetch_o_bytes_ = 0;
-  int64_t l2_prefetch_ffn_bytes_ = 0;
-  int l2_prefetch_lead_ = 0;
+  // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
+  // (AttentionParams::rope; KESTREL_ATTN_FUSED_ROPE=0: the rope_write_kv kernel).
+  bool fused_rope_ = true;
   // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
   // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
   // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md, issue 4,
@@ -444,12 +437,15 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   bf16* gate_up = gate_up_.as<bf16>();
   bf16* down = down_.as<bf16>();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
+  // Decode-only passes rotate q and write K/V inside the decode attention kernel (no RoPE kernel).
+  const bool rope_in_attention = fused_rope_ && s.max_query == 1 &&
+                                 cuda::attention_supports_fused_rope(static_cast<int32_t>(hp_.head_dim));
   // residual += add, then y = RMSNorm(residual) * norm_w . W^T: two kernels, or one streaming GEMV
   // reading residual and writing the sum to the other residual buffer (fused_norm_), after which
   // the two buffers swap roles.
   float* spare = residual_alt_.as<float>();
   auto norm_linear = [&](const bf16* add, const DevMem& norm_w, const DevMem& w, bf16* y, int64_t n_out,
-                         const char* what, const cuda::L2Prefetch& pf0 = {}, const cuda::L2Prefetch& pf1 = {}) {
+                         const char* what) {
     if (!fused_norm_ || !uses_stream_gemv(n, d, n_out)) {
       cuda::add_rms_norm(residual, add, norm_w.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
       mark("add_rms_norm");
@@ -466,9 +462,6 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
     a.norm_weight = norm_w.as<bf16>();
     a.norm_residual_out = spare;
     a.norm_eps = hp_.rms_eps;
-    a.l2_prefetch[0] = pf0;
-    a.l2_prefetch[1] = pf1;
-    a.l2_prefetch_lead = l2_prefetch_lead_;
     cuda::stream_gemv(a, stream_);
     std::swap(residual, spare);
     mark(what);
@@ -479,23 +472,19 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   mark("embedding");
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
     const Layer& L = layers_[static_cast<size_t>(l)];
-    cuda::L2Prefetch pf_o, pf_ffn;
-    if (l2_prefetch_o_bytes_ > 0) {
-      pf_o.base = L.wo.as<bf16>();
-      pf_o.len = std::min<int64_t>(l2_prefetch_o_bytes_, static_cast<int64_t>(L.wo.bytes()) / 16 * 16);
-      pf_o.parts = 1;
-    }
-    if (l2_prefetch_ffn_bytes_ > 0 && uses_stream_gemv(n, d, 2 * ff))
-      pf_ffn = cuda::stream_gemv_head_prefetch(n, d, 2 * ff, L.w_gate_up.as<bf16>(), l2_prefetch_ffn_bytes_,
-                                               stream_gemv_stages_);
-    norm_linear(l == 0 ? nullptr : down, L.attn_norm, L.w_qkv, qkv, qkv_w, "gemm qkv", pf_o, pf_ffn);
+    norm_linear(l == 0 ? nullptr : down, L.attn_norm, L.w_qkv, qkv, qkv_w, "gemm qkv");
     if (L.b_qkv.bytes() > 0) cuda::add_bias(qkv, L.b_qkv.as<float>(), n, qkv_w, stream_);
     bf16* kc = k_cache_[static_cast<size_t>(l)].as<bf16>();
     bf16* vc = v_cache_[static_cast<size_t>(l)].as<bf16>();
-    cuda::rope_write_kv_fused(qkv, qkv_w, q, da.positions, da.slots, inv_freq_.as<float>(), hp_.rope_linear_scale, n,
-                              hp_.n_head, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, rotate_half, kc, vc, block_size_,
-                              stream_);
-    mark("rope_write_kv");
+    if (rope_in_attention) {
+      ap.rope = {qkv, qkv_w, da.slots, inv_freq_.as<float>(), hp_.rope_linear_scale, static_cast<int32_t>(hp_.rope_dim),
+                 rotate_half};
+    } else {
+      cuda::rope_write_kv_fused(qkv, qkv_w, q, da.positions, da.slots, inv_freq_.as<float>(), hp_.rope_linear_scale,
+                                n, hp_.n_head, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, rotate_half, kc, vc,
+                                block_size_, stream_);
+      mark("rope_write_kv");
+    }
     ap.q = q;
     ap.k_cache = kc;
     ap.v_cache = vc;

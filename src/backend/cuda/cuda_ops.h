@@ -22,19 +22,6 @@ namespace kestrel::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// An L2 prefetch request for a kernel to issue on behalf of a later one: `parts` spans of `len`
-// bytes each, the first at `base` and the next `stride` bytes apart (parts == 0: none). base,
-// stride and len are multiples of 16 (bytes). The prefetching kernel's threads split the spans
-// into kL2PrefetchChunk-byte pieces among them (l2_prefetch_share, device_common.cuh). Used for the weights of the
-// projection that follows a stretch of small kernels (RoPE, attention) that leave the memory
-// system idle: their bytes reach L2 while those kernels run.
-struct L2Prefetch {
-  const void* base = nullptr;
-  int64_t stride = 0;
-  int64_t len = 0;
-  int32_t parts = 0;
-};
-
 // out[t, :] = table[ids[t], :]. table [n_vocab, n_embd] bf16; out [n_tokens, n_embd] f32 (the
 // residual stream is kept in f32). ids must lie in [0, n_vocab): the device does not check them
 // (the runner checks token ids on the host, as CpuModelRunner::check does).
@@ -128,7 +115,23 @@ struct AttentionParams {
   // last split of each item combines the splits itself (one kernel fewer per call); null, or for
   // the SIMT head dims, a reduction kernel does. Not shared by calls that may run concurrently.
   unsigned* split_counters = nullptr;
+  // Fused RoPE + KV write (attention_supports_fused_rope(head_dim), decode-only passes:
+  // max_query_len == 1): instead of rope_write_kv_fused before the call, q is read un-rotated from
+  // rope.qkv (ignoring q) and rotated in the kernel, and each token's k (rotated) and v are
+  // written to its slot of k_cache / v_cache (through const_cast: the caches must be writable)
+  // before they are read. The same bits as rope_write_kv_fused followed by paged_attention.
+  struct FusedRope {
+    const bf16* qkv = nullptr;        // [n_tokens, *] rows `stride` apart: q, then k, then v heads
+    int64_t stride = 0;
+    const int64_t* slot_mapping = nullptr;  // [n_tokens]; a negative slot writes nothing
+    const float* inv_freq = nullptr;        // [rope_dim / 2]
+    float position_scale = 1.0f;
+    int32_t rope_dim = 0;
+    bool rotate_half = true;
+  } rope;
 };
+// Whether paged_attention can fuse RoPE for this head dim (the tensor-core kernels' head dims).
+bool attention_supports_fused_rope(int32_t head_dim);
 // The number of split_counters paged_attention may use for these parameters: n_seqs x n_head_kv x
 // ceil(group / 16).
 int64_t attention_split_counter_count(const AttentionParams& p);
@@ -222,17 +225,8 @@ struct StreamGemvArgs : ProjectionOperands {
   const bf16* norm_weight = nullptr;
   float* norm_residual_out = nullptr;
   float norm_eps = 1e-5f;
-  // Weights of later kernels to bring into L2 (L2Prefetch above; parts 0: none),
-  // requested l2_prefetch_lead stages before each block's last (0: when its own requests end).
-  // A hint: the result does not depend on it. Errors: kestrel::Error for a misaligned request.
-  L2Prefetch l2_prefetch[2]{};
-  int l2_prefetch_lead = 0;
 };
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
-// The first `bytes` (rounded down to 16) of each block's range of W in a stream_gemv launch of this
-// shape (blocks 0): what its blocks read first. parts 0 when the shape is unsupported or bytes <= 0.
-L2Prefetch stream_gemv_head_prefetch(int64_t n_tokens, int64_t n_in, int64_t n_out, const bf16* w, int64_t bytes,
-                                     int stages = 0);
 void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);
 
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for

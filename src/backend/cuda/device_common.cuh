@@ -17,7 +17,6 @@
 #include <utility>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/cuda_ops.h"
 
 // Kernel launch and dynamic shared memory, spelled once for both builds.
 // Every launch asks for programmatic dependent launch (PDL; CUDA Programming Guide, "Programmatic
@@ -107,31 +106,23 @@ __device__ __forceinline__ uint4 ld_dependent16(const void* p) {
 #endif
 }
 
-// L2Prefetch (cuda_ops.h) is split into pieces of this many bytes.
-constexpr int64_t kL2PrefetchChunk = 8192;
+// One RoPE rotation of the pair (x0, x1) by the angle whose cosine and sine are c and s:
+// y0 = x0 c - x1 s, y1 = x0 s + x1 c, each as one fma over a rounded product, spelled out so that
+// every kernel that rotates (rope_write_kv, the decode attention's fused RoPE) gives the same bits.
+__device__ __forceinline__ void rope_rotate(float x0, float x1, float c, float s, float& y0, float& y1) {
+  y0 = fmaf(x0, c, -(x1 * s));
+  y1 = fmaf(x0, s, x1 * c);
+}
 
-// Issues cp.async.bulk.prefetch.L2 (PTX ISA 8.0, sm_90: a hint, no data returned, no completion to
-// wait for) for the pieces of `pf` that fall to issuer `id` of `n_ids`. Weights only: a prefetch
-// may be served at any time, so it must not target data a running kernel writes.
-__device__ __forceinline__ void l2_prefetch_share(const L2Prefetch& pf, int64_t id, int64_t n_ids) {
-  if (pf.parts <= 0 || pf.len <= 0) return;
-  const int64_t per_part = (pf.len + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
-  const int64_t n_chunks = per_part * pf.parts;
-  for (int64_t c = id; c < n_chunks; c += n_ids) {
-    const int64_t part = c / per_part, off = (c % per_part) * kL2PrefetchChunk;
-    const int64_t bytes = pf.len - off < kL2PrefetchChunk ? pf.len - off : kL2PrefetchChunk;
-    const char* p = static_cast<const char*>(pf.base) + part * pf.stride + off;
-#if !defined(KESTREL_CUDA_EMULATE)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(static_cast<uint32_t>(bytes))
-                 : "memory");
-#else
-    // The emulation touches each piece's first and last byte, so that a request outside its
-    // allocation shows up under AddressSanitizer in the host tests.
-    const volatile char* v = p;
-    (void)v[0];
-    (void)v[bytes - 1];
-#endif
-  }
+// The RoPE angle of frequency inv_freq at a position (divided by position_scale, linear scaling),
+// in double like the CPU backend's rope (ops.cpp), as the cosine and sine rounded to float.
+__device__ __forceinline__ void rope_cos_sin(int32_t position, float position_scale, float inv_freq, float& c,
+                                             float& s) {
+  const double pos = static_cast<double>(position) / static_cast<double>(position_scale);
+  double sd, cd;
+  sincos(pos * static_cast<double>(inv_freq), &sd, &cd);
+  c = static_cast<float>(cd);
+  s = static_cast<float>(sd);
 }
 
 // A float another block of this grid wrote (after its __threadfence and the atomic that tells this

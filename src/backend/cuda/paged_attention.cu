@@ -246,6 +246,8 @@ bool attention_supports_head_dim(int32_t head_dim) { return head_dim >= 8 && hea
 
 size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
 
+bool attention_supports_fused_rope(int32_t head_dim) { return MmaHeadDims::contains(head_dim); }
+
 int64_t attention_split_counter_count(const AttentionParams& p) {
   const Plan plan = make_plan(p);
   return p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
@@ -286,6 +288,26 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.n_splits = plan.n_splits;
   a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
+  if (p.rope.qkv != nullptr) {
+    const auto& r = p.rope;
+    if (!plan.mma)
+      throw Error("paged_attention: fused RoPE needs a tensor-core head dim, not " + std::to_string(p.head_dim));
+    if (p.max_query_len != 1) throw Error("paged_attention: fused RoPE is for decode-only passes (max_query_len 1)");
+    if (r.rope_dim < 2 || r.rope_dim > p.head_dim || r.rope_dim % 2 != 0 || r.slot_mapping == nullptr ||
+        r.inv_freq == nullptr || r.stride < static_cast<int64_t>(p.n_head + 2 * p.n_head_kv) * p.head_dim ||
+        r.stride % 8 != 0 || reinterpret_cast<uintptr_t>(r.qkv) % 16 != 0)
+      throw Error("paged_attention: fused RoPE needs an even rope_dim in [2, head_dim], slot_mapping, inv_freq and "
+                  "16-byte aligned qkv rows of q, k and v heads");
+    a.rope_qkv = r.qkv;
+    a.rope_qkv_stride = r.stride;
+    a.slot_mapping = r.slot_mapping;
+    a.inv_freq = r.inv_freq;
+    a.rope_position_scale = r.position_scale;
+    a.rope_dim = r.rope_dim;
+    a.rope_rotate_half = r.rotate_half;
+    a.k_cache_out = const_cast<__nv_bfloat16*>(p.k_cache);
+    a.v_cache_out = const_cast<__nv_bfloat16*>(p.v_cache);
+  }
   // The tensor-core decode kernel combines its splits itself when given counters.
   a.split_counters = plan.mma && plan.n_splits > 1 ? p.split_counters : nullptr;
   if (plan.mma) {

@@ -72,7 +72,22 @@ struct AttnKernelArgs {
   // between calls; the last split of each item to finish combines the partial results (no
   // reduction kernel). Null: attention_reduce_kernel does it.
   unsigned* split_counters;
+  // Fused RoPE + KV write (tensor-core decode kernel, decode-only passes; rope_qkv null: off): q is
+  // read un-rotated from rope_qkv (rows rope_qkv_stride elements apart: n_head q heads, then
+  // n_head_kv k heads, then n_head_kv v heads) and rotated in shared memory; every item's last
+  // split rotates the token's k of its KV head and writes k and v to the token's slot of
+  // k_cache_out / v_cache_out (the caches read, written through these) before it reads them.
+  const __nv_bfloat16* rope_qkv;
+  int64_t rope_qkv_stride;
+  const int64_t* slot_mapping;   // [n_tokens]; negative: nothing written
+  const float* inv_freq;         // [rope_dim / 2]
+  float rope_position_scale;
+  int32_t rope_dim;              // even, <= D
+  bool rope_rotate_half;         // pair i with i + rope_dim / 2 (HF), else 2i with 2i + 1
+  __nv_bfloat16* k_cache_out;
+  __nv_bfloat16* v_cache_out;
 };
+constexpr int kMaxRopeHalf = 128;  // rope_dim / 2 for head dims up to 256
 
 // Element offset of chunk `chunk` (8 bf16) of row `row` in a [rows, D] tile (swizzled or padded).
 template <int D>

@@ -192,6 +192,14 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   it.head0 = it.kvh * a.group + h0;
   const int32_t* table = a.block_tables + static_cast<int64_t>(it.seq) * a.max_blocks_per_seq;
   prefetch_l1(table + block_of_key(a, min(it.key_begin + static_cast<int>(threadIdx.x) % kKeyTile, it.key_end - 1)).x);
+  // Fused RoPE: the token's cos / sin table, from the positions and inverse frequencies (written
+  // before the pass), before the wait.
+  const bool fused_rope = a.rope_qkv != nullptr;
+  __shared__ float rope_cs[kMaxRopeHalf], rope_sn[kMaxRopeHalf];
+  __shared__ __align__(16) __nv_bfloat16 kv_row[2][D];  // the token's k and v of this item's KV head
+  if (fused_rope)
+    for (int i = threadIdx.x; i < a.rope_dim / 2; i += kAttnThreads)
+      rope_cos_sin(it.pos, a.rope_position_scale, a.inv_freq[i], rope_cs[i], rope_sn[i]);
   pdl_wait();
   pdl_launch_next();
 
@@ -200,11 +208,44 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile]
   auto* sml = reinterpret_cast<float*>(stages + kStages * kStage);
   const int warp = threadIdx.x / kWarpSize;
+  if (fused_rope && it.split == a.n_splits - 1) {
+    // The last split (never empty) holds the token's own key: it writes the token's k (rotated)
+    // and v to the cache before any of its tiles is read. Every head chunk's last split writes
+    // the same bits, so chunks of one KV head need no ordering between them.
+    const int64_t slot = a.slot_mapping[it.token];
+    const __nv_bfloat16* kx = a.rope_qkv + static_cast<int64_t>(it.token) * a.rope_qkv_stride + (a.n_head + it.kvh) * D;
+    const __nv_bfloat16* vx = kx + static_cast<int64_t>(a.n_head_kv) * D;
+    for (int i = threadIdx.x; i < 2 * kChunks; i += kAttnThreads)
+      cp_async16(&kv_row[i / kChunks][(i % kChunks) * 8], (i < kChunks ? kx : vx) + (i % kChunks) * 8, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    if (slot >= 0) {
+      const int64_t off = ((slot / a.block_size * a.n_head_kv + it.kvh) * a.block_size + slot % a.block_size) * D;
+      const int half = a.rope_dim / 2;
+      for (int e = threadIdx.x; e < D; e += kAttnThreads) {
+        float y = __bfloat162float(kv_row[0][e]);
+        if (e < a.rope_dim) {
+          const int e0 = a.rope_rotate_half ? (e < half ? e : e - half) : e & ~1;
+          const int e1 = a.rope_rotate_half ? e0 + half : e0 + 1;
+          const int i = a.rope_rotate_half ? e0 : e0 / 2;
+          float y0, y1;
+          rope_rotate(__bfloat162float(kv_row[0][e0]), __bfloat162float(kv_row[0][e1]), rope_cs[i], rope_sn[i], y0, y1);
+          y = e == e0 ? y0 : y1;
+        }
+        a.k_cache_out[off + e] = __float2bfloat16_rn(y);
+        a.v_cache_out[off + e] = kv_row[1][e];
+      }
+      __threadfence();  // the writes reach L2, where this block's cp.async reads them
+    }
+    __syncthreads();
+  }
+  const __nv_bfloat16* q_rows = fused_rope ? a.rope_qkv + static_cast<int64_t>(it.token) * a.rope_qkv_stride
+                                           : a.q + static_cast<int64_t>(it.token) * a.n_head * D;
   for (int i = threadIdx.x; i < kRows * kChunks; i += kAttnThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const bool valid = r < it.n_rows;
-    cp_async16(sq + swz<D>(r, c),
-               a.q + (valid ? (static_cast<int64_t>(it.token) * a.n_head + it.head0 + r) * D + c * 8 : 0), valid);
+    cp_async16(sq + swz<D>(r, c), q_rows + (valid ? static_cast<int64_t>(it.head0 + r) * D + c * 8 : 0), valid);
   }
   // Tiles 0 .. kStages - 2 (the first with Q), one commit group each.
   const int n_tiles = (it.key_end - it.key_begin + kKeyTile - 1) / kKeyTile;
@@ -230,7 +271,24 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncthreads();
-    if (j == 0) qf.load(sq, 0);
+    if (j == 0) {
+      if (fused_rope) {
+        // Rotate the group's q rows in place: one pair per thread and step, as rope_write_kv does.
+        const int half = a.rope_dim / 2;
+        for (int i = threadIdx.x; i < it.n_rows * half; i += kAttnThreads) {
+          const int r = i / half, p = i % half;
+          const int e0 = a.rope_rotate_half ? p : 2 * p, e1 = a.rope_rotate_half ? p + half : 2 * p + 1;
+          __nv_bfloat16* x0 = sq + swz<D>(r, e0 >> 3) + (e0 & 7);
+          __nv_bfloat16* x1 = sq + swz<D>(r, e1 >> 3) + (e1 & 7);
+          float y0, y1;
+          rope_rotate(__bfloat162float(*x0), __bfloat162float(*x1), rope_cs[p], rope_sn[p], y0, y1);
+          *x0 = __float2bfloat16_rn(y0);
+          *x1 = __float2bfloat16_rn(y1);
+        }
+        __syncthreads();
+      }
+      qf.load(sq, 0);
+    }
     const __nv_bfloat16* sk = stages + j % kStages * kStage;
     const int key0 = it.key_begin + j * kKeyTile;
     attend_tile<D, kKeyTile / kWarps>(st, qf, sk, sk + kKeyTile * kStride, warp * (kKeyTile / kWarps), key0,

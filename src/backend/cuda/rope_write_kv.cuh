@@ -46,10 +46,7 @@ __device__ __forceinline__ void rope_chunk8(const __nv_bfloat16* x, __nv_bfloat1
     unpack_bf16x8(*reinterpret_cast<const uint4*>(x + i0), lo);
     unpack_bf16x8(*reinterpret_cast<const uint4*>(x + i0 + half), hi);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      nlo[j] = lo[j] * cs[i0 + j] - hi[j] * sn[i0 + j];
-      nhi[j] = lo[j] * sn[i0 + j] + hi[j] * cs[i0 + j];
-    }
+    for (int j = 0; j < 8; ++j) rope_rotate(lo[j], hi[j], cs[i0 + j], sn[i0 + j], nlo[j], nhi[j]);
     const uint4 plo = pack_bf16x8(nlo), phi = pack_bf16x8(nhi);
     if (out != nullptr) {
       *reinterpret_cast<uint4*>(out + i0) = plo;
@@ -64,11 +61,7 @@ __device__ __forceinline__ void rope_chunk8(const __nv_bfloat16* x, __nv_bfloat1
     float v[8], y[8];
     unpack_bf16x8(*reinterpret_cast<const uint4*>(x + e0), v);
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const float c = cs[4 * r + p], s = sn[4 * r + p];
-      y[2 * p] = v[2 * p] * c - v[2 * p + 1] * s;
-      y[2 * p + 1] = v[2 * p] * s + v[2 * p + 1] * c;
-    }
+    for (int p = 0; p < 4; ++p) rope_rotate(v[2 * p], v[2 * p + 1], cs[4 * r + p], sn[4 * r + p], y[2 * p], y[2 * p + 1]);
     const uint4 py = pack_bf16x8(y);
     if (out != nullptr) *reinterpret_cast<uint4*>(out + e0) = py;
     if (cache != nullptr) *reinterpret_cast<uint4*>(cache + e0) = py;
@@ -81,9 +74,9 @@ __device__ __forceinline__ void rope_pair(const __nv_bfloat16* x, __nv_bfloat16*
   const int half = a.rope_dim / 2;
   const int i0 = a.rotate_half ? i : 2 * i;
   const int i1 = a.rotate_half ? i + half : 2 * i + 1;
-  const float x0 = __bfloat162float(x[i0]), x1 = __bfloat162float(x[i1]);
-  const __nv_bfloat16 y0 = __float2bfloat16_rn(x0 * cs[i] - x1 * sn[i]);
-  const __nv_bfloat16 y1 = __float2bfloat16_rn(x0 * sn[i] + x1 * cs[i]);
+  float r0, r1;
+  rope_rotate(__bfloat162float(x[i0]), __bfloat162float(x[i1]), cs[i], sn[i], r0, r1);
+  const __nv_bfloat16 y0 = __float2bfloat16_rn(r0), y1 = __float2bfloat16_rn(r1);
   if (out != nullptr) {
     out[i0] = y0;
     out[i1] = y1;
@@ -106,13 +99,7 @@ __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
   const int half = a.rope_dim / 2;
   float* cs = reinterpret_cast<float*>(smem);
   float* sn = cs + half;
-  const double pos = static_cast<double>(a.positions[t]) / static_cast<double>(a.position_scale);
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    double s, c;
-    sincos(pos * static_cast<double>(a.inv_freq[i]), &s, &c);
-    cs[i] = static_cast<float>(c);
-    sn[i] = static_cast<float>(s);
-  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(a.positions[t], a.position_scale, a.inv_freq[i], cs[i], sn[i]);
   __syncthreads();
 
   const int64_t slot = a.slot_mapping[t];

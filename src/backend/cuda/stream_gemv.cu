@@ -69,8 +69,7 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   auto go = [&](auto* k) {
     raise_smem_limit(k, l.smem);
     KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block,
-                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.l2_prefetch[0], a.l2_prefetch[1],
-                   a.l2_prefetch_lead > 0 ? a.l2_prefetch_lead : l.stages - 1);
+                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
   };
   if (a.norm_residual_in != nullptr)
     go(&stream_gemv_kernel<kM, kStages, false, false, true>);
@@ -96,22 +95,6 @@ bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blo
   return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
 
-L2Prefetch stream_gemv_head_prefetch(int64_t n_tokens, int64_t n_in, int64_t n_out, const bf16* w, int64_t bytes,
-                                     int stages) {
-  L2Prefetch pf;
-  if (bytes <= 0 || !stream_gemv_supports(n_tokens, n_in, n_out, 0, stages)) return pf;
-  const Layout l = layout(n_tokens, n_in, n_out, 0, stages);
-  const int64_t block_bytes = static_cast<int64_t>(l.rows_per_block) * n_in * 2;
-  pf.base = w;
-  pf.stride = block_bytes;
-  pf.len = std::min(bytes / 16 * 16, block_bytes);
-  // The last block may own fewer rows: its span must not run past W.
-  const int64_t last = n_out * n_in * 2 - (l.blocks - 1) * block_bytes;
-  pf.parts = pf.len <= last ? l.blocks : l.blocks - 1;
-  if (pf.len <= 0) pf.parts = 0;
-  return pf;
-}
-
 void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
   if (!stream_gemv_supports(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages))
     throw Error("stream_gemv: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
@@ -126,12 +109,6 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
     for (const void* p : {static_cast<const void*>(a.norm_residual_in), static_cast<const void*>(a.norm_add),
                           static_cast<const void*>(a.norm_weight), static_cast<const void*>(a.norm_residual_out)})
       if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error("stream_gemv: norm operand not 16-byte aligned");
-  }
-  for (const L2Prefetch& pf : a.l2_prefetch) {
-    if (pf.parts <= 0) continue;
-    if (pf.base == nullptr || pf.len <= 0 || pf.stride < 0 || reinterpret_cast<uintptr_t>(pf.base) % 16 != 0 ||
-        pf.len % 16 != 0 || pf.stride % 16 != 0)
-      throw Error("stream_gemv: an L2 prefetch needs a 16-byte aligned base, and stride and length in multiples of 16");
   }
   check_gemv_operands("stream_gemv", a);  // w (and x, unread in the fused mode) aligned, x_stride
   const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);

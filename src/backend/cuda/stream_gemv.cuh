@@ -54,8 +54,6 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
 // kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
 // res_out [kM, n_in] f32 (not res_in), eps.
-// pf0, pf1: weights of later kernels to prefetch into L2 (L2Prefetch), requested pf_lead stages
-// before each block's last stage.
 // kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
 // next projection's block can be resident, and requesting its first stages, while this one ends.
 template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
@@ -63,8 +61,7 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
     stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
                        void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
                        const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
-                       L2Prefetch pf0, L2Prefetch pf1, int pf_lead) {
+                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
@@ -185,15 +182,7 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
 #pragma unroll
   for (int tok = 0; tok < kM; ++tok) acc[tok] = 0.0f;
   int kb = 0, row = 0;
-  // The L2 prefetch for a later kernel goes out pf_lead stages before this block's last, when its
-  // own requests end (or at once for a block with fewer stages).
-  const int pf_at = n_stages - pf_lead > 0 ? n_stages - pf_lead : 0;
   for (int s = 0; s < n_stages; ++s) {
-    if (s == pf_at) {
-      const int64_t id = static_cast<int64_t>(blockIdx.x) * kGemvThreads + t;
-      l2_prefetch_share(pf0, id, static_cast<int64_t>(gridDim.x) * kGemvThreads);
-      l2_prefetch_share(pf1, id, static_cast<int64_t>(gridDim.x) * kGemvThreads);
-    }
     issue(s + kStages - 1);
     cp_async_wait<kStages - 1>();  // stage s (this thread's part of it) has landed
     const uint4* src = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
