@@ -125,18 +125,6 @@ __device__ __forceinline__ void rope_cos_sin(int32_t position, float position_sc
   s = static_cast<float>(sd);
 }
 
-// A float another block of this grid wrote (after its __threadfence and the atomic that tells this
-// block so): ld.global.cg, from L2, never a stale L1 line.
-__device__ __forceinline__ float ld_cg_f32(const float* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  return *p;
-#else
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
-  return v;
-#endif
-}
-
 #if !defined(KESTREL_CUDA_EMULATE)
 // kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization
 // attribute when pdl_enabled(). Errors: kestrel::Error for a failed launch.

@@ -309,7 +309,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
     a.v_cache_out = const_cast<__nv_bfloat16*>(p.v_cache);
   }
   // The tensor-core decode kernel combines its splits itself when given counters.
-  a.split_counters = plan.mma && plan.n_splits > 1 ? p.split_counters : nullptr;
+  a.split_counters = plan.mma && plan.n_splits > 1 && plan.n_splits <= kFusedReduceMaxSplits ? p.split_counters : nullptr;
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
   } else {

@@ -49,35 +49,11 @@ __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
   return ((warp * kDecodeRows + row) * kHalf + (pair ^ (((row & 7) << 2) & (kRun - 1)))) * 2;
 }
 
-// The split-KV combination (flash-decoding) for query head `first` % n_head of sequence `first` /
-// n_head with n_keys keys: m = the largest log2-sum-exp2 over the splits that split_key_range gives
-// keys, then element d of out = sum_s w_s O_s / sum_s w_s with w_s = 2^(lse_s - m), splits in
-// order. Shared by attention_reduce_kernel and the decode kernel's last split (the same arithmetic,
-// so the two give the same bits); the partial results are read from L2 (ld_cg_f32), as other
-// blocks of the same grid may have written them.
-__device__ __forceinline__ float split_lse_max(const AttnKernelArgs& a, int64_t first, int n_keys) {
-  const int64_t stride = a.n_seqs * a.n_head;  // between splits
-  float m = -INFINITY;
-  for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = split_key_range(n_keys, s, a.n_splits);
-    if (keys.x < keys.y) m = fmaxf(m, ld_cg_f32(a.part_lse + first + s * stride));
-  }
-  return m;
-}
-__device__ __forceinline__ float split_combine(const AttnKernelArgs& a, int64_t first, int n_keys, float m, int dim,
-                                               int d) {
-  const int64_t stride = a.n_seqs * a.n_head;
-  float num = 0.0f, den = 0.0f;
-  for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = split_key_range(n_keys, s, a.n_splits);
-    if (keys.x >= keys.y) continue;
-    const float lse = ld_cg_f32(a.part_lse + first + s * stride);
-    const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
-    num += w * ld_cg_f32(a.part_out + (first + s * stride) * dim + d);
-    den += w;
-  }
-  return den > 0.0f ? num / den : 0.0f;
-}
+// The decode kernel combines its own splits (split_counters) only up to this many splits (its lse
+// staging in a consumed K/V stage); paged_attention launches the reduction kernel above it.
+constexpr int kFusedReduceMaxSplits = 32;
+constexpr int kFusedReduceElems = 4;  // outputs a thread combines at once
+static_assert(kDecodeRows * kFusedReduceMaxSplits * 4 <= 2 * kKeyTile * 32 * 2, "the lse fit in a K/V stage");
 
 // Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
 // [2][4][16]) and writes the output or the split's partial result.
@@ -149,13 +125,57 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
   __syncthreads();
   if (s_last == 0) return;
   __threadfence();
-  for (int i = tid; i < it.n_rows * D; i += kAttnThreads) {
-    const int row = i / D, d = i % D;
-    const int head = it.head0 + row;
-    const int64_t first = static_cast<int64_t>(it.seq) * a.n_head + head;
-    const float m = split_lse_max(a, first, n_keys);
-    a.out[(static_cast<int64_t>(it.token) * a.n_head + head) * D + d] =
-        __float2bfloat16_rn(split_combine(a, first, n_keys, m, D, d));
+  // The combination, with attention_reduce_kernel's arithmetic (so the same bits): per row, m = the
+  // largest log2-sum-exp2 over the splits with keys, w_s = 2^(lse_s - m), out = sum_s w_s O_s /
+  // sum_s w_s with the splits in order. The rows' lse go to shared memory first (the consumed K/V
+  // stage `so`, free after the merge: n_rows x n_splits <= 16 x kFusedReduceMaxSplits floats), then
+  // each thread combines kFusedReduceElems elements at once, their loads issued together.
+  float* lse = so;  // [n_rows][n_splits]
+  const int64_t stride = a.n_seqs * a.n_head;  // between splits
+  const int64_t first0 = static_cast<int64_t>(it.seq) * a.n_head + it.head0;
+  for (int i = tid; i < it.n_rows * a.n_splits; i += kAttnThreads) {
+    const int row = i / a.n_splits, sp = i % a.n_splits;
+    lse[i] = __ldcg(a.part_lse + first0 + row + sp * stride);
+  }
+  __syncthreads();
+  constexpr int kE = kFusedReduceElems;
+  for (int i0 = tid; i0 < it.n_rows * D; i0 += kE * kAttnThreads) {
+    float num[kE], den[kE], m[kE];
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      num[e] = 0.0f, den[e] = 0.0f, m[e] = -INFINITY;
+      const int i = i0 + e * kAttnThreads;
+      if (i >= it.n_rows * D) continue;
+      for (int sp = 0; sp < a.n_splits; ++sp) {
+        const int2 keys = split_key_range(n_keys, sp, a.n_splits);
+        if (keys.x < keys.y) m[e] = fmaxf(m[e], lse[i / D * a.n_splits + sp]);
+      }
+    }
+    for (int sp = 0; sp < a.n_splits; ++sp) {
+      const int2 keys = split_key_range(n_keys, sp, a.n_splits);
+      if (keys.x >= keys.y) continue;
+      float o[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const int i = i0 + e * kAttnThreads;
+        o[e] = i < it.n_rows * D ? __ldcg(a.part_out + (first0 + i / D + sp * stride) * D + i % D) : 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const int i = i0 + e * kAttnThreads;
+        const float l = i < it.n_rows * D ? lse[i / D * a.n_splits + sp] : -INFINITY;
+        const float w = l == -INFINITY ? 0.0f : exp2f(l - m[e]);
+        num[e] += w * o[e];
+        den[e] += w;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      const int i = i0 + e * kAttnThreads;
+      if (i < it.n_rows * D)
+        a.out[(static_cast<int64_t>(it.token) * a.n_head + it.head0 + i / D) * D + i % D] =
+            __float2bfloat16_rn(den[e] > 0.0f ? num[e] / den[e] : 0.0f);
+    }
   }
 }
 
@@ -310,11 +330,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKern
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;
   const int n_keys = a.positions[token] + 1;
+  const int64_t stride = a.n_seqs * a.n_head;  // between splits
   const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
-  const float m = split_lse_max(a, first, n_keys);
-  for (int d = threadIdx.x; d < dim; d += kAttnThreads)
-    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] =
-        __float2bfloat16_rn(split_combine(a, first, n_keys, m, dim, d));
+  float m = -INFINITY;
+  for (int s = 0; s < a.n_splits; ++s) {
+    const int2 keys = split_key_range(n_keys, s, a.n_splits);
+    if (keys.x < keys.y) m = fmaxf(m, a.part_lse[first + s * stride]);
+  }
+  for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < a.n_splits; ++s) {
+      const int2 keys = split_key_range(n_keys, s, a.n_splits);
+      if (keys.x >= keys.y) continue;
+      const float lse = a.part_lse[first + s * stride];
+      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
+      num += w * a.part_out[(first + s * stride) * dim + d];
+      den += w;
+    }
+    a.out[(static_cast<int64_t>(token) * a.n_head + head) * dim + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
+  }
 }
 
 }  // namespace kestrel::cuda
