@@ -105,12 +105,12 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
     }
   }
   if (a.n_splits == 1 || a.split_counters == nullptr) return;
-  // The last of the item's splits to get here combines them (the threadfence-reduction pattern of
-  // the CUDA samples): each thread's partial results are made visible device-wide, then one
-  // arrival is counted; atomicInc wraps the counter back to zero on the last arrival, so it is
-  // ready for the next call.
+  // The last of the item's splits to get here combines them, with the synchronisation of a
+  // cooperative-groups grid barrier: a block barrier (every thread's partial results written), then
+  // thread 0 alone fences (cumulative: the block's writes before its count) and counts the
+  // arrival; the last arrival fences again before the block reads the other splits' results.
+  // atomicInc wraps the counter back to zero on the last arrival, ready for the next call.
   __shared__ unsigned s_last;
-  __threadfence();
   __syncthreads();
   const int n_keys = it.pos + 1;
   if (tid == 0) {
@@ -119,12 +119,13 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       const int2 keys = split_key_range(n_keys, s, a.n_splits);
       n_active += keys.x < keys.y ? 1u : 0u;
     }
+    __threadfence();
     const unsigned old = atomicInc(a.split_counters + static_cast<int64_t>(it.seq) * gridDim.y + blockIdx.y, n_active - 1);
     s_last = old == n_active - 1 ? 1u : 0u;
+    if (s_last != 0) __threadfence();
   }
   __syncthreads();
   if (s_last == 0) return;
-  __threadfence();
   // The combination, with attention_reduce_kernel's arithmetic (so the same bits): per row, m = the
   // largest log2-sum-exp2 over the splits with keys, w_s = 2^(lse_s - m), out = sum_s w_s O_s /
   // sum_s w_s with the splits in order. The rows' lse go to shared memory first (the consumed K/V
