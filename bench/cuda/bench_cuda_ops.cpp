@@ -167,16 +167,6 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   const double ms = time_ms([&] { kestrel::cuda::paged_attention(p, nullptr); });
   const double bytes = kv_bytes + 2.0 * q.bytes;
   report("attention", name, ms, bytes, flops);
-  // The same with the decode kernel combining its own splits (AttentionParams::split_counters),
-  // where there are decodes.
-  if (max_q == 1) {
-    std::vector<uint32_t> zeros(static_cast<size_t>(kestrel::cuda::attention_split_counter_count(p)), 0u);
-    Buf counters(zeros.size() * 4);
-    fill(counters, zeros);
-    p.split_counters = counters.as<unsigned>();
-    const double ms_fused = time_ms([&] { kestrel::cuda::paged_attention(p, nullptr); });
-    report("attention", name + " +own split combine", ms_fused, bytes, flops);
-  }
 }
 
 // 64 rows of Llama 3's 128256 logits. "model-like": N(0, 2) with a few dozen tokens lifted by 6 to

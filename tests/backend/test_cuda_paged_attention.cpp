@@ -3,8 +3,7 @@
 // sequence's cache (through its block table, KV head h / group), times v_j. Batches mix prefill
 // chunks (some with a cached prefix) and decode tokens; block tables are shuffled; contexts are not
 // multiples of the block size; GQA groups 1, 2, 3, 4, 8, 20, 32 and 72; long decode contexts take the
-// split-KV path, its partial results combined by the reduction kernel and, bit for bit the same,
-// by the decode kernel's last split (split_counters). Head dims: 64 and 128, the other tensor-core ones (32, 80, 96, 256) and the SIMT
+// split-KV path. Head dims: 64 and 128, the other tensor-core ones (32, 80, 96, 256) and the SIMT
 // kernel's (8 = stories260K, 24, 40, 48, 136, 248; and every multiple of 8 up to 256 once).
 // Tolerance: relative L2 error <= 4e-3. q, K and V are exact bf16 values in both; the tensor-core
 // kernels round the softmax weights to bf16 and all kernels round the output to bf16 (2^-9
@@ -100,21 +99,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.workspace_bytes = ws_bytes;
   d_out.poison();
   cuda::paged_attention(p, nullptr);
-  const auto out_bits = d_out.download();
-  const auto out = bf16_to_f32(out_bits);
-  // The decode kernel's own split combination (split_counters): the same bits as the reduction
-  // kernel's, twice over the same counters, which every call must leave at zero.
-  const int64_t n_counters = cuda::attention_split_counter_count(p);
-  ASSERT_EQ(n_counters, int64_t{n_seqs} * c.n_head_kv * ((group + 15) / 16));
-  DeviceBuffer<unsigned> d_counters(std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
-  p.split_counters = d_counters.get();
-  for (int rep = 0; rep < 2; ++rep) {
-    d_ws.poison();
-    d_out.poison();
-    cuda::paged_attention(p, nullptr);
-    EXPECT_EQ(d_out.download(), out_bits) << "split counters, call " << rep;
-    EXPECT_EQ(d_counters.download(), std::vector<unsigned>(static_cast<size_t>(n_counters), 0u)) << "call " << rep;
-  }
+  const auto out = bf16_to_f32(d_out.download());
 
   std::vector<double> ref(q.size());
   std::vector<double> w;
@@ -307,7 +292,7 @@ TEST(CudaPagedAttention, EverySupportedHeadDim) {
 // batches: contexts of 1 key, tile edges, splits (a graph's larger max_context), a padding token
 // (slot -1, nothing written), rotate-half and interleaved pairs, a partial rope_dim, linear position
 // scaling, two head chunks (group 32: both chunks' last splits write the same bits), d80 (padded
-// tiles), with and without split counters.
+// tiles).
 struct FusedRopeCase {
   const char* name;
   int32_t n_head, n_head_kv, head_dim, block_size, rope_dim;
@@ -391,18 +376,14 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
   const auto want = out_a.download();
   const auto want_k = k_a.download(), want_v = v_a.download();
   ASSERT_NE(want_k, k_cache);  // the step's keys were written
-  // B: fused, without and with split counters, each on fresh copies of the caches.
-  const int64_t n_counters = cuda::attention_split_counter_count(p);
-  DeviceBuffer<unsigned> d_counters(std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
-  for (const bool counters : {false, true}) {
-    SCOPED_TRACE(counters ? "split counters" : "reduction kernel");
+  // B: fused, on fresh copies of the caches.
+  {
     k_b.upload(k_cache);
     v_b.upload(v_cache);
     p.q = nullptr;
     p.k_cache = k_b.bf16();
     p.v_cache = v_b.bf16();
     p.out = out_b.bf16();
-    p.split_counters = counters ? d_counters.get() : nullptr;
     p.rope = {d_qkv.bf16(), stride, d_slots.get(), d_freq.get(), c.position_scale, c.rope_dim, c.rotate_half};
     out_b.poison();
     d_ws.poison();
@@ -411,7 +392,6 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
     EXPECT_EQ(k_b.download(), want_k);
     EXPECT_EQ(v_b.download(), want_v);
   }
-  EXPECT_EQ(d_counters.download(), std::vector<unsigned>(static_cast<size_t>(n_counters), 0u));
   // Refused before any launch: an odd or too large rope_dim, a pass that may hold prefill tokens,
   // qkv rows too short for q, k and v.
   for (const int32_t bad_dim : {c.rope_dim - 1, D + 2}) {

@@ -160,7 +160,6 @@ class CudaModelRunner final : public ModelRunner {
         throw Error(std::string(name) + "=" + env + ": an integer in [0, " + std::to_string(hi) + "]");
       return v;
     };
-    if (auto v = env_count("KESTREL_ATTN_FUSED_REDUCE", 1)) fused_split_reduce_ = *v == 1;
     if (auto v = env_count("KESTREL_ATTN_FUSED_ROPE", 1)) fused_rope_ = *v == 1;
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
@@ -245,9 +244,6 @@ class CudaModelRunner final : public ModelRunner {
   // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
   // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
   int stream_gemv_stages_ = 0;
-  // The decode attention kernel's last split combines the splits (no reduction kernel;
-  // KESTREL_ATTN_FUSED_REDUCE=0: the reduction kernel).
-  bool fused_split_reduce_ = true;
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
   // (AttentionParams::rope; KESTREL_ATTN_FUSED_ROPE=0: the rope_write_kv kernel).
   bool fused_rope_ = true;
@@ -278,7 +274,6 @@ class CudaModelRunner final : public ModelRunner {
   int32_t block_size_ = 16;
   // Activations (grown to the largest batch seen).
   int64_t cap_tokens_ = 0, cap_out_ = 0;
-  DevMem split_counters_;  // AttentionParams::split_counters, zero between passes
   DevMem residual_, residual_alt_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
@@ -380,14 +375,6 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     grow(gate_up_, static_cast<size_t>(n * 2 * ff) * 2);
     grow(act_, static_cast<size_t>(n * ff) * 2);
     grow(down_, static_cast<size_t>(n * d) * 2);
-    // Split-KV counters: one per (sequence, KV head, head chunk of 16), n_seqs <= n; zero.
-    const int64_t chunks = (hp_.n_head / hp_.n_head_kv + 15) / 16;
-    const size_t counter_bytes = static_cast<size_t>(n * hp_.n_head_kv * chunks) * sizeof(unsigned);
-    if (counter_bytes > split_counters_.bytes()) {
-      split_counters_.reserve(counter_bytes);
-      KESTREL_CUDA_CHECK(cudaMemsetAsync(split_counters_.as<void>(), 0, split_counters_.bytes(), stream_));
-      grew = true;
-    }
     cap_tokens_ = std::max(cap_tokens_, n);
   }
   if (n_out > cap_out_) {
@@ -419,7 +406,6 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.scale = 1.0f / std::sqrt(static_cast<float>(hp_.head_dim));
   ap.workspace = workspace_.as<void>();
   ap.workspace_bytes = workspace_.bytes();
-  if (fused_split_reduce_) ap.split_counters = split_counters_.as<unsigned>();
   return ap;
 }
 

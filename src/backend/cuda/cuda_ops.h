@@ -110,11 +110,6 @@ struct AttentionParams {
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
                               // tiles load while one is computed); 0 = KESTREL_ATTN_STAGES, else
                               // chosen by the number of decode items (paged_attention.cu)
-  // Split-KV arrival counters, attention_split_counter_count(*this) of them, all zero before the
-  // first call (cudaMemset); every call leaves them zero. Given, the tensor-core decode kernel's
-  // last split of each item combines the splits itself (one kernel fewer per call); null, or for
-  // the SIMT head dims, a reduction kernel does. Not shared by calls that may run concurrently.
-  unsigned* split_counters = nullptr;
   // Fused RoPE + KV write (attention_supports_fused_rope(head_dim), decode-only passes:
   // max_query_len == 1): instead of rope_write_kv_fused before the call, q is read un-rotated from
   // rope.qkv (ignoring q) and rotated in the kernel, and each token's k (rotated) and v are
@@ -132,9 +127,6 @@ struct AttentionParams {
 };
 // Whether paged_attention can fuse RoPE for this head dim (the tensor-core kernels' head dims).
 bool attention_supports_fused_rope(int32_t head_dim);
-// The number of split_counters paged_attention may use for these parameters: n_seqs x n_head_kv x
-// ceil(group / 16).
-int64_t attention_split_counter_count(const AttentionParams& p);
 // Scratch bytes paged_attention needs for these parameters (workspace fields ignored): the prefill
 // tile list and the split-KV partial outputs. Deterministic for the same fields. Errors: as
 // paged_attention's (head_dim, n_head_kv, block_size).

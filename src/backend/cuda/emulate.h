@@ -7,7 +7,7 @@
 // __shfl_xor_sync, static and dynamic shared memory (dynamic shared memory is filled with 0xFF,
 // a NaN pattern, before each block), cp.async (each copy lands either when issued or at its
 // wait_group, at random) and, in device_common.cuh, ldmatrix and mma.sync through warp exchanges.
-// atomicAdd, atomicInc, __threadfence, __ldcg, __ballot_sync and __popc are provided too: an atomic is a plain read-modify-write,
+// atomicAdd, __threadfence, __ballot_sync and __popc are provided too: an atomic is a plain read-modify-write,
 // exact because a fiber never switches inside one (so a missing atomic goes unnoticed here).
 // Not emulated: timing, occupancy, memory ordering between blocks.
 //
@@ -102,17 +102,7 @@ inline T atomicAdd(T* address, T value) {
   *address = old + value;
   return old;
 }
-// CUDA's wrapping increment: *address = old >= limit ? 0 : old + 1.
-inline unsigned atomicInc(unsigned* address, unsigned limit) {
-  const unsigned old = *address;
-  *address = old >= limit ? 0u : old + 1u;
-  return old;
-}
-inline void __threadfence() {}
-template <class T>
-inline T __ldcg(const T* p) {
-  return *p;
-}  // blocks run one after another: every write is already visible
+inline void __threadfence() {}  // blocks run one after another: every write is already visible
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __uint_as_float(unsigned u) {
   float f;

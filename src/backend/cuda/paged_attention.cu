@@ -1,7 +1,7 @@
 // Launcher of the paged attention kernels (paged_attention.cuh, paged_attention_simt.cuh): picks
 // the kernels for the head dim, sizes the workspace, picks the split-KV count, and enqueues plan +
 // prefill (when some sequence has 2+ query tokens), decode, and the split-KV reduction (when the
-// decode kernel splits and does not combine its splits itself: split_counters).
+// decode kernel splits).
 #include "backend/cuda/paged_attention.cuh"
 #include "backend/cuda/paged_attention_decode.cuh"
 #include "backend/cuda/paged_attention_simt.cuh"
@@ -216,7 +216,7 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
                   static_cast<unsigned>(plan.n_splits));
   KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
-  if (plan.n_splits > 1 && a.split_counters == nullptr) {
+  if (plan.n_splits > 1) {
     const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
     KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
@@ -247,11 +247,6 @@ bool attention_supports_head_dim(int32_t head_dim) { return head_dim >= 8 && hea
 size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
 
 bool attention_supports_fused_rope(int32_t head_dim) { return MmaHeadDims::contains(head_dim); }
-
-int64_t attention_split_counter_count(const AttentionParams& p) {
-  const Plan plan = make_plan(p);
-  return p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
-}
 
 void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.n_tokens <= 0 || p.n_seqs <= 0) return;
@@ -308,8 +303,6 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
     a.k_cache_out = const_cast<__nv_bfloat16*>(p.k_cache);
     a.v_cache_out = const_cast<__nv_bfloat16*>(p.v_cache);
   }
-  // The tensor-core decode kernel combines its splits itself when given counters.
-  a.split_counters = plan.mma && plan.n_splits > 1 && plan.n_splits <= kFusedReduceMaxSplits ? p.split_counters : nullptr;
   if (plan.mma) {
     MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
   } else {

@@ -68,10 +68,6 @@ struct AttnKernelArgs {
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
   int32_t head_dim;              // D (read by the kernels that take it at run time)
-  // Tensor-core decode with n_splits > 1: [n_seqs, n_head_kv * head_chunks] arrival counters, zero
-  // between calls; the last split of each item to finish combines the partial results (no
-  // reduction kernel). Null: attention_reduce_kernel does it.
-  unsigned* split_counters;
   // Fused RoPE + KV write (tensor-core decode kernel, decode-only passes; rope_qkv null: off): q is
   // read un-rotated from rope_qkv (rows rope_qkv_stride elements apart: n_head q heads, then
   // n_head_kv k heads, then n_head_kv v heads) and rotated in shared memory; every item's last

@@ -9,9 +9,8 @@
 // and key range, and the block-table entries of its first tile) is read before
 // griddepcontrol.wait: those arrays are written before the forward pass, not by the kernel this
 // one follows, so under programmatic dependent launch the block's start overlaps that kernel's end.
-// With n_splits > 1 each item writes its normalised output and log2-sum-exp2, which the item's
-// last split to finish combines when split_counters is given, else attention_reduce_kernel; with
-// one split it writes the output.
+// With n_splits > 1 each item writes its normalised output and log2-sum-exp2 for
+// attention_reduce_kernel; else it writes the output.
 //
 // Measured against alternatives on an H200 (docs/performance.md, issue 4, fourth session): a
 // persistent version of this kernel (resident blocks taking items in turn, the next item's first
@@ -48,12 +47,6 @@ __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
   constexpr int kHalf = D / 2, kRun = (kHalf & -kHalf) < 32 ? (kHalf & -kHalf) : 32;
   return ((warp * kDecodeRows + row) * kHalf + (pair ^ (((row & 7) << 2) & (kRun - 1)))) * 2;
 }
-
-// The decode kernel combines its own splits (split_counters) only up to this many splits (its lse
-// staging in a consumed K/V stage); paged_attention launches the reduction kernel above it.
-constexpr int kFusedReduceMaxSplits = 32;
-constexpr int kFusedReduceElems = 4;  // outputs a thread combines at once
-static_assert(kDecodeRows * kFusedReduceMaxSplits * 4 <= 2 * kKeyTile * 32 * 2, "the lse fit in a K/V stage");
 
 // Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
 // [2][4][16]) and writes the output or the split's partial result.
@@ -102,80 +95,6 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       const int64_t part = (static_cast<int64_t>(it.split) * a.n_seqs + it.seq) * a.n_head + head;
       a.part_out[part * D + d] = o * inv;
       if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
-    }
-  }
-  if (a.n_splits == 1 || a.split_counters == nullptr) return;
-  // The last of the item's splits to get here combines them, with the synchronisation of a
-  // cooperative-groups grid barrier: a block barrier (every thread's partial results written), then
-  // thread 0 alone fences (cumulative: the block's writes before its count) and counts the
-  // arrival; the last arrival fences again before the block reads the other splits' results.
-  // atomicInc wraps the counter back to zero on the last arrival, ready for the next call.
-  __shared__ unsigned s_last;
-  __syncthreads();
-  const int n_keys = it.pos + 1;
-  if (tid == 0) {
-    unsigned n_active = 0;
-    for (int s = 0; s < a.n_splits; ++s) {
-      const int2 keys = split_key_range(n_keys, s, a.n_splits);
-      n_active += keys.x < keys.y ? 1u : 0u;
-    }
-    __threadfence();
-    const unsigned old = atomicInc(a.split_counters + static_cast<int64_t>(it.seq) * gridDim.y + blockIdx.y, n_active - 1);
-    s_last = old == n_active - 1 ? 1u : 0u;
-    if (s_last != 0) __threadfence();
-  }
-  __syncthreads();
-  if (s_last == 0) return;
-  // The combination, with attention_reduce_kernel's arithmetic (so the same bits): per row, m = the
-  // largest log2-sum-exp2 over the splits with keys, w_s = 2^(lse_s - m), out = sum_s w_s O_s /
-  // sum_s w_s with the splits in order. The rows' lse go to shared memory first (the consumed K/V
-  // stage `so`, free after the merge: n_rows x n_splits <= 16 x kFusedReduceMaxSplits floats), then
-  // each thread combines kFusedReduceElems elements at once, their loads issued together.
-  float* lse = so;  // [n_rows][n_splits]
-  const int64_t stride = a.n_seqs * a.n_head;  // between splits
-  const int64_t first0 = static_cast<int64_t>(it.seq) * a.n_head + it.head0;
-  for (int i = tid; i < it.n_rows * a.n_splits; i += kAttnThreads) {
-    const int row = i / a.n_splits, sp = i % a.n_splits;
-    lse[i] = __ldcg(a.part_lse + first0 + row + sp * stride);
-  }
-  __syncthreads();
-  constexpr int kE = kFusedReduceElems;
-  for (int i0 = tid; i0 < it.n_rows * D; i0 += kE * kAttnThreads) {
-    float num[kE], den[kE], m[kE];
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      num[e] = 0.0f, den[e] = 0.0f, m[e] = -INFINITY;
-      const int i = i0 + e * kAttnThreads;
-      if (i >= it.n_rows * D) continue;
-      for (int sp = 0; sp < a.n_splits; ++sp) {
-        const int2 keys = split_key_range(n_keys, sp, a.n_splits);
-        if (keys.x < keys.y) m[e] = fmaxf(m[e], lse[i / D * a.n_splits + sp]);
-      }
-    }
-    for (int sp = 0; sp < a.n_splits; ++sp) {
-      const int2 keys = split_key_range(n_keys, sp, a.n_splits);
-      if (keys.x >= keys.y) continue;
-      float o[kE];
-#pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        const int i = i0 + e * kAttnThreads;
-        o[e] = i < it.n_rows * D ? __ldcg(a.part_out + (first0 + i / D + sp * stride) * D + i % D) : 0.0f;
-      }
-#pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        const int i = i0 + e * kAttnThreads;
-        const float l = i < it.n_rows * D ? lse[i / D * a.n_splits + sp] : -INFINITY;
-        const float w = l == -INFINITY ? 0.0f : exp2f(l - m[e]);
-        num[e] += w * o[e];
-        den[e] += w;
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      const int i = i0 + e * kAttnThreads;
-      if (i < it.n_rows * D)
-        a.out[(static_cast<int64_t>(it.token) * a.n_head + it.head0 + i / D) * D + i % D] =
-            __float2bfloat16_rn(den[e] > 0.0f ? num[e] / den[e] : 0.0f);
     }
   }
 }
