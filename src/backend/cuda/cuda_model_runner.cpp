@@ -161,10 +161,6 @@ class CudaModelRunner final : public ModelRunner {
       return v;
     };
     if (auto v = env_count("KESTREL_ATTN_FUSED_ROPE", 1)) fused_rope_ = *v == 1;
-    if (auto v = env_count("KESTREL_STREAM_GEMV_O_STAGES", 6)) {
-      if (*v != 0 && *v != 3 && *v != 4 && *v != 6) throw Error("KESTREL_STREAM_GEMV_O_STAGES: 3, 4 or 6");
-      o_stages_ = static_cast<int>(*v);
-    }
     if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
       stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
     if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
@@ -210,7 +206,7 @@ class CudaModelRunner final : public ModelRunner {
   // skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt (after silu_mul into act_ when
   // swiglu: x then holds [gate | up] rows of 2 n_in).
   void linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
-              bool swiglu = false, int stages = 0);
+              bool swiglu = false);
   // Whether linear() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -221,9 +217,9 @@ class CudaModelRunner final : public ModelRunner {
   // Whether linear() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
   // most 256 rows per SM, weights of 40 MiB or more: the 8B's QKV, gate/up and down projections;
   // KESTREL_STREAM_GEMV=0: never).
-  bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out, int stages = 0) const {
+  bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
     return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
-           cuda::stream_gemv_supports(n, n_in, n_out, 0, stages == 0 ? stream_gemv_stages_ : stages);
+           cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
   }
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences and `width` columns when graphed) into the
@@ -248,9 +244,6 @@ class CudaModelRunner final : public ModelRunner {
   // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
   // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
   int stream_gemv_stages_ = 0;
-  // The O projection's stages when it takes the streaming GEMV (0: stream_gemv_stages_;
-  // KESTREL_STREAM_GEMV_O_STAGES): a deeper ring requests more of W_o while attention runs.
-  int o_stages_ = 0;
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
   // (AttentionParams::rope; KESTREL_ATTN_FUSED_ROPE=0: the rope_write_kv kernel).
   bool fused_rope_ = true;
@@ -484,7 +477,7 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
     ap.out = attn;
     cuda::paged_attention(ap, stream_);
     mark("attention");
-    linear(attn, L.wo.as<bf16>(), o, false, n, qd, d, false, o_stages_);
+    linear(attn, L.wo.as<bf16>(), o, false, n, qd, d);
     mark("gemm o");
     if (L.bo.bytes() > 0) cuda::add_bias(o, L.bo.as<float>(), n, d, stream_);
     norm_linear(o, L.ffn_norm, L.w_gate_up, gate_up, 2 * ff, "gemm gate_up");
@@ -542,11 +535,11 @@ void CudaModelRunner::tune_gemms(int64_t n) {
 }
 
 void CudaModelRunner::linear(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
-                             int64_t n_out, bool swiglu, int stages) {
+                             int64_t n_out, bool swiglu) {
   const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
-  if (uses_stream_gemv(n, n_in, n_out, stages)) {
+  if (uses_stream_gemv(n, n_in, n_out)) {
     cuda::StreamGemvArgs a{ops};
-    a.stages = stages == 0 ? stream_gemv_stages_ : stages;
+    a.stages = stream_gemv_stages_;
     cuda::stream_gemv(a, stream_);
     return;
   }
