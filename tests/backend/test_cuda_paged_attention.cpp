@@ -291,8 +291,8 @@ TEST(CudaPagedAttention, EverySupportedHeadDim) {
 // both caches must be the same bits as rope_write_kv_fused followed by paged_attention. Decode-only
 // batches: contexts of 1 key, tile edges, splits (a graph's larger max_context), a padding token
 // (slot -1, nothing written), rotate-half and interleaved pairs, a partial rope_dim, linear position
-// scaling, two head chunks (group 32: both chunks' last splits write the same bits), d80 (padded
-// tiles).
+// scaling, two head chunks (group 32: both chunks' last splits write the same bits), head dims 32,
+// 64, 80 and 96 (padded tiles), 128 and 256, each with two and three K/V stages.
 struct FusedRopeCase {
   const char* name;
   int32_t n_head, n_head_kv, head_dim, block_size, rope_dim;
@@ -301,6 +301,7 @@ struct FusedRopeCase {
   std::vector<int32_t> contexts;
   int32_t max_context;  // passed as the bound (>= the largest context)
   int padding_seq;      // this sequence's token has slot -1 (-1: none)
+  int32_t decode_stages = 0;
 };
 
 void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
@@ -358,6 +359,7 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
   p.block_size = c.block_size;
   p.scale = 1.0f / std::sqrt(static_cast<float>(D));
   p.max_query_len = 1;
+  p.decode_stages = c.decode_stages;
   const size_t ws_bytes = cuda::attention_workspace_bytes(p);
   DeviceBuffer<unsigned char> d_ws(ws_bytes);
   d_ws.poison();
@@ -404,6 +406,12 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
   p.max_query_len = 1;
   p.rope.stride = int64_t{c.n_head + 2 * c.n_head_kv - 1} * D;
   EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+  p.rope.stride = stride;
+  p.rope.slot_mapping = nullptr;
+  EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+  p.rope.slot_mapping = d_slots.get();
+  p.rope.qkv = d_qkv.bf16() + 4;  // 8 bytes off: rows not 16-byte aligned
+  EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
 }
 
 TEST(CudaPagedAttention, FusedRopeIsRopeThenAttention) {
@@ -416,8 +424,18 @@ TEST(CudaPagedAttention, FusedRopeIsRopeThenAttention) {
        -1},
       {"MQA group 32 d64 (two head chunks)", 32, 1, 64, 16, 64, true, 1.0f, {40, 90, 1}, 4096, -1},
       {"d80 (padded tiles), rope_dim 64, interleaved", 8, 2, 80, 16, 64, false, 1.0f, {33, 200}, 512, 0},
+      {"d96, rotate-half over rope_dim 64 (a partial NeoX rotation)", 8, 2, 96, 16, 64, true, 1.0f, {70, 130}, 256, -1},
+      {"d256, rotate-half", 8, 1, 256, 16, 256, true, 1.0f, {3, 700}, 2048, -1},
+      {"d32, interleaved", 4, 2, 32, 16, 32, false, 1.0f, {17, 64, 190}, 256, 1},
   };
-  for (const auto& c : cases) run_fused_rope_case(c, rng);
+  // Both K/V stage counts of the decode kernel for each (the item count alone would pick three).
+  for (FusedRopeCase c : cases) {
+    for (const int32_t stages : {2, 3}) {
+      SCOPED_TRACE("decode_stages " + std::to_string(stages));
+      c.decode_stages = stages;
+      run_fused_rope_case(c, rng);
+    }
+  }
   EXPECT_FALSE(cuda::attention_supports_fused_rope(40));
   EXPECT_TRUE(cuda::attention_supports_fused_rope(128));
 }

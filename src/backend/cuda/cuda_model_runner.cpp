@@ -610,8 +610,10 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
     max_query = std::max(max_query, b.query_start[static_cast<size_t>(s) + 1] - b.query_start[static_cast<size_t>(s)]);
   }
 
-  // Decode steps (one token and one logits row per sequence) replay a captured graph.
-  const bool decode = n == n_seqs && identity;
+  // Decode steps (one token and one logits row per sequence) replay a captured graph. max_query
+  // == 1 as well: a sequence may have no tokens, so n == n_seqs alone would let one with two
+  // tokens in.
+  const bool decode = n == n_seqs && max_query == 1 && identity;
   const int64_t* bucket = std::find_if(std::begin(kGraphBatchSizes), std::end(kGraphBatchSizes),
                                        [&](int64_t bsz) { return bsz >= n_seqs; });
   if (!eager_ && decode && bucket != std::end(kGraphBatchSizes)) {

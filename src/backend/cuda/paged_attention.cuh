@@ -83,7 +83,6 @@ struct AttnKernelArgs {
   __nv_bfloat16* k_cache_out;
   __nv_bfloat16* v_cache_out;
 };
-constexpr int kMaxRopeHalf = 128;  // rope_dim / 2 for head dims up to 256
 
 // Element offset of chunk `chunk` (8 bf16) of row `row` in a [rows, D] tile (swizzled or padded).
 template <int D>

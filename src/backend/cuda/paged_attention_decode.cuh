@@ -10,7 +10,11 @@
 // griddepcontrol.wait: those arrays are written before the forward pass, not by the kernel this
 // one follows, so under programmatic dependent launch the block's start overlaps that kernel's end.
 // With n_splits > 1 each item writes its normalised output and log2-sum-exp2 for
-// attention_reduce_kernel; else it writes the output.
+// attention_reduce_kernel; else it writes the output. Fused RoPE (AttnKernelArgs::rope_qkv, decode-
+// only passes): q is read un-rotated from the QKV rows and rotated in shared memory before the
+// first tile, and each item's last split, which holds the token's own key, rotates k and writes k
+// and v to the token's slot before it reads its tiles (what rope_write_kv_fused did, in the same
+// bits).
 //
 // Measured against alternatives on an H200 (docs/performance.md, issue 4, fourth session): a
 // persistent version of this kernel (resident blocks taking items in turn, the next item's first
@@ -26,10 +30,12 @@ namespace kestrel::cuda {
 // Shared memory of the decode kernel: the Q tile, kStages K/V stages (a stage's K tile and V tile
 // are contiguous, so a consumed stage holds the 4-warp merge's 4 x 16 x D f32 outputs), and the
 // merge's row max and row sum per warp.
+// The last region also holds the fused RoPE's cos / sin table (D floats at most) until the merge.
 template <int D, int kStages = 2>
 constexpr size_t attn_decode_smem_bytes() {
+  constexpr size_t merge = 2 * 4 * kDecodeRows * sizeof(float), rope = D * sizeof(float);
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
-         kStages * 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2 + 2 * 4 * kDecodeRows * sizeof(float);
+         kStages * 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2 + (merge > rope ? merge : rope);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
 
@@ -132,22 +138,22 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   it.head0 = it.kvh * a.group + h0;
   const int32_t* table = a.block_tables + static_cast<int64_t>(it.seq) * a.max_blocks_per_seq;
   prefetch_l1(table + block_of_key(a, min(it.key_begin + static_cast<int>(threadIdx.x) % kKeyTile, it.key_end - 1)).x);
-  // Fused RoPE: the token's cos / sin table, from the positions and inverse frequencies (written
-  // before the pass), before the wait.
+  KESTREL_DYNAMIC_SMEM(smem);
+  auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRows][kStride]
+  auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile]
+  auto* sml = reinterpret_cast<float*>(stages + kStages * kStage);
+  const int warp = threadIdx.x / kWarpSize;
+  // Fused RoPE: the token's cos / sin table (in the merge scratch, free until the merge), from the
+  // positions and inverse frequencies (written before the pass), before the wait.
   const bool fused_rope = a.rope_qkv != nullptr;
-  __shared__ float rope_cs[kMaxRopeHalf], rope_sn[kMaxRopeHalf];
-  __shared__ __align__(16) __nv_bfloat16 kv_row[2][D];  // the token's k and v of this item's KV head
+  float* rope_cs = sml;
+  float* rope_sn = sml + D / 2;
   if (fused_rope)
     for (int i = threadIdx.x; i < a.rope_dim / 2; i += kAttnThreads)
       rope_cos_sin(it.pos, a.rope_position_scale, a.inv_freq[i], rope_cs[i], rope_sn[i]);
   pdl_wait();
   pdl_launch_next();
 
-  KESTREL_DYNAMIC_SMEM(smem);
-  auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRows][kStride]
-  auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile]
-  auto* sml = reinterpret_cast<float*>(stages + kStages * kStage);
-  const int warp = threadIdx.x / kWarpSize;
   if (fused_rope && it.split == a.n_splits - 1) {
     // The last split (never empty) holds the token's own key: it writes the token's k (rotated)
     // and v to the cache before any of its tiles is read. Every head chunk's last split writes
@@ -155,8 +161,9 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     const int64_t slot = a.slot_mapping[it.token];
     const __nv_bfloat16* kx = a.rope_qkv + static_cast<int64_t>(it.token) * a.rope_qkv_stride + (a.n_head + it.kvh) * D;
     const __nv_bfloat16* vx = kx + static_cast<int64_t>(a.n_head_kv) * D;
+    __nv_bfloat16* kv_row = stages;  // [2][D]: the token's k and v, in K/V stage 0 before any tile
     for (int i = threadIdx.x; i < 2 * kChunks; i += kAttnThreads)
-      cp_async16(&kv_row[i / kChunks][(i % kChunks) * 8], (i < kChunks ? kx : vx) + (i % kChunks) * 8, true);
+      cp_async16(kv_row + i * 8, (i < kChunks ? kx : vx) + (i % kChunks) * 8, true);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -164,17 +171,17 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
       const int64_t off = ((slot / a.block_size * a.n_head_kv + it.kvh) * a.block_size + slot % a.block_size) * D;
       const int half = a.rope_dim / 2;
       for (int e = threadIdx.x; e < D; e += kAttnThreads) {
-        float y = __bfloat162float(kv_row[0][e]);
+        float y = __bfloat162float(kv_row[e]);
         if (e < a.rope_dim) {
           const int e0 = a.rope_rotate_half ? (e < half ? e : e - half) : e & ~1;
           const int e1 = a.rope_rotate_half ? e0 + half : e0 + 1;
           const int i = a.rope_rotate_half ? e0 : e0 / 2;
           float y0, y1;
-          rope_rotate(__bfloat162float(kv_row[0][e0]), __bfloat162float(kv_row[0][e1]), rope_cs[i], rope_sn[i], y0, y1);
+          rope_rotate(__bfloat162float(kv_row[e0]), __bfloat162float(kv_row[e1]), rope_cs[i], rope_sn[i], y0, y1);
           y = e == e0 ? y0 : y1;
         }
         a.k_cache_out[off + e] = __float2bfloat16_rn(y);
-        a.v_cache_out[off + e] = kv_row[1][e];
+        a.v_cache_out[off + e] = kv_row[D + e];
       }
       __threadfence();  // the writes reach L2, where this block's cp.async reads them
     }
