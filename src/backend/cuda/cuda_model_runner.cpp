@@ -240,7 +240,7 @@ class CudaModelRunner final : public ModelRunner {
   // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=0: off).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
   bool fused_norm_ = true;
-  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=3|4|6; 3 is not yet measured). Six stages for gate/up and down
+  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=3|4|6; 3: 196.8 against 227.4 tok/s). Six stages for gate/up and down
   // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
   // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
   int stream_gemv_stages_ = 0;

@@ -106,6 +106,13 @@ __device__ __forceinline__ uint4 ld_dependent16(const void* p) {
 #endif
 }
 
+// Element offset of (slot, KV head) in one layer's paged cache [n_blocks, n_head_kv, block_size,
+// head_dim] (KvCache::offset): head_dim elements follow.
+__device__ __forceinline__ int64_t kv_slot_offset(int64_t slot, int32_t head, int32_t n_head_kv, int32_t block_size,
+                                                  int32_t head_dim) {
+  return ((slot / block_size * n_head_kv + head) * block_size + slot % block_size) * head_dim;
+}
+
 // One RoPE rotation of the pair (x0, x1) by the angle whose cosine and sine are c and s:
 // y0 = x0 c - x1 s, y1 = x0 s + x1 c, each as one fma over a rounded product, spelled out so that
 // every kernel that rotates (rope_write_kv, the decode attention's fused RoPE) gives the same bits.

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     cp_async_wait<0>();
     __syncthreads();
     if (slot >= 0) {
-      const int64_t off = ((slot / a.block_size * a.n_head_kv + it.kvh) * a.block_size + slot % a.block_size) * D;
+      const int64_t off = kv_slot_offset(slot, it.kvh, a.n_head_kv, a.block_size, D);
       const int half = a.rope_dim / 2;
       for (int e = threadIdx.x; e < D; e += kAttnThreads) {
         float y = __bfloat162float(kv_row[e]);

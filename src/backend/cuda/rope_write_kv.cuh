@@ -30,9 +30,9 @@ struct RopeWriteKvArgs {
   int32_t block_size;
 };
 
-// Offset of (slot, kv head) in a layer's cache; head_dim elements follow (KvCache::offset).
+// Offset of (slot, kv head) in a layer's cache; head_dim elements follow.
 __device__ __forceinline__ int64_t cache_offset(int64_t slot, int32_t head, const RopeWriteKvArgs& a) {
-  return ((slot / a.block_size * a.n_head_kv + head) * a.block_size + slot % a.block_size) * a.head_dim;
+  return kv_slot_offset(slot, head, a.n_head_kv, a.block_size, a.head_dim);
 }
 
 // Rotates 8 elements of one head (vector kernel): item r of the head's rotation items.
