@@ -2,7 +2,7 @@
 # Installs the Debian packages kestrel builds and tests with (skips those already installed).
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-pip python3-venv
-      libpcre2-dev libxxhash-dev nlohmann-json3-dev libcli11-dev libcpp-httplib-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libpcre2-dev libxxhash-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
       libboost1.81-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,11 +1,12 @@
 // kestrel serve: the engine behind an OpenAI-compatible HTTP server (server/http_server.h). Threads:
-// httplib's pool (parse, template, tokenize, write responses), one engine thread (server/
-// engine_loop.h: the only one that touches the Engine), the CPU backend's pool, and a signal thread
-// that turns SIGINT/SIGTERM into a graceful stop.
+// --http-threads running the HTTP event loop and the handlers (parse, template, tokenize, write
+// responses), one engine thread (server/engine_loop.h: the only one that touches the Engine), the
+// CPU backend's pool, and a signal thread that turns SIGINT/SIGTERM into a graceful stop.
 #include <CLI/CLI.hpp>
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -26,7 +27,25 @@ struct ServeArgs {
   std::string model;
   ServerOptions server;
   EngineServingFlags engine;
+  double keep_alive_s = 5;
+  uint64_t max_body_bytes = 8 << 20;
 };
+
+// Descriptors kept for everything but client connections (model files, the listening socket,
+// pipes, logs).
+constexpr int64_t kReservedFds = 64;
+
+// Raises the soft descriptor limit to the hard one (each connection is a descriptor) and returns it.
+int64_t raise_fd_limit() {
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 1024;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rlimit raised = rl;
+    raised.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) rl = raised;
+  }
+  return rl.rlim_cur == RLIM_INFINITY ? int64_t{1} << 20 : static_cast<int64_t>(rl.rlim_cur);
+}
 
 // The name clients use in `model`: the file or folder name of the model.
 std::string default_model_name(const std::string& path) {
@@ -45,6 +64,15 @@ void run_serve(ServeArgs a) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  const int64_t fd_limit = raise_fd_limit();
+  const int64_t max_connections_fit = std::max<int64_t>(1, fd_limit - kReservedFds);
+  if (a.server.max_connections == 0) a.server.max_connections = max_connections_fit;
+  if (a.server.max_connections > max_connections_fit)
+    throw Error("--max-connections " + std::to_string(a.server.max_connections) + " exceeds what the descriptor limit (" +
+                std::to_string(fd_limit) + ", ulimit -Hn) allows: at most " + std::to_string(max_connections_fit));
+  a.server.limits.keep_alive_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.keep_alive_s * 1000));
+  a.server.limits.max_body_bytes = a.max_body_bytes;
+
   const std::string path = resolve_model_path(a.model);
   LoadedModel lm = load_model(path);
   if (a.server.served_model_name.empty()) a.server.served_model_name = default_model_name(path);
@@ -59,17 +87,18 @@ void run_serve(ServeArgs a) {
   std::cerr << "kestrel serve: " << a.server.served_model_name << " on http://" << a.server.host << ":" << port
             << " (max_model_len " << config.max_model_len << ", " << config.n_kv_blocks << " KV blocks of "
             << config.block_size << " tokens, max_num_seqs " << config.max_num_seqs << ", "
-            << a.server.http_threads << " HTTP threads" << (a.server.api_key.empty() ? "" : ", API key required")
+            << a.server.http_threads << " HTTP threads, at most " << a.server.max_connections << " connections"
+            << (a.server.api_key.empty() ? "" : ", API key required")
             << ")" << std::endl;
 
   std::thread signals([&] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
     std::cerr << "kestrel serve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
-              << ": stopping (open requests are aborted)" << std::endl;
+              << ": stopping (open requests are aborted; a second signal exits at once)" << std::endl;
     loop.shutdown();  // open requests end with "abort", new ones get 503
-    http.stop();
-    sigwait(&stop_signals, &sig);  // a second signal: do not wait for slow connections
+    http.stop();      // their last chunks are written, for 3 s at most
+    sigwait(&stop_signals, &sig);  // a second signal: exit now
     std::_Exit(1);
   });
   signals.detach();  // serve() returns only after it called stop(); the process then ends
@@ -95,9 +124,22 @@ void register_serve(CLI::App& app) {
   sub->add_option("--served-model-name", a->server.served_model_name,
                   "Model name for /v1/models and the `model` field (default: the model's file or folder name)");
   sub->add_option("--http-threads", a->server.http_threads,
-                  "Connections served at once; each streaming client holds one")
-      ->check(CLI::Range(1, 16384))
+                  "Threads running the HTTP event loop and the request handlers (connections hold none)")
+      ->check(CLI::Range(1, 256))
       ->capture_default_str();
+  sub->add_option("--max-connections", a->server.max_connections,
+                  "Open client connections at most; more get a 503 and are closed (default: the descriptor "
+                  "limit, raised to its hard value, less " + std::to_string(kReservedFds) + ")")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  sub->add_option("--timeout-keep-alive", a->keep_alive_s,
+                  "Seconds an idle keep-alive connection stays open between requests")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  sub->add_option("--max-body-size", a->max_body_bytes,
+                  "Largest request body in bytes (suffixes KB, MB, KiB, MiB); larger ones get 413")
+      ->transform(CLI::AsSizeValue(true))
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
+      ->default_str("8MiB");
   a->engine.add_to(*sub);
   sub->callback([a] { run_serve(*a); });
 }

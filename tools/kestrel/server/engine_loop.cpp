@@ -5,18 +5,24 @@
 
 namespace kestrel::cli {
 
-RequestChannel::State RequestChannel::wait_admission(std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mutex_);
-  cv_.wait_for(lock, timeout, [&] { return state_ != State::Pending; });
+RequestChannel::State RequestChannel::state() const {
+  std::lock_guard lock(mutex_);
   return state_;
 }
 
-bool RequestChannel::wait_outputs(std::vector<ChoiceOutput>* out, std::chrono::milliseconds timeout) {
-  std::unique_lock lock(mutex_);
-  if (!cv_.wait_for(lock, timeout, [&] { return !outputs_.empty(); })) return false;
+bool RequestChannel::take_outputs(std::vector<ChoiceOutput>* out) {
+  std::lock_guard lock(mutex_);
+  armed_ = true;
+  if (outputs_.empty()) return false;
   for (ChoiceOutput& o : outputs_) out->push_back(std::move(o));
   outputs_.clear();
   return true;
+}
+
+const std::function<void()>* RequestChannel::fire_locked() {
+  if (!armed_ || !notify_) return nullptr;
+  armed_ = false;
+  return &notify_;  // const after construction: the caller may run it without the lock
 }
 
 std::string RequestChannel::error() const {
@@ -25,20 +31,24 @@ std::string RequestChannel::error() const {
 }
 
 void RequestChannel::set_state(State s, std::string error) {
+  const std::function<void()>* fire = nullptr;
   {
     std::lock_guard lock(mutex_);
     state_ = s;
     error_ = std::move(error);
+    fire = fire_locked();
   }
-  cv_.notify_all();
+  if (fire) (*fire)();
 }
 
 void RequestChannel::push(ChoiceOutput o) {
+  const std::function<void()>* fire = nullptr;
   {
     std::lock_guard lock(mutex_);
     outputs_.push_back(std::move(o));
+    fire = fire_locked();
   }
-  cv_.notify_all();
+  if (fire) (*fire)();
 }
 
 EngineLoop::EngineLoop(Engine& engine, std::function<void(const RequestOutput&)> on_finished)
@@ -49,8 +59,8 @@ EngineLoop::EngineLoop(Engine& engine, std::function<void(const RequestOutput&)>
 
 EngineLoop::~EngineLoop() { shutdown(); }
 
-std::shared_ptr<RequestChannel> EngineLoop::submit(std::vector<Request> requests) {
-  std::shared_ptr<RequestChannel> channel(new RequestChannel(requests.size()));
+std::shared_ptr<RequestChannel> EngineLoop::submit(std::vector<Request> requests, std::function<void()> notify) {
+  std::shared_ptr<RequestChannel> channel(new RequestChannel(requests.size(), std::move(notify)));
   {
     std::lock_guard lock(mutex_);
     if (!stopping_) {

@@ -1,13 +1,15 @@
-// The server's engine thread: the only thread that touches the Engine. HTTP threads hand it native
+// The server's engine thread: the only thread that touches the Engine. HTTP handlers hand it native
 // requests through a queue and read each request's outputs from its own channel; no JSON here.
 //
-//   HTTP thread                       engine thread
-//   submit(requests) --commands-->    add_request ... step() ... route outputs --> channel.push
-//   channel.wait() <------------------------------------------------------------------'
-//   abort(channel)   --commands-->    abort_request (a client went away: its KV blocks are freed)
+//   HTTP handler                         engine thread
+//   submit(requests, notify) --commands-->  add_request ... step() ... route outputs --> channel.push
+//   notify() posts to the connection; it takes the outputs  <--------------------------------'
+//   abort(channel)           --commands-->  abort_request (a client went away: its KV blocks are freed)
+//
+// Nothing here blocks an HTTP thread: the channel calls its notify function (on the engine thread)
+// when there is something to take, and the HTTP side takes it on its own thread.
 #pragma once
 
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -29,32 +31,38 @@ struct ChoiceOutput {
   RequestOutput output;
 };
 
-// The outputs of one HTTP request's engine requests, from the engine thread to the HTTP thread that
-// waits for them. Thread-safe.
+// The outputs of one HTTP request's engine requests, from the engine thread to the HTTP side.
+// Thread-safe.
+//
+// Notification: the notify function given to EngineLoop::submit runs on the engine thread (without
+// the channel's lock held) when the state changes or outputs arrive, once; take_outputs() arms it
+// again. So a consumer that, on each call, reads state() and takes the outputs never misses one
+// and is called at most once per take. It must not block (post to an executor and return).
 class RequestChannel {
  public:
   // Rejected: the engine refused a request (error() says why; a client error). Unavailable: the
   // server is shutting down or its engine failed.
   enum class State { Pending, Admitted, Rejected, Unavailable };
 
-  // Waits until the engine thread has taken or refused the requests, at most `timeout`. Returns
-  // the state then.
-  State wait_admission(std::chrono::milliseconds timeout);
-  // Moves every output that has arrived into *out (appending); waits up to `timeout` when there is
-  // none yet. Returns false when nothing arrived.
-  bool wait_outputs(std::vector<ChoiceOutput>* out, std::chrono::milliseconds timeout);
+  State state() const;
+  // Moves every output that has arrived into *out (appending) and arms the notification again.
+  // Returns false when nothing had arrived.
+  bool take_outputs(std::vector<ChoiceOutput>* out);
   std::string error() const;
   size_t n_choices() const { return n_choices_; }
 
  private:
   friend class EngineLoop;
-  explicit RequestChannel(size_t n_choices) : n_choices_(n_choices) {}
+  RequestChannel(size_t n_choices, std::function<void()> notify) : n_choices_(n_choices), notify_(std::move(notify)) {}
   void set_state(State s, std::string error = {});
   void push(ChoiceOutput o);
+  // Under mutex_: takes the notification if it is armed (the caller runs it after unlocking).
+  const std::function<void()>* fire_locked();
 
   const size_t n_choices_;
+  const std::function<void()> notify_;  // may be empty
   mutable std::mutex mutex_;
-  std::condition_variable cv_;
+  bool armed_ = true;
   State state_ = State::Pending;
   std::string error_;
   std::vector<ChoiceOutput> outputs_;
@@ -81,8 +89,8 @@ class EngineLoop {
 
   // Queues the choices of one HTTP request (at least one). The channel reports admission (all of
   // them added, or none: the engine's add_request error, or a shutting-down loop) and then every
-  // output. Never throws for a bad request.
-  std::shared_ptr<RequestChannel> submit(std::vector<Request> requests);
+  // output; notify (see RequestChannel) tells when to look. Never throws for a bad request.
+  std::shared_ptr<RequestChannel> submit(std::vector<Request> requests, std::function<void()> notify = {});
   // Aborts every unfinished choice of the channel (the client went away); their blocks are freed
   // by the engine thread before its next step.
   void abort(const std::shared_ptr<RequestChannel>& channel);

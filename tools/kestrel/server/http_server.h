@@ -1,8 +1,9 @@
-// The OpenAI-compatible HTTP front of `kestrel serve` (cpp-httplib; its thread pool runs the
-// handlers). Routes: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events),
-// GET /v1/models, GET /health, GET /metrics. Handlers parse and validate the JSON, apply the chat
-// template and tokenize, then hand native requests to the EngineLoop and turn its outputs into
-// OpenAI objects. httplib stays inside http_server.cpp.
+// The OpenAI-compatible HTTP front of `kestrel serve`: Boost.Beast on an Asio io_context run by a few
+// threads (--http-threads). Connections (http_session.h) are event-driven, so idle, slow or
+// streaming clients hold no thread; the handlers (http_api.h) never wait on the engine thread but
+// are told when its outputs arrive. Routes: POST /v1/completions, POST /v1/chat/completions,
+// GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health,
+// GET /metrics.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 
 #include "openai_request.h"
 #include "server/engine_loop.h"
+#include "server/http_head.h"
 #include "server/server_metrics.h"
 
 namespace kestrel::cli {
@@ -20,7 +22,9 @@ struct ServerOptions {
   int port = 8000;                // 0: any free port (bind() returns it)
   std::string api_key;            // non-empty: /v1/* requests need "Authorization: Bearer <key>"
   std::string served_model_name;  // what /v1/models lists and `model` must match
-  int http_threads = 512;         // connections served at once (a streaming client holds one)
+  int http_threads = 4;           // threads running the event loop and the handlers
+  int64_t max_connections = 0;    // open connections at most; more get a 503 and are closed
+  HttpLimits limits;
 };
 
 class HttpServer {
@@ -34,11 +38,13 @@ class HttpServer {
 
   // Binds the address. Returns the port; throws kestrel::Error when the address cannot be bound.
   int bind();
-  // Serves until stop() (from another thread); returns once every connection thread has ended.
+  // Serves on options.http_threads threads (this one among them) until stop(); returns once they
+  // have all ended.
   void serve();
-  // Waits (at most 10 s) for the responses of open generations to be written, then stops
-  // listening. Call after EngineLoop::shutdown, which ends those generations.
-  void stop();
+  // Thread-safe. Stops accepting, closes idle and half-read connections, lets the open responses
+  // (which EngineLoop::shutdown has just ended) write their last chunks, then ends serve(): at most
+  // `grace` later, whatever the clients do. Call after EngineLoop::shutdown.
+  void stop(std::chrono::milliseconds grace = std::chrono::milliseconds(3000));
 
  private:
   struct Impl;

@@ -1,0 +1,200 @@
+#include "server/http_api.h"
+
+#include <ctime>
+
+#include "chat_prompt.h"
+#include "server/http_generate.h"
+#include "server/openai_api.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+HttpResponse json_response(const Json& j) {
+  HttpResponse r;
+  r.body = dump(j);
+  return r;
+}
+
+HttpResponse error_json(int status, const std::string& message, const std::string& param = "",
+                        const std::string& code = "") {
+  HttpResponse r;
+  r.status = status;
+  r.body = dump(error_body(message, "invalid_request_error", param, code));
+  return r;
+}
+
+Json models_json(const ApiState& api) {
+  Json model{{"id", api.served_model_name},
+             {"object", "model"},
+             {"created", api.started},
+             {"owned_by", "kestrel"},
+             {"max_model_len", api.max_model_len}};
+  return Json{{"object", "list"}, {"data", Json::array({model})}};
+}
+
+// A JSON object body, or an error response.
+std::optional<HttpResponse> parse_object(const std::string& body, RequestJson* out) {
+  try {
+    *out = parse_request_body(body);
+  } catch (const RequestError& e) {
+    return error_json(400, e.what(), e.param());
+  }
+  if (!out->is_object())
+    return error_json(400, std::string("the request body must be a JSON object, got ") + out->type_name());
+  return std::nullopt;
+}
+
+// A boolean field, or def when absent; throws RequestError for another type.
+bool bool_field(const RequestJson& j, const char* name, bool def) {
+  const auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return def;
+  if (!it->is_boolean()) throw RequestError(name, std::string(name) + " must be true or false, got " + shown(*it));
+  return it->get<bool>();
+}
+
+// An optional "model" field that names another model: 404 (as the generation routes answer).
+std::optional<HttpResponse> check_model(const ApiState& api, const RequestJson& j) {
+  const auto it = j.find("model");
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_string()) return error_json(400, "model must be a string, got " + shown(*it), "model");
+  if (const auto& m = it->get_ref<const std::string&>(); !m.empty() && m != api.served_model_name)
+    return error_json(404, "The model `" + m + "` does not exist; this server serves `" + api.served_model_name + "`",
+                      "model", "model_not_found");
+  return std::nullopt;
+}
+
+// POST /tokenize (vLLM): {"prompt": str, "add_special_tokens": bool = true} or {"messages": [...],
+// "add_generation_prompt": bool = true, "add_special_tokens": bool} -> {"count", "max_model_len",
+// "tokens", "token_strs": null}. Messages get the server's chat prompt: without add_special_tokens,
+// BOS as chat requests get it (none when the template writes it).
+HttpResponse tokenize(ApiState& api, const std::string& body) {
+  RequestJson j;
+  if (auto e = parse_object(body, &j)) return *e;
+  if (auto e = check_model(api, j)) return *e;
+  const Tokenizer& tok = *api.format.tokenizer;
+  std::vector<int32_t> ids;
+  try {
+    const bool has_prompt = j.contains("prompt"), has_messages = j.contains("messages");
+    if (has_prompt == has_messages)
+      throw RequestError(has_prompt ? "messages" : "prompt", "give either prompt (a string) or messages, not both");
+    if (has_prompt) {
+      const RequestJson& p = j["prompt"];
+      if (!p.is_string()) throw RequestError("prompt", "prompt must be a string, got " + shown(p));
+      ids = tok.encode(p.get_ref<const std::string&>(), bool_field(j, "add_special_tokens", true), true);
+    } else {
+      const OpenAiRequest r = parse_openai_request(RequestJson{{"messages", j["messages"]}}, RequestApi::Chat);
+      const std::string text = render_chat(api.format, r.messages_json, bool_field(j, "add_generation_prompt", true));
+      const bool has_bos = !api.format.bos_token.empty() && text.rfind(api.format.bos_token, 0) == 0;
+      ids = tok.encode(text, bool_field(j, "add_special_tokens", !has_bos), true);
+    }
+  } catch (const RequestError& e) {
+    return error_json(400, e.what(), e.param());
+  } catch (const Error& e) {
+    return error_json(400, e.what());
+  }
+  return json_response(Json{{"count", ids.size()},
+                            {"max_model_len", api.max_model_len},
+                            {"tokens", ids},
+                            {"token_strs", nullptr}});
+}
+
+// POST /detokenize (vLLM): {"tokens": [id, ...]} -> {"prompt": text}, special tokens included.
+HttpResponse detokenize(ApiState& api, const std::string& body) {
+  RequestJson j;
+  if (auto e = parse_object(body, &j)) return *e;
+  if (auto e = check_model(api, j)) return *e;
+  const Tokenizer& tok = *api.format.tokenizer;
+  std::vector<int32_t> ids;
+  try {
+    const auto it = j.find("tokens");
+    if (it == j.end() || !it->is_array()) throw RequestError("tokens", "tokens must be a list of token ids");
+    for (size_t i = 0; i < it->size(); ++i) {
+      const RequestJson& v = (*it)[i];
+      const std::string name = "tokens[" + std::to_string(i) + "]";
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.n_vocab())
+        throw RequestError(name, name + " = " + shown(v) + " is not a token id of the vocabulary (0 to " +
+                                     std::to_string(tok.n_vocab() - 1) + ")");
+      ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+    }
+  } catch (const RequestError& e) {
+    return error_json(400, e.what(), e.param());
+  }
+  return json_response(Json{{"prompt", tok.decode(ids, /*skip_special=*/false)}});
+}
+
+// GET /tokenizer_info (vLLM): what a remote-tokenizer client needs to know.
+HttpResponse tokenizer_info(const ApiState& api) {
+  const Tokenizer& tok = *api.format.tokenizer;
+  auto token_text = [&](int32_t id) { return id >= 0 ? Json(tok.token(id).text) : Json(nullptr); };
+  return json_response(Json{
+      {"tokenizer_class", tok.kind() == TokenizerKind::SPM ? "SentencePieceBPE" : "ByteLevelBPE"},
+      {"bos_token", token_text(tok.bos_id())},
+      {"eos_token", token_text(tok.eos_id())},
+      {"pad_token", token_text(tok.pad_id())},
+      {"chat_template", api.format.template_source.empty() ? Json(nullptr) : Json(api.format.template_source)},
+      {"model_max_length", api.max_model_len},
+      {"vocab_size", tok.n_vocab()},
+  });
+}
+
+}  // namespace
+
+ApiState::ApiState(std::string name, const PromptFormat& f, int64_t len, EngineLoop& l, ServerMetrics& m)
+    : served_model_name(std::move(name)),
+      format(f),
+      max_model_len(len),
+      loop(l),
+      metrics(m),
+      started(std::time(nullptr)),
+      seeds_(std::random_device{}()) {}
+
+uint64_t ApiState::random_seed() {
+  std::lock_guard lock(seed_mutex_);
+  return seeds_();
+}
+
+void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, HttpRequest req) {
+  try {
+    switch (req.route) {
+      case Route::Completions:
+        return start_generation(api, session, req.body, RequestApi::Completions);
+      case Route::ChatCompletions:
+        return start_generation(api, session, req.body, RequestApi::Chat);
+      case Route::Models:
+        return session->respond(json_response(models_json(api)));
+      case Route::Model:
+        if (req.model_id != api.served_model_name)
+          return session->respond(error_json(404, "The model `" + req.model_id + "` does not exist.", "model",
+                                             "model_not_found"));
+        return session->respond(json_response(models_json(api)["data"][0]));
+      case Route::Health: {
+        const bool ok = api.loop.snapshot().alive && api.loop.accepting();
+        HttpResponse r;
+        r.status = ok ? 200 : 503;
+        r.body = ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}";
+        return session->respond(std::move(r));
+      }
+      case Route::Metrics: {
+        HttpResponse r;
+        r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+        r.body = api.metrics.render(api.loop.snapshot());
+        return session->respond(std::move(r));
+      }
+      case Route::Tokenize:
+        return session->respond(tokenize(api, req.body));
+      case Route::Detokenize:
+        return session->respond(detokenize(api, req.body));
+      case Route::TokenizerInfo:
+        return session->respond(tokenizer_info(api));
+    }
+  } catch (const std::exception& e) {
+    // Not expected: every handler answers bad input itself. The connection still gets an answer.
+    HttpResponse r;
+    r.status = 500;
+    r.body = dump(error_body(std::string("internal error: ") + e.what(), "server_error"));
+    session->respond(std::move(r));
+  }
+}
+
+}  // namespace kestrel::cli

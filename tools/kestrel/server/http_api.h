@@ -1,0 +1,44 @@
+// The routes of `kestrel serve` behind the HTTP layer (http_session.h hands it complete requests on
+// the connection's strand): the OpenAI endpoints (/v1/completions and /v1/chat/completions in
+// http_generate.h; /v1/models), vLLM's tokenizer endpoints (/tokenize, /detokenize,
+// /tokenizer_info), /health and /metrics. Nothing here waits: generations answer as the engine's
+// outputs arrive, /health and /metrics read the engine thread's snapshot.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+
+#include "openai_request.h"
+#include "server/engine_loop.h"
+#include "server/http_session.h"
+#include "server/server_metrics.h"
+
+namespace kestrel::cli {
+
+// What the handlers share. Everything referenced outlives the server.
+struct ApiState {
+  ApiState(std::string name, const PromptFormat& f, int64_t len, EngineLoop& l, ServerMetrics& m);
+
+  std::string served_model_name;  // what /v1/models lists and `model` must match
+  const PromptFormat& format;
+  int64_t max_model_len;  // the engine's context per sequence
+  EngineLoop& loop;
+  ServerMetrics& metrics;
+  int64_t started;  // Unix seconds, /v1/models' "created"
+  std::atomic<int64_t> open_generations{0};  // generations whose responses are not written yet
+
+  uint64_t random_seed();  // for requests without a seed
+
+ private:
+  std::mutex seed_mutex_;
+  std::mt19937_64 seeds_;
+};
+
+// The Dispatch of the HTTP layer.
+void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, HttpRequest req);
+
+}  // namespace kestrel::cli

@@ -1,0 +1,340 @@
+#include "server/http_generate.h"
+
+#include <boost/asio/post.hpp>
+
+#include <ctime>
+
+#include "server/openai_api.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+HttpResponse error_json(int status, const std::string& message, const std::string& param = "",
+                        const std::string& code = "", const std::string& type = "invalid_request_error") {
+  HttpResponse r;
+  r.status = status;
+  r.body = dump(error_body(message, type, param, code));
+  return r;
+}
+
+// One prompt of the request, as the engine sees it and as the response repeats it.
+struct PromptInfo {
+  int64_t n_prompt = 0;
+  std::string echo_text;            // completions with echo: the prompt text
+  std::vector<int32_t> prompt_ids;  // echo with logprobs: the prompt's tokens, listed in the logprobs
+};
+
+// One HTTP request's generation: its choices as they arrive and what is needed to answer.
+class Generation : public RequestHandler, public std::enable_shared_from_this<Generation> {
+ public:
+  Generation(ApiState& api, const std::shared_ptr<HttpSession>& session) : api_(api), session_(session) {
+    ++api_.open_generations;
+  }
+  ~Generation() override { --api_.open_generations; }
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  // Validates and tokenizes; answers an error and returns false, or fills the generation in.
+  bool prepare(const std::string& body, RequestApi which, std::vector<Request>* requests);
+  void submit(std::vector<Request> requests);
+  void cancel() override {
+    if (cancelled_) return;
+    cancelled_ = true;
+    if (channel_) api_.loop.abort(channel_);  // queued after the submit: aborts whatever was admitted
+  }
+
+ private:
+  struct Choice {
+    std::string text;
+    LoggedTokens logged;                          // non-streamed: every logged token
+    std::vector<LogprobSummary> prompt_logprobs;  // non-streamed echo with logprobs
+    bool echo_sent = false;                       // streamed echo with logprobs: the echo chunk is out
+    int64_t text_offset = 0;                      // completions logprobs: characters before the next token
+    bool finished = false;
+    std::string finish_reason, error;
+    int64_t n_output = 0;
+  };
+
+  void on_notify();
+  void complete(HttpSession& s, std::vector<ChoiceOutput>& outputs);
+  void stream(HttpSession& s, std::vector<ChoiceOutput>& outputs);
+  std::string chunks_for(ChoiceOutput& o);
+  const PromptInfo& prompt_of(size_t choice) const { return prompts_[choice / static_cast<size_t>(n_)]; }
+  void finish(Choice& c, const RequestOutput& o) {
+    c.finished = true;
+    c.finish_reason = o.finish_reason;
+    c.error = o.error;
+    c.n_output = o.metrics.n_output_tokens;
+    ++n_finished_;
+  }
+  Json usage() const {
+    int64_t n_prompt = 0, n_completion = 0;
+    for (const PromptInfo& p : prompts_) n_prompt += p.n_prompt;
+    for (const Choice& c : choices_) n_completion += c.n_output;
+    return usage_json(n_prompt, n_completion);
+  }
+  void respond(HttpSession& s, HttpResponse r) {
+    done_ = true;
+    s.respond(std::move(r));
+  }
+
+  ApiState& api_;
+  std::weak_ptr<HttpSession> session_;
+  std::shared_ptr<RequestChannel> channel_;
+  ResponseHeader header_;
+  std::vector<int32_t> stop_ids_;
+  std::vector<PromptInfo> prompts_;
+  int32_t n_ = 1;  // choices per prompt
+  bool want_logprobs_ = false;
+  bool include_usage_ = false;
+  bool streamed_ = false;
+  std::vector<Choice> choices_;
+  size_t n_finished_ = 0;
+  bool started_ = false;  // streamed: the head and the first chunks are written
+  bool done_ = false;     // the whole answer is written
+  bool cancelled_ = false;
+};
+
+bool Generation::prepare(const std::string& body, RequestApi which, std::vector<Request>* requests) {
+  auto session = session_.lock();
+  RequestJson j;
+  try {
+    j = parse_request_body(body);
+  } catch (const RequestError& e) {
+    respond(*session, error_json(400, e.what(), e.param()));
+    return false;
+  }
+  if (!j.is_object()) {
+    respond(*session, error_json(400, std::string("the request body must be a JSON object, got ") + j.type_name()));
+    return false;
+  }
+  OpenAiRequest r;
+  std::vector<Request> bases;
+  try {
+    r = parse_openai_request(j, which);
+    if (!r.model.empty() && r.model != api_.served_model_name) {
+      respond(*session, error_json(404,
+                                   "The model `" + r.model + "` does not exist; this server serves `" +
+                                       api_.served_model_name + "`",
+                                   "model", "model_not_found"));
+      return false;
+    }
+    const size_t n_prompts = r.is_chat ? 1 : r.prompts.size();
+    for (size_t p = 0; p < n_prompts; ++p) bases.push_back(to_engine_request(r, api_.format, 0, p));
+  } catch (const RequestError& e) {
+    respond(*session, error_json(400, e.what(), e.param()));
+    return false;
+  } catch (const Error& e) {
+    respond(*session, error_json(400, e.what()));
+    return false;
+  }
+  const std::string prompt_param = r.is_chat ? "messages" : "prompt";
+  const int64_t len = api_.max_model_len;
+  for (size_t p = 0; p < bases.size(); ++p) {
+    // The context holds prompt and output: a prompt that fills it is refused, never truncated.
+    const auto n_prompt = static_cast<int64_t>(bases[p].prompt.size());
+    const std::string which_prompt = bases.size() > 1 ? "prompt " + std::to_string(p) : "the prompt";
+    if (n_prompt >= len) {
+      respond(*session, error_json(400,
+                                   which_prompt + " has " + std::to_string(n_prompt) +
+                                       " tokens but the context (max_model_len) is " + std::to_string(len) +
+                                       " tokens, which must also hold at least one output token",
+                                   prompt_param, "context_length_exceeded"));
+      return false;
+    }
+    // Written as a difference: max_tokens may be as large as 2^63 - 1.
+    if (r.max_tokens > 0 && r.max_tokens > len - n_prompt) {
+      respond(*session, error_json(400,
+                                   "max_tokens = " + std::to_string(r.max_tokens) + " plus the " +
+                                       std::to_string(n_prompt) + " tokens of " + which_prompt +
+                                       " exceed the context of " + std::to_string(len) +
+                                       " tokens (max_tokens may be at most " + std::to_string(len - n_prompt) + ")",
+                                   "max_tokens", "context_length_exceeded"));
+      return false;
+    }
+    PromptInfo info;
+    info.n_prompt = n_prompt;
+    if (r.echo) info.echo_text = prompt_text(r, *api_.format.tokenizer, p);
+    if (r.echo && r.logprobs >= 0) info.prompt_ids = bases[p].prompt;
+    prompts_.push_back(std::move(info));
+  }
+  // n choices per prompt: n engine requests on the same prompt; with a seed, choice j of every
+  // prompt draws from seed + j (as the same prompt sent alone would). They are admitted in the
+  // same step, so each prefills its prompt (the prefix cache only shares blocks computed in
+  // earlier steps).
+  n_ = r.n;
+  for (size_t p = 0; p < bases.size(); ++p)
+    for (int32_t i = 0; i < r.n; ++i) {
+      Request q = bases[p];
+      q.sampling.seed = r.seed ? *r.seed + static_cast<uint64_t>(i) : api_.random_seed();
+      requests->push_back(std::move(q));
+    }
+  header_ = ResponseHeader{new_response_id(r.is_chat ? "chatcmpl-" : "cmpl-"), std::time(nullptr),
+                           api_.served_model_name, which == RequestApi::Chat};
+  stop_ids_ = bases.front().stop_ids;
+  want_logprobs_ = r.logprobs >= 0;
+  include_usage_ = r.stream && r.include_usage;
+  streamed_ = r.stream;
+  choices_.resize(requests->size());
+  return true;
+}
+
+void Generation::submit(std::vector<Request> requests) {
+  auto session = session_.lock();
+  // The engine thread calls this once there is something to take; the work runs on the strand.
+  auto notify = [weak = weak_from_this(), ex = session->executor()] {
+    boost::asio::post(ex, [weak] {
+      if (auto g = weak.lock()) g->on_notify();
+    });
+  };
+  channel_ = api_.loop.submit(std::move(requests), std::move(notify));
+}
+
+void Generation::on_notify() {
+  auto session = session_.lock();
+  if (!session || !session->open() || cancelled_ || done_) return;
+  const RequestChannel::State state = channel_->state();
+  std::vector<ChoiceOutput> outputs;
+  channel_->take_outputs(&outputs);  // arms the next notification
+  if (state == RequestChannel::State::Pending) return;
+  if (state == RequestChannel::State::Rejected) return respond(*session, error_json(400, channel_->error()));
+  if (state == RequestChannel::State::Unavailable)
+    return respond(*session, error_json(503, channel_->error(), "", "unavailable", "server_error"));
+  if (streamed_) return stream(*session, outputs);
+  complete(*session, outputs);
+}
+
+void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
+  for (ChoiceOutput& o : outputs) {
+    Choice& c = choices_[static_cast<size_t>(o.index)];
+    c.text += o.output.text_delta;
+    if (!o.output.prompt_logprobs.empty()) c.prompt_logprobs = o.output.prompt_logprobs;
+    if (want_logprobs_) {
+      LoggedTokens t = logged_tokens(o.output, stop_ids_);
+      c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
+      c.logged.logprobs.insert(c.logged.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
+    }
+    if (o.output.finished) finish(c, o.output);
+  }
+  if (n_finished_ < choices_.size()) return;
+  std::vector<FinalChoice> finals;
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    Choice& c = choices_[i];
+    if (c.finish_reason == "error")
+      return respond(s, error_json(500, "generation failed: " + c.error, "", "", "server_error"));
+    if (c.finish_reason == "abort")
+      return respond(s, error_json(503, "the server is shutting down", "", "unavailable", "server_error"));
+    const PromptInfo& p = prompt_of(i);
+    FinalChoice f;
+    f.index = static_cast<int32_t>(i);
+    f.text = p.echo_text + c.text;
+    if (want_logprobs_ && header_.chat) {
+      f.logprobs = chat_logprobs(*api_.format.tokenizer, c.logged);
+    } else if (want_logprobs_) {
+      if (!p.echo_text.empty())
+        f.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, c.prompt_logprobs, &c.text_offset);
+      append_completion_logprobs(f.logprobs, completion_logprobs(*api_.format.tokenizer, c.logged, &c.text_offset));
+    }
+    f.finish_reason = c.finish_reason;
+    finals.push_back(std::move(f));
+  }
+  HttpResponse r;
+  r.body = dump(full_response(header_, finals, usage()));
+  respond(s, std::move(r));
+}
+
+std::string Generation::chunks_for(ChoiceOutput& co) {
+  Choice& c = choices_[static_cast<size_t>(co.index)];
+  const PromptInfo& p = prompt_of(static_cast<size_t>(co.index));
+  const RequestOutput& o = co.output;
+  std::string out;
+  if (o.finished && o.finish_reason == "error") {
+    finish(c, o);
+    return sse_event(error_body("generation failed: " + o.error, "server_error"));
+  }
+  if (!p.echo_text.empty() && want_logprobs_ && !c.echo_sent) {
+    // Echo with logprobs: the prompt goes out with its logprobs, which come with the first token.
+    c.echo_sent = true;
+    ChunkChoice echo;
+    echo.index = co.index;
+    echo.text = p.echo_text;
+    echo.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, o.prompt_logprobs, &c.text_offset);
+    out += sse_event(stream_chunk(header_, echo, include_usage_));
+  }
+  ChunkChoice chunk;
+  chunk.index = co.index;
+  if (want_logprobs_) {
+    const LoggedTokens t = logged_tokens(o, stop_ids_);
+    if (!t.ids.empty())
+      chunk.logprobs = header_.chat ? chat_logprobs(*api_.format.tokenizer, t)
+                                    : completion_logprobs(*api_.format.tokenizer, t, &c.text_offset);
+  }
+  const bool has_news = !o.text_delta.empty() || !chunk.logprobs.is_null();
+  if (o.finished) finish(c, o);
+  if (header_.chat) {
+    if (has_news) {
+      chunk.text = o.text_delta;
+      out += sse_event(stream_chunk(header_, chunk, include_usage_));
+    }
+    if (o.finished) {
+      ChunkChoice last;
+      last.index = co.index;
+      last.finish_reason = o.finish_reason;
+      out += sse_event(stream_chunk(header_, last, include_usage_));
+    }
+  } else if (has_news || o.finished) {
+    chunk.text = o.text_delta;
+    if (o.finished) chunk.finish_reason = o.finish_reason;
+    out += sse_event(stream_chunk(header_, chunk, include_usage_));
+  }
+  return out;
+}
+
+void Generation::stream(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
+  std::string buf;
+  if (!started_) {
+    started_ = true;
+    HttpResponse head;
+    head.content_type = "text/event-stream";
+    head.headers = {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}};
+    s.start_stream(std::move(head));
+    for (size_t i = 0; i < choices_.size(); ++i) {
+      ChunkChoice first;
+      first.index = static_cast<int32_t>(i);
+      if (header_.chat) {
+        first.role = true;
+        first.text = "";
+      } else if (!prompt_of(i).echo_text.empty() && !want_logprobs_) {  // with logprobs: see chunks_for
+        first.text = prompt_of(i).echo_text;
+      } else {
+        continue;
+      }
+      buf += sse_event(stream_chunk(header_, first, include_usage_));
+    }
+  }
+  for (ChoiceOutput& o : outputs) buf += chunks_for(o);
+  const bool all_finished = n_finished_ == choices_.size();
+  if (all_finished) {
+    if (include_usage_) buf += sse_event(usage_chunk(header_, usage()));
+    buf += kSseDone;
+  }
+  s.write_chunk(std::move(buf));
+  if (all_finished) {
+    done_ = true;
+    s.end_stream();
+  }
+}
+
+}  // namespace
+
+void start_generation(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& body,
+                      RequestApi which) {
+  auto g = std::make_shared<Generation>(api, session);
+  std::vector<Request> requests;
+  if (!g->prepare(body, which, &requests)) return;
+  session->attach(g);
+  g->submit(std::move(requests));
+}
+
+}  // namespace kestrel::cli

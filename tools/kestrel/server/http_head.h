@@ -1,0 +1,81 @@
+// What the server decides from a request head alone, before it reads the body: the route, the
+// method, the API key, the body's media type, encoding and length, and the header limits. Pure
+// functions of the head (no I/O), so they can be tested and fuzzed on their own.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace kestrel::cli {
+
+// The HTTP layer's limits and deadlines (flags of `kestrel serve`; defaults as uvicorn/vLLM).
+struct HttpLimits {
+  size_t max_header_bytes = 16 * 1024;  // request line + header fields; more: 431
+  size_t max_header_count = 100;        // header fields; more: 431
+  uint64_t max_body_bytes = 8 << 20;    // request body; more: 413 (checked from Content-Length first)
+  std::chrono::milliseconds head_timeout{10'000};       // whole request head, from its first byte (408)
+  std::chrono::milliseconds body_timeout{30'000};       // whole request body, from the end of the head (408)
+  std::chrono::milliseconds keep_alive_timeout{5'000};  // idle between requests on one connection (closed)
+  std::chrono::milliseconds write_timeout{30'000};      // one write to a client that stopped reading (closed)
+};
+
+enum class Route {
+  Completions,      // POST /v1/completions
+  ChatCompletions,  // POST /v1/chat/completions
+  Models,           // GET /v1/models
+  Model,            // GET /v1/models/{id}
+  Health,           // GET /health
+  Metrics,          // GET /metrics
+  Tokenize,         // POST /tokenize (vLLM's shape)
+  Detokenize,       // POST /detokenize
+  TokenizerInfo,    // GET /tokenizer_info
+};
+
+// An error the HTTP layer answers itself, as an OpenAI error body {"error": {message, type, param,
+// code}} with this status.
+struct HttpError {
+  int status = 400;
+  std::string message;  // what was wrong, naming the header or limit
+  std::string code;     // OpenAI-style code ("" -> null)
+  std::string type = "invalid_request_error";
+  std::string allow;    // 405: the Allow header's value
+};
+
+// The parts of a request head the checks read (views into the parsed head).
+struct HeadFields {
+  std::string_view method;  // as sent ("POST")
+  std::string_view target;  // request-target ("/v1/completions?x=1")
+  std::string_view content_type, content_encoding, authorization;  // "" when absent
+  std::optional<uint64_t> content_length;  // absent: none or chunked
+  bool chunked = false;                    // Transfer-Encoding: chunked
+  size_t header_count = 0;
+};
+
+struct HeadDecision {
+  Route route = Route::Health;
+  std::string model_id;  // Route::Model: the {id} part
+  std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
+};
+
+// Checks in this order: header count (431); target and route (404); API key on /v1/* when
+// api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in any case, one or more
+// spaces or tabs, the key compared in constant time); method (405 with Allow); for routes with a
+// JSON body: Content-Encoding (415, any but "identity"), Content-Type (415 unless absent or
+// exactly application/json, parameters allowed), and the body length (413 over the limit).
+HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const std::string& api_key);
+
+// True when `content_type` is absent or its media type is exactly application/json (RFC 9110
+// 8.3.1: case-insensitive type/subtype, optional parameters after ';').
+bool is_json_media_type(std::string_view content_type);
+
+// The key of an RFC 7235 "Bearer <token>" credential (scheme case-insensitive, any run of spaces
+// or tabs after it, trailing whitespace ignored); nullopt for another scheme or none.
+std::optional<std::string_view> bearer_token(std::string_view authorization);
+
+// Compares without an early exit, so the time taken does not tell how much of a key matched.
+bool same_secret(std::string_view a, std::string_view b);
+
+}  // namespace kestrel::cli
