@@ -2,8 +2,8 @@
 # Runs every test: the C++ unit/golden/e2e tests and the Python reference checks (CTest), then the
 # C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer. Installs what is missing
 # first (packages, the default model, a Python venv with numpy + gguf for the float64 reference,
-# safetensors for the Hugging Face folder checks, pytest + requests + openai for the server tests),
-# so it works on a fresh clone.
+# safetensors for the Hugging Face folder checks, pytest + requests + openai + lm_eval for the server
+# tests), so it works on a fresh clone. Last, the libFuzzer targets (clang) run for a bounded time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +13,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check numpy==2.1.3 gguf==0.17.1 safetensors==0.6.2 \
-  pytest==8.4.2 requests==2.32.5 openai==3.57.0
+  pytest==8.4.2 requests==2.32.5 openai==3.57.0 "lm_eval[api]==0.4.13"
 export KESTREL_REQUIRE_REFERENCE=1  # a missing reference piece fails instead of skipping
 KESTREL_CMAKE_ARGS="-DPython3_EXECUTABLE=$PWD/.venv/bin/python" scripts/build.sh
 
@@ -31,4 +31,7 @@ cmake -S . -B build-asan "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKESTREL
 cmake --build build-asan -j "$(nproc)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -E '^reference_check'
+
+echo "== libFuzzer targets (clang, ASan + UBSan), 60 s each"
+scripts/fuzz.sh 60
 echo "== all tests passed"
