@@ -245,7 +245,8 @@ TEST(CliBatch, MalformedLinesGiveErrorsInOrderAndTheRestRuns) {
   error_at(1, 1, 2, "invalid JSON");
   EXPECT_EQ(r[2]["id"], 3);  // the 0-based line index
   EXPECT_EQ(r[2]["output_ids"].size(), 4u);
-  error_at(3, 5, 5, "prompt must be a string or an array of token ids, got 5");
+  error_at(3, 5, 5, "prompt must be a string, an array of token ids, or an array of strings or of token-id arrays, "
+                    "got 5");
   error_at(4, "both", 6, "not both");
   error_at(5, "neither", 7, "missing prompt or messages");
   error_at(6, "hot", 8, "temperature must be >= 0 (0 = greedy), got -2");

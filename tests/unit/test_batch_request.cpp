@@ -33,7 +33,9 @@ TEST(BatchRequest, PromptDefaults) {
   EXPECT_TRUE(b.unknown_fields.empty());
   const BatchRequest& r = *b.request;
   EXPECT_FALSE(r.is_chat);
-  EXPECT_EQ(r.prompt, "Once upon a time");
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "Once upon a time");
+  EXPECT_FALSE(r.prompts[0].ids.has_value());
   EXPECT_EQ(r.max_tokens, 256);
   EXPECT_EQ(r.sampling.temperature, 1.0f);
   EXPECT_EQ(r.sampling.top_p, 1.0f);
@@ -273,6 +275,25 @@ TEST(BatchRequest, EngineRequestFromPrompt) {
   EXPECT_EQ(q.prompt, (std::vector<int32_t>{l.tokenizer->bos_id()}));  // BOS alone
   EXPECT_EQ(q.sampling.seed, 3u);
   EXPECT_TRUE(q.stop_ids.empty());
+
+  // A completions request with several prompts: prompt_index picks one.
+  const OpenAiRequest m =
+      parse_openai_request(parse_request_body(R"({"prompt": [[1, 5], [1, 7, 9]]})"), RequestApi::Completions);
+  EXPECT_EQ(to_engine_request(m, f, 0, 0).prompt, (std::vector<int32_t>{1, 5}));
+  EXPECT_EQ(to_engine_request(m, f, 0, 1).prompt, (std::vector<int32_t>{1, 7, 9}));
+  EXPECT_THROW(to_engine_request(m, f, 0, 2), RequestError);
+  EXPECT_EQ(prompt_text(m, *l.tokenizer, 1), l.tokenizer->decode(std::vector<int32_t>{1, 7, 9}, true));
+  const OpenAiRequest texts =
+      parse_openai_request(parse_request_body(R"({"prompt": ["Once", "upon a time"]})"), RequestApi::Completions);
+  EXPECT_EQ(to_engine_request(texts, f, 0, 1).prompt, l.tokenizer->encode("upon a time", true, true));
+  EXPECT_EQ(prompt_text(texts, *l.tokenizer, 1), "upon a time");
+  try {
+    to_engine_request(parse_openai_request(parse_request_body(R"({"prompt": [[1], [1, 600]]})"), RequestApi::Completions),
+                      f, 0, 1);
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_NE(std::string(e.what()).find("prompt[1][1] = 600 is outside the vocabulary"), std::string::npos) << e.what();
+  }
 
   r = parse_ok(R"({"prompt": "a", "logit_bias": {"512": 1}})");  // the vocabulary has 512 tokens
   try {

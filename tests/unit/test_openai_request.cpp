@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "chat_prompt.h"
 #include "openai_request.h"
@@ -11,7 +12,9 @@
 namespace kestrel::cli {
 namespace {
 
-OpenAiRequest parse(const std::string& text, RequestApi api) { return parse_openai_request(Json::parse(text), api); }
+OpenAiRequest parse(const std::string& text, RequestApi api) {
+  return parse_openai_request(parse_request_body(text), api);
+}
 
 // The param of the RequestError the text raises ("<none>" when it parses).
 std::string param_of(const std::string& text, RequestApi api) {
@@ -64,18 +67,82 @@ TEST(OpenAiRequest, ChatLogprobsAreABooleanPlusTopLogprobs) {
   EXPECT_EQ(r.messages_json, Json::parse(R"([{"role": "user", "content": "hi"}])"));
 }
 
+// The message of the RequestError the text raises ("<none>" when it parses).
+std::string error_of(const std::string& text, RequestApi api) {
+  try {
+    parse(text, api);
+  } catch (const RequestError& e) {
+    return e.what();
+  }
+  return "<none>";
+}
+
+std::vector<std::string> texts(const OpenAiRequest& r) {
+  std::vector<std::string> out;
+  for (const PromptInput& p : r.prompts) out.push_back(p.ids ? "<ids>" : p.text);
+  return out;
+}
+
 TEST(OpenAiRequest, PromptForms) {
-  EXPECT_EQ(parse(R"({"prompt": "x"})", RequestApi::Completions).prompt, "x");
-  EXPECT_EQ(parse(R"({"prompt": ["x"]})", RequestApi::Completions).prompt, "x");
-  EXPECT_EQ(*parse(R"({"prompt": [1, 2, 3]})", RequestApi::Completions).prompt_ids, (std::vector<int32_t>{1, 2, 3}));
-  EXPECT_EQ(*parse(R"({"prompt": [[4, 5]]})", RequestApi::Completions).prompt_ids, (std::vector<int32_t>{4, 5}));
-  EXPECT_EQ(*parse(R"({"prompt": [7]})", RequestApi::Batch).prompt_ids, (std::vector<int32_t>{7}));
+  using Ids = std::vector<int32_t>;
+  EXPECT_EQ(texts(parse(R"({"prompt": "x"})", RequestApi::Completions)), (std::vector<std::string>{"x"}));
+  EXPECT_EQ(texts(parse(R"({"prompt": ["x"]})", RequestApi::Completions)), (std::vector<std::string>{"x"}));
+  EXPECT_EQ(*parse(R"({"prompt": [1, 2, 3]})", RequestApi::Completions).prompts.at(0).ids, (Ids{1, 2, 3}));
+  EXPECT_EQ(*parse(R"({"prompt": [[4, 5]]})", RequestApi::Completions).prompts.at(0).ids, (Ids{4, 5}));
+  EXPECT_EQ(*parse(R"({"prompt": [7]})", RequestApi::Batch).prompts.at(0).ids, (Ids{7}));
+  EXPECT_EQ(*parse(R"({"prompt": [[7]]})", RequestApi::Batch).prompts.at(0).ids, (Ids{7}));
   EXPECT_EQ(param_of(R"({"prompt": [1, -2]})", RequestApi::Completions), "prompt[1]");
   EXPECT_EQ(param_of(R"({"prompt": []})", RequestApi::Completions), "prompt");
-  EXPECT_EQ(param_of(R"({"prompt": ["a", "b"]})", RequestApi::Completions), "prompt");
+  EXPECT_EQ(param_of(R"({"prompt": 5})", RequestApi::Completions), "prompt");
   // Each endpoint takes its own input and ignores the other's.
   EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": "hi"}]})", RequestApi::Completions), "prompt");
   EXPECT_EQ(param_of(R"({"prompt": "a"})", RequestApi::Chat), "messages");
+  EXPECT_TRUE(parse(R"({"messages": [{"role": "user", "content": "hi"}]})", RequestApi::Chat).prompts.empty());
+}
+
+// OpenAI's batched prompt: a list of strings or of token-id lists, one prompt each, in order.
+TEST(OpenAiRequest, BatchedPrompts) {
+  using Ids = std::vector<int32_t>;
+  EXPECT_EQ(texts(parse(R"({"prompt": ["a", "", "c d"]})", RequestApi::Completions)),
+            (std::vector<std::string>{"a", "", "c d"}));
+  const OpenAiRequest r = parse(R"({"prompt": [[1, 2], [3], [4, 5, 6]], "n": 2})", RequestApi::Completions);
+  ASSERT_EQ(r.prompts.size(), 3u);
+  EXPECT_EQ(*r.prompts[0].ids, (Ids{1, 2}));
+  EXPECT_EQ(*r.prompts[1].ids, (Ids{3}));
+  EXPECT_EQ(*r.prompts[2].ids, (Ids{4, 5, 6}));
+  EXPECT_EQ(r.n, 2);
+
+  // Mixed lists and empty inner lists: 400 naming the element.
+  const struct {
+    const char* body;
+    const char* param;
+    const char* phrase;
+  } bad[] = {
+      {R"({"prompt": ["a", 1]})", "prompt[1]", "must be a string like prompt[0]"},
+      {R"({"prompt": [1, "a"]})", "prompt[1]", "must be a token id like prompt[0]"},
+      {R"({"prompt": [[1], "a"]})", "prompt[1]", "must be an array of token ids like prompt[0]"},
+      {R"({"prompt": ["a", [1]]})", "prompt[1]", "must be a string like prompt[0]"},
+      {R"({"prompt": [[1], []]})", "prompt[1]", "must not be an empty array"},
+      {R"({"prompt": [[1, [2]]]})", "prompt[0][1]", "must be a token id"},
+      {R"({"prompt": [{"a": 1}]})", "prompt[0]", "must be a token id, a string or an array of token ids"},
+      {R"({"prompt": [true]})", "prompt[0]", "must be a token id, a string or an array of token ids"},
+      {R"({"prompt": []})", "prompt", "must not be an empty array"},
+  };
+  for (const auto& c : bad) {
+    EXPECT_EQ(param_of(c.body, RequestApi::Completions), c.param) << c.body;
+    EXPECT_NE(error_of(c.body, RequestApi::Completions).find(c.phrase), std::string::npos)
+        << c.body << " -> " << error_of(c.body, RequestApi::Completions);
+  }
+  // A batch line holds one prompt.
+  EXPECT_NE(error_of(R"({"prompt": ["a", "b"]})", RequestApi::Batch).find("one prompt on a batch line"),
+            std::string::npos);
+  EXPECT_EQ(param_of(R"({"prompt": [[1], [2]]})", RequestApi::Batch), "prompt");
+  // prompts x n is capped.
+  std::string many = R"({"n": 2, "prompt": [)";
+  for (size_t i = 0; i < kMaxChoices / 2 + 1; ++i) many += std::string(i ? "," : "") + "\"p\"";
+  many += "]}";
+  EXPECT_NE(error_of(many, RequestApi::Completions).find("at most 2048 per request"), std::string::npos)
+      << error_of(many, RequestApi::Completions);
 }
 
 TEST(OpenAiRequest, ErrorsNameTheParameter) {

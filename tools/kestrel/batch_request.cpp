@@ -8,10 +8,13 @@ namespace {
 using json = Json;
 
 // nlohmann's message says "parse error at line 1, column C: ..."; the line is always 1 here and
-// would contradict the file line the result reports, so keep the column on.
+// would contradict the file line the result reports, so keep the column on. Limit errors stay as
+// they are.
 std::string json_error_text(const std::string& what) {
+  constexpr std::string_view kSyntax = "invalid JSON body: ";
+  if (what.rfind(kSyntax, 0) != 0) return what;
   const size_t at = what.find("column ");
-  return "invalid JSON: " + (at == std::string::npos ? what : "at " + what.substr(at));
+  return "invalid JSON: " + (at == std::string::npos ? what.substr(kSyntax.size()) : "at " + what.substr(at));
 }
 }  // namespace
 
@@ -24,10 +27,10 @@ bool is_blank_line(std::string_view line) {
 BatchLine parse_batch_line(std::string_view line, int64_t line_index) {
   BatchLine out;
   out.id = line_index;
-  json j;
+  RequestJson j;
   try {
-    j = json::parse(line);
-  } catch (const json::exception& e) {
+    j = parse_request_body(line);
+  } catch (const RequestError& e) {
     out.error = json_error_text(e.what());
     return out;
   }
@@ -40,12 +43,12 @@ BatchLine parse_batch_line(std::string_view line, int64_t line_index) {
   try {
     if (const auto id = j.find("id"); id != j.end() && !id->is_null()) {
       if (!id->is_string() && !id->is_number()) throw Error("id must be a string or a number, got " + shown(*id));
-      out.id = *id;
+      out.id = id->is_string() ? json(id->get<std::string>()) : json::parse(id->dump());
     }
     out.request = parse_openai_request(j, RequestApi::Batch);
   } catch (const Error& e) {
     out.error = e.what();
-  } catch (const json::exception& e) {  // not expected: every access above checks the type first
+  } catch (const RequestJson::exception& e) {  // not expected: every access above checks the type first
     out.error = std::string("bad request: ") + e.what();
   }
   return out;

@@ -8,7 +8,7 @@
 namespace kestrel::cli {
 
 namespace {
-using json = Json;
+using json = RequestJson;
 
 // The parameter an error names: "messages[0].content" stays as is, "logit_bias[\"5\"]" and
 // "logit_bias key" become "logit_bias", "stop[1]" stays.
@@ -88,7 +88,7 @@ std::string content_field(const std::string& field, const json& v) {
 
 void messages_field(const json& v, OpenAiRequest& r) {
   if (!v.is_array() || v.empty()) bad("messages", "must be a non-empty array of {role, content} objects", v);
-  r.messages_json = json::array();
+  r.messages_json = Json::array();
   for (size_t i = 0; i < v.size(); ++i) {
     const json& m = v[i];
     const std::string name = "messages[" + std::to_string(i) + "]";
@@ -100,32 +100,59 @@ void messages_field(const json& v, OpenAiRequest& r) {
       bad(name + ".role", "must be \"system\", \"user\" or \"assistant\"", role);
     const std::string content = content_field(name + ".content", m["content"]);
     r.messages.push_back({role.get<std::string>(), content});
-    r.messages_json.push_back({{"role", role}, {"content", content}});
+    r.messages_json.push_back(Json{{"role", role.get<std::string>()}, {"content", content}});
   }
 }
 
-// A prompt: a string, an array of token ids, or a one-element array of either (OpenAI's batched
-// form with a single prompt).
-void prompt_field(const json& v, OpenAiRequest& r) {
-  const char* rule = "must be a string or an array of token ids";
-  if (v.is_string()) {
-    r.prompt = v.get<std::string>();
-    return;
-  }
-  if (!v.is_array()) bad("prompt", rule, v);
-  if (v.size() == 1 && (v[0].is_string() || v[0].is_array())) {
-    prompt_field(v[0], r);
-    return;
-  }
-  if (v.empty()) bad("prompt", "must not be an empty array", v);
+// A list of token ids (v is an array); name is the field it came from ("prompt", "prompt[2]").
+std::vector<int32_t> token_ids(const std::string& name, const json& v, const char* rule) {
+  if (v.empty()) bad(name, "must not be an empty array", v);
   std::vector<int32_t> ids;
+  ids.reserve(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    if (v[i].is_string() || v[i].is_array())
-      bad("prompt", "must be one prompt (a string or an array of token ids); send several as separate requests", v);
-    ids.push_back(static_cast<int32_t>(integer("prompt[" + std::to_string(i) + "]", v[i], 0,
-                                               std::numeric_limits<int32_t>::max(), "a token id >= 0")));
+    const std::string item = name + "[" + std::to_string(i) + "]";
+    if (!v[i].is_number()) bad(item, rule, v[i]);
+    ids.push_back(static_cast<int32_t>(integer(item, v[i], 0, std::numeric_limits<int32_t>::max(), "a token id >= 0")));
   }
-  r.prompt_ids = std::move(ids);
+  return ids;
+}
+
+// OpenAI's prompt: a string, an array of token ids, an array of strings or an array of token-id
+// arrays (the last two: one prompt each). The array's first element decides which; the others must
+// be the same kind.
+void prompt_field(const json& v, RequestApi api, OpenAiRequest& r) {
+  if (v.is_string()) {
+    r.prompts.push_back({v.get<std::string>(), std::nullopt});
+  } else if (!v.is_array()) {
+    bad("prompt", "must be a string, an array of token ids, or an array of strings or of token-id arrays", v);
+  } else if (v.empty()) {
+    bad("prompt", "must not be an empty array", v);
+  } else if (v[0].is_number()) {
+    r.prompts.push_back({"", token_ids("prompt", v, "must be a token id like prompt[0] (a prompt array is all token "
+                                                    "ids, all strings or all token-id arrays)")});
+  } else if (v[0].is_string()) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (!v[i].is_string())
+        bad("prompt[" + std::to_string(i) + "]",
+            "must be a string like prompt[0] (a prompt array is all token ids, all strings or all token-id arrays)",
+            v[i]);
+      r.prompts.push_back({v[i].get<std::string>(), std::nullopt});
+    }
+  } else if (v[0].is_array()) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      const std::string name = "prompt[" + std::to_string(i) + "]";
+      if (!v[i].is_array())
+        bad(name,
+            "must be an array of token ids like prompt[0] (a prompt array is all token ids, all strings or all "
+            "token-id arrays)",
+            v[i]);
+      r.prompts.push_back({"", token_ids(name, v[i], "must be a token id")});
+    }
+  } else {
+    bad("prompt[0]", "must be a token id, a string or an array of token ids", v[0]);
+  }
+  if (api == RequestApi::Batch && r.prompts.size() != 1)
+    bad("prompt", "must be one prompt on a batch line (give each prompt its own line)", v);
 }
 
 std::vector<std::string> stop_field(const json& v) {
@@ -188,7 +215,7 @@ void prompt_or_messages(const json& j, RequestApi api, OpenAiRequest& r) {
     throw RequestError("messages", "messages is missing (a non-empty array of {role, content} objects)");
   }
   if (api != RequestApi::Chat && !prompt.is_null()) {
-    prompt_field(prompt, r);
+    prompt_field(prompt, api, r);
   } else {
     r.is_chat = true;
     messages_field(messages, r);
@@ -278,14 +305,87 @@ void server_fields(const json& j, RequestApi api, OpenAiRequest& r) {
 }  // namespace
 
 std::string shown(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
   constexpr size_t kMax = 60;
+  // Strings longer than this cannot change the first kMax characters of the result.
+  constexpr size_t kStringCut = kMax + 4;
+  std::string s;
+  const auto put_string = [&s](const std::string& str) {
+    s += json(str.substr(0, kStringCut)).dump(-1, ' ', false, json::error_handler_t::replace);
+  };
+  // An explicit stack of the containers being written, so depth costs heap, not call stack, and
+  // writing stops once the text is long enough to be cut.
+  struct Frame {
+    const json* container;
+    json::const_iterator next;
+  };
+  std::vector<Frame> open;
+  const auto put = [&](const json& x) {
+    if (x.is_object() || x.is_array()) {
+      s += x.is_object() ? '{' : '[';
+      open.push_back({&x, x.cbegin()});
+    } else if (x.is_string()) {
+      put_string(x.get_ref<const std::string&>());
+    } else {
+      s += x.dump();
+    }
+  };
+  put(v);
+  while (!open.empty() && s.size() <= kMax) {
+    Frame& f = open.back();
+    if (f.next == f.container->cend()) {
+      s += f.container->is_object() ? '}' : ']';
+      open.pop_back();
+      continue;
+    }
+    if (f.next != f.container->cbegin()) s += ',';
+    const json& item = *f.next;
+    if (f.container->is_object()) {
+      put_string(f.next.key());
+      s += ':';
+    }
+    ++f.next;
+    put(item);  // may grow `open`: f is not used after this
+  }
   if (s.size() > kMax) {
     size_t n = kMax - 3;
     while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
     s = s.substr(0, n) + "...";
   }
   return s;
+}
+
+RequestJson parse_request_body(std::string_view body, const JsonLimits& limits) {
+  size_t n_keys = 0;
+  size_t n_values = 0;
+  // depth: the containers enclosing the event (0 for the body's own value).
+  const json::parser_callback_t count = [&](int depth, json::parse_event_t event, json&) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (depth >= limits.max_depth)
+          throw RequestError("", "the request body nests arrays and objects deeper than " +
+                                     std::to_string(limits.max_depth) + " levels (the nesting limit)");
+        [[fallthrough]];
+      case json::parse_event_t::value:
+        if (++n_values > limits.max_values)
+          throw RequestError("", "the request body has more than " + std::to_string(limits.max_values) +
+                                     " JSON values (the value limit)");
+        break;
+      case json::parse_event_t::key:
+        if (++n_keys > limits.max_keys)
+          throw RequestError("", "the request body has more than " + std::to_string(limits.max_keys) +
+                                     " object keys (the key limit)");
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(body.begin(), body.end(), count);  // rejects invalid UTF-8 and unpaired surrogates too
+  } catch (const json::exception& e) {
+    throw RequestError("", std::string("invalid JSON body: ") + e.what());
+  }
 }
 
 bool is_known_field(const std::string& key, RequestApi api) {
@@ -332,6 +432,10 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
     if (const json& v = field(j, "n"); !v.is_null() && v != 1) bad("n", "must be 1 (one completion per request)", v);
   } else {
     server_fields(j, api, r);
+    if (r.prompts.size() * static_cast<size_t>(r.n) > kMaxChoices)
+      throw RequestError("prompt", std::to_string(r.prompts.size()) + " prompts with n = " + std::to_string(r.n) +
+                                       " make " + std::to_string(r.prompts.size() * static_cast<size_t>(r.n)) +
+                                       " choices; at most " + std::to_string(kMaxChoices) + " per request");
   }
   return r;
 }
@@ -357,24 +461,34 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
   return f;
 }
 
-std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer) {
-  if (!request.prompt_ids) return request.prompt;
-  return tokenizer.decode(*request.prompt_ids, /*skip_special=*/true);
+std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer, size_t prompt_index) {
+  if (prompt_index >= request.prompts.size()) return "";
+  const PromptInput& p = request.prompts[prompt_index];
+  if (!p.ids) return p.text;
+  return tokenizer.decode(*p.ids, /*skip_special=*/true);
 }
 
-Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed) {
+Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
+                          size_t prompt_index) {
   const Tokenizer& tok = *format.tokenizer;
   const int32_t n_vocab = format.n_vocab > 0 ? format.n_vocab : tok.n_vocab();
   Request out;
-  if (request.prompt_ids) {
-    for (size_t i = 0; i < request.prompt_ids->size(); ++i)
-      if ((*request.prompt_ids)[i] >= n_vocab)
-        throw RequestError("prompt", "prompt[" + std::to_string(i) + "] = " + std::to_string((*request.prompt_ids)[i]) +
+  if (!request.is_chat && prompt_index >= request.prompts.size())
+    throw RequestError("prompt", "prompt " + std::to_string(prompt_index) + " does not exist (the request has " +
+                                     std::to_string(request.prompts.size()) + ")");
+  const PromptInput* p = request.is_chat ? nullptr : &request.prompts[prompt_index];
+  if (p != nullptr && p->ids) {
+    // Named as the client wrote it: prompt[i] for one prompt, prompt[p][i] in a list of prompts.
+    const std::string name =
+        request.prompts.size() > 1 ? "prompt[" + std::to_string(prompt_index) + "]" : std::string("prompt");
+    for (size_t i = 0; i < p->ids->size(); ++i)
+      if ((*p->ids)[i] >= n_vocab)
+        throw RequestError("prompt", name + "[" + std::to_string(i) + "] = " + std::to_string((*p->ids)[i]) +
                                          " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
-    out.prompt = *request.prompt_ids;
+    out.prompt = *p->ids;
   } else {
     const std::string text =
-        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true) : request.prompt;
+        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true) : p->text;
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && !format.bos_token.empty() && text.rfind(format.bos_token, 0) == 0;
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);

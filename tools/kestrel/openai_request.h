@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -23,6 +24,9 @@ namespace kestrel::cli {
 
 // JSON objects that keep their key order (result lines start with "id", responses with "id").
 using Json = nlohmann::ordered_json;
+// Request bodies: std::map objects (O(log n) insert). ordered_json's insert scans its keys for a
+// duplicate, which makes an object of n keys cost O(n^2) to parse.
+using RequestJson = nlohmann::json;
 
 // A request that cannot be served as given. param names the field at fault as OpenAI error bodies
 // do ("temperature", "messages[1].content"), "" when no single field is; the message names the
@@ -45,13 +49,36 @@ inline constexpr int64_t kBatchDefaultMaxTokens = 256;
 inline constexpr size_t kMaxStopStrings = 4;  // OpenAI's limit for `stop`
 inline constexpr int32_t kMaxN = 128;         // choices per request at most
 inline constexpr int32_t kMaxLogprobs = 20;   // top alternatives per token at most (OpenAI chat's limit)
+inline constexpr size_t kMaxChoices = 2048;   // prompts x n in one completions request at most
+
+// What a request body may hold; parse_request_body enforces it while parsing, so a body beyond a
+// limit costs no more than the limit.
+struct JsonLimits {
+  int max_depth = 64;             // nesting levels of arrays/objects (the body's own object is level 1)
+  size_t max_keys = 65536;        // object keys in the whole body
+  size_t max_values = 1 << 20;    // JSON values in the whole body (containers included)
+};
+
+// Parses a request body (RFC 8259 JSON, UTF-8) with nlohmann's iterative parser and a callback
+// that counts depth, keys and values as they arrive: nothing recurses once per nesting level.
+// Throws RequestError (param "") whose message names the limit and its value ("... deeper than 64
+// levels (the nesting limit)"), or "invalid JSON body: <parser message>".
+RequestJson parse_request_body(std::string_view body, const JsonLimits& limits = {});
+
+// A completions prompt: text (tokenized with the model's BOS), or token ids used as given.
+struct PromptInput {
+  std::string text;                         // when !ids
+  std::optional<std::vector<int32_t>> ids;  // when the prompt was given as token ids
+};
 
 // A request after JSON validation, before tokenization. Sampling defaults are the OpenAI / vLLM
 // ones: temperature 1, top_p 1, top_k off, min_p off, no penalties.
 struct OpenAiRequest {
   bool is_chat = false;               // messages (chat template) rather than prompt
-  std::string prompt;                 // when !is_chat and !prompt_ids
-  std::optional<std::vector<int32_t>> prompt_ids;  // when the prompt was given as token ids (used as is)
+  // When !is_chat: completions, one or more (OpenAI's batched `prompt`: a list of strings or a list
+  // of token-id lists; a string or a flat token-id list is one prompt); batch, exactly one. Chat:
+  // empty (messages instead).
+  std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // when is_chat; at least one
   Json messages_json;                 // the same messages as JSON, content flattened to a string (for render_chat)
   int64_t max_tokens = kBatchDefaultMaxTokens;  // >= 1, or -1 (JSON null, or absent for the server): until max_model_len
@@ -68,17 +95,19 @@ struct OpenAiRequest {
   std::string model;                  // "" when absent
 };
 
-// Validates one request object (j must be an object). Throws RequestError naming the field for a
-// missing field, a wrong type or an out-of-range value (NaN and infinities are not JSON, so they
-// arrive as huge numbers or strings and are rejected as such). Unknown fields are ignored.
-OpenAiRequest parse_openai_request(const Json& j, RequestApi api);
+// Validates one request object (j must be an object, as parse_request_body returns it). Throws
+// RequestError naming the field for a missing field, a wrong type or an out-of-range value (NaN and
+// infinities are not JSON, so they arrive as huge numbers or strings and are rejected as such).
+// Unknown fields are ignored.
+OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
 // Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for
 // the batch command's unknown-field warnings).
 bool is_known_field(const std::string& key, RequestApi api);
 
 // The value as it was written, short enough for a message (cut at a UTF-8 character boundary).
-std::string shown(const Json& v);
+// Writes at most about that much, whatever the value's size or depth (no recursion).
+std::string shown(const RequestJson& v);
 
 // What turning a request into prompt tokens needs from the loaded model.
 struct PromptFormat {
@@ -97,15 +126,17 @@ struct PromptFormat {
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
 };
 
-// The prompt text of a completions request (the string, or the token ids decoded), for echo.
-std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer);
+// The text of prompt prompt_index of a completions request (the string, or the token ids decoded),
+// for echo.
+std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer, size_t prompt_index = 0);
 
-// Tokenizes the prompt (BOS as the model wants it; special-token text such as <|im_start|> is
-// parsed, as `kestrel generate` and `kestrel chat` do; chat messages through render_chat) and fills
-// in logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError
-// for a prompt with no tokens, a token id or a logit_bias id outside the vocabulary, or a chat
-// template error (token ids and logit_bias ids are checked against the model's vocabulary); the
-// engine's add_request checks the rest.
-Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed);
+// Tokenizes prompt prompt_index (which must be below request.prompts.size(); RequestError
+// otherwise), or for chat the messages through render_chat (BOS as the model wants it; special-token
+// text such as <|im_start|> is parsed, as `kestrel generate` and `kestrel chat` do), and fills in
+// logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError for
+// a prompt with no tokens, a token id or a logit_bias id outside the model's vocabulary, or a chat
+// template error; the engine's add_request checks the rest.
+Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
+                          size_t prompt_index = 0);
 
 }  // namespace kestrel::cli
