@@ -3,7 +3,7 @@
 
 Holds, at the same time, against one server:
   - IDLE keep-alive connections (default 10,000): each sends one `GET /health`, reads the answer and
-    then stays open without a byte more;
+    then stays open without a byte more (one the server closes is opened again, as a pool would);
   - SLOW connections (default 1,000): a request head sent one header line every 2 s, never finished;
     a connection the server closes (its head deadline) is opened again, so the load stays;
   - CLIENTS streaming clients (default 256) that complete REQUESTS (default 1,024) `stream: true`
@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,13 +79,53 @@ def rss_mb(pid: int) -> float | None:
 # (not behind the load generator's event loop).
 
 
+def health_probe(host: str, port: int, timeout: float) -> tuple[float, str | None]:
+    """One GET /health on a fresh connection: (seconds from connect to the answer's last byte, error)."""
+    request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(max(0.001, timeout - (time.monotonic() - start)))
+            s.sendall(request)
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+                if b"\r\n\r\n" in data:
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
+                    if m and len(body) >= int(m.group(1)):
+                        break
+        elapsed = time.monotonic() - start
+        status = data.split(b" ", 2)[1] if data.startswith(b"HTTP/1.") else b"?"
+        if status != b"200":
+            return elapsed, f"status {status.decode(errors='replace')} after {elapsed * 1000:.1f} ms"
+        return elapsed, None
+    except OSError as e:
+        elapsed = time.monotonic() - start
+        return elapsed, f"{type(e).__name__}: {e} after {elapsed * 1000:.1f} ms"
+
+
 def probe_main(host: str, port: int, pid: int, interval: tuple[float, float], timeout: float, stop, out) -> None:
+    """Starts a probe every 100-200 ms, each in its own thread (a stalled probe does not delay the
+    next), and samples the server's RSS every 250 ms; sends the results down `out` when `stop` is set."""
     latencies: list[tuple[float, float]] = []  # (time since start, seconds)
     failures: list[tuple[float, str]] = []
     rss: list[tuple[float, float]] = []
+    lock = threading.Lock()
     t0 = time.monotonic()
+
+    def one(at: float) -> None:
+        elapsed, error = health_probe(host, port, timeout)
+        with lock:
+            latencies.append((at, elapsed))
+            if error:
+                failures.append((at, error))
+
+    threads = []
     next_rss = 0.0
-    request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
     while not stop.is_set():
         now = time.monotonic() - t0
         if now >= next_rss:
@@ -92,33 +133,15 @@ def probe_main(host: str, port: int, pid: int, interval: tuple[float, float], ti
             if value is not None:
                 rss.append((now, value))
             next_rss = now + 0.25
-        start = time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as s:
-                s.settimeout(max(0.001, timeout - (time.monotonic() - start)))
-                s.sendall(request)
-                data = b""
-                while True:
-                    chunk = s.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                    if b"\r\n\r\n" in data:
-                        head, _, body = data.partition(b"\r\n\r\n")
-                        m = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
-                        if m and len(body) >= int(m.group(1)):
-                            break
-            elapsed = time.monotonic() - start
-            status = data.split(b" ", 2)[1] if data.startswith(b"HTTP/1.") else b"?"
-            if status != b"200":
-                failures.append((now, f"status {status.decode(errors='replace')} after {elapsed * 1000:.1f} ms"))
-            latencies.append((now, elapsed))
-        except OSError as e:
-            elapsed = time.monotonic() - start
-            failures.append((now, f"{type(e).__name__}: {e} after {elapsed * 1000:.1f} ms"))
-            latencies.append((now, elapsed))
+        th = threading.Thread(target=one, args=(now,), daemon=True)
+        th.start()
+        threads.append(th)
+        threads = [t for t in threads if t.is_alive()]
         stop.wait(random.uniform(*interval))
-    out.send({"latencies": latencies, "failures": failures, "rss": rss})
+    for th in threads:
+        th.join(timeout + 1)
+    with lock:
+        out.send({"latencies": sorted(latencies), "failures": sorted(failures), "rss": rss})
     out.close()
 
 
@@ -464,7 +487,8 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds a streaming request may take")
     ap.add_argument("--connect-concurrency", type=int, default=512, help="connects in flight at once")
     ap.add_argument("--setup-timeout", type=float, default=90.0, help="seconds to open the idle and slow connections")
-    ap.add_argument("--reopen-idle", action="store_true", help="reopen idle connections the server closes")
+    ap.add_argument("--no-reopen-idle", dest="reopen_idle", action="store_false",
+                    help="do not reopen idle connections the server closes (by default they come back, as a pool would)")
     ap.add_argument("--health-interval-min", type=float, default=0.1)
     ap.add_argument("--health-interval-max", type=float, default=0.2)
     ap.add_argument("--health-timeout", type=float, default=5.0, help="a probe slower than this fails")
