@@ -46,7 +46,7 @@ CASES = [
     (C, body(prompt=[1.5, 2]), 400, "prompt[0]"),
     (C, body(prompt=[-1]), 400, "prompt[0]"),
     (C, body(prompt=[100000]), 400, "prompt"),
-    (C, body(prompt=["a", "b"]), 400, "prompt"),
+    (C, body(prompt=["a", 1]), 400, "prompt[1]"),  # a batch is all strings, all ids or all id lists
     (C, body(prompt=[1] * (STORIES_CTX + 10)), 400, "prompt"),
     # max_tokens.
     (C, body(max_tokens=-1), 400, "max_tokens"),

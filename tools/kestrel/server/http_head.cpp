@@ -77,6 +77,11 @@ bool same_secret(std::string_view a, std::string_view b) {
 }
 
 HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const std::string& api_key) {
+  if (head.version != 10 && head.version != 11)
+    return fail(505,
+                "HTTP/" + std::to_string(head.version / 10) + "." + std::to_string(head.version % 10) +
+                    " is not supported; send HTTP/1.1 or HTTP/1.0",
+                "http_version_not_supported");
   if (head.header_count > limits.max_header_count)
     return fail(431,
                 "the request has " + std::to_string(head.header_count) + " header fields; at most " +

@@ -48,6 +48,7 @@ struct HttpError {
 struct HeadFields {
   std::string_view method;  // as sent ("POST")
   std::string_view target;  // request-target ("/v1/completions?x=1")
+  unsigned version = 11;    // 10 or 11 are served (major * 10 + minor)
   std::string_view content_type, content_encoding, authorization;  // "" when absent
   std::optional<uint64_t> content_length;  // absent: none or chunked
   bool chunked = false;                    // Transfer-Encoding: chunked
@@ -60,7 +61,8 @@ struct HeadDecision {
   std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
 };
 
-// Checks in this order: header count (431); target and route (404); API key on /v1/* when
+// Checks in this order: HTTP version (505 unless 1.0 or 1.1); header count (431); target and
+// route (404); API key on /v1/* when
 // api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in any case, one or more
 // spaces or tabs, the key compared in constant time); method (405 with Allow); for routes with a
 // JSON body: Content-Encoding (415, any but "identity"), Content-Type (415 unless absent or

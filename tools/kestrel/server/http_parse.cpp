@@ -21,6 +21,7 @@ HeadFields head_fields(const RequestParser& parser) {
   HeadFields f;
   f.method = std::string_view(h.method_string().data(), h.method_string().size());
   f.target = std::string_view(h.target().data(), h.target().size());
+  f.version = h.version();
   auto field = [&](http::field name) {
     const auto it = h.find(name);
     return it == h.end() ? std::string_view() : std::string_view(it->value().data(), it->value().size());
@@ -66,7 +67,7 @@ std::optional<HttpError> parse_error(const boost::beast::error_code& ec, const H
   if (ec == http::error::bad_chunk || ec == http::error::bad_chunk_extension)
     return error(400, "malformed chunked body: " + ec.message(), "bad_chunk");
   if (ec == http::error::bad_version)
-    return error(400, "unsupported HTTP version (HTTP/1.0 and HTTP/1.1 are served)", "bad_version");
+    return error(505, "unsupported HTTP version: send HTTP/1.1 or HTTP/1.0", "http_version_not_supported");
   return error(400, "malformed HTTP request: " + ec.message(), "bad_request");
 }
 

@@ -46,10 +46,10 @@ struct HttpServer::Impl {
   Impl(const ServerOptions& o, const PromptFormat& f, int64_t len, EngineLoop& l, ServerMetrics& m)
       : options(o),
         api(o.served_model_name, f, len, l, m),
+        refusal(refusal_text(o.max_connections)),
         acceptor(asio::make_strand(ioc)),
         accept_backoff(acceptor.get_executor()),
-        stop_timer(ioc),
-        refusal(refusal_text(o.max_connections)) {
+        stop_timer(ioc) {
     ctx.limits = o.limits;
     ctx.api_key = o.api_key;
     ctx.metrics = &m;
@@ -63,15 +63,17 @@ struct HttpServer::Impl {
   void refuse(tcp::socket socket);
   void wait_for_responses(std::chrono::steady_clock::time_point deadline);
 
+  // What handlers still queued in the io_context refer to comes first: the io_context, destroyed
+  // before it, destroys them (sessions, generations, refusals) while it is still there.
   ServerOptions options;
   ApiState api;
-  asio::io_context ioc;
   SessionContext ctx;
+  const std::string refusal;
+  std::atomic<int> refusing{0};
+  asio::io_context ioc;
   tcp::acceptor acceptor;
   asio::steady_timer accept_backoff;
   asio::steady_timer stop_timer;
-  const std::string refusal;
-  std::atomic<int> refusing{0};
 };
 
 HttpServer::HttpServer(const ServerOptions& options, const PromptFormat& format, int64_t max_model_len,

@@ -1,0 +1,83 @@
+// libFuzzer target: bytes as a client would send them -> Boost.Beast's request parser with the
+// server's limits (tools/kestrel/server/http_parse.h) -> the head checks (http_head.h) -> the body
+// with its limit -> end of stream. Only the documented answers may come out: a parse error maps to
+// 400/408/413/431 (or none, for a closed connection), a head to a route or 400/401/404/405/413/415/
+// 431/505; a decision that lets a request through must agree with the limits it claims to enforce.
+#include <boost/asio/buffer.hpp>
+#include <boost/beast/http/error.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "server/http_head.h"
+#include "server/http_parse.h"
+
+using namespace kestrel::cli;
+
+namespace {
+void require(bool ok) {
+  if (!ok) std::abort();
+}
+
+void check_error(const HttpError& e) {
+  require(e.status == 400 || e.status == 401 || e.status == 404 || e.status == 405 || e.status == 408 ||
+          e.status == 413 || e.status == 415 || e.status == 431 || e.status == 505);
+  require(!e.message.empty() && !e.code.empty());
+  require((e.status == 405) == !e.allow.empty());
+}
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  HttpLimits limits;
+  limits.max_body_bytes = 4096;  // small, so that the body limit is reached too
+  limits.max_header_bytes = 2048;
+  const std::string api_key = size > 0 && (data[0] & 1) ? "k3y" : "";
+  RequestParser parser;
+  configure_parser(parser, limits);
+  boost::beast::error_code ec;
+  const auto* p = reinterpret_cast<const char*>(data);
+  size_t used = parser.put(boost::asio::buffer(p, size), ec);
+  if (ec == boost::beast::http::error::need_more) {
+    parser.put_eof(ec);  // the client closed with the head incomplete
+    if (ec) {
+      if (auto e = parse_error(ec, limits, false)) check_error(*e);
+    }
+    return 0;
+  }
+  if (ec) {
+    if (auto e = parse_error(ec, limits, false)) check_error(*e);
+    return 0;
+  }
+  require(parser.is_header_done());
+  const HeadFields f = head_fields(parser);
+  const HeadDecision d = check_head(f, limits, api_key);
+  if (d.error) {
+    check_error(*d.error);
+    return 0;
+  }
+  require(f.header_count <= limits.max_header_count && (f.version == 10 || f.version == 11));
+  const bool json_route = d.route == Route::Completions || d.route == Route::ChatCompletions ||
+                          d.route == Route::Tokenize || d.route == Route::Detokenize;
+  if (json_route) {
+    require(is_json_media_type(f.content_type));
+    require(!f.content_length || *f.content_length <= limits.max_body_bytes);
+  }
+  if (!api_key.empty() && f.target.substr(0, 4) == "/v1/") require(bearer_token(f.authorization).has_value());
+  limit_body(parser, limits);
+  while (!ec && !parser.is_done() && used < size) {
+    const size_t n = parser.put(boost::asio::buffer(p + used, size - used), ec);
+    if (ec == boost::beast::http::error::need_more) {
+      ec = {};
+      if (n == 0) break;
+    }
+    used += n;
+  }
+  if (!ec && !parser.is_done()) parser.put_eof(ec);
+  if (ec) {
+    if (auto e = parse_error(ec, limits, true)) check_error(*e);
+    return 0;
+  }
+  require(parser.get().body().size() <= limits.max_body_bytes);
+  return 0;
+}

@@ -1,0 +1,277 @@
+"""The HTTP layer itself: slow and idle clients hold no thread, keep-alive and pipelining, half-closed
+clients, HTTP/1.0, the limits and the connection limit, and the errors it answers itself (each an
+OpenAI error body naming what was wrong)."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import Server, kestrel_binary, require, stories_model
+from raw_http import Conn, exchange, request_bytes, timed
+
+C = "/v1/completions"
+BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Two event-loop threads, a 1 s keep-alive, 64 KiB bodies, at most 200 connections."""
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--max-model-len", "512", "--http-threads", "2", "--timeout-keep-alive", "1",
+               "--max-body-size", "64KiB", "--max-connections", "200", name="stories")
+    yield s
+    rc, out = s.stop()
+    assert rc == 0, out
+
+
+def error_of(r, status):
+    assert r.status == status, r
+    assert r.headers["content-type"] == "application/json", r
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert "HTTP error" not in err["message"]
+    return err
+
+
+def test_slow_header_clients_do_not_block_others(small):
+    # 50 clients each sending one header line now and then, with 2 threads: the old thread-per-
+    # connection server gave every thread to them and nobody else was answered.
+    slow = [Conn(small.port) for _ in range(50)]
+    for c in slow:
+        c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    stop = threading.Event()
+
+    def trickle():
+        i = 0
+        while not stop.wait(0.3):
+            for c in slow:
+                try:
+                    c.send(f"X-Slow-{i}: 1\r\n".encode())
+                except OSError:
+                    pass
+            i += 1
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        time.sleep(0.5)
+        r, dt = timed(requests.post, small.url + C, json=BODY, timeout=10)
+        assert r.status_code == 200 and dt < 2, (r.status_code, dt)
+        r, dt = timed(requests.get, small.url + "/health", timeout=10)
+        assert r.status_code == 200 and dt < 0.5, dt
+    finally:
+        stop.set()
+        t.join()
+        for c in slow:
+            c.close()
+
+
+def test_idle_keep_alive_connections_hold_no_thread(small):
+    idle = []
+    for _ in range(20):  # ten times the thread count, each idle after one request
+        c = Conn(small.port)
+        c.send(request_bytes("GET", "/health"))
+        assert c.response().status == 200
+        idle.append(c)
+    r, dt = timed(requests.post, small.url + C, json=BODY, timeout=10)
+    assert r.status_code == 200 and dt < 2, dt
+    # --timeout-keep-alive 1: the server closes them about a second later.
+    assert all(c.closed_by_server(3) for c in idle)
+    for c in idle:
+        c.close()
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(small):
+    c = Conn(small.port)
+    for _ in range(5):
+        c.send(request_bytes("POST", C, BODY))
+        r = c.response()
+        assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4
+    c.close()
+
+
+def test_three_pipelined_requests_are_answered_in_order(small):
+    c = Conn(small.port)
+    c.send(request_bytes("POST", C, dict(BODY, max_tokens=3)) + request_bytes("GET", "/v1/models") +
+           request_bytes("POST", C, dict(BODY, max_tokens=2)))
+    t0 = time.time()
+    r1, r2, r3 = c.response(), c.response(), c.response()
+    assert time.time() - t0 < 3
+    assert r1.status == 200 and r1.json()["usage"]["completion_tokens"] == 3
+    assert r2.status == 200 and r2.json()["data"][0]["id"] == "stories"
+    assert r3.status == 200 and r3.json()["usage"]["completion_tokens"] == 2
+    c.close()
+
+
+def test_half_closed_client_gets_its_answer(small):
+    # nc -N: the request, then shutdown(SHUT_WR); the answer must still come.
+    r = exchange(small.port, request_bytes("POST", C, BODY), shut_wr=True)
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # Streamed too, and two pipelined requests before the half-close.
+    r = exchange(small.port, request_bytes("POST", C, dict(BODY, stream=True)), shut_wr=True)
+    assert r.status == 200 and r.body.endswith(b"data: [DONE]\n\n")
+    c = Conn(small.port)
+    c.send(request_bytes("POST", C, BODY) + request_bytes("GET", "/health"))
+    c.shutdown_write()
+    assert c.response().status == 200 and c.response().status == 200
+    assert c.closed_by_server(3)
+    c.close()
+
+
+def test_http_1_0(small):
+    r = exchange(small.port, request_bytes("POST", C, BODY, version="HTTP/1.0"))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4 and r.interim == []
+    # A stream without chunked encoding: the body ends with the connection.
+    r = exchange(small.port, request_bytes("POST", C, dict(BODY, stream=True), version="HTTP/1.0"))
+    assert r.status == 200 and "transfer-encoding" not in r.headers
+    assert r.body.startswith(b"data: ") and r.body.endswith(b"data: [DONE]\n\n")
+
+
+MEDIA_CASES = [
+    ("multipart/form-data; boundary=x", {}, 415, "Content-Type"),
+    ("application/jsonx-evil", {}, 415, "Content-Type"),
+    ("text/plain", {}, 415, "Content-Type"),
+    ("application/json", {"Content-Encoding": "gzip"}, 415, "Content-Encoding"),
+    ("application/json", {"Content-Encoding": "br"}, 415, "Content-Encoding"),
+]
+
+
+@pytest.mark.parametrize("ctype,extra,status,named", MEDIA_CASES)
+def test_unsupported_media_is_415(small, ctype, extra, status, named):
+    r = exchange(small.port, request_bytes("POST", C, BODY, content_type=ctype, headers=extra))
+    err = error_of(r, status)
+    assert named in err["message"] and err["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("ctype", [None, "application/json; charset=utf-8", "Application/JSON"])
+def test_json_media_types_accepted(small, ctype):
+    r = exchange(small.port, request_bytes("POST", C, BODY, content_type=ctype))
+    assert r.status == 200, r
+
+
+@pytest.mark.parametrize("method", ["OPTIONS", "PUT", "DELETE", "GET", "PATCH"])
+def test_other_methods_on_known_routes_are_405(small, method):
+    for path, allow in ((C, "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST")):
+        r = exchange(small.port, request_bytes(method, path))
+        if method == allow:
+            continue
+        err = error_of(r, 405)
+        assert r.headers["allow"] == allow and method in err["message"] and err["code"] == "method_not_allowed"
+    if method != "GET":
+        r = exchange(small.port, request_bytes(method, "/health"))
+        assert r.status == 405 and r.headers["allow"] == "GET"
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1, 2", "99999999999999999999999"])
+def test_bad_content_length_is_400(small, value):
+    head = f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {value}\r\n\r\n"
+    err = error_of(exchange(small.port, head.encode() + b"{}"), 400)
+    assert "Content-Length" in err["message"]
+
+
+def test_too_large_header_is_431(small):
+    r = exchange(small.port, request_bytes("GET", "/health", headers={"X-Big": "a" * (1 << 20)}))
+    err = error_of(r, 431)
+    assert "16384 bytes" in err["message"]
+    many = {f"X-H{i}": "1" for i in range(150)}
+    err = error_of(exchange(small.port, request_bytes("GET", "/health", headers=many)), 431)
+    assert "at most 100" in err["message"]
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(small):
+    # Only the head is sent: the answer comes from Content-Length alone.
+    head = f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+    r, dt = timed(exchange, small.port, head.encode())
+    err = error_of(r, 413)
+    assert "65536" in err["message"] and "--max-body-size" in err["message"] and dt < 2
+    # A chunked body is cut at the limit too.
+    chunk = b"a" * 50000
+    data = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .encode() + b"%x\r\n" % len(chunk) + chunk + b"\r\n" + b"%x\r\n" % len(chunk) + chunk + b"\r\n0\r\n\r\n")
+    error_of(exchange(small.port, data), 413)
+    # Just below the limit is served.
+    big = json.dumps(dict(BODY, pad="x" * 60000)).encode()
+    assert exchange(small.port, request_bytes("POST", C, big)).status == 200
+
+
+def test_malformed_request_line_is_400(small):
+    err = error_of(exchange(small.port, b"HELLO\r\n\r\n"), 400)
+    assert err["message"]
+    err = error_of(exchange(small.port, b"GET /health HTTP/2.0\r\n\r\n"), 505)
+    assert "HTTP/1.1" in err["message"]
+
+
+def test_connection_limit_refuses_cleanly():
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--max-model-len", "256", "--max-connections", "4", name="stories")
+    try:
+        held = [Conn(s.port) for _ in range(4)]
+        for c in held:
+            c.send(request_bytes("GET", "/health"))
+            assert c.response().status == 200
+        r, dt = timed(exchange, s.port, request_bytes("GET", "/health"))
+        err = error_of(r, 503)
+        assert "--max-connections" in err["message"] and r.headers["connection"] == "close" and dt < 2
+        for c in held:
+            c.close()
+        time.sleep(0.2)
+        assert exchange(s.port, request_bytes("GET", "/health")).status == 200
+    finally:
+        rc, out = s.stop()
+        assert rc == 0, out
+
+
+def test_bearer_scheme_is_case_insensitive_with_any_whitespace():
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--api-key", "sekrit", "--max-model-len", "256", name="stories")
+    try:
+        for auth in ("bearer sekrit", "BEARER sekrit", "Bearer  sekrit", "Bearer \t sekrit", "Bearer sekrit "):
+            r = exchange(s.port, request_bytes("POST", C, BODY, headers={"Authorization": auth}))
+            assert r.status == 200, (auth, r)
+        for auth in ("Bearersekrit", "Basic sekrit", "bearer sekri", "bearer sekritt", "bearer"):
+            r = exchange(s.port, request_bytes("POST", C, BODY, headers={"Authorization": auth}))
+            assert error_of(r, 401)["code"] == "invalid_api_key", auth
+        # The tokenizer routes sit outside /v1, as vLLM's do: no key needed.
+        assert exchange(s.port, request_bytes("GET", "/tokenizer_info")).status == 200
+    finally:
+        rc, out = s.stop()
+        assert rc == 0, out
+
+
+def test_sigterm_with_slow_and_idle_clients_exits_within_5_s():
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--max-model-len", "2048", name="stories")
+    conns = []
+    try:
+        for i in range(30):
+            c = Conn(s.port)
+            c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else request_bytes("GET", "/health"))
+            conns.append(c)
+        # A streaming client that never reads (its socket buffers fill) and one half-sent body.
+        reader = Conn(s.port)
+        reader.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.send(request_bytes("POST", C, {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+                                              "n": 4}))
+        half = Conn(s.port)
+        half.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+        conns += [reader, half]
+        time.sleep(1.0)
+        t0 = time.time()
+        s.proc.send_signal(15)
+        s.proc.wait(timeout=10)
+        assert time.time() - t0 < 5
+        rc, out = s.stop()
+        assert rc == 0 and "stopped" in out, out
+    finally:
+        for c in conns:
+            c.close()
+        if s.proc.poll() is None:
+            s.stop()
