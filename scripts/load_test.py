@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def log(msg: str) -> None:
-    print(f"[load_test {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    print(f"[{Path(sys.argv[0]).stem} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def raise_nofile(need: int) -> int:

@@ -283,22 +283,31 @@ async def one_openai(client, rng, model, res: Result) -> None:
 
 
 async def greedy_answer(host, port, model) -> str:
-    status, data = await http(host, port, "POST", "/v1/completions", json.dumps({"model": model, **GREEDY}).encode())
+    """The fixed greedy request's text, or a line starting with "error:" saying why there is none."""
+    try:
+        status, data = await http(host, port, "POST", "/v1/completions", json.dumps({"model": model, **GREEDY}).encode())
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        return f"error: {type(e).__name__}: {e}"
     if status != 200:
-        raise RuntimeError(f"greedy request: {status} {data[:300]!r}")
+        return f"error: status {status}: {data[:300]!r}"
     return json.loads(data)["choices"][0]["text"]
 
 
 async def kv_blocks_used(host, port) -> float | None:
-    status, data = await http(host, port, "GET", "/metrics", timeout=30)
+    try:
+        status, data = await http(host, port, "GET", "/metrics", timeout=30)
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        return None
     m = re.search(rb"(?m)^kestrel_kv_blocks_used(?:\{[^}]*\})? (\S+)$", data)
     return float(m.group(1)) if status == 200 and m else None
 
 
-async def soak(args, host: str, port: int, pid: int) -> dict:
+async def soak(args, host: str, port: int, pid: int, proc=None) -> dict:
     res = Result()
     greedy_before = await greedy_answer(host, port, args.model_name)
     log(f"greedy answer before: {greedy_before!r}")
+    if greedy_before.startswith("error:"):
+        raise SystemExit(f"soak: the greedy request failed before the traffic: {greedy_before}")
     client = None
     if not args.no_openai:
         import openai
@@ -308,12 +317,19 @@ async def soak(args, host: str, port: int, pid: int) -> dict:
     t0 = time.monotonic()
     end = t0 + args.minutes * 60
     rss: list[tuple[float, float]] = []
+    died_at: list[float] = []
 
     async def sampler():
+        nonlocal end
         while time.monotonic() < end:
             v = rss_mb(pid) if pid else None
             if v is not None:
                 rss.append((time.monotonic() - t0, v))
+            elif pid and not Path(f"/proc/{pid}").exists() or (proc is not None and proc.poll() is not None):
+                died_at.append(time.monotonic() - t0)
+                log(f"the server exited after {died_at[0]:.1f} s; stopping the traffic")
+                end = time.monotonic()  # the workers finish their current request (refused) and stop
+                return
             await asyncio.sleep(1.0)
 
     async def worker(i: int):
@@ -363,6 +379,7 @@ async def soak(args, host: str, port: int, pid: int) -> dict:
         "rss_mb": {"at_1_min": baseline, "max_after_1_min": max(later, default=None),
                    "max": max((v for _, v in rss), default=None), "last": rss[-1][1] if rss else None,
                    "growth_after_1_min": None if growth is None else round(growth, 4)},
+        "server_exited_at_s": died_at[0] if died_at else None,
         "kv_blocks_used_at_end": blocks,
         "greedy": {"before": greedy_before, "after": greedy_after},
     }
@@ -399,7 +416,7 @@ def main() -> int:
         pid = proc.pid
     log(f"server {host}:{port} pid {pid}: {args.minutes:g} min at {args.clients} clients")
     try:
-        summary = asyncio.run(soak(args, host, port, pid))
+        summary = asyncio.run(soak(args, host, port, pid, proc))
     finally:
         if proc is not None:
             proc.terminate()
@@ -414,13 +431,15 @@ def main() -> int:
             os.unlink(logf)
     growth = summary["rss_mb"]["growth_after_1_min"]
     checks = {
+        "the server stayed up": summary["server_exited_at_s"] is None,
         "zero 5xx": summary["status_5xx"] == 0,
         "zero connection errors": summary["connection_errors"] == 0,
         "every answer in its expected status class": summary["unexpected"] == 0,
         f"RSS growth after the first minute < {args.max_rss_growth:.0%}":
             growth is not None and growth < args.max_rss_growth,
         "KV blocks in use 0 at the end": summary["kv_blocks_used_at_end"] == 0,
-        "greedy answer unchanged": summary["greedy"]["before"] == summary["greedy"]["after"],
+        "greedy answer unchanged": summary["greedy"]["before"] == summary["greedy"]["after"]
+                                   and not summary["greedy"]["after"].startswith("error:"),
     }
     summary["checks"] = checks
     summary["passed"] = all(checks.values())
