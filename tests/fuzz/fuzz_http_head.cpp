@@ -39,7 +39,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto* p = reinterpret_cast<const char*>(data);
   size_t used = parser.put(boost::asio::buffer(p, size), ec);
   if (ec == boost::beast::http::error::need_more) {
-    parser.put_eof(ec);  // the client closed with the head incomplete
+    // The client closed with the head incomplete (as Beast's read reports it: end_of_stream
+    // before the first byte, else partial_message).
+    ec = boost::beast::http::error::end_of_stream;
+    if (parser.got_some()) parser.put_eof(ec);
     if (ec) {
       if (auto e = parse_error(ec, limits, false)) check_error(*e);
     }
@@ -73,7 +76,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     used += n;
   }
-  if (!ec && !parser.is_done()) parser.put_eof(ec);
+  if (!ec && !parser.is_done()) parser.put_eof(ec);  // got_some: the head is in
   if (ec) {
     if (auto e = parse_error(ec, limits, true)) check_error(*e);
     return 0;
