@@ -74,6 +74,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (/proc/PID/stat), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The probe process: /health latency on fresh connections and the server's RSS, on its own core time
 # (not behind the load generator's event loop).
@@ -200,10 +209,17 @@ class Stats:
         self.slow_closed_by_server = 0
         self.slow_connect_failed = 0
         self.slow_answers: dict[str, int] = {}
+        self.slow_lifetimes: list[float] = []  # seconds from connect to the server's answer or close
         self.stream_ok = 0
         self.stream_failed: list[str] = []
         self.stream_latency: list[float] = []
         self.stream_tokens = 0
+        self.connect_errors: dict[str, int] = {}
+        self.terminating = False  # set when SIGTERM is sent: closures after it are the shutdown's
+
+    def connect_error(self, e: BaseException) -> None:
+        key = type(e).__name__ + (f" {e.errno}" if isinstance(e, OSError) and e.errno else "")
+        self.connect_errors[key] = self.connect_errors.get(key, 0) + 1
 
 
 async def open_conn(host: str, port: int, timeout: float):
@@ -212,7 +228,7 @@ async def open_conn(host: str, port: int, timeout: float):
 
 async def idle_connection(host: str, port: int, st: Stats, sem: asyncio.Semaphore, stop: asyncio.Event,
                           reopen: bool) -> None:
-    while not stop.is_set():
+    while not stop.is_set() and not st.terminating:
         async with sem:  # bounds the connects in flight (the listen backlog is finite)
             try:
                 reader, writer = await open_conn(host, port, 30)
@@ -221,8 +237,9 @@ async def idle_connection(host: str, port: int, st: Stats, sem: asyncio.Semaphor
                 await asyncio.wait_for(read_body(reader, headers), 30)
                 if status != 200:
                     raise ValueError(f"status {status}")
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
                 st.idle_failed += 1
+                st.connect_error(e)
                 await asyncio.sleep(1)
                 continue
         st.idle_open += 1
@@ -231,12 +248,13 @@ async def idle_connection(host: str, port: int, st: Stats, sem: asyncio.Semaphor
             stopped = asyncio.ensure_future(stop.wait())
             eof = asyncio.ensure_future(reader.read(1))
             await asyncio.wait([stopped, eof], return_when=asyncio.FIRST_COMPLETED)
-            if not stop.is_set():
+            if not stop.is_set() and not st.terminating:
                 st.idle_closed_by_server += 1
             stopped.cancel()
             eof.cancel()
         except OSError:
-            st.idle_closed_by_server += 1
+            if not st.terminating:
+                st.idle_closed_by_server += 1
         finally:
             st.idle_open -= 1
         if stop.is_set():
@@ -249,35 +267,41 @@ async def idle_connection(host: str, port: int, st: Stats, sem: asyncio.Semaphor
 
 async def slow_connection(host: str, port: int, st: Stats, sem: asyncio.Semaphore, stop: asyncio.Event,
                           line_interval: float) -> None:
-    while not stop.is_set():
+    while not stop.is_set() and not st.terminating:
         async with sem:
             try:
                 reader, writer = await open_conn(host, port, 30)
                 writer.write(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
                 await writer.drain()
-            except (OSError, asyncio.TimeoutError):
+            except (OSError, asyncio.TimeoutError) as e:
                 st.slow_connect_failed += 1
+                st.connect_error(e)
                 await asyncio.sleep(1)
                 continue
         st.slow_open += 1
         st.slow_opened += 1
+        opened_at = time.monotonic()
         answer = asyncio.ensure_future(reader.read(4096))
         n = 0
         try:
             while not stop.is_set():
                 done, _ = await asyncio.wait([answer], timeout=line_interval * random.uniform(0.9, 1.1))
                 if done:
+                    if st.terminating:
+                        break
                     data = answer.result()
                     key = data.split(b"\r\n", 1)[0].decode("latin-1")[:40] if data else "closed"
                     st.slow_answers[key] = st.slow_answers.get(key, 0) + 1
                     st.slow_closed_by_server += 1
+                    st.slow_lifetimes.append(time.monotonic() - opened_at)
                     break
                 n += 1
                 writer.write(f"X-Slow-{n}: {'v' * 16}\r\n".encode())
                 await writer.drain()
         except OSError:
-            st.slow_closed_by_server += 1
-            st.slow_answers["reset"] = st.slow_answers.get("reset", 0) + 1
+            if not st.terminating:
+                st.slow_closed_by_server += 1
+                st.slow_answers["reset"] = st.slow_answers.get("reset", 0) + 1
         finally:
             st.slow_open -= 1
             answer.cancel()
@@ -346,6 +370,7 @@ async def run_load(args, host: str, port: int, proc: subprocess.Popen | None, pi
                                                  args.health_timeout, stop_probe, probe_tx), daemon=True)
     probe.start()
     t0 = time.monotonic()
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
 
     tasks = [asyncio.ensure_future(idle_connection(host, port, st, connect_sem, stop, args.reopen_idle))
              for _ in range(args.idle)]
@@ -387,6 +412,7 @@ async def run_load(args, host: str, port: int, proc: subprocess.Popen | None, pi
     exit_s = None
     exit_code = None
     live_streams = []
+    cpu_at_sigterm = cpu_seconds(pid)
     if pid and not args.no_sigterm:
         long_body = json.dumps({"model": args.model_name, "prompt": args.prompt, "max_tokens": 1900,
                                 "temperature": 0.8, "seed": 2, "stream": True, "ignore_eos": True}).encode()
@@ -395,6 +421,8 @@ async def run_load(args, host: str, port: int, proc: subprocess.Popen | None, pi
         log(f"SIGTERM to {pid} with {st.idle_open} idle, {st.slow_open} slow connections and "
             f"{sum(not t.done() for t in live_streams)} streams attached")
         stop_probe.set()  # the latency window ends here: a stopping server may refuse new connections
+        st.terminating = True
+        cpu_at_sigterm = cpu_seconds(pid)
         t_sig = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         while time.monotonic() - t_sig < args.exit_wait:
@@ -423,13 +451,17 @@ async def run_load(args, host: str, port: int, proc: subprocess.Popen | None, pi
     worst = sorted(result["latencies"], key=lambda x: -x[1])[:5]
     return {
         "setup_s": round(setup_s, 2),
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[:3]},
+        "server_cpu_s": cpu_at_sigterm,
+        "connect_errors": st.connect_errors,
         "idle": {"target": args.idle, "open_when_streams_started": idle_at_streams,
                  "open_when_streams_ended": idle_after_streams, "opened": st.idle_opened,
                  "connect_failures": st.idle_failed, "closed_by_server": st.idle_closed_by_server},
         "slow": {"target": args.slow, "open_when_streams_started": slow_at_streams,
                  "open_when_streams_ended": slow_after_streams, "opened": st.slow_opened,
                  "closed_by_server": st.slow_closed_by_server, "connect_failures": st.slow_connect_failed,
-                 "answers": st.slow_answers},
+                 "answers": st.slow_answers, "held_s_min": min(st.slow_lifetimes, default=None),
+                 "held_s_max": max(st.slow_lifetimes, default=None)},
         "streams": {"clients": args.clients, "requests": args.requests, "ok": st.stream_ok,
                     "failed": len(st.stream_failed), "failures_sample": st.stream_failed[:5],
                     "seconds": round(stream_s, 2), "chunks": st.stream_tokens,
