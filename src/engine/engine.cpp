@@ -72,7 +72,8 @@ struct RequestState {
   Clock::time_point arrival, first_token;
   bool finished = false;
   // prompt_logprobs: the next prompt position to report (position 0 has no logprob), the ones
-  // computed but not yet reported (they go out with the first sampled token), and NaN logits met.
+  // computed but not yet reported (they go out with the first sampled token), and whether a prompt
+  // row held non-finite logits.
   int64_t next_prompt_logprob = 1;
   std::vector<LogprobSummary> pending_prompt_logprobs;
   bool prompt_nan = false;
@@ -288,7 +289,7 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
 }
 
 // The prompt rows' logprobs (after the sampling rows in `logits`), into each request's pending
-// list; a row with a NaN or infinite maximum marks its request (step() ends it with an error).
+// list; a row with a NaN, +inf or no finite logit marks its request (step() ends it with an error).
 void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
   const size_t n_vocab = static_cast<size_t>(model.hparams().n_vocab);
   for (size_t i = 0; i < prompt_rows.size(); ++i) {
@@ -356,17 +357,18 @@ std::vector<RequestOutput> Engine::step() {
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < m.sampling.size(); ++i) {
     RequestState& r = *m.sampling[i];
-    // OpenAI semantics: presence/frequency penalties count generated tokens only. NaN logits
-    // (corrupt weights) end this request with an error, not the engine; the sampler finds them in
-    // the pass over the logits it makes anyway (the device sampler marks the row with -1).
-    // Logprobs come from the raw logits on the host (logprobs.h).
+    // OpenAI semantics: presence/frequency penalties count generated tokens only. Non-finite
+    // logits (corrupt weights, or extreme logits under a request's penalties) end this request
+    // with an error, not the engine; the sampler finds them in the pass over the logits it makes
+    // anyway (the device sampler marks a NaN row with -1). Any other sampler error is this
+    // request's too. Logprobs come from the raw logits on the host (logprobs.h).
     int32_t token = 0;
     std::optional<LogprobSummary> logprobs;
     try {
-      if (r.prompt_nan) throw NanLogitsError();
+      if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       if (on_device) {
         token = device_tokens[i];
-        if (token < 0) throw NanLogitsError();
+        if (token < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       } else {
         const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
         if (r.req.logprobs >= 0) {
@@ -378,7 +380,7 @@ std::vector<RequestOutput> Engine::step() {
           token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
         }
       }
-    } catch (const NanLogitsError& e) {
+    } catch (const Error& e) {
       RequestOutput o;
       o.id = r.id;
       o.error = std::string(e.what()) + " (position " + std::to_string(r.seq.tokens.size() - 1) + ")";
@@ -387,7 +389,7 @@ std::vector<RequestOutput> Engine::step() {
     }
     m.post_process(r, token, outputs, logprobs ? &*logprobs : nullptr);
   }
-  // A prompt chunk with NaN logits whose request did not sample this step ends here.
+  // A prompt chunk with non-finite logits whose request did not sample this step ends here.
   std::vector<RequestId> nan_ids;
   for (const Impl::PromptRow& pr : m.prompt_rows)
     // (Requests that sampled may be gone by now: test membership before touching pr.r.)
@@ -398,7 +400,7 @@ std::vector<RequestOutput> Engine::step() {
     if (it == m.requests.end()) continue;  // already ended (a repeated id)
     RequestOutput o;
     o.id = id;
-    o.error = std::string(NanLogitsError().what()) + " (prompt)";
+    o.error = std::string(NonFiniteLogitsError(NonFiniteLogitsError::Source::Model).what()) + " (prompt)";
     m.finish(*it->second, "error", outputs, &o);
   }
   m.refresh_kv_stats();

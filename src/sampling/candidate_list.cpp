@@ -9,13 +9,14 @@ namespace kestrel {
 
 void CandidateList::assign(std::span<const float> logits) {
   items_.resize(logits.size());
-  bool any_nan = false;
+  bool any_bad = false;
   for (size_t i = 0; i < logits.size(); ++i) {
     items_[i] = TokenCandidate{static_cast<int32_t>(i), logits[i], 0.0f};
-    any_nan |= std::isnan(logits[i]);
+    any_bad |= is_bad_logit(logits[i]);
   }
-  // A NaN would break the total order that sorting relies on (undefined behaviour in std::sort).
-  if (any_nan) throw NanLogitsError();
+  // A NaN would break the total order that sorting relies on (undefined behaviour in std::sort);
+  // +inf turns into NaN in the softmax (inf - inf) and in the logprobs.
+  if (any_bad) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
   n_sorted_ = 0;
   id_indexed_ = true;
   has_probs_ = false;
@@ -124,7 +125,8 @@ size_t CandidateList::best_index() const {
 
 void CandidateList::softmax() {
   const double max = max_logit();
-  KESTREL_ASSERT(std::isfinite(max), "every logit is -inf or NaN: no distribution to sample");
+  // Every edit is checked (checked_logit): only a row of banned tokens (-inf) gets here.
+  if (!std::isfinite(max)) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Processing);
   double sum = 0.0;
   for (TokenCandidate& c : items_) {
     const double e = std::exp(static_cast<double>(c.logit) - max);

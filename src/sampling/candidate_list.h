@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -11,12 +12,34 @@
 
 namespace kestrel {
 
-// The logits handed to sampling contain a NaN (a model with corrupt weights, or a backend fault):
-// bad input for this sequence, not a broken invariant, so callers can end just that request.
-class NanLogitsError : public Error {
+// A logits row with a NaN or +inf, or without any finite logit (-inf is a banned token, fine as long
+// as some token is not banned): from the model (corrupt weights, a backend fault) or, for logits
+// near the float range's end, from a request's bias and penalties. Bad input for this sequence,
+// not a broken invariant, so callers end just that request.
+class NonFiniteLogitsError : public Error {
  public:
-  NanLogitsError() : Error("the model produced NaN logits: its weights are probably corrupt") {}
+  enum class Source { Model, Processing };
+  explicit NonFiniteLogitsError(Source source)
+      : Error(source == Source::Model
+                  ? "the model produced non-finite logits (NaN, +inf or no finite value): its weights are "
+                    "probably corrupt"
+                  : "the logits became non-finite (NaN, +inf or no finite value) under this request's "
+                    "logit_bias and penalties"),
+        source_(source) {}
+  Source source() const { return source_; }
+
+ private:
+  Source source_;
 };
+
+// True for NaN and +inf (-inf is a banned token).
+inline bool is_bad_logit(float x) { return !(x < std::numeric_limits<float>::infinity()); }
+
+// Throws NonFiniteLogitsError(Processing) for NaN or +inf: for processors that change a logit.
+inline float checked_logit(float x) {
+  if (is_bad_logit(x)) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Processing);
+  return x;
+}
 
 struct TokenCandidate {
   int32_t id;
@@ -30,6 +53,7 @@ struct TokenCandidate {
 class CandidateList {
  public:
   // Fills the list with every token of `logits` ([n_vocab] floats), in id order.
+  // Errors: NonFiniteLogitsError(Model) when a logit is NaN or +inf.
   void assign(std::span<const float> logits);
 
   size_t size() const { return items_.size(); }

@@ -28,7 +28,7 @@ std::vector<std::pair<int32_t, int32_t>> count_tokens(std::span<const int32_t> t
 
 void LogitBias::apply(CandidateList& candidates, std::span<const int32_t>) const {
   for (const auto& [id, bias] : bias_) {
-    if (TokenCandidate* c = candidates.find_for_edit(id)) c->logit += bias;
+    if (TokenCandidate* c = candidates.find_for_edit(id)) c->logit = checked_logit(c->logit + bias);
   }
 }
 
@@ -39,7 +39,7 @@ void RepetitionPenalty::apply(CandidateList& candidates,
   }
   for (const auto& [id, count] : count_tokens(previous_tokens)) {
     if (TokenCandidate* c = candidates.find_for_edit(id)) {
-      c->logit = c->logit > 0.0f ? c->logit / penalty_ : c->logit * penalty_;
+      c->logit = checked_logit(c->logit > 0.0f ? c->logit / penalty_ : c->logit * penalty_);
     }
   }
 }
@@ -47,7 +47,7 @@ void RepetitionPenalty::apply(CandidateList& candidates,
 void PresencePenalty::apply(CandidateList& candidates,
                             std::span<const int32_t> previous_tokens) const {
   for (const auto& [id, count] : count_tokens(previous_tokens)) {
-    if (TokenCandidate* c = candidates.find_for_edit(id)) c->logit -= penalty_;
+    if (TokenCandidate* c = candidates.find_for_edit(id)) c->logit = checked_logit(c->logit - penalty_);
   }
 }
 
@@ -55,7 +55,7 @@ void FrequencyPenalty::apply(CandidateList& candidates,
                              std::span<const int32_t> previous_tokens) const {
   for (const auto& [id, count] : count_tokens(previous_tokens)) {
     if (TokenCandidate* c = candidates.find_for_edit(id)) {
-      c->logit -= penalty_ * static_cast<float>(count);
+      c->logit = checked_logit(c->logit - penalty_ * static_cast<float>(count));
     }
   }
 }

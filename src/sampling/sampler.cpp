@@ -42,12 +42,12 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     // Plain greedy: an argmax over the logits, without copying them into the candidate list
     // (about 50 us on a 49152-wide vocabulary, small next to a forward pass).
     float max = -std::numeric_limits<float>::infinity();
-    bool any_nan = false;
+    bool any_bad = false;
     for (float l : logits) {
       max = l > max ? l : max;
-      any_nan |= std::isnan(l);
+      any_bad |= is_bad_logit(l);
     }
-    if (any_nan) throw NanLogitsError();
+    if (any_bad || !std::isfinite(max)) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
     const auto it = std::find(logits.begin(), logits.end(), max);  // first: the lowest id wins
     return static_cast<int32_t>(it - logits.begin());
   }
@@ -55,16 +55,18 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   const auto generated = previous_tokens.subspan(n_prompt);
   for (const auto& processor : chain_)
     processor->apply(candidates_, processor->reads_prompt() ? previous_tokens : generated);
-  if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
+  if (params_.temperature == 0.0f) {
+    const TokenCandidate& best = candidates_[candidates_.best_index()];
+    if (!std::isfinite(best.logit)) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Processing);
+    return best.id;
+  }
   return draw(rng_.next_double());
 }
 
 int32_t Sampler::sample_with_uniform(std::span<const float> logits, double uniform) {
   KESTREL_ASSERT(device_compatible(), "sample_with_uniform needs a chain without bias or penalties");
   KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");
-  for (float l : logits)
-    if (std::isnan(l)) throw NanLogitsError();
-  candidates_.assign(logits);
+  candidates_.assign(logits);  // throws for a non-finite logit
   for (const auto& processor : chain_) processor->apply(candidates_, {});
   if (params_.temperature == 0.0f) return candidates_[candidates_.best_index()].id;
   return draw(uniform);

@@ -35,7 +35,9 @@ class Sampler {
   // tokens for OpenAI's presence/frequency semantics). Returns a token id in [0, n_vocab).
   // Greedy (temperature 0) takes the argmax after bias and penalties, lowest id on ties, and does
   // not advance the RNG; otherwise exactly one RNG draw is used per call.
-  // Errors: asserts the sizes and ids above and that the logits are not NaN.
+  // Errors: asserts the sizes and ids above; NonFiniteLogitsError (candidate_list.h) for a NaN or
+  // +inf logit, or none finite, in `logits` (Source::Model) or after bias and penalties
+  // (Source::Processing): the caller ends this sequence only.
   // n_prompt: how many of previous_tokens are the prompt. The OpenAI presence and frequency
   // penalties count only the tokens after it (generated ones); the repetition penalty counts all.
   // The CLI passes 0 (llama.cpp counts every earlier token); the serving engine the prompt length.
@@ -58,7 +60,8 @@ class Sampler {
   double take_uniform();
   // What sample() returns for these logits when its draw is `uniform` (in [0, 1)), for a
   // device_compatible() chain, without touching the RNG: the host reference of the device sampler
-  // (cuda::sample_tokens). Errors: asserts device_compatible(), the size, and no NaN logit.
+  // (cuda::sample_tokens). Errors: asserts device_compatible() and the size; NonFiniteLogitsError
+  // as sample().
   int32_t sample_with_uniform(std::span<const float> logits, double uniform);
 
   const SamplingParams& params() const { return params_; }

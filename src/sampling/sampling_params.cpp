@@ -4,44 +4,44 @@
 #include <sstream>
 #include <string>
 
-#include "core/error.h"
-
 namespace kestrel {
 namespace {
 
 template <typename T>
-[[noreturn]] void reject(const char* field, T value, const char* rule) {
+[[noreturn]] void reject(const std::string& field, T value, const std::string& rule, int32_t token = -1) {
   std::ostringstream msg;
-  msg << "sampling parameter " << field << " = " << value << " is invalid: " << rule;
-  throw Error(msg.str());
+  msg << "sampling parameter " << (token >= 0 ? field + "[" + std::to_string(token) + "]" : field) << " = " << value
+      << " is invalid: " << rule;
+  throw SamplingParamError(field, token, rule, msg.str());
 }
 
-void require_finite(const char* field, float value) {
-  if (!std::isfinite(value)) reject(field, value, "must be a finite number");
+// lo <= value <= hi; NaN fails.
+void require_in(const char* field, float value, float lo, float hi, const std::string& rule) {
+  if (!(value >= lo && value <= hi)) reject(field, value, rule);
+}
+
+std::string range(float lo, float hi) {
+  std::ostringstream s;
+  s << "must be in [" << lo << ", " << hi << "]";
+  return s.str();
 }
 
 }  // namespace
 
 void SamplingParams::validate() const {
-  require_finite("temperature", temperature);
-  require_finite("top_p", top_p);
-  require_finite("min_p", min_p);
-  require_finite("repetition_penalty", repetition_penalty);
-  require_finite("presence_penalty", presence_penalty);
-  require_finite("frequency_penalty", frequency_penalty);
-  if (temperature < 0.0f) reject("temperature", temperature, "must be >= 0 (0 means greedy)");
+  require_in("temperature", temperature, 0.0f, kMaxTemperature, range(0.0f, kMaxTemperature) + " (0 = greedy)");
   if (top_k < 0) reject("top_k", top_k, "must be >= 0 (0 turns it off)");
   if (!(top_p > 0.0f && top_p <= 1.0f)) reject("top_p", top_p, "must be in (0, 1]");
-  if (!(min_p >= 0.0f && min_p <= 1.0f)) reject("min_p", min_p, "must be in [0, 1]");
-  if (repetition_penalty <= 0.0f) {
-    reject("repetition_penalty", repetition_penalty, "must be > 0 (1 turns it off)");
-  }
+  require_in("min_p", min_p, 0.0f, 1.0f, range(0.0f, 1.0f));
+  require_in("repetition_penalty", repetition_penalty, kMinRepetitionPenalty, kMaxRepetitionPenalty,
+             range(kMinRepetitionPenalty, kMaxRepetitionPenalty) + " (1 turns it off)");
   if (repeat_last_n < -1) reject("repeat_last_n", repeat_last_n, "must be >= -1 (-1 means all)");
+  require_in("presence_penalty", presence_penalty, -kMaxPenalty, kMaxPenalty, range(-kMaxPenalty, kMaxPenalty));
+  require_in("frequency_penalty", frequency_penalty, -kMaxPenalty, kMaxPenalty, range(-kMaxPenalty, kMaxPenalty));
   for (const auto& [id, bias] : logit_bias) {
-    if (id < 0) reject("logit_bias token id", id, "must be >= 0");
-    if (!std::isfinite(bias)) {
-      reject(("logit_bias[" + std::to_string(id) + "]").c_str(), bias, "must be a finite number");
-    }
+    if (id < 0) reject("logit_bias", id, "the token id must be >= 0");
+    if (!(bias >= -kMaxLogitBias && bias <= kMaxLogitBias))
+      reject("logit_bias", bias, range(-kMaxLogitBias, kMaxLogitBias), id);
   }
 }
 

@@ -69,9 +69,19 @@ std::vector<json> read_results(const std::string& path) {
   return out;
 }
 
+// The result whose id is `id` (results come in completion order and are matched by id); null
+// when there is none.
+json result_with_id(const std::vector<json>& results, const json& id) {
+  for (const json& r : results)
+    if (r.contains("id") && r["id"] == id) return r;
+  ADD_FAILURE() << "no result with id " << id.dump();
+  return nullptr;
+}
+
 struct BatchRun {
   int rc = -1;
-  std::vector<json> results;
+  std::vector<json> results;  // in input order (matched by id: each request's "id", else its line index)
+  std::vector<json> written;  // as written: in completion order
   json stats;
   std::string err;  // stderr
 };
@@ -85,7 +95,9 @@ BatchRun run_batch(const TempDir& dir, const std::vector<json>& requests, const 
   r.rc = run_command(kestrel_binary() + " batch -i " + dir / "requests.jsonl" + " -o " + dir / "results.jsonl" +
                          " --stats-json " + dir / "stats.json" + " " + flags + " 2>" + dir / "stderr.txt",
                      nullptr);
-  r.results = read_results(dir / "results.jsonl");
+  r.written = read_results(dir / "results.jsonl");
+  for (size_t i = 0; i < requests.size() && r.written.size() == requests.size(); ++i)
+    r.results.push_back(result_with_id(r.written, requests[i].contains("id") ? requests[i]["id"] : json(i)));
   r.err = kestrel::test::read_file(dir / "stderr.txt");
   if (kestrel::test::file_exists(dir / "stats.json")) r.stats = json::parse(kestrel::test::read_file(dir / "stats.json"));
   return r;
@@ -207,9 +219,9 @@ TEST(CliBatch, PreemptionKeepsOutputsIdentical) {
   EXPECT_NE(tight.err.find("preemptions"), std::string::npos) << tight.err;
 }
 
-// (c) Every kind of bad line gets an error result in its place; the good lines still run; blank
-// lines are skipped; the exit code is 0.
-TEST(CliBatch, MalformedLinesGiveErrorsInOrderAndTheRestRuns) {
+// (c) Every kind of bad line gets an error result (naming its line); the good lines still run;
+// blank lines are skipped; the exit code is 0.
+TEST(CliBatch, MalformedLinesGiveErrorsAndTheRestRuns) {
   KESTREL_REQUIRE_FILE(stories_model());
   TempDir dir;
   write_text(dir / "requests.jsonl",
@@ -232,27 +244,92 @@ TEST(CliBatch, MalformedLinesGiveErrorsInOrderAndTheRestRuns) {
   std::istringstream lines(out);
   for (std::string line; std::getline(lines, line);) r.push_back(json::parse(line));
   ASSERT_EQ(r.size(), 9u) << out;
-  EXPECT_EQ(r[0]["id"], "first");
-  EXPECT_EQ(r[0]["output_ids"].size(), 8u);
-  const auto error_at = [&](size_t i, const json& id, int line, const std::string& phrase) {
-    SCOPED_TRACE(r[i].dump());
-    EXPECT_EQ(r[i]["id"], id);
-    ASSERT_TRUE(r[i].contains("error"));
-    EXPECT_FALSE(r[i].contains("output_ids"));
-    EXPECT_EQ(r[i]["error"]["line"], line);
-    EXPECT_NE(r[i]["error"]["message"].get<std::string>().find(phrase), std::string::npos);
+  // Error lines are written as they are found, before the engine runs: all six come first.
+  for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(r[i].contains("error")) << r[i].dump();
+  EXPECT_EQ(result_with_id(r, "first")["output_ids"].size(), 8u);
+  const auto error_at = [&](const json& id, int line, const std::string& phrase) {
+    const json e = result_with_id(r, id);
+    SCOPED_TRACE(e.dump());
+    ASSERT_TRUE(e.contains("error"));
+    EXPECT_FALSE(e.contains("output_ids"));
+    EXPECT_EQ(e["error"]["line"], line);
+    EXPECT_NE(e["error"]["message"].get<std::string>().find(phrase), std::string::npos);
   };
-  error_at(1, 1, 2, "invalid JSON");
-  EXPECT_EQ(r[2]["id"], 3);  // the 0-based line index
-  EXPECT_EQ(r[2]["output_ids"].size(), 4u);
-  error_at(3, 5, 5, "prompt must be a string, an array of token ids, or an array of strings or of token-id arrays, "
-                    "got 5");
-  error_at(4, "both", 6, "not both");
-  error_at(5, "neither", 7, "missing prompt or messages");
-  error_at(6, "hot", 8, "temperature must be >= 0 (0 = greedy), got -2");
-  error_at(7, 8, 9, "JSON object");
-  EXPECT_EQ(r[8]["id"], 9.5);
-  EXPECT_EQ(r[8]["output_ids"].size(), 3u);
+  error_at(1, 2, "invalid JSON");
+  EXPECT_EQ(result_with_id(r, 3)["output_ids"].size(), 4u);  // the 0-based line index
+  error_at(5, 5, "prompt must be a string, an array of token ids, or an array of strings or of token-id arrays, "
+                 "got 5");
+  error_at("both", 6, "not both");
+  error_at("neither", 7, "missing prompt or messages");
+  error_at("hot", 8, "temperature must be in [0, 2] (0 = greedy), got -2");
+  error_at(8, 9, "JSON object");
+  EXPECT_EQ(result_with_id(r, 9.5)["output_ids"].size(), 3u);
+}
+
+// An id nested 80,000 levels deep crashed the command (exit 139: the error message dumped the id
+// recursively). The line parser stops at the nesting limit and the line gets an error result.
+TEST(CliBatch, ADeeplyNestedIdIsAnErrorLine) {
+  KESTREL_REQUIRE_FILE(stories_model());
+  TempDir dir;
+  write_text(dir / "requests.jsonl", "{\"prompt\": \"Once upon a time\", \"max_tokens\": 3}\n"
+                                     "{\"prompt\": \"a\", \"id\": " + std::string(80000, '[') + "1" +
+                                         std::string(80000, ']') + "}\n"
+                                     "{\"prompt\": \"The dog\", \"max_tokens\": 3}\n");
+  std::string out;
+  const int rc = run_command(kestrel_binary() + " batch -m " + stories_model() + " -i " + dir / "requests.jsonl" +
+                                 " -o - 2>/dev/null",
+                             &out);
+  ASSERT_EQ(rc, 0);
+  std::vector<json> r;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) r.push_back(json::parse(line));
+  ASSERT_EQ(r.size(), 3u) << out.substr(0, 1000);
+  const json e = result_with_id(r, 1);
+  EXPECT_EQ(e["error"]["line"], 2);
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("deeper than 64 levels (the nesting limit)"),
+            std::string::npos)
+      << e.dump();
+  EXPECT_EQ(result_with_id(r, 0)["output_ids"].size(), 3u);
+  EXPECT_EQ(result_with_id(r, 2)["output_ids"].size(), 3u);
+}
+
+// repetition_penalty 1e-38 was accepted (only > 0 was checked), overflowed the logits to inf and
+// ended the whole run with exit 1 and no result lines at all. Now it is the line's own error and
+// every other line gets its result.
+TEST(CliBatch, AnOutOfRangePenaltyIsThatLinesErrorOnly) {
+  KESTREL_REQUIRE_FILE(stories_model());
+  TempDir dir;
+  std::vector<json> requests;
+  for (const char* p : {"Once upon a time", "Lily went", "The dog"})
+    requests.push_back({{"prompt", p}, {"max_tokens", 12}, {"temperature", 0}});
+  requests.insert(requests.begin() + 1, json{{"id", "tiny"}, {"prompt", "Once upon a time"}, {"max_tokens", 12},
+                                             {"repetition_penalty", 1e-38}});
+  const BatchRun run = run_batch(dir, requests, "-m " + stories_model());
+  ASSERT_EQ(run.rc, 0) << run.err;
+  ASSERT_EQ(run.results.size(), 4u);
+  EXPECT_EQ(run.results[1]["error"]["message"], "repetition_penalty must be in [0.01, 100] (1 turns it off), got 1e-38");
+  for (size_t i : {0u, 2u, 3u}) {
+    SCOPED_TRACE(run.results[i].dump());
+    EXPECT_EQ(run.results[i]["output_ids"].size(), 12u);
+    EXPECT_EQ(run.results[i]["finish_reason"], "length");
+  }
+  EXPECT_EQ(run.stats["errors"], 1);
+}
+
+// Results are written as they complete: a short request after a long one comes out first.
+TEST(CliBatch, ResultsComeOutAsTheyComplete) {
+  KESTREL_REQUIRE_FILE(stories_model());
+  TempDir dir;
+  const BatchRun run = run_batch(dir,
+                                 {{{"id", "long"}, {"prompt", "Once upon a time"}, {"max_tokens", 200},
+                                   {"temperature", 0}, {"ignore_eos", true}},
+                                  {{"id", "short"}, {"prompt", "Once upon a time"}, {"max_tokens", 2}}},
+                                 "-m " + stories_model());
+  ASSERT_EQ(run.rc, 0) << run.err;
+  ASSERT_EQ(run.written.size(), 2u);
+  EXPECT_EQ(run.written[0]["id"], "short");
+  EXPECT_EQ(run.written[1]["id"], "long");
+  EXPECT_EQ(run.written[1]["output_ids"].size(), 200u);
 }
 
 // A prompt given as token ids (OpenAI completions' other form) runs those ids as they are: the

@@ -115,7 +115,40 @@ TEST(SamplingParams, EdgesOfTheRangesAreValid) {
   params.min_p = 1.0f;
   params.repeat_last_n = -1;
   params.presence_penalty = -2.0f;  // OpenAI allows negative penalties (encourage repeats)
+  params.frequency_penalty = 2.0f;
+  params.repetition_penalty = 0.01f;
+  params.logit_bias[3] = -100.0f;
+  params.logit_bias[4] = 100.0f;
   EXPECT_NO_THROW(params.validate());
+  params.temperature = 2.0f;
+  params.repetition_penalty = 100.0f;
+  EXPECT_NO_THROW(params.validate());
+}
+
+// Every numeric field is bounded, so that no accepted value can turn a model's logits into inf or
+// NaN: repetition_penalty 1e-38 (accepted once, as only > 0 was checked) divided logits into inf.
+TEST(SamplingParams, EveryNumericFieldIsBounded) {
+  const auto field_of = [](auto edit) -> std::string {
+    SamplingParams p;
+    edit(p);
+    try {
+      p.validate();
+    } catch (const SamplingParamError& e) {
+      return e.field() + (e.token() >= 0 ? "[" + std::to_string(e.token()) + "]" : "") + ": " + e.rule();
+    }
+    return "<valid>";
+  };
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.repetition_penalty = 1e-38f; }),
+            "repetition_penalty: must be in [0.01, 100] (1 turns it off)");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.repetition_penalty = 0.0099f; }),
+            "repetition_penalty: must be in [0.01, 100] (1 turns it off)");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.repetition_penalty = 101.0f; }),
+            "repetition_penalty: must be in [0.01, 100] (1 turns it off)");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.temperature = 2.01f; }), "temperature: must be in [0, 2] (0 = greedy)");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.presence_penalty = 2.5f; }), "presence_penalty: must be in [-2, 2]");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.frequency_penalty = -3e38f; }), "frequency_penalty: must be in [-2, 2]");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.logit_bias[9] = 100.5f; }), "logit_bias[9]: must be in [-100, 100]");
+  EXPECT_EQ(field_of([](SamplingParams& p) { p.logit_bias[9] = -1e30f; }), "logit_bias[9]: must be in [-100, 100]");
 }
 
 TEST(SamplingSampler, ConstructorChecksBiasIdsAgainstTheVocabulary) {
@@ -498,21 +531,75 @@ TEST(Sampler, PresenceAndFrequencyPenaltiesSkipThePrompt) {
   EXPECT_EQ(rep.sample(logits, history, 2), 0);  // prompt counts: 1 -> 0.75, 2 -> 0.6
 }
 
-// NaN logits are reported as NanLogitsError on both the plain-greedy and the processor-chain
-// paths, so the engine can end just the request concerned.
-TEST(Sampler, NanLogitsAreANamedError) {
+// Non-finite logits are reported as NonFiniteLogitsError on both the plain-greedy and the
+// processor-chain paths, so the engine can end just the request concerned.
+TEST(Sampler, NonFiniteLogitsAreANamedError) {
+  using kestrel::NonFiniteLogitsError;
   std::vector<float> logits = {0.5f, std::numeric_limits<float>::quiet_NaN(), 1.0f};
   kestrel::SamplingParams greedy;
   greedy.temperature = 0;
   kestrel::Sampler g(greedy, 3);
-  EXPECT_THROW(g.sample(logits, {}), kestrel::NanLogitsError);
+  EXPECT_THROW(g.sample(logits, {}), NonFiniteLogitsError);
   kestrel::SamplingParams sampled;
   sampled.temperature = 0.7f;
   sampled.top_k = 2;
   kestrel::Sampler s(sampled, 3);
-  EXPECT_THROW(s.sample(logits, {}), kestrel::NanLogitsError);
+  EXPECT_THROW(s.sample(logits, {}), NonFiniteLogitsError);
+  // +inf is as bad: greedy would pick it silently, the softmax would make it NaN.
+  logits[1] = std::numeric_limits<float>::infinity();
+  try {
+    g.sample(logits, {});
+    ADD_FAILURE() << "no error for +inf";
+  } catch (const NonFiniteLogitsError& e) {
+    EXPECT_EQ(e.source(), NonFiniteLogitsError::Source::Model);
+  }
+  EXPECT_THROW(s.sample(logits, {}), NonFiniteLogitsError);
+  // -inf bans a token; a row with nothing else has no distribution.
+  const float ninf = -std::numeric_limits<float>::infinity();
+  logits[1] = ninf;
+  EXPECT_EQ(g.sample(logits, {}), 2);
+  EXPECT_NE(s.sample(logits, {}), 1);
+  const std::vector<float> banned = {ninf, ninf, ninf};
+  EXPECT_THROW(g.sample(banned, {}), NonFiniteLogitsError);
+  EXPECT_THROW(s.sample(banned, {}), NonFiniteLogitsError);
   logits[1] = 0.0f;
   EXPECT_EQ(g.sample(logits, {}), 2);
+}
+
+// Finite logits that a penalty takes past the float range end the request with a named error
+// (Source::Processing), never an assertion, on the greedy and the sampled paths; within the
+// validated ranges a model's logits cannot get there (sampling_params.h).
+TEST(Sampler, PenaltiesThatOverflowAreANamedError) {
+  using kestrel::NonFiniteLogitsError;
+  const std::vector<float> logits = {3e37f, 1.0f, -2.0f};
+  const std::vector<int32_t> history = {0, 2};
+  for (float temperature : {0.0f, 1.0f, 0.5f}) {
+    kestrel::SamplingParams p;
+    p.temperature = temperature;
+    p.top_p = 0.9f;
+    p.repetition_penalty = kestrel::kMinRepetitionPenalty;
+    kestrel::Sampler s(p, 3);
+    try {
+      s.sample(logits, history);
+      ADD_FAILURE() << "no error at temperature " << temperature;
+    } catch (const NonFiniteLogitsError& e) {
+      EXPECT_EQ(e.source(), NonFiniteLogitsError::Source::Processing);
+    }
+    // The same sampler goes on with ordinary logits.
+    EXPECT_EQ(s.sample(std::vector<float>{1.0f, 300.0f, -2.0f}, history), 1);  // 0 -> 100, 2 -> -0.02
+  }
+  // At the largest magnitudes the ranges keep finite: |logit| below FLT_MAX / 100.
+  kestrel::SamplingParams edge;
+  edge.temperature = 0;
+  edge.repetition_penalty = kestrel::kMinRepetitionPenalty;
+  edge.frequency_penalty = 2.0f;
+  edge.logit_bias[1] = 100.0f;
+  kestrel::Sampler e(edge, 3);
+  const float big = std::numeric_limits<float>::max() / 101.0f;
+  EXPECT_EQ(e.sample(std::vector<float>{big, -big, 0.0f}, history), 0);
+  edge.repetition_penalty = kestrel::kMaxRepetitionPenalty;
+  kestrel::Sampler e2(edge, 3);
+  EXPECT_EQ(e2.sample(std::vector<float>{-big, big, 0.0f}, history), 1);
 }
 
 // ---- the device sampler's contract (cuda_ops.h: sample_tokens) ---------------------------------

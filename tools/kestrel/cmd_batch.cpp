@@ -1,7 +1,10 @@
 // kestrel batch: a file of requests (one JSON object per line) run through the serving engine
-// together; one result line per request, in input order. A bad line gets an error result and the
-// rest of the batch still runs: only unreadable input (exit 1), unwritable output (1) or bad flags
-// (2) end the command early.
+// together; one result line per request, written and flushed as each completes (error lines first,
+// as they are found while reading; then the engine's requests in the order they finish, as
+// OpenAI's batch output is ordered: match results by id). A bad line gets an error result and the
+// rest of the batch still runs: only unreadable input (exit 1), unwritable output (1), an engine
+// failure (1, after an error line for each request still running) or bad flags (2) end the
+// command early.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -91,11 +94,10 @@ class ResultFile {
   std::FILE* file_;
 };
 
-// One non-blank input line: its result once known, and what has come in for it so far.
-struct Slot {
+// A request in the engine: its line, and what has come in for it so far.
+struct Running {
   Json id;
   int64_t line_number = 0;  // 1-based
-  std::optional<Json> result;
   BatchResult partial;
 };
 
@@ -108,36 +110,39 @@ class BatchRun {
   // Parses line i (0-based) and submits it; a line that fails either way gets its error result now.
   void submit(std::string_view line, size_t i) {
     BatchLine parsed = parse_batch_line(line, static_cast<int64_t>(i));
-    Slot& slot = slots_.emplace_back();
-    slot.id = std::move(parsed.id);
-    slot.line_number = static_cast<int64_t>(i) + 1;
+    ++summary_.n_requests;
+    Running slot{std::move(parsed.id), static_cast<int64_t>(i) + 1, {}};
     warn(parsed.unknown_fields, slot);
     std::string error = std::move(parsed.error);
     if (parsed.request) {
       try {
         const RequestId rid = engine_.add_request(to_engine_request(*parsed.request, format_, seeds_()));
-        running_.emplace(rid, slots_.size() - 1);
+        running_.emplace(rid, std::move(slot));
+        return;
       } catch (const Error& e) {  // the prompt does not fit, an id outside the vocabulary, ...
         error = e.what();
       }
     }
-    if (!error.empty()) finish_with_error(slot, error);
+    finish_with_error(slot, error);
   }
 
-  // Steps the engine until every request has finished, writing results as they become ready.
+  // Steps the engine until every request has finished, writing each result as it completes. An
+  // engine failure (not one request's: those end that request) gives every running request an
+  // error line, then propagates.
   void run() {
-    summary_.n_requests = static_cast<int64_t>(slots_.size());
     BatchProgress progress(summary_.n_requests, /*enabled=*/true);
-    write_ready();
-    while (engine_.has_unfinished()) {
-      for (RequestOutput& o : engine_.step()) take(o);
-      write_ready();
-      progress.update(n_done_, engine_.stats().n_generated_tokens);
+    try {
+      while (engine_.has_unfinished()) {
+        for (RequestOutput& o : engine_.step()) take(o);
+        progress.update(n_done_, engine_.stats().n_generated_tokens);
+      }
+    } catch (const Error& e) {
+      fail_running(std::string("the engine failed: ") + e.what());
+      progress.finish(n_done_, engine_.stats().n_generated_tokens);
+      throw;
     }
-    for (const auto& [rid, index] : running_)  // not expected: the engine reports every request's end
-      finish_with_error(slots_[index], "the engine stopped without finishing this request");
-    running_.clear();
-    write_ready();
+    // Not expected: the engine reports every request's end.
+    fail_running("the engine stopped without finishing this request");
     progress.finish(n_done_, engine_.stats().n_generated_tokens);
   }
 
@@ -147,47 +152,51 @@ class BatchRun {
   void take(RequestOutput& o) {
     const auto it = running_.find(o.id);
     if (it == running_.end()) return;
-    Slot& slot = slots_[it->second];
+    Running& slot = it->second;
     BatchResult& r = slot.partial;
     r.output_ids.insert(r.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     r.text += o.text_delta;
     if (!o.finished) return;
-    if (o.finish_reason == "error") {  // the engine ended this request (e.g. NaN logits)
+    if (o.finish_reason == "error") {  // the engine ended this request (e.g. non-finite logits)
       finish_with_error(slot, o.error);
-      r = BatchResult();
-      running_.erase(it);
-      return;
+    } else {
+      r.finish_reason = o.finish_reason;
+      r.metrics = o.metrics;
+      summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
+      emit(result_json(slot.id, r));
+      ++n_done_;
     }
-    r.finish_reason = o.finish_reason;
-    r.metrics = o.metrics;
-    summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
-    slot.result = result_json(slot.id, r);
-    r = BatchResult();
     running_.erase(it);
-    ++n_done_;
   }
 
-  void finish_with_error(Slot& slot, const std::string& message) {
-    slot.result = error_json(slot.id, message, slot.line_number);
+  void finish_with_error(const Running& slot, const std::string& message) {
+    emit(error_json(slot.id, message, slot.line_number));
     ++summary_.n_errors;
     ++n_done_;
   }
 
-  // Results go out in input order: everything up to the first request still running.
-  void write_ready() {
-    for (; n_written_ < slots_.size() && slots_[n_written_].result; ++n_written_) {
-      out_.write(to_json_line(*slots_[n_written_].result));
-      slots_[n_written_].result.reset();  // written: free it
-    }
+  void fail_running(const std::string& message) {
+    // In input order, so that the lines of one failure read in the file's order.
+    std::vector<const Running*> left;
+    for (const auto& [rid, slot] : running_) left.push_back(&slot);
+    std::sort(left.begin(), left.end(),
+              [](const Running* a, const Running* b) { return a->line_number < b->line_number; });
+    for (const Running* slot : left) finish_with_error(*slot, message);
+    running_.clear();
+  }
+
+  // One line, flushed at once: a long batch can be watched, and a kill loses no finished result.
+  void emit(const Json& result) {
+    out_.write(to_json_line(result));
     out_.flush();
   }
 
-  void warn(const std::vector<std::string>& unknown_fields, const Slot& slot) {
+  void warn(const std::vector<std::string>& unknown_fields, const Running& slot) {
     for (const std::string& field : unknown_fields)
       if (warned_fields_.insert(field).second)
         std::fprintf(stderr, "kestrel batch: warning: ignoring unknown field \"%s\" (first on line %lld)\n",
                      field.c_str(), static_cast<long long>(slot.line_number));
-    // Results stay in input order, so a repeated id is only confusing, not ambiguous: warn once.
+    // Results are matched by id, so a repeated id makes them ambiguous: warn once.
     const auto [first, fresh] = first_line_of_id_.emplace(slot.id.dump(), slot.line_number);
     if (!fresh && !warned_duplicate_id_) {
       warned_duplicate_id_ = true;
@@ -202,10 +211,8 @@ class BatchRun {
   const PromptFormat& format_;
   ResultFile& out_;
   std::mt19937_64 seeds_;  // for requests without a seed
-  std::vector<Slot> slots_;
-  std::unordered_map<RequestId, size_t> running_;  // engine id -> index into slots_
-  size_t n_written_ = 0;
-  int64_t n_done_ = 0;  // slots with a result, written or not
+  std::unordered_map<RequestId, Running> running_;
+  int64_t n_done_ = 0;  // requests with a result written
   BatchSummary summary_;
   std::set<std::string> warned_fields_;
   std::unordered_map<std::string, int64_t> first_line_of_id_;  // id as JSON text -> line number
@@ -247,13 +254,14 @@ void run_batch(const BatchArgs& a) {
 void register_batch(CLI::App& app) {
   auto a = std::make_shared<BatchArgs>();
   CLI::App* sub = app.add_subcommand(
-      "batch", "Run a file of requests (JSON lines) together through the engine; results in input order");
+      "batch", "Run a file of requests (JSON lines) together through the engine; results as they complete");
   sub->add_option("-m,--model", a->model, kModelHelp);
   sub->add_option("-i,--input", a->input,
                   "Requests, one JSON object per line: {\"id\", \"prompt\" or \"messages\", OpenAI sampling "
                   "fields}; - = stdin")
       ->required();
-  sub->add_option("-o,--output", a->output, "Results, one JSON object per line in input order; - = stdout")
+  sub->add_option("-o,--output", a->output,
+                  "Results, one JSON object per line, written as each completes (match them by id); - = stdout")
       ->required();
   a->engine.add_to(*sub);
   sub->add_option("--stats-json", a->stats_json, "Also write the end-of-run summary to this file as JSON");

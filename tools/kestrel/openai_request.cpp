@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "chat_prompt.h"
 
@@ -172,8 +173,9 @@ std::vector<std::string> stop_field(const json& v) {
   return out;
 }
 
-// OpenAI logit_bias: {"token id": bias in [-100, 100]}.
-std::unordered_map<int32_t, float> logit_bias_field(const json& v) {
+// OpenAI logit_bias: {"token id": bias} (the bias's range is SamplingParams::validate's). *keys
+// gets each id's key as written, for messages.
+std::unordered_map<int32_t, float> logit_bias_field(const json& v, std::unordered_map<int32_t, std::string>* keys) {
   if (!v.is_object()) bad("logit_bias", "must be an object {\"token id\": bias}", v);
   std::unordered_map<int32_t, float> out;
   for (const auto& [key, bias] : v.items()) {
@@ -187,10 +189,8 @@ std::unordered_map<int32_t, float> logit_bias_field(const json& v) {
     if (used != key.size() || key.empty() || key[0] == '-' || key[0] == '+' || id < 0 ||
         id > std::numeric_limits<int32_t>::max())
       bad("logit_bias key", "must be a token id (a non-negative integer)", json(key));
-    const std::string name = "logit_bias[\"" + key + "\"]";
-    const float b = float_field(name, bias);
-    if (b < -100.0f || b > 100.0f) bad(name, "must be in [-100, 100]", bias);
-    out[static_cast<int32_t>(id)] = b;
+    out[static_cast<int32_t>(id)] = float_field("logit_bias[\"" + key + "\"]", bias);
+    (*keys)[static_cast<int32_t>(id)] = key;
   }
   return out;
 }
@@ -222,44 +222,31 @@ void prompt_or_messages(const json& j, RequestApi api, OpenAiRequest& r) {
   }
 }
 
+// The fields' types here; their ranges in SamplingParams::validate (the one place for them, the CLI
+// flags' too), whose error is reported with the field's JSON value as written.
 void sampling_fields(const json& j, SamplingParams& s) {
   s.repeat_last_n = -1;  // vLLM's repetition_penalty looks at every previous token
-  if (const json& v = field(j, "temperature"); !v.is_null()) {
-    s.temperature = float_field("temperature", v);
-    if (s.temperature < 0) bad("temperature", "must be >= 0 (0 = greedy)", v);
-  }
-  if (const json& v = field(j, "top_p"); !v.is_null()) {
-    s.top_p = float_field("top_p", v);
-    if (!(s.top_p > 0 && s.top_p <= 1)) bad("top_p", "must be in (0, 1]", v);
-  }
+  for (const auto& [name, member] : {std::pair{"temperature", &SamplingParams::temperature},
+                                     std::pair{"top_p", &SamplingParams::top_p},
+                                     std::pair{"min_p", &SamplingParams::min_p},
+                                     std::pair{"presence_penalty", &SamplingParams::presence_penalty},
+                                     std::pair{"frequency_penalty", &SamplingParams::frequency_penalty},
+                                     std::pair{"repetition_penalty", &SamplingParams::repetition_penalty}})
+    if (const json& v = field(j, name); !v.is_null()) s.*member = float_field(name, v);
   if (const json& v = field(j, "top_k"); !v.is_null()) {
     const int64_t k = integer("top_k", v, -1, std::numeric_limits<int32_t>::max(), ">= 0 (0 or -1 = off)");
     s.top_k = k < 0 ? 0 : static_cast<int32_t>(k);
   }
-  if (const json& v = field(j, "min_p"); !v.is_null()) {
-    s.min_p = float_field("min_p", v);
-    if (!(s.min_p >= 0 && s.min_p <= 1)) bad("min_p", "must be in [0, 1]", v);
-  }
-  if (const json& v = field(j, "presence_penalty"); !v.is_null()) {
-    s.presence_penalty = float_field("presence_penalty", v);
-    if (!(s.presence_penalty >= -2 && s.presence_penalty <= 2)) bad("presence_penalty", "must be in [-2, 2]", v);
-  }
-  if (const json& v = field(j, "frequency_penalty"); !v.is_null()) {
-    s.frequency_penalty = float_field("frequency_penalty", v);
-    if (!(s.frequency_penalty >= -2 && s.frequency_penalty <= 2))
-      bad("frequency_penalty", "must be in [-2, 2]", v);
-  }
-  if (const json& v = field(j, "repetition_penalty"); !v.is_null()) {
-    s.repetition_penalty = float_field("repetition_penalty", v);
-    if (!(s.repetition_penalty > 0)) bad("repetition_penalty", "must be > 0 (1 = off)", v);
-  }
-  if (const json& v = field(j, "logit_bias"); !v.is_null()) s.logit_bias = logit_bias_field(v);
+  std::unordered_map<int32_t, std::string> bias_keys;
+  if (const json& v = field(j, "logit_bias"); !v.is_null()) s.logit_bias = logit_bias_field(v, &bias_keys);
   try {
-    s.validate();  // a guard: every rule it has is checked above with the JSON value in the message
-  } catch (const RequestError&) {
-    throw;
-  } catch (const Error& e) {
-    throw RequestError("", e.what());
+    s.validate();
+  } catch (const SamplingParamError& e) {
+    if (e.field() == "logit_bias" && bias_keys.count(e.token())) {
+      const std::string& key = bias_keys.at(e.token());
+      bad("logit_bias[\"" + key + "\"]", e.rule(), field(j, "logit_bias").at(key));
+    }
+    bad(e.field(), e.rule(), field(j, e.field().c_str()));
   }
 }
 
