@@ -323,3 +323,20 @@ def test_large_bodies_do_not_ratchet_memory(server):
             t.join()
     time.sleep(0.3)
     assert rss_mb(server.proc.pid) - before < 40, (before, rss_mb(server.proc.pid))
+
+
+def test_request_head_deadline_is_408(small):
+    # A head still incomplete 10 s after its first byte gets a 408 and the connection closes; the old
+    # server's timeout was per read, so one header line every few seconds held a thread for ever.
+    c = Conn(small.port, timeout=20)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.time()
+    for i in range(3):
+        time.sleep(2)
+        c.send(f"X-Slow-{i}: 1\r\n".encode())
+    r = c.response()
+    dt = time.time() - t0
+    err = error_of(r, 408)
+    assert 9.5 < dt < 12 and "request head" in err["message"] and "10" in err["message"], (dt, err)
+    assert c.closed_by_server(3)
+    c.close()
