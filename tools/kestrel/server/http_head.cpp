@@ -121,6 +121,12 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
     e.error->allow = std::string(info->method);
     return e;
   }
+  // Every route: the body reader reserves Content-Length bytes up front.
+  if (head.content_length && *head.content_length > limits.max_body_bytes)
+    return fail(413,
+                "the request body has " + std::to_string(*head.content_length) + " bytes; the limit is " +
+                    std::to_string(limits.max_body_bytes) + " bytes (--max-body-size)",
+                "request_too_large");
   if (!info->json_body) return d;
 
   if (!head.content_encoding.empty() && !iequals(trim(head.content_encoding), "identity"))
@@ -133,11 +139,6 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
                 "Content-Type must be application/json, got " + shown_value(head.content_type) +
                     " (curl: -H 'Content-Type: application/json')",
                 "unsupported_media_type");
-  if (head.content_length && *head.content_length > limits.max_body_bytes)
-    return fail(413,
-                "the request body has " + std::to_string(*head.content_length) + " bytes; the limit is " +
-                    std::to_string(limits.max_body_bytes) + " bytes (--max-body-size)",
-                "request_too_large");
   return d;
 }
 

@@ -64,9 +64,9 @@ struct HeadDecision {
 // Checks in this order: HTTP version (505 unless 1.0 or 1.1); header count (431); target and
 // route (404); API key on /v1/* when
 // api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in any case, one or more
-// spaces or tabs, the key compared in constant time); method (405 with Allow); for routes with a
-// JSON body: Content-Encoding (415, any but "identity"), Content-Type (415 unless absent or
-// exactly application/json, parameters allowed), and the body length (413 over the limit).
+// spaces or tabs, the key compared in constant time); method (405 with Allow); the body length on
+// every route (413 over the limit); for routes with a JSON body: Content-Encoding (415, any but
+// "identity") and Content-Type (415 unless absent or exactly application/json, parameters allowed).
 HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const std::string& api_key);
 
 // True when `content_type` is absent or its media type is exactly application/json (RFC 9110

@@ -7,6 +7,7 @@
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 
+#include <iostream>
 #include <thread>
 #include <vector>
 
@@ -153,7 +154,18 @@ void HttpServer::serve() {
   Impl& m = *impl_;
   asio::post(m.acceptor.get_executor(), [&m] { m.accept(); });
   const int n = std::max(1, m.options.http_threads);
-  auto run = [&m] { m.ioc.run(); };
+  // A handler that throws (not expected: they answer bad input themselves; bad_alloc) loses its
+  // connection, not the thread or the process.
+  auto run = [&m] {
+    for (;;) {
+      try {
+        m.ioc.run();
+        return;
+      } catch (const std::exception& e) {
+        std::cerr << "kestrel serve: HTTP handler failed: " << e.what() << std::endl;
+      }
+    }
+  };
   std::vector<std::thread> threads;
   for (int i = 1; i < n; ++i) threads.emplace_back(run);
   run();
