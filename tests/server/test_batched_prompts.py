@@ -36,7 +36,8 @@ def test_batched_token_id_prompts_echo_and_logprobs(server):
     assert len(out["choices"]) == 4
     for i, c in enumerate(out["choices"]):
         p = i // 2
-        assert c["index"] == i and c["text"].startswith(PROMPTS[p]), c["text"]
+        # Token ids are echoed as sent, special tokens (the BOS) included.
+        assert c["index"] == i and c["text"].startswith("<s>" + PROMPTS[p]), c["text"]
         # The echoed prompt's tokens come first in the logprobs: this choice's own prompt.
         assert len(c["logprobs"]["tokens"]) >= len(ids[p]) + 1
         assert c["logprobs"]["token_logprobs"][0] is None

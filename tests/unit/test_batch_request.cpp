@@ -286,7 +286,8 @@ TEST(BatchRequest, EngineRequestFromPrompt) {
   EXPECT_EQ(to_engine_request(m, f, 0, 0).prompt, (std::vector<int32_t>{1, 5}));
   EXPECT_EQ(to_engine_request(m, f, 0, 1).prompt, (std::vector<int32_t>{1, 7, 9}));
   EXPECT_THROW(to_engine_request(m, f, 0, 2), RequestError);
-  EXPECT_EQ(prompt_text(m, *l.tokenizer, 1), l.tokenizer->decode(std::vector<int32_t>{1, 7, 9}, true));
+  // Echoed with its special tokens (the BOS here).
+  EXPECT_EQ(prompt_text(m, *l.tokenizer, 1), "<s>" + l.tokenizer->decode(std::vector<int32_t>{7, 9}, false));
   const OpenAiRequest texts =
       parse_openai_request(parse_request_body(R"({"prompt": ["Once", "upon a time"]})"), RequestApi::Completions);
   EXPECT_EQ(to_engine_request(texts, f, 0, 1).prompt, l.tokenizer->encode("upon a time", true, true));

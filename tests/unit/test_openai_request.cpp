@@ -3,6 +3,7 @@
 // parameter each error names (the `param` of the OpenAI error body).
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,41 @@ TEST(OpenAiRequest, ErrorsNameTheParameter) {
   for (const auto& c : cases) EXPECT_EQ(param_of(c.body, RequestApi::Completions), c.param) << c.body;
   EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": 1}]})", RequestApi::Chat), "messages[0].content");
   EXPECT_EQ(param_of(R"({"messages": [{"role": "bot", "content": "x"}]})", RequestApi::Chat), "messages[0].role");
+}
+
+// max_tokens at the int64 edge: 2^63 - 1 parses (the server's context check, written as a
+// difference, refuses it); a double at or past 2^63 (9223372036854775807.0 is 2^63 as a double) is
+// an error, where it was cast to int64_t with undefined behaviour.
+TEST(OpenAiRequest, MaxTokensAtTheInt64Edge) {
+  EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 9223372036854775807})", RequestApi::Completions).max_tokens,
+            std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 4611686018427387904.0})", RequestApi::Completions).max_tokens,
+            int64_t{1} << 62);
+  for (const char* v : {"9223372036854775807.0", "9223372036854775808.0", "9.3e18", "1e300", "-9.3e18",
+                        "9223372036854775808", "18446744073709551615", "-9223372036854775808"}) {
+    const std::string body = std::string(R"({"prompt": "a", "max_tokens": )") + v + "}";
+    EXPECT_EQ(param_of(body, RequestApi::Completions), "max_tokens") << v;
+    EXPECT_NE(error_of(body, RequestApi::Completions).find("must be >= 1 and < 2^63"), std::string::npos)
+        << error_of(body, RequestApi::Completions);
+  }
+  // The same rule for top_k's int32 range: no cast outside it.
+  EXPECT_EQ(param_of(R"({"prompt": "a", "top_k": 1e19})", RequestApi::Completions), "top_k");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "top_k": 2147483648.0})", RequestApi::Completions), "top_k");
+}
+
+// logit_bias keys are token ids in decimal digits: whitespace (" 5" was read as 5), signs, hex,
+// exponents, non-ASCII digits and ids past int32 are errors naming logit_bias.
+TEST(OpenAiRequest, LogitBiasKeysAreDigits) {
+  for (const char* key : {" 5", "5 ", "\\t5", "+5", "-5", "0x5", "5.0", "1e2", "", "\u0665", "2147483648",
+                          "99999999999"}) {
+    const std::string body = std::string(R"({"prompt": "a", "logit_bias": {")") + key + R"(": 1}})";
+    EXPECT_EQ(param_of(body, RequestApi::Completions), "logit_bias") << key;
+  }
+  const OpenAiRequest r =
+      parse(R"({"prompt": "a", "logit_bias": {"05": 1, "2147483647": -1, "0": 2}})", RequestApi::Completions);
+  EXPECT_EQ(r.sampling.logit_bias.at(5), 1.0f);
+  EXPECT_EQ(r.sampling.logit_bias.at(2147483647), -1.0f);
+  EXPECT_EQ(r.sampling.logit_bias.at(0), 2.0f);
 }
 
 TEST(OpenAiRequest, KnownFields) {

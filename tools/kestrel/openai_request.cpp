@@ -52,8 +52,13 @@ int64_t integer(const std::string& field, const json& v, int64_t lo, int64_t hi,
   }
   const double x = v.get<double>();
   if (x != std::floor(x)) bad(field, "must be an integer", v);
-  if (x < static_cast<double>(lo) || x > static_cast<double>(hi)) bad(field, "must be " + range, v);
-  return static_cast<int64_t>(x);
+  // Only doubles in [-2^63, 2^63) convert to int64_t (anything else is undefined behaviour); the
+  // exact bounds are then checked on the integer, as double(hi) may round up past hi.
+  constexpr double kTwo63 = 9223372036854775808.0;
+  if (!(x >= -kTwo63 && x < kTwo63)) bad(field, "must be " + range, v);
+  const auto n = static_cast<int64_t>(x);
+  if (n < lo || n > hi) bad(field, "must be " + range, v);
+  return n;
 }
 
 bool boolean(const std::string& field, const json& v) {
@@ -179,16 +184,15 @@ std::unordered_map<int32_t, float> logit_bias_field(const json& v, std::unordere
   if (!v.is_object()) bad("logit_bias", "must be an object {\"token id\": bias}", v);
   std::unordered_map<int32_t, float> out;
   for (const auto& [key, bias] : v.items()) {
-    size_t used = 0;
-    long long id = -1;
-    try {
-      id = std::stoll(key, &used);
-    } catch (const std::exception&) {
-      used = 0;
+    // Decimal digits only: no sign, no whitespace (strtol-style parsers skip it), no exponent.
+    int64_t id = 0;
+    bool ok = !key.empty() && key.size() <= 10;
+    for (char c : key) {
+      ok = ok && c >= '0' && c <= '9';
+      if (ok) id = id * 10 + (c - '0');
     }
-    if (used != key.size() || key.empty() || key[0] == '-' || key[0] == '+' || id < 0 ||
-        id > std::numeric_limits<int32_t>::max())
-      bad("logit_bias key", "must be a token id (a non-negative integer)", json(key));
+    if (!ok || id > std::numeric_limits<int32_t>::max())
+      bad("logit_bias key", "must be a token id (decimal digits, at most 2147483647)", json(key));
     out[static_cast<int32_t>(id)] = float_field("logit_bias[\"" + key + "\"]", bias);
     (*keys)[static_cast<int32_t>(id)] = key;
   }
@@ -400,7 +404,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   for (const char* name : {"max_tokens", "max_completion_tokens"}) {
     const auto it = j.find(name);
     if (it == j.end()) continue;
-    const int64_t n = it->is_null() ? -1 : integer(name, *it, 1, std::numeric_limits<int64_t>::max(), ">= 1");
+    const int64_t n = it->is_null() ? -1 : integer(name, *it, 1, std::numeric_limits<int64_t>::max(), ">= 1 and < 2^63");
     if (limit && *limit != n)
       throw RequestError(name, std::string("max_tokens (") + shown(field(j, "max_tokens")) +
                                    ") and max_completion_tokens (" + shown(*it) + ") disagree; give one of them");
@@ -452,7 +456,8 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
   if (prompt_index >= request.prompts.size()) return "";
   const PromptInput& p = request.prompts[prompt_index];
   if (!p.ids) return p.text;
-  return tokenizer.decode(*p.ids, /*skip_special=*/true);
+  // With their special tokens: the ids are echoed as sent (BOS included), as vLLM does.
+  return tokenizer.decode(*p.ids, /*skip_special=*/false);
 }
 
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,

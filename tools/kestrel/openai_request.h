@@ -126,8 +126,8 @@ struct PromptFormat {
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
 };
 
-// The text of prompt prompt_index of a completions request (the string, or the token ids decoded),
-// for echo.
+// The text of prompt prompt_index of a completions request, for echo: the string as given, or the
+// token ids decoded with their special tokens ("<s>Once upon a time").
 std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer, size_t prompt_index = 0);
 
 // Tokenizes prompt prompt_index (which must be below request.prompts.size(); RequestError

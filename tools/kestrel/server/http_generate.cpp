@@ -211,7 +211,7 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
     c.text += o.output.text_delta;
     if (!o.output.prompt_logprobs.empty()) c.prompt_logprobs = o.output.prompt_logprobs;
     if (want_logprobs_) {
-      LoggedTokens t = logged_tokens(o.output, stop_ids_);
+      LoggedTokens t = logged_tokens(o.output);
       c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
       c.logged.logprobs.insert(c.logged.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
     }
@@ -233,7 +233,8 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
       f.logprobs = chat_logprobs(*api_.format.tokenizer, c.logged);
     } else if (want_logprobs_) {
       if (!p.echo_text.empty())
-        f.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, c.prompt_logprobs, &c.text_offset);
+        f.logprobs =
+            echo_logprobs(*api_.format.tokenizer, p.prompt_ids, c.prompt_logprobs, p.echo_text, &c.text_offset);
       append_completion_logprobs(f.logprobs, completion_logprobs(*api_.format.tokenizer, c.logged, &c.text_offset));
     }
     f.finish_reason = c.finish_reason;
@@ -259,13 +260,13 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
     ChunkChoice echo;
     echo.index = co.index;
     echo.text = p.echo_text;
-    echo.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, o.prompt_logprobs, &c.text_offset);
+    echo.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, o.prompt_logprobs, p.echo_text, &c.text_offset);
     out += sse_event(stream_chunk(header_, echo, include_usage_));
   }
   ChunkChoice chunk;
   chunk.index = co.index;
   if (want_logprobs_) {
-    const LoggedTokens t = logged_tokens(o, stop_ids_);
+    const LoggedTokens t = logged_tokens(o);
     if (!t.ids.empty())
       chunk.logprobs = header_.chat ? chat_logprobs(*api_.format.tokenizer, t)
                                     : completion_logprobs(*api_.format.tokenizer, t, &c.text_offset);

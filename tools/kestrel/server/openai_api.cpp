@@ -43,18 +43,12 @@ std::string new_response_id(const char* prefix) {
   return id;
 }
 
-LoggedTokens logged_tokens(const RequestOutput& o, std::span<const int32_t> stop_ids) {
+LoggedTokens logged_tokens(const RequestOutput& o) {
   LoggedTokens t;
-  for (size_t i = 0; i < o.new_token_ids.size(); ++i) {
-    const int32_t id = o.new_token_ids[i];
-    const bool last = i + 1 == o.new_token_ids.size();
-    if (last && o.finished && o.finish_reason == "stop" &&
-        std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end())
-      continue;
-    if (i >= o.logprobs.size()) continue;  // the request did not ask for logprobs
-    t.ids.push_back(id);
-    t.logprobs.push_back(o.logprobs[i]);
-  }
+  // Tokens without a logprob: the request did not ask for them.
+  const size_t n = std::min(o.new_token_ids.size(), o.logprobs.size());
+  t.ids.assign(o.new_token_ids.begin(), o.new_token_ids.begin() + static_cast<ptrdiff_t>(n));
+  t.logprobs.assign(o.logprobs.begin(), o.logprobs.begin() + static_cast<ptrdiff_t>(n));
   return t;
 }
 
@@ -78,22 +72,38 @@ Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* t
     token_logprobs.push_back(s.chosen.logprob);
     top.push_back(top_by_text(tok, s));
     offsets.push_back(*text_offset);
-    *text_offset += n_chars(piece);
+    if (!tok.is_special(t.ids[i])) *text_offset += n_chars(piece);
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
 Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::span<const LogprobSummary> prompt_logprobs,
-                   int64_t* text_offset) {
+                   std::string_view echo_text, int64_t* text_offset) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
+  // Walks echo_text with the bytes each token decodes to (Tokenizer::append_piece, special tokens
+  // as their text and the SentencePiece leading-space rule), so offsets follow the text returned.
+  size_t pos = 0;  // bytes of echo_text covered
+  bool at_start = true;
+  std::string bytes;
   for (size_t i = 0; i < prompt.size(); ++i) {
-    const std::string piece = tok.token_to_piece(prompt[i]);
-    tokens.push_back(utf8_sanitize(piece));
+    tokens.push_back(utf8_sanitize(tok.token_to_piece(prompt[i])));
     const bool scored = i > 0 && i - 1 < prompt_logprobs.size();
     token_logprobs.push_back(scored ? Json(prompt_logprobs[i - 1].chosen.logprob) : Json(nullptr));
     top.push_back(scored ? top_by_text(tok, prompt_logprobs[i - 1]) : Json(nullptr));
     offsets.push_back(*text_offset);
-    if (!tok.is_special(prompt[i])) *text_offset += n_chars(piece);
+    bytes.clear();
+    tok.append_piece(prompt[i], /*skip_special=*/false, &at_start, &bytes);
+    const std::string_view rest = echo_text.substr(pos);
+    size_t take = 0;
+    if (rest.substr(0, bytes.size()) == bytes)
+      take = bytes.size();
+    else if (!bytes.empty() && bytes[0] == ' ' &&
+             rest.substr(0, bytes.size() - 1) == std::string_view(bytes).substr(1))
+      take = bytes.size() - 1;  // SentencePiece's dummy-prefix space, which each stretch of text gets
+    else if (!tok.is_special(prompt[i]))  // text the tokenizer normalised: keep pace with it
+      take = std::min(bytes.size(), rest.size());
+    *text_offset += n_chars(echo_text.substr(pos, take));
+    pos += take;
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }

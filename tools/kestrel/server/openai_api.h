@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/engine.h"
@@ -31,23 +32,30 @@ Json error_body(const std::string& message, const std::string& type = "invalid_r
 // A fresh id with the prefix ("cmpl-", "chatcmpl-"): 24 random hex digits.
 std::string new_response_id(const char* prefix);
 
-// The tokens of one output whose logprobs are reported: every sampled token except a final stop id
-// (EOS, end of turn), which is not part of the text.
+// The tokens of one output whose logprobs are reported: every sampled token, a final stop id (EOS,
+// end of turn) included, as OpenAI and vLLM list them (lm-evaluation-harness reads the last
+// entry as the answer's last token); empty when the request did not ask for logprobs.
 struct LoggedTokens {
   std::vector<int32_t> ids;
   std::vector<LogprobSummary> logprobs;  // [ids.size()]
 };
-LoggedTokens logged_tokens(const RequestOutput& output, std::span<const int32_t> stop_ids);
+LoggedTokens logged_tokens(const RequestOutput& output);
 
 // Completions logprobs: {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}.
 // *text_offset: characters of the choice's text before the first token; advanced past these tokens.
+// Special tokens (a final EOS, an end of turn) are listed but add no characters: the output text
+// leaves them out (the engine decodes with skip_special).
 Json completion_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens, int64_t* text_offset);
 // Completions logprobs of an echoed prompt (echo with logprobs): every prompt token, the first with
 // null logprob and top_logprobs (nothing precedes it), the others with prompt_logprobs[i - 1]
-// (Request::prompt_logprobs). Special tokens (BOS) are listed but add no characters to
-// text_offset, as the echoed text leaves them out; *text_offset advances as in completion_logprobs.
+// (Request::prompt_logprobs). echo_text: the echoed prompt as the response returns it
+// (prompt_text: the text as given, or the ids decoded with their special tokens). Each token's
+// text_offset is where its text starts in echo_text (plus *text_offset on entry); a token whose
+// text is not there (a BOS the server added to a text prompt) adds no characters. *text_offset
+// ends advanced past echo_text's characters that the tokens covered.
 Json echo_logprobs(const Tokenizer& tokenizer, std::span<const int32_t> prompt,
-                   std::span<const LogprobSummary> prompt_logprobs, int64_t* text_offset);
+                   std::span<const LogprobSummary> prompt_logprobs, std::string_view echo_text,
+                   int64_t* text_offset);
 // Appends the entries of completions logprobs object `more` to `into` (a null `into` becomes `more`).
 void append_completion_logprobs(Json& into, const Json& more);
 // Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.

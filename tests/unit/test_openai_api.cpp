@@ -1,0 +1,120 @@
+// The server's logprobs objects (server/openai_api.h) on the stories260K tokenizer: every generated
+// token is listed (a final EOS too), and text_offset points into the text the response returns,
+// for generated tokens and for an echoed prompt with special tokens.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "server/openai_api.h"
+#include "test_util.h"
+
+namespace kestrel::cli {
+namespace {
+
+std::unique_ptr<Tokenizer> stories_tokenizer() {
+  const auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  return Tokenizer::from_gguf(model->file());
+}
+
+LogprobSummary summary(int32_t id, float logprob) { return LogprobSummary{{id, logprob}, {}}; }
+
+// Each token's text_offset, checked against the text: a token's text starts there (or without
+// its leading space: SentencePiece's dummy prefix, which the text may not have), or the token adds
+// no text (the next token starts at the same offset: a BOS the server added).
+void expect_offsets_point_into(const Json& lp, const std::string& text) {
+  const auto& tokens = lp.at("tokens");
+  const auto& offsets = lp.at("text_offset");
+  ASSERT_EQ(tokens.size(), offsets.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const std::string t = tokens[i];
+    const auto at = offsets[i].get<size_t>();  // ASCII here: characters are bytes
+    ASSERT_LE(at, text.size()) << i;
+    const bool here =
+        text.compare(at, t.size(), t) == 0 || (t[0] == ' ' && text.compare(at, t.size() - 1, t, 1) == 0);
+    const bool next_here = i + 1 < offsets.size() && offsets[i + 1] == offsets[i];  // added no text
+    EXPECT_TRUE(here || next_here) << "token " << i << " [" << t << "] at " << at << " of [" << text << "]";
+  }
+}
+
+// lm-evaluation-harness scores the last entry as the answer's last token: a generated EOS
+// ("stop") must be listed, not dropped (it was: 16 entries for 16 prompt tokens + 1 generated).
+TEST(OpenAiApi, LoggedTokensKeepAFinalStopToken) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const int32_t eos = tok->eos_id();
+  RequestOutput o;
+  o.new_token_ids = {eos};
+  o.logprobs = {summary(eos, -0.25f)};
+  o.finished = true;
+  o.finish_reason = "stop";
+  const LoggedTokens t = logged_tokens(o);
+  ASSERT_EQ(t.ids, (std::vector<int32_t>{eos}));
+  int64_t offset = 7;
+  const Json lp = completion_logprobs(*tok, t, &offset);
+  EXPECT_EQ(lp["tokens"], Json::array({"</s>"}));
+  EXPECT_EQ(lp["token_logprobs"], Json::array({-0.25}));
+  EXPECT_EQ(lp["text_offset"], Json::array({7}));
+  EXPECT_EQ(offset, 7);  // no characters: the text leaves EOS out
+  // Chat lists it too.
+  EXPECT_EQ(chat_logprobs(*tok, t)["content"].size(), 1u);
+
+  // Text tokens before it advance the offset by their characters; no logprobs asked: nothing.
+  const std::vector<int32_t> story = tok->encode("Once upon a time", false, false);
+  RequestOutput more;
+  more.new_token_ids = story;
+  for (int32_t id : story) more.logprobs.push_back(summary(id, -1.0f));
+  more.new_token_ids.push_back(eos);
+  more.logprobs.push_back(summary(eos, -0.5f));
+  offset = 0;
+  const Json lp2 = completion_logprobs(*tok, logged_tokens(more), &offset);
+  EXPECT_EQ(lp2["tokens"].size(), story.size() + 1);
+  EXPECT_EQ(lp2["text_offset"].back(), std::string(" Once upon a time").size());
+  EXPECT_EQ(offset, static_cast<int64_t>(std::string(" Once upon a time").size()));
+  more.logprobs.clear();
+  EXPECT_TRUE(logged_tokens(more).ids.empty());
+}
+
+// A text prompt with special-token text is echoed as given; each text_offset points at its token's
+// text there, special tokens included (they used to add no characters, shifting every later
+// offset). The BOS the server adds is not in the text and adds nothing.
+TEST(OpenAiApi, EchoOffsetsFollowATextPromptWithSpecialTokens) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const std::string text = "Once upon a time</s>Lily<s> ran";
+  const std::vector<int32_t> ids = tok->encode(text, /*add_special=*/true, /*parse_special=*/true);
+  ASSERT_EQ(ids.front(), tok->bos_id());
+  ASSERT_EQ(std::count(ids.begin(), ids.end(), tok->eos_id()), 1);
+  int64_t offset = 0;
+  const Json lp = echo_logprobs(*tok, ids, {}, text, &offset);
+  EXPECT_EQ(offset, static_cast<int64_t>(text.size()));
+  expect_offsets_point_into(lp, text);
+  const auto eos_at = std::find(ids.begin(), ids.end(), tok->eos_id()) - ids.begin();
+  EXPECT_EQ(lp["text_offset"][eos_at], text.find("</s>"));
+  EXPECT_EQ(lp["text_offset"][eos_at + 1], text.find("Lily"));
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  EXPECT_EQ(lp["text_offset"][1], 0);  // BOS added no characters
+}
+
+// The same prompt as token ids is echoed with its special tokens (prompt_text decodes them), and
+// the offsets follow that text.
+TEST(OpenAiApi, EchoOfTokenIdsKeepsSpecialTokens) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const std::vector<int32_t> ids = tok->encode("Once upon a time</s>Lily", true, true);
+  OpenAiRequest r;
+  r.prompts.push_back({"", ids});
+  const std::string echoed = prompt_text(r, *tok);
+  // The decoded ids: "Lily" after </s> was encoded with SentencePiece's dummy-prefix space.
+  EXPECT_EQ(echoed, "<s>Once upon a time</s> Lily");
+  int64_t offset = 3;  // as if the choice's text had 3 characters before
+  const Json lp = echo_logprobs(*tok, ids, {}, echoed, &offset);
+  EXPECT_EQ(offset, 3 + static_cast<int64_t>(echoed.size()));
+  Json shifted = lp;
+  for (auto& o : shifted["text_offset"]) o = o.get<int64_t>() - 3;
+  expect_offsets_point_into(shifted, echoed);
+  EXPECT_EQ(shifted["text_offset"][1], 3);  // "Once" after "<s>"
+}
+
+}  // namespace
+}  // namespace kestrel::cli
