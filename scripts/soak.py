@@ -293,13 +293,22 @@ async def greedy_answer(host, port, model) -> str:
     return json.loads(data)["choices"][0]["text"]
 
 
-async def kv_blocks_used(host, port) -> float | None:
+async def metric(host, port, names: list[str]) -> dict[str, float | None]:
+    """The /metrics samples with these names (no labels), None where missing or unreachable."""
+    out: dict[str, float | None] = {n: None for n in names}
     try:
         status, data = await http(host, port, "GET", "/metrics", timeout=30)
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-        return None
-    m = re.search(rb"(?m)^kestrel_kv_blocks_used(?:\{[^}]*\})? (\S+)$", data)
-    return float(m.group(1)) if status == 200 and m else None
+        return out
+    for n in names:
+        m = re.search(rb"(?m)^" + n.encode() + rb"(?:\{[^}]*\})? (\S+)$", data)
+        if status == 200 and m:
+            out[n] = float(m.group(1))
+    return out
+
+
+async def kv_blocks_used(host, port) -> float | None:
+    return (await metric(host, port, ["kestrel_kv_blocks_used"]))["kestrel_kv_blocks_used"]
 
 
 async def soak(args, host: str, port: int, pid: int, proc=None) -> dict:
@@ -343,14 +352,25 @@ async def soak(args, host: str, port: int, pid: int, proc=None) -> dict:
             else:
                 await one_valid(host, port, rng, args.model_name, res)
 
+    kv: list[tuple[float, float | None, float | None]] = []  # (t, blocks used, blocks cached)
+
+    async def kv_sampler():
+        # The prefix cache keeps finished requests' blocks; the pool's memory is touched as blocks
+        # are first used, so RSS follows used + cached blocks until the pool is all touched.
+        while time.monotonic() < end:
+            m = await metric(host, port, ["kestrel_kv_blocks_used", "kestrel_kv_blocks_cached"])
+            kv.append((time.monotonic() - t0, m["kestrel_kv_blocks_used"], m["kestrel_kv_blocks_cached"]))
+            await asyncio.sleep(5.0)
+
     async def progress():
         while time.monotonic() < end:
             await asyncio.sleep(30)
             log(f"{(time.monotonic() - t0) / 60:.1f} min: {res.total} requests, {len(res.status_5xx)} 5xx, "
                 f"{len(res.conn_errors)} connection errors, {len(res.unexpected)} unexpected; "
-                f"RSS {rss[-1][1] if rss else float('nan'):.0f} MB")
+                f"RSS {rss[-1][1] if rss else float('nan'):.0f} MB; KV blocks used {kv[-1][1] if kv else None}, "
+                f"cached {kv[-1][2] if kv else None}")
 
-    await asyncio.gather(sampler(), progress(), *(worker(i) for i in range(args.clients)))
+    await asyncio.gather(sampler(), kv_sampler(), progress(), *(worker(i) for i in range(args.clients)))
     run_s = time.monotonic() - t0
     if client is not None:
         await client.close()
@@ -380,6 +400,10 @@ async def soak(args, host: str, port: int, pid: int, proc=None) -> dict:
                    "max": max((v for _, v in rss), default=None), "last": rss[-1][1] if rss else None,
                    "growth_after_1_min": None if growth is None else round(growth, 4)},
         "server_exited_at_s": died_at[0] if died_at else None,
+        "kv_blocks": {"total": (await metric(host, port, ["kestrel_kv_blocks_total"]))["kestrel_kv_blocks_total"],
+                      "used_max": max((u for _, u, _ in kv if u is not None), default=None),
+                      "cached_at_1_min": next((c for t, _, c in reversed(kv) if t <= 60), None),
+                      "cached_max": max((c for _, _, c in kv if c is not None), default=None)},
         "kv_blocks_used_at_end": blocks,
         "greedy": {"before": greedy_before, "after": greedy_after},
     }
