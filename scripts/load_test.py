@@ -514,7 +514,7 @@ def main() -> int:
     ap.add_argument("--slow-interval", type=float, default=2.0, help="seconds between a slow client's header lines")
     ap.add_argument("--clients", type=int, default=256, help="streaming clients")
     ap.add_argument("--requests", type=int, default=1024, help="streaming requests in all")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per streaming request")
     ap.add_argument("--prompt", default="Once upon a time, there was a little girl named Lily.")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds a streaming request may take")
     ap.add_argument("--connect-concurrency", type=int, default=512, help="connects in flight at once")
