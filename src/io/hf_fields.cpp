@@ -1,16 +1,13 @@
 #include "io/hf_fields.h"
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
+#include "io/mapped_file.h"
 
 namespace kestrel {
 
 nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open: " + std::strerror(errno));
+  const std::string text = read_regular_file(path);
   try {
-    return nlohmann::json::parse(in);
+    return nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {
     throw Error(path + ": invalid JSON: " + e.what());
   }

@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 #include "io/quoted.h"
 
 namespace kestrel {
@@ -19,18 +18,17 @@ using nlohmann::json;
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
+// Present as any kind of file: a FIFO or a directory in a weight file's place then gets
+// SafetensorsFile::open's "not a regular file" error instead of being passed over.
 bool is_file(const fs::path& p) {
   std::error_code ec;
-  return fs::is_regular_file(p, ec);
+  return fs::exists(p, ec);
 }
 
 json read_index(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_regular_file(path);
   try {
-    return json::parse(ss.str());
+    return json::parse(text);
   } catch (const json::exception& e) {
     throw Error(path + ": not valid JSON: " + e.what());
   }

@@ -5,13 +5,12 @@
 // q_proj / k_proj rows stay in HF's order, which RoPE reads in rotate-half pairs (RopeStyle).
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <unordered_set>
 
 #include "core/error.h"
 #include "io/hf_fields.h"
+#include "io/mapped_file.h"
 #include "io/quoted.h"
 #include "io/safetensors_checkpoint.h"
 #include "model/hf_config.h"
@@ -114,7 +113,7 @@ class HfTensorLoader {
 std::string read_chat_template(const fs::path& dir) {
   std::error_code ec;
   const fs::path cfg_path = dir / "tokenizer_config.json";
-  if (fs::is_regular_file(cfg_path, ec)) {
+  if (fs::exists(cfg_path, ec)) {  // any kind: a FIFO gets read_regular_file's error
     const json cfg = read_json_file(cfg_path.string());
     const HfFields c(cfg, cfg_path.string());
     if (c.has("chat_template")) {
@@ -132,15 +131,11 @@ std::string read_chat_template(const fs::path& dir) {
     }
   }
   const fs::path jinja = dir / "chat_template.jinja";
-  if (fs::is_regular_file(jinja, ec)) {
-    std::ifstream in(jinja, std::ios::binary);
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    if (!in && !in.eof()) throw Error(jinja.string() + ": cannot read");
-    return ss.str();
+  if (fs::exists(jinja, ec)) {
+    return read_regular_file(jinja.string());
   }
   const fs::path json_path = dir / "chat_template.json";
-  if (fs::is_regular_file(json_path, ec)) {
+  if (fs::exists(json_path, ec)) {
     const json j = read_json_file(json_path.string());
     return HfFields(j, json_path.string()).string_or("chat_template", "");
   }

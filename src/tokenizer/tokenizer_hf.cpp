@@ -1,12 +1,12 @@
 // Tokenizer loaders for Hugging Face tokenizer folders (tokenizer.json, or the older vocab.json +
 // merges.txt layout). Field meanings follow the Hugging Face tokenizers serialization format.
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 #include "tokenizer/pre_tokenizer.h"
 #include "tokenizer/spec_loaders.h"
 #include "tokenizer/tokenizer.h"
@@ -18,14 +18,7 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw Error(path + ": read error");
-  return ss.str();
-}
+std::string read_text(const std::string& path) { return read_regular_file(path); }
 
 json read_json(const std::string& path) {
   try {
@@ -37,9 +30,11 @@ json read_json(const std::string& path) {
 
 std::string path_in(const std::string& dir, const char* name) { return (fs::path(dir) / name).string(); }
 
+// Present as any kind of file: a FIFO or a directory in a tokenizer file's place gets
+// read_regular_file's "not a regular file" error instead of being passed over.
 bool exists(const std::string& path) {
   std::error_code ec;
-  return fs::is_regular_file(path, ec);
+  return fs::exists(path, ec);
 }
 
 // Regex that matches `s` literally.

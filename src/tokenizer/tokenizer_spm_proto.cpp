@@ -6,10 +6,9 @@
 // 40 unk_id (default 0), 41 bos_id (1), 42 eos_id (2), 43 pad_id (-1)}, 3 = NormalizerSpec
 // {3 add_dummy_prefix (default true)}. Field numbers: sentencepiece_model.proto.
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 #include "tokenizer/spec_loaders.h"
 #include "tokenizer/tokenizer.h"
 
@@ -101,11 +100,7 @@ TokenData parse_piece(std::string_view msg, const std::string& where) {
 }  // namespace
 
 TokenizerSpec spm_spec_from_model_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error(path + ": cannot open");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  const std::string data = ss.str();
+  const std::string data = read_regular_file(path);
 
   TokenizerSpec spec;
   spec.kind = TokenizerKind::SPM;
