@@ -90,3 +90,26 @@ def test_sigterm_ends_open_streams_and_exits_cleanly():
     s.proc.wait(timeout=30)
     rc, out = s.stop()
     assert rc == 0 and "stopped" in out, out
+
+
+def test_half_close_then_full_close_during_a_non_streamed_request_frees_blocks(server):
+    # The client half-closes after its request (the server cannot yet tell it from a close), reads
+    # the interim 100 Continue, and only then goes away: no unread data makes its close a reset, so
+    # the server must write again to find out.
+    n_aborted = aborted(server.metrics())
+    s = send_request(server.port, LONG)
+    s.shutdown(socket.SHUT_WR)
+    wait_for(server, lambda m: m["kestrel_num_requests_running"] == 4)
+    s.settimeout(5)
+    assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")
+    time.sleep(0.3)  # any further interim response read too
+    s.setblocking(False)
+    try:
+        s.recv(4096)
+    except BlockingIOError:
+        pass
+    s.close()
+    t0 = time.time()
+    m = wait_for(server, lambda m: m["kestrel_kv_blocks_used"] == 0 and m["kestrel_num_requests_running"] == 0)
+    assert time.time() - t0 < 3
+    assert aborted(m) == n_aborted + 4

@@ -22,6 +22,11 @@ using error_code = boost::system::error_code;
 
 namespace {
 constexpr std::chrono::milliseconds kProbeEvery{100};
+// A half-closed HTTP/1.1 client waiting for a non-streamed answer gets another interim 100 Continue
+// this often (RFC 9110 15.2: any number of 1xx may precede the final response): a client that has
+// read the first one and then closed leaves no unread data to reset with, so only a later write
+// finds out it is gone.
+constexpr int kInterimEveryProbes = 10;
 // How long a closing connection reads (and drops) what the client still sends, so that the close
 // does not reset the connection before the client has read the response.
 constexpr std::chrono::milliseconds kLinger{2000};
@@ -192,6 +197,8 @@ void HttpSession::probe_tick() {
   socklen_t len = sizeof info;
   if (getsockopt(socket_.native_handle(), IPPROTO_TCP, TCP_INFO, &info, &len) != 0 || info.tcpi_state == TCP_CLOSE)
     return gone();
+  if (++probe_count_ % kInterimEveryProbes == 0 && http11_ && !response_started_ && !writing_)
+    queue_write("HTTP/1.1 100 Continue\r\n\r\n");
   probe_timer_.expires_after(kProbeEvery);
   probe_timer_.async_wait([self = shared_from_this()](const error_code& ec) {
     if (!ec) self->probe_tick();

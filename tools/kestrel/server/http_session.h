@@ -13,7 +13,8 @@
 //   - end of stream: either a half-close (the client still waits for the answer, RFC 9112 9.6
 //     allows it) or a full close. Before any response byte, an HTTP/1.1 client gets an interim
 //     "100 Continue" (RFC 9110 15.2: clients must accept unexpected 1xx responses); a closed peer
-//     answers it with a reset, which the connection's TCP state then shows (polled every 100 ms).
+//     answers it with a reset, which the connection's TCP state then shows (polled every 100 ms;
+//     another 100 Continue every second finds a client that closed after reading the first).
 //     A half-closed client just gets its answer; an HTTP/1.0 client (no 1xx) is taken as half-closed.
 #pragma once
 
@@ -152,6 +153,7 @@ class HttpSession : public std::enable_shared_from_this<HttpSession> {
   bool timed_out_ = false;      // the head or body deadline passed (answer 408)
   bool peer_eof_ = false;       // the client shut down its sending side (or closed)
   bool probing_ = false;
+  uint64_t probe_count_ = 0;
   bool http11_ = true;
   bool keep_alive_ = true;
   bool chunked_ = false;
