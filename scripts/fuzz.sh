@@ -8,7 +8,8 @@
 #
 # Environment: KESTREL_FUZZ_BUILD (build folder, default build-fuzz). The corpus a run grows is kept
 # in BUILD/corpus/TARGET (not in the repo), so repeated runs go on from where the last one stopped;
-# seeds: tests/fuzz/corpus/TARGET/ and, for the file readers, the heads of the shared test models.
+# seeds: tests/fuzz/corpus/NAME/ for fuzz_NAME and, for the file readers, the heads of the shared
+# test models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +44,8 @@ mkdir -p "$build/findings"
 for t in "${targets[@]}"; do
   corpus="$build/corpus/$t"
   mkdir -p "$corpus"
-  [ -d "tests/fuzz/corpus/$t" ] && cp -n "tests/fuzz/corpus/$t"/* "$corpus"/ 2>/dev/null || true
+  seeds="tests/fuzz/corpus/${t#fuzz_}"
+  [ -d "$seeds" ] && cp -n "$seeds"/* "$corpus"/ 2>/dev/null || true
   flags=(-max_len=4096 -malloc_limit_mb=512)
   case "$t" in
     fuzz_gguf)
@@ -58,7 +60,7 @@ for t in "${targets[@]}"; do
       done
       ;;
     fuzz_http_head) flags=(-max_len=16384 -malloc_limit_mb=256) ;;
-    fuzz_openai_request) flags=(-max_len=65536 -malloc_limit_mb=512) ;;
+    fuzz_openai_request) flags=(-max_len=4096 -malloc_limit_mb=512) ;;
   esac
   echo "== $t: ${seconds} s from $(find "$corpus" -type f | wc -l) inputs (${flags[*]})"
   # -timeout: one input slower than 10 s is a finding. -rss_limit_mb bounds the whole process.
