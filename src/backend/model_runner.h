@@ -22,6 +22,7 @@ struct RunnerOptions {
   int n_threads = 0;                // CPU threads; 0 = all hardware threads
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of the device's memory weights + KV may use
   bool enforce_eager = false;       // CUDA: never replay decode steps from captured CUDA graphs
+  bool populate_kv = false;         // CPU: make the whole KV pool resident at start (KvCache's populate)
 };
 
 // What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,

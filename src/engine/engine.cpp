@@ -59,6 +59,7 @@ std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig&
   o.n_kv_blocks = c.n_kv_blocks;
   o.kv_dtype = c.kv_dtype;
   o.n_threads = c.n_threads;
+  o.populate_kv = c.populate_kv;
   return make_cpu_model_runner(m, o);
 }
 

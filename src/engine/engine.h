@@ -29,6 +29,7 @@ struct EngineConfig {
   bool enable_prefix_caching = true;     // reuse full KV blocks of earlier identical prefixes
   KvDtype kv_dtype = KvDtype::F16;       // element type of the cached K and V
   int n_threads = 0;                     // CPU threads; 0 = all hardware threads
+  bool populate_kv = false;              // CPU: the whole KV pool resident at start (the server's choice; see KvCache)
 };
 
 using RequestId = uint64_t;

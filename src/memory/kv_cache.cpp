@@ -8,7 +8,7 @@
 namespace kestrel {
 
 KvCache::KvCache(int64_t n_layer, int64_t n_head_kv, int64_t head_dim, int32_t block_size, int32_t n_blocks,
-                 KvDtype dtype)
+                 KvDtype dtype, bool populate)
     : n_layer_(n_layer),
       n_head_kv_(n_head_kv),
       head_dim_(head_dim),
@@ -32,6 +32,11 @@ KvCache::KvCache(int64_t n_layer, int64_t n_head_kv, int64_t head_dim, int32_t b
     throw Error("KV cache of " + std::to_string(n_blocks) + " blocks (" +
                 std::to_string(2 * n * static_cast<size_t>(n_layer) >> 20) + " MiB) does not fit in memory");
   }
+  if (populate)
+    for (int64_t l = 0; l < n_layer; ++l) {
+      std::memset(k_[static_cast<size_t>(l)].get(), 0, n);
+      std::memset(v_[static_cast<size_t>(l)].get(), 0, n);
+    }
 }
 
 void KvCache::copy_block(int32_t src, int32_t dst) {

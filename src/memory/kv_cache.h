@@ -21,9 +21,12 @@ class KvCache {
  public:
   // dtype: f32 (exact attention) or f16 (half the memory and the bytes attention reads; llama.cpp's
   // default). Errors: kestrel::Error when block_size or n_blocks is not positive, dtype is another
-  // type, or the pool does not fit in memory.
+  // type, or the pool does not fit in memory. populate: zero the whole pool now, so every page is
+  // resident from the start (a server: memory runs short at start, not as an out-of-memory kill
+  // once the cache fills, and its RSS stays flat while it serves); otherwise pages are touched
+  // only when a block is first written.
   KvCache(int64_t n_layer, int64_t n_head_kv, int64_t head_dim, int32_t block_size, int32_t n_blocks,
-          KvDtype dtype = KvDtype::F32);
+          KvDtype dtype = KvDtype::F32, bool populate = false);
 
   int32_t block_size() const { return block_size_; }
   int32_t n_blocks() const { return n_blocks_; }
@@ -54,8 +57,9 @@ class KvCache {
   int32_t block_size_;
   int32_t n_blocks_;
   KvDtype dtype_;
-  // Left uninitialised: the pages are only touched when a block is written, so a large pool
-  // costs no time or resident memory until it is used; a slot is always written before it is read.
+  // Left uninitialised unless populated: the pages are only touched when a block is written, so a
+  // large pool costs no time or resident memory until it is used; a slot is always written before
+  // it is read.
   std::vector<std::unique_ptr<std::byte[]>> k_, v_;
 };
 

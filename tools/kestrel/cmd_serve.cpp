@@ -111,6 +111,7 @@ void run_serve(ServeArgs a) {
 void register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   a->engine.engine.max_num_seqs = 256;  // serving: many clients decode together
+  a->engine.engine.populate_kv = true;   // serving: the KV pool resident from the start (flat RSS, no late OOM)
   CLI::App* sub = app.add_subcommand(
       "serve", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics");
   sub->add_option("-m,--model", a->model, kModelHelp);

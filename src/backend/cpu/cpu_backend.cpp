@@ -21,7 +21,7 @@ class CpuBackend final : public ModelRunner {
   CpuBackend(const LlamaModel& model, const RunnerOptions& o)
       : pool_(o.n_threads),
         kv_(model.hparams().n_layer, model.hparams().n_head_kv, model.hparams().head_dim, o.block_size,
-            o.n_kv_blocks, o.kv_dtype),
+            o.n_kv_blocks, o.kv_dtype, o.populate_kv),
         runner_(model, kv_, pool_) {}
 
   std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }
