@@ -361,7 +361,7 @@ std::vector<RequestOutput> Engine::step() {
     // OpenAI semantics: presence/frequency penalties count generated tokens only. Non-finite
     // logits (corrupt weights, or extreme logits under a request's penalties) end this request
     // with an error, not the engine; the sampler finds them in the pass over the logits it makes
-    // anyway (the device sampler marks a NaN row with -1). Any other sampler error is this
+    // anyway (the device sampler marks a non-finite row with -1). Any other sampler error is this
     // request's too. Logprobs come from the raw logits on the host (logprobs.h).
     int32_t token = 0;
     std::optional<LogprobSummary> logprobs;

@@ -173,8 +173,8 @@ TEST(CudaSampling, NanAndInfiniteRows) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = INFINITY;
   const std::vector<std::vector<float>> rows = {
       {0.5f, nan, 1.0f, 0.0f, 2.0f},   // NaN: -1, greedy or not
-      {0.5f, inf, 1.0f, inf, 2.0f},    // +inf: greedy takes the first, sampling has no distribution
-      {-inf, -inf, -inf, -inf, -inf},  // all banned: greedy 0 (as the CPU), sampling -1
+      {0.5f, inf, 1.0f, inf, 2.0f},    // +inf: -1, greedy or not (the CPU sampler's error too)
+      {-inf, -inf, -inf, -inf, -inf},  // all banned: no distribution, -1 greedy or not
       {-inf, 3.0f, -inf, 3.0f, -inf},  // -inf tokens never drawn; ties
   };
   std::vector<float> logits;
@@ -187,7 +187,7 @@ TEST(CudaSampling, NanAndInfiniteRows) {
     }
   }
   const std::vector<int32_t> tokens = sample_on_device(logits, params, 5);
-  const std::vector<int32_t> expected = {-1, -1, -1, 1, -1, -1, 0, -1, -1, 1, 3, 1};
+  const std::vector<int32_t> expected = {-1, -1, -1, -1, -1, -1, -1, -1, -1, 1, 3, 1};
   EXPECT_EQ(tokens, expected);
 }
 

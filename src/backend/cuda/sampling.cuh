@@ -497,12 +497,12 @@ __global__ void __launch_bounds__(kThreads)
   const float top = code_logit(best);
 
   int32_t token;
-  if (nan) {
+  if (nan || !(fabsf(top) <= FLT_MAX)) {
+    // NaN, +inf, or every logit -inf: an error for greedy and sampled rows alike, as the CPU
+    // sampler's NonFiniteLogitsError (argmax over +inf would hide a model fault).
     token = -1;
   } else if (!(p.temperature > 0.0f)) {
     token = code_id(best);
-  } else if (!(fabsf(top) <= FLT_MAX)) {
-    token = -1;  // +inf, or every logit -inf: the CPU softmax has no distribution either
   } else {
     r.max = top;
     r.top_k_on = p.top_k > 0 && p.top_k < n;
