@@ -15,8 +15,9 @@
 
 namespace kestrel::test {
 
+// From the build's absolute tests/ path (__FILE__ can be relative, e.g. under ccache's base_dir).
 inline std::string chat_golden_dir() {
-  return (std::filesystem::path(__FILE__).parent_path() / "golden" / "chat_templates").string();
+  return (std::filesystem::path(KESTREL_TEST_SOURCE_DIR) / "golden" / "chat_templates").string();
 }
 
 inline nlohmann::ordered_json read_chat_golden_json(const std::string& name) {
