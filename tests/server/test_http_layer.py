@@ -352,3 +352,35 @@ def test_huge_content_length_on_any_route_is_413(small):
         if method == "GET" and path == "/health":
             assert "--max-body-size" in error_of(r, 413)["message"]
     assert requests.get(small.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("coding", ["xchunked", "gzip", "chunked, gzip", "chunked, chunked", "gzip, chunked"])
+def test_transfer_encoding_other_than_chunked_is_501(small, coding):
+    # A final coding that is not chunked leaves the body unframed (RFC 9112 6.3). Read as an empty
+    # body, the bytes after the head were parsed as a second request: a request-smuggling vector.
+    head = f"POST {C} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: {coding}\r\n\r\n"
+    err = error_of(exchange(small.port, head.encode() + b"0\r\n\r\n"), 501)
+    assert err["code"] == "unsupported_transfer_encoding", err
+
+
+def test_unframed_body_is_not_taken_for_the_next_request(small):
+    c = Conn(small.port)
+    try:
+        c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: xchunked\r\n\r\n"
+               b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        r = c.response()
+        err = error_of(r, 501)
+        assert err["code"] == "unsupported_transfer_encoding" and "xchunked" in err["message"]
+        assert r.headers.get("connection", "").lower() == "close", r
+        # Nothing else: the connection ends without answering the smuggled GET.
+        with pytest.raises(EOFError):
+            c.response()
+    finally:
+        c.close()
+
+
+def test_nul_byte_in_a_body_is_400_not_the_end_of_input(small):
+    # nlohmann's lexer takes NUL for the end of input: the body parsed as the text before it.
+    body = b'{"prompt": "Once", "max_tokens": 2}\x00garbage'
+    err = error_of(exchange(small.port, request_bytes("POST", C, body)), 400)
+    assert "NUL byte at offset 35" in err["message"], err

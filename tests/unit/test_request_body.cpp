@@ -77,6 +77,19 @@ std::string request_error(F f) {
 // 80,000 levels of arrays in a validated field (a 160 KB body) used to overflow the stack when the
 // error message dumped the value or prompt_field recursed into it. The body parser now stops at
 // the nesting limit, long before the value is built.
+// nlohmann's lexer ends the input at a NUL byte: without the check, the text before it parsed
+// and the rest (a second batch line, garbage) vanished without an error.
+TEST(RequestBody, NulByteIsAnErrorNotTheEndOfInput) {
+  const std::string body = std::string(R"({"prompt": "x"})") + '\0' + R"({"prompt": "y"})";
+  try {
+    parse_request_body(body);
+    ADD_FAILURE() << "a body with a NUL byte parsed";
+  } catch (const RequestError& e) {
+    EXPECT_NE(std::string(e.what()).find("NUL byte at offset 15"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(parse_request_body(R"({"prompt": "x\u0000y"})"));  // escaped in a string: fine
+}
+
 TEST(RequestBody, DeepNestingStopsAtTheLimit) {
   for (const char* field : {"temperature", "prompt", "logit_bias", "stop", "messages"}) {
     const std::string body = std::string(R"({"prompt": "a", ")") + field + "\": " + nested(80000) + "}";

@@ -372,6 +372,10 @@ RequestJson parse_request_body(std::string_view body, const JsonLimits& limits) 
     }
     return true;
   };
+  // nlohmann's lexer takes a NUL byte for the end of input, which would drop whatever follows it;
+  // JSON text has no raw NUL anywhere (inside strings it must be escaped).
+  if (const size_t nul = body.find('\0'); nul != std::string_view::npos)
+    throw RequestError("", "invalid JSON body: a NUL byte at offset " + std::to_string(nul));
   try {
     return json::parse(body.begin(), body.end(), count);  // rejects invalid UTF-8 and unpaired surrogates too
   } catch (const json::exception& e) {

@@ -82,6 +82,11 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
                 "HTTP/" + std::to_string(head.version / 10) + "." + std::to_string(head.version % 10) +
                     " is not supported; send HTTP/1.1 or HTTP/1.0",
                 "http_version_not_supported");
+  if (!head.transfer_encoding.empty() && !iequals(trim(head.transfer_encoding), "chunked"))
+    return fail(501,
+                "Transfer-Encoding: " + shown_value(head.transfer_encoding) +
+                    " is not supported; send the body with Content-Length or Transfer-Encoding: chunked",
+                "unsupported_transfer_encoding");
   if (head.header_count > limits.max_header_count)
     return fail(431,
                 "the request has " + std::to_string(head.header_count) + " header fields; at most " +

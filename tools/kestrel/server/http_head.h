@@ -50,6 +50,7 @@ struct HeadFields {
   std::string_view target;  // request-target ("/v1/completions?x=1")
   unsigned version = 11;    // 10 or 11 are served (major * 10 + minor)
   std::string_view content_type, content_encoding, authorization;  // "" when absent
+  std::string_view transfer_encoding;       // "" when absent (Beast refuses two such fields itself)
   std::optional<uint64_t> content_length;  // absent: none or chunked
   bool chunked = false;                    // Transfer-Encoding: chunked
   size_t header_count = 0;
@@ -61,7 +62,9 @@ struct HeadDecision {
   std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
 };
 
-// Checks in this order: HTTP version (505 unless 1.0 or 1.1); header count (431); target and
+// Checks in this order: HTTP version (505 unless 1.0 or 1.1); Transfer-Encoding (501 unless absent
+// or exactly "chunked": RFC 9112 6.3, a request whose final coding is not chunked cannot be framed,
+// and reading its body as empty would take the body for the next request); header count (431); target and
 // route (404); API key on /v1/* when
 // api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in any case, one or more
 // spaces or tabs, the key compared in constant time); method (405 with Allow); the body length on

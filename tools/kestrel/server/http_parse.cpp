@@ -29,6 +29,7 @@ HeadFields head_fields(const RequestParser& parser) {
   f.content_type = field(http::field::content_type);
   f.content_encoding = field(http::field::content_encoding);
   f.authorization = field(http::field::authorization);
+  f.transfer_encoding = field(http::field::transfer_encoding);
   if (const auto n = parser.content_length()) f.content_length = *n;
   f.chunked = parser.chunked();
   f.header_count = static_cast<size_t>(std::distance(h.begin(), h.end()));
