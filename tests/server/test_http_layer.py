@@ -384,3 +384,29 @@ def test_nul_byte_in_a_body_is_400_not_the_end_of_input(small):
     body = b'{"prompt": "Once", "max_tokens": 2}\x00garbage'
     err = error_of(exchange(small.port, request_bytes("POST", C, body)), 400)
     assert "NUL byte at offset 35" in err["message"], err
+
+
+@pytest.mark.parametrize("where", ["extension", "trailer"])
+def test_endless_chunk_extension_or_trailer_is_431_not_buffered(small, where):
+    # Beast's header limit covers neither: the server buffered whatever came (200 MB took +200 MB
+    # of RSS until the body deadline). Now the unparsed bytes are capped.
+    c = Conn(small.port)
+    try:
+        body = b'{"prompt": "Once", "max_tokens": 1}'
+        c.send(f"POST {C} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        if where == "extension":
+            c.send(f"{len(body):x};ext=".encode())
+        else:
+            c.send(f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\nX-T: ")
+        sent = 0
+        try:
+            while sent < (4 << 20):  # far past the cap; the server answers and closes long before
+                c.send(b"v" * 65536)
+                sent += 65536
+        except OSError:
+            pass  # the server closed while we were still sending
+        r = c.response()
+        err = error_of(r, 431)
+        assert "too long" in err["message"], err
+    finally:
+        c.close()

@@ -56,6 +56,9 @@ std::optional<HttpError> parse_error(const boost::beast::error_code& ec, const H
                  "the request head is larger than " + std::to_string(limits.max_header_bytes) +
                      " bytes (request line and header fields)",
                  "request_header_fields_too_large");
+  if (ec == http::error::buffer_overflow)
+    return error(431, "a line of the request (a chunk header with its extensions, or a trailer field) is too long",
+                 "request_header_fields_too_large");
   if (ec == http::error::body_limit)
     return error(413,
                  "the request body is larger than the limit of " + std::to_string(limits.max_body_bytes) +

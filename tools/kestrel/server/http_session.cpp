@@ -73,6 +73,7 @@ HttpSession::HttpSession(tcp::socket socket, SessionContext& ctx)
     : socket_(std::move(socket)),
       ctx_(ctx),
       id_(next_session_id++),
+      buffer_(kMaxUnparsed),
       deadline_(socket_.get_executor()),
       write_timer_(socket_.get_executor()),
       probe_timer_(socket_.get_executor()) {

@@ -139,6 +139,11 @@ class HttpSession : public std::enable_shared_from_this<HttpSession> {
   void close();
 
   static constexpr size_t kReadAhead = 64 * 1024;  // bytes read ahead while a request is processed
+  // Received bytes not yet consumed by the parser, at most. Body data is consumed as it arrives, so
+  // only a line the parser is waiting to complete grows it: a chunk header with a huge extension,
+  // or a trailer field (Beast's header limit does not cover those); past this the read fails with
+  // buffer_overflow (431). Above kReadAhead plus read_more's 16 KiB step.
+  static constexpr size_t kMaxUnparsed = 256 * 1024;
 
   tcp::socket socket_;
   SessionContext& ctx_;
