@@ -22,7 +22,7 @@ void require(bool ok) {
 
 void check_error(const HttpError& e) {
   require(e.status == 400 || e.status == 401 || e.status == 404 || e.status == 405 || e.status == 408 ||
-          e.status == 413 || e.status == 415 || e.status == 431 || e.status == 505);
+          e.status == 413 || e.status == 415 || e.status == 431 || e.status == 501 || e.status == 505);
   require(!e.message.empty() && !e.code.empty());
   require((e.status == 405) == !e.allow.empty());
 }
@@ -60,6 +60,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   require(f.header_count <= limits.max_header_count && (f.version == 10 || f.version == 11));
+  // A body is framed by Content-Length or by chunked alone: anything else was answered 501.
+  require(f.transfer_encoding.empty() || f.chunked);
   // Beast's body reader reserves Content-Length bytes: a head let through never asks for more.
   require(!f.content_length || *f.content_length <= limits.max_body_bytes);
   const bool json_route = d.route == Route::Completions || d.route == Route::ChatCompletions ||
