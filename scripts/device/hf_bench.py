@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The peer for issue 4's benchmarks: HF transformers on the same model folder, same GPU, same run.
+"""The peer for the CUDA backend's benchmarks: HF transformers on the same model folder, same GPU, same run.
 
   batch-1 decode: 128-token prompt, 256 new tokens, greedy, static cache (transformers compiles
                   the decode step for it), after one warm-up generation;

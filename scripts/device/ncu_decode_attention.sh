@@ -3,7 +3,7 @@
 # 576-token contexts, 32/8 heads, d128): speed of light, memory, occupancy and warp stalls.
 # Carry: devbin (kestrel_cuda_bench).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 chmod +x $BIN/kestrel_cuda_bench
 $BIN/kestrel_cuda_bench "decode 64 x ctx 576"
 ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \

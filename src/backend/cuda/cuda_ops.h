@@ -1,4 +1,4 @@
-// Host-side launchers of the CUDA kernels (issue 4): one op per .cu/.cuh pair under this folder,
+// Host-side launchers of the CUDA kernels: one op per .cu/.cuh pair under this folder,
 // each tested against a CPU reference in tests/backend/. Only src/backend/cuda includes CUDA
 // headers. All pointers are device pointers; every launcher enqueues on `stream` and never
 // synchronises. bf16 tensors are stored as __nv_bfloat16; accumulation is in f32.

@@ -16,7 +16,7 @@
 // and v to the token's slot before it reads its tiles (what rope_write_kv_fused did, in the same
 // bits).
 //
-// Measured against alternatives on an H200 (docs/performance.md, issue 4, fourth session): a
+// Measured against alternatives on an H200 (docs/performance.md, the fourth session): a
 // persistent version of this kernel (resident blocks taking items in turn, the next item's first
 // tile loading during the current one's last) and a stream-K one (the batch's key tiles shared out
 // evenly over the resident blocks, items split between blocks and reduced) were no faster at 64

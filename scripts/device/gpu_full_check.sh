@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 4 on one fresh machine after a fix: call 1 (tests, stories260K, the 8B model, benchmarks),
+# On one fresh machine after a fix: call 1 (tests, stories260K, the 8B model, benchmarks),
 # the 8B logits check against transformers, and the offline run of call 3. Carry: devbin.
 set -uo pipefail
-bash scripts/device/issue4_a.sh
-source scripts/device/issue4_common.sh
+bash scripts/device/gpu_bench_8b.sh
+source scripts/device/device_env.sh
 if command -v nsys >/dev/null; then
   echo "== nsys: batch-64 decode kernels"
   timeout 120 nsys profile -o /tmp/k4/b64 --force-overwrite true "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 \
@@ -14,4 +14,4 @@ echo "== 8B-shaped random model vs transformers"
 timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
   | tee /tmp/k4/l8.log
 note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
-bash scripts/device/issue4_c.sh
+bash scripts/device/gpu_offline_batch.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4, fifth session: batch-1, batch-64 and offline decode of the 8B-shaped model and the
+# batch-1, batch-64 and offline decode of the 8B-shaped model and the
 # decode-attention op benchmark under environment configurations, in one call. Stages (STAGES, default
 # "tests b1 attn b64"): the GPU op tests and stories260K CPU vs GPU ("stories": the latter alone); batch-1 decode of the
 # 8B-shaped model under each of B1_CONFIGS; the decode-attention op benchmark under ATTN_CONFIGS;
@@ -19,7 +19,7 @@
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 STAGES="${STAGES:-tests b1 attn b64}"
 begin_run
 [[ $STAGES == *tests* ]] && op_tests
@@ -129,7 +129,7 @@ fi
 if [[ $STAGES == *offline* ]]; then
   for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do
     echo "== offline 1000 x (1000 + 1000): $cfg"
-    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/issue4_c.sh 2>&1 | tail -4 | tee /tmp/k4/off.txt
+    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/gpu_offline_batch.sh 2>&1 | tail -4 | tee /tmp/k4/off.txt
     note "offline [$cfg]: $(grep -i "tok/s" /tmp/k4/off.txt | tail -1)"
   done
 fi

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 4, device call 3 of 3: offline throughput through batch mode, 1,000 requests of 1,000
+# offline throughput through batch mode, 1,000 requests of 1,000
 # random prompt ids and 1,000 output tokens (EOS ignored, greedy) on the 8B-shaped model.
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 N="${N:-1000}"
 python3 - "$N" <<'PY'
 import json, random, sys

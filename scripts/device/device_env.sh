@@ -1,5 +1,5 @@
-# Sourced by the issue-4 device scripts: environment for the kestrel build carried in devbin/
-# (built on the CPU machine; see issue4_a.sh), and the paths shared between the calls of one warm
+# Sourced by the GPU device scripts: environment for the kestrel build carried in devbin/
+# (built on the CPU machine; see gpu_bench_8b.sh), and the paths shared between the calls of one warm
 # machine (/tmp survives from one call to the next while the machine is held).
 OUT="${OUT:-/tmp/kestrel_out}"
 mkdir -p "$OUT" /tmp/k4
@@ -13,7 +13,7 @@ export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PAT
 export PYTHONUNBUFFERED=1
 chmod +x $BIN/kestrel $BIN/kestrel_tests 2>/dev/null
 K="$BIN/kestrel"
-M8=/tmp/k4/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by issue4_a.sh)
+M8=/tmp/k4/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by gpu_bench_8b.sh)
 SUMMARY=/tmp/k4/summary.txt
 # note KEY VALUE: one line of the closing table
 note() { echo "$*" | tee -a "$SUMMARY"; }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4, device call 2 of 3 (after issue4_a.sh on the same warm machine): SmolLM2 (the real
+# SmolLM2 (the real
 # default weights, GGUF Q4_1) and the 8B-shaped model against transformers, then the peer's
 # benchmarks (hf_bench.py). Carry: devdata/b (second part of the SmolLM2 GGUF, its sha256, the
 # gguf wheel transformers' GGUF loader needs).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site devdata/b/*.whl \
   && export PYTHONPATH=/tmp/site
 mkdir -p /tmp/k4/smol

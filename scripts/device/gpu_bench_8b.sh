@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4, device call 1 of 3 (then issue4_b.sh, issue4_c.sh on the same warm machine):
+# Device call 1 of 3 (then gpu_compare_hf.sh, gpu_offline_batch.sh on the same warm machine):
 # GPU op tests, CPU-vs-GPU greedy on stories260K, the Llama-3.1-8B-shaped random model, and kestrel's benchmarks on it.
 # Carry: devbin (kestrel, kestrel_tests, libpcre2-8.so.0, libxxhash.so.0, tokenizer.model,
 # stories260K.gguf) and devdata/a (first part of the SmolLM2 GGUF, kept in /tmp for call 2).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 : > "$SUMMARY"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 [ -f devdata/a/smol.part ] && cp devdata/a/smol.part /tmp/k4/smol.part1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4, fourth session: decode attention (src/backend/cuda/paged_attention_decode.cuh) and the
+# decode attention (src/backend/cuda/paged_attention_decode.cuh) and the
 # GEMMs, in one call on a fresh machine: the GPU op tests and stories260K CPU vs GPU; decode
 # attention in the op benchmark under split-plan overrides (ATTN_CONFIGS), and a previous build
 # (devbin/*_itemwise, when carried) for comparison; batch-1 and batch-64 decode of the 8B-shaped
@@ -8,7 +8,7 @@
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 STAGES="${STAGES:-tests attn e2e profile}"
 begin_run
 [[ $STAGES == *tests* ]] && op_tests

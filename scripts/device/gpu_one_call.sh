@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the CUDA backend (issue 4): the op tests and op timings, then kestrel built on
+# One device call for the CUDA backend: the op tests and op timings, then kestrel built on
 # the CPU machine (carried in devbin/, see below) against HF transformers on a random Llama, then a
 # decode benchmark. Run from the repo root on the GPU machine:
-#   scripts/device/issue4_run.sh
+#   scripts/device/gpu_one_call.sh
 # devbin/ (ignored; list it in .git/info/exclude) holds: kestrel (built here with -DKESTREL_CUDA=ON),
 # libpcre2-8.so.0 and libxxhash.so.0 (in case the machine lacks them), tokenizer.model (Llama 2).
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4: the skinny decode GEMM (src/backend/cuda/skinny_gemm.cuh), in one call on a fresh
+# the skinny decode GEMM (src/backend/cuda/skinny_gemm.cuh), in one call on a fresh
 # machine: the GPU op tests, the projection microbenchmark (cuBLASLt against the skinny kernel's
 # variants at 1..64 tokens), then batch-1 and batch-64 decode of the 8B-shaped model with the
 # skinny GEMM and PDL off and on ("-" is the defaults). Set STAGES to skip parts (default "tests
@@ -7,7 +7,7 @@
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, the .so files kestrel needs,
 # stories260K.gguf, tokenizer.model).
 set -uo pipefail
-source scripts/device/issue4_common.sh
+source scripts/device/device_env.sh
 STAGES="${STAGES:-tests micro e2e profile}"
 begin_run
 [[ $STAGES == *tests* ]] && op_tests
