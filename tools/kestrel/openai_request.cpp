@@ -486,7 +486,7 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     const std::string text =
         request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true) : p->text;
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
-    const bool has_bos = request.is_chat && !format.bos_token.empty() && text.rfind(format.bos_token, 0) == 0;
+    const bool has_bos = request.is_chat && format.starts_with_bos(text);
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);
     if (out.prompt.empty())
       throw RequestError(request.is_chat ? "messages" : "prompt",

@@ -121,6 +121,12 @@ struct PromptFormat {
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
   std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
 
+  // True when text starts with the BOS text: a chat template that writes it itself (Llama 2 and 3,
+  // Mistral) must not get a second one from the tokenizer.
+  bool starts_with_bos(std::string_view text) const {
+    return !bos_token.empty() && text.substr(0, bos_token.size()) == bos_token;
+  }
+
   // The chat template of the model (LlamaModel::chat_template), parsed once; a template that does
   // not parse is kept as template_error (chat requests then get it as their error).
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);

@@ -85,8 +85,7 @@ HttpResponse tokenize(ApiState& api, const std::string& body) {
     } else {
       const OpenAiRequest r = parse_openai_request(RequestJson{{"messages", j["messages"]}}, RequestApi::Chat);
       const std::string text = render_chat(api.format, r.messages_json, bool_field(j, "add_generation_prompt", true));
-      const bool has_bos = !api.format.bos_token.empty() && text.rfind(api.format.bos_token, 0) == 0;
-      ids = tok.encode(text, bool_field(j, "add_special_tokens", !has_bos), true);
+      ids = tok.encode(text, bool_field(j, "add_special_tokens", !api.format.starts_with_bos(text)), true);
     }
   } catch (const RequestError& e) {
     return error_json(400, e.what(), e.param());
