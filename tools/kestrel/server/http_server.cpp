@@ -48,7 +48,8 @@ struct HttpServer::Impl {
         refusal(refusal_text(o.max_connections)),
         acceptor(asio::make_strand(ioc)),
         accept_backoff(acceptor.get_executor()),
-        stop_timer(ioc) {
+        stop_timer(ioc),
+        work(ioc.get_executor()) {
     ctx.limits = o.limits;
     ctx.api_key = o.api_key;
     ctx.metrics = &m;
@@ -73,6 +74,10 @@ struct HttpServer::Impl {
   tcp::acceptor acceptor;
   asio::steady_timer accept_backoff;
   asio::steady_timer stop_timer;
+  // Keeps ioc.run() from returning when the last connection closes during stop(): only
+  // wait_for_responses() ends the loop, after stop() has let go of every session, so the
+  // server is never destroyed while the signal thread still holds one.
+  asio::executor_work_guard<asio::io_context::executor_type> work;
 };
 
 HttpServer::HttpServer(const ServerOptions& options, const PromptFormat& format, int64_t max_model_len,
@@ -190,8 +195,12 @@ void HttpServer::stop(std::chrono::milliseconds grace) {
     m.acceptor.close(ec);
     m.accept_backoff.cancel();
   });
-  for (const auto& s : m.ctx.sessions()) s->stop();
-  asio::post(m.ioc, [&m, deadline] { m.wait_for_responses(deadline); });
+  // Sessions are collected and released on an io thread: the last reference to a session may
+  // be dropped here, and its destructor must run while the server exists.
+  asio::post(m.ioc, [&m, deadline] {
+    for (const auto& s : m.ctx.sessions()) s->stop();
+    m.wait_for_responses(deadline);
+  });
 }
 
 }  // namespace kestrel::cli
