@@ -8,6 +8,8 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -96,8 +98,12 @@ void run_serve(ServeArgs a) {
     sigwait(&stop_signals, &sig);
     std::cerr << "kestrel serve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
               << ": stopping (open requests are aborted; a second signal exits at once)" << std::endl;
+    // The 3 s for writing the last chunks count from the signal: joining the engine thread
+    // waits for the step in progress, which under a full batch takes a good part of a second.
+    const auto signalled = std::chrono::steady_clock::now();
     loop.shutdown();  // open requests end with "abort", new ones get 503
-    http.stop();      // their last chunks are written, for 3 s at most
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - signalled);
+    http.stop(std::max(std::chrono::milliseconds(0), std::chrono::milliseconds(3000) - spent));
     sigwait(&stop_signals, &sig);  // a second signal: exit now
     std::_Exit(1);
   });
