@@ -14,7 +14,7 @@ begin_run
 [[ $STAGES == *tests* ]] && op_tests
 if [[ $STAGES == *attn* ]]; then
   if [ -x $BIN/kestrel_cuda_bench_itemwise ] || chmod +x $BIN/kestrel_cuda_bench_itemwise 2>/dev/null; then
-    # A previous build for the same-run comparison (this session's: commit 4aacb88, whose
+    # An older build for the same-run comparison (commit 4aacb88, whose
     # KESTREL_ATTN_PERSISTENT=0 gives one block per item).
     echo "== decode attention: previous build (KESTREL_ATTN_PERSISTENT=0, 2 items per block)"
     KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2 timeout 120 $BIN/kestrel_cuda_bench_itemwise \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on the GPU: `kestrel serve --device cuda` with the default SmolLM2 weights under the same
+# The OpenAI server on the GPU: `kestrel serve --device cuda` with the default SmolLM2 weights under the same
 # load as docs/performance.md's CPU run (bench/serve_bench.py, 512 streaming requests, 256 at once,
 # 32 in / 32 out). The GGUF travels in two calls (the device tool carries 64 MiB a call):
 #   call 1: STAGE=1 scripts/device/serve_load.sh   (carry devbin, devdata/a: first part -> /tmp)

@@ -638,7 +638,7 @@ std::vector<std::vector<int32_t>> run_sampled(Engine& e, const std::vector<std::
 
 }  // namespace
 
-// Device sampling (issue 4) keeps each request's random stream: the engine passes each row the
+// Device sampling keeps each request's random stream: the engine passes each row the
 // uniform its own Sampler would have drawn, so with the same logits a backend that samples on the
 // device gives exactly the CPU path's tokens, for greedy, temperature, top-k, top-p and min-p
 // requests in one batch. A request with a penalty or logit bias sends its whole step down the

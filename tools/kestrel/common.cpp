@@ -117,7 +117,7 @@ std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaM
   if (device == "cpu") return make_cpu_model_runner(model, options);
   if (device != "cuda") throw Error("--device must be cpu or cuda, got '" + device + "'");
 #if defined(KESTREL_HAS_CUDA)
-  // Uploading the weights is most of a GPU start (issue 4's goal: 16 GB in under 10 s): say how long.
+  // Uploading the weights is most of a GPU start (the goal: 16 GB in under 10 s): say how long.
   const auto t0 = std::chrono::steady_clock::now();
   auto runner = make_cuda_model_runner(model, options);
   std::cerr << "kestrel: " << runner->description() << " ready in "

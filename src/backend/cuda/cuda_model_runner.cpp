@@ -250,7 +250,7 @@ class CudaModelRunner final : public ModelRunner {
   // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
   // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
   // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md,
-  // fifth session).
+  // "H200: projections at one token").
   int64_t stream_gemv_min_elems_ = (int64_t{40} << 20) / 2;
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
   // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).

@@ -44,8 +44,8 @@ void add_rms_norm(float* residual, const bf16* add, const bf16* weight, bf16* ou
 // Angles: (position / position_scale) * inv_freq[i] and its sin/cos are computed in double, once per
 // token and frequency, then rounded to f32 (as the CPU backend's rope does: in f32 the angle alone
 // would be off by up to 4e-3 rad at position 128k); the rotation itself is f32 math.
-// (Refined from the first draft, which said f32 sincosf.) Errors: kestrel::Error if rope_dim is odd,
-// not positive or above head_dim, or block_size is not positive.
+// Errors: kestrel::Error if rope_dim is odd, not positive or above head_dim, or block_size is not
+// positive.
 void rope_write_kv(bf16* q, bf16* k, const bf16* v, const int32_t* positions, const int64_t* slot_mapping,
                    const float* inv_freq, float position_scale, int64_t n_tokens, int64_t n_head,
                    int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half, bf16* k_cache,
@@ -79,11 +79,10 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 // head_dim 32, 64, 80, 96, 128 and 256. The other head dims (8, 16, 24, 40, 48, ...) run on a
 // plain f32 kernel (paged_attention_simt.cuh) with the same split-KV plan: exact, but several
 // times slower per key than the tensor-core kernels.
-// Refined from the first draft: max_query_len added (lets a decode-only batch skip the prefill
-// launches); token_seq is no longer read (query_start says the same) and may be null; the
-// workspace size now depends on the whole parameter set (the split-KV partial results scale with
-// n_seqs and the split count, which depends on n_seqs, n_head_kv and max_context); head dims
-// other than 64 and 128 added.
+// max_query_len lets a decode-only batch skip the prefill launches. token_seq is not read
+// (query_start says the same) and may be null. The workspace size depends on the whole parameter
+// set: the split-KV partial results scale with n_seqs and the split count, which depends on
+// n_seqs, n_head_kv and max_context.
 struct AttentionParams {
   const bf16* q;
   const bf16* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim]

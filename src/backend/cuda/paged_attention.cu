@@ -27,8 +27,9 @@ namespace {
 //   mostly idle, so split up to one wave of blocks, at least 2 tiles per split at max_context;
 // - else the items fill the GPU already, and a split only evens out the waves: up to two waves,
 //   and only with at least 12 tiles (768 keys) per split at max_context.
-// Measured on an H200 (op benchmark, 32/8 heads, d128; docs/performance.md, the fourth
-// session), splits chosen as ceil(k x resident / items) with 2 tiles minimum, for k = 1 / 2 / 4:
+// Measured on an H200 (op benchmark, 32/8 heads, d128; docs/performance.md, "H200: decode
+// attention kernels"), splits chosen as ceil(k x resident / items) with 2 tiles minimum, for
+// k = 1 / 2 / 4:
 // 64 x 576 keys 58.7 / 61.4 / 71.2 us (1 / 2 / 4 splits); 64 x 2048 175.0 / 156.2 / 166.5 us;
 // 1 x 32768 95.8 / 131 / 223 us; 1 x 228 (graph bound 512) 14.2 / 13.8 / 14.1 us; 256 x 1024 and
 // 400 x 1000-2000 unsplit either way. KESTREL_ATTN_ITEMS_PER_BLOCK=k and
@@ -121,8 +122,8 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages) {
 // K/V stages of the tensor-core decode kernel: p.decode_stages, else KESTREL_ATTN_STAGES, else by
 // the item count. Three stages (two 32 KB tiles loading while one is computed, 2 blocks per SM at
 // d128) against two (3 blocks per SM), H200 op benchmark, 32/8 heads, d128 (docs/performance.md,
-// the fifth-session table): 64 x 576 keys 49.9 against 58.8 us, 1 x 32768 66.1 against 95.9 us,
-// 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and 400 x 1000-2000 keys
+// "H200: decode attention kernels"): 64 x 576 keys 49.9 against 58.8 us, 1 x 32768 66.1
+// against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and 400 x 1000-2000 keys
 // 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
 // kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
 int32_t decode_stages(const AttentionParams& p, int64_t items) {

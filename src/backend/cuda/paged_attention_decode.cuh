@@ -16,11 +16,12 @@
 // and v to the token's slot before it reads its tiles (what rope_write_kv_fused did, in the same
 // bits).
 //
-// Measured against alternatives on an H200 (docs/performance.md, the fourth session): a
-// persistent version of this kernel (resident blocks taking items in turn, the next item's first
-// tile loading during the current one's last) and a stream-K one (the batch's key tiles shared out
-// evenly over the resident blocks, items split between blocks and reduced) were no faster at 64
-// sequences x 576 keys and slower at 400 x 1000-2000 keys, so one block per item it is.
+// Measured against alternatives on an H200 (docs/performance.md, "H200: decode attention
+// kernels"): a persistent version of this kernel (resident blocks taking items in turn, the next
+// item's first tile loading during the current one's last) and a stream-K one (the batch's key
+// tiles shared out evenly over the resident blocks, items split between blocks and reduced) were
+// no faster at 64 sequences x 576 keys and slower at 400 x 1000-2000 keys, so one block per item
+// it is.
 #pragma once
 
 #include "backend/cuda/paged_attention.cuh"
