@@ -123,8 +123,8 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages) {
 // the item count. Three stages (two 32 KB tiles loading while one is computed, 2 blocks per SM at
 // d128) against two (3 blocks per SM), H200 op benchmark, 32/8 heads, d128 (docs/performance.md,
 // "H200: decode attention kernels"): 64 x 576 keys 49.9 against 58.8 us, 1 x 32768 66.1
-// against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and 400 x 1000-2000 keys
-// 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
+// against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and
+// 400 x 1000-2000 keys 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
 // kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
   static const int32_t from_env = static_cast<int32_t>(env_or("KESTREL_ATTN_STAGES", 0));
