@@ -2,19 +2,19 @@
 # (built on the CPU machine; see gpu_bench_8b.sh), and the paths shared between the calls of one warm
 # machine (/tmp survives from one call to the next while the machine is held).
 OUT="${OUT:-/tmp/kestrel_out}"
-mkdir -p "$OUT" /tmp/k4
-# devbin/ travels with call 1 only; the later calls use the copy call 1 left in /tmp/k4.
+mkdir -p "$OUT" /tmp/kestrel
+# devbin/ travels with call 1 only; the later calls use the copy call 1 left in /tmp/kestrel.
 if [ -x devbin/kestrel ]; then
-  rm -rf /tmp/k4/devbin && cp -r devbin /tmp/k4/devbin
+  rm -rf /tmp/kestrel/devbin && cp -r devbin /tmp/kestrel/devbin
 fi
-BIN=/tmp/k4/devbin
+BIN=/tmp/kestrel/devbin
 cublas_dir=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null || true)
 export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
 chmod +x $BIN/kestrel $BIN/kestrel_tests 2>/dev/null
 K="$BIN/kestrel"
-M8=/tmp/k4/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by gpu_bench_8b.sh)
-SUMMARY=/tmp/k4/summary.txt
+M8=/tmp/kestrel/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by gpu_bench_8b.sh)
+SUMMARY=/tmp/kestrel/summary.txt
 # note KEY VALUE: one line of the closing table
 note() { echo "$*" | tee -a "$SUMMARY"; }
 # stories260K greedy from "Once upon a time", 32 tokens, --device cpu against --device cuda; one
@@ -23,12 +23,12 @@ stories_check() {
   echo "== stories260K: greedy, CPU vs CUDA, 32 tokens"
   for dev in cpu cuda; do
     timeout 60 "$K" generate -m $BIN/stories260K.gguf -p "Once upon a time" -n 32 --temperature 0 --json \
-      --device $dev > /tmp/k4/stories_$dev.json 2>/tmp/k4/stories_$dev.err || tail -3 /tmp/k4/stories_$dev.err
+      --device $dev > /tmp/kestrel/stories_$dev.json 2>/tmp/kestrel/stories_$dev.err || tail -3 /tmp/kestrel/stories_$dev.err
   done
   python3 - <<'PY' | tee -a "$SUMMARY"
 import json
-a = json.load(open("/tmp/k4/stories_cpu.json"))["output_ids"]
-b = json.load(open("/tmp/k4/stories_cuda.json"))["output_ids"]
+a = json.load(open("/tmp/kestrel/stories_cpu.json"))["output_ids"]
+b = json.load(open("/tmp/kestrel/stories_cuda.json"))["output_ids"]
 n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 print(f"stories260K greedy: cpu == cuda for the first {n} of {len(a)} tokens", "PASS" if n >= 32 else "FAIL")
 PY
@@ -37,8 +37,8 @@ PY
 # SASS, with their summary lines.
 op_tests() {
   echo "== GPU op tests (kestrel_tests, Cuda*)"
-  timeout 300 $BIN/kestrel_tests --gtest_filter="${TEST_FILTER:-Cuda*}" --gtest_brief=1 2>&1 | tail -15 | tee /tmp/k4/tests.txt
-  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/k4/tests.txt | tr '\n' ' ')"
+  timeout 300 $BIN/kestrel_tests --gtest_filter="${TEST_FILTER:-Cuda*}" --gtest_brief=1 2>&1 | tail -15 | tee /tmp/kestrel/tests.txt
+  note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/tests.txt | tr '\n' ' ')"
   stories_check
   # No kernel may load the previous kernel's output before griddepcontrol.wait (pdl_audit.py).
   note "$(python3 scripts/device/pdl_audit.py $BIN/kestrel 2>&1 | tail -4 | tr '\n' ' ')"

@@ -7,19 +7,19 @@ set -uo pipefail
 source scripts/device/device_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site devdata/b/*.whl \
   && export PYTHONPATH=/tmp/site
-mkdir -p /tmp/k4/smol
-cat /tmp/k4/smol.part1 devdata/b/smol.part > /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cat devdata/b/smol.sha256)  /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
+mkdir -p /tmp/kestrel/smol
+cat /tmp/kestrel/smol.part1 devdata/b/smol.part > /tmp/kestrel/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+echo "$(cat devdata/b/smol.sha256)  /tmp/kestrel/smol/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
 echo "== SmolLM2-135M-Instruct (GGUF Q4_1) vs transformers"
-timeout 240 python3 scripts/device/logits_check.py --kestrel "$K" --gguf /tmp/k4/smol/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --name SmolLM2 2>&1 | grep -v Warning | tail -6 | tee /tmp/k4/smol.log
-note "$(grep -E 'argmax agreement|vs transformers f32|RESULT' /tmp/k4/smol.log | tr '\n' ' ')"
+timeout 240 python3 scripts/device/logits_check.py --kestrel "$K" --gguf /tmp/kestrel/smol/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --name SmolLM2 2>&1 | grep -v Warning | tail -6 | tee /tmp/kestrel/smol.log
+note "$(grep -E 'argmax agreement|vs transformers f32|RESULT' /tmp/kestrel/smol.log | tr '\n' ' ')"
 echo "== 8B-shaped random model vs transformers"
 timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b 2>&1 | tail -6 \
-  | tee /tmp/k4/l8.log
-note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+  | tee /tmp/kestrel/l8.log
+note "$(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/kestrel/l8.log | tr '\n' ' ')"
 echo "== transformers benchmarks (same GPU, same run)"
-timeout 300 python3 scripts/device/hf_bench.py -m "$M8" 2>&1 | grep -E "^HF" | tee /tmp/k4/hf.txt
-cat /tmp/k4/hf.txt >> "$SUMMARY"
+timeout 300 python3 scripts/device/hf_bench.py -m "$M8" 2>&1 | grep -E "^HF" | tee /tmp/kestrel/hf.txt
+cat /tmp/kestrel/hf.txt >> "$SUMMARY"
 echo "== summary (calls 1-2)"
 cat "$SUMMARY"

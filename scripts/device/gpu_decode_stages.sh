@@ -32,8 +32,8 @@ if [[ $STAGES == *b1* ]]; then
   note "copy rate: $(timeout 60 $BIN/kestrel_cuda_bench copy 2>&1 | grep '^copy' | tr -s ' ')"
   for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_FUSED_NORM=0}; do
     echo "== batch-1 decode: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/k4/b1.txt
-    note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
+    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/kestrel/b1.txt
+    note "batch-1 [$cfg]: $(tail -1 /tmp/kestrel/b1.txt)"
   done
 fi
 if [[ $STAGES == *attn* ]]; then
@@ -46,8 +46,8 @@ if [[ $STAGES == *b64* ]]; then
   for cfg in ${B64_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_STAGES=2}; do
     echo "== batch-64 decode at 512: $cfg"
     env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
-    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
+      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
+    note "batch-64 [$cfg]: $(tail -1 /tmp/kestrel/b64.txt)"
   done
 fi
 if [[ $STAGES == *profile1* ]]; then
@@ -73,8 +73,8 @@ PY
     [ "$cfg" = warm ] || evict
     [ "$cfg" = warm ] && cfg=KESTREL_DEFAULTS=1,warm=1
     env ${cfg//,/ } timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null \
-      | grep -E "ready in" > /tmp/k4/load.txt
-    note "load 8B [$cfg]: $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+      | grep -E "ready in" > /tmp/kestrel/load.txt
+    note "load 8B [$cfg]: $(grep -oE 'ready in [0-9.]+ s' /tmp/kestrel/load.txt)"
   done
   evict
   t0=$(date +%s.%N); cat "$M8"/*.safetensors > /dev/null; t1=$(date +%s.%N)
@@ -89,8 +89,8 @@ if [[ $STAGES == *logits* ]]; then
   # LOGITS_CHUNKS: kestrel's --prefill-chunk values (1: every position through one-token steps).
   for chunk in ${LOGITS_CHUNKS:-256}; do
     timeout 300 python3 scripts/device/logits_check.py --kestrel "$K" -m "$M8" --name llama8b --prefill-chunk $chunk \
-      2>&1 | tail -6 | tee /tmp/k4/l8.log
-    note "logits, prefill chunk $chunk: $(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/k4/l8.log | tr '\n' ' ')"
+      2>&1 | tail -6 | tee /tmp/kestrel/l8.log
+    note "logits, prefill chunk $chunk: $(grep -E 'argmax agreement|vs transformers f32|top-2|RESULT' /tmp/kestrel/l8.log | tr '\n' ' ')"
   done
 fi
 if [[ $STAGES == *decodecheck* ]]; then
@@ -104,8 +104,8 @@ if [[ $STAGES == *decodecheck* ]]; then
   for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=20 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0}; do
     echo "== decode check: $cfg"
     env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
-      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|check:|RESULT|Error|error" | tee /tmp/k4/dc.txt
-    note "decode check [$cfg]: $(grep -E 'vs kestrel cpu|RESULT' /tmp/k4/dc.txt | tr '\n' ' ')"
+      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|check:|RESULT|Error|error" | tee /tmp/kestrel/dc.txt
+    note "decode check [$cfg]: $(grep -E 'vs kestrel cpu|RESULT' /tmp/kestrel/dc.txt | tr '\n' ' ')"
   done
 fi
 if [[ $STAGES == *nsys1* ]]; then
@@ -113,10 +113,10 @@ if [[ $STAGES == *nsys1* ]]; then
   echo "== nsys: batch-1 decode"
   NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
   if [ -n "$NSYS" ]; then
-    timeout 300 "$NSYS" profile --cuda-graph-trace=node --trace=cuda -o /tmp/k4/b1trace --force-overwrite true \
-      "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 > /tmp/k4/nsys.log 2>&1 || tail -5 /tmp/k4/nsys.log
-    "$NSYS" stats --report cuda_gpu_trace --format csv -o /tmp/k4/b1trace /tmp/k4/b1trace.nsys-rep >/dev/null 2>&1
-    python3 scripts/device/kernel_trace.py /tmp/k4/b1trace_cuda_gpu_trace.csv --skip 8 2>&1 | tee -a "$SUMMARY"
+    timeout 300 "$NSYS" profile --cuda-graph-trace=node --trace=cuda -o /tmp/kestrel/b1trace --force-overwrite true \
+      "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 > /tmp/kestrel/nsys.log 2>&1 || tail -5 /tmp/kestrel/nsys.log
+    "$NSYS" stats --report cuda_gpu_trace --format csv -o /tmp/kestrel/b1trace /tmp/kestrel/b1trace.nsys-rep >/dev/null 2>&1
+    python3 scripts/device/kernel_trace.py /tmp/kestrel/b1trace_cuda_gpu_trace.csv --skip 8 2>&1 | tee -a "$SUMMARY"
   else
     echo "nsys not found"
   fi
@@ -129,8 +129,8 @@ fi
 if [[ $STAGES == *offline* ]]; then
   for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do
     echo "== offline 1000 x (1000 + 1000): $cfg"
-    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/gpu_offline_batch.sh 2>&1 | tail -4 | tee /tmp/k4/off.txt
-    note "offline [$cfg]: $(grep -i "tok/s" /tmp/k4/off.txt | tail -1)"
+    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/gpu_offline_batch.sh 2>&1 | tail -4 | tee /tmp/kestrel/off.txt
+    note "offline [$cfg]: $(grep -i "tok/s" /tmp/kestrel/off.txt | tail -1)"
   done
 fi
 if [[ $STAGES == *sass* ]]; then
@@ -140,10 +140,10 @@ if [[ $STAGES == *sass* ]]; then
   for cubin in $BIN/sg_*.cubin; do
     [ -f "$cubin" ] && [ -n "$CUOBJDUMP" ] || { echo "no cubin or no cuobjdump"; break; }
     "$CUOBJDUMP" -sass "$cubin" | awk '/Function : .*stream_gemv_kernelILi1ELi4ELb0ELb0ELb0E/{p=1} p&&/Function : /&&!/ILi1ELi4ELb0ELb0ELb0E/{p=0} p' \
-      > /tmp/k4/sass.txt
-    echo "== $(basename "$cubin"): $(wc -l < /tmp/k4/sass.txt) lines; loads and the grid-dependency wait, in order:"
+      > /tmp/kestrel/sass.txt
+    echo "== $(basename "$cubin"): $(wc -l < /tmp/kestrel/sass.txt) lines; loads and the grid-dependency wait, in order:"
     # The opcodes in order up to the first FFMA (the main loop), repeats collapsed.
-    python3 - /tmp/k4/sass.txt <<'PY'
+    python3 - /tmp/kestrel/sass.txt <<'PY'
 import re, sys
 ops = []
 for line in open(sys.argv[1]):

@@ -8,18 +8,18 @@ python3 - "$N" <<'PY'
 import json, random, sys
 n = int(sys.argv[1])
 random.seed(0)
-with open("/tmp/k4/offline.jsonl", "w") as f:
+with open("/tmp/kestrel/offline.jsonl", "w") as f:
     for i in range(n):
         f.write(json.dumps({"id": i, "prompt": [random.randrange(128256) for _ in range(1000)], "max_tokens": 1000,
                             "ignore_eos": True, "temperature": 0}) + "\n")
 PY
 echo "== kestrel batch: $N x (1000 in, 1000 out)"
-timeout 540 "$K" batch -m "$M8" --device cuda -i /tmp/k4/offline.jsonl -o /tmp/k4/offline_out.jsonl \
-  --stats-json /tmp/k4/offline_stats.json --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens 8192 \
+timeout 540 "$K" batch -m "$M8" --device cuda -i /tmp/kestrel/offline.jsonl -o /tmp/kestrel/offline_out.jsonl \
+  --stats-json /tmp/kestrel/offline_stats.json --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens 8192 \
   --max-model-len 2048 2>&1 | tail -12
 python3 - <<'PY' | tee -a "$SUMMARY"
 import json
-s = json.load(open("/tmp/k4/offline_stats.json"))
+s = json.load(open("/tmp/kestrel/offline_stats.json"))
 print("offline:", json.dumps(s))
 PY
 echo "== summary (calls 1-3)"

@@ -21,22 +21,22 @@ if [[ $STAGES == *e2e* ]]; then
   for cfg in ${B1_CONFIGS:-KESTREL_SKINNY_MAX_TOKENS=0,KESTREL_PDL=0,KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
     echo "== batch-1 decode: $cfg"
     env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
-      | tee /tmp/k4/b1.txt
-    note "batch-1 [$cfg]: $(tail -1 /tmp/k4/b1.txt)"
+      | tee /tmp/kestrel/b1.txt
+    note "batch-1 [$cfg]: $(tail -1 /tmp/kestrel/b1.txt)"
   done
   for cfg in ${B64_CONFIGS:-KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
     echo "== batch-64 decode at 512: $cfg"
     env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/k4/b64.txt
-    note "batch-64 [$cfg]: $(tail -1 /tmp/k4/b64.txt)"
+      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
+    note "batch-64 [$cfg]: $(tail -1 /tmp/kestrel/b64.txt)"
   done
   echo "== prefill 8 x 2048"
   timeout 200 "$K" bench -m "$M8" --device cuda --parallel 8 -p 2048 -n 2 -r 3 --max-num-batched-tokens 16384 2>&1 \
-    | tail -1 | tee /tmp/k4/pp.txt
-  note "prefill 8x2048: $(tail -1 /tmp/k4/pp.txt)"
+    | tail -1 | tee /tmp/kestrel/pp.txt
+  note "prefill 8x2048: $(tail -1 /tmp/kestrel/pp.txt)"
   echo "== load (weights upload), page cache warm"
-  timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" | tee /tmp/k4/load.txt
-  note "load 8B (warm page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/k4/load.txt)"
+  timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null | grep -E "ready in" | tee /tmp/kestrel/load.txt
+  note "load 8B (warm page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/kestrel/load.txt)"
   [[ $STAGES == *profile* ]] || { echo "== summary"; cat "$SUMMARY"; exit 0; }
   echo "== op profile (eager, CUDA events): batch-1 and batch-64 decode, skinny at the default"
   KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"

@@ -12,6 +12,6 @@ torch.manual_seed(0)
 with torch.device("cuda"):
     m = LlamaForCausalLM._from_config(cfg, torch_dtype=torch.bfloat16)
 m.save_pretrained(d, safe_serialization=True, max_shard_size="5GB")
-shutil.copy("/tmp/k4/devbin/tokenizer.model", os.path.join(d, "tokenizer.model"))
+shutil.copy("/tmp/kestrel/devbin/tokenizer.model", os.path.join(d, "tokenizer.model"))
 json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, open(os.path.join(d, "tokenizer_config.json"), "w"))
 print(f"saved {sum(p.numel() for p in m.parameters())/1e9:.2f}B params in {time.time()-t:.1f} s")
