@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Decode attention under the split-KV plan's overrides (paged_attention.cu: KESTREL_ATTN_ITEMS_PER_BLOCK,
 # KESTREL_ATTN_MIN_SPLIT_TILES, KESTREL_ATTN_PERSISTENT), then the GPU attention tests: the attn
-# stage of gpu_decode_attention.sh. Its first run (2026-11-30, then with a split-block target and a minimum
-# partition, since replaced) set kSplitTargetBlocks = 1024. Carry: devbin.
+# stage of gpu_decode_attention.sh. Results: docs/performance.md, "H200: decode attention kernels".
+# Carry: devbin.
 set -uo pipefail
 STAGES=attn bash scripts/device/gpu_decode_attention.sh
 source scripts/device/device_env.sh
