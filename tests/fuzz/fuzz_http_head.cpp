@@ -1,14 +1,17 @@
 // libFuzzer target: bytes as a client would send them -> Boost.Beast's request parser with the
 // server's limits (tools/kestrel/server/http_parse.h) -> the head checks (http_head.h) -> the body
-// with its limit -> end of stream. Only the documented answers may come out: a parse error maps to
-// 400/408/413/431 (or none, for a closed connection), a head to a route or 400/401/404/405/413/415/
-// 431/505; a decision that lets a request through must agree with the limits it claims to enforce.
+// with its limit -> end of stream, with the line-ending check the session makes before the head
+// and on what a chunked body's parser holds back. Only the documented answers may come out: a parse
+// error maps to 400/408/413/431 (or none, for a closed connection), a head to a route or 400/401/
+// 404/405/413/415/431/501/505; a decision that lets a request through must agree with the limits it
+// claims to enforce (one Host, or none in HTTP/1.0; HEAD only where GET is routed).
 #include <boost/asio/buffer.hpp>
 #include <boost/beast/http/error.hpp>
 
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "server/http_head.h"
 #include "server/http_parse.h"
@@ -37,6 +40,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   configure_parser(parser, limits);
   boost::beast::error_code ec;
   const auto* p = reinterpret_cast<const char*>(data);
+  if (auto e = check_line_endings(std::string_view(p, size), false)) {
+    check_error(*e);
+    require(e->status == 400);
+    return 0;
+  }
   size_t used = parser.put(boost::asio::buffer(p, size), ec);
   if (ec == boost::beast::http::error::need_more) {
     // The client closed with the head incomplete (as Beast's read reports it: end_of_stream
@@ -69,15 +77,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (json_route) {
     require(is_json_media_type(f.content_type));
   }
-  if (!api_key.empty() && f.target.substr(0, 4) == "/v1/") require(bearer_token(f.authorization).has_value());
+  const auto path = target_path(f.target);
+  require(path.has_value() && !path->empty() && path->front() == '/');
+  if (!api_key.empty() && path->substr(0, 4) == "/v1/") require(bearer_token(f.authorization).has_value());
+  require(f.host_count == 1 || (f.host_count == 0 && f.version == 10));
+  const bool get_route = d.route == Route::Models || d.route == Route::Model || d.route == Route::Health ||
+                         d.route == Route::Metrics || d.route == Route::TokenizerInfo;
+  require(f.method == (get_route ? "GET" : "POST") || (get_route && f.method == "HEAD"));
   limit_body(parser, limits);
+  parser.eager(true);
   while (!ec && !parser.is_done() && used < size) {
     const size_t n = parser.put(boost::asio::buffer(p + used, size - used), ec);
+    used += n;
     if (ec == boost::beast::http::error::need_more) {
       ec = {};
+      if (parser.chunked()) {
+        if (auto e = check_line_endings(std::string_view(p + used, size - used), true)) {
+          check_error(*e);
+          require(e->status == 400);
+          return 0;
+        }
+      }
       if (n == 0) break;
     }
-    used += n;
   }
   if (!ec && !parser.is_done()) parser.put_eof(ec);  // got_some: the head is in
   if (ec) {

@@ -164,7 +164,7 @@ def test_other_methods_on_known_routes_are_405(small, method):
         assert r.headers["allow"] == allow and method in err["message"] and err["code"] == "method_not_allowed"
     if method != "GET":
         r = exchange(small.port, request_bytes(method, "/health"))
-        assert r.status == 405 and r.headers["allow"] == "GET"
+        assert r.status == 405 and r.headers["allow"] == "GET, HEAD"
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "1, 2", "99999999999999999999999"])
@@ -197,6 +197,129 @@ def test_body_over_the_limit_is_413_before_it_is_read(small):
     # Just below the limit is served.
     big = json.dumps(dict(BODY, pad="x" * 60000)).encode()
     assert exchange(small.port, request_bytes("POST", C, big)).status == 200
+
+
+def test_http_1_1_needs_exactly_one_host(small):
+    # RFC 9112 3.2: 400 for an HTTP/1.1 request without Host and for any request with two Host fields.
+    for head in (b"GET /health HTTP/1.1\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+                 b"GET /health HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: a/b\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: user@a\r\n\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"):
+        r = exchange(small.port, head)
+        err = error_of(r, 400)
+        assert err["code"] == "bad_host" and "Host" in err["message"], (head, err)
+        assert r.headers["connection"] == "close"
+    # HTTP/1.0 needs none; an empty Host and host:port forms are valid.
+    for head in (b"GET /health HTTP/1.0\r\n\r\n", b"GET /health HTTP/1.1\r\nHost:\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: [::1]:8000\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:80\r\n\r\n"):
+        assert exchange(small.port, head).status == 200, head
+
+
+def test_absolute_form_target_is_routed_by_its_path(small):
+    # RFC 9112 3.2.2: a server MUST accept the absolute form (what a request through a proxy carries).
+    r = exchange(small.port, request_bytes("POST", f"http://localhost:{small.port}{C}", BODY))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r
+    r = exchange(small.port, request_bytes("GET", "HTTPS://example.com/v1/models?x=1"))
+    assert r.status == 200 and r.json()["data"][0]["id"] == "stories", r
+    assert error_of(exchange(small.port, request_bytes("GET", "http://h")), 404)["code"] == "not_found"
+    for target in ("ftp://h/health", "http://user@h/health", "http:///health", "localhost:8000", "*"):
+        err = error_of(exchange(small.port, request_bytes("GET", target)), 400)
+        assert err["code"] == "bad_request_target", (target, err)
+
+
+def read_head_only(c):
+    """The next response head on c (status, headers), leaving whatever follows it in c.buf."""
+    while b"\r\n\r\n" not in c.buf:
+        c._fill()
+    head, c.buf = c.buf.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/stories", "/v1/models/nope", "/metrics",
+                                  "/tokenizer_info"])
+def test_head_on_get_routes_is_the_get_answer_without_body(small, path):
+    # RFC 9110 9.3.2. HEAD, GET and HEAD pipelined on one connection: the HEAD answers carry no body,
+    # so each next answer starts right after their heads.
+    c = Conn(small.port)
+    try:
+        c.send(request_bytes("HEAD", path) + request_bytes("GET", path) + request_bytes("HEAD", path))
+        status, headers = read_head_only(c)
+        got = c.response()
+        assert got.status in (200, 404) and status == got.status, (status, got)
+        assert headers["content-type"] == got.headers["content-type"]
+        if path != "/metrics":  # the counters move between requests
+            assert int(headers["content-length"]) == len(got.body) > 0, (headers, got)
+        else:
+            assert int(headers["content-length"]) > 100
+        status2, headers2 = read_head_only(c)
+        assert status2 == status and "connection" not in headers2
+        # Nothing follows the last HEAD answer; the connection stays open for another request.
+        c.send(request_bytes("GET", "/health"))
+        assert c.response().status == 200
+        assert c.buf == b""
+    finally:
+        c.close()
+
+
+def test_head_on_post_routes_is_405_without_body(small):
+    c = Conn(small.port)
+    try:
+        c.send(request_bytes("HEAD", C))
+        status, headers = read_head_only(c)
+        assert status == 405 and headers["allow"] == "POST" and int(headers["content-length"]) > 0
+        assert c.closed_by_server(3) and c.buf == b""
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\nHost: x\r\n\r\n",  # was a misleading 505
+    b"GET /health HTTP/1.1\nHost: x\n\n",
+    b"GET /health HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n\n",
+])
+def test_bare_lf_in_the_head_is_400(small, head):
+    # Bare LF line ends are refused, not taken as CRLF (RFC 9112 2.2 allows either; a proxy that
+    # splits lines differently would frame the request differently).
+    r, dt = timed(exchange, small.port, head)
+    err = error_of(r, 400)
+    assert err["code"] == "bad_line_ending" and "CRLF" in err["message"] and dt < 2, (err, dt)
+
+
+@pytest.mark.parametrize("chunks", [b"5\nhello\n0\n\n", b"5\r\nhello\r\n0\n\n", b"5\r\nhello\r\n0\r\n\n"])
+def test_bare_lf_in_a_chunked_body_is_400_at_once(small, chunks):
+    # Beast waited for a CRLF after the chunk size until the 30 s body deadline (408).
+    c = Conn(small.port)
+    try:
+        c.send(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n".encode())
+        time.sleep(0.2)  # the head is read on its own first
+        c.send(chunks)
+        r, dt = timed(c.response)
+        err = error_of(r, 400)
+        assert err["code"] == "bad_line_ending" and "chunk" in err["message"] and dt < 2, (err, dt)
+    finally:
+        c.close()
+
+
+def test_chunked_body_split_anywhere_is_served(small):
+    # The session feeds the parser itself: a CRLF split across reads is no bare LF.
+    body = json.dumps(BODY).encode()
+    data = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .encode() + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+    c = Conn(small.port)
+    try:
+        for i in range(0, len(data), 7):
+            c.send(data[i:i + 7])
+            time.sleep(0.005)
+        r = c.response()
+        assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4, r
+    finally:
+        c.close()
 
 
 def test_malformed_request_line_is_400(small):

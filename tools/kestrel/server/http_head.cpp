@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 
 namespace kestrel::cli {
 
@@ -28,6 +29,34 @@ std::string shown_value(std::string_view v) {
   return out;
 }
 
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+// RFC 3986 2.2-2.3: unreserved, sub-delims and '%' (of a pct-encoding): the characters of a reg-name.
+bool is_reg_name_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || std::string_view("-._~%!$&'()*+,;=").find(c) != std::string_view::npos;
+}
+
+// uri-host [ ":" port ] (RFC 9110 7.2, RFC 3986 3.2.2-3.2.3): an IP-literal in brackets, or a
+// reg-name / IPv4 address; the port, when present, digits only. No userinfo ('@').
+bool valid_authority(std::string_view a) {
+  std::string_view rest;
+  if (!a.empty() && a.front() == '[') {
+    const size_t close = a.find(']');
+    if (close == std::string_view::npos || close == 1) return false;
+    for (char c : a.substr(1, close - 1))
+      if (!is_reg_name_char(c) && c != ':') return false;
+    rest = a.substr(close + 1);
+  } else {
+    const size_t colon = a.find(':');
+    for (char c : a.substr(0, colon))
+      if (!is_reg_name_char(c)) return false;
+    rest = colon == std::string_view::npos ? std::string_view() : a.substr(colon);
+  }
+  if (rest.empty()) return true;
+  if (rest.front() != ':') return false;
+  return std::all_of(rest.begin() + 1, rest.end(), is_digit);
+}
+
 struct RouteInfo {
   std::string_view path;
   Route route;
@@ -37,7 +66,7 @@ struct RouteInfo {
 constexpr std::array<RouteInfo, 8> kRoutes{{
     {"/v1/completions", Route::Completions, "POST", true},
     {"/v1/chat/completions", Route::ChatCompletions, "POST", true},
-    {"/v1/models", Route::Models, "GET", false},
+    {"/v1/models", Route::Models, "GET", false},  // GET routes answer HEAD too
     {"/health", Route::Health, "GET", false},
     {"/metrics", Route::Metrics, "GET", false},
     {"/tokenize", Route::Tokenize, "POST", true},
@@ -52,6 +81,26 @@ HeadDecision fail(int status, std::string message, std::string code, std::string
   return d;
 }
 }  // namespace
+
+std::optional<std::string_view> target_path(std::string_view target) {
+  std::string_view path = target;
+  if (path.empty() || path.front() != '/') {
+    // absolute-form: "http" or "https" (any case), "://", the authority, then path-abempty.
+    const size_t sep = target.find("://");
+    if (sep == std::string_view::npos) return std::nullopt;
+    const std::string_view scheme = target.substr(0, sep);
+    if (!iequals(scheme, "http") && !iequals(scheme, "https")) return std::nullopt;
+    const std::string_view rest = target.substr(sep + 3);
+    const size_t end = rest.find_first_of("/?");
+    const std::string_view authority = rest.substr(0, end);
+    // RFC 9110 4.2.1: an http URI with an empty host is invalid.
+    if (authority.empty() || authority.front() == ':' || !valid_authority(authority)) return std::nullopt;
+    path = end == std::string_view::npos ? std::string_view() : rest.substr(end);
+    if (path.empty() || path.front() == '?') return std::string_view("/");
+  }
+  if (const size_t q = path.find('?'); q != std::string_view::npos) path = path.substr(0, q);
+  return path;
+}
 
 bool is_json_media_type(std::string_view content_type) {
   std::string_view t = trim(content_type);
@@ -92,12 +141,22 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
                 "the request has " + std::to_string(head.header_count) + " header fields; at most " +
                     std::to_string(limits.max_header_count) + " are allowed",
                 "request_header_fields_too_large");
-  std::string_view path = head.target;
-  if (path.empty() || path.front() != '/')
-    return fail(400, "the request target must be an absolute path such as /v1/completions, got \"" +
-                         shown_value(head.target) + "\"",
+  if (head.host_count > 1)
+    return fail(400, "the request has " + std::to_string(head.host_count) + " Host header fields; send exactly one",
+                "bad_host");
+  if (head.host_count == 0 && head.version == 11)
+    return fail(400, "an HTTP/1.1 request needs a Host header field (RFC 9112 3.2)", "bad_host");
+  if (!head.host.empty() && !valid_authority(head.host))
+    return fail(400, "invalid Host header field \"" + shown_value(head.host) + "\": expected host[:port]",
+                "bad_host");
+  const auto target = target_path(head.target);
+  if (!target)
+    return fail(400,
+                "the request target must be an absolute path such as /v1/completions or an http URI such as "
+                "http://host:8000/v1/completions, got \"" +
+                    shown_value(head.target) + "\"",
                 "bad_request_target");
-  if (const size_t q = path.find('?'); q != std::string_view::npos) path = path.substr(0, q);
+  const std::string_view path = *target;
 
   const RouteInfo* info = nullptr;
   HeadDecision d;
@@ -118,12 +177,14 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
   }
   if (info == nullptr) return fail(404, "no route " + shown_value(head.method) + " " + shown_value(path), "not_found");
   d.route = info->route;
-  if (head.method != info->method) {
-    HeadDecision e = fail(405,
-                          shown_value(head.method) + " is not allowed on " + std::string(info->path) + " (use " +
-                              std::string(info->method) + ")",
+  // RFC 9110 9.3.2: HEAD is GET without the body, so every GET route answers it (as Starlette's do).
+  const bool get_route = info->method == "GET";
+  if (head.method != info->method && !(get_route && head.method == "HEAD")) {
+    const std::string allow = get_route ? "GET, HEAD" : std::string(info->method);
+    HeadDecision e = fail(405, shown_value(head.method) + " is not allowed on " + std::string(info->path) + " (use " +
+                                   allow + ")",
                           "method_not_allowed");
-    e.error->allow = std::string(info->method);
+    e.error->allow = allow;
     return e;
   }
   // Every route: the body reader reserves Content-Length bytes up front.

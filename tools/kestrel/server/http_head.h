@@ -47,8 +47,10 @@ struct HttpError {
 // The parts of a request head the checks read (views into the parsed head).
 struct HeadFields {
   std::string_view method;  // as sent ("POST")
-  std::string_view target;  // request-target ("/v1/completions?x=1")
+  std::string_view target;  // request-target ("/v1/completions?x=1" or "http://host/v1/completions")
   unsigned version = 11;    // 10 or 11 are served (major * 10 + minor)
+  std::string_view host;    // the first Host field's value; "" when absent
+  size_t host_count = 0;    // Host fields in the head
   std::string_view content_type, content_encoding, authorization;  // "" when absent
   std::string_view transfer_encoding;       // "" when absent (Beast refuses two such fields itself)
   std::optional<uint64_t> content_length;  // absent: none or chunked
@@ -64,13 +66,22 @@ struct HeadDecision {
 
 // Checks in this order: HTTP version (505 unless 1.0 or 1.1); Transfer-Encoding (501 unless absent
 // or exactly "chunked": RFC 9112 6.3, a request whose final coding is not chunked cannot be framed,
-// and reading its body as empty would take the body for the next request); header count (431); target and
-// route (404); API key on /v1/* when
-// api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in any case, one or more
-// spaces or tabs, the key compared in constant time); method (405 with Allow); the body length on
-// every route (413 over the limit); for routes with a JSON body: Content-Encoding (415, any but
-// "identity") and Content-Type (415 unless absent or exactly application/json, parameters allowed).
+// and reading its body as empty would take the body for the next request); header count (431);
+// Host (400, RFC 9112 3.2: none in an HTTP/1.1 request, more than one, or a value that is not a
+// uri-host[:port]); target (400 unless origin-form or absolute-form, see target_path) and route
+// (404); API key on /v1/* when api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in
+// any case, one or more spaces or tabs, the key compared in constant time); method (405 with Allow;
+// HEAD is allowed wherever GET is, RFC 9110 9.3.2); the body length on every route (413 over the
+// limit); for routes with a JSON body: Content-Encoding (415, any but "identity") and Content-Type
+// (415 unless absent or exactly application/json, parameters allowed).
 HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const std::string& api_key);
+
+// The path a request-target routes by, without its query: the target itself in origin-form
+// ("/v1/models?x" -> "/v1/models"); in absolute-form (RFC 9112 3.2.2, which a server MUST accept)
+// the path of an http or https URI whose authority is a valid host[:port] ("http://h:8000/health"
+// -> "/health"; an empty path is "/"). nullopt for anything else (authority-form, asterisk-form,
+// another scheme, userinfo in the authority). The result views `target` (or a literal "/").
+std::optional<std::string_view> target_path(std::string_view target);
 
 // True when `content_type` is absent or its media type is exactly application/json (RFC 9110
 // 8.3.1: case-insensitive type/subtype, optional parameters after ';').

@@ -22,6 +22,8 @@ HeadFields head_fields(const RequestParser& parser) {
   f.method = std::string_view(h.method_string().data(), h.method_string().size());
   f.target = std::string_view(h.target().data(), h.target().size());
   f.version = h.version();
+  if (const auto it = h.find(http::field::host); it != h.end()) f.host = std::string_view(it->value().data(), it->value().size());
+  f.host_count = h.count(http::field::host);
   auto field = [&](http::field name) {
     const auto it = h.find(name);
     return it == h.end() ? std::string_view() : std::string_view(it->value().data(), it->value().size());
@@ -34,6 +36,21 @@ HeadFields head_fields(const RequestParser& parser) {
   f.chunked = parser.chunked();
   f.header_count = static_cast<size_t>(std::distance(h.begin(), h.end()));
   return f;
+}
+
+std::optional<HttpError> check_line_endings(std::string_view unparsed, bool in_body) {
+  std::string_view scanned = unparsed;
+  if (!in_body) {
+    if (const size_t end = unparsed.find("\r\n\r\n"); end != std::string_view::npos) scanned = unparsed.substr(0, end + 4);
+  }
+  for (size_t i = scanned.find('\n'); i != std::string_view::npos; i = scanned.find('\n', i + 1)) {
+    if (i > 0 && scanned[i - 1] == '\r') continue;
+    return HttpError{400,
+                     std::string(in_body ? "a chunk-size or trailer line" : "a line of the request head") +
+                         " ends in a bare LF; end every line with CRLF (RFC 9112 2.2)",
+                     "bad_line_ending", "invalid_request_error", ""};
+  }
+  return std::nullopt;
 }
 
 std::optional<HttpError> parse_error(const boost::beast::error_code& ec, const HttpLimits& limits, bool in_body) {

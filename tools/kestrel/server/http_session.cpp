@@ -2,7 +2,7 @@
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
-#include <boost/beast/http/read.hpp>
+#include <boost/beast/http/error.hpp>
 #include <boost/beast/http/status.hpp>
 
 #include <malloc.h>
@@ -10,6 +10,7 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "server/openai_api.h"
@@ -211,23 +212,72 @@ void HttpSession::start_head() {
   arm(ctx_.limits.head_timeout);
   parser_.emplace();
   configure_parser(*parser_, ctx_.limits);
-  reading_ = true;
-  http::async_read_header(socket_, buffer_, *parser_,
-                          [self = shared_from_this()](const error_code& ec, size_t) { self->on_head(ec); });
+  head_request_ = false;
+  parse_buffered();  // a pipelined request may be buffered whole
 }
 
-void HttpSession::on_head(const error_code& ec) {
+void HttpSession::read_request() {
+  const size_t room = std::min<size_t>(16 * 1024, buffer_.max_size() - buffer_.size());
+  // Full: the parser waits for the end of a line longer than kMaxUnparsed.
+  if (room == 0) return on_parse_error(http::error::buffer_overflow, phase_ == Phase::Body);
+  reading_ = true;
+  socket_.async_read_some(buffer_.prepare(room), [self = shared_from_this()](const error_code& ec, size_t n) {
+    self->on_request_bytes(ec, n);
+  });
+}
+
+void HttpSession::on_request_bytes(const error_code& ec, size_t n) {
   reading_ = false;
   if (phase_ == Phase::Closed) return;
-  if (ec) return on_parse_error(ec, false);
+  const bool in_body = phase_ == Phase::Body;
+  if (ec == asio::error::eof) {
+    // As Beast's read reports it: nothing of this request yet, or a request cut short.
+    error_code end = http::error::end_of_stream;
+    if (parser_->got_some()) parser_->put_eof(end);
+    if (!end) end = http::error::partial_message;  // a request is never ended by the close
+    peer_eof_ = true;
+    return on_parse_error(end, in_body);
+  }
+  if (ec) return on_parse_error(ec, in_body);  // a deadline cancels the read: 408
+  buffer_.commit(n);
+  parse_buffered();
+}
+
+void HttpSession::parse_buffered() {
+  for (;;) {
+    const bool in_body = phase_ == Phase::Body;
+    const auto data = buffer_.data();
+    const std::string_view unparsed(static_cast<const char*>(data.data()), data.size());
+    if (!in_body) {
+      if (auto e = check_line_endings(unparsed, false)) return send_error_and_close(*e);
+    }
+    if (unparsed.empty()) break;
+    error_code ec;
+    const size_t used = parser_->put(data, ec);
+    buffer_.consume(used);
+    if (ec && ec != http::error::need_more) return on_parse_error(ec, in_body);
+    if (!in_body && parser_->is_header_done()) return on_head();
+    if (in_body && parser_->is_done()) return on_body();
+    if (ec || used == 0) break;  // need_more
+  }
+  if (phase_ == Phase::Body && parser_->chunked()) {
+    const auto data = buffer_.data();
+    if (auto e = check_line_endings(std::string_view(static_cast<const char*>(data.data()), data.size()), true))
+      return send_error_and_close(*e);
+  }
+  read_request();
+}
+
+void HttpSession::on_head() {
   const HeadFields fields = head_fields(*parser_);
-  const HeadDecision d = check_head(fields, ctx_.limits, ctx_.api_key);
   const auto& h = parser_->get();
   http11_ = h.version() >= 11;
+  head_request_ = fields.method == "HEAD";  // errors to a HEAD request go without a body too
+  const HeadDecision d = check_head(fields, ctx_.limits, ctx_.api_key);
   if (d.error) return send_error_and_close(*d.error);
-  HttpRequest req;
-  req.route = d.route;
-  req.model_id = d.model_id;
+  request_ = HttpRequest{};
+  request_.route = d.route;
+  request_.model_id = d.model_id;
   if (const auto it = h.find(http::field::expect); it != h.end()) {
     if (!iequals(std::string_view(it->value().data(), it->value().size()), "100-continue"))
       return send_error_and_close(HttpError{417, "only \"Expect: 100-continue\" is supported", "expectation_failed",
@@ -235,26 +285,27 @@ void HttpSession::on_head(const error_code& ec) {
     if (http11_ && !parser_->is_done()) queue_write("HTTP/1.1 100 Continue\r\n\r\n");
   }
   limit_body(*parser_, ctx_.limits);
+  parser_->eager(true);  // each put parses all the body data it is given
   phase_ = Phase::Body;
   arm(ctx_.limits.body_timeout);
-  reading_ = true;
-  http::async_read(socket_, buffer_, *parser_, [self = shared_from_this(), req = std::move(req)](const error_code& ec, size_t) mutable {
-    self->reading_ = false;
-    if (self->phase_ == Phase::Closed) return;
-    if (ec) return self->on_parse_error(ec, true);
-    self->disarm();
-    self->phase_ = Phase::Processing;
-    auto& m = self->parser_->get();
-    self->keep_alive_ = m.keep_alive() && !self->ctx_.stopping;
-    req.body = std::move(m.body());
-    self->parser_.reset();
-    const bool large = req.body.size() > kTrimAbove;
-    self->response_started_ = self->response_done_ = false;
-    if (!self->peer_eof_) self->read_more();  // read ahead: pipelined requests, and the client leaving
-    else self->on_peer_eof();
-    self->ctx_.dispatch(self, std::move(req));
-    if (large) malloc_trim(0);  // the body and its parse are freed by now
-  });
+  if (parser_->is_done()) return on_body();  // no body
+  parse_buffered();
+}
+
+void HttpSession::on_body() {
+  disarm();
+  phase_ = Phase::Processing;
+  auto& m = parser_->get();
+  keep_alive_ = m.keep_alive() && !ctx_.stopping;
+  HttpRequest req = std::move(request_);
+  req.body = std::move(m.body());
+  parser_.reset();
+  const bool large = req.body.size() > kTrimAbove;
+  response_started_ = response_done_ = false;
+  if (!peer_eof_) read_more();  // read ahead: pipelined requests, and the client leaving
+  else on_peer_eof();
+  ctx_.dispatch(shared_from_this(), std::move(req));
+  if (large) malloc_trim(0);  // the body and its parse are freed by now
 }
 
 void HttpSession::on_parse_error(const error_code& ec, bool in_body) {
@@ -300,8 +351,8 @@ void HttpSession::respond(HttpResponse r) {
   if (ctx_.stopping) keep_alive_ = false;
   ctx_.metrics->on_response(r.status);
   response_started_ = response_done_ = true;
-  std::string s = head_text(r, BodyFraming::Length);
-  s += r.body;
+  std::string s = head_text(r, BodyFraming::Length);  // HEAD: the Content-Length of the body not sent
+  if (!head_request_) s += r.body;
   queue_write(std::move(s));
 }
 
@@ -316,7 +367,7 @@ void HttpSession::start_stream(HttpResponse head) {
 }
 
 void HttpSession::write_chunk(std::string data) {
-  if (phase_ != Phase::Processing || !response_started_ || response_done_ || data.empty()) return;
+  if (phase_ != Phase::Processing || !response_started_ || response_done_ || data.empty() || head_request_) return;
   if (!chunked_) return queue_write(std::move(data));
   char size[24];
   std::snprintf(size, sizeof size, "%zx\r\n", data.size());
@@ -329,7 +380,7 @@ void HttpSession::write_chunk(std::string data) {
 void HttpSession::end_stream() {
   if (phase_ != Phase::Processing || !response_started_ || response_done_) return;
   response_done_ = true;
-  if (chunked_) queue_write("0\r\n\r\n");
+  if (chunked_ && !head_request_) queue_write("0\r\n\r\n");
   else if (!writing_) finish_exchange();
 }
 

@@ -4,6 +4,8 @@
 // connection's strand; no thread ever waits on the client.
 //
 // Per request:  Idle --first byte--> Head --check_head--> Body --complete--> Processing --written--> Idle
+// In Head and Body the session feeds the parser itself (read_request / parse_buffered), so that it
+// sees the bytes the parser holds back (check_line_endings in http_parse.h).
 //   Idle: keep-alive deadline (the first request: the head deadline, from accept);
 //   Head: head deadline, from the first byte; Body: body deadline; Processing: none (a generation
 //   may take long), but every write has the write deadline.
@@ -124,7 +126,11 @@ class HttpSession : public std::enable_shared_from_this<HttpSession> {
   void read_more();
   void on_read_some(const boost::system::error_code& ec, size_t n);
   void start_head();
-  void on_head(const boost::system::error_code& ec);
+  void read_request();
+  void on_request_bytes(const boost::system::error_code& ec, size_t n);
+  void parse_buffered();
+  void on_head();
+  void on_body();
   void on_parse_error(const boost::system::error_code& ec, bool in_body);
   void on_peer_eof();
   void probe_tick();
@@ -159,6 +165,8 @@ class HttpSession : public std::enable_shared_from_this<HttpSession> {
   bool peer_eof_ = false;       // the client shut down its sending side (or closed)
   bool probing_ = false;
   uint64_t probe_count_ = 0;
+  HttpRequest request_;          // the request being read (its route, once the head is in)
+  bool head_request_ = false;   // HEAD: responses carry the head only (RFC 9110 9.3.2)
   bool http11_ = true;
   bool keep_alive_ = true;
   bool chunked_ = false;
