@@ -10,7 +10,7 @@
 //   amx = 0 keeps AVX-512 machines on the vpdpbusd GEMM (what CPUs without AMX run); it changes
 //   nothing for n_tokens < 8 or where AMX is absent.
 //
-// Threads: KESTREL_BENCH_THREADS (default: all cores). SIMD level: KESTREL_SIMD. On a shared
+// Threads: --threads=N (default: all cores). SIMD level: --cpu-isa=LEVEL (bench_main.cpp). On a shared
 // machine use --benchmark_repetitions=N and read the min rows: a preempted worker thread stalls a
 // fork-join call for a whole scheduler slice.
 #include <benchmark/benchmark.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "bench_options.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 
@@ -33,10 +34,7 @@ using namespace kestrel::cpu;
 namespace {
 
 ThreadPool& pool() {
-  static ThreadPool p([] {
-    const char* e = std::getenv("KESTREL_BENCH_THREADS");
-    return e ? std::atoi(e) : 0;
-  }());
+  static ThreadPool p(kestrel::bench::g_threads);
   return p;
 }
 
@@ -83,8 +81,8 @@ class LoopTimer {
 
 // Selects the AMX switch for one benchmark and restores it afterwards.
 struct AmxChoice {
-  explicit AmxChoice(bool on) { set_amx_for_testing(on); }
-  ~AmxChoice() { set_amx_for_testing(true); }
+  explicit AmxChoice(bool on) { set_amx_enabled(on); }
+  ~AmxChoice() { set_amx_enabled(true); }
 };
 
 void BM_Matmul(benchmark::State& state) {

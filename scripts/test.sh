@@ -4,8 +4,12 @@
 # first (packages, the default model, a Python venv with numpy + gguf for the float64 reference,
 # safetensors for the Hugging Face folder checks, pytest + requests + openai + lm_eval for the server
 # tests), so it works on a fresh clone. Last, the libFuzzer targets (clang) run for a bounded time.
+# First of all, the tree rules (scripts/check_tree.sh: getenv in one file, file sizes, no work
+# history).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+scripts/check_tree.sh
 
 scripts/install_deps.sh
 scripts/fetch_model.sh

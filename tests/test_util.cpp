@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "core/env.h"
+
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -11,12 +13,12 @@
 namespace kestrel::test {
 
 std::string data_dir() {
-  if (const char* e = std::getenv("KESTREL_DATA_DIR")) return e;
+  if (auto e = env_var(EnvVar::DataDir)) return *e;
   return KESTREL_DEFAULT_DATA_DIR;
 }
 
 std::string model_dir() {
-  if (const char* e = std::getenv("KESTREL_MODEL_DIR")) return e;
+  if (auto e = env_var(EnvVar::ModelDir)) return *e;
   return KESTREL_DEFAULT_MODEL_DIR;
 }
 

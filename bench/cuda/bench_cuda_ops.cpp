@@ -3,13 +3,16 @@
 // read once, each output written once) per second for the memory-bound ops, FLOP/s for attention
 // prefill and the GEMMs. Compare with the device's ceilings (H200 here: ~4.3 TB/s copy, ~790
 // TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
-// Usage: kestrel_cuda_bench [filter-substring]
+// Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-items-per-block=K]
+//        [--attn-min-split-tiles=T] [--pdl=on|off] [filter-substring]
+// The options set the AttentionParams / launch choices the CLI's --cuda-* flags set in kestrel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -67,6 +70,7 @@ void fill(Buf& b, const std::vector<T>& v) {
 }
 
 std::string g_filter;
+int32_t g_attn_decode_stages = 0, g_attn_items_per_block = 0, g_attn_min_split_tiles = 0;
 
 // Median milliseconds of fn over 20 timed runs after 5 warm-ups.
 double time_ms(const std::function<void()>& fn) {
@@ -155,6 +159,9 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.n_seqs = static_cast<int64_t>(seqs.size());
   p.max_blocks_per_seq = max_blocks;
   p.max_context = max_context_override > 0 ? max_context_override : max_ctx;
+  p.decode_stages = g_attn_decode_stages;
+  p.split_items_per_block = g_attn_items_per_block;
+  p.split_min_tiles = g_attn_min_split_tiles;
   p.n_head = n_head;
   p.n_head_kv = n_head_kv;
   p.head_dim = d;
@@ -301,7 +308,29 @@ void bench_skinny() {
 #endif
 
 int main(int argc, char** argv) {
-  if (argc > 1) g_filter = argv[1];
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const std::string& name, int32_t lo, int32_t hi, int32_t& out) {
+      if (a.rfind(name + "=", 0) != 0) return false;
+      char* end = nullptr;
+      const long v = std::strtol(a.c_str() + name.size() + 1, &end, 10);
+      if (*end != '\0' || v < lo || v > hi) {
+        std::fprintf(stderr, "%s wants an integer in [%d, %d]\n", name.c_str(), lo, hi);
+        std::exit(2);
+      }
+      out = static_cast<int32_t>(v);
+      return true;
+    };
+    if (value("--attn-decode-stages", 0, 3, g_attn_decode_stages) ||
+        value("--attn-items-per-block", 0, 64, g_attn_items_per_block) ||
+        value("--attn-min-split-tiles", 0, 4096, g_attn_min_split_tiles))
+      continue;
+    if (a == "--pdl=on" || a == "--pdl=off") {
+      kestrel::cuda::set_pdl_enabled(a == "--pdl=on");
+      continue;
+    }
+    g_filter = a;
+  }
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
     std::printf("no CUDA device: benchmarks skipped\n");

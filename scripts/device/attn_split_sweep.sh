@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Decode attention under the split-KV plan's overrides (paged_attention.cu: KESTREL_ATTN_ITEMS_PER_BLOCK,
-# KESTREL_ATTN_MIN_SPLIT_TILES), then the GPU attention tests: the attn
+# Decode attention under the split-KV plan's overrides (kestrel_cuda_bench --attn-items-per-block,
+# --attn-min-split-tiles; AttentionParams in paged_attention.cu), then the GPU attention tests: the attn
 # stage of gpu_decode_attention.sh. Results: docs/performance.md, "H200: decode attention kernels".
 # Carry: devbin.
 set -uo pipefail

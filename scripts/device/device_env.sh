@@ -43,6 +43,8 @@ op_tests() {
   # No kernel may load the previous kernel's output before griddepcontrol.wait (pdl_audit.py).
   note "$(python3 scripts/device/pdl_audit.py $BIN/kestrel 2>&1 | tail -4 | tr '\n' ' ')"
 }
+# A configuration of a sweep: kestrel flags joined by commas, or "defaults" (none).
+cfg_flags() { [ "$1" = defaults ] || echo "${1//,/ }"; }
 # The start of a staged script: an empty summary, the GPU named, the bench binary executable.
 begin_run() {
   : > "$SUMMARY"

@@ -32,16 +32,17 @@ def main() -> int:
     ap.add_argument("--tokenizer-model", required=True, help="Llama 2 tokenizer.model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     # Sizes of the random model: the defaults keep n_in off the streaming GEMV's multiples of 2048;
-    # --hidden 2048 --intermediate 4096 (with KESTREL_STREAM_GEMV_MIN_MB=0) sends every decode
+    # --hidden 2048 --intermediate 4096 (with --cuda-stream-gemv-min-mb=0) sends every decode
     # projection but the head through it, so the greedy continuation checks it against the CPU.
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--prefill-chunk", type=int, default=int(os.environ.get("E2E_PREFILL_CHUNK", "256")),
+    ap.add_argument("--prefill-chunk", type=int, default=256,
                     help="kestrel cuda's prompt tokens per forward pass: 1 runs every position through a "
                          "one-token decode step (decode graph, decode attention: teacher-forced decode); 2 "
                          "through two-token steps (the two-row GEMVs and fused norm, prefill attention)")
-    args = ap.parse_args()
+    # Other arguments (e.g. --cuda-fused-norm=off) go to the kestrel cuda run.
+    args, cuda_flags = ap.parse_known_args()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers,
@@ -66,7 +67,7 @@ def main() -> int:
     npy = os.path.join(args.out, "kestrel_cuda_logits.npy")
     out, err = kestrel(args.kestrel, "generate", "-m", folder, "-p", prompt, "-n", "32", "--temperature", "0",
                        "--json", "--dump-logits", npy, "--device", "cuda",
-                       "--prefill-chunk", str(args.prefill_chunk))
+                       "--prefill-chunk", str(args.prefill_chunk), *cuda_flags)
     res_cuda = json.loads(out)
     print("config.json:", open(os.path.join(folder, "config.json")).read().replace("\n", " "))
     print("kestrel cuda:", " | ".join(err.strip().splitlines()))

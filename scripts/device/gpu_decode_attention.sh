@@ -20,26 +20,29 @@ if [[ $STAGES == *attn* ]]; then
     KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2 timeout 120 $BIN/kestrel_cuda_bench_itemwise \
       "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
   fi
-  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_ITEMS_PER_BLOCK=1 KESTREL_ATTN_ITEMS_PER_BLOCK=2}; do
+  for cfg in ${ATTN_CONFIGS:-defaults --attn-items-per-block=1 --attn-items-per-block=2}; do
     echo "== decode attention: $cfg"
-    env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT \
+    timeout 120 $BIN/kestrel_cuda_bench $(cfg_flags "$cfg") "attention decode" 2>&1 | grep "^attention" | grep -v SIMT \
       | tee -a "$OUT/attn_$cfg.txt"
   done
 fi
 if [[ $STAGES == *e2e* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
-  for cfg in ${B1_CONFIGS:-itemwise KESTREL_DEFAULTS=1}; do
+  for cfg in ${B1_CONFIGS:-itemwise defaults}; do
     echo "== batch-1 decode: $cfg"
-    kb="$K"; [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; cfg=KESTREL_ATTN_PERSISTENT=0,KESTREL_ATTN_ITEMS_PER_BLOCK=2; }
-    env ${cfg//,/ } timeout 200 "$kb" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
+    kb="$K"; envs=""; flags=$(cfg_flags "$cfg")
+    # The reference build read its switches from the environment.
+    [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; flags=""; envs="KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2"; }
+    env $envs timeout 200 "$kb" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 $flags 2>&1 | tail -1 \
       | tee /tmp/kestrel/b1.txt
     note "batch-1 [$cfg]: $(tail -1 /tmp/kestrel/b1.txt)"
   done
-  for cfg in ${B64_CONFIGS:-itemwise KESTREL_DEFAULTS=1}; do
+  for cfg in ${B64_CONFIGS:-itemwise defaults}; do
     echo "== batch-64 decode at 512: $cfg"
-    kb="$K"; [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; cfg=KESTREL_ATTN_PERSISTENT=0,KESTREL_ATTN_ITEMS_PER_BLOCK=2; }
-    env ${cfg//,/ } timeout 200 "$kb" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tee /tmp/kestrel/b64_full.txt | tail -1 | tee /tmp/kestrel/b64.txt
+    kb="$K"; envs=""; flags=$(cfg_flags "$cfg")
+    [ "$cfg" = itemwise ] && { kb="$K"_itemwise; chmod +x "$kb"; flags=""; envs="KESTREL_ATTN_PERSISTENT=0 KESTREL_ATTN_ITEMS_PER_BLOCK=2"; }
+    env $envs timeout 200 "$kb" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 $flags 2>&1 | tee /tmp/kestrel/b64_full.txt | tail -1 | tee /tmp/kestrel/b64.txt
     grep "gemm tune" /tmp/kestrel/b64_full.txt | grep -E "^gemm tune: (1|64) x" | head -10
     note "batch-64 [$cfg]: $(tail -1 /tmp/kestrel/b64.txt)"
   done
@@ -50,8 +53,8 @@ if [[ $STAGES == *e2e* ]]; then
 fi
 if [[ $STAGES == *profile* ]]; then
   echo "== op profile (eager, CUDA events): batch-64 decode"
-  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
-    --max-num-batched-tokens 8192 2>&1 | grep -A24 "op profile"
+  timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
+    --max-num-batched-tokens 8192 --cuda-profile-ops 2>&1 | grep -A24 "op profile"
 fi
 echo "== summary"
 cat "$SUMMARY"

@@ -30,29 +30,29 @@ fi
 if [[ $STAGES == *b1* ]]; then
   # This machine's copy rate (H200s differ by a few percent): the roofline for the figures below.
   note "copy rate: $(timeout 60 $BIN/kestrel_cuda_bench copy 2>&1 | grep '^copy' | tr -s ' ')"
-  for cfg in ${B1_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_FUSED_NORM=0}; do
+  for cfg in ${B1_CONFIGS:-defaults --cuda-fused-norm=off}; do
     echo "== batch-1 decode: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 | tee /tmp/kestrel/b1.txt
+    timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 $(cfg_flags "$cfg") 2>&1 | tail -1 | tee /tmp/kestrel/b1.txt
     note "batch-1 [$cfg]: $(tail -1 /tmp/kestrel/b1.txt)"
   done
 fi
 if [[ $STAGES == *attn* ]]; then
-  for cfg in ${ATTN_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_STAGES=2 KESTREL_ATTN_STAGES=3}; do
+  for cfg in ${ATTN_CONFIGS:-defaults --attn-decode-stages=2 --attn-decode-stages=3}; do
     echo "== decode attention: $cfg"
-    env ${cfg//,/ } timeout 120 $BIN/kestrel_cuda_bench "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
+    timeout 120 $BIN/kestrel_cuda_bench $(cfg_flags "$cfg") "attention decode" 2>&1 | grep "^attention" | grep -v SIMT
   done
 fi
 if [[ $STAGES == *b64* ]]; then
-  for cfg in ${B64_CONFIGS:-KESTREL_DEFAULTS=1 KESTREL_ATTN_STAGES=2}; do
+  for cfg in ${B64_CONFIGS:-defaults --cuda-attn-decode-stages=2}; do
     echo "== batch-64 decode at 512: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
+    timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 $(cfg_flags "$cfg") 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
     note "batch-64 [$cfg]: $(tail -1 /tmp/kestrel/b64.txt)"
   done
 fi
 if [[ $STAGES == *profile1* ]]; then
   echo "== op profile (eager, CUDA events): batch-1 decode"
-  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
+  timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 --cuda-profile-ops 2>&1 | grep -A24 "op profile"
 fi
 if [[ $STAGES == *load* ]]; then
   # Start-up of the 8B: the `ready in` line of generate with the model's files first evicted from
@@ -69,10 +69,10 @@ for name in os.listdir(sys.argv[1]):
     os.close(fd)
 PY
   }
-  for cfg in ${LOAD_CONFIGS:-KESTREL_DEFAULTS=1} warm; do
+  for cfg in ${LOAD_CONFIGS:-defaults} warm; do
+    flags=$(cfg_flags "${cfg/#warm/defaults}")
     [ "$cfg" = warm ] || evict
-    [ "$cfg" = warm ] && cfg=KESTREL_DEFAULTS=1,warm=1
-    env ${cfg//,/ } timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 2>&1 >/dev/null \
+    timeout 120 "$K" generate -m "$M8" --device cuda -p "Hello" -n 1 $flags 2>&1 >/dev/null \
       | grep -E "ready in" > /tmp/kestrel/load.txt
     note "load 8B [$cfg]: $(grep -oE 'ready in [0-9.]+ s' /tmp/kestrel/load.txt)"
   done
@@ -97,14 +97,14 @@ if [[ $STAGES == *decodecheck* ]]; then
   # Decode through the streaming GEMV (and its fused norm) against kestrel's CPU backend and the
   # float64 reference: a random Llama with n_embd 2048 and n_ff 4096 (e2e_check.py), under each of
   # DECODE_CONFIGS; the greedy line says how many of 32 tokens agree.
-  # E2E_PREFILL_CHUNK=1 makes kestrel cuda's logits of every prompt position come from one-token
+  # --prefill-chunk=1 makes kestrel cuda's logits of every prompt position come from one-token
   # decode steps (decode graph and attention): a teacher-forced check, free of greedy near-ties;
   # =2 from two-token steps (the two-row GEMVs and fused norm, with prefill attention).
-  # MIN_MB=20 streams (and fuses the norm into) gate/up alone: one residual swap per layer.
-  for cfg in ${DECODE_CONFIGS:-E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=0,KESTREL_FUSED_NORM=0 E2E_PREFILL_CHUNK=1,KESTREL_STREAM_GEMV_MIN_MB=20 E2E_PREFILL_CHUNK=2,KESTREL_STREAM_GEMV_MIN_MB=0}; do
+  # --cuda-stream-gemv-min-mb=20 streams (and fuses the norm into) gate/up alone: one residual swap per layer.
+  for cfg in ${DECODE_CONFIGS:---prefill-chunk=1,--cuda-stream-gemv=off --prefill-chunk=1,--cuda-stream-gemv-min-mb=0 --prefill-chunk=1,--cuda-stream-gemv-min-mb=0,--cuda-fused-norm=off --prefill-chunk=1,--cuda-stream-gemv-min-mb=20 --prefill-chunk=2,--cuda-stream-gemv-min-mb=0}; do
     echo "== decode check: $cfg"
-    env ${cfg//,/ } timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
-      --hidden 2048 --intermediate 4096 --layers 4 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|check:|RESULT|Error|error" | tee /tmp/kestrel/dc.txt
+    timeout 300 python3 scripts/device/e2e_check.py --kestrel "$K" --tokenizer-model $BIN/tokenizer.model \
+      --hidden 2048 --intermediate 4096 --layers 4 $(cfg_flags "$cfg") 2>&1 | grep -E "greedy|argmax agreement|rel L2 error|vs kestrel cpu|check:|RESULT|Error|error" | tee /tmp/kestrel/dc.txt
     note "decode check [$cfg]: $(grep -E 'vs kestrel cpu|RESULT' /tmp/kestrel/dc.txt | tr '\n' ' ')"
   done
 fi
@@ -127,9 +127,9 @@ if [[ $STAGES == *skinny* ]]; then
     | grep -E "M=(1|2|8) "
 fi
 if [[ $STAGES == *offline* ]]; then
-  for cfg in ${OFFLINE_CONFIGS:-KESTREL_DEFAULTS=1}; do
+  for cfg in ${OFFLINE_CONFIGS:-defaults}; do
     echo "== offline 1000 x (1000 + 1000): $cfg"
-    env ${cfg//,/ } MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/gpu_offline_batch.sh 2>&1 | tail -4 | tee /tmp/kestrel/off.txt
+    KESTREL_FLAGS="$(cfg_flags "$cfg")" MAX_SEQS="${MAX_SEQS:-400}" bash scripts/device/gpu_offline_batch.sh 2>&1 | tail -4 | tee /tmp/kestrel/off.txt
     note "offline [$cfg]: $(grep -i "tok/s" /tmp/kestrel/off.txt | tail -1)"
   done
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # offline throughput through batch mode, 1,000 requests of 1,000
 # random prompt ids and 1,000 output tokens (EOS ignored, greedy) on the 8B-shaped model.
+# KESTREL_FLAGS: more kestrel flags for the run (e.g. --cuda-gemm-tune=off).
 set -uo pipefail
 source scripts/device/device_env.sh
 N="${N:-1000}"
@@ -16,7 +17,7 @@ PY
 echo "== kestrel batch: $N x (1000 in, 1000 out)"
 timeout 540 "$K" batch -m "$M8" --device cuda -i /tmp/kestrel/offline.jsonl -o /tmp/kestrel/offline_out.jsonl \
   --stats-json /tmp/kestrel/offline_stats.json --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens 8192 \
-  --max-model-len 2048 2>&1 | tail -12
+  --max-model-len 2048 ${KESTREL_FLAGS:-} 2>&1 | tail -12
 python3 - <<'PY' | tee -a "$SUMMARY"
 import json
 s = json.load(open("/tmp/kestrel/offline_stats.json"))

@@ -17,17 +17,17 @@ if [[ $STAGES == *micro* ]]; then
 fi
 if [[ $STAGES == *e2e* ]]; then
   [ -f "$M8/config.json" ] || python3 scripts/device/make_llama8b.py "$M8"
-  # Each configuration is a set of environment variables (KESTREL_SKINNY_MAX_TOKENS, KESTREL_PDL).
-  for cfg in ${B1_CONFIGS:-KESTREL_SKINNY_MAX_TOKENS=0,KESTREL_PDL=0,KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
+  # Each configuration is a comma-separated list of kestrel flags (defaults: none).
+  for cfg in ${B1_CONFIGS:---cuda-skinny-max-tokens=0,--cuda-pdl=off,--cuda-gemm-tune=off defaults}; do
     echo "== batch-1 decode: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 2>&1 | tail -1 \
+    timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 256 -r 3 $(cfg_flags "$cfg") 2>&1 | tail -1 \
       | tee /tmp/kestrel/b1.txt
     note "batch-1 [$cfg]: $(tail -1 /tmp/kestrel/b1.txt)"
   done
-  for cfg in ${B64_CONFIGS:-KESTREL_GEMM_TUNE=0 KESTREL_DEFAULTS=1}; do
+  for cfg in ${B64_CONFIGS:---cuda-gemm-tune=off defaults}; do
     echo "== batch-64 decode at 512: $cfg"
-    env ${cfg//,/ } timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
-      --max-num-batched-tokens 8192 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
+    timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 128 -r 2 \
+      --max-num-batched-tokens 8192 $(cfg_flags "$cfg") 2>&1 | tail -1 | tee /tmp/kestrel/b64.txt
     note "batch-64 [$cfg]: $(tail -1 /tmp/kestrel/b64.txt)"
   done
   echo "== prefill 8 x 2048"
@@ -39,9 +39,9 @@ if [[ $STAGES == *e2e* ]]; then
   note "load 8B (warm page cache): $(grep -oE 'ready in [0-9.]+ s' /tmp/kestrel/load.txt)"
   [[ $STAGES == *profile* ]] || { echo "== summary"; cat "$SUMMARY"; exit 0; }
   echo "== op profile (eager, CUDA events): batch-1 and batch-64 decode, skinny at the default"
-  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 2>&1 | grep -A24 "op profile"
-  KESTREL_PROFILE_OPS=1 timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
-    --max-num-batched-tokens 8192 2>&1 | grep -A24 "op profile"
+  timeout 200 "$K" bench -m "$M8" --device cuda -p 128 -n 64 -r 1 --cuda-profile-ops 2>&1 | grep -A24 "op profile"
+  timeout 200 "$K" bench -m "$M8" --device cuda --parallel 64 -p 512 -n 64 -r 1 \
+    --max-num-batched-tokens 8192 --cuda-profile-ops 2>&1 | grep -A24 "op profile"
 fi
 echo "== summary"
 cat "$SUMMARY"

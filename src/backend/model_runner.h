@@ -15,6 +15,25 @@
 
 namespace kestrel {
 
+// The CUDA backend's kernel choices, switchable for measuring one against another. The defaults
+// are the fastest measured on an H200 (docs/performance.md); the CLI's --cuda-* flags set them
+// (tools/kestrel/common.cpp, DeviceFlags, which validates them).
+struct CudaTuning {
+  bool stream_gemv = true;           // streaming GEMV for one- and two-token projections
+  int stream_gemv_stages = 0;        // its pipeline depth: 0 = the kernel's default (4), else 3, 4 or 6
+  int64_t stream_gemv_min_mb = 40;   // weights smaller than this (MiB of bf16) keep the skinny GEMM
+  bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
+  bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
+  int64_t skinny_max_tokens = 8;     // token counts up to which the skinny GEMM runs; 0 = never
+  bool gemm_tune = true;             // time cuBLASLt's candidates per decode batch size
+  bool gemm_split_k = true;          // split-K variants among the timed candidates
+  bool pdl = true;                   // programmatic dependent launch between kernels
+  int attn_decode_stages = 0;        // decode attention K/V stages: 0 = by batch, else 2 or 3
+  int64_t attn_items_per_block = 0;  // decode attention splits: 0 = the measured rule, else k
+  int64_t attn_min_split_tiles = 0;  // KV tiles per split at least: 0 = the measured rule
+  bool profile_ops = false;          // time every op (eager: no graphs), print per-op totals and tuning picks
+};
+
 struct RunnerOptions {
   int32_t block_size = 16;          // tokens per KV block
   int32_t n_kv_blocks = 0;          // blocks in the KV pool; 0 = the backend sizes it (CUDA: from free memory)
@@ -23,6 +42,7 @@ struct RunnerOptions {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of the device's memory weights + KV may use
   bool enforce_eager = false;       // CUDA: never replay decode steps from captured CUDA graphs
   bool populate_kv = false;         // CPU: make the whole KV pool resident at start (KvCache's populate)
+  CudaTuning cuda;                  // CUDA: kernel choices
 };
 
 // What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,

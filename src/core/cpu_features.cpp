@@ -1,7 +1,7 @@
 #include "core/cpu_features.h"
 
-#include <cstdlib>
-#include <cstring>
+#include <algorithm>
+#include <atomic>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -44,13 +44,6 @@ SimdLevel detect_level() {
   if (f.avx2 && f.fma && f.f16c) level = SimdLevel::Avx2;
   if (level == SimdLevel::Avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni)
     level = SimdLevel::Avx512;
-  if (const char* env = std::getenv("KESTREL_SIMD")) {
-    SimdLevel cap = level;
-    if (std::strcmp(env, "scalar") == 0) cap = SimdLevel::Scalar;
-    else if (std::strcmp(env, "avx2") == 0) cap = SimdLevel::Avx2;
-    else if (std::strcmp(env, "avx512") == 0) cap = SimdLevel::Avx512;
-    if (cap < level) level = cap;
-  }
   return level;
 }
 
@@ -61,9 +54,26 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-SimdLevel simd_level() {
+namespace {
+std::atomic<int> g_simd_cap{static_cast<int>(SimdLevel::Avx512)};
+}  // namespace
+
+SimdLevel detected_simd_level() {
   static const SimdLevel level = detect_level();
   return level;
+}
+
+SimdLevel simd_level() {
+  return std::min(detected_simd_level(), static_cast<SimdLevel>(g_simd_cap.load(std::memory_order_relaxed)));
+}
+
+void set_simd_level_cap(SimdLevel cap) { g_simd_cap.store(static_cast<int>(cap), std::memory_order_relaxed); }
+
+std::optional<SimdLevel> parse_simd_level(std::string_view name) {
+  if (name == "scalar") return SimdLevel::Scalar;
+  if (name == "avx2") return SimdLevel::Avx2;
+  if (name == "avx512") return SimdLevel::Avx512;
+  return std::nullopt;
 }
 
 const char* simd_level_name(SimdLevel level) {

@@ -70,7 +70,7 @@ class Session {
   // Runs tokens [begin, end) of tokens_ (K/V of [0, begin) cached); returns the last row's logits,
   // or every row's when all_rows.
   std::span<const float> run(int64_t begin, int64_t end, bool all_rows);
-  // The flat batch of tokens [begin, end) (views into this session's buffers).
+  // The flat batch of tokens [begin, end) (views into the member buffers).
   ForwardBatch make_batch(int64_t begin, int64_t end, bool all_rows);
 
   const LlamaModel& model_;

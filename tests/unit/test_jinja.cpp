@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/env.h"
 #include "template/jinja.h"
 
 namespace kestrel::jinja {
@@ -53,9 +54,9 @@ RenderOptions fixed_clock() {
 // With KESTREL_JINJA_DUMP_CASES=path, every case is appended to path as a JSON line
 // {"template", "context", "expected"} for check_cases.py.
 void dump_case(const Case& c) {
-  const char* path = std::getenv("KESTREL_JINJA_DUMP_CASES");
-  if (path == nullptr) return;
-  std::ofstream out(path, std::ios::app);
+  const auto path = env_var(EnvVar::JinjaDumpCases);
+  if (!path) return;
+  std::ofstream out(*path, std::ios::app);
   nlohmann::ordered_json line;
   line["template"] = c.tmpl;
   line["context"] = nlohmann::ordered_json::parse(kContext);

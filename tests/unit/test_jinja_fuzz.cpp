@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "chat_template_sources.h"
+#include "core/env.h"
 #include "template/chat_render.h"
 #include "template/jinja.h"
 
@@ -34,7 +35,7 @@ const char* const kFragments[] = {
 };
 
 int iterations() {
-  if (const char* e = std::getenv("KESTREL_JINJA_FUZZ_ITERS")) return std::max(1, std::atoi(e));
+  if (auto e = env_var(EnvVar::JinjaFuzzIters)) return std::max(1, std::atoi(e->c_str()));
   return 400;
 }
 

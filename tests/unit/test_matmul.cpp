@@ -42,7 +42,7 @@ struct KernelPath {
   std::string name() const { return std::string(simd_level_name(level)) + (amx ? "+amx" : ""); }
   void select() const {
     set_simd_level_for_testing(level);
-    set_amx_for_testing(amx);
+    set_amx_enabled(amx);
   }
 };
 
@@ -50,7 +50,7 @@ struct KernelPath {
 struct PathGuard {
   ~PathGuard() {
     set_simd_level_for_testing(SimdLevel::Avx512);
-    set_amx_for_testing(true);
+    set_amx_enabled(true);
   }
 };
 
@@ -59,7 +59,7 @@ std::vector<KernelPath> available_paths() {
   std::vector<KernelPath> paths;
   for (SimdLevel l : {SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512})
     if (l <= simd_level()) paths.push_back({l, false});
-  set_amx_for_testing(true);
+  set_amx_enabled(true);
   if (matmul_uses_amx()) paths.push_back({SimdLevel::Avx512, true});
   return paths;
 }

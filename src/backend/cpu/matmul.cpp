@@ -16,18 +16,9 @@
 namespace kestrel::cpu {
 namespace {
 
-// Test hooks (set_simd_level_for_testing, set_amx_for_testing); read on every call so a test can
-// switch paths.
+// set_simd_level_for_testing and set_amx_enabled; read on every call so a test can switch paths.
 std::atomic<int> g_level_cap{static_cast<int>(SimdLevel::Avx512)};
 std::atomic<bool> g_amx_on{true};
-
-bool amx_env_allows() {
-  static const bool allowed = [] {
-    const char* e = std::getenv("KESTREL_AMX");
-    return e == nullptr || std::string(e) != "0";
-  }();
-  return allowed;
-}
 
 const detail::MatmulKernels& active_kernels() {
 #if defined(__x86_64__)
@@ -63,10 +54,10 @@ uint8_t* MatmulWorkspace::reserve(size_t n_bytes) {
 }
 
 namespace detail {
-bool amx_allowed() { return g_amx_on.load(std::memory_order_relaxed) && amx_env_allows(); }
+bool amx_allowed() { return g_amx_on.load(std::memory_order_relaxed); }
 }  // namespace detail
 
-void set_amx_for_testing(bool enabled) { g_amx_on.store(enabled, std::memory_order_relaxed); }
+void set_amx_enabled(bool enabled) { g_amx_on.store(enabled, std::memory_order_relaxed); }
 
 bool matmul_uses_amx() {
 #if defined(__x86_64__)

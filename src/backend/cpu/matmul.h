@@ -96,7 +96,7 @@ void dequantize_row(GgmlType type, const uint8_t* src, float* dst, int64_t n);
 // sum_i a[i] * b[i] in f32 (SIMD partial sums, so the rounding differs from a serial loop).
 float vec_dot_f32(const float* a, const float* b, int64_t n);
 
-// The SIMD level the kernels use: simd_level() (detected, capped by KESTREL_SIMD), further capped
+// The SIMD level the kernels use: simd_level() (detected, capped by --cpu-isa), further capped
 // by set_simd_level_for_testing().
 SimdLevel matmul_simd_level();
 
@@ -106,11 +106,12 @@ SimdLevel matmul_simd_level();
 void set_simd_level_for_testing(SimdLevel level);
 
 // True when calls with many tokens (prefill) run on AMX tiles: AVX-512 level, a CPU with
-// AMX-INT8 whose OS grants the tile state, and neither KESTREL_AMX=0 nor
-// set_amx_for_testing(false). Only Q4_0 / Q4_1 / Q8_0 weights use it.
+// AMX-INT8 whose OS grants the tile state, and AMX not switched off by set_amx_enabled(false).
+// Only Q4_0 / Q4_1 / Q8_0 weights use it.
 bool matmul_uses_amx();
-// Test hook like set_simd_level_for_testing: false keeps the AVX-512 kernels off AMX.
-void set_amx_for_testing(bool enabled);
+// false keeps the AVX-512 kernels off AMX (the CLI's --no-amx; tests and benchmarks compare the
+// paths). Not meant to change while another thread runs a kernel.
+void set_amx_enabled(bool enabled);
 
 }  // namespace cpu
 }  // namespace kestrel

@@ -46,7 +46,7 @@ struct MatmulKernels {
   int64_t (*row_tile)(GgmlType type, int64_t n_tokens);
 };
 
-// False when AMX is switched off (KESTREL_AMX=0 or set_amx_for_testing(false)); the AVX-512
+// False when AMX is switched off (set_amx_enabled(false)); the AVX-512
 // kernels then keep to vpdpbusd even on AMX hardware.
 bool amx_allowed();
 

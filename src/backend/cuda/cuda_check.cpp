@@ -1,6 +1,6 @@
 #include "backend/cuda/cuda_check.h"
 
-#include <cstdlib>
+#include <atomic>
 #include <string>
 
 namespace kestrel::cuda {
@@ -10,12 +10,11 @@ void cuda_fail(cudaError_t err, const char* expr, const char* file, int line) {
               expr + " at " + file + ":" + std::to_string(line));
 }
 
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("KESTREL_PDL");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return on;
-}
+namespace {
+std::atomic<bool> g_pdl{true};
+}  // namespace
+
+bool pdl_enabled() { return g_pdl.load(std::memory_order_relaxed); }
+void set_pdl_enabled(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
 
 }  // namespace kestrel::cuda

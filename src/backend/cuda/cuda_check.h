@@ -11,9 +11,10 @@ namespace kestrel::cuda {
 [[noreturn]] void cuda_fail(cudaError_t err, const char* expr, const char* file, int line);
 
 // Whether kernels are launched with programmatic dependent launch (PDL, sm_90: the next kernel of
-// the stream may start while this one drains; device_common.cuh). On unless the environment sets
-// KESTREL_PDL=0; read once.
+// the stream may start while this one drains; device_common.cuh). On unless set_pdl_enabled(false)
+// (CudaTuning::pdl, set by the runner before its first launch).
 bool pdl_enabled();
+void set_pdl_enabled(bool on);
 
 }  // namespace kestrel::cuda
 

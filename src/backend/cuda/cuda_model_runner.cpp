@@ -135,35 +135,24 @@ class CudaModelRunner final : public ModelRunner {
     KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     device_name_ = prop.name;
     gemm_ = std::make_unique<cuda::Gemm>();
-    if (const char* env = std::getenv("KESTREL_SKINNY_MAX_TOKENS"); env != nullptr)
-      skinny_max_tokens_ = std::clamp<int64_t>(std::atoll(env), 0, cuda::kSkinnyMaxTokens);
-    if (const char* env = std::getenv("KESTREL_GEMM_TUNE"); env != nullptr && std::string(env) == "0")
-      tune_gemms_ = false;
-    if (const char* env = std::getenv("KESTREL_STREAM_GEMV"); env != nullptr && std::string(env) == "0")
-      stream_gemv_ = false;
-    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_STAGES"); env != nullptr) {
-      stream_gemv_stages_ = std::atoi(env);
-      if (stream_gemv_stages_ != 3 && stream_gemv_stages_ != 4 && stream_gemv_stages_ != 6)
-        throw Error(std::string("KESTREL_STREAM_GEMV_STAGES=") + env + ": 3, 4 or 6");
-    }
-    if (const char* env = std::getenv("KESTREL_FUSED_NORM"); env != nullptr) {
-      if (std::string(env) != "0" && std::string(env) != "1")
-        throw Error(std::string("KESTREL_FUSED_NORM=") + env + ": 0 or 1");
-      fused_norm_ = std::string(env) == "1";
-    }
-    auto env_count = [](const char* name, int64_t hi) -> std::optional<int64_t> {
-      const char* env = std::getenv(name);
-      if (env == nullptr) return std::nullopt;
-      char* end = nullptr;
-      const long long v = std::strtoll(env, &end, 10);
-      if (end == env || *end != '\0' || v < 0 || v > hi)
-        throw Error(std::string(name) + "=" + env + ": an integer in [0, " + std::to_string(hi) + "]");
-      return v;
-    };
-    if (auto v = env_count("KESTREL_ATTN_FUSED_ROPE", 1)) fused_rope_ = *v == 1;
-    if (const char* env = std::getenv("KESTREL_STREAM_GEMV_MIN_MB"); env != nullptr)
-      stream_gemv_min_elems_ = (std::clamp<int64_t>(std::atoll(env), 0, int64_t{1} << 20) << 20) / 2;
-    if (const char* env = std::getenv("KESTREL_PROFILE_OPS"); env != nullptr && std::string(env) == "1") {
+    const CudaTuning& t = o.cuda;
+    if (t.stream_gemv_stages != 0 && t.stream_gemv_stages != 3 && t.stream_gemv_stages != 4 && t.stream_gemv_stages != 6)
+      throw Error("CUDA stream GEMV stages " + std::to_string(t.stream_gemv_stages) + ": 0 (default), 3, 4 or 6");
+    if (t.attn_decode_stages != 0 && t.attn_decode_stages != 2 && t.attn_decode_stages != 3)
+      throw Error("CUDA decode attention stages " + std::to_string(t.attn_decode_stages) + ": 0 (by batch), 2 or 3");
+    skinny_max_tokens_ = std::clamp<int64_t>(t.skinny_max_tokens, 0, cuda::kSkinnyMaxTokens);
+    tune_gemms_ = t.gemm_tune;
+    gemm_split_k_ = t.gemm_split_k;
+    stream_gemv_ = t.stream_gemv;
+    stream_gemv_stages_ = t.stream_gemv_stages;
+    fused_norm_ = t.fused_norm;
+    fused_rope_ = t.fused_rope;
+    stream_gemv_min_elems_ = (std::clamp<int64_t>(t.stream_gemv_min_mb, 0, int64_t{1} << 20) << 20) / 2;
+    attn_decode_stages_ = t.attn_decode_stages;
+    attn_items_per_block_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_items_per_block, 0, 1 << 20));
+    attn_min_split_tiles_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_min_split_tiles, 0, 1 << 20));
+    cuda::set_pdl_enabled(t.pdl);
+    if (t.profile_ops) {
       prof_ = std::make_unique<cuda::OpProfiler>(stream_);
       eager_ = true;  // events between the ops of every pass, no graphs
     }
@@ -216,7 +205,7 @@ class CudaModelRunner final : public ModelRunner {
   }
   // Whether linear() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
   // most 256 rows per SM, weights of 40 MiB or more: the 8B's QKV, gate/up and down projections;
-  // KESTREL_STREAM_GEMV=0: never).
+  // CudaTuning::stream_gemv off: never).
   bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
     return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
            cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
@@ -233,35 +222,39 @@ class CudaModelRunner final : public ModelRunner {
   std::string device_name_;
   std::unique_ptr<cuda::Gemm> gemm_;
   // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
-  // H200 measurements in docs/performance.md; KESTREL_SKINNY_MAX_TOKENS overrides, 0 = never).
+  // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
   // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
-  // (one or two tokens), alternating residual_ and residual_alt_ (KESTREL_FUSED_NORM=0: off).
+  // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
   bool fused_norm_ = true;
-  // 0: the kernel's default, 4 (KESTREL_STREAM_GEMV_STAGES=3|4|6; 3: 196.8 against 227.4 tok/s). Six stages for gate/up and down
-  // alone were faster back to back (54.6 against 56.6 us, 27.6 against 28.1) but not in decode:
-  // H200, the 8B at batch 1, 232.8 tok/s against 235.0 with four (docs/performance.md).
+  // 0: the kernel's default, 4 (CudaTuning::stream_gemv_stages 3, 4 or 6; 3: 196.8 against 227.4
+  // tok/s). Six stages for gate/up and down alone were faster back to back (54.6 against 56.6 us,
+  // 27.6 against 28.1) but not in decode: H200, the 8B at batch 1, 232.8 tok/s against 235.0 with
+  // four (docs/performance.md).
   int stream_gemv_stages_ = 0;
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
-  // (AttentionParams::rope; KESTREL_ATTN_FUSED_ROPE=0: the rope_write_kv kernel).
+  // (AttentionParams::rope; CudaTuning::fused_rope off: the rope_write_kv kernel).
   bool fused_rope_ = true;
-  // Weights under 40 MiB keep the skinny GEMM (KESTREL_STREAM_GEMV_MIN_MB): H200, one token, back to
-  // back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
+  // Weights under 40 MiB keep the skinny GEMM (CudaTuning::stream_gemv_min_mb): H200, one token,
+  // back to back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
   // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md,
   // "H200: projections at one token").
   int64_t stream_gemv_min_elems_ = (int64_t{40} << 20) / 2;
   static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
-  // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; KESTREL_GEMM_TUNE=0: none).
+  // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; CudaTuning::gemm_tune).
   bool tune_gemms_ = true;
   // Tuned only up to 64 rows: there it gained 1-2% (batch-64 decode, H200), while tuning the
   // larger, compute-bound decode batches of an offline run cost 7% of its throughput
   // (docs/performance.md): timed alone, the winners did worse inside the real step.
   static constexpr int64_t kTuneMaxTokens = 64;
   std::set<int64_t> tuned_sizes_;
+  bool gemm_split_k_ = true;  // split-K variants among the tuned candidates
+  // AttentionParams::decode_stages, split_items_per_block, split_min_tiles (CudaTuning).
+  int32_t attn_decode_stages_ = 0, attn_items_per_block_ = 0, attn_min_split_tiles_ = 0;
   void tune_gemms(int64_t n);
-  std::unique_ptr<cuda::OpProfiler> prof_;  // KESTREL_PROFILE_OPS=1 (op_profiler.h)
+  std::unique_ptr<cuda::OpProfiler> prof_;  // CudaTuning::profile_ops (op_profiler.h)
   void mark(const char* op) {
     if (prof_ != nullptr) prof_->mark(op);
   }
@@ -406,6 +399,9 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.scale = 1.0f / std::sqrt(static_cast<float>(hp_.head_dim));
   ap.workspace = workspace_.as<void>();
   ap.workspace_bytes = workspace_.bytes();
+  ap.decode_stages = attn_decode_stages_;
+  ap.split_items_per_block = attn_items_per_block_;
+  ap.split_min_tiles = attn_min_split_tiles_;
   return ap;
 }
 
@@ -505,7 +501,7 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
 
 // The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates and their
 // split-K variants are timed over all layers' weights (Gemm::tune) and the fastest kept (+1.1% at
-// batch 64 on the H200 with the heuristic's alone). KESTREL_GEMM_TUNE_LOG=1 prints the picks.
+// batch 64 on the H200 with the heuristic's alone). With CudaTuning::profile_ops the picks are printed.
 // Scratch inputs and outputs are the activation buffers (sized for n by reserve_activations);
 // their contents do not matter.
 void CudaModelRunner::tune_gemms(int64_t n) {
@@ -514,9 +510,8 @@ void CudaModelRunner::tune_gemms(int64_t n) {
                   int64_t n_out) {
     if (uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;
     const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
-                                 n, n_in, n_out, stream_);
-    static const bool log = std::getenv("KESTREL_GEMM_TUNE_LOG") != nullptr;
-    if (log)
+                                 n, n_in, n_out, stream_, gemm_split_k_);
+    if (prof_ != nullptr)
       std::fprintf(stderr, "gemm tune: %lld x %lld -> %lld: candidate %d\n", static_cast<long long>(n),
                    static_cast<long long>(n_in), static_cast<long long>(n_out), pick);
   };

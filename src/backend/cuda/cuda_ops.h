@@ -107,8 +107,10 @@ struct AttentionParams {
   size_t workspace_bytes;
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
-                              // tiles load while one is computed); 0 = KESTREL_ATTN_STAGES, else
-                              // chosen by the number of decode items (paged_attention.cu)
+                              // tiles load while one is computed); 0 = chosen by the number of
+                              // decode items (paged_attention.cu)
+  int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
+  int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
   // Fused RoPE + KV write (attention_supports_fused_rope(head_dim), decode-only passes:
   // max_query_len == 1): instead of rope_write_kv_fused before the call, q is read un-rotated from
   // rope.qkv (ignoring q) and rotated in the kernel, and each token's k (rotated) and v are

@@ -149,15 +149,6 @@ size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
 
 namespace {
 
-// KESTREL_GEMM_SPLITK=0 leaves the split-K variants out of the tuning (for A/B measurements).
-bool split_k_tuning_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("KESTREL_GEMM_SPLITK");
-    return e == nullptr || std::string(e) != "0";
-  }();
-  return v;
-}
-
 // The split-K variants (2, 4 and 8 slices of n_in, at least 256 deep each) of the candidates that
 // support it and do not split already, reduced in f32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
 // partial sums in the workspace, then one reduction; not the bf16 in-place or output-type sums),
@@ -204,11 +195,11 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
 }  // namespace
 
 int Gemm::tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmOutput out, int64_t n_tokens,
-               int64_t n_in, int64_t n_out, cudaStream_t stream) {
+               int64_t n_in, int64_t n_out, cudaStream_t stream, bool split_k) {
   if (n_ws == 0) throw Error("gemm tune: no weight matrices");
   run(x, ws[0], y, out, n_tokens, n_in, n_out, stream);  // validates the arguments, creates the plan
   GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
-  if (!p.split_k_added && split_k_tuning_enabled()) {
+  if (!p.split_k_added && split_k) {
     const auto extra = split_k_variants(impl_->handle, p, n_in, impl_->workspace_bytes);
     p.candidates.insert(p.candidates.end(), extra.begin(), extra.end());
   }

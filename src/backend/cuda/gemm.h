@@ -40,13 +40,13 @@ class Gemm {
   // matrix of `ws` in turn (all [n_out, n_in]; pass a model's layers, so the weights stream from
   // device memory as in a forward pass instead of sitting in L2), and makes the fastest the one
   // run() uses for the shape. The heuristic's first choice is kept unless another is faster by more
-  // than 3%. The candidates include split-K variants (f32 reduction) of those that support it,
-  // unless KESTREL_GEMM_SPLITK=0. Enqueues on stream and synchronises it; x and y as in run()
-  // (their contents are not read for the result). Returns the chosen candidate's index (0 = the
+  // than 3%. With split_k, the candidates include split-K variants (f32 reduction) of those that
+  // support it. Enqueues on stream and synchronises it; x and y as in run() (their contents are
+  // not read for the result). Returns the chosen candidate's index (0 = the
   // heuristic's first choice; past the heuristic's list, a split-K variant). Errors: as run().
   static constexpr int kTuneCandidates = 8;
   int tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmOutput out, int64_t n_tokens,
-           int64_t n_in, int64_t n_out, cudaStream_t stream);
+           int64_t n_in, int64_t n_out, cudaStream_t stream, bool split_k = true);
 
   size_t cached_shapes() const;
 

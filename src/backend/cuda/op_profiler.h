@@ -1,5 +1,5 @@
 // Per-op GPU time of the CUDA runner's forward passes, for finding where a step's time goes on a
-// device without nsys: CUDA events recorded on the stream between ops (KESTREL_PROFILE_OPS=1;
+// device without nsys: CUDA events recorded on the stream between ops (--cuda-profile-ops;
 // decode steps then run eagerly, not from graphs). Each mark(name) attributes the GPU time since
 // the previous mark to `name`; collect() reads the pass's events after the stream has been
 // synchronised; the destructor prints the totals per op to stderr: milliseconds, share of the

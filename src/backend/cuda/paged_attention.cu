@@ -32,18 +32,12 @@ namespace {
 // k = 1 / 2 / 4:
 // 64 x 576 keys 58.7 / 61.4 / 71.2 us (1 / 2 / 4 splits); 64 x 2048 175.0 / 156.2 / 166.5 us;
 // 1 x 32768 95.8 / 131 / 223 us; 1 x 228 (graph bound 512) 14.2 / 13.8 / 14.1 us; 256 x 1024 and
-// 400 x 1000-2000 unsplit either way. KESTREL_ATTN_ITEMS_PER_BLOCK=k and
-// KESTREL_ATTN_MIN_SPLIT_TILES=t replace the rule by ceil(k x resident / items) with t tiles per
-// split at least (for sweeps: scripts/device/gpu_decode_attention.sh), read once.
-int64_t env_or(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return fallback;
-  const long long x = std::atoll(v);
-  return x > 0 ? x : fallback;
-}
-int64_t split_count(int64_t items, int64_t resident, int64_t max_tiles) {
-  static const int64_t forced_k = env_or("KESTREL_ATTN_ITEMS_PER_BLOCK", 0);
-  static const int64_t forced_t = env_or("KESTREL_ATTN_MIN_SPLIT_TILES", 0);
+// 400 x 1000-2000 unsplit either way. p.split_items_per_block = k and p.split_min_tiles = t
+// replace the rule by ceil(k x resident / items) with t tiles per split at least (for sweeps:
+// scripts/device/gpu_decode_attention.sh).
+int64_t split_count(const AttentionParams& p, int64_t items, int64_t resident, int64_t max_tiles) {
+  const int64_t forced_k = std::max<int64_t>(p.split_items_per_block, 0);
+  const int64_t forced_t = std::max<int64_t>(p.split_min_tiles, 0);
   if (items <= 0) return 1;
   const bool sparse = 2 * items < resident;
   const int64_t k = forced_k > 0 ? forced_k : (sparse ? 1 : 2);
@@ -119,16 +113,14 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages) {
   return n;
 }
 
-// K/V stages of the tensor-core decode kernel: p.decode_stages, else KESTREL_ATTN_STAGES, else by
-// the item count. Three stages (two 32 KB tiles loading while one is computed, 2 blocks per SM at
+// K/V stages of the tensor-core decode kernel: p.decode_stages, else by the item count. Three stages (two 32 KB tiles loading while one is computed, 2 blocks per SM at
 // d128) against two (3 blocks per SM), H200 op benchmark, 32/8 heads, d128 (docs/performance.md,
 // "H200: decode attention kernels"): 64 x 576 keys 49.9 against 58.8 us, 1 x 32768 66.1
 // against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and
 // 400 x 1000-2000 keys 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
 // kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
-  static const int32_t from_env = static_cast<int32_t>(env_or("KESTREL_ATTN_STAGES", 0));
-  const int32_t s = p.decode_stages > 0 ? p.decode_stages : from_env;
+  const int32_t s = p.decode_stages;
   if (s == 0) return items <= 2 * decode_resident_blocks(p.head_dim, 2) ? 3 : 2;
   if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
   return s;
@@ -169,7 +161,7 @@ Plan make_plan(const AttentionParams& p) {
   const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
   plan.decode_stages = decode_stages(p, items);
-  const int64_t splits = split_count(items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
+  const int64_t splits = split_count(p, items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
   plan.n_splits = static_cast<int32_t>(splits);
 
   size_t at = 0;
