@@ -1,10 +1,15 @@
 #include "server/http_api.h"
 
+#include <malloc.h>
+
+#include <algorithm>
+#include <atomic>
 #include <ctime>
 
 #include "chat_prompt.h"
 #include "server/http_generate.h"
 #include "server/openai_api.h"
+#include "server/work_pool.h"
 
 namespace kestrel::cli {
 
@@ -137,12 +142,57 @@ HttpResponse tokenizer_info(const ApiState& api) {
   });
 }
 
+// Bodies above this size leave freed memory that glibc keeps; it is handed back once answered.
+constexpr size_t kTrimAbove = size_t{1} << 20;
+
+// A request whose answer is computed on a WorkPool thread (tokenizing megabytes takes seconds): the
+// connection keeps its place (pipelined requests wait), and a client that leaves first skips it.
+struct OffloadedRequest : RequestHandler {
+  std::atomic<bool> cancelled{false};
+  void cancel() override { cancelled = true; }
+};
+
+template <class Answer>
+void answer_off_loop(const std::shared_ptr<HttpSession>& session, std::string body, Answer answer) {
+  auto pending = std::make_shared<OffloadedRequest>();
+  session->attach(pending);
+  WorkPool::of(session->executor())
+      .run(
+          session->executor(),
+          [pending, body = std::move(body), answer = std::move(answer)]() mutable {
+            HttpResponse r;
+            if (pending->cancelled) return r;
+            try {
+              r = answer(body);
+            } catch (const std::exception& e) {  // not expected (bad_alloc): still an answer
+              r.status = 500;
+              r.body = dump(error_body(std::string("internal error: ") + e.what(), "server_error"));
+            }
+            if (body.size() > kTrimAbove) {
+              std::string().swap(body);
+              malloc_trim(0);
+            }
+            return r;
+          },
+          [weak = std::weak_ptr<HttpSession>(session), pending](HttpResponse r) {
+            if (auto s = weak.lock(); s && !pending->cancelled) s->respond(std::move(r));
+          });
+}
+
+size_t longest_token(const Tokenizer& tok) {
+  size_t n = 4;
+  for (int32_t id = 0; id < tok.n_vocab(); ++id)
+    n = std::max({n, tok.token(id).text.size(), tok.token_to_piece(id).size()});
+  return n;
+}
+
 }  // namespace
 
 ApiState::ApiState(std::string name, const PromptFormat& f, int64_t len, EngineLoop& l, ServerMetrics& m)
     : served_model_name(std::move(name)),
       format(f),
       max_model_len(len),
+      max_token_bytes(longest_token(*f.tokenizer)),
       loop(l),
       metrics(m),
       started(std::time(nullptr)),
@@ -157,9 +207,9 @@ void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, 
   try {
     switch (req.route) {
       case Route::Completions:
-        return start_generation(api, session, req.body, RequestApi::Completions);
+        return start_generation(api, session, std::move(req.body), RequestApi::Completions);
       case Route::ChatCompletions:
-        return start_generation(api, session, req.body, RequestApi::Chat);
+        return start_generation(api, session, std::move(req.body), RequestApi::Chat);
       case Route::Models:
         return session->respond(json_response(models_json(api)));
       case Route::Model:
@@ -181,9 +231,11 @@ void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, 
         return session->respond(std::move(r));
       }
       case Route::Tokenize:
-        return session->respond(tokenize(api, req.body));
+        return answer_off_loop(session, std::move(req.body),
+                               [&api](const std::string& b) { return tokenize(api, b); });
       case Route::Detokenize:
-        return session->respond(detokenize(api, req.body));
+        return answer_off_loop(session, std::move(req.body),
+                               [&api](const std::string& b) { return detokenize(api, b); });
       case Route::TokenizerInfo:
         return session->respond(tokenizer_info(api));
     }

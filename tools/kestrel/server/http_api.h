@@ -2,7 +2,10 @@
 // the connection's strand): the OpenAI endpoints (/v1/completions and /v1/chat/completions in
 // http_generate.h; /v1/models), vLLM's tokenizer endpoints (/tokenize, /detokenize,
 // /tokenizer_info), /health and /metrics. Nothing here waits: generations answer as the engine's
-// outputs arrive, /health and /metrics read the engine thread's snapshot.
+// outputs arrive, /health and /metrics read the engine thread's snapshot, and what costs CPU time
+// in proportion to the body (parsing, templating, tokenizing, detokenizing: the generation routes,
+// /tokenize, /detokenize) runs on a WorkPool thread (work_pool.h), so the event-loop threads
+// answer other connections meanwhile.
 #pragma once
 
 #include <atomic>
@@ -26,6 +29,13 @@ struct ApiState {
   std::string served_model_name;  // what /v1/models lists and `model` must match
   const PromptFormat& format;
   int64_t max_model_len;  // the engine's context per sequence
+  // The most bytes of input text one token of Tokenizer::encode stands for: the longest
+  // vocabulary text or decoded piece, and at least 4. Each token covers the input bytes its
+  // piece decodes to (byte-level BPE), or its vocabulary text (SentencePiece, whose '\u2581' a
+  // literal U+2581 in the input also matches; added tokens), or one UTF-8 character (an unknown
+  // token); U+FFFD replacement and the dummy prefix only add bytes. So text longer than
+  // max_model_len x this has more than max_model_len tokens.
+  size_t max_token_bytes;
   EngineLoop& loop;
   ServerMetrics& metrics;
   int64_t started;  // Unix seconds, /v1/models' "created"

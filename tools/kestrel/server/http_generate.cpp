@@ -2,9 +2,14 @@
 
 #include <boost/asio/post.hpp>
 
+#include <malloc.h>
+
+#include <atomic>
 #include <ctime>
 
+#include "chat_prompt.h"
 #include "server/openai_api.h"
+#include "server/work_pool.h"
 
 namespace kestrel::cli {
 
@@ -18,11 +23,27 @@ HttpResponse error_json(int status, const std::string& message, const std::strin
   return r;
 }
 
+// Bodies above this size leave freed memory that glibc keeps; it is handed back once prepared.
+constexpr size_t kTrimAbove = size_t{1} << 20;
+
 // One prompt of the request, as the engine sees it and as the response repeats it.
 struct PromptInfo {
   int64_t n_prompt = 0;
   std::string echo_text;            // completions with echo: the prompt text
   std::vector<int32_t> prompt_ids;  // echo with logprobs: the prompt's tokens, listed in the logprobs
+  // Echo with logprobs: the prompt's logprobs are computed once, by the prompt's first choice (the others
+  // skip them), and every choice echoes the same ones. scored: that choice's first output (which carries
+  // them) has arrived; echo_logprobs and echo_offset (characters the echo covers) are then set.
+  bool scored = false;
+  Json echo_logprobs;
+  int64_t echo_offset = 0;
+};
+
+// What a request's preparation (off the event loop) ends with: an error to answer, or the engine requests to
+// submit.
+struct Prepared {
+  std::optional<HttpResponse> error;
+  std::vector<Request> requests;
 };
 
 // One HTTP request's generation: its choices as they arrive and what is needed to answer.
@@ -35,12 +56,13 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
 
-  // Validates and tokenizes; answers an error and returns false, or fills the generation in.
-  bool prepare(const std::string& body, RequestApi which, std::vector<Request>* requests);
-  void submit(std::vector<Request> requests);
+  // Validates and tokenizes (on a WorkPool thread: touches no connection state), filling the generation in;
+  // or returns the error to answer.
+  Prepared prepare(const std::string& body, RequestApi which);
+  // On the connection's strand: answers prepare's error or submits its requests.
+  void start(Prepared p);
   void cancel() override {
-    if (cancelled_) return;
-    cancelled_ = true;
+    if (cancelled_.exchange(true)) return;
     if (channel_) api_.loop.abort(channel_);  // queued after the submit: aborts whatever was admitted
   }
 
@@ -48,15 +70,19 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   struct Choice {
     std::string text;
     LoggedTokens logged;                          // non-streamed: every logged token
-    std::vector<LogprobSummary> prompt_logprobs;  // non-streamed echo with logprobs
     bool echo_sent = false;                       // streamed echo with logprobs: the echo chunk is out
+    std::vector<ChoiceOutput> held;               // streamed: outputs waiting for the prompt's logprobs
     int64_t text_offset = 0;                      // completions logprobs: characters before the next token
     bool finished = false;
     std::string finish_reason, error;
     int64_t n_output = 0;
   };
 
+  Prepared prepare_checked(const std::string& body, RequestApi which);
+  std::optional<HttpResponse> check_prompt_bytes(const OpenAiRequest& r) const;
+  void submit(HttpSession& s, std::vector<Request> requests);
   void on_notify();
+  bool note_prompt_logprobs(const ChoiceOutput& o);
   void complete(HttpSession& s, std::vector<ChoiceOutput>& outputs);
   void stream(HttpSession& s, std::vector<ChoiceOutput>& outputs);
   std::string chunks_for(ChoiceOutput& o);
@@ -87,47 +113,92 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   std::vector<PromptInfo> prompts_;
   int32_t n_ = 1;  // choices per prompt
   bool want_logprobs_ = false;
+  bool echo_scored_ = false;  // echo with logprobs (completions)
   bool include_usage_ = false;
   bool streamed_ = false;
   std::vector<Choice> choices_;
   size_t n_finished_ = 0;
   bool started_ = false;  // streamed: the head and the first chunks are written
   bool done_ = false;     // the whole answer is written
-  bool cancelled_ = false;
+  std::atomic<bool> cancelled_{false};  // also read by prepare, off the strand
 };
 
-bool Generation::prepare(const std::string& body, RequestApi which, std::vector<Request>* requests) {
-  auto session = session_.lock();
+Prepared Generation::prepare(const std::string& body, RequestApi which) {
+  try {
+    return prepare_checked(body, which);
+  } catch (const std::exception& e) {  // not expected (bad_alloc): the client still gets an answer
+    return Prepared{error_json(500, std::string("internal error: ") + e.what(), "", "", "server_error"), {}};
+  }
+}
+
+// A prompt whose text alone is longer than max_model_len tokens can cover is refused before it is tokenized
+// (tokenizing megabytes takes seconds): a token stands for at most ApiState::max_token_bytes bytes of the
+// text it is encoded from, so such text has more than max_model_len tokens whatever the tokenizer does, and
+// BOS or EOS only add tokens. Completions: each text prompt (token-id prompts are counted as they are); chat:
+// the rendered prompt, the text that is tokenized (a template may add to the messages or trim them, so their
+// own size proves nothing).
+std::optional<HttpResponse> Generation::check_prompt_bytes(const OpenAiRequest& r) const {
+  const auto per_token = static_cast<uint64_t>(api_.max_token_bytes);
+  const auto max_bytes = static_cast<uint64_t>(api_.max_model_len) * per_token;
+  auto refuse = [&](uint64_t n_bytes, const std::string& which_prompt, const std::string& param) {
+    return error_json(
+        400,
+        which_prompt + " is " + std::to_string(n_bytes) + " bytes long, more than the context " +
+            "(max_model_len) of " + std::to_string(api_.max_model_len) +
+            " tokens can hold: a token of this model stands for at most " + std::to_string(per_token) +
+            " bytes, so it has more than " + std::to_string(api_.max_model_len) + " tokens",
+        param, "context_length_exceeded");
+  };
+  if (r.is_chat) {
+    const std::string text = render_chat(api_.format, r.messages_json,
+                                         /*add_generation_prompt=*/true);
+    if (text.size() > max_bytes)
+      return refuse(text.size(), "the chat prompt (messages in the chat template)", "messages");
+    return std::nullopt;
+  }
+  for (size_t p = 0; p < r.prompts.size(); ++p) {
+    const PromptInput& in = r.prompts[p];
+    if (!in.ids && in.text.size() > max_bytes)
+      return refuse(in.text.size(), r.prompts.size() > 1 ? "prompt " + std::to_string(p) : "the prompt",
+                    "prompt");
+  }
+  return std::nullopt;
+}
+
+Prepared Generation::prepare_checked(const std::string& body, RequestApi which) {
+  Prepared out;
+  if (cancelled_) return out;  // the client is gone: nothing to do
+  auto fail = [&](HttpResponse r) {
+    out.error = std::move(r);
+    return std::move(out);
+  };
   RequestJson j;
   try {
     j = parse_request_body(body);
   } catch (const RequestError& e) {
-    respond(*session, error_json(400, e.what(), e.param()));
-    return false;
+    return fail(error_json(400, e.what(), e.param()));
   }
-  if (!j.is_object()) {
-    respond(*session, error_json(400, std::string("the request body must be a JSON object, got ") + j.type_name()));
-    return false;
-  }
+  if (!j.is_object())
+    return fail(error_json(400, std::string("the request body must be a JSON object, got ") + j.type_name()));
   OpenAiRequest r;
   std::vector<Request> bases;
   try {
     r = parse_openai_request(j, which);
-    if (!r.model.empty() && r.model != api_.served_model_name) {
-      respond(*session, error_json(404,
-                                   "The model `" + r.model + "` does not exist; this server serves `" +
-                                       api_.served_model_name + "`",
-                                   "model", "model_not_found"));
-      return false;
-    }
+    if (!r.model.empty() && r.model != api_.served_model_name)
+      return fail(error_json(
+          404,
+          "The model `" + r.model + "` does not exist; this server serves `" + api_.served_model_name + "`",
+          "model", "model_not_found"));
+    if (auto e = check_prompt_bytes(r)) return fail(std::move(*e));
     const size_t n_prompts = r.is_chat ? 1 : r.prompts.size();
-    for (size_t p = 0; p < n_prompts; ++p) bases.push_back(to_engine_request(r, api_.format, 0, p));
+    for (size_t p = 0; p < n_prompts; ++p) {
+      if (cancelled_) return out;
+      bases.push_back(to_engine_request(r, api_.format, 0, p));
+    }
   } catch (const RequestError& e) {
-    respond(*session, error_json(400, e.what(), e.param()));
-    return false;
+    return fail(error_json(400, e.what(), e.param()));
   } catch (const Error& e) {
-    respond(*session, error_json(400, e.what()));
-    return false;
+    return fail(error_json(400, e.what()));
   }
   const std::string prompt_param = r.is_chat ? "messages" : "prompt";
   const int64_t len = api_.max_model_len;
@@ -135,60 +206,82 @@ bool Generation::prepare(const std::string& body, RequestApi which, std::vector<
     // The context holds prompt and output: a prompt that fills it is refused, never truncated.
     const auto n_prompt = static_cast<int64_t>(bases[p].prompt.size());
     const std::string which_prompt = bases.size() > 1 ? "prompt " + std::to_string(p) : "the prompt";
-    if (n_prompt >= len) {
-      respond(*session, error_json(400,
-                                   which_prompt + " has " + std::to_string(n_prompt) +
-                                       " tokens but the context (max_model_len) is " + std::to_string(len) +
-                                       " tokens, which must also hold at least one output token",
-                                   prompt_param, "context_length_exceeded"));
-      return false;
-    }
+    if (n_prompt >= len)
+      return fail(error_json(400,
+                             which_prompt + " has " + std::to_string(n_prompt) +
+                                 " tokens but the context (max_model_len) is " + std::to_string(len) +
+                                 " tokens, which must also hold at least one output token",
+                             prompt_param, "context_length_exceeded"));
     // Written as a difference: max_tokens may be as large as 2^63 - 1.
-    if (r.max_tokens > 0 && r.max_tokens > len - n_prompt) {
-      respond(*session, error_json(400,
-                                   "max_tokens = " + std::to_string(r.max_tokens) + " plus the " +
-                                       std::to_string(n_prompt) + " tokens of " + which_prompt +
-                                       " exceed the context of " + std::to_string(len) +
-                                       " tokens (max_tokens may be at most " + std::to_string(len - n_prompt) + ")",
-                                   "max_tokens", "context_length_exceeded"));
-      return false;
-    }
+    if (r.max_tokens > 0 && r.max_tokens > len - n_prompt)
+      return fail(error_json(400,
+                             "max_tokens = " + std::to_string(r.max_tokens) + " plus the " +
+                                 std::to_string(n_prompt) + " tokens of " + which_prompt +
+                                 " exceed the context of " + std::to_string(len) +
+                                 " tokens (max_tokens may be at most " + std::to_string(len - n_prompt) + ")",
+                             "max_tokens", "context_length_exceeded"));
     PromptInfo info;
     info.n_prompt = n_prompt;
     if (r.echo) info.echo_text = prompt_text(r, *api_.format.tokenizer, p);
     if (r.echo && r.logprobs >= 0) info.prompt_ids = bases[p].prompt;
     prompts_.push_back(std::move(info));
   }
-  // n choices per prompt: n engine requests on the same prompt; with a seed, choice j of every
-  // prompt draws from seed + j (as the same prompt sent alone would). They are admitted in the
-  // same step, so each prefills its prompt (the prefix cache only shares blocks computed in
-  // earlier steps).
+  // n choices per prompt: n engine requests on the same prompt; with a seed, choice j of every prompt draws
+  // from seed + j (as the same prompt sent alone would). They are admitted in the same step, so each prefills
+  // its prompt (the prefix cache only shares blocks computed in earlier steps). Echo with logprobs: only
+  // choice 0 computes the prompt's logprobs (every prompt position's logits row), the others prefill as usual
+  // and echo choice 0's.
   n_ = r.n;
   for (size_t p = 0; p < bases.size(); ++p)
     for (int32_t i = 0; i < r.n; ++i) {
       Request q = bases[p];
       q.sampling.seed = r.seed ? *r.seed + static_cast<uint64_t>(i) : api_.random_seed();
-      requests->push_back(std::move(q));
+      if (i > 0) q.prompt_logprobs = -1;
+      out.requests.push_back(std::move(q));
     }
   header_ = ResponseHeader{new_response_id(r.is_chat ? "chatcmpl-" : "cmpl-"), std::time(nullptr),
                            api_.served_model_name, which == RequestApi::Chat};
   stop_ids_ = bases.front().stop_ids;
   want_logprobs_ = r.logprobs >= 0;
+  echo_scored_ = r.echo && r.logprobs >= 0;
   include_usage_ = r.stream && r.include_usage;
   streamed_ = r.stream;
-  choices_.resize(requests->size());
-  return true;
+  choices_.resize(out.requests.size());
+  return out;
 }
 
-void Generation::submit(std::vector<Request> requests) {
+void Generation::start(Prepared p) {
   auto session = session_.lock();
+  if (!session || !session->open() || cancelled_) return;
+  if (p.error) return respond(*session, std::move(*p.error));
+  submit(*session, std::move(p.requests));
+}
+
+void Generation::submit(HttpSession& s, std::vector<Request> requests) {
   // The engine thread calls this once there is something to take; the work runs on the strand.
-  auto notify = [weak = weak_from_this(), ex = session->executor()] {
+  auto notify = [weak = weak_from_this(), ex = s.executor()] {
     boost::asio::post(ex, [weak] {
       if (auto g = weak.lock()) g->on_notify();
     });
   };
   channel_ = api_.loop.submit(std::move(requests), std::move(notify));
+}
+
+// Echo with logprobs: the first output of a prompt's choice 0 brings the prompt's logprobs (or, when it
+// failed before its first token, none: the echo then has null logprobs). Returns whether the prompt of o is
+// scored now.
+bool Generation::note_prompt_logprobs(const ChoiceOutput& o) {
+  const auto index = static_cast<size_t>(o.index);
+  PromptInfo& p = prompts_[index / static_cast<size_t>(n_)];
+  if (!echo_scored_ || p.scored) return true;
+  if (index % static_cast<size_t>(n_) != 0) return false;
+  p.scored = true;
+  const auto& logprobs = o.output.prompt_logprobs;
+  api_.metrics.on_prompt_logprobs(static_cast<int64_t>(logprobs.size()));
+  if (!p.echo_text.empty())
+    p.echo_logprobs =
+        echo_logprobs(*api_.format.tokenizer, p.prompt_ids, logprobs, p.echo_text, &p.echo_offset);
+  return true;
 }
 
 void Generation::on_notify() {
@@ -209,7 +302,7 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
   for (ChoiceOutput& o : outputs) {
     Choice& c = choices_[static_cast<size_t>(o.index)];
     c.text += o.output.text_delta;
-    if (!o.output.prompt_logprobs.empty()) c.prompt_logprobs = o.output.prompt_logprobs;
+    note_prompt_logprobs(o);
     if (want_logprobs_) {
       LoggedTokens t = logged_tokens(o.output);
       c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
@@ -232,9 +325,10 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
     if (want_logprobs_ && header_.chat) {
       f.logprobs = chat_logprobs(*api_.format.tokenizer, c.logged);
     } else if (want_logprobs_) {
-      if (!p.echo_text.empty())
-        f.logprobs =
-            echo_logprobs(*api_.format.tokenizer, p.prompt_ids, c.prompt_logprobs, p.echo_text, &c.text_offset);
+      if (!p.echo_text.empty()) {
+        f.logprobs = p.echo_logprobs;
+        c.text_offset = p.echo_offset;
+      }
       append_completion_logprobs(f.logprobs, completion_logprobs(*api_.format.tokenizer, c.logged, &c.text_offset));
     }
     f.finish_reason = c.finish_reason;
@@ -260,7 +354,8 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
     ChunkChoice echo;
     echo.index = co.index;
     echo.text = p.echo_text;
-    echo.logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids, o.prompt_logprobs, p.echo_text, &c.text_offset);
+    echo.logprobs = p.echo_logprobs;
+    c.text_offset = p.echo_offset;
     out += sse_event(stream_chunk(header_, echo, include_usage_));
   }
   ChunkChoice chunk;
@@ -314,7 +409,22 @@ void Generation::stream(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
       buf += sse_event(stream_chunk(header_, first, include_usage_));
     }
   }
-  for (ChoiceOutput& o : outputs) buf += chunks_for(o);
+  for (ChoiceOutput& o : outputs) {
+    const size_t first = static_cast<size_t>(o.index) / static_cast<size_t>(n_) * static_cast<size_t>(n_);
+    const bool was_scored = prompts_[first / static_cast<size_t>(n_)].scored;
+    if (!note_prompt_logprobs(o)) {  // the echo of this choice waits for the prompt's logprobs
+      choices_[static_cast<size_t>(o.index)].held.push_back(std::move(o));
+      continue;
+    }
+    buf += chunks_for(o);
+    // The prompt's logprobs just came: the choices that waited for them go on.
+    if (echo_scored_ && !was_scored)
+      for (size_t i = first + 1; i < first + static_cast<size_t>(n_); ++i) {
+        std::vector<ChoiceOutput> held;
+        held.swap(choices_[i].held);
+        for (ChoiceOutput& h : held) buf += chunks_for(h);
+      }
+  }
   const bool all_finished = n_finished_ == choices_.size();
   if (all_finished) {
     if (include_usage_) buf += sse_event(usage_chunk(header_, usage()));
@@ -329,13 +439,22 @@ void Generation::stream(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
 
 }  // namespace
 
-void start_generation(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& body,
+void start_generation(ApiState& api, const std::shared_ptr<HttpSession>& session, std::string body,
                       RequestApi which) {
   auto g = std::make_shared<Generation>(api, session);
-  std::vector<Request> requests;
-  if (!g->prepare(body, which, &requests)) return;
-  session->attach(g);
-  g->submit(std::move(requests));
+  session->attach(g);  // a client that leaves while the request is prepared skips the work
+  WorkPool::of(session->executor())
+      .run(
+          session->executor(),
+          [g, body = std::move(body), which]() mutable {
+            Prepared p = g->prepare(body, which);
+            if (body.size() > kTrimAbove) {
+              std::string().swap(body);
+              malloc_trim(0);
+            }
+            return p;
+          },
+          [g](Prepared p) { g->start(std::move(p)); });
 }
 
 }  // namespace kestrel::cli

@@ -1,7 +1,8 @@
 // The server's Prometheus metrics (text exposition format 0.0.4, names prefixed kestrel_): HTTP
-// requests by status, prompt and generation tokens, TTFT / TPOT / end-to-end latency histograms,
-// and the engine's gauges (running and waiting requests, KV blocks, prefix-cache hit rate,
-// preemptions) read from the engine thread's snapshot. Thread-safe.
+// requests by status, prompt and generation tokens, prompt tokens scored for echo with logprobs,
+// TTFT / TPOT / end-to-end latency histograms, and the engine's gauges (running and waiting
+// requests, KV blocks, prefix-cache hit rate, preemptions) read from the engine thread's snapshot.
+// Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,9 @@ class ServerMetrics {
   void on_response(int status);
   // One finished engine request (a choice): its tokens and, when it produced any, its latencies.
   void on_finished(const RequestOutput& output);
+  // Prompt positions whose logprobs the engine computed for echo with logprobs (a prompt of P
+  // tokens: P - 1, once per prompt whatever n is).
+  void on_prompt_logprobs(int64_t n);
   // The whole exposition, with the engine's gauges from `snapshot`.
   std::string render(const EngineSnapshot& snapshot) const;
 
@@ -46,6 +50,7 @@ class ServerMetrics {
   std::map<std::string, int64_t> finish_reasons_;  // "stop", "length", "abort", "error" -> count
   int64_t prompt_tokens_ = 0;
   int64_t generation_tokens_ = 0;
+  int64_t prompt_logprob_tokens_ = 0;
   Histogram ttft_, tpot_, e2e_;
 };
 
