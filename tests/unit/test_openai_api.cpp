@@ -116,5 +116,40 @@ TEST(OpenAiApi, EchoOfTokenIdsKeepsSpecialTokens) {
   EXPECT_EQ(shifted["text_offset"][1], 3);  // "Once" after "<s>"
 }
 
+
+// The first word of a SentencePiece prompt is tokenized with a leading space the text does not
+// have ("▁Once"): echoed, its token is listed as the text it covers, "Once" (it was " Once" at
+// text_offset 0 of "Once upon..."), and so is the chosen token among its top alternatives.
+TEST(OpenAiApi, EchoListsTheFirstWordWithoutSentencePiecesSpace) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const std::string text = "Once upon a time";
+  const std::vector<int32_t> ids = tok->encode(text, /*add_special=*/true, /*parse_special=*/true);
+  ASSERT_GE(ids.size(), 3u);
+  ASSERT_EQ(ids[0], tok->bos_id());
+  ASSERT_EQ(tok->token_to_piece(ids[1]), " Once");  // the tokenizer's space
+  std::vector<LogprobSummary> prompt_logprobs;
+  for (size_t i = 1; i < ids.size(); ++i) {
+    LogprobSummary s = summary(ids[i], -1.5f);
+    s.top = {{ids[i], -1.5f}, {ids[(i % (ids.size() - 1)) + 1], -2.0f}};
+    prompt_logprobs.push_back(s);
+  }
+  int64_t offset = 0;
+  const Json lp = echo_logprobs(*tok, ids, prompt_logprobs, text, &offset);
+  EXPECT_EQ(offset, static_cast<int64_t>(text.size()));
+  ASSERT_EQ(lp["tokens"].size(), ids.size());
+  EXPECT_EQ(lp["tokens"][0], "<s>");
+  EXPECT_EQ(lp["tokens"][1], "Once");
+  EXPECT_EQ(lp["text_offset"][1], 0);
+  EXPECT_EQ(lp["tokens"][2], tok->token_to_piece(ids[2]));  // later words keep their space: the text has it
+  EXPECT_EQ(lp["tokens"][2].get<std::string>()[0], ' ');
+  // Each token's text is the text at its offset.
+  for (size_t i = 1; i < ids.size(); ++i) {
+    const std::string t = lp["tokens"][i];
+    EXPECT_EQ(text.substr(lp["text_offset"][i].get<size_t>(), t.size()), t) << i;
+    EXPECT_EQ(lp["top_logprobs"][i][t], -1.5) << i << " " << lp["top_logprobs"][i].dump();
+  }
+  EXPECT_FALSE(lp["top_logprobs"][1].contains(" Once"));
+}
 }  // namespace
 }  // namespace kestrel::cli

@@ -77,6 +77,30 @@ Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* t
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
+namespace {
+// A token's text where a sequence's decoding meets it: at the start (at_start), SentencePiece
+// drops the leading space the tokenizer put before the first word, which the text never had.
+std::string decoded_piece(const Tokenizer& tok, int32_t id, bool at_start) {
+  if (!at_start) return tok.token_to_piece(id);
+  std::string bytes;
+  tok.append_piece(id, /*skip_special=*/false, &at_start, &bytes);
+  return bytes;
+}
+
+// top_by_text for a prompt position: the alternatives as decoded there (decoded_piece); of two
+// alternatives with the same text (" Once" and "Once" at the start) the likelier is kept.
+Json top_by_decoded_text(const Tokenizer& tok, const LogprobSummary& s, bool at_start) {
+  Json alts = Json::object();
+  for (const TokenLogprob& a : s.top) {
+    const std::string text = utf8_sanitize(decoded_piece(tok, a.token, at_start));
+    if (!alts.contains(text) || alts[text].get<float>() < a.logprob) alts[text] = a.logprob;
+  }
+  const std::string chosen = utf8_sanitize(decoded_piece(tok, s.chosen.token, at_start));
+  if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
+  return alts;
+}
+}  // namespace
+
 Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::span<const LogprobSummary> prompt_logprobs,
                    std::string_view echo_text, int64_t* text_offset) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
@@ -86,10 +110,11 @@ Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::s
   bool at_start = true;
   std::string bytes;
   for (size_t i = 0; i < prompt.size(); ++i) {
-    tokens.push_back(utf8_sanitize(tok.token_to_piece(prompt[i])));
+    // Listed as decoded here, so the first word's token is "Once", the text it covers, not " Once".
+    tokens.push_back(utf8_sanitize(decoded_piece(tok, prompt[i], at_start)));
     const bool scored = i > 0 && i - 1 < prompt_logprobs.size();
     token_logprobs.push_back(scored ? Json(prompt_logprobs[i - 1].chosen.logprob) : Json(nullptr));
-    top.push_back(scored ? top_by_text(tok, prompt_logprobs[i - 1]) : Json(nullptr));
+    top.push_back(scored ? top_by_decoded_text(tok, prompt_logprobs[i - 1], at_start) : Json(nullptr));
     offsets.push_back(*text_offset);
     bytes.clear();
     tok.append_piece(prompt[i], /*skip_special=*/false, &at_start, &bytes);

@@ -52,7 +52,9 @@ Json completion_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens,
 // (prompt_text: the text as given, or the ids decoded with their special tokens). Each token's
 // text_offset is where its text starts in echo_text (plus *text_offset on entry); a token whose
 // text is not there (a BOS the server added to a text prompt) adds no characters. *text_offset
-// ends advanced past echo_text's characters that the tokens covered.
+// ends advanced past echo_text's characters that the tokens covered. Tokens (and the alternatives
+// in top_logprobs) are listed as the prompt decodes: the first word's token without the leading
+// space SentencePiece gave it ("Once", not " Once"), as the text it covers has none.
 Json echo_logprobs(const Tokenizer& tokenizer, std::span<const int32_t> prompt,
                    std::span<const LogprobSummary> prompt_logprobs, std::string_view echo_text,
                    int64_t* text_offset);
