@@ -317,3 +317,41 @@ def test_api_key():
     finally:
         rc, out = s.stop()
         assert rc == 0, out
+
+
+def test_echo_lists_the_first_word_as_the_text_it_covers(server):
+    """SentencePiece tokenizes "Once" as "▁Once": echoed, the token is the text it covers ("Once" at
+    offset 0), not " Once"; the chosen token's entry in top_logprobs has the same text."""
+    r = complete(server, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = r["choices"][0]["logprobs"]
+    text = r["choices"][0]["text"]
+    assert lp["tokens"][:3] == ["<s>", "Once", " upon"]
+    assert lp["text_offset"][:3] == [0, 0, 4]
+    for token, at, top in list(zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]))[1:]:
+        assert text[at:at + len(token)] == token
+        assert token in top
+
+
+@pytest.mark.parametrize("api, extra, param, words", [
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format", "structured output"),
+    ("completions", {"suffix": " The end."}, "suffix", "suffix is not supported"),
+    ("completions", {"n": 2, "best_of": 3}, "best_of", "best_of"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "\"auto\""),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice",
+     "structured output"),
+])
+def test_fields_the_server_cannot_honour_are_400s(server, api, extra, param, words):
+    """They were ignored: a 200 the client took for what it asked."""
+    body = {"prompt": PROMPT} if api == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = server.post("/v1/completions" if api == "completions" else "/v1/chat/completions", dict(body, max_tokens=2, **extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert words in r.json()["error"]["message"]
+
+
+def test_fields_served_as_vllm_serves_them(server):
+    assert complete(server, max_tokens=2, response_format={"type": "text"}, n=2, best_of=2)["choices"][1]["index"] == 1
+    r = chat(server, max_tokens=2, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert r["choices"][0]["finish_reason"] == "length"

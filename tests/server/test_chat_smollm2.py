@@ -48,3 +48,26 @@ def test_stop_string_in_chat(chat_server):
     events, _ = stream_events(chat_server.url + "/v1/chat/completions",
                               {"messages": FRANCE, "max_tokens": 64, "temperature": 0, "stop": "aris", "stream": True})
     assert joined_text(events, True) == [text[: at + 1]]
+
+
+def test_developer_and_tool_roles_render_through_the_chatml_template(chat_server):
+    """SmolLM2's template writes any role as <|im_start|>role (vLLM passes roles as given); both were
+    refused with a 400. The rendered prompt is the template's text, as /tokenize shows it."""
+    messages = [{"role": "developer", "content": "Be brief."}, *FRANCE,
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Paris"}]
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>developer\nBe brief.<|im_end|>\n"
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+            "<|im_start|>assistant\n<|im_end|>\n"
+            "<|im_start|>tool\nParis<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    rendered = chat_server.post("/tokenize", {"messages": messages, "add_special_tokens": False})
+    assert rendered.status_code == 200, rendered.text
+    assert rendered.json()["tokens"] == chat_server.post("/tokenize", {"prompt": text,
+                                                                       "add_special_tokens": False}).json()["tokens"]
+    by_messages = chat_server.post("/tokenize", {"messages": messages})  # with the BOS a chat request gets
+    r = chat_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == by_messages.json()["count"]

@@ -126,7 +126,7 @@ TEST(BatchRequest, Messages) {
   ASSERT_EQ(r.messages.size(), 3u);
   EXPECT_EQ(r.messages[0].role, "system");
   EXPECT_EQ(r.messages[0].content, "Be brief.");
-  EXPECT_EQ(r.messages[1].content, "Hi there");
+  EXPECT_EQ(r.messages[1].content, "Hi \nthere");  // text parts joined with "\n", as vLLM joins them
   EXPECT_EQ(r.messages[2].role, "assistant");
 }
 
@@ -186,8 +186,8 @@ TEST(BatchRequest, ErrorsNameTheFieldAndTheValue) {
       {R"({"messages": []})", {"messages", "non-empty", "got []"}},
       {R"({"messages": "hi"})", {"messages", "got \"hi\""}},
       {R"({"messages": ["hi"]})", {"messages[0]", "object", "got \"hi\""}},
-      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]})",
-       {"messages[1].role", "\"user\"", "got \"tool\""}},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]})",
+       {"messages[1].role", "\"developer\"", "\"tool\"", "got \"bot\""}},
       {R"({"messages": [{"content": "a"}]})", {"messages[0].role", "missing"}},
       {R"({"messages": [{"role": "user"}]})", {"messages[0].content", "missing"}},
       {R"({"messages": [{"role": "user", "content": 5}]})", {"messages[0].content", "got 5"}},

@@ -243,5 +243,182 @@ TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
   }
 }
 
+
+// "param: message" of the RequestError the text raises ("<none>" when it parses).
+std::string failure_of(const std::string& text, RequestApi api) {
+  try {
+    parse(text, api);
+  } catch (const RequestError& e) {
+    return std::string(e.param()) + ": " + e.what();
+  }
+  return "<none>";
+}
+
+// developer and tool messages reach the template with their role as given (they were refused);
+// a tool message keeps its tool_call_id, any message its name.
+TEST(OpenAiRequest, DeveloperAndToolRolesPassToTheTemplate) {
+  const OpenAiRequest r = parse(
+      R"({"messages": [{"role": "developer", "content": "Be terse."},
+                       {"role": "user", "content": "Weather?", "name": "ann"},
+                       {"role": "tool", "content": [{"type": "text", "text": "22C"}, {"type": "text", "text": "sunny"}],
+                        "tool_call_id": "call_1"}]})",
+      RequestApi::Chat);
+  EXPECT_EQ(r.messages_json, Json::parse(R"([{"role": "developer", "content": "Be terse."},
+                                             {"role": "user", "content": "Weather?", "name": "ann"},
+                                             {"role": "tool", "content": "22C\nsunny", "tool_call_id": "call_1"}])"));
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_EQ(r.messages[2].role, "tool");
+  EXPECT_TRUE(r.tools.is_null());
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "bot", "content": "x"}]})", RequestApi::Chat), "messages[0].role");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]})", RequestApi::Chat),
+            "messages[0].tool_call_id");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": "x", "name": 5}]})", RequestApi::Chat),
+            "messages[0].name");
+}
+
+// An assistant turn that called a tool: content null, tool_calls as the template expects them
+// (arguments as the value; vLLM's {} for text that is not JSON). It was a 400.
+TEST(OpenAiRequest, AssistantToolCallsWithNullContent) {
+  const OpenAiRequest r = parse(
+      R"({"messages": [{"role": "user", "content": "Weather in Paris?"},
+                       {"role": "assistant", "content": null, "tool_calls": [
+                         {"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}},
+                         {"id": "call_2", "function": {"name": "noop", "arguments": "not json"}}]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]})",
+      RequestApi::Chat);
+  ASSERT_EQ(r.messages_json.size(), 3u);
+  const Json& a = r.messages_json[1];
+  EXPECT_EQ(a["content"], "");
+  EXPECT_EQ(a["tool_calls"], Json::parse(R"([
+      {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}},
+      {"id": "call_2", "type": "function", "function": {"name": "noop", "arguments": {}}}])"));
+  // Key order as written (tojson shows it).
+  EXPECT_EQ(a["tool_calls"][0]["function"]["arguments"].dump(), R"({"city":"Paris","days":2})");
+  // content absent with tool_calls is the same; without tool_calls content is required.
+  EXPECT_EQ(parse(R"({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]})",
+                  RequestApi::Chat).messages_json[0]["content"], "");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null}]})", RequestApi::Chat), "messages[0].content");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": null}]})", RequestApi::Chat), "messages[0].content");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f"}}]}]})",
+                     RequestApi::Chat), "messages[0].tool_calls[0].id");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "x", "function": {"name": "f"}}]}]})",
+                     RequestApi::Chat), "messages[0].tool_calls[0].type");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]})",
+                     RequestApi::Chat), "messages[0].tool_calls[0].function.name");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 5}}]}]})",
+                     RequestApi::Chat), "messages[0].tool_calls[0].function.arguments");
+  // Arguments nested past the body's nesting limit: refused, not walked by the template.
+  const std::string deep = std::string(100, '[') + std::string(100, ']');
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": ")" +
+                         deep + R"("}}]}]})", RequestApi::Chat), "messages[0].tool_calls[0].function.arguments");
+}
+
+// response_format, tools / tool_choice, best_of and suffix used to be ignored: an answer the client
+// took for what it asked. Now: served as vLLM serves them, or a 400 naming the field.
+TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  EXPECT_EQ(failure_of("{" + m + R"(, "response_format": {"type": "text"}})", RequestApi::Chat), "<none>");
+  for (const char* type : {"json_object", "json_schema"}) {
+    const std::string e = failure_of("{" + m + R"(, "response_format": {"type": ")" + type + R"("}})", RequestApi::Chat);
+    EXPECT_EQ(e.rfind("response_format: ", 0), 0u) << e;
+    EXPECT_NE(e.find("structured output"), std::string::npos) << e;
+    EXPECT_NE(e.find(type), std::string::npos) << e;
+  }
+  EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": {"type": "json_object"}})", RequestApi::Completions),
+            "response_format");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": {"type": "yaml"}})", RequestApi::Completions),
+            "response_format.type");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": "text"})", RequestApi::Completions), "response_format");
+
+  EXPECT_EQ(parse(R"({"prompt": "a", "n": 3, "best_of": 3})", RequestApi::Completions).n, 3);
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "best_of": null})", RequestApi::Completions), "<none>");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "best_of": 1})", RequestApi::Batch), "<none>");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "n": 2, "best_of": 4})", RequestApi::Completions), "best_of");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "best_of": 2})", RequestApi::Batch), "best_of");
+  EXPECT_EQ(param_of("{" + m + R"(, "best_of": 0})", RequestApi::Chat), "best_of");
+
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "suffix": "b"})", RequestApi::Completions),
+            "suffix: suffix is not supported, got \"b\"");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "suffix": ""})", RequestApi::Batch), "suffix");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "suffix": null})", RequestApi::Completions), "<none>");
+  for (const char* f : {"response_format", "best_of", "suffix", "tools", "tool_choice"})
+    EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
+}
+
+// Without a tool-call parser only tool_choice "none" is served (vLLM's answer): the tools then go
+// to the template as `tools`; "auto" (the default with tools), "required" and a named function
+// are refused.
+TEST(OpenAiRequest, ToolChoice) {
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  const std::string tools =
+      R"("tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])";
+  const OpenAiRequest none = parse("{" + m + ", " + tools + R"(, "tool_choice": "none"})", RequestApi::Chat);
+  ASSERT_TRUE(none.tools.is_array());
+  EXPECT_EQ(none.tools[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(none.tools[0]["function"]["parameters"]["properties"]["city"]["type"], "string");
+
+  const std::string by_default = failure_of("{" + m + ", " + tools + "}", RequestApi::Chat);
+  EXPECT_EQ(by_default.rfind("tool_choice: tool_choice \"auto\" (the default when tools are given) is not supported", 0), 0u)
+      << by_default;
+  EXPECT_NE(by_default.find("\"none\""), std::string::npos) << by_default;
+  EXPECT_EQ(param_of("{" + m + ", " + tools + R"(, "tool_choice": "auto"})", RequestApi::Chat), "tool_choice");
+  EXPECT_NE(failure_of("{" + m + ", " + tools + R"(, "tool_choice": "required"})", RequestApi::Chat).find("structured output"),
+            std::string::npos);
+  EXPECT_NE(failure_of("{" + m + ", " + tools +
+                         R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})",
+                     RequestApi::Chat).find("structured output"),
+            std::string::npos);
+  EXPECT_NE(failure_of("{" + m + ", " + tools + R"(, "tool_choice": {"type": "function", "function": {"name": "other"}}})",
+                     RequestApi::Chat).find("not in tools"),
+            std::string::npos);
+  EXPECT_EQ(param_of("{" + m + ", " + tools + R"(, "tool_choice": "sometimes"})", RequestApi::Chat), "tool_choice");
+  EXPECT_NE(failure_of("{" + m + R"(, "tool_choice": "auto"})", RequestApi::Chat).find("needs tools"), std::string::npos);
+  // No tools, or an empty list (with "required" too, as OpenAI reads it): plain chat.
+  EXPECT_TRUE(parse("{" + m + R"(, "tool_choice": "none"})", RequestApi::Chat).tools.is_null());
+  EXPECT_EQ(parse("{" + m + R"(, "tools": []})", RequestApi::Chat).tools, Json::array());
+  EXPECT_EQ(parse("{" + m + R"(, "tools": [], "tool_choice": "required"})", RequestApi::Chat).tools, Json::array());
+  // Malformed tools name the field.
+  EXPECT_EQ(param_of("{" + m + R"(, "tools": {}, "tool_choice": "none"})", RequestApi::Chat), "tools");
+  EXPECT_EQ(param_of("{" + m + R"(, "tools": [{"type": "function"}], "tool_choice": "none"})", RequestApi::Chat),
+            "tools[0].function");
+  EXPECT_EQ(param_of("{" + m + R"(, "tools": [{"function": {"name": ""}}], "tool_choice": "none"})", RequestApi::Chat),
+            "tools[0].function.name");
+  EXPECT_EQ(param_of("{" + m + R"(, "tools": [{"function": {"name": "f", "parameters": 1}}], "tool_choice": "none"})",
+                     RequestApi::Chat),
+            "tools[0].function.parameters");
+}
+
+// The template sees the tools and each message's tool_calls / tool_call_id; a template that
+// cannot render a role raises, which is the request's error (param "messages"), not a crash.
+TEST(OpenAiRequest, RenderChatWithToolsAndToolMessages) {
+  PromptFormat f;
+  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(
+      "{% if tools %}{% for t in tools %}<tool {{ t.function.name }}>{% endfor %}{% endif %}"
+      "{% for m in messages %}"
+      "{% if m.role not in ['system', 'user', 'assistant', 'tool'] %}{{ raise_exception('Unknown role: ' + m.role) }}{% endif %}"
+      "[{{ m.role }}|{{ m.content }}"
+      "{% for c in m.tool_calls %}|{{ c.id }}:{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+      "{% if m.tool_call_id %}|for {{ m.tool_call_id }}{% endif %}]{% endfor %}"));
+  const OpenAiRequest r = parse(
+      R"({"messages": [{"role": "user", "content": "Weather?"},
+                       {"role": "assistant", "content": null, "tool_calls": [
+                         {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Paris\"}"}}]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "22C"}],
+          "tools": [{"type": "function", "function": {"name": "w"}}], "tool_choice": "none"})",
+      RequestApi::Chat);
+  EXPECT_EQ(render_chat(f, r.messages_json, false, r.tools),
+            R"(<tool w>[user|Weather?][assistant||c1:w{"city": "Paris"}][tool|22C|for c1])");
+  EXPECT_EQ(render_chat(f, r.messages_json, false), R"([user|Weather?][assistant||c1:w{"city": "Paris"}][tool|22C|for c1])");
+  const OpenAiRequest dev = parse(R"({"messages": [{"role": "developer", "content": "x"}]})", RequestApi::Chat);
+  try {
+    render_chat(f, dev.messages_json, true);
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "messages");
+    EXPECT_NE(std::string(e.what()).find("Unknown role: developer"), std::string::npos) << e.what();
+  }
+}
 }  // namespace
 }  // namespace kestrel::cli

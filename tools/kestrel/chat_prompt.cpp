@@ -6,12 +6,14 @@
 
 namespace kestrel::cli {
 
-std::string render_chat(const PromptFormat& format, const Json& messages, bool add_generation_prompt) {
+std::string render_chat(const PromptFormat& format, const Json& messages, bool add_generation_prompt,
+                        const Json& tools) {
   if (!format.template_error.empty())
     throw RequestError("messages", "the model's chat template does not parse: " + format.template_error);
   if (format.jinja_template) {
     ChatTemplateInputs in;
     in.messages = messages;
+    in.tools = tools;
     in.add_generation_prompt = add_generation_prompt;
     in.bos_token = format.bos_token;
     in.eos_token = format.eos_token;

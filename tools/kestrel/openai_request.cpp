@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "chat_prompt.h"
+#include "chat_request.h"
 
 namespace kestrel::cli {
 
@@ -74,40 +75,6 @@ uint64_t seed_field(const json& v) {
   if (x != std::floor(x)) bad("seed", "must be an integer", v);
   if (x < 0 || x >= 18446744073709551616.0) bad("seed", "must be in [0, 2^64)", v);
   return static_cast<uint64_t>(x);
-}
-
-// OpenAI content: a string, or an array of {"type": "text", "text": ...} parts (joined).
-std::string content_field(const std::string& field, const json& v) {
-  if (v.is_string()) return v.get<std::string>();
-  if (!v.is_array()) bad(field, "must be a string or an array of text parts", v);
-  std::string text;
-  for (size_t i = 0; i < v.size(); ++i) {
-    const json& part = v[i];
-    const std::string name = field + "[" + std::to_string(i) + "]";
-    if (!part.is_object() || part.value("type", json()) != "text" || !part.contains("text") ||
-        !part["text"].is_string())
-      bad(name, "must be {\"type\": \"text\", \"text\": \"...\"}", part);
-    text += part["text"].get<std::string>();
-  }
-  return text;
-}
-
-void messages_field(const json& v, OpenAiRequest& r) {
-  if (!v.is_array() || v.empty()) bad("messages", "must be a non-empty array of {role, content} objects", v);
-  r.messages_json = Json::array();
-  for (size_t i = 0; i < v.size(); ++i) {
-    const json& m = v[i];
-    const std::string name = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object()) bad(name, "must be an object with role and content", m);
-    if (!m.contains("role")) throw RequestError(name + ".role", name + ".role is missing");
-    if (!m.contains("content")) throw RequestError(name + ".content", name + ".content is missing");
-    const json& role = m["role"];
-    if (role != "system" && role != "user" && role != "assistant")
-      bad(name + ".role", "must be \"system\", \"user\" or \"assistant\"", role);
-    const std::string content = content_field(name + ".content", m["content"]);
-    r.messages.push_back({role.get<std::string>(), content});
-    r.messages_json.push_back(Json{{"role", role.get<std::string>()}, {"content", content}});
-  }
 }
 
 // A list of token ids (v is an array); name is the field it came from ("prompt", "prompt[2]").
@@ -222,7 +189,7 @@ void prompt_or_messages(const json& j, RequestApi api, OpenAiRequest& r) {
     prompt_field(prompt, api, r);
   } else {
     r.is_chat = true;
-    messages_field(messages, r);
+    parse_chat_messages(messages, r);
   }
 }
 
@@ -272,6 +239,30 @@ void logprobs_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   } else if (wanted) {
     r.logprobs = 0;
   }
+}
+
+// Fields vLLM reads that ask for what this server does not do: an error rather than an answer
+// the client would take for what it asked.
+void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
+  if (const json& v = field(j, "response_format"); !v.is_null()) {
+    if (!v.is_object() || !v.contains("type") || !v["type"].is_string())
+      bad("response_format", "must be an object {\"type\": \"text\"}", v);
+    const std::string& type = v["type"].get_ref<const std::string&>();
+    if (type == "json_object" || type == "json_schema" || type == "structural_tag")
+      throw RequestError("response_format", "response_format type \"" + type +
+                                                "\" is not supported: this server has no structured output "
+                                                "(constrained decoding) yet; only {\"type\": \"text\"} is");
+    if (type != "text") bad("response_format.type", "must be \"text\" (structured output is not supported yet)", v["type"]);
+  }
+  // best_of: the best n of best_of sampled choices; without it being n every choice is returned.
+  if (const json& v = field(j, "best_of"); !v.is_null()) {
+    const int64_t best_of = integer("best_of", v, 1, kMaxN, "in [1, " + std::to_string(kMaxN) + "]");
+    if (best_of != r.n)
+      throw RequestError("best_of", "best_of (" + shown(v) + ") other than n (" + std::to_string(r.n) +
+                                        ") is not supported: every sampled choice is returned");
+  }
+  if (api != RequestApi::Chat && !r.is_chat && !field(j, "suffix").is_null())
+    throw RequestError("suffix", "suffix is not supported, got " + shown(field(j, "suffix")));
 }
 
 // Fields only the server reads.
@@ -387,7 +378,8 @@ bool is_known_field(const std::string& key, RequestApi api) {
   static const char* const kCommon[] = {
       "prompt",     "messages", "max_tokens",       "max_completion_tokens", "temperature", "top_p",
       "top_k",      "min_p",    "seed",             "stop",                  "ignore_eos",  "n",
-      "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user"};
+      "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user",
+      "response_format", "best_of", "suffix", "tools", "tool_choice"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -423,6 +415,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   if (const json& v = field(j, "seed"); !v.is_null()) r.seed = seed_field(v);
   if (const json& v = field(j, "stop"); !v.is_null()) r.stop = stop_field(v);
   if (const json& v = field(j, "ignore_eos"); !v.is_null()) r.ignore_eos = boolean("ignore_eos", v);
+  if (r.is_chat) parse_chat_tools(j, r);
   if (api == RequestApi::Batch) {
     if (const json& v = field(j, "n"); !v.is_null() && v != 1) bad("n", "must be 1 (one completion per request)", v);
   } else {
@@ -432,6 +425,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
                                        " make " + std::to_string(r.prompts.size() * static_cast<size_t>(r.n)) +
                                        " choices; at most " + std::to_string(kMaxChoices) + " per request");
   }
+  unsupported_fields(j, api, r);
   return r;
 }
 
@@ -484,7 +478,7 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     out.prompt = *p->ids;
   } else {
     const std::string text =
-        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true) : p->text;
+        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true, request.tools) : p->text;
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && format.starts_with_bos(text);
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);

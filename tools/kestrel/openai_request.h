@@ -80,7 +80,10 @@ struct OpenAiRequest {
   // empty (messages instead).
   std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // when is_chat; at least one
-  Json messages_json;                 // the same messages as JSON, content flattened to a string (for render_chat)
+  // The same messages as the chat template sees them (chat_request.h: content flattened to a
+  // string; name, tool_calls, tool_call_id when given).
+  Json messages_json;
+  Json tools;                         // the template's `tools` (tool_choice "none"); null when not given
   int64_t max_tokens = kBatchDefaultMaxTokens;  // >= 1, or -1 (JSON null, or absent for the server): until max_model_len
   bool max_tokens_given = false;      // the client set max_tokens / max_completion_tokens to a number
   SamplingParams sampling;            // validated; its seed is filled in by to_engine_request
@@ -98,7 +101,9 @@ struct OpenAiRequest {
 // Validates one request object (j must be an object, as parse_request_body returns it). Throws
 // RequestError naming the field for a missing field, a wrong type or an out-of-range value (NaN and
 // infinities are not JSON, so they arrive as huge numbers or strings and are rejected as such).
-// Unknown fields are ignored.
+// Unknown fields are ignored. Fields asking for what the server does not do are refused (vLLM's
+// answers where it has them): response_format other than {"type": "text"}, best_of other than n,
+// a completions `suffix`, and tool_choice other than "none" (chat_request.h).
 OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
 // Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for
