@@ -80,41 +80,60 @@ PreTokenizer::PreTokenizer(const std::vector<std::string>& patterns) : patterns_
 
 const std::string& PreTokenizer::gpt2_pattern() { return kGpt2; }
 
+namespace {
+
+// tokenizer.ggml.pre names (llama.cpp's) and the regexes of their models' tokenizers.
+struct NamedPre {
+  std::vector<std::string_view> names;
+  std::vector<std::string> patterns;
+};
+
+const std::vector<NamedPre>& named_pres() {
+  static const std::vector<NamedPre> table = {
+      {{"default", "gpt-2", "gpt2", "mpt", "olmo", "jais", "gpt-neox", "trillion"}, {kGpt2}},
+      {{"starcoder", "refact", "smollm", "command-r", "codeshell", "exaone", "minerva-7b"},
+       {kSingleDigit, kGpt2}},
+      {{"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe", "chatglm-bpe", "falcon3"}, {kLlama3}},
+      {{"qwen2", "stablelm2"}, {kQwen2}},
+      {{"deepseek-llm"},
+       {R"([\r\n])", kDeepseekLetters, kDeepseekPunct, R"(\s+$)", kDeepseekCjk, R"(\p{N}+)"}},
+      {{"deepseek-coder"}, {R"([\r\n])", R"(\s?\p{L}+)", R"(\s?\p{P}+)", kDeepseekCjk, kSingleDigit}},
+      {{"falcon"}, {R"([\p{P}\$\+<=>\^~\|`]+)", kGpt2, R"([0-9][0-9][0-9])"}},
+      {{"poro-chat", "bloom", "gpt3-finnish"},
+       {R"( ?[^(\s|.,!?\x{2026}\x{3002}\x{FF0C}\x{3001}\x{964}\x{6D4}\x{60C})]+)"}},
+      {{"viking"}, {R"( ?[^(\s|.,!?\x{2026}\x{3002}\x{FF0C}\x{3001}\x{964}\x{6D4}\x{60C})]+)", kSingleDigit}},
+  };
+  return table;
+}
+
+}  // namespace
+
 std::vector<std::string> PreTokenizer::patterns_for(std::string_view name) {
-  if (name == "default" || name == "gpt-2" || name == "gpt2" || name == "mpt" || name == "olmo" ||
-      name == "jais" || name == "gpt-neox" || name == "trillion") {
-    return {kGpt2};
-  }
-  if (name == "starcoder" || name == "refact" || name == "smollm" || name == "command-r" ||
-      name == "codeshell" || name == "exaone" || name == "minerva-7b") {
-    return {kSingleDigit, kGpt2};
-  }
-  if (name == "llama3" || name == "llama-bpe" || name == "llama-v3" || name == "dbrx" ||
-      name == "smaug-bpe" || name == "chatglm-bpe" || name == "falcon3") {
-    return {kLlama3};
-  }
-  if (name == "qwen2" || name == "stablelm2") return {kQwen2};
-  if (name == "deepseek-llm") {
-    return {R"([\r\n])", kDeepseekLetters, kDeepseekPunct, R"(\s+$)", kDeepseekCjk, R"(\p{N}+)"};
-  }
-  if (name == "deepseek-coder") {
-    return {R"([\r\n])", R"(\s?\p{L}+)", R"(\s?\p{P}+)", kDeepseekCjk, kSingleDigit};
-  }
-  if (name == "falcon") {
-    return {R"([\p{P}\$\+<=>\^~\|`]+)", kGpt2, R"([0-9][0-9][0-9])"};
-  }
-  if (name == "poro-chat" || name == "bloom" || name == "gpt3-finnish") {
-    return {R"( ?[^(\s|.,!?\x{2026}\x{3002}\x{FF0C}\x{3001}\x{964}\x{6D4}\x{60C})]+)"};
-  }
-  if (name == "viking") {
-    return {R"( ?[^(\s|.,!?\x{2026}\x{3002}\x{FF0C}\x{3001}\x{964}\x{6D4}\x{60C})]+)", kSingleDigit};
+  for (const NamedPre& p : named_pres()) {
+    for (std::string_view n : p.names) {
+      if (n == name) return p.patterns;
+    }
   }
   return {};
 }
 
+std::string PreTokenizer::known_names() {
+  std::string out;
+  for (const NamedPre& p : named_pres()) {
+    for (std::string_view n : p.names) {
+      out += out.empty() ? "" : ", ";
+      out += n;
+    }
+  }
+  return out;
+}
+
 PreTokenizer PreTokenizer::from_name(std::string_view name, bool* ignore_merges) {
   std::vector<std::string> patterns = patterns_for(name);
-  if (patterns.empty()) throw Error("tokenizer.ggml.pre: unknown pre-tokenizer '" + std::string(name) + "'");
+  if (patterns.empty()) {
+    throw Error("tokenizer.ggml.pre: unknown pre-tokenizer '" + std::string(name) + "' (supported: " +
+                known_names() + ")");
+  }
   if (ignore_merges != nullptr) *ignore_merges = ignores_merges(name);
   return PreTokenizer(patterns);
 }

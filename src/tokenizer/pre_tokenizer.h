@@ -31,6 +31,8 @@ class PreTokenizer {
 
   // The regexes of a named pre-tokenizer (empty when unknown).
   static std::vector<std::string> patterns_for(std::string_view name);
+  // Every name patterns_for() knows, comma-separated (for error messages).
+  static std::string known_names();
   // Whether the named pre-tokenizer's models use ignore_merges (the Llama 3 family).
   static bool ignores_merges(std::string_view name);
   // GPT-2's regex (also used by a Hugging Face ByteLevel pre-tokenizer with use_regex).

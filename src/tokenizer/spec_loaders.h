@@ -1,4 +1,5 @@
-// Internal: the loaders' file readers, shared between tokenizer_hf.cpp and tokenizer_spm_proto.cpp.
+// Internal: the loaders' file readers, shared between tokenizer_hf.cpp, tokenizer_spm_proto.cpp and
+// tokenizer_source.cpp.
 #pragma once
 
 #include <string>
@@ -10,5 +11,9 @@ namespace kestrel {
 // Reads a SentencePiece tokenizer.model (see tokenizer_spm_proto.cpp). Throws kestrel::Error naming
 // the file for I/O errors, malformed protobuf or a model type other than BPE.
 TokenizerSpec spm_spec_from_model_file(const std::string& path);
+
+// Reads one Hugging Face tokenizer.json (byte-level BPE) on its own: no config files from its folder.
+// Throws kestrel::Error naming the file and field as Tokenizer::from_hf_dir does.
+TokenizerSpec spec_from_tokenizer_json_file(const std::string& path);
 
 }  // namespace kestrel

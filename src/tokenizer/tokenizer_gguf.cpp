@@ -88,7 +88,8 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const GgufFile& f) {
     spec.pre_name = f.get_string_or("tokenizer.ggml.pre", "default");
     spec.pre_patterns = PreTokenizer::patterns_for(spec.pre_name);
     if (spec.pre_patterns.empty())
-      throw Error(where + "tokenizer.ggml.pre '" + spec.pre_name + "' is not a known pre-tokenizer");
+      throw Error(where + "tokenizer.ggml.pre '" + spec.pre_name +
+                  "' is not a supported pre-tokenizer (supported: " + PreTokenizer::known_names() + ")");
     spec.ignore_merges = PreTokenizer::ignores_merges(spec.pre_name);
     if (!f.has("tokenizer.ggml.merges"))
       throw Error(where + "tokenizer.ggml.merges is missing (required for 'gpt2')");

@@ -111,7 +111,10 @@ std::vector<std::pair<std::string, std::string>> read_merges_file(const std::str
 
 std::vector<std::string> pre_patterns(std::string_view pre, bool* ignore_merges) {
   std::vector<std::string> patterns = PreTokenizer::patterns_for(pre);
-  if (patterns.empty()) throw Error("tokenizer: unknown pre-tokenizer '" + std::string(pre) + "'");
+  if (patterns.empty()) {
+    throw Error("tokenizer: unknown pre-tokenizer '" + std::string(pre) + "' (supported: " +
+                PreTokenizer::known_names() + ")");
+  }
   *ignore_merges = PreTokenizer::ignores_merges(pre);
   return patterns;
 }
@@ -389,6 +392,13 @@ TokenizerSpec spec_from_hf_dir(const std::string& dir, std::string_view pre) {
 }
 
 }  // namespace
+
+TokenizerSpec spec_from_tokenizer_json_file(const std::string& path) {
+  VocabBuilder vb;
+  TokenizerSpec spec = spec_from_tokenizer_json(path, &vb);
+  spec.tokens = std::move(vb.tokens);
+  return spec;
+}
 
 std::unique_ptr<Tokenizer> Tokenizer::from_bpe_files(const std::string& vocab_path,
                                                      const std::string& merges_path, std::string_view pre,

@@ -15,6 +15,7 @@
 
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "tokenizer/tokenizer_source.h"
 
 namespace kestrel::cli {
 
@@ -45,8 +46,7 @@ LoadedModel load_model(const std::string& model_flag, bool quiet) {
   LoadedModel lm;
   const std::string path = resolve_model_path(model_flag);
   lm.model = LlamaModel::load(path);
-  lm.tokenizer = lm.model->format() == ModelFormat::Gguf ? Tokenizer::from_gguf(lm.model->file())
-                                                          : Tokenizer::from_hf_dir(path);
+  lm.tokenizer = load_tokenizer(path, lm.model->format() == ModelFormat::Gguf ? &lm.model->file() : nullptr);
   if (lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
     throw Error(path + ": tokenizer has " + std::to_string(lm.tokenizer->n_vocab()) +
                 " tokens but the model's output has " + std::to_string(lm.model->hparams().n_vocab));

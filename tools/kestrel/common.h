@@ -29,8 +29,8 @@ struct LoadedModel {
   double load_seconds = 0;
 };
 // Loads model and tokenizer from a GGUF file or a Hugging Face folder (LlamaModel::load; the
-// folder's tokenizer through Tokenizer::from_hf_dir), printing a one-line summary to stderr unless
-// quiet.
+// tokenizer through load_tokenizer, as `kestrel tokenize` reads it), printing a one-line summary to
+// stderr unless quiet.
 LoadedModel load_model(const std::string& model_flag, bool quiet = false);
 
 // Sampling flags shared by generate and chat.
