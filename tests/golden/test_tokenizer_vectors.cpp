@@ -9,56 +9,23 @@
 // Not covered: bert-bge (a WordPiece tokenizer, which the engine does not implement) and command-r
 // (only .inp/.out are in the data set, no vocabulary file).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "io/gguf.h"
 #include "test_util.h"
+#include "tokenizer_vectors.h"
 #include "tokenizer/pre_tokenizer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
 namespace {
 
-struct VectorCase {
-  std::string text;
-  std::vector<int32_t> ids;
-};
-
-std::vector<VectorCase> load_vectors(const std::string& base) {
-  const std::string inp = test::read_file(base + ".inp");
-  const std::string out = test::read_file(base + ".out");
-  const std::string sep = "\n__ggml_vocab_test__\n";
-  std::vector<std::string> texts;
-  size_t pos = 0;
-  while (pos < inp.size()) {
-    const size_t end = inp.find(sep, pos);
-    if (end == std::string::npos) break;  // nothing after the final separator
-    texts.push_back(inp.substr(pos, end - pos));
-    pos = end + sep.size();
-  }
-  std::vector<VectorCase> cases;
-  std::istringstream lines(out);
-  std::string line;
-  size_t i = 0;
-  while (std::getline(lines, line)) {
-    VectorCase c;
-    if (i < texts.size()) c.text = texts[i];
-    std::istringstream ids(line);
-    int64_t id;
-    while (ids >> id) c.ids.push_back(static_cast<int32_t>(id));
-    cases.push_back(std::move(c));
-    ++i;
-  }
-  EXPECT_EQ(texts.size(), cases.size()) << base;
-  return cases;
-}
-
-std::string vectors_dir() { return test::data_dir() + "/tokenizer-vectors"; }
+using test::load_vectors;
+using test::vectors_dir;
+using test::VectorCase;
+using test::write_tokenizer_json;
 
 std::string show_ids(const std::vector<int32_t>& ids) {
   std::string s;
@@ -148,58 +115,8 @@ TEST(TokVectors, Qwen2FromBpeFiles) {
   EXPECT_EQ(check_vectors(*tok, "qwen2"), 46);
 }
 
-// The same vocabularies written as a Hugging Face tokenizer.json (the layout of the real files:
-// Split regex + ByteLevel without regex, NFC normalizer, added tokens, merges as pairs or strings),
-// to test that loader at full size.
-std::string write_tokenizer_json(const std::string& vocab_path, const std::string& merges_path,
-                                 const std::string& regex, bool ignore_merges, bool pair_merges,
-                                 const nlohmann::json& added) {
-  using nlohmann::json;
-  json merges = json::array();
-  std::istringstream lines(test::read_file(merges_path));
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.empty() || line.rfind("#version", 0) == 0) continue;
-    const size_t sp = line.find(' ');
-    if (pair_merges) {
-      merges.push_back(json::array({line.substr(0, sp), line.substr(sp + 1)}));
-    } else {
-      merges.push_back(line);
-    }
-  }
-  json j;
-  j["version"] = "1.0";
-  j["added_tokens"] = added;
-  j["normalizer"] = {{"type", "NFC"}};
-  j["pre_tokenizer"] = {
-      {"type", "Sequence"},
-      {"pretokenizers",
-       json::array(
-           {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
-            {{"type", "ByteLevel"},
-             {"add_prefix_space", false},
-             {"trim_offsets", false},
-             {"use_regex", false}}})}};
-  j["post_processor"] = {
-      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
-  j["decoder"] = {
-      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
-  j["model"] = {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", nullptr},
-                {"byte_fallback", false},
-                {"ignore_merges", ignore_merges},
-                {"vocab", json::parse(test::read_file(vocab_path))},
-                {"merges", merges}};
-  const std::string dir =
-      (std::filesystem::temp_directory_path() /
-       ("kestrel_tokjson_" + std::to_string(::getpid()) + "_" + std::to_string(ignore_merges)))
-          .string();
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir + "/tokenizer.json", std::ios::binary) << j.dump();
-  return dir;
-}
-
+// The same vocabularies written as a Hugging Face tokenizer.json (test::write_tokenizer_json), to
+// test that loader at full size.
 TEST(TokVectors, Qwen2FromTokenizerJson) {
   const std::string src = test::data_dir() + "/qwen2-bpe-vocab";
   KESTREL_REQUIRE_FILE(src + "/vocab.json");
