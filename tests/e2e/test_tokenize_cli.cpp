@@ -4,11 +4,13 @@
 // ../shared/data/tokenizer-vectors/README.md) for a spread of the vector inputs; a tokenizer kestrel
 // does not implement must be named in the error.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <utility>
 
 #include "gguf_builder.h"
 #include "io/gguf.h"
