@@ -13,7 +13,9 @@
 #include <random>
 #include <thread>
 
+#include "backend/cpu/matmul.h"
 #include "core/cpu_features.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "tokenizer/tokenizer_source.h"
 
@@ -23,7 +25,7 @@ namespace fs = std::filesystem;
 
 std::string resolve_model_path(const std::string& flag) {
   if (!flag.empty()) return flag;
-  if (const char* env = std::getenv("KESTREL_MODEL"); env != nullptr && *env != '\0') return env;
+  if (auto env = env_var(EnvVar::Model)) return *env;
   std::vector<fs::path> dirs = {fs::current_path() / "models"};
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
@@ -105,11 +107,73 @@ void DeviceFlags::add_to(CLI::App& app) {
       ->check(CLI::Range(0.05, 1.0))
       ->capture_default_str();
   app.add_flag("--enforce-eager", enforce_eager, "CUDA: launch every step's kernels eagerly (no CUDA graphs)");
+
+  // Kernel choices, for measuring one path against another; the defaults are the fastest measured.
+  // The CPU ones are process-wide and take effect as they are parsed.
+  const auto on_off = CLI::IsMember({"on", "off"});
+  auto toggle = [&](const char* name, bool& field, const std::string& help) {
+    app.add_option_function<std::string>(name, [&field](const std::string& v) { field = v == "on"; }, help)
+        ->check(on_off)
+        ->default_str(field ? "on" : "off")
+        ->group("Kernel choices (measurements)");
+  };
+  app.add_option_function<std::string>(
+         "--cpu-isa",
+         [](const std::string& v) {
+           if (v != "auto") set_simd_level_cap(*parse_simd_level(v));
+         },
+         "CPU: highest SIMD path the kernels may use (auto = the best the CPU has)")
+      ->check(CLI::IsMember({"auto", "avx512", "avx2", "scalar"}))
+      ->default_str("auto")
+      ->group("Kernel choices (measurements)");
+  app.add_flag_callback("--no-amx", [] { cpu::set_amx_enabled(false); },
+                        "CPU: keep prompt processing off the AMX tiles (the AVX-512 VNNI kernels instead)")
+      ->group("Kernel choices (measurements)");
+  CudaTuning& t = cuda;
+  toggle("--cuda-stream-gemv", t.stream_gemv, "CUDA: streaming GEMV for one- and two-token projections");
+  app.add_option("--cuda-stream-gemv-stages", t.stream_gemv_stages, "CUDA: its pipeline stages; 0 = the kernel's default")
+      ->check(CLI::IsMember({0, 3, 4, 6}))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  app.add_option("--cuda-stream-gemv-min-mb", t.stream_gemv_min_mb,
+                 "CUDA: smallest weight (MiB of bf16) the streaming GEMV takes; smaller ones use the skinny GEMM")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  toggle("--cuda-fused-norm", t.fused_norm, "CUDA: residual add + RMSNorm inside the streaming GEMV");
+  toggle("--cuda-fused-rope", t.fused_rope, "CUDA: RoPE and the K/V write inside decode attention");
+  app.add_option("--cuda-skinny-max-tokens", t.skinny_max_tokens,
+                 "CUDA: token counts up to which small projections use the skinny GEMM; 0 = never")
+      ->check(CLI::Range(int64_t{0}, int64_t{16}))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  toggle("--cuda-gemm-tune", t.gemm_tune, "CUDA: time cuBLASLt's algorithms for each decode batch size");
+  toggle("--cuda-gemm-split-k", t.gemm_split_k, "CUDA: split-K variants among the timed algorithms");
+  toggle("--cuda-pdl", t.pdl, "CUDA: programmatic dependent launch between kernels");
+  app.add_option("--cuda-attn-decode-stages", t.attn_decode_stages,
+                 "CUDA: K/V tile stages of decode attention; 0 = chosen by batch size")
+      ->check(CLI::IsMember({0, 2, 3}))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  app.add_option("--cuda-attn-items-per-block", t.attn_items_per_block,
+                 "CUDA: split-KV decode, k in ceil(k x resident blocks / items) splits; 0 = the measured rule")
+      ->check(CLI::Range(int64_t{0}, int64_t{64}))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  app.add_option("--cuda-attn-min-split-tiles", t.attn_min_split_tiles,
+                 "CUDA: split-KV decode, 64-key tiles per split at least; 0 = the measured rule")
+      ->check(CLI::Range(int64_t{0}, int64_t{4096}))
+      ->capture_default_str()
+      ->group("Kernel choices (measurements)");
+  app.add_flag("--cuda-profile-ops", t.profile_ops,
+               "CUDA: time every op of every pass (eagerly, no graphs), print per-op totals and GEMM tuning picks at exit")
+      ->group("Kernel choices (measurements)");
 }
 
 void DeviceFlags::apply(RunnerOptions& o) const {
   o.gpu_memory_utilization = gpu_memory_utilization;
   o.enforce_eager = enforce_eager;
+  o.cuda = cuda;
 }
 
 std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaModel& model,

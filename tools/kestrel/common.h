@@ -50,6 +50,9 @@ struct DeviceFlags {
   std::string device = "cpu";
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;  // CUDA: no CUDA graphs (RunnerOptions::enforce_eager)
+  CudaTuning cuda;             // CUDA: kernel choices (--cuda-*)
+  // Adds --device and the backends' flags, --cpu-isa and --no-amx among them: those two are
+  // process-wide and applied as they are parsed.
   void add_to(CLI::App& app);
   void apply(RunnerOptions& o) const;  // fills the device options of o
 };
