@@ -131,6 +131,17 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
                 "HTTP/" + std::to_string(head.version / 10) + "." + std::to_string(head.version % 10) +
                     " is not supported; send HTTP/1.1 or HTTP/1.0",
                 "http_version_not_supported");
+  if (head.has_transfer_encoding && trim(head.transfer_encoding).empty())
+    return fail(400, "Transfer-Encoding is empty; send chunked or leave the field out", "bad_transfer_encoding");
+  size_t chunked_codings = 0;
+  for (std::string_view list = head.transfer_encoding; !list.empty();) {
+    const size_t comma = list.find(',');
+    if (iequals(trim(list.substr(0, comma)), "chunked")) ++chunked_codings;
+    list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+  }
+  if (chunked_codings > 1)
+    return fail(400, "chunked is applied more than once in Transfer-Encoding (RFC 9112 6.1 forbids it)",
+                "bad_transfer_encoding");
   if (!head.transfer_encoding.empty() && !iequals(trim(head.transfer_encoding), "chunked"))
     return fail(501,
                 "Transfer-Encoding: " + shown_value(head.transfer_encoding) +
@@ -141,6 +152,11 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
                 "the request has " + std::to_string(head.header_count) + " header fields; at most " +
                     std::to_string(limits.max_header_count) + " are allowed",
                 "request_header_fields_too_large");
+  if (head.authorization_count > 1)
+    return fail(400,
+                "the request has " + std::to_string(head.authorization_count) +
+                    " Authorization header fields; send at most one",
+                "bad_authorization");
   if (head.host_count > 1)
     return fail(400, "the request has " + std::to_string(head.host_count) + " Host header fields; send exactly one",
                 "bad_host");

@@ -53,6 +53,8 @@ struct HeadFields {
   size_t host_count = 0;    // Host fields in the head
   std::string_view content_type, content_encoding, authorization;  // "" when absent
   std::string_view transfer_encoding;       // "" when absent (Beast refuses two such fields itself)
+  bool has_transfer_encoding = false;       // the field is present (its value may be empty)
+  size_t authorization_count = 0;           // Authorization fields in the head
   std::optional<uint64_t> content_length;  // absent: none or chunked
   bool chunked = false;                    // Transfer-Encoding: chunked
   size_t header_count = 0;
@@ -64,9 +66,11 @@ struct HeadDecision {
   std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
 };
 
-// Checks in this order: HTTP version (505 unless 1.0 or 1.1); Transfer-Encoding (501 unless absent
-// or exactly "chunked": RFC 9112 6.3, a request whose final coding is not chunked cannot be framed,
+// Checks in this order: HTTP version (505 unless 1.0 or 1.1); Transfer-Encoding (400 when present
+// with an empty value or with chunked listed more than once, RFC 9112 6.1; 501 unless absent or
+// exactly "chunked": RFC 9112 6.3, a request whose final coding is not chunked cannot be framed,
 // and reading its body as empty would take the body for the next request); header count (431);
+// more than one Authorization field (400: which credential counts would be a guess);
 // Host (400, RFC 9112 3.2: none in an HTTP/1.1 request, more than one, or a value that is not a
 // uri-host[:port]); target (400 unless origin-form or absolute-form, see target_path) and route
 // (404); API key on /v1/* when api_key is not empty (401, RFC 7235 credentials: scheme "Bearer" in

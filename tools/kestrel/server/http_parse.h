@@ -7,6 +7,8 @@
 #include <boost/beast/http/parser.hpp>
 #include <boost/beast/http/string_body.hpp>
 
+#include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -25,7 +27,7 @@ void limit_body(RequestParser& parser, const HttpLimits& limits);
 // The fields check_head reads; views into parser's head (valid while it lives).
 HeadFields head_fields(const RequestParser& parser);
 
-// Line endings (RFC 9112 2.2): every line of the head, chunk-size lines and trailer fields must end
+// Line endings (RFC 9112 2.2): a CR must be followed by LF (a bare CR is refused: 400); every line of the head, chunk-size lines and trailer fields must end
 // in CRLF. A bare LF is refused with 400 rather than taken as a line end (which the RFC allows as a
 // MAY): an intermediary that does not split lines there would frame the request differently, and
 // Beast itself neither accepts it (a request line ending in LF read as a bad version) nor rejects it
@@ -36,7 +38,30 @@ HeadFields head_fields(const RequestParser& parser);
 std::optional<HttpError> check_line_endings(std::string_view unparsed, bool in_body);
 
 // The answer to a parse error (header or body), or nullopt for one that needs none: the client
-// closed or reset the connection before a request began.
-std::optional<HttpError> parse_error(const boost::beast::error_code& ec, const HttpLimits& limits, bool in_body);
+// closed or reset the connection before a request began. `chunked`: the parser had already seen
+// Transfer-Encoding: chunked (tells a second chunked coding from a Content-Length conflict).
+std::optional<HttpError> parse_error(const boost::beast::error_code& ec, const HttpLimits& limits, bool in_body,
+                                     bool chunked = false);
+
+// Where a chunked body's parser stands between reads: the chunk-data octets still to come, and
+// whether a chunk has been read (its data is then followed by a CRLF before the next chunk-size).
+struct ChunkPosition {
+  uint64_t left = 0;
+  bool after_chunk = false;
+  // The parser's chunk callbacks (Beast keeps references to them).
+  std::function<void(std::uint64_t, boost::beast::string_view, boost::beast::error_code&)> on_header;
+  std::function<std::size_t(std::uint64_t, boost::beast::string_view, boost::beast::error_code&)> on_body;
+};
+
+// Before the body: stores chunk data in the body itself and keeps `pos` up to date (`pos` must
+// outlive the parser's use).
+void track_chunks(RequestParser& parser, ChunkPosition& pos);
+
+// Feeds body bytes to the parser (which must have been set up with track_chunks when chunked) and
+// returns how many were used. The trailer section of a chunked body is checked to be field lines
+// and then discarded, never given to the parser: RFC 9110 6.5.1 forbids merging trailer fields
+// into the header, and Beast would merge them, reading Connection, Content-Length and
+// Transfer-Encoding there as framing.
+size_t put_body(RequestParser& parser, const ChunkPosition& pos, std::string_view data, boost::beast::error_code& ec);
 
 }  // namespace kestrel::cli

@@ -249,11 +249,16 @@ void HttpSession::parse_buffered() {
     const auto data = buffer_.data();
     const std::string_view unparsed(static_cast<const char*>(data.data()), data.size());
     if (!in_body) {
+      if (!parser_->got_some() && unparsed.substr(0, 2) == "\r\n") {
+        buffer_.consume(2);  // RFC 9112 2.2: empty lines before the request-line are ignored
+        continue;
+      }
+      if (!parser_->got_some() && unparsed == "\r") break;  // its LF is still to come
       if (auto e = check_line_endings(unparsed, false)) return send_error_and_close(*e);
     }
     if (unparsed.empty()) break;
     error_code ec;
-    const size_t used = parser_->put(data, ec);
+    const size_t used = in_body ? put_body(*parser_, chunk_pos_, unparsed, ec) : parser_->put(data, ec);
     buffer_.consume(used);
     if (ec && ec != http::error::need_more) return on_parse_error(ec, in_body);
     if (!in_body && parser_->is_header_done()) return on_head();
@@ -285,6 +290,8 @@ void HttpSession::on_head() {
     if (http11_ && !parser_->is_done()) queue_write("HTTP/1.1 100 Continue\r\n\r\n");
   }
   limit_body(*parser_, ctx_.limits);
+  chunk_pos_ = ChunkPosition{};
+  track_chunks(*parser_, chunk_pos_);
   parser_->eager(true);  // each put parses all the body data it is given
   phase_ = Phase::Body;
   arm(ctx_.limits.body_timeout);
@@ -318,7 +325,7 @@ void HttpSession::on_parse_error(const error_code& ec, bool in_body) {
                                               std::to_string(limit.count() / 1000.0).substr(0, 4) + " s",
                                           "request_timeout", "invalid_request_error", ""});
   }
-  const auto e = parse_error(ec, ctx_.limits, in_body || (parser_ && parser_->got_some()));
+  const auto e = parse_error(ec, ctx_.limits, in_body || (parser_ && parser_->got_some()), parser_ && parser_->chunked());
   if (!e) return close();
   if (ec == asio::error::eof || ec == http::error::end_of_stream) peer_eof_ = true;
   send_error_and_close(*e);

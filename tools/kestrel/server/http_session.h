@@ -156,6 +156,7 @@ class HttpSession : public std::enable_shared_from_this<HttpSession> {
   const uint64_t id_;
   boost::beast::flat_buffer buffer_;
   std::optional<RequestParser> parser_;
+  ChunkPosition chunk_pos_;  // the body's chunk framing, while parser_ reads a chunked body
   boost::asio::steady_timer deadline_, write_timer_, probe_timer_;
   uint64_t deadline_gen_ = 0;
   Phase phase_ = Phase::Idle;
