@@ -314,6 +314,44 @@ TEST(OpenAiRequest, AssistantToolCallsWithNullContent) {
                          deep + R"("}}]}]})", RequestApi::Chat), "messages[0].tool_calls[0].function.arguments");
 }
 
+// A tool call's arguments are held to the body's limits (they had only the nesting limit, and a
+// 200,000-key object took minutes to parse); within them, keys keep the order written and a
+// repeated key keeps its first place and its last value.
+TEST(OpenAiRequest, ToolCallArgumentsLimitsAndKeyOrder) {
+  const auto body = [](const std::string& args) {
+    return R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": )" +
+           Json(args).dump() + "}}]}]}";
+  };
+  std::string many = "{";
+  for (int i = 0; i < 70000; ++i) many += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":0";
+  many += "}";
+  try {
+    parse(body(many), RequestApi::Chat);
+    ADD_FAILURE() << "70,000 argument keys passed";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "messages[0].tool_calls[0].function.arguments");
+    EXPECT_EQ(std::string(e.what()),
+              "messages[0].tool_calls[0].function.arguments has more than 65536 object keys (the key limit)");
+  }
+  const auto args = [&](const std::string& text) {
+    return parse(body(text), RequestApi::Chat).messages_json[0]["tool_calls"][0]["function"]["arguments"].dump();
+  };
+  EXPECT_EQ(args(R"({"z": 1, "a": {"y": [1, {"c": 2, "b": 3}], "x": null}, "m": "s"})"),
+            R"({"z":1,"a":{"y":[1,{"c":2,"b":3}],"x":null},"m":"s"})");
+  EXPECT_EQ(args(R"({"b": 1, "a": 2, "b": 3})"), R"({"b":3,"a":2})");
+  EXPECT_EQ(args(R"([{"b": 1}, 2])"), R"([{"b":1},2])");
+  EXPECT_EQ(args(std::string("{\"a\": 1}") + '\0' + "x"), "{}");  // not JSON (a raw NUL byte): {} as for any other text
+  EXPECT_EQ(args(R"({"a": 1)"), "{}");
+}
+
+// A body's repeated key: the last value wins (nlohmann's rule, and Python's json.loads').
+TEST(OpenAiRequest, RepeatedBodyKeyLastWins) {
+  const OpenAiRequest r = parse(R"({"prompt": "a", "max_tokens": 3, "prompt": "b"})", RequestApi::Completions);
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0].text, "b");
+  EXPECT_EQ(r.max_tokens, 3);
+}
+
 // response_format, tools / tool_choice, best_of and suffix used to be ignored: an answer the client
 // took for what it asked. Now: served as vLLM serves them, or a 400 naming the field.
 TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {

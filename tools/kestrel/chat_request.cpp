@@ -44,19 +44,11 @@ std::string content_text(const std::string& field, const json& v) {
 }
 
 // The value of a tool call's arguments text; {} when the text is not JSON (vLLM's choice: a
-// conversation replayed with a model's malformed call still renders). The text nests no deeper
-// than a request body may (JsonLimits::max_depth), as the template walks the value recursively.
+// conversation replayed with a model's malformed call still renders). The text is held to a request
+// body's limits (JsonLimits: depth, as the template walks the value recursively; keys and values).
 Json arguments_value(const std::string& field, const std::string& text) {
-  const int max_depth = JsonLimits{}.max_depth;
-  const Json::parser_callback_t limit = [&](int depth, Json::parse_event_t event, Json&) {
-    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) &&
-        depth >= max_depth)
-      throw RequestError(field, field + " nests arrays and objects deeper than " + std::to_string(max_depth) +
-                                    " levels (the nesting limit)");
-    return true;
-  };
-  Json value = Json::parse(text, limit, /*allow_exceptions=*/false);
-  return value.is_discarded() ? Json::object() : value;
+  std::optional<Json> value = parse_ordered_json(text, field, field);
+  return value ? std::move(*value) : Json::object();
 }
 
 // An assistant message's tool_calls as the template sees them (see parse_chat_messages).

@@ -59,11 +59,21 @@ struct JsonLimits {
   size_t max_values = 1 << 20;    // JSON values in the whole body (containers included)
 };
 
-// Parses a request body (RFC 8259 JSON, UTF-8) with nlohmann's iterative parser and a callback
-// that counts depth, keys and values as they arrive: nothing recurses once per nesting level.
-// Throws RequestError (param "") whose message names the limit and its value ("... deeper than 64
-// levels (the nesting limit)"), or "invalid JSON body: <parser message>".
+// Parses a request body (RFC 8259 JSON, UTF-8) with nlohmann's iterative SAX parser and a handler
+// that counts depth, keys and values as they arrive and builds the value in time linear in the
+// body (nothing recurses once per nesting level; a repeated key's last value wins). Throws
+// RequestError (param "") whose message names the limit and its value ("the request body nests
+// arrays and objects deeper than 64 levels (the nesting limit)"), or "invalid JSON body: <parser
+// message>".
 RequestJson parse_request_body(std::string_view body, const JsonLimits& limits = {});
+
+// JSON text inside a request (a tool call's `arguments`) parsed as parse_request_body parses a
+// body, into an ordered_json that keeps the keys in the order written (as Python's json.loads
+// does; a template's tojson shows that order). A repeated key keeps its first place and its last
+// value. Returns nullopt when text is not JSON (a raw NUL byte included); throws RequestError
+// (param) "<subject> has more than 65536 object keys (the key limit)" and the like past a limit.
+std::optional<Json> parse_ordered_json(std::string_view text, const std::string& param, const std::string& subject,
+                                       const JsonLimits& limits = {});
 
 // A completions prompt: text (tokenized with the model's BOS), or token ids used as given.
 struct PromptInput {
