@@ -2,7 +2,9 @@
 
 import subprocess
 
-from conftest import kestrel_binary
+import pytest
+
+from conftest import kestrel_binary, stories_model
 from sse import stream_events
 
 
@@ -50,3 +52,31 @@ def test_cli_chat_renders_the_same_template(templated_server):
     refused = subprocess.run(cmd + ["--system", "Be brief.", "-p", "Hi"], capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0
     assert "This model does not take a system message" in refused.stderr
+
+
+def test_template_that_does_not_parse_fails_at_start_up(tmp_path):
+    # It used to start and then answer every chat request with a 400 that blamed `messages`.
+    pytest.importorskip("gguf")
+    import gguf
+    import numpy as np
+    src = gguf.GGUFReader(str(stories_model()))
+    dst = tmp_path / "bad_template.gguf"
+    w = gguf.GGUFWriter(str(dst), src.fields["general.architecture"].contents())
+    for name, f in src.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "tokenizer.chat_template"):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+    w.add_string("tokenizer.chat_template", "{{ messages | no_such_filter }}")
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    p = subprocess.run([str(kestrel_binary()), "serve", "-m", str(dst), "--port", "0"], capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode != 0
+    assert "chat template" in p.stderr and "no_such_filter" in p.stderr, p.stderr

@@ -80,6 +80,9 @@ void run_serve(ServeArgs a) {
   if (a.server.served_model_name.empty()) a.server.served_model_name = default_model_name(path);
   const std::unique_ptr<Engine> engine = a.engine.make_engine(lm);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
+  // A template that does not parse would fail every chat request with an error that is not the client's.
+  if (!format.template_error.empty())
+    throw Error("the model's chat template (tokenizer.chat_template) does not parse: " + format.template_error);
   const EngineConfig& config = engine->config();
 
   ServerMetrics metrics;
