@@ -27,7 +27,7 @@ BpeModel::BpeModel(std::shared_ptr<const Vocab> vocab,
   }
 }
 
-void BpeModel::encode(std::string_view text, std::vector<int32_t>* out) const {
+void BpeModel::encode(std::string_view text, std::vector<int32_t>* out, const std::atomic<bool>* cancel) const {
   std::string prefixed;
   if (options_.add_prefix_space && text.front() != ' ') {
     prefixed.reserve(text.size() + 1);
@@ -36,10 +36,20 @@ void BpeModel::encode(std::string_view text, std::vector<int32_t>* out) const {
   }
   std::vector<std::string_view> pieces;
   pre_.split(text, &pieces);
-  for (std::string_view piece : pieces) encode_piece(piece, out);
+  uint32_t since_check = 0;
+  for (std::string_view piece : pieces) {
+    // Pieces are mostly a few bytes: the flag is read once per kCancelCheckEvery of them.
+    since_check += 1;
+    if (since_check >= kCancelCheckEvery) {
+      since_check = 0;
+      check_cancel(cancel);
+    }
+    encode_piece(piece, out, cancel);
+  }
 }
 
-void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* out) const {
+void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* out,
+                            const std::atomic<bool>* cancel) const {
   if (options_.ignore_merges) {
     if (const std::optional<int32_t> id = vocab_->find(byte_level_encode(piece))) {
       out->push_back(*id);
@@ -87,7 +97,13 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* out) c
   };
   for (int32_t i = 0; i + 1 < n; ++i) try_add(i, i + 1);
 
+  // One piece may be megabytes long (a run of letters): its merges are where the time goes.
+  uint32_t since_check = 0;
   while (!queue.empty()) {
+    if (++since_check == kCancelCheckEvery) {
+      since_check = 0;
+      check_cancel(cancel);
+    }
     const Candidate c = queue.top();
     queue.pop();
     Symbol& left = syms[c.left];

@@ -31,7 +31,8 @@ class BpeModel final : public TokenizerModel {
   BpeModel(std::shared_ptr<const Vocab> vocab, const std::vector<std::pair<std::string, std::string>>& merges,
            PreTokenizer pre, BpeOptions options, int32_t unk_id);
 
-  void encode(std::string_view text, std::vector<int32_t>* out) const override;
+  void encode(std::string_view text, std::vector<int32_t>* out,
+              const std::atomic<bool>* cancel) const override;
   std::string normal_token_bytes(const TokenData& token) const override;
 
   size_t n_merges() const { return merges_.size(); }
@@ -44,7 +45,7 @@ class BpeModel final : public TokenizerModel {
   static uint64_t pair_key(int32_t a, int32_t b) {
     return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
   }
-  void encode_piece(std::string_view piece, std::vector<int32_t>* out) const;
+  void encode_piece(std::string_view piece, std::vector<int32_t>* out, const std::atomic<bool>* cancel) const;
 
   std::shared_ptr<const Vocab> vocab_;
   PreTokenizer pre_;

@@ -32,7 +32,7 @@ std::optional<int32_t> SpmModel::find_piece(std::string_view text) const {
   return id;
 }
 
-void SpmModel::encode(std::string_view text, std::vector<int32_t>* out) const {
+void SpmModel::encode(std::string_view text, std::vector<int32_t>* out, const std::atomic<bool>* cancel) const {
   std::string s;
   s.reserve(text.size() + 3 * 8);
   if (add_space_prefix_) s.append(kSpace);
@@ -81,7 +81,12 @@ void SpmModel::encode(std::string_view text, std::vector<int32_t>* out) const {
   };
   for (size_t i = 1; i < syms.size(); ++i) try_add(static_cast<int32_t>(i - 1), static_cast<int32_t>(i));
 
+  uint32_t since_check = 0;
   while (!queue.empty()) {
+    if (++since_check == kCancelCheckEvery) {
+      since_check = 0;
+      check_cancel(cancel);
+    }
     const Bigram bg = queue.top();
     queue.pop();
     Symbol& left = syms[bg.left];

@@ -21,7 +21,8 @@ class SpmModel final : public TokenizerModel {
  public:
   SpmModel(std::shared_ptr<const Vocab> vocab, int32_t unk_id, bool add_space_prefix);
 
-  void encode(std::string_view text, std::vector<int32_t>* out) const override;
+  void encode(std::string_view text, std::vector<int32_t>* out,
+              const std::atomic<bool>* cancel) const override;
   std::string normal_token_bytes(const TokenData& token) const override;
   bool strips_leading_space() const override { return add_space_prefix_; }
 

@@ -133,7 +133,8 @@ std::optional<Tokenizer::Cut> Tokenizer::find_added(std::string_view text, size_
   return std::nullopt;
 }
 
-std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, bool parse_special) const {
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, bool parse_special,
+                                       const std::atomic<bool>* cancel) const {
   std::string clean;
   if (!utf8_is_valid(text)) {
     clean = utf8_sanitize(text);
@@ -146,7 +147,8 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special, 
   while (pos < text.size()) {
     const std::optional<Cut> cut = find_added(text, pos, parse_special);
     const size_t end = cut ? cut->start : text.size();
-    if (end > pos) model_->encode(text.substr(pos, end - pos), &out);
+    check_cancel(cancel);
+    if (end > pos) model_->encode(text.substr(pos, end - pos), &out, cancel);
     if (!cut) break;
     out.push_back(cut->id);
     pos = cut->start + cut->len;

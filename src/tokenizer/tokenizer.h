@@ -12,7 +12,9 @@
 // are the Hugging Face tokenizers' ids.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
@@ -28,6 +30,13 @@ namespace kestrel {
 
 class GgufFile;
 class TokenizerModel;
+
+// What Tokenizer::encode throws when its cancel flag is set: the caller gave the work up (a client
+// that left, a server that stops). Not a kestrel::Error: the input was not at fault.
+class EncodeCancelled : public std::exception {
+ public:
+  const char* what() const noexcept override { return "tokenizer: encoding cancelled"; }
+};
 
 enum class TokenizerKind {
   SPM,  // SentencePiece BPE with scores and byte fallback
@@ -107,8 +116,11 @@ class Tokenizer {
 
   // Token ids of `text`. add_special adds BOS / EOS where the model asks for them (add_bos() /
   // add_eos()); parse_special turns special-token text such as "<|im_start|>" into its token.
-  // Thread-safe (const, no shared mutable state).
-  std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special) const;
+  // Thread-safe (const, no shared mutable state). cancel: when given, a flag read while encoding
+  // (every few thousand merge steps or pieces, so within milliseconds); once it is set, encode
+  // throws EncodeCancelled. The ids do not depend on it.
+  std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special,
+                              const std::atomic<bool>* cancel = nullptr) const;
 
   // Text of a token sequence, always valid UTF-8 (bytes that do not form UTF-8 become U+FFFD).
   // skip_special drops CONTROL/UNKNOWN/UNUSED tokens; otherwise they appear as their text.

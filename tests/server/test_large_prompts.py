@@ -1,15 +1,17 @@
 """Large prompts and repeated prompt work: tokenizing megabytes runs off the event loop (/health
 answers meanwhile), text longer than max_model_len tokens can cover is refused before it is
-tokenized, and echo + logprobs with n computes the prompt's logprobs once."""
+tokenized, echo + logprobs with n computes the prompt's logprobs once and the logprob volume is
+bounded; big /tokenize requests neither hold up generations nor the shutdown."""
 
 import json
+import socket
 import threading
 import time
 
 import pytest
 import requests
 
-from conftest import STORIES_CTX
+from conftest import STORIES_CTX, Server, kestrel_binary, require, smollm2_model, stories_model
 from sse import stream_events
 
 C = "/v1/completions"
@@ -162,3 +164,100 @@ def test_echo_logprobs_with_n_computes_the_prompt_once(server, stream):
             assert a == pytest.approx(b, abs=1e-4)
     assert all(g == got[0] for g in got)  # the very same echo in every choice
     assert prompt_logprob_tokens(server) - before == n_prompt - 1
+
+
+# SmolLM2's byte-level BPE takes about 8 s for 8 MB of one letter (a single pre-tokenizer piece of
+# 8 million bytes), stories260K a few seconds: long enough for the timings below to tell.
+HEAVY_TEXT = "a" * 8_000_000
+
+
+def heavy_server():
+    """A server of its own (the tests stop it), on SmolLM2 when present, else stories260K."""
+    require(kestrel_binary())
+    model = smollm2_model() if smollm2_model().exists() else stories_model()
+    require(model)
+    return Server(model, "--max-model-len", "512")
+
+
+def send_raw(server, path, body):
+    """Sends a request without waiting for its answer; returns the socket (keep it open)."""
+    s = socket.create_connection(("127.0.0.1", server.port))
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    s.sendall(head.encode() + body)
+    return s
+
+
+# The preparation threads were one FIFO queue: eight 8 MB /tokenize (8 s each) made a 1-token
+# completion sent a second later wait 57 s. /tokenize and /detokenize now have threads of their own,
+# so a completion is prepared at once whatever they queue.
+def test_a_completion_does_not_wait_for_big_tokenize_requests():
+    s = heavy_server()
+    socks = []
+    try:
+        body = json.dumps({"prompt": HEAVY_TEXT}).encode()
+        socks = [send_raw(s, "/tokenize", body) for _ in range(8)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        r = s.post(C, {"prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}, timeout=120)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["completion_tokens"] == 1
+        assert elapsed < 5.0, elapsed
+    finally:
+        for sock in socks:
+            sock.close()
+        t0 = time.monotonic()
+        rc, out = s.stop(timeout=60)
+        assert rc == 0, out
+        assert time.monotonic() - t0 < 4.0
+
+
+# SIGTERM waited for the tokenizations running on the pool (14.5 s for eight 8 MB /tokenize; the
+# README promises about 3 s). The pool now sets the running jobs' cancel flags and the tokenizer
+# stops at its next check.
+def test_sigterm_does_not_wait_for_big_tokenize_requests():
+    s = heavy_server()
+    body = json.dumps({"prompt": HEAVY_TEXT}).encode()
+    socks = [send_raw(s, "/tokenize", body) for _ in range(6)]
+    try:
+        time.sleep(1.0)  # the bodies are in and being tokenized
+        assert s.proc.poll() is None
+        t0 = time.monotonic()
+        rc, out = s.stop(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert rc == 0, out
+        assert elapsed < 4.0, elapsed
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# n x (echoed prompt + max_tokens) x (logprobs + 1) entries: a 2.6 KB request (4 prompts of 150 words,
+# n = 128, echo, logprobs 20, max_tokens 1) made a 134 MB response. Now it is refused, naming the fields.
+def test_logprob_volume_is_bounded(server):
+    prompt = " ".join(f"w{i}" for i in range(150))
+    body = {"prompt": [prompt] * 4, "n": 128, "echo": True, "logprobs": 20, "max_tokens": 1}
+    r = server.post(C, body)
+    assert r.status_code == 400, r.text[:300]
+    e = r.json()["error"]
+    assert e["param"] == "logprobs"
+    assert "more than the 1048576 one request may" in e["message"], e["message"]
+    assert "n (128)" in e["message"] and "(logprobs + 1) (21)" in e["message"], e["message"]
+    # Chat counts max_tokens (unset: the rest of the context) and names top_logprobs.
+    r = server.post(CH, {"messages": [{"role": "user", "content": "Hi"}], "n": 64, "logprobs": True,
+                         "top_logprobs": 20})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "top_logprobs"
+
+
+# What lm-eval asks (one choice, the whole prompt echoed with logprobs 5) is served as before, up to the
+# context.
+def test_scoring_a_long_prompt_is_within_the_logprob_bound(server):
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside. " * 60
+    r = server.post(C, {"prompt": prompt, "echo": True, "logprobs": 5, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text[:300]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert n_prompt > 1000
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + 1
+    assert all(5 <= len(t) <= 6 for t in lp["top_logprobs"][1:]), lp["top_logprobs"][1]  # the chosen token may add one

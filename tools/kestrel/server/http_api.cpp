@@ -72,8 +72,10 @@ std::optional<HttpResponse> check_model(const ApiState& api, const RequestJson& 
 // POST /tokenize (vLLM): {"prompt": str, "add_special_tokens": bool = true} or {"messages": [...],
 // "add_generation_prompt": bool = true, "add_special_tokens": bool} -> {"count", "max_model_len",
 // "tokens", "token_strs": null}. Messages get the server's chat prompt: without add_special_tokens,
-// BOS as chat requests get it (none when the template writes it).
-HttpResponse tokenize(ApiState& api, const std::string& body) {
+// BOS as chat requests get it (none when the template writes it). There is no size bound (vLLM has
+// none): this runs on the pool's own tokenizer threads, and stops (EncodeCancelled) once *cancel is
+// set.
+HttpResponse tokenize(ApiState& api, const std::string& body, const std::atomic<bool>* cancel) {
   RequestJson j;
   if (auto e = parse_object(body, &j)) return *e;
   if (auto e = check_model(api, j)) return *e;
@@ -86,11 +88,11 @@ HttpResponse tokenize(ApiState& api, const std::string& body) {
     if (has_prompt) {
       const RequestJson& p = j["prompt"];
       if (!p.is_string()) throw RequestError("prompt", "prompt must be a string, got " + shown(p));
-      ids = tok.encode(p.get_ref<const std::string&>(), bool_field(j, "add_special_tokens", true), true);
+      ids = tok.encode(p.get_ref<const std::string&>(), bool_field(j, "add_special_tokens", true), true, cancel);
     } else {
       const OpenAiRequest r = parse_openai_request(RequestJson{{"messages", j["messages"]}}, RequestApi::Chat);
       const std::string text = render_chat(api.format, r.messages_json, bool_field(j, "add_generation_prompt", true));
-      ids = tok.encode(text, bool_field(j, "add_special_tokens", !api.format.starts_with_bos(text)), true);
+      ids = tok.encode(text, bool_field(j, "add_special_tokens", !api.format.starts_with_bos(text)), true, cancel);
     }
   } catch (const RequestError& e) {
     return error_json(400, e.what(), e.param());
@@ -145,8 +147,9 @@ HttpResponse tokenizer_info(const ApiState& api) {
 // Bodies above this size leave freed memory that glibc keeps; it is handed back once answered.
 constexpr size_t kTrimAbove = size_t{1} << 20;
 
-// A request whose answer is computed on a WorkPool thread (tokenizing megabytes takes seconds): the
-// connection keeps its place (pipelined requests wait), and a client that leaves first skips it.
+// A request whose answer is computed on a WorkPool tokenizer thread (tokenizing megabytes takes
+// seconds): the connection keeps its place (pipelined requests wait), and a client that leaves (or a
+// server that stops) cancels it, before it starts or while it tokenizes.
 struct OffloadedRequest : RequestHandler {
   std::atomic<bool> cancelled{false};
   void cancel() override { cancelled = true; }
@@ -158,12 +161,14 @@ void answer_off_loop(const std::shared_ptr<HttpSession>& session, std::string bo
   session->attach(pending);
   WorkPool::of(session->executor())
       .run(
-          session->executor(),
+          WorkLane::Tokenizer, session->executor(), &pending->cancelled,
           [pending, body = std::move(body), answer = std::move(answer)]() mutable {
             HttpResponse r;
             if (pending->cancelled) return r;
             try {
-              r = answer(body);
+              r = answer(body, &pending->cancelled);
+            } catch (const EncodeCancelled&) {  // nobody waits for the answer (done drops it)
+              r = HttpResponse{};
             } catch (const std::exception& e) {  // not expected (bad_alloc): still an answer
               r.status = 500;
               r.body = dump(error_body(std::string("internal error: ") + e.what(), "server_error"));
@@ -232,10 +237,10 @@ void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, 
       }
       case Route::Tokenize:
         return answer_off_loop(session, std::move(req.body),
-                               [&api](const std::string& b) { return tokenize(api, b); });
+                               [&api](const std::string& b, const std::atomic<bool>* c) { return tokenize(api, b, c); });
       case Route::Detokenize:
         return answer_off_loop(session, std::move(req.body),
-                               [&api](const std::string& b) { return detokenize(api, b); });
+                               [&api](const std::string& b, const std::atomic<bool>*) { return detokenize(api, b); });
       case Route::TokenizerInfo:
         return session->respond(tokenizer_info(api));
     }

@@ -26,6 +26,12 @@ HttpResponse error_json(int status, const std::string& message, const std::strin
 // Bodies above this size leave freed memory that glibc keeps; it is handed back once prepared.
 constexpr size_t kTrimAbove = size_t{1} << 20;
 
+// The most logprob entries a request may ask for: choices x (echoed prompt tokens + max_tokens) x
+// (logprobs + 1), each entry some 60-80 bytes of JSON, so about 100 MB of response at most. Scoring
+// a 32K-token prompt with logprobs 5 (lm-eval's loglikelihood), or a chat of the whole context with
+// top_logprobs 20, stays well below it; n = 128 echoes of a prompt with logprobs 20 do not.
+constexpr uint64_t kMaxLogprobEntries = uint64_t{1} << 20;
+
 // One prompt of the request, as the engine sees it and as the response repeats it.
 struct PromptInfo {
   int64_t n_prompt = 0;
@@ -61,6 +67,8 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   Prepared prepare(const std::string& body, RequestApi which);
   // On the connection's strand: answers prepare's error or submits its requests.
   void start(Prepared p);
+  // The preparation's cancel flag (WorkPool::run).
+  std::atomic<bool>* cancel_flag() { return &cancelled_; }
   void cancel() override {
     if (cancelled_.exchange(true)) return;
     if (channel_) api_.loop.abort(channel_);  // queued after the submit: aborts whatever was admitted
@@ -79,6 +87,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   };
 
   Prepared prepare_checked(const std::string& body, RequestApi which);
+  std::optional<HttpResponse> check_logprob_volume(const OpenAiRequest& r, const std::vector<Request>& bases) const;
   std::optional<HttpResponse> check_prompt_bytes(const OpenAiRequest& r) const;
   void submit(HttpSession& s, std::vector<Request> requests);
   void on_notify();
@@ -165,6 +174,31 @@ std::optional<HttpResponse> Generation::check_prompt_bytes(const OpenAiRequest& 
   return std::nullopt;
 }
 
+// Logprobs make a response grow with n x tokens x logprobs, not with the request: a few KB may ask for
+// hundreds of MB. Checked once the prompts are tokenized (their lengths known) and fit the context, so
+// every factor is at most max_model_len, n or the logprobs bound of the parser, and the product fits
+// 64 bits. max_tokens unset counts as the rest of the context.
+std::optional<HttpResponse> Generation::check_logprob_volume(const OpenAiRequest& r,
+                                                           const std::vector<Request>& bases) const {
+  if (r.logprobs < 0) return std::nullopt;
+  uint64_t tokens = 0;
+  for (const Request& b : bases) {
+    const auto n_prompt = static_cast<int64_t>(b.prompt.size());
+    const int64_t max_tokens = r.max_tokens > 0 ? r.max_tokens : api_.max_model_len - n_prompt;
+    tokens += static_cast<uint64_t>((r.echo ? n_prompt : 0) + max_tokens);
+  }
+  const uint64_t entries = tokens * static_cast<uint64_t>(r.n) * (static_cast<uint64_t>(r.logprobs) + 1);
+  if (entries <= kMaxLogprobEntries) return std::nullopt;
+  const std::string lp = r.is_chat ? "top_logprobs" : "logprobs";
+  return error_json(400,
+                    "the request asks for " + std::to_string(entries) + " logprob entries, more than the " +
+                        std::to_string(kMaxLogprobEntries) + " one request may: n (" + std::to_string(r.n) +
+                        ") x " + (r.echo ? "(prompt tokens echoed + max_tokens)" : "max_tokens") + " (" +
+                        std::to_string(tokens) + " over all prompts) x (" + lp + " + 1) (" +
+                        std::to_string(r.logprobs + 1) + "); lower n, max_tokens or " + lp,
+                    lp);
+}
+
 Prepared Generation::prepare_checked(const std::string& body, RequestApi which) {
   Prepared out;
   if (cancelled_) return out;  // the client is gone: nothing to do
@@ -231,6 +265,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
   // its prompt (the prefix cache only shares blocks computed in earlier steps). Echo with logprobs: only
   // choice 0 computes the prompt's logprobs (every prompt position's logits row), the others prefill as usual
   // and echo choice 0's.
+  if (auto e = check_logprob_volume(r, bases)) return fail(std::move(*e));
   n_ = r.n;
   for (size_t p = 0; p < bases.size(); ++p)
     for (int32_t i = 0; i < r.n; ++i) {
@@ -336,7 +371,13 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
   }
   HttpResponse r;
   r.body = dump(full_response(header_, finals, usage()));
+  // A large answer's JSON (logprobs: a tree of small objects, many times the text's size) leaves freed
+  // memory that glibc keeps; it is handed back once the tree is gone. The text itself, this large, is
+  // its own mapping, unmapped when written.
+  const bool large = r.body.size() > kTrimAbove;
+  std::vector<FinalChoice>().swap(finals);
   respond(s, std::move(r));
+  if (large) malloc_trim(0);
 }
 
 std::string Generation::chunks_for(ChoiceOutput& co) {
@@ -445,7 +486,7 @@ void start_generation(ApiState& api, const std::shared_ptr<HttpSession>& session
   session->attach(g);  // a client that leaves while the request is prepared skips the work
   WorkPool::of(session->executor())
       .run(
-          session->executor(),
+          WorkLane::Generation, session->executor(), g->cancel_flag(),
           [g, body = std::move(body), which]() mutable {
             Prepared p = g->prepare(body, which);
             if (body.size() > kTrimAbove) {
