@@ -24,6 +24,20 @@ def kestrel_binary():
     return Path(os.environ.get("KESTREL_BINARY", REPO / "build" / "kestrel"))
 
 
+def sanitized():
+    """True when the binary is a sanitizer build: clang links the ASan runtime in (its name is in
+    the binary), gcc links libasan.so (the binary imports __asan_init)."""
+    image = kestrel_binary().read_bytes()
+    return b"AddressSanitizer" in image or b"__asan_init" in image
+
+
+def time_limit(seconds):
+    """A wall-clock bound for a test, scaled by 4 for a sanitizer build (ASan and UBSan make CPU
+    work 2-3x slower and check for leaks at exit). The bounds catch regressions of 10x or more
+    (a request queued behind others for a minute); the Release run keeps them strict."""
+    return seconds * 4 if sanitized() else seconds
+
+
 def stories_model():
     return Path(os.environ.get("KESTREL_DATA_DIR", REPO.parent / "shared" / "data")) / "stories260K" / "stories260K.gguf"
 
