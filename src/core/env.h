@@ -1,6 +1,6 @@
 // The environment variables kestrel reads, all of them. Configuration is command-line flags; the
 // environment only locates files and feeds the test harness. Every read goes through env_var()
-// (src/core/env.cpp is the one file that calls getenv; scripts/check_tree.sh fails CI otherwise).
+// (src/core/env.cpp is the one file that reads the environment; scripts/check_tree.sh fails CI otherwise).
 //
 //   KESTREL_MODEL             default model path when -m is not given (kestrel CLI)
 //   KESTREL_API_KEY           default of `kestrel serve --api-key` (read by CLI11's envname)
