@@ -19,17 +19,23 @@ const std::vector<int32_t>& KvManager::block_table(SeqId seq) const {
   return it->second.blocks;
 }
 
+int64_t KvManager::capacity(SeqId seq) const {
+  return static_cast<int64_t>(block_table(seq).size()) * block_size_;
+}
+
 KvManager::PrefixHit KvManager::find_prefix(std::span<const int32_t> tokens) const {
   PrefixHit hit;
   if (!caching_ || tokens.empty()) return hit;
   const int64_t max_blocks = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
+  uint64_t parent = 0;
   for (int64_t i = 0; i < max_blocks; ++i) {
     const auto blk = tokens.subspan(static_cast<size_t>(i * block_size_), static_cast<size_t>(block_size_));
-    const uint64_t h = block_hash(hit.last_hash, blk);
-    const int32_t b = pool_.lookup(h, hit.last_hash, blk);
+    const uint64_t h = block_hash(parent, blk);
+    const int32_t b = pool_.lookup(h, parent, blk);
     if (b < 0) break;
     hit.blocks.push_back(b);
-    hit.last_hash = h;
+    hit.hashes.push_back(h);
+    parent = h;
   }
   return hit;
 }
@@ -60,8 +66,7 @@ int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t 
   SeqBlocks& s = seqs_[seq];
   s.blocks = std::move(hit.blocks);
   s.blocks.insert(s.blocks.end(), taken.begin(), taken.end());
-  s.n_published = n_hit;
-  s.last_hash = hit.last_hash;
+  s.hashes = std::move(hit.hashes);
   if (caching_ && reuse_prefix) {
     n_queried_ += static_cast<int64_t>(tokens.size());
     n_hit_ += n_hit * block_size_;
@@ -73,7 +78,7 @@ int64_t KvManager::n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64
   const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
   int64_t n = 0;
   for (int64_t i = n_computed / block_size_; i < end; ++i)
-    if (pool_.ref_count(s.blocks[static_cast<size_t>(i)]) > 1) ++n;
+    if (needs_copy(s.blocks[static_cast<size_t>(i)])) ++n;
   return n;
 }
 
@@ -90,16 +95,15 @@ void KvManager::plan_publish(SeqBlocks& s, std::span<const int32_t> tokens, int6
   if (!caching_) return;
   KESTREL_ASSERT(static_cast<int64_t>(tokens.size()) >= n_computed, "KvManager: fewer tokens than computed");
   const int64_t n_full = std::min<int64_t>(n_computed / block_size_, static_cast<int64_t>(s.blocks.size()));
-  for (int64_t i = s.n_published; i < n_full; ++i) {
+  for (auto i = static_cast<int64_t>(s.hashes.size()); i < n_full; ++i) {
     const auto blk = tokens.subspan(static_cast<size_t>(i * block_size_), static_cast<size_t>(block_size_));
     BlockKey key;
-    key.parent_hash = s.last_hash;
-    key.hash = block_hash(s.last_hash, blk);
+    key.parent_hash = s.hashes.empty() ? 0 : s.hashes.back();
+    key.hash = block_hash(key.parent_hash, blk);
     key.tokens.assign(blk.begin(), blk.end());
-    s.last_hash = key.hash;
+    s.hashes.push_back(key.hash);
     change.publish.emplace_back(s.blocks[static_cast<size_t>(i)], std::move(key));
   }
-  s.n_published = std::max(s.n_published, n_full);
 }
 
 void KvManager::append(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed, int64_t n_tokens,
@@ -111,7 +115,7 @@ void KvManager::append(SeqId seq, std::span<const int32_t> tokens, int64_t n_com
   const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
   std::vector<int64_t> copy_at;  // logical blocks to replace by a private copy
   for (int64_t i = n_computed / block_size_; i < end; ++i)
-    if (pool_.ref_count(s.blocks[static_cast<size_t>(i)]) > 1) {
+    if (needs_copy(s.blocks[static_cast<size_t>(i)])) {
       copy_at.push_back(i);
       change.release.push_back(s.blocks[static_cast<size_t>(i)]);
     }
@@ -136,6 +140,29 @@ void KvManager::fork(SeqId parent, SeqId child) {
   change.ref = copy.blocks;
   pool_.commit(change);
   seqs_.emplace(child, std::move(copy));
+}
+
+void KvManager::truncate(SeqId seq, int64_t n_tokens) {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: truncate of unknown sequence " + std::to_string(seq));
+  SeqBlocks& s = it->second;
+  const auto n_held = static_cast<int64_t>(s.blocks.size());
+  KESTREL_ASSERT(n_tokens >= 0 && n_tokens <= n_held * block_size_,
+                 "KvManager: truncate of sequence " + std::to_string(seq) + " to " + std::to_string(n_tokens) +
+                     " tokens, outside [0, " + std::to_string(n_held * block_size_) + "]");
+  const int64_t n_keep = blocks_for(n_tokens);
+  if (n_keep < n_held) {
+    PoolChange change;
+    change.release.assign(s.blocks.rbegin(), s.blocks.rbegin() + (n_held - n_keep));
+    pool_.commit(change);
+    s.blocks.resize(static_cast<size_t>(n_keep));
+  }
+  // Only blocks wholly below n_tokens stay published. A cut block keeps its cache entry, which is
+  // still right (its K/V are those of its key's tokens): append copies it (needs_copy) before the
+  // sequence overwrites positions >= n_tokens. Dropping the entry instead would lose a valid hit,
+  // and would not protect another sequence that holds the block.
+  const int64_t n_whole = n_tokens / block_size_;
+  if (static_cast<int64_t>(s.hashes.size()) > n_whole) s.hashes.resize(static_cast<size_t>(n_whole));
 }
 
 void KvManager::free(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed) {

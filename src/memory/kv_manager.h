@@ -1,7 +1,8 @@
 // Which KV blocks each sequence holds: per-sequence block tables over one BlockPool, with
 // prefix-cache reuse, copy-on-write sharing (fork) and query/commit pairs for the scheduler.
 //
-// The scheduler asks (can_allocate, can_append) and then commits (allocate, append, fork, free).
+// The scheduler asks (can_allocate, can_append) and then commits (allocate, append, fork,
+// truncate, free).
 // Every commit plans its whole change first and applies it with one BlockPool::commit(), the only
 // method that changes the pool, so a commit either happens completely or (on a broken
 // precondition, a KESTREL_ASSERT) not at all.
@@ -9,7 +10,9 @@
 // Token counts are totals for the sequence: "n_tokens" means slots for positions [0, n_tokens).
 // A block is published to the prefix cache once all its tokens' K/V have been computed (the
 // caller says how many are, n_computed), so a hit never reads K/V that a forward pass has not
-// written yet.
+// written yet. A block that a step writes is always private to the writing sequence: held by it
+// alone and not in the prefix cache (else append gives it a copy), so K/V that another sequence
+// or a later hit can read never change under it.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +52,8 @@ class KvManager {
   // Whether append(seq, ..., n_computed, n_tokens) would find enough blocks (growth + copies).
   bool can_append(SeqId seq, int64_t n_computed, int64_t n_tokens) const;
   bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
+  // Slots the sequence holds: block_table(seq).size() * block_size (the most truncate accepts).
+  int64_t capacity(SeqId seq) const;
   // The sequence's block table: physical block of each logical block. [ceil(n_tokens / block_size)]
   const std::vector<int32_t>& block_table(SeqId seq) const;
 
@@ -61,13 +66,24 @@ class KvManager {
   int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true);
   // Grows `seq` so positions [0, n_tokens) have slots. `tokens` holds the sequence's known ids
   // (at least n_computed of them); the first n_computed have K/V written, and its full blocks
-  // among them are published to the prefix cache. A shared block that positions
-  // [n_computed, n_tokens) would write is replaced by a private copy, reported in `copies`.
+  // among them are published to the prefix cache. A block that positions [n_computed, n_tokens)
+  // would write and that is shared or in the prefix cache is replaced by a private copy, reported
+  // in `copies`.
   void append(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed, int64_t n_tokens,
               std::vector<BlockCopy>& copies);
   // `child` (must be new) shares all of `parent`'s blocks (ref counts + 1); writes diverge by
   // copy-on-write in append.
   void fork(SeqId parent, SeqId child);
+  // Rolls `seq` back to positions [0, n_tokens) (rejected draft tokens, a pruned beam): it keeps
+  // its first ceil(n_tokens / block_size) blocks with their slots and releases the rest, last
+  // block first as free() does (a block in the prefix cache stays there, evictable; any other
+  // becomes free). A kept block that reaches past n_tokens counts as unpublished again: it is
+  // published anew, under the sequence's new tokens, once they are computed. If it is in the
+  // prefix cache, its entry stays (its K/V are still right for the old tokens), so the next
+  // append that writes it takes a copy.
+  // n_tokens == 0 keeps `seq` registered with no blocks; a later append grows it again.
+  // KESTREL_ASSERT unless 0 <= n_tokens <= capacity(seq).
+  void truncate(SeqId seq, int64_t n_tokens);
   // Ends `seq`: publishes its computed full blocks (when tokens are given) and drops its
   // references, last block first so a sequence's tail is evicted before its shared head.
   void free(SeqId seq, std::span<const int32_t> tokens = {}, int64_t n_computed = 0);
@@ -89,16 +105,20 @@ class KvManager {
  private:
   struct SeqBlocks {
     std::vector<int32_t> blocks;
-    int64_t n_published = 0;    // leading blocks already offered to the prefix cache
-    uint64_t last_hash = 0;     // hash of block n_published - 1 (0 when none)
+    // Chain hash of each leading block already offered to the prefix cache (their count is the
+    // number published); truncate drops the ones that reach past the new end.
+    std::vector<uint64_t> hashes;
   };
   struct PrefixHit {
     std::vector<int32_t> blocks;
-    uint64_t last_hash = 0;
+    std::vector<uint64_t> hashes;
   };
   PrefixHit find_prefix(std::span<const int32_t> tokens) const;
   int64_t blocks_for(int64_t n_tokens) const { return (n_tokens + block_size_ - 1) / block_size_; }
-  // Blocks among [n_computed, n_tokens)'s blocks that are shared and would need a copy.
+  // Whether a write into `block` needs a private copy first: another sequence holds it, or the
+  // prefix cache can hand it out (its K/V belong to the tokens of its key).
+  bool needs_copy(int32_t block) const { return pool_.ref_count(block) > 1 || pool_.is_indexed(block); }
+  // Blocks among [n_computed, n_tokens)'s blocks that needs_copy.
   int64_t n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64_t n_tokens) const;
   void plan_publish(SeqBlocks& s, std::span<const int32_t> tokens, int64_t n_computed, PoolChange& change) const;
 
