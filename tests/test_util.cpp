@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include "core/env.h"
+#include "core/error.h"
 
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -45,6 +46,29 @@ int run_command(const std::string& cmd, std::string* out) {
     if (out != nullptr) out->append(buf, n);
   const int status = ::pclose(p);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace kestrel::test
+
+namespace kestrel::test {
+
+std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config) {
+  if (config.max_model_len == 0) config.max_model_len = static_cast<int64_t>(ids.size()) + 1;
+  config.max_num_seqs = 1;
+  Engine engine(model, nullptr, config);
+  Request r;
+  r.prompt = ids;
+  r.max_tokens = 1;
+  r.sampling.temperature = 0;
+  r.prompt_logits = true;
+  engine.add_request(std::move(r));
+  std::vector<float> out;
+  while (engine.has_unfinished())
+    for (RequestOutput& o : engine.step()) {
+      if (!o.prompt_logits.empty()) out = std::move(o.prompt_logits);
+      if (o.finished && o.finish_reason == "error") throw Error(o.error);
+    }
+  return out;
 }
 
 }  // namespace kestrel::test

@@ -3,7 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
+
+#include "engine/engine.h"
 
 namespace kestrel::test {
 
@@ -18,6 +22,11 @@ bool file_exists(const std::string& path);
 
 // Runs a shell command; returns its exit status and fills *out with stdout.
 int run_command(const std::string& cmd, std::string* out);
+
+// The logits of every position of `ids` run from an empty cache on the CPU engine
+// (Request::prompt_logits), the prompt in chunks of config.max_num_batched_tokens tokens:
+// [ids.size(), n_vocab], f32. config.max_model_len 0 = ids.size() + 1.
+std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config = {});
 
 }  // namespace kestrel::test
 

@@ -13,6 +13,7 @@
 #include "sampling/logprobs.h"
 #include "sampling/sampler.h"
 #include "scheduler/scheduler.h"
+#include "scheduler/step_batch.h"
 #include "tokenizer/stream_decoder.h"
 
 namespace kestrel {
@@ -72,12 +73,21 @@ struct RequestState {
   StopChecker stop_checker;
   Clock::time_point arrival, first_token;
   bool finished = false;
-  // prompt_logprobs: the next prompt position to report (position 0 has no logprob), the ones
-  // computed but not yet reported (they go out with the first sampled token), and whether a prompt
-  // row held non-finite logits.
-  int64_t next_prompt_logprob = 1;
+  // prompt_logprobs / prompt_logits: the next prompt token whose predicting row is wanted (the row
+  // of position p predicts token p + 1; token 0 has none), the rows computed but not yet reported
+  // (they go out with the first sampled token), and whether a prompt row held non-finite logits.
+  int64_t next_prompt_target = 1;
   std::vector<LogprobSummary> pending_prompt_logprobs;
+  std::vector<float> pending_prompt_logits;
   bool prompt_nan = false;
+  bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
+  // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
+  // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
+  // parent's prompt is computed it forks the parent's blocks and samples its first token from the
+  // parent's last logits row, so the prompt is prefilled once.
+  RequestState* parent = nullptr;         // set while waiting for the parent's prompt
+  std::vector<RequestState*> children;    // children waiting for this request's prompt
+  uint64_t prompt_hash = 0;
 };
 }  // namespace
 
@@ -103,6 +113,10 @@ struct Engine::Impl {
     stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
   }
   void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
+  // A request that can share the prompt of `r` (queued, never scheduled, not a child), or null.
+  RequestState* prompt_parent_for(const RequestState& r);
+  // Hands r's waiting children to the scheduler on their own (r ends before its prompt is done).
+  void release_children(RequestState& r);
   void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs,
                     LogprobSummary* logprobs = nullptr);
 
@@ -116,15 +130,23 @@ struct Engine::Impl {
   std::vector<RequestOutput> pending;  // aborts reported by the next step
   RequestId next_id = 1;
   EngineStats stats;
+  // Unstarted requests by the hash of their prompt (prompt_parent_for); entries may be stale.
+  std::unordered_map<uint64_t, RequestId> unstarted_prompts;
   // The flat batch of the current step.
-  std::vector<int32_t> token_ids, positions, query_start, context_lens, block_tables, logits_indices;
-  std::vector<int64_t> slot_mapping;
-  std::vector<RequestState*> sampling;  // whose row each of the first sampling.size() logits rows is
-  // The logits rows after those: prompt positions whose logprobs a request wants (prompt_logprobs),
-  // each row predicting prompt token `target` of `r`.
+  StepBatch batch;
+  // Requests that sample this step and the logits row each samples from; children of a parent
+  // whose prompt completes follow, each with a copy of the parent's row.
+  struct SampleRow {
+    RequestState* r;
+    int32_t row;
+  };
+  std::vector<SampleRow> sampling;
+  // Logits rows after those: prompt positions whose logprobs or logits a request wants, each row
+  // predicting prompt token `target` of `r`.
   struct PromptRow {
     RequestState* r;
     int64_t target;
+    int32_t row;
   };
   std::vector<PromptRow> prompt_rows;
   void prompt_logprobs_from(std::span<const float> logits);
@@ -152,8 +174,8 @@ RequestId Engine::add_request(Request request) {
     if (t < 0 || t >= n_vocab)
       throw Error("prompt token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
   if (n_prompt + 1 > m.config.max_model_len)
-    throw Error("prompt of " + std::to_string(n_prompt) + " tokens leaves no room to generate within max_model_len " +
-                std::to_string(m.config.max_model_len));
+    throw Error("prompt of " + std::to_string(n_prompt) + " tokens exceeds the context: max_model_len " +
+                std::to_string(m.config.max_model_len) + " must hold it and at least one output token");
   if (request.max_tokens == 0) throw Error("max_tokens must be >= 1 (or < 0 for no limit), got 0");
   if (request.logprobs < -1 || request.logprobs > kMaxRequestLogprobs)
     throw Error("logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
@@ -173,7 +195,7 @@ RequestId Engine::add_request(Request request) {
   r->seq.id = r->id;
   r->seq.tokens = request.prompt;
   r->seq.n_prompt = n_prompt;
-  if (request.prompt_logprobs >= 0) {
+  if (request.prompt_logprobs >= 0 || request.prompt_logits) {
     r->seq.reuse_prefix_cache = false;  // cached positions would have no logits
     // Every prompt position of a chunk is a logits row: bound the rows (n_vocab floats each, on
     // the host and on the device) a step holds.
@@ -181,9 +203,17 @@ RequestId Engine::add_request(Request request) {
   }
   r->req = std::move(request);
   r->arrival = Clock::now();
+  r->prompt_hash = std::hash<std::string_view>{}(std::string_view(
+      reinterpret_cast<const char*>(r->seq.tokens.data()), r->seq.tokens.size() * sizeof(int32_t)));
   RequestState& ref = *r;
   m.requests.emplace(ref.id, std::move(r));
-  m.scheduler.add(&ref.seq);
+  if (RequestState* parent = m.prompt_parent_for(ref)) {
+    ref.parent = parent;
+    parent->children.push_back(&ref);
+  } else {
+    m.scheduler.add(&ref.seq);
+    m.unstarted_prompts[ref.prompt_hash] = ref.id;
+  }
   return ref.id;
 }
 
@@ -197,9 +227,38 @@ void Engine::abort_request(RequestId id) {
   m.refresh_kv_stats();
 }
 
+RequestState* Engine::Impl::prompt_parent_for(const RequestState& r) {
+  if (r.wants_prompt_rows()) return nullptr;  // it needs rows of its own
+  const auto it = unstarted_prompts.find(r.prompt_hash);
+  if (it == unstarted_prompts.end()) return nullptr;
+  const auto p = requests.find(it->second);
+  if (p == requests.end() || p->second->seq.status != SeqStatus::Waiting || p->second->seq.n_cached_prompt >= 0 ||
+      p->second->seq.tokens != r.seq.tokens) {
+    unstarted_prompts.erase(it);  // started, finished or a hash collision
+    return nullptr;
+  }
+  return p->second.get();
+}
+
+void Engine::Impl::release_children(RequestState& r) {
+  for (RequestState* c : r.children) {
+    c->parent = nullptr;
+    scheduler.add(&c->seq);
+  }
+  r.children.clear();
+}
+
 void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs,
                           RequestOutput* o) {
   const auto now = Clock::now();
+  release_children(r);
+  if (r.parent != nullptr) {
+    auto& siblings = r.parent->children;
+    siblings.erase(std::remove(siblings.begin(), siblings.end(), &r), siblings.end());
+    r.parent = nullptr;
+  }
+  if (const auto it = unstarted_prompts.find(r.prompt_hash); it != unstarted_prompts.end() && it->second == r.id)
+    unstarted_prompts.erase(it);
   scheduler.finish(&r.seq);
   r.finished = true;
   o->finished = true;
@@ -226,6 +285,8 @@ void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<Requ
   o.id = r.id;
   o.prompt_logprobs = std::move(r.pending_prompt_logprobs);
   r.pending_prompt_logprobs.clear();
+  o.prompt_logits = std::move(r.pending_prompt_logits);
+  r.pending_prompt_logits.clear();
   o.new_token_ids.push_back(token);
   if (logprobs != nullptr) o.logprobs.push_back(std::move(*logprobs));
   const auto& ids = r.req.stop_ids;
@@ -245,67 +306,58 @@ void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<Requ
 }
 
 void Engine::Impl::build_batch(const SchedulerOutput& out) {
-  token_ids.clear();
-  positions.clear();
-  slot_mapping.clear();
-  logits_indices.clear();
+  batch.build(out, manager);
   sampling.clear();
   prompt_rows.clear();
-  std::vector<int32_t> prompt_row_indices;
-  query_start.assign(1, 0);
-  context_lens.clear();
-  size_t max_blocks = 0;
-  for (const ScheduledSeq& sc : out.scheduled)
-    max_blocks = std::max(max_blocks, manager.block_table(sc.seq->id).size());
-  block_tables.assign(out.scheduled.size() * max_blocks, 0);
-  const int64_t bs = config.block_size;
+  std::vector<int32_t>& rows = batch.logits_indices;
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const ScheduledSeq& sc = out.scheduled[i];
-    const std::vector<int32_t>& table = manager.block_table(sc.seq->id);
-    std::copy(table.begin(), table.end(), block_tables.begin() + static_cast<std::ptrdiff_t>(i * max_blocks));
-    for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p) {
-      token_ids.push_back(sc.seq->tokens[static_cast<size_t>(p)]);
-      positions.push_back(static_cast<int32_t>(p));
-      slot_mapping.push_back(static_cast<int64_t>(table[static_cast<size_t>(p / bs)]) * bs + p % bs);
-    }
     RequestState* r = requests.at(sc.seq->id).get();
-    if (r->req.prompt_logprobs >= 0) {
-      // Row p's logits predict token p + 1: the prompt's tokens 1 .. n_prompt - 1 (the last prompt
-      // position's row is the sampling row, for the first generated token).
-      const int32_t first_row = query_start.back();
-      for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p)
-        if (p + 1 < sc.seq->n_prompt && p + 1 >= r->next_prompt_logprob) {
-          prompt_row_indices.push_back(first_row + static_cast<int32_t>(p - sc.n_computed));
-          prompt_rows.push_back({r, p + 1});
-        }
-    }
-    query_start.push_back(static_cast<int32_t>(token_ids.size()));
-    context_lens.push_back(static_cast<int32_t>(sc.n_computed + sc.n_new));
-    if (sc.samples()) {
-      logits_indices.push_back(static_cast<int32_t>(token_ids.size()) - 1);
-      sampling.push_back(r);
-    }
+    KESTREL_ASSERT(sc.seq->n_draft == 0, "Engine: draft tokens without a verifier");
+    if (batch.n_logits_rows[i] > 0) sampling.push_back({r, batch.first_logits_row[i] + batch.n_logits_rows[i] - 1});
   }
-  logits_indices.insert(logits_indices.end(), prompt_row_indices.begin(), prompt_row_indices.end());
+  // Children sample from their parent's last row, from a copy of it (the device sampler takes one
+  // setting per row).
+  const size_t n_parents = sampling.size();
+  for (size_t i = 0; i < n_parents; ++i)
+    for (RequestState* c : sampling[i].r->children) {
+      sampling.push_back({c, static_cast<int32_t>(rows.size())});
+      rows.push_back(rows[static_cast<size_t>(sampling[i].row)]);
+    }
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const ScheduledSeq& sc = out.scheduled[i];
+    RequestState* r = requests.at(sc.seq->id).get();
+    if (!r->wants_prompt_rows()) continue;
+    // Row p's logits predict token p + 1: the prompt's tokens 1 .. n_prompt - 1 (the last prompt
+    // position's row is the sampling row, for the first generated token).
+    for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p)
+      if (p + 1 < sc.seq->n_prompt && p + 1 >= r->next_prompt_target) {
+        prompt_rows.push_back({r, p + 1, static_cast<int32_t>(rows.size())});
+        rows.push_back(batch.first_token[i] + static_cast<int32_t>(p - sc.n_computed));
+      }
+  }
 }
 
-// The prompt rows' logprobs (after the sampling rows in `logits`), into each request's pending
-// list; a row with a NaN, +inf or no finite logit marks its request (step() ends it with an error).
+// The prompt rows (after the sampling rows in `logits`): their logprobs and raw logits into each
+// request's pending lists; a row with a NaN, +inf or no finite logit marks its request (step()
+// ends it with an error).
 void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
   const size_t n_vocab = static_cast<size_t>(model.hparams().n_vocab);
   for (size_t i = 0; i < prompt_rows.size(); ++i) {
     RequestState& r = *prompt_rows[i].r;
     if (r.prompt_nan) continue;
-    const auto row = logits.subspan((sampling.size() + i) * n_vocab, n_vocab);
+    const auto row = logits.subspan(static_cast<size_t>(prompt_rows[i].row) * n_vocab, n_vocab);
     const float mx = *std::max_element(row.begin(), row.end());
     if (!std::isfinite(mx) || std::any_of(row.begin(), row.end(), [](float x) { return std::isnan(x); })) {
       r.prompt_nan = true;
       continue;
     }
     const int64_t target = prompt_rows[i].target;
-    r.pending_prompt_logprobs.push_back(
-        compute_logprobs(row, r.seq.tokens[static_cast<size_t>(target)], r.req.prompt_logprobs));
-    r.next_prompt_logprob = target + 1;
+    if (r.req.prompt_logprobs >= 0)
+      r.pending_prompt_logprobs.push_back(
+          compute_logprobs(row, r.seq.tokens[static_cast<size_t>(target)], r.req.prompt_logprobs));
+    if (r.req.prompt_logits) r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
+    r.next_prompt_target = target + 1;
   }
 }
 
@@ -320,17 +372,8 @@ std::vector<RequestOutput> Engine::step() {
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   m.build_batch(out);
-  m.stats.n_prompt_tokens_computed += out.n_tokens - out.n_decodes;
-
-  ForwardBatch fb;
-  fb.token_ids = m.token_ids;
-  fb.positions = m.positions;
-  fb.slot_mapping = m.slot_mapping;
-  fb.query_start = m.query_start;
-  fb.context_lens = m.context_lens;
-  fb.block_tables = m.block_tables;
-  fb.max_blocks_per_seq = static_cast<int32_t>(m.block_tables.size() / std::max<size_t>(1, out.scheduled.size()));
-  fb.logits_indices = m.logits_indices;
+  m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
+  const ForwardBatch fb = m.batch.view();
   // Backends that sample on the device (CUDA) do so whenever every sampling request's chain is one
   // they implement (no logit bias, no penalties): the logits then never leave the device. The
   // uniform each sampler would have drawn goes with its row, so the token is the one the CPU
@@ -338,15 +381,21 @@ std::vector<RequestOutput> Engine::step() {
   // A request that wants logprobs needs the logits on the host (the device sampler returns ids).
   // Prompt rows need the logits on the host too.
   bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
-  for (size_t i = 0; on_device && i < m.sampling.size(); ++i)
-    on_device = m.sampling[i]->sampler->device_compatible() && m.sampling[i]->req.logprobs < 0;
+  // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
+  for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
+    const RequestState& r = *m.sampling[i].r;
+    on_device = r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0);
+  }
   std::span<const float> logits;
   std::span<const int32_t> device_tokens;
   if (on_device) {
-    m.row_sampling.clear();
-    for (RequestState* r : m.sampling) {
+    // One setting per logits row; every row is a sampling row here (no prompt rows, no drafts).
+    m.row_sampling.assign(m.batch.logits_indices.size(), RowSampling{});
+    for (const Impl::SampleRow& sr : m.sampling) {
+      RequestState* r = sr.r;
       const SamplingParams& p = r->sampler->params();
-      m.row_sampling.push_back(RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform()});
+      m.row_sampling[static_cast<size_t>(sr.row)] =
+          RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform()};
     }
     device_tokens = m.runner->forward_sample(fb, m.row_sampling);
   } else {
@@ -355,9 +404,27 @@ std::vector<RequestOutput> Engine::step() {
   m.scheduler.on_step_done(out);
   m.prompt_logprobs_from(logits);
 
+  // Children of a parent whose prompt is now computed share its blocks from here on; one that
+  // finds no sequence slot computes the prompt itself later (mostly from the prefix cache).
+  std::vector<bool> skip(m.sampling.size(), false);
+  for (size_t i = 0; i < m.sampling.size(); ++i) {
+    RequestState& c = *m.sampling[i].r;
+    if (c.parent == nullptr) continue;
+    RequestState& parent = *c.parent;
+    c.parent = nullptr;
+    if (!m.scheduler.fork(&parent.seq, &c.seq)) {
+      m.scheduler.add(&c.seq);
+      skip[i] = true;
+    }
+  }
+  for (size_t i = 0; i < m.sampling.size(); ++i)
+    if (m.sampling[i].r->seq.n_generated() == 0) m.sampling[i].r->children.clear();
+
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < m.sampling.size(); ++i) {
-    RequestState& r = *m.sampling[i];
+    if (skip[i]) continue;
+    RequestState& r = *m.sampling[i].r;
+    const size_t row_index = static_cast<size_t>(m.sampling[i].row);
     // OpenAI semantics: presence/frequency penalties count generated tokens only. Non-finite
     // logits (corrupt weights, or extreme logits under a request's penalties) end this request
     // with an error, not the engine; the sampler finds them in the pass over the logits it makes
@@ -368,10 +435,12 @@ std::vector<RequestOutput> Engine::step() {
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       if (on_device) {
-        token = device_tokens[i];
+        token = device_tokens[row_index];
         if (token < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       } else {
-        const auto row = logits.subspan(i * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+        const auto row = logits.subspan(row_index * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+        if (r.req.prompt_logits && r.seq.n_generated() == 0)
+          r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
         if (r.req.logprobs >= 0) {
           SampledToken st =
               r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
@@ -394,7 +463,8 @@ std::vector<RequestOutput> Engine::step() {
   std::vector<RequestId> nan_ids;
   for (const Impl::PromptRow& pr : m.prompt_rows)
     // (Requests that sampled may be gone by now: test membership before touching pr.r.)
-    if (std::find(m.sampling.begin(), m.sampling.end(), pr.r) == m.sampling.end() && pr.r->prompt_nan)
+    if (std::none_of(m.sampling.begin(), m.sampling.end(), [&](const Impl::SampleRow& sr) { return sr.r == pr.r; }) &&
+        pr.r->prompt_nan)
       nan_ids.push_back(pr.r->id);
   for (const RequestId id : nan_ids) {
     const auto it = m.requests.find(id);

@@ -47,6 +47,11 @@ struct Request {
   // vLLM's prompt_logprobs). Such a request computes its whole prompt (no prefix-cache hit), in
   // chunks of at most kMaxPromptLogprobRowsPerStep tokens.
   int32_t prompt_logprobs = -1;
+  // The raw logits of every prompt position, [n_prompt, n_vocab] f32 row-major (row p predicts
+  // token p + 1; the last row is the one the first token is sampled from), returned with the first
+  // sampled token (RequestOutput::prompt_logits). Such a request computes its whole prompt as
+  // prompt_logprobs does. For dumping logits to compare against a reference implementation.
+  bool prompt_logits = false;
 };
 
 inline constexpr int32_t kMaxRequestLogprobs = 20;
@@ -74,6 +79,8 @@ struct RequestOutput {
   // n_prompt - 1 in order, each the prompt token's logprob (chosen) and the top alternatives at
   // that position; position 0 has none. Empty on every other output.
   std::vector<LogprobSummary> prompt_logprobs;
+  // With the first sampled token of a request that asked for prompt_logits: [n_prompt, n_vocab] f32.
+  std::vector<float> prompt_logits;
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"

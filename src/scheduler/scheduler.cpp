@@ -24,7 +24,13 @@ void Scheduler::add(Sequence* seq) {
 
 void Scheduler::preempt(Sequence* seq, SchedulerOutput& out) {
   // Recompute: the K/V go, but full computed blocks stay in the prefix cache, so unless they are
-  // evicted meanwhile the re-admission finds most of them again.
+  // evicted meanwhile the re-admission finds most of them again. Drafts are proposals for this
+  // step only: they go.
+  if (seq->n_draft > 0) {
+    seq->tokens.resize(seq->tokens.size() - static_cast<size_t>(seq->n_draft));
+    seq->n_draft = 0;
+    seq->n_computed = std::min<int64_t>(seq->n_computed, static_cast<int64_t>(seq->tokens.size()));
+  }
   kv_.free(seq->id, seq->tokens, seq->n_computed);
   seq->n_computed = 0;
   seq->status = SeqStatus::Waiting;
@@ -46,7 +52,9 @@ SchedulerOutput Scheduler::schedule() {
       ++i;
       continue;
     }
-    const int64_t n_end = s->n_computed + 1;
+    const int64_t n_new = s->n_uncomputed();  // 1 + n_draft
+    if (n_new > budget) break;  // decodes are not split; the rest wait for the next step
+    const int64_t n_end = s->n_computed + n_new;
     bool self_preempted = false;
     while (!kv_.can_append(s->id, s->n_computed, n_end)) {
       Sequence* victim = running_.back();
@@ -64,8 +72,8 @@ SchedulerOutput Scheduler::schedule() {
       break;  // s was the newest: nothing after it is left
     }
     kv_.append(s->id, s->tokens, s->n_computed, n_end, out.copies);
-    out.scheduled.push_back({s, s->n_computed, 1});
-    --budget;
+    out.scheduled.push_back({s, s->n_computed, n_new});
+    budget -= n_new;
     ++i;
   }
 
@@ -105,7 +113,10 @@ SchedulerOutput Scheduler::schedule() {
     budget -= n_new;
   }
 
-  for (const ScheduledSeq& sc : out.scheduled) out.n_tokens += sc.n_new;
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    out.n_tokens += out.scheduled[i].n_new;
+    if (static_cast<int64_t>(i) >= out.n_decodes) out.n_prefill_tokens += out.scheduled[i].n_new;
+  }
   return out;
 }
 
@@ -114,6 +125,32 @@ void Scheduler::on_step_done(const SchedulerOutput& out) {
     KESTREL_ASSERT(sc.seq->n_computed == sc.n_computed, "Scheduler: sequence changed during its step");
     sc.seq->n_computed += sc.n_new;
   }
+}
+
+void Scheduler::truncate(Sequence* seq, int64_t n_tokens) {
+  KESTREL_ASSERT(seq->status == SeqStatus::Running && kv_.has(seq->id), "Scheduler: truncate of a sequence not running");
+  KESTREL_ASSERT(n_tokens >= 1 && n_tokens <= static_cast<int64_t>(seq->tokens.size()),
+                 "Scheduler: truncate to " + std::to_string(n_tokens) + " of " + std::to_string(seq->tokens.size()) +
+                     " tokens");
+  const int64_t n_dropped = static_cast<int64_t>(seq->tokens.size()) - n_tokens;
+  seq->n_draft = std::max<int64_t>(0, seq->n_draft - n_dropped);
+  seq->tokens.resize(static_cast<size_t>(n_tokens));
+  seq->n_computed = std::min(seq->n_computed, n_tokens);
+  kv_.truncate(seq->id, n_tokens);
+}
+
+bool Scheduler::fork(Sequence* parent, Sequence* child) {
+  KESTREL_ASSERT(parent->status == SeqStatus::Running && parent->n_draft == 0, "Scheduler: fork of a sequence not running");
+  KESTREL_ASSERT(!kv_.has(child->id), "Scheduler: fork into a sequence that holds blocks");
+  if (static_cast<int32_t>(running_.size()) >= config_.max_num_seqs) return false;
+  kv_.fork(parent->id, child->id);
+  child->tokens = parent->tokens;
+  child->n_prompt = parent->n_prompt;
+  child->n_computed = parent->n_computed;
+  child->n_cached_prompt = parent->n_cached_prompt;
+  child->status = SeqStatus::Running;
+  running_.push_back(child);
+  return true;
 }
 
 void Scheduler::finish(Sequence* seq) {

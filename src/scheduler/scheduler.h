@@ -1,9 +1,10 @@
 // Continuous batching per iteration (Orca, Yu et al. 2022) with chunked prefill and preemption by
 // recompute, over a KvManager (vLLM's scheduler is the reference for the policy).
 //
-// Each schedule() builds one step under a token budget (max_num_batched_tokens) and a sequence
-// cap (max_num_seqs), in this order:
-//   1. running decodes, oldest first. When one cannot get a block, the newest running sequence is
+// Each schedule() gives every sequence it picks a number of new tokens (a prompt chunk, one decode
+// token, or one token plus k drafts to verify) under a token budget (max_num_batched_tokens) and a
+// sequence cap (max_num_seqs), in this order:
+//   1. running decodes (1 + n_draft tokens each), oldest first. When one cannot get a block, the newest running sequence is
 //      preempted (its blocks freed, computed full blocks kept in the prefix cache, itself put at
 //      the front of the waiting queue to be recomputed), until the decode fits;
 //   2. running sequences still in prefill get their next chunk from what budget is left;
@@ -12,6 +13,7 @@
 // A long prompt therefore never stalls the decodes: it advances one chunk per step beside them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <vector>
@@ -33,6 +35,8 @@ struct ScheduledSeq {
   int64_t n_new = 0;
   // The chunk ends at the sequence's last token, so its logits give the next token.
   bool samples() const { return n_computed + n_new == static_cast<int64_t>(seq->tokens.size()); }
+  // Logits rows the step needs: the last 1 + n_draft positions when it samples, else none.
+  int64_t n_logits() const { return samples() ? std::min<int64_t>(n_new, 1 + seq->n_draft) : 0; }
 };
 
 struct SchedulerOutput {
@@ -41,6 +45,7 @@ struct SchedulerOutput {
   std::vector<Sequence*> preempted;     // sequences preempted in this step (now waiting)
   int64_t n_tokens = 0;
   int64_t n_decodes = 0;                // the first n_decodes entries of scheduled are decodes
+  int64_t n_prefill_tokens = 0;         // tokens of the other entries (prompt chunks, recomputation)
   bool empty() const { return scheduled.empty(); }
 };
 
@@ -60,6 +65,15 @@ class Scheduler {
   // Removes a waiting or running sequence and frees its blocks (computed full blocks stay in the
   // prefix cache). Status becomes Finished. Safe for any sequence this scheduler holds.
   void finish(Sequence* seq);
+  // Rolls `seq` (running) back to its first n_tokens tokens: rejected drafts, or any tail. Its K/V
+  // slots beyond go back to the pool (KvManager::truncate), n_computed and n_draft shrink to fit.
+  // Errors: KESTREL_ASSERT when n_tokens is outside [1, tokens.size()].
+  void truncate(Sequence* seq, int64_t n_tokens);
+  // Starts `child` as a running copy of `parent` (running, its prompt computed): the same tokens
+  // and computed count, sharing every KV block copy-on-write (KvManager::fork). For n > 1 choices
+  // of one prompt, which is then prefilled once. Returns false, changing nothing, when max_num_seqs
+  // sequences already run.
+  bool fork(Sequence* parent, Sequence* child);
 
   size_t n_waiting() const { return waiting_.size(); }
   size_t n_running() const { return running_.size(); }

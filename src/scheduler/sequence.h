@@ -24,11 +24,16 @@ struct Sequence {
   int64_t n_cached_prompt = -1;  // prefix-cache hit on first admission; -1 until admitted
   bool reuse_prefix_cache = true;  // false: compute the whole prompt (its logits are wanted)
   int64_t max_chunk = 0;           // > 0: prefill at most this many tokens of it per step
+  // Trailing ids of `tokens` that are draft proposals (speculative decoding): computed in the
+  // same step as the sampled token before them, each with its own logits row, and rolled back with
+  // Scheduler::truncate when rejected. 0 without speculation.
+  int64_t n_draft = 0;
 
   int64_t n_generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
   int64_t n_uncomputed() const { return static_cast<int64_t>(tokens.size()) - n_computed; }
-  // Only a decode token is left (the prompt, or the recomputed history, is done).
-  bool is_decode() const { return n_uncomputed() == 1 && n_computed > 0; }
+  // Decoding: the prompt (or the recomputed history) is done and what is left is the last sampled
+  // token plus its drafts, 1 + n_draft tokens, which one step runs together.
+  bool is_decode() const { return n_computed > 0 && n_uncomputed() == 1 + n_draft; }
 };
 
 }  // namespace kestrel

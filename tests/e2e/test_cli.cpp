@@ -163,6 +163,28 @@ TEST(CliE2e, PromptLongerThanContextIsAnError) {
   EXPECT_NE(err.find("exceeds the context"), std::string::npos) << err;
 }
 
+// The KV cache dtype defaults to auto: f32 for an f32 model on the CPU (stories260K), so the
+// default's logits are bitwise those of --kv-cache-dtype f32 and not those of f16 (which rounds
+// every cached K and V); --kv-dtype is the same flag under its older name.
+TEST(CliE2e, KvCacheDtypeAutoIsF32ForAnF32Model) {
+  const std::string stories = data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(stories);
+  auto logits = [&](const std::string& flag) {
+    const std::string npy = ::testing::TempDir() + "/kestrel_kv_auto.npy";
+    std::remove(npy.c_str());
+    const std::string cmd = kestrel_binary() + " generate -m " + stories +
+                            " -p 'Once upon a time, there was a girl' -n 0 --dump-logits " + npy + " " + flag +
+                            " >/dev/null 2>&1";
+    EXPECT_EQ(run_command(cmd, nullptr), 0) << cmd;
+    return kestrel::test::read_file(npy);
+  };
+  const std::string by_default = logits("");
+  ASSERT_GT(by_default.size(), 128u + 512u * 4u);
+  EXPECT_EQ(by_default, logits("--kv-cache-dtype f32"));
+  EXPECT_EQ(by_default, logits("--kv-dtype auto"));
+  EXPECT_NE(by_default, logits("--kv-cache-dtype f16"));
+}
+
 // SmolLM2's tokenizer adds no BOS, so "" has no tokens: an error, and no half-written logits file.
 TEST(CliE2e, EmptyPromptIsAnErrorAndWritesNoLogitsFile) {
   const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -12,7 +12,6 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
-#include "engine/session.h"
 #include "io/gguf.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampler.h"
@@ -54,21 +53,23 @@ std::vector<std::string> story_prompts() {
   return out;
 }
 
-// Greedy ids of each prompt run alone through a Session.
+// Greedy ids of each prompt run alone: a fresh engine per prompt, the whole prompt in one pass.
 std::vector<std::vector<int32_t>> run_alone(const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,
                                             int64_t max_tokens) {
   std::vector<std::vector<int32_t>> out;
   for (const auto& p : prompts) {
-    Session s(*l.model, SessionOptions{});
-    GenerateOptions go;
-    go.max_tokens = max_tokens;
-    go.sampling.temperature = 0;
-    go.stop_ids = eog_ids(*l.tokenizer);
+    EngineConfig c;
+    c.max_num_seqs = 1;
+    Engine e(*l.model, l.tokenizer.get(), c);
+    Request r;
+    r.prompt = p;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.stop_ids = eog_ids(*l.tokenizer);
+    e.add_request(r);
     std::vector<int32_t> ids;
-    s.generate(p, go, [&](int32_t id) {
-      ids.push_back(id);
-      return true;
-    });
+    while (e.has_unfinished())
+      for (const RequestOutput& o : e.step()) ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     out.push_back(ids);
   }
   return out;
@@ -470,8 +471,8 @@ TEST(Engine, LogprobsComeWithEachTokenAndChangeNoToken) {
 }
 
 // prompt_logprobs: every prompt token after the first gets its logprob under the model given the
-// tokens before it, equal to log_softmax of a lone Session's logits at the previous position
-// (tolerance 1e-4: the engine runs the prompt in 16-token chunks, the Session in one pass, so
+// tokens before it, equal to log_softmax of the logits at the previous position of a lone
+// unchunked run (tolerance 1e-4: the engine runs the prompt in 16-token chunks, the reference in one pass, so
 // attention sums in another order); the request skips the prefix cache (a second identical
 // request still gets every position) and its generated tokens are those of a plain request.
 TEST(Engine, PromptLogprobsMatchTheModelsLogitsAtEveryPosition) {
@@ -483,8 +484,7 @@ TEST(Engine, PromptLogprobsMatchTheModelsLogitsAtEveryPosition) {
                           true, false);
   ASSERT_GT(prompt.size(), 33u);  // three chunks of 16
   const int64_t n_vocab = l.model->hparams().n_vocab;
-  Session session(*l.model, SessionOptions{});
-  const std::vector<float> ref_logits = session.all_logits(prompt);
+  const std::vector<float> ref_logits = test::prompt_logits(*l.model, prompt);
 
   EngineConfig c;
   c.max_num_batched_tokens = 16;

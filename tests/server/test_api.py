@@ -141,6 +141,21 @@ def test_stop_strings_across_token_boundaries(server):
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_n_choices_prefill_their_prompt_once(server):
+    # A 300-token prompt no earlier test sent (no prefix-cache hits): n=4 computes it once, and each
+    # choice is the single request with seed + i.
+    prompt = [1] + [260 + (i * 37) % 240 for i in range(299)]
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.9, "seed": 4242}
+    before = server.metrics()["kestrel_prompt_tokens_computed_total"]
+    r = complete(server, n=4, **body)
+    computed = server.metrics()["kestrel_prompt_tokens_computed_total"] - before
+    assert r["usage"]["prompt_tokens"] == 300
+    assert computed == 300, computed
+    singles = [complete(server, **dict(body, seed=4242 + i))["choices"][0]["text"] for i in range(4)]
+    assert [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])] == singles
+    assert len(set(singles)) > 1
+
+
 def test_n_choices_match_single_requests_with_consecutive_seeds(server):
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": 77}
     r = complete(server, n=2, **{k: v for k, v in body.items() if k != "prompt"})
@@ -265,10 +280,17 @@ def test_concurrent_streams(server):
 
 def test_metrics(server):
     # The same long prompt twice: the second finds its blocks in the prefix cache.
+    # Requested prompt tokens count both; computed ones only the first's and the second's tail.
     long_prompt = PROMPT + " there was a little girl named Lily." * 8
     complete(server, prompt=long_prompt, max_tokens=2)
-    complete(server, prompt=long_prompt, max_tokens=2)
+    m1 = server.metrics()
+    n_prompt = complete(server, prompt=long_prompt, max_tokens=2)["usage"]["prompt_tokens"]
     m = server.metrics()
+    assert n_prompt > 64
+    assert m["kestrel_prompt_tokens_total"] - m1["kestrel_prompt_tokens_total"] == n_prompt
+    computed = m["kestrel_prompt_tokens_computed_total"] - m1["kestrel_prompt_tokens_computed_total"]
+    # Every full 16-token block before the last token was a hit (the last token is always computed).
+    assert computed == n_prompt - (n_prompt - 1) // 16 * 16, (computed, n_prompt)
     assert m['kestrel_requests_total{status="200"}'] >= 2
     assert m["kestrel_prompt_tokens_total"] > 0 and m["kestrel_generation_tokens_total"] > 0
     for h in ("kestrel_time_to_first_token_seconds", "kestrel_time_per_output_token_seconds",

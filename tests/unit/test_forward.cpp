@@ -7,7 +7,7 @@
 #include <random>
 
 #include "backend/cpu/cpu_model_runner.h"
-#include "engine/session.h"
+#include "engine/engine.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -23,11 +23,10 @@ TEST(Forward, PrefillChunkingDoesNotChangeLogits) {
   auto model = LlamaModel::load_gguf(path);
   std::vector<float> reference;
   for (int64_t chunk : {256, 1, 3, 7}) {
-    SessionOptions o;
-    o.prefill_chunk = chunk;
-    o.block_size = 4;
-    Session s(*model, o);
-    const auto logits = s.all_logits(kPrompt);
+    EngineConfig c;
+    c.max_num_batched_tokens = chunk;
+    c.block_size = 4;
+    const auto logits = test::prompt_logits(*model, kPrompt, c);
     ASSERT_EQ(logits.size(), kPrompt.size() * 512);
     if (reference.empty()) reference = logits;
     else EXPECT_EQ(logits, reference) << "chunk " << chunk;  // bitwise
@@ -44,12 +43,11 @@ TEST(Forward, MixedBatchOverScatteredBlocksMatchesSeparateRuns) {
   const std::vector<int32_t> b = {1, 291, 280, 294, 262, 294, 353, 265, 284};
   for (KvDtype dtype : {KvDtype::F32, KvDtype::F16}) {
   SCOPED_TRACE(kv_dtype_name(dtype));
-  SessionOptions o;
-  o.block_size = 4;
-  o.kv_dtype = dtype;
-  Session s(*model, o);
-  const auto ref_a = s.all_logits(a);
-  const auto ref_b = s.all_logits(b);
+  EngineConfig c;
+  c.block_size = 4;
+  c.kv_dtype = dtype;
+  const auto ref_a = test::prompt_logits(*model, a, c);
+  const auto ref_b = test::prompt_logits(*model, b, c);
 
   // One KV cache, blocks handed out in a shuffled order; one batch holds a's first 9 tokens and b's
   // first 5, the next batch a's remaining 4 tokens (a chunk) and b's next 4 (decode-like rows).

@@ -15,7 +15,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/session.h"
+#include "test_util.h"
+#include "engine/engine.h"
 #include "gguf_builder.h"
 #include "hf_configs.h"
 #include "model/llama_weights.h"
@@ -122,11 +123,10 @@ float f32_at(const WeightView& w, int64_t row, int64_t col) {
 }
 
 std::vector<float> logits(const LlamaModel& m, const std::vector<int32_t>& ids) {
-  SessionOptions o;
-  o.kv_dtype = KvDtype::F32;
-  o.n_threads = 2;
-  Session s(m, o);
-  return s.all_logits(ids);
+  EngineConfig c;
+  c.kv_dtype = KvDtype::F32;
+  c.n_threads = 2;
+  return test::prompt_logits(m, ids, c);
 }
 
 const std::vector<int32_t> kIds = {1, 7, 22, 39, 3, 3, 15, 0, 28, 11};
@@ -308,7 +308,7 @@ TEST(HfLoader, ChatTemplateSources) {
   EXPECT_NE(e.find("tokenizer_config.json: field 'chat_template' must be a string or a list"), std::string::npos) << e;
 }
 
-TEST(HfLoader, MistralWindowCapsTheSessionContext) {
+TEST(HfLoader, MistralWindowCapsTheEngineContext) {
   TinyModel tm;
   tm.config["architectures"] = {"MistralForCausalLM"};
   tm.config["sliding_window"] = 32;
@@ -316,10 +316,11 @@ TEST(HfLoader, MistralWindowCapsTheSessionContext) {
   tm.write(dir);
   const auto m = LlamaModel::load_hf_dir(dir.path());
   EXPECT_EQ(m->hparams().sliding_window, 32);
-  SessionOptions o;
-  o.n_ctx = 4096;
-  Session s(*m, o);
-  EXPECT_EQ(s.n_ctx(), 32);
+  Engine e(*m, nullptr, EngineConfig{});
+  EXPECT_EQ(e.config().max_model_len, 32);
+  EngineConfig longer;
+  longer.max_model_len = 33;
+  EXPECT_THROW(Engine(*m, nullptr, longer), Error);
 }
 
 // The same tensors as an HF Qwen2 folder and as a GGUF "qwen2" file (llama.cpp stores Qwen2 q/k

@@ -58,13 +58,12 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
   for (bool caching : {false, true}) {
     EngineConfig c;
     c.block_size = a.engine.block_size;
-    c.kv_dtype = a.engine.session_options().kv_dtype;
+    c.kv_dtype = resolve_kv_dtype(a.engine.kv_dtype, *lm.model, a.engine.device.device);
     c.n_threads = a.engine.threads;
     c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
     c.enable_prefix_caching = caching;
-    Engine e(*lm.model, nullptr, c,
-             make_engine_runner(a.engine.device, *lm.model, c));
+    Engine e(*lm.model, nullptr, c, make_engine_runner(a.engine.device, *lm.model, c));
     std::vector<double> ttft;
     int64_t run_tokens = 0, hits = 0;
     for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
@@ -103,15 +102,14 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
     if (n <= 0) throw Error("bench: --parallel values must be positive, got " + std::to_string(n));
     EngineConfig c;
     c.block_size = a.engine.block_size;
-    c.kv_dtype = a.engine.session_options().kv_dtype;
+    c.kv_dtype = resolve_kv_dtype(a.engine.kv_dtype, *lm.model, a.engine.device.device);
     c.n_threads = a.engine.threads;
     c.max_num_seqs = n;
     c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, n);
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
     c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
     c.enable_prefix_caching = false;
-    Engine e(*lm.model, nullptr, c,
-             make_engine_runner(a.engine.device, *lm.model, c));
+    Engine e(*lm.model, nullptr, c, make_engine_runner(a.engine.device, *lm.model, c));
     std::vector<double> pp, tg, ttft, tpot;
     int64_t steps = 0;
     for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up
@@ -172,31 +170,29 @@ void run_bench(BenchArgs a) {
     run_parallel(a, lm);
     return;
   }
-  SessionOptions so = a.engine.session_options();
-  so.prefill_chunk = a.n_prompt;  // one forward pass for the whole prompt, as llama-bench does
-  so.n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
-  if (so.n_ctx > lm.model->hparams().n_ctx_train)
-    throw Error("bench: -p + -n = " + std::to_string(so.n_ctx - 1) + " tokens exceeds the model's context of " +
+  // One request at a time through the engine: the whole prompt in one forward pass, as
+  // llama-bench does, then -n decode steps; EOS ignored, nothing reused between repetitions.
+  EngineConfig c = a.engine.config(*lm.model);
+  const int64_t n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
+  if (n_ctx > lm.model->hparams().n_ctx_train)
+    throw Error("bench: -p + -n = " + std::to_string(n_ctx - 1) + " tokens exceeds the model's context of " +
                 std::to_string(lm.model->hparams().n_ctx_train));
-  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
-  // A fixed pseudo-random prompt (the ids do not change the cost of a forward pass).
-  std::vector<int32_t> prompt(static_cast<size_t>(a.n_prompt));
-  uint64_t x = 0x9e3779b97f4a7c15ull;
-  for (auto& id : prompt) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    id = static_cast<int32_t>(x % static_cast<uint64_t>(lm.model->hparams().n_vocab));
-  }
-  GenerateOptions go;
-  go.sampling.temperature = 0;
-  go.max_tokens = a.n_gen + 1;  // the first token comes from the prefill logits
+  c.max_model_len = n_ctx;
+  c.n_kv_blocks = static_cast<int32_t>((n_ctx + c.block_size - 1) / c.block_size);
+  c.max_num_batched_tokens = a.n_prompt;
+  c.enable_prefix_caching = false;
+  std::unique_ptr<Engine> engine = make_engine(lm, c, a.engine.device);
+  Request req;
+  req.prompt = random_prompt(a.n_prompt, lm.model->hparams().n_vocab, 0);  // the ids do not change the cost
+  req.sampling.temperature = 0;
+  req.max_tokens = a.n_gen + 1;  // the first token comes from the prefill logits
   std::vector<double> pp, tg;
   // One warm-up run (page in the weights, grow buffers), then the timed repetitions.
   for (int r = 0; r <= a.reps; ++r) {
-    session.reset();
-    const GenerateStats st = session.generate(prompt, go, [](int32_t) { return true; });
+    const SingleResult res = run_single(*engine, req, nullptr);
     if (r == 0) continue;
-    pp.push_back(st.prefill_tok_per_s());
-    tg.push_back(st.decode_tok_per_s());
+    pp.push_back(res.prefill_tok_per_s());
+    tg.push_back(res.decode_tok_per_s());
   }
   auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
   auto sd = [&](const std::vector<double>& v) {

@@ -27,9 +27,11 @@ struct ChatArgs {
   EngineFlags engine;
 };
 
-// Answers the conversation's last user message, streaming the reply to stdout.
-std::string answer(Session& session, const Tokenizer& tok, const PromptFormat& format,
-                   const std::vector<ChatMessage>& messages, const GenerateOptions& go, bool stats) {
+// Answers the conversation's last user message, streaming the reply to stdout. The engine's
+// prefix cache holds the KV of the turns before (their full blocks), so a turn computes little
+// more than its new tokens.
+std::string answer(Engine& engine, const Tokenizer& tok, const PromptFormat& format,
+                   const std::vector<ChatMessage>& messages, const Request& settings, bool stats) {
   Json conversation = Json::array();
   for (const ChatMessage& m : messages) conversation.push_back({{"role", m.role}, {"content", m.content}});
   std::string prompt;
@@ -38,53 +40,48 @@ std::string answer(Session& session, const Tokenizer& tok, const PromptFormat& f
   } catch (const RequestError& e) {  // the template's own error (raise_exception, a bad template)
     throw Error(e.what());
   }
-  const std::vector<int32_t> ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
-  // Reuse the KV of the longest common prefix with what the session already holds.
-  const auto& have = session.tokens();
-  size_t common = 0;
-  while (common < have.size() && common < ids.size() && have[common] == ids[common]) ++common;
-  if (common == ids.size() && common > 0) --common;  // keep one token to produce logits from
-  session.truncate(static_cast<int64_t>(common));
+  Request req = settings;
+  req.prompt = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
   StreamDecoder stream(tok);
   std::vector<int32_t> reply;
-  const GenerateStats st = session.generate(
-      std::span<const int32_t>(ids).subspan(common), go, [&](int32_t id) {
-        if (tok.is_eog(id)) return true;
-        reply.push_back(id);
-        const std::string piece = stream.push(id);
-        std::fwrite(piece.data(), 1, piece.size(), stdout);
-        std::fflush(stdout);
-        return true;
-      });
+  const SingleResult res = run_single(engine, std::move(req), [&](const RequestOutput& o) {
+    for (int32_t id : o.new_token_ids) {
+      if (tok.is_eog(id)) continue;
+      reply.push_back(id);
+      const std::string piece = stream.push(id);
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+    }
+    std::fflush(stdout);
+  });
   const std::string tail = stream.flush();
   std::fwrite(tail.data(), 1, tail.size(), stdout);
   std::fputc('\n', stdout);
   std::fflush(stdout);
   if (stats)
     std::fprintf(stderr, "[prompt %lld new tokens, %.1f tok/s; %lld generated, %.1f tok/s]\n",
-                 static_cast<long long>(st.n_prompt), st.prefill_tok_per_s(),
-                 static_cast<long long>(st.n_generated), st.decode_tok_per_s());
+                 static_cast<long long>(res.metrics.n_prompt_tokens - res.metrics.n_cached_prompt_tokens),
+                 res.prefill_tok_per_s(), static_cast<long long>(res.metrics.n_output_tokens), res.decode_tok_per_s());
   return tok.decode(reply);
 }
 
 void run_chat(const ChatArgs& a) {
-  if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
-  GenerateOptions go;
-  go.sampling = a.sampling.params();
-  go.max_tokens = a.n_predict;
-  const SessionOptions so = a.engine.session_options();
+  if (a.n_predict < -1 || a.n_predict == 0)
+    throw Error("-n must be >= 1, or -1 for no limit, got " + std::to_string(a.n_predict));
+  Request settings;
+  settings.sampling = a.sampling.params();
+  settings.max_tokens = a.n_predict;
   LoadedModel lm = load_model(a.model, /*quiet=*/!a.stats);
   const Tokenizer& tok = *lm.tokenizer;
   const PromptFormat format = PromptFormat::for_model(*lm.model, tok);
-  go.stop_ids = format.stop_ids;
-  if (format.end_of_turn_id) go.stop_ids.push_back(*format.end_of_turn_id);
-  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
+  settings.stop_ids = format.stop_ids;
+  if (format.end_of_turn_id) settings.stop_ids.push_back(*format.end_of_turn_id);
+  std::unique_ptr<Engine> engine = make_engine(lm, a.engine.config(*lm.model), a.engine.device);
   std::vector<ChatMessage> messages;
   if (!a.system.empty()) messages.push_back({"system", a.system});
 
   if (!a.prompt.empty()) {
     messages.push_back({"user", a.prompt});
-    answer(session, tok, format, messages, go, a.stats);
+    answer(*engine, tok, format, messages, settings, a.stats);
     return;
   }
   const bool tty = ::isatty(STDIN_FILENO) != 0;
@@ -99,13 +96,12 @@ void run_chat(const ChatArgs& a) {
     if (line == "/exit" || line == "/quit") break;
     if (line == "/reset") {
       messages.resize(a.system.empty() ? 0 : 1);
-      session.reset();
       continue;
     }
     if (line.empty()) continue;
     messages.push_back({"user", line});
     try {
-      messages.push_back({"assistant", answer(session, tok, format, messages, go, a.stats)});
+      messages.push_back({"assistant", answer(*engine, tok, format, messages, settings, a.stats)});
     } catch (const Error& e) {
       if (!tty) throw;  // piped input: report once (main) and exit non-zero
       // Interactive: the turn that does not fit is dropped and the conversation goes on.

@@ -42,44 +42,54 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
 void run_generate(const GenerateArgs& a) {
   if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
   const SamplingParams sp = a.sampling.params();
-  const SessionOptions so = a.engine.session_options();
   LoadedModel lm = load_model(a.model);
   const Tokenizer& tok = *lm.tokenizer;
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
-
   if (prompt_ids.empty()) throw Error("empty prompt: nothing to condition on");
-  Session session(*lm.model, so, a.engine.session_runner(*lm.model, so));
-  if (!a.dump_logits.empty()) {
-    write_npy(a.dump_logits, session.all_logits(prompt_ids), static_cast<int64_t>(prompt_ids.size()),
-              lm.model->hparams().n_vocab);
-    session.reset();
-  }
-  GenerateOptions go;
-  go.max_tokens = a.n_predict;
-  go.sampling = sp;
-  go.stop_ids = stop_ids(tok);
-  std::vector<int32_t> output_ids;
+  std::unique_ptr<Engine> engine = make_engine(lm, a.engine.config(*lm.model), a.engine.device);
+
+  Request req;
+  req.prompt = prompt_ids;
+  req.sampling = sp;
+  req.stop_ids = stop_ids(tok);
+  req.prompt_logits = !a.dump_logits.empty();
+  // -n 0 generates nothing; with --dump-logits the one token sampled beside the logits is dropped.
+  const bool silent = a.n_predict == 0;
+  req.max_tokens = silent ? 1 : a.n_predict;
+  if (silent && !req.prompt_logits) req.max_tokens = 0;
   // The output continues the prompt: keep a SentencePiece leading space unless nothing precedes it.
-  const bool continuation = !prompt_ids.empty() && !(prompt_ids.size() == 1 && prompt_ids[0] == tok.bos_id());
+  const bool continuation = !(prompt_ids.size() == 1 && prompt_ids[0] == tok.bos_id());
   StreamDecoder stream(tok, /*skip_special=*/false, continuation);
-  const GenerateStats st = session.generate(prompt_ids, go, [&](int32_t id) {
-    output_ids.push_back(id);
-    if (!a.json && !tok.is_eog(id)) {
-      const std::string piece = stream.push(id);
-      std::fwrite(piece.data(), 1, piece.size(), stdout);
+  SingleResult res;
+  if (req.max_tokens != 0) {
+    res = run_single(*engine, std::move(req), [&](const RequestOutput& o) {
+      if (a.json || silent) return;
+      for (int32_t id : o.new_token_ids) {
+        if (tok.is_eog(id)) continue;
+        const std::string piece = stream.push(id);
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+      }
       std::fflush(stdout);
-    }
-    return true;
-  });
+    });
+  } else {
+    res.finish_reason = "length";
+    res.metrics.n_prompt_tokens = static_cast<int64_t>(prompt_ids.size());
+  }
+  if (silent) {
+    res.output_ids.clear();
+    res.metrics.n_output_tokens = 0;
+  }
+  if (!a.dump_logits.empty())
+    write_npy(a.dump_logits, res.prompt_logits, static_cast<int64_t>(prompt_ids.size()), lm.model->hparams().n_vocab);
   if (a.json) {
     std::vector<int32_t> text_ids;
-    for (int32_t id : output_ids)
+    for (int32_t id : res.output_ids)
       if (!tok.is_eog(id)) text_ids.push_back(id);
     nlohmann::json j;
     j["prompt_ids"] = prompt_ids;
-    j["output_ids"] = output_ids;
+    j["output_ids"] = res.output_ids;
     j["text"] = tok.decode(text_ids, /*skip_special=*/false, continuation);
-    j["finish_reason"] = st.finish_reason;
+    j["finish_reason"] = res.finish_reason;
     std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
     const std::string tail = stream.flush();
@@ -89,8 +99,8 @@ void run_generate(const GenerateArgs& a) {
   std::fflush(stdout);  // the text before the statistics when both go to one pipe
   std::fprintf(stderr,
                "kestrel: prompt %lld tokens, prefill %.1f tok/s; generated %lld tokens, decode %.1f tok/s (%s)\n",
-               static_cast<long long>(st.n_prompt), st.prefill_tok_per_s(),
-               static_cast<long long>(st.n_generated), st.decode_tok_per_s(), st.finish_reason.c_str());
+               static_cast<long long>(res.metrics.n_prompt_tokens), res.prefill_tok_per_s(),
+               static_cast<long long>(res.metrics.n_output_tokens), res.decode_tok_per_s(), res.finish_reason.c_str());
 }
 }  // namespace
 

@@ -83,13 +83,35 @@ SamplingParams SamplingFlags::params() const {
   return p;
 }
 
+namespace {
+// More threads than cores only makes the spinning fork-join pool slower; allow some headroom.
+int max_threads() { return 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+void add_kv_dtype(CLI::App& app, std::string& field) {
+  app.add_option("--kv-cache-dtype,--kv-dtype", field,
+                 "KV cache element type: auto (f32 for f32 weights on the CPU, else f16; bf16 on the GPU), "
+                 "f16 or f32 (CPU)")
+      ->check(CLI::IsMember({"auto", "f16", "fp16", "float16", "f32", "fp32", "float32", "bf16"}, CLI::ignore_case))
+      ->capture_default_str();
+}
+}  // namespace
+
+KvDtype resolve_kv_dtype(const std::string& flag, const LlamaModel& model, const std::string& device) {
+  if (flag != "auto") return parse_kv_dtype(flag, "--kv-cache-dtype");
+  if (device == "cuda") return KvDtype::BF16;
+  const auto& layers = model.weights().layers;
+  return !layers.empty() && layers[0].wq.type == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
+}
+
 void EngineFlags::add_to(CLI::App& app) {
-  app.add_option("-t,--threads", threads, "CPU threads; 0 = all cores")->capture_default_str();
+  app.add_option("-t,--threads", threads, "CPU threads; 0 = all cores")
+      ->check(CLI::Range(0, max_threads()))
+      ->capture_default_str();
   app.add_option("-c,--ctx-size", ctx_size, "Context length in tokens (at most the model's)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
-  app.add_option("--block-size", block_size, "Tokens per KV cache block")->capture_default_str();
-  app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
-      ->capture_default_str();
+  app.add_option("--block-size", block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
+  add_kv_dtype(app, kv_dtype);
   device.add_to(app);
 }
 
@@ -98,6 +120,45 @@ void EngineFlags::add_prefill_chunk(CLI::App& app) {
                  "Prompt tokens per forward pass (chunked prefill; 1 runs the prompt as decode steps)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->capture_default_str();
+}
+
+EngineConfig EngineFlags::config(const LlamaModel& model) const {
+  EngineConfig c;
+  c.n_threads = threads;
+  c.block_size = block_size;
+  c.max_model_len = std::min(ctx_size, model.hparams().n_ctx_train);
+  c.max_num_seqs = 1;
+  c.max_num_batched_tokens = prefill_chunk;
+  c.n_kv_blocks = static_cast<int32_t>((c.max_model_len + block_size - 1) / block_size);
+  c.enable_prefix_caching = true;
+  c.kv_dtype = resolve_kv_dtype(kv_dtype, model, device.device);
+  return c;
+}
+
+std::unique_ptr<Engine> make_engine(const LoadedModel& lm, const EngineConfig& config, const DeviceFlags& device) {
+  std::unique_ptr<ModelRunner> runner = make_engine_runner(device, *lm.model, config);
+  try {
+    return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config, std::move(runner));
+  } catch (const Error& e) {
+    // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
+    throw CLI::ValidationError("engine flags", e.what());
+  }
+}
+
+SingleResult run_single(Engine& engine, Request request, const std::function<void(const RequestOutput&)>& on_output) {
+  engine.add_request(std::move(request));
+  SingleResult res;
+  while (engine.has_unfinished())
+    for (RequestOutput& o : engine.step()) {
+      if (!o.prompt_logits.empty()) res.prompt_logits = std::move(o.prompt_logits);
+      res.output_ids.insert(res.output_ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+      if (!o.new_token_ids.empty() && on_output) on_output(o);
+      if (!o.finished) continue;
+      if (o.finish_reason == "error") throw Error(o.error);
+      res.finish_reason = o.finish_reason;
+      res.metrics = o.metrics;
+    }
+  return res;
 }
 
 void DeviceFlags::add_to(CLI::App& app) {
@@ -204,39 +265,8 @@ std::unique_ptr<ModelRunner> make_engine_runner(const DeviceFlags& device, const
   return make_runner(device.device, model, o);
 }
 
-std::unique_ptr<ModelRunner> EngineFlags::session_runner(const LlamaModel& model, const SessionOptions& so) const {
-  if (device.device == "cpu") return nullptr;
-  const int64_t n_ctx = std::min(so.n_ctx, model.hparams().n_ctx_train);
-  RunnerOptions o;
-  o.block_size = so.block_size;
-  o.n_kv_blocks = static_cast<int32_t>((n_ctx + so.block_size - 1) / so.block_size);
-  o.kv_dtype = so.kv_dtype;
-  o.n_threads = so.n_threads;
-  device.apply(o);
-  return make_runner(device.device, model, o);
-}
-
-SessionOptions EngineFlags::session_options() const {
-  // More threads than cores only makes the spinning fork-join pool slower; allow some headroom.
-  const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (threads < 0 || threads > max_threads)
-    throw Error("--threads must be in [0, " + std::to_string(max_threads) + "] (0 = all cores), got " +
-                std::to_string(threads));
-  if (ctx_size <= 0) throw Error("--ctx-size must be positive, got " + std::to_string(ctx_size));
-  if (block_size <= 0 || block_size > 1024)
-    throw Error("--block-size must be in [1, 1024], got " + std::to_string(block_size));
-  SessionOptions o;
-  o.n_threads = threads;
-  o.n_ctx = ctx_size;
-  o.block_size = block_size;
-  o.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
-  o.prefill_chunk = prefill_chunk;
-  return o;
-}
-
 void EngineServingFlags::add_to(CLI::App& app) {
   EngineConfig& c = engine;
-  const int max_threads = 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("--max-num-seqs", c.max_num_seqs, "Running sequences per step at most")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
@@ -250,10 +280,9 @@ void EngineServingFlags::add_to(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--no-prefix-cache", no_prefix_cache, "Do not reuse the KV of identical prompt prefixes");
   device.add_to(app);
-  app.add_option("--kv-dtype", kv_dtype, "KV cache element type: f16 (half the memory) or f32 (exact)")
-      ->capture_default_str();
+  add_kv_dtype(app, kv_dtype);
   app.add_option("-t,--threads", c.n_threads, "CPU threads; 0 = all cores")
-      ->check(CLI::Range(0, max_threads))
+      ->check(CLI::Range(0, max_threads()))
       ->capture_default_str();
   app.add_option("--max-model-len", c.max_model_len,
                  "Prompt + output tokens per request at most; 0 = the model's context (at most 8192)")
@@ -264,14 +293,8 @@ void EngineServingFlags::add_to(CLI::App& app) {
 std::unique_ptr<Engine> EngineServingFlags::make_engine(const LoadedModel& lm) const {
   EngineConfig config = engine;
   config.enable_prefix_caching = !no_prefix_cache;
-  config.kv_dtype = parse_kv_dtype(kv_dtype, "--kv-dtype");
-  try {
-    return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), config,
-                                    make_engine_runner(device, *lm.model, config));
-  } catch (const Error& e) {
-    // Each flag is in range on its own (CLI11 checked); the engine rejects their combination.
-    throw CLI::ValidationError("engine flags", e.what());
-  }
+  config.kv_dtype = resolve_kv_dtype(kv_dtype, *lm.model, device.device);
+  return cli::make_engine(lm, config, device);
 }
 
 std::vector<int32_t> stop_ids(const Tokenizer& tok) {

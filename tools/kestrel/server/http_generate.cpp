@@ -261,10 +261,10 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
     prompts_.push_back(std::move(info));
   }
   // n choices per prompt: n engine requests on the same prompt; with a seed, choice j of every prompt draws
-  // from seed + j (as the same prompt sent alone would). They are admitted in the same step, so each prefills
-  // its prompt (the prefix cache only shares blocks computed in earlier steps). Echo with logprobs: only
-  // choice 0 computes the prompt's logprobs (every prompt position's logits row), the others prefill as usual
-  // and echo choice 0's.
+  // from seed + j (as the same prompt sent alone would). The engine prefills the prompt once: choices 1..n-1
+  // fork choice 0's KV blocks when its prompt is computed and sample from its last logits row. Echo with
+  // logprobs: only choice 0 computes the prompt's logprobs (every prompt position's logits row) and every
+  // choice echoes them.
   if (auto e = check_logprob_volume(r, bases)) return fail(std::move(*e));
   n_ = r.n;
   for (size_t p = 0; p < bases.size(); ++p)
