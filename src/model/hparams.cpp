@@ -5,15 +5,18 @@
 
 #include "core/error.h"
 #include "io/gguf.h"
+#include "model/forward_ops.h"
 
 namespace kestrel {
 
 ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   ModelHparams hp;
   hp.arch = f.get_string("general.architecture");
-  if (hp.arch != "llama" && hp.arch != "qwen2" && hp.arch != "mistral")
-    throw Error(f.path() + ": unsupported architecture '" + hp.arch +
-                "' (supported: llama, qwen2, mistral)");
+  try {
+    architecture(hp.arch);  // one the registry knows
+  } catch (const Error& e) {
+    throw Error(f.path() + ": " + e.what());
+  }
   const std::string a = hp.arch + ".";
   hp.name = f.get_string_or("general.name", "");
   hp.n_embd = f.get_int(a + "embedding_length");

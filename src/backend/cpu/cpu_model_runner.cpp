@@ -15,7 +15,7 @@ void grow(std::vector<float>& v, int64_t n) {
 }  // namespace
 
 CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
-    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool) {
+    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {
     if (!matmul_supports(w.type))
@@ -37,7 +37,9 @@ void CpuModelRunner::check(const ForwardBatch& b) const {
   validate_forward_batch(b, hp_.n_vocab, kv_.n_blocks(), kv_.block_size());
 }
 
-void CpuModelRunner::attention(const ForwardBatch& b, int64_t layer) {
+void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
+  KESTREL_ASSERT(qkv == Act::Qkv && out == Act::Attn, "CPU attention: reads Act::Qkv, writes Act::Attn");
+  const ForwardBatch& b = *batch_;
   const int64_t n = b.n_tokens();
   const int64_t hd = hp_.head_dim;
   const int64_t group = hp_.n_head / hp_.n_head_kv;
@@ -104,10 +106,10 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   check(b);
   const int64_t n = b.n_tokens();
   const int64_t d = hp_.n_embd;
-  const auto& w = model_.weights();
-  const auto& op = ops();
   grow(x_, n * d);
   grow(h_, n * d);
+  grow(o_, n * d);
+  grow(down_, n * d);
   grow(q_, n * hp_.q_dim());
   grow(k_, n * hp_.kv_dim());
   grow(v_, n * hp_.kv_dim());
@@ -118,62 +120,109 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   for (int64_t s = 0; s < b.n_seqs(); ++s)
     for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t)
       token_seq_[static_cast<size_t>(t)] = static_cast<int32_t>(s);
+  batch_ = &b;
+  arch_.forward(*this, hp_);
+  batch_ = nullptr;
+  const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
+  return {logits_.data(), static_cast<size_t>(n_out * hp_.n_vocab)};
+}
 
-  for (int64_t t = 0; t < n; ++t)
-    dequantize_row(w.token_embd.type, w.token_embd.row(b.token_ids[t]), x_.data() + t * d, d);
+void CpuModelRunner::embed() {
+  const ForwardBatch& b = *batch_;
+  const int64_t d = hp_.n_embd;
+  const WeightView& e = model_.weights().token_embd;
+  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(e.type, e.row(b.token_ids[t]), x_.data() + t * d, d);
+}
 
-  const bool adjacent = hp_.rope_style == RopeStyle::AdjacentPairs;
-  const int64_t kvd = hp_.kv_dim();
-  for (int64_t il = 0; il < hp_.n_layer; ++il) {
-    const LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
-    rms_norm_rows(x_.data(), L.attn_norm.data(), h_.data(), n);
-    {
-      const WeightView wqkv[3] = {L.wq, L.wk, L.wv};
-      float* const yqkv[3] = {q_.data(), k_.data(), v_.data()};
-      matmul_multi(wqkv, h_.data(), n, yqkv, ws_, pool_);
-    }
+float* CpuModelRunner::act(Act a) {
+  switch (a) {
+    case Act::Attn: return attn_.data();
+    case Act::AttnOut: return o_.data();
+    case Act::Down: return down_.data();
+    default: break;
+  }
+  KESTREL_ASSERT(false, "CPU backend: no single array for this activation");
+  return nullptr;
+}
+
+void CpuModelRunner::add_to_residual(Act add) {
+  if (add != Act::None) ops().add(x_.data(), act(add), batch_->n_tokens() * hp_.n_embd);
+}
+
+void CpuModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) {
+  const int64_t n = batch_->n_tokens();
+  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
+  add_to_residual(add);
+  const std::vector<float>& w_norm = norm.role == WeightRole::AttnNorm ? L.attn_norm : L.ffn_norm;
+  rms_norm_rows(x_.data(), w_norm.data(), h_.data(), n);
+  if (proj.role == WeightRole::Qkv) {
+    KESTREL_ASSERT(out == Act::Qkv, "CPU backend: the QKV projection writes Act::Qkv");
+    const WeightView wqkv[3] = {L.wq, L.wk, L.wv};
+    float* const yqkv[3] = {q_.data(), k_.data(), v_.data()};
+    matmul_multi(wqkv, h_.data(), n, yqkv, ws_, pool_);
     if (!L.bq.empty()) {
+      const int64_t kvd = hp_.kv_dim();
       for (int64_t t = 0; t < n; ++t) {
-        op.add(q_.data() + t * hp_.q_dim(), L.bq.data(), hp_.q_dim());
-        op.add(k_.data() + t * kvd, L.bk.data(), kvd);
-        op.add(v_.data() + t * kvd, L.bv.data(), kvd);
+        ops().add(q_.data() + t * hp_.q_dim(), L.bq.data(), hp_.q_dim());
+        ops().add(k_.data() + t * kvd, L.bk.data(), kvd);
+        ops().add(v_.data() + t * kvd, L.bv.data(), kvd);
       }
     }
-    rope(q_.data(), b.positions.data(), n, hp_.n_head, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
-         hp_.rope_linear_scale, adjacent);
-    rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim,
-         inv_freq_.data(), hp_.rope_linear_scale, adjacent);
-    write_kv(b, il);
-    attention(b, il);
-    matmul(L.wo, attn_.data(), n, h_.data(), ws_, pool_);
-    if (!L.bo.empty())
-      for (int64_t t = 0; t < n; ++t) op.add(h_.data() + t * d, L.bo.data(), d);
-    op.add(x_.data(), h_.data(), n * d);
-
-    rms_norm_rows(x_.data(), L.ffn_norm.data(), h_.data(), n);
-    {
-      const WeightView wgu[2] = {L.w_gate, L.w_up};
-      float* const ygu[2] = {gate_.data(), up_.data()};
-      matmul_multi(wgu, h_.data(), n, ygu, ws_, pool_);
-    }
-    // Row by row, so a token's arithmetic (vector lanes and tails) never depends on the batch.
-    pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        op.silu_mul(gate_.data() + r * hp_.n_ff, up_.data() + r * hp_.n_ff, gate_.data() + r * hp_.n_ff,
-                    hp_.n_ff);
-    });
-    matmul(L.w_down, gate_.data(), n, h_.data(), ws_, pool_);
-    op.add(x_.data(), h_.data(), n * d);
+    return;
   }
+  KESTREL_ASSERT(proj.role == WeightRole::GateUp && out == Act::GateUp, "CPU backend: unknown normed projection");
+  const WeightView wgu[2] = {L.w_gate, L.w_up};
+  float* const ygu[2] = {gate_.data(), up_.data()};
+  matmul_multi(wgu, h_.data(), n, ygu, ws_, pool_);
+}
 
+void CpuModelRunner::rope_write_kv(int32_t layer, Act qkv) {
+  KESTREL_ASSERT(qkv == Act::Qkv, "CPU rope_write_kv: reads Act::Qkv");
+  const ForwardBatch& b = *batch_;
+  const int64_t n = b.n_tokens();
+  const bool adjacent = hp_.rope_style == RopeStyle::AdjacentPairs;
+  rope(q_.data(), b.positions.data(), n, hp_.n_head, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
+       hp_.rope_linear_scale, adjacent);
+  rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
+       hp_.rope_linear_scale, adjacent);
+  write_kv(b, layer);
+}
+
+void CpuModelRunner::linear(Act in, WeightId proj, Act out) {
+  KESTREL_ASSERT(proj.role == WeightRole::AttnOut, "CPU backend: unknown projection");
+  const int64_t n = batch_->n_tokens(), d = hp_.n_embd;
+  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
+  float* y = act(out);
+  matmul(L.wo, act(in), n, y, ws_, pool_);
+  if (!L.bo.empty())
+    for (int64_t t = 0; t < n; ++t) ops().add(y + t * d, L.bo.data(), d);
+}
+
+void CpuModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
+  KESTREL_ASSERT(in == Act::GateUp && proj.role == WeightRole::Down, "CPU backend: SwiGLU reads Act::GateUp");
+  const int64_t n = batch_->n_tokens(), ff = hp_.n_ff;
+  const auto& op = ops();
+  // Row by row, so a token's arithmetic (vector lanes and tails) never depends on the batch.
+  pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op.silu_mul(gate_.data() + r * ff, up_.data() + r * ff, gate_.data() + r * ff, ff);
+  });
+  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
+  matmul(L.w_down, gate_.data(), n, act(out), ws_, pool_);
+}
+
+void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
+  KESTREL_ASSERT(norm.role == WeightRole::OutputNorm && head.role == WeightRole::Output, "CPU backend: final norm");
+  const ForwardBatch& b = *batch_;
+  const int64_t d = hp_.n_embd;
+  const auto& w = model_.weights();
+  add_to_residual(add);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   grow(logits_in_, n_out * d);
   grow(logits_, n_out * hp_.n_vocab);
   for (int64_t i = 0; i < n_out; ++i)
-    op.rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.output_norm.data(),
-                logits_in_.data() + i * d, 1, d, hp_.rms_eps);
+    ops().rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.output_norm.data(),
+                   logits_in_.data() + i * d, 1, d, hp_.rms_eps);
   matmul(w.output, logits_in_.data(), n_out, logits_.data(), ws_, pool_);
-  return {logits_.data(), static_cast<size_t>(n_out * hp_.n_vocab)};
 }
 
 }  // namespace kestrel::cpu

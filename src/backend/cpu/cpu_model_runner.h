@@ -1,5 +1,6 @@
-// The forward pass of a Llama-family model on the CPU over a flat batch (prefill chunks and
-// decode tokens of several sequences mixed), reading and writing K/V through block tables.
+// The CPU backend's forward pass over a flat batch (prefill chunks and decode tokens of several
+// sequences mixed), reading and writing K/V through block tables: the architecture's builder
+// (model/forward_ops.h) run over this class's ForwardOps, in f32 activations.
 #pragma once
 
 #include <span>
@@ -9,11 +10,12 @@
 #include "core/thread_pool.h"
 #include "memory/kv_cache.h"
 #include "model/forward_batch.h"
+#include "model/forward_ops.h"
 #include "model/llama_weights.h"
 
 namespace kestrel::cpu {
 
-class CpuModelRunner {
+class CpuModelRunner final : private ForwardOps {
  public:
   // The model, the KV cache and the pool must outlive the runner.
   CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool);
@@ -27,8 +29,19 @@ class CpuModelRunner {
   const LlamaModel& model() const { return model_; }
 
  private:
+  // ForwardOps over the pass's batch (batch_). Act::Qkv is q_, k_ and v_ (three arrays: the
+  // matmul writes each projection's rows contiguously); Act::GateUp is gate_ and up_.
+  void embed() override;
+  void add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) override;
+  void rope_write_kv(int32_t layer, Act qkv) override;
+  void attention(int32_t layer, Act qkv, Act out) override;
+  void linear(Act in, WeightId proj, Act out) override;
+  void swiglu_linear(Act in, WeightId proj, Act out) override;
+  void final_norm_logits(Act add, WeightId norm, WeightId head) override;
+  float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn
+  void add_to_residual(Act add);
+
   void check(const ForwardBatch& b) const;
-  void attention(const ForwardBatch& b, int64_t layer);
   // Stores the batch's K and V rows of `layer` in their slots (converted to the cache's dtype).
   void write_kv(const ForwardBatch& b, int64_t layer);
   // RMSNorm of n rows of n_embd with weight w, split over the pool.
@@ -39,9 +52,12 @@ class CpuModelRunner {
   KvCache& kv_;
   ThreadPool& pool_;
   MatmulWorkspace ws_;
+  const Architecture& arch_;
   std::vector<float> inv_freq_;  // [rope_dim / 2]
-  // Activations, sized for the largest batch seen: x is the residual stream.
-  std::vector<float> x_, h_, q_, k_, v_, attn_, gate_, up_, logits_in_, logits_;
+  const ForwardBatch* batch_ = nullptr;  // the pass in progress
+  // Activations, sized for the largest batch seen: x is the residual stream, h the normed rows,
+  // o and down the block outputs not yet added to x.
+  std::vector<float> x_, h_, q_, k_, v_, attn_, o_, down_, gate_, up_, logits_in_, logits_;
   std::vector<int32_t> token_seq_;  // [n_tokens] sequence index of each token
 };
 

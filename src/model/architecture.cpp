@@ -1,0 +1,39 @@
+#include <algorithm>
+#include <array>
+
+#include "core/error.h"
+#include "model/archs/archs.h"
+#include "model/forward_ops.h"
+
+namespace kestrel {
+
+namespace {
+// Explicit, so a static library never drops a builder the way it drops an unreferenced
+// self-registering object file.
+constexpr std::array<Architecture, 3> kArchitectures = {{
+    {"llama", archs::llama_forward},
+    {"mistral", archs::llama_forward},
+    {"qwen2", archs::llama_forward},
+}};
+}  // namespace
+
+const Architecture* find_architecture(std::string_view name) {
+  const auto it = std::find_if(kArchitectures.begin(), kArchitectures.end(),
+                               [&](const Architecture& a) { return a.name == name; });
+  return it == kArchitectures.end() ? nullptr : &*it;
+}
+
+std::vector<std::string_view> architecture_names() {
+  std::vector<std::string_view> names;
+  for (const Architecture& a : kArchitectures) names.push_back(a.name);
+  return names;
+}
+
+const Architecture& architecture(std::string_view name) {
+  if (const Architecture* a = find_architecture(name)) return *a;
+  std::string known;
+  for (std::string_view n : architecture_names()) known += (known.empty() ? "" : ", ") + std::string(n);
+  throw Error("unsupported architecture '" + std::string(name) + "' (supported: " + known + ")");
+}
+
+}  // namespace kestrel

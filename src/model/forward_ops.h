@@ -1,0 +1,85 @@
+// The operations a model's forward pass is written in. An architecture's builder
+// (src/model/archs/) calls them in order, once, for every backend; each backend implements them
+// over the activations and weights it holds for the pass in progress (the CPU backend in f32 host
+// arrays, the CUDA backend in bf16 device buffers) and may fuse neighbours behind this interface:
+// the CUDA backend folds the residual add and RMSNorm into a one-token GEMV and RoPE + K/V write
+// into decode attention.
+//
+// A pass's batch (ForwardBatch: token ids, positions, slots, block tables, logits rows) is the
+// backend's; the ops never see it. Shapes below: n = the batch's tokens, d = n_embd.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/hparams.h"
+
+namespace kestrel {
+
+// The tensors an architecture names, by role: per layer, or model-level (layer -1).
+enum class WeightRole {
+  AttnNorm,    // [d] RMSNorm weight before attention
+  Qkv,         // [q_dim + 2 kv_dim, d] the q, k and v projections (with their biases, if any)
+  AttnOut,     // [d, q_dim] the output projection (with its bias, if any)
+  FfnNorm,     // [d] RMSNorm weight before the MLP
+  GateUp,      // [2 n_ff, d] the gate and up projections
+  Down,        // [d, n_ff] the down projection
+  OutputNorm,  // [d] final RMSNorm weight (layer -1)
+  Output,      // [n_vocab, d] the LM head (layer -1; the embedding when tied)
+};
+struct WeightId {
+  int32_t layer;
+  WeightRole role;
+};
+
+// Activations of a pass, each [n, width] in the backend's element type.
+enum class Act {
+  None,     // no tensor (add_norm_linear's add on the first layer)
+  Qkv,      // [n, q_dim + 2 kv_dim]
+  Attn,     // [n, q_dim] attention output
+  AttnOut,  // [n, d] output projection, added to the residual stream by the next add_norm_*
+  GateUp,   // [n, 2 n_ff]
+  Down,     // [n, d] MLP output, added to the residual stream by the next add_norm_*
+};
+
+class ForwardOps {
+ public:
+  virtual ~ForwardOps() = default;
+  // residual [n, d] = the token embedding rows of the batch's ids.
+  virtual void embed() = 0;
+  // residual += add (nothing for Act::None), then out = RMSNorm(residual) * w(norm) . w(proj)^T
+  // (+ the projection's bias). RMSNorm: Zhang & Sennrich 2019.
+  virtual void add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) = 0;
+  // RoPE (Su et al. 2021) on the q and k heads of `qkv` at each token's position, then each token's
+  // k and v into its slot of the layer's paged KV cache.
+  virtual void rope_write_kv(int32_t layer, Act qkv) = 0;
+  // Exact causal attention of the q heads of `qkv` over the layer's KV cache through the block
+  // tables (GQA: q head h reads KV head h / (n_head / n_head_kv)) -> out [n, q_dim].
+  virtual void attention(int32_t layer, Act qkv, Act out) = 0;
+  // out = in . w(proj)^T (+ its bias).
+  virtual void linear(Act in, WeightId proj, Act out) = 0;
+  // out = (silu(gate) * up) . w(proj)^T, in = [gate | up] rows (SwiGLU, Shazeer 2020).
+  virtual void swiglu_linear(Act in, WeightId proj, Act out) = 0;
+  // residual += add, then the logits of the batch's logits rows: RMSNorm(row) * w(norm) .
+  // w(head)^T, [n_rows, n_vocab] f32.
+  virtual void final_norm_logits(Act add, WeightId norm, WeightId head) = 0;
+};
+
+// One architecture family: its forward pass over ForwardOps. Adding an architecture adds a
+// builder under src/model/archs/ and its names to the registry (architecture.cpp); no backend
+// file changes.
+struct Architecture {
+  std::string_view name;
+  void (*forward)(ForwardOps& ops, const ModelHparams& hp);
+};
+
+// The architecture registered under `name` (GGUF general.architecture / the HF config's family:
+// "llama", "qwen2", "mistral"), or null.
+const Architecture* find_architecture(std::string_view name);
+// find_architecture, or kestrel::Error naming the architecture and the supported ones.
+const Architecture& architecture(std::string_view name);
+std::vector<std::string_view> architecture_names();
+
+}  // namespace kestrel
