@@ -1,6 +1,7 @@
 // The backend interface: one forward pass of the model over a flat batch, with the paged KV cache
-// the backend owns (host memory for the CPU, device memory for CUDA). The engine and the session
-// drive any backend through this; they never touch K/V storage themselves.
+// the backend owns (host memory for the CPU, device memory for CUDA). The engine drives any backend
+// through this and never touches K/V storage itself. A backend runs the model's architecture
+// builder (model/forward_ops.h) over its own ForwardOps.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,224 @@
+// One pass of the CUDA backend: the architecture's builder (model/archs/) over this runner's
+// ForwardOps, each op enqueued on the runner's stream, and the choice of kernel for every
+// projection (streaming GEMV, skinny GEMM or cuBLASLt, tuned per decode batch size).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_model_runner.h"
+#include "core/error.h"
+
+namespace kestrel::cuda_runner {
+
+cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, const PassShape& s) const {
+  cuda::AttentionParams ap{};
+  ap.block_tables = d.block_tables;
+  ap.context_lens = d.context_lens;
+  ap.query_start = d.query_start;
+  ap.token_seq = nullptr;
+  ap.positions = d.positions;
+  ap.n_tokens = s.n_tokens;
+  ap.n_seqs = s.n_seqs;
+  ap.max_blocks_per_seq = s.width;
+  ap.max_context = s.max_context;
+  ap.max_query_len = s.max_query;
+  ap.n_head = static_cast<int32_t>(hp_.n_head);
+  ap.n_head_kv = static_cast<int32_t>(hp_.n_head_kv);
+  ap.head_dim = static_cast<int32_t>(hp_.head_dim);
+  ap.block_size = block_size_;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(hp_.head_dim));
+  ap.workspace = workspace_.as<void>();
+  ap.workspace_bytes = workspace_.bytes();
+  ap.decode_stages = attn_decode_stages_;
+  ap.split_items_per_block = attn_items_per_block_;
+  ap.split_min_tiles = attn_min_split_tiles_;
+  return ap;
+}
+
+void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s) {
+  pass_arrays_ = &da;
+  pass_ = s;
+  pass_ap_ = attention_params(da, s);
+  // Every pass starts in residual_: a captured graph holds the addresses it was captured with.
+  pass_residual_ = residual_.as<float>();
+  pass_spare_ = residual_alt_.as<float>();
+  // Decode-only passes rotate q and write K/V inside the decode attention kernel (no RoPE kernel).
+  pass_rope_in_attention_ = fused_rope_ && s.max_query == 1 &&
+                            cuda::attention_supports_fused_rope(static_cast<int32_t>(hp_.head_dim));
+  if (prof_ != nullptr) prof_->begin(s.max_query == 1 ? "decode" : "prefill");
+  arch_.forward(*this, hp_);
+  if (s.sample && s.n_out > 0) {
+    cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out,
+                        hp_.n_vocab, da.tokens, sample_ws_.as<void>(), stream_);
+    mark("sample");
+  }
+  pass_arrays_ = nullptr;
+}
+
+bf16* CudaModelRunner::act(Act a) {
+  switch (a) {
+    case Act::None: return nullptr;
+    case Act::Qkv: return qkv_.as<bf16>();
+    case Act::Attn: return attn_.as<bf16>();
+    case Act::AttnOut: return o_.as<bf16>();
+    case Act::GateUp: return gate_up_.as<bf16>();
+    case Act::Down: return down_.as<bf16>();
+  }
+  return nullptr;
+}
+
+void CudaModelRunner::embed() {
+  cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, pass_residual_, stream_);
+  mark("embedding");
+}
+
+// residual += add, then y = RMSNorm(residual) * norm_w . W^T: two kernels, or one streaming GEMV
+// reading the residual and writing the sum to the other residual buffer (fused_norm_), after which
+// the two buffers swap roles.
+void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) {
+  const Layer& L = layers_[static_cast<size_t>(proj.layer)];
+  const int64_t n = pass_.n_tokens, d = hp_.n_embd;
+  const bool qkv = proj.role == WeightRole::Qkv;
+  KESTREL_ASSERT(qkv || proj.role == WeightRole::GateUp, "CUDA backend: unknown normed projection");
+  const DevMem& norm_w = norm.role == WeightRole::AttnNorm ? L.attn_norm : L.ffn_norm;
+  const DevMem& w = qkv ? L.w_qkv : L.w_gate_up;
+  const int64_t n_out = qkv ? hp_.q_dim() + 2 * hp_.kv_dim() : 2 * hp_.n_ff;
+  const char* what = qkv ? "gemm qkv" : "gemm gate_up";
+  bf16* y = act(out);
+  if (!fused_norm_ || !uses_stream_gemv(n, d, n_out)) {
+    cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
+    mark("add_rms_norm");
+    project(h_.as<bf16>(), w.as<bf16>(), y, false, n, d, n_out);
+    mark(what);
+  } else {
+    if (residual_alt_.bytes() < static_cast<size_t>(n * d) * 4)
+      throw Error("fused norm: the second residual buffer holds fewer than " + std::to_string(n) + " rows");
+    cuda::StreamGemvArgs a{cuda::ProjectionOperands{nullptr, d, w.as<bf16>(), y, n, d, n_out, false, false}};
+    a.stages = stream_gemv_stages_;
+    a.norm_residual_in = pass_residual_;
+    a.norm_add = act(add);
+    a.norm_weight = norm_w.as<bf16>();
+    a.norm_residual_out = pass_spare_;
+    a.norm_eps = hp_.rms_eps;
+    cuda::stream_gemv(a, stream_);
+    std::swap(pass_residual_, pass_spare_);
+    mark(what);
+  }
+  if (qkv && L.b_qkv.bytes() > 0) cuda::add_bias(y, L.b_qkv.as<float>(), n, n_out, stream_);
+}
+
+void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
+  bf16* qkv = act(qkv_act);
+  const int64_t qkv_w = hp_.q_dim() + 2 * hp_.kv_dim();
+  const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
+  if (pass_rope_in_attention_) {  // done by attention(), from the unrotated qkv
+    pass_ap_.rope = {qkv, qkv_w, pass_arrays_->slots, inv_freq_.as<float>(), hp_.rope_linear_scale,
+                     static_cast<int32_t>(hp_.rope_dim), rotate_half};
+    return;
+  }
+  cuda::rope_write_kv_fused(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots,
+                            inv_freq_.as<float>(), hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv,
+                            hp_.head_dim, hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
+                            v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
+  mark("rope_write_kv");
+}
+
+void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
+  KESTREL_ASSERT(qkv == Act::Qkv, "CUDA attention reads Act::Qkv");
+  pass_ap_.q = q_.as<bf16>();
+  pass_ap_.k_cache = k_cache_[static_cast<size_t>(layer)].as<bf16>();
+  pass_ap_.v_cache = v_cache_[static_cast<size_t>(layer)].as<bf16>();
+  pass_ap_.out = act(out);
+  cuda::paged_attention(pass_ap_, stream_);
+  mark("attention");
+}
+
+void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
+  KESTREL_ASSERT(proj.role == WeightRole::AttnOut, "CUDA backend: unknown projection");
+  const Layer& L = layers_[static_cast<size_t>(proj.layer)];
+  const int64_t n = pass_.n_tokens, d = hp_.n_embd;
+  bf16* y = act(out);
+  project(act(in), L.wo.as<bf16>(), y, false, n, hp_.q_dim(), d);
+  mark("gemm o");
+  if (L.bo.bytes() > 0) cuda::add_bias(y, L.bo.as<float>(), n, d, stream_);
+}
+
+void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
+  KESTREL_ASSERT(proj.role == WeightRole::Down, "CUDA backend: SwiGLU feeds the down projection");
+  const Layer& L = layers_[static_cast<size_t>(proj.layer)];
+  project(act(in), L.w_down.as<bf16>(), act(out), false, pass_.n_tokens, hp_.n_ff, hp_.n_embd, /*swiglu=*/true);
+  mark("gemm down (+silu)");
+}
+
+void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
+  KESTREL_ASSERT(norm.role == WeightRole::OutputNorm && head.role == WeightRole::Output, "CUDA backend: final norm");
+  if (pass_.n_out == 0) return;
+  const int64_t n = pass_.n_tokens, d = hp_.n_embd;
+  bf16* h = h_.as<bf16>();
+  cuda::add_rms_norm(pass_residual_, act(add), out_norm_.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
+  // The rows whose logits are wanted: h itself when they are all rows in order, else gathered.
+  const bf16* rows = h;
+  if (!pass_.rows_identity) {
+    cuda::gather_rows(h, pass_arrays_->logits_rows, pass_.n_out, d, logits_in_.as<bf16>(), stream_);
+    rows = logits_in_.as<bf16>();
+  }
+  mark("final norm");
+  const bf16* w = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
+  project(rows, w, logits_.as<void>(), true, pass_.n_out, d, hp_.n_vocab);
+  mark("gemm lm_head");
+}
+
+// The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates and their
+// split-K variants are timed over all layers' weights (Gemm::tune) and the fastest kept (+1.1% at
+// batch 64 on the H200 with the heuristic's alone). With CudaTuning::profile_ops the picks are printed.
+// Scratch inputs and outputs are the activation buffers (sized for n by reserve_activations);
+// their contents do not matter.
+void CudaModelRunner::tune_gemms(int64_t n) {
+  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
+  auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
+                  int64_t n_out) {
+    if (uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;
+    const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
+                                 n, n_in, n_out, stream_, gemm_split_k_);
+    if (prof_ != nullptr)
+      std::fprintf(stderr, "gemm tune: %lld x %lld -> %lld: candidate %d\n", static_cast<long long>(n),
+                   static_cast<long long>(n_in), static_cast<long long>(n_out), pick);
+  };
+  auto all_layers = [&](DevMem Layer::*w) {
+    std::vector<const bf16*> ws;
+    for (const Layer& L : layers_) ws.push_back((L.*w).as<bf16>());
+    return ws;
+  };
+  tune(h_.as<bf16>(), all_layers(&Layer::w_qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);
+  tune(attn_.as<bf16>(), all_layers(&Layer::wo), o_.as<void>(), false, qd, d);
+  tune(h_.as<bf16>(), all_layers(&Layer::w_gate_up), gate_up_.as<void>(), false, d, 2 * ff);
+  tune(act_.as<bf16>(), all_layers(&Layer::w_down), down_.as<void>(), false, ff, d);
+  // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).
+  const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
+  tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
+}
+
+void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
+                              int64_t n_out, bool swiglu) {
+  const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
+  if (uses_stream_gemv(n, n_in, n_out)) {
+    cuda::StreamGemvArgs a{ops};
+    a.stages = stream_gemv_stages_;
+    cuda::stream_gemv(a, stream_);
+    return;
+  }
+  if (uses_skinny(n, n_in, n_out)) {
+    cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream_);
+    return;
+  }
+  if (swiglu) {
+    cuda::silu_mul(x, act_.as<bf16>(), n, n_in, stream_);
+    x = act_.as<bf16>();
+  }
+  gemm_->run(x, w, y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out, stream_);
+}
+
+}  // namespace kestrel::cuda_runner

@@ -1,0 +1,242 @@
+// The CUDA backend's model runner, shared by its three files: cuda_model_runner.cpp (start-up:
+// weight upload, KV sizing, activation buffers), cuda_forward.cpp (the pass: the architecture's
+// builder over ForwardOps, projections and their GEMM choice) and cuda_graph_runner.cpp (staging a
+// batch, eager passes and captured decode graphs). Internal to src/backend/cuda.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/device_memory.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/op_profiler.h"
+#include "backend/model_runner.h"
+#include "model/forward_ops.h"
+
+namespace kestrel::cuda_runner {
+
+using cuda::bf16;
+using cuda::DevMem;
+using cuda::PinnedMem;
+
+struct Layer {
+  DevMem attn_norm, ffn_norm;      // [n_embd] bf16
+  DevMem w_qkv, wo, w_gate_up, w_down;  // bf16, rows as in LlamaLayerWeights; q|k|v and gate|up stacked
+  DevMem b_qkv, bo;                // f32 biases (q|k|v stacked, zeros for a missing part) or empty
+};
+
+// The device-side index arrays of one batch, carved from one allocation that a single host-to-
+// device copy fills (the layout is the same in the pinned staging copy).
+struct BatchArrays {
+  int64_t* slots = nullptr;         // [n_tokens]
+  int32_t* ids = nullptr;           // [n_tokens]
+  int32_t* positions = nullptr;     // [n_tokens]
+  int32_t* query_start = nullptr;   // [n_seqs + 1]
+  int32_t* context_lens = nullptr;  // [n_seqs]
+  int32_t* block_tables = nullptr;  // [n_seqs, width]
+  int32_t* logits_rows = nullptr;   // [n_out]
+  RowSampling* sampling = nullptr;  // [n_out]
+  int32_t* tokens = nullptr;        // [n_out] sampled ids (device output)
+  size_t bytes = 0;
+
+  // Offsets for the given sizes, from base (nullptr: just the size).
+  static BatchArrays layout(unsigned char* base, int64_t n_tokens, int64_t n_seqs, int64_t width, int64_t n_out) {
+    BatchArrays a;
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      at = (at + 15) / 16 * 16;
+      unsigned char* p = base == nullptr ? nullptr : base + at;
+      at += bytes;
+      return p;
+    };
+    a.slots = reinterpret_cast<int64_t*>(take(static_cast<size_t>(n_tokens) * 8));
+    a.ids = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_tokens) * 4));
+    a.positions = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_tokens) * 4));
+    a.query_start = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_seqs + 1) * 4));
+    a.context_lens = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_seqs) * 4));
+    a.block_tables = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_seqs * width) * 4));
+    a.logits_rows = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_out) * 4));
+    a.sampling = reinterpret_cast<RowSampling*>(take(static_cast<size_t>(n_out) * sizeof(RowSampling)));
+    a.bytes = at;  // tokens follow, written by the device only (not part of the upload)
+    a.tokens = reinterpret_cast<int32_t*>(take(static_cast<size_t>(n_out) * 4));
+    return a;
+  }
+  template <class T>
+  static T* shift(T* p, const unsigned char* from, unsigned char* to) {
+    return reinterpret_cast<T*>(to + (reinterpret_cast<const unsigned char*>(p) - from));
+  }
+};
+
+// Shapes of one enqueued forward pass.
+struct PassShape {
+  int64_t n_tokens = 0, n_seqs = 0, n_out = 0;
+  int32_t width = 0;           // block table row length
+  int32_t max_context = 0;     // sizes the split-KV grid (an upper bound is fine)
+  int32_t max_query = 0;
+  bool rows_identity = false;  // logits rows are all tokens in order
+  bool sample = false;         // sample on the device into BatchArrays::tokens
+};
+
+// One captured decode step: batch size bucket x block table width bucket.
+struct DecodeGraph {
+  cudaGraphExec_t exec = nullptr;
+  DevMem arrays;               // the device BatchArrays the graph reads
+  BatchArrays dev;             // pointers into `arrays`
+  ~DecodeGraph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
+class CudaModelRunner final : public ModelRunner, private ForwardOps {
+ public:
+  // Errors: kestrel::Error without a device, for an unsupported head_dim or out of memory.
+  CudaModelRunner(const LlamaModel& model, const RunnerOptions& o);
+  ~CudaModelRunner() override;
+
+  std::span<const float> forward(const ForwardBatch& b) override;
+  bool samples_on_device() const override { return true; }
+  std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows) override;
+  void copy_blocks(std::span<const BlockCopy> copies) override;
+  int32_t n_kv_blocks() const override { return n_blocks_; }
+  int32_t block_size() const override { return block_size_; }
+  KvDtype kv_dtype() const override { return KvDtype::BF16; }
+  std::string description() const override {
+    return "cuda (" + device_name_ + ", bf16 weights, KV bf16 " + std::to_string(n_blocks_) + " blocks, " +
+           (eager_ ? "eager" : "CUDA graphs for decode") + ")";
+  }
+
+ private:
+  void upload_weights();
+  void allocate_kv(const RunnerOptions& o);
+  // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
+  // the device and returns where the tokens are.
+  const int32_t* run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample);
+  // Sizes every activation buffer for n_tokens rows and n_out logits rows; a reallocation
+  // invalidates the captured graphs (they hold the old addresses).
+  void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
+  // Enqueues one pass: the architecture's builder over this runner's ForwardOps, then the
+  // sampling kernel when s.sample (cuda_forward.cpp).
+  void enqueue_forward(const BatchArrays& d, const PassShape& s);
+  // ForwardOps over the pass being enqueued (pass_*): bf16 activations, f32 residual stream.
+  void embed() override;
+  void add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) override;
+  void rope_write_kv(int32_t layer, Act qkv) override;
+  void attention(int32_t layer, Act qkv, Act out) override;
+  void linear(Act in, WeightId proj, Act out) override;
+  void swiglu_linear(Act in, WeightId proj, Act out) override;
+  void final_norm_logits(Act add, WeightId norm, WeightId head) override;
+  bf16* act(Act a);  // the activation buffer; null for Act::None
+  // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
+  // the stream is in now (the fused norm alternates residual_ and residual_alt_), and whether RoPE
+  // and the K/V write happen inside decode attention.
+  const BatchArrays* pass_arrays_ = nullptr;
+  PassShape pass_;
+  cuda::AttentionParams pass_ap_{};
+  float* pass_residual_ = nullptr;
+  float* pass_spare_ = nullptr;
+  bool pass_rope_in_attention_ = false;
+  // project: y [n, n_out] = a(x) . W^T: the streaming GEMV where it applies (uses_stream_gemv), else the
+  // skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt (after silu_mul into act_ when
+  // swiglu: x then holds [gate | up] rows of 2 n_in).
+  void project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
+               bool swiglu = false);
+  // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
+  // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
+  // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
+  bool uses_skinny(int64_t n, int64_t n_in, int64_t n_out) const {
+    return n <= skinny_max_tokens_ && n_in * n_out <= kSkinnyMaxWeightElems &&
+           cuda::skinny_gemm_supports(n, n_in, n_out);
+  }
+  // Whether project() takes the streaming GEMV (one or two tokens, n_in a multiple of 2048, at
+  // most 256 rows per SM, weights of 40 MiB or more: the 8B's QKV, gate/up and down projections;
+  // CudaTuning::stream_gemv off: never).
+  bool uses_stream_gemv(int64_t n, int64_t n_in, int64_t n_out) const {
+    return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
+           cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
+  }
+  cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
+  // Writes the batch (padded to n_seqs_pad sequences of q tokens and `width` columns when graphed)
+  // into the pinned staging buffer in BatchArrays layout; returns the host layout.
+  BatchArrays stage(const ForwardBatch& b, std::span<const RowSampling> rows, int64_t n_seqs_pad, int32_t width,
+                    int32_t q = 1);
+
+  const LlamaModel& model_;
+  const ModelHparams& hp_;
+  const Architecture& arch_;
+  bool eager_;
+  cudaStream_t stream_ = nullptr;
+  std::string device_name_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
+  // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).
+  int64_t skinny_max_tokens_ = 8;
+  bool stream_gemv_ = true;
+  // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
+  // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
+  // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
+  bool fused_norm_ = true;
+  // 0: the kernel's default, 4 (CudaTuning::stream_gemv_stages 3, 4 or 6; 3: 196.8 against 227.4
+  // tok/s). Six stages for gate/up and down alone were faster back to back (54.6 against 56.6 us,
+  // 27.6 against 28.1) but not in decode: H200, the 8B at batch 1, 232.8 tok/s against 235.0 with
+  // four (docs/performance.md).
+  int stream_gemv_stages_ = 0;
+  // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
+  // (AttentionParams::rope; CudaTuning::fused_rope off: the rope_write_kv kernel).
+  bool fused_rope_ = true;
+  // Weights under 40 MiB keep the skinny GEMM (CudaTuning::stream_gemv_min_mb): H200, one token,
+  // back to back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
+  // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md,
+  // "H200: projections at one token").
+  int64_t stream_gemv_min_elems_ = (int64_t{40} << 20) / 2;
+  static constexpr int64_t kSkinnyMaxWeightElems = int64_t{32} << 20;  // 64 MB of bf16
+  // Decode batch sizes whose cuBLASLt algorithms were timed (tune_gemms; CudaTuning::gemm_tune).
+  bool tune_gemms_ = true;
+  // Tuned only up to 64 rows: there it gained 1-2% (batch-64 decode, H200), while tuning the
+  // larger, compute-bound decode batches of an offline run cost 7% of its throughput
+  // (docs/performance.md): timed alone, the winners did worse inside the real step.
+  static constexpr int64_t kTuneMaxTokens = 64;
+  std::set<int64_t> tuned_sizes_;
+  bool gemm_split_k_ = true;  // split-K variants among the tuned candidates
+  // AttentionParams::decode_stages, split_items_per_block, split_min_tiles (CudaTuning).
+  int32_t attn_decode_stages_ = 0, attn_items_per_block_ = 0, attn_min_split_tiles_ = 0;
+  void tune_gemms(int64_t n);
+  std::unique_ptr<cuda::OpProfiler> prof_;  // CudaTuning::profile_ops (op_profiler.h)
+  void mark(const char* op) {
+    if (prof_ != nullptr) prof_->mark(op);
+  }
+  DevMem embd_, out_norm_, lm_head_, inv_freq_;
+  std::vector<Layer> layers_;
+  // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16.
+  std::vector<DevMem> k_cache_, v_cache_;
+  DevMem cache_ptrs_;  // [2 * n_layer] device pointers, for copy_blocks
+  int32_t n_blocks_ = 0;
+  int32_t block_size_ = 16;
+  // Activations (grown to the largest batch seen).
+  int64_t cap_tokens_ = 0, cap_out_ = 0;
+  DevMem residual_, residual_alt_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
+  DevMem arrays_;      // the eager path's BatchArrays
+  PinnedMem staging_;  // their host copy
+  PinnedMem logits_h_;
+  PinnedMem tokens_h_;
+  // Keyed by (batch size, block table width, samples on the device).
+  // Keyed by (batch size, tokens per sequence, block table width, samples on the device).
+  std::map<std::tuple<int64_t, int32_t, int32_t, bool>, std::unique_ptr<DecodeGraph>> graphs_;
+};
+
+
+// Batch sizes with a captured decode graph: a decode batch is padded up to the next one.
+inline constexpr int64_t kGraphBatchSizes[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512};
+// Decode steps with up to this many tokens per sequence replay graphs: one sampled token and up to
+// 8 drafts to verify (speculative decoding).
+inline constexpr int32_t kGraphMaxTokensPerSeq = 9;
+
+}  // namespace kestrel::cuda_runner
