@@ -29,7 +29,7 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 
 file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
-list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate\\.cpp$")
+list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate[a-z_]*\\.cpp$")  # the emulation's own files
 set(KESTREL_CUDA_OP_SOURCES "")
 foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
   string(REGEX REPLACE "\\.cu$" ".cuh" cuh ${cu})
@@ -95,6 +95,18 @@ if(KESTREL_CUDA_EMULATION)
   # and friends with are unknown to the host compiler.
   target_compile_options(kestrel_cuda_emu PUBLIC -fno-strict-aliasing PRIVATE -Wno-attributes)
   target_link_libraries(kestrel_cuda_emu PUBLIC ${KESTREL_CUDA_CORE_TARGET})
+  # The whole CUDA backend (the model runner over the emulated kernels) on the CPU: the runtime
+  # calls it makes defined on the host (emulate_runtime.cpp), a plain-loop GEMM in cuBLASLt's place
+  # (emulate_gemm.cpp), no CUDA runtime linked. For the whole-forward test in kestrel_cuda_emu_tests.
+  if(KESTREL_CUDA_CORE_TARGET)
+    set(runner_dir ${CMAKE_SOURCE_DIR}/src/backend/cuda)
+    add_library(kestrel_cuda_runner_emu STATIC
+      ${runner_dir}/cuda_model_runner.cpp ${runner_dir}/cuda_forward.cpp ${runner_dir}/cuda_graph_runner.cpp
+      ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp
+      ${runner_dir}/emulate_gemm.cpp ${runner_dir}/emulate_runtime.cpp)
+    target_compile_options(kestrel_cuda_runner_emu PRIVATE -Wno-attributes)
+    target_link_libraries(kestrel_cuda_runner_emu PUBLIC kestrel_cuda_emu)
+  endif()
 endif()
 
 # Timings of the ops on a GPU (scripts/device/cuda_tests.sh runs it with KESTREL_CUDA_BENCH=1).

@@ -103,6 +103,9 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(g->arrays.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice,
                                          stream_));
       enqueue_forward(g->dev, s);
+#if defined(KESTREL_CUDA_EMULATE)
+      return g->dev.tokens;  // no capture on the CPU emulation: replays run the same pass eagerly
+#endif
       cudaGraph_t graph = nullptr;
       KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
@@ -121,7 +124,11 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
     }
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(g->arrays.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice,
                                        stream_));
+#if defined(KESTREL_CUDA_EMULATE)
+    enqueue_forward(g->dev, s);
+#else
     KESTREL_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
+#endif
     return g->dev.tokens;
   }
 

@@ -318,4 +318,12 @@ void cuda_fail(cudaError_t err, const char* expr, const char* file, int line) {
               std::to_string(line));
 }
 
+// Programmatic dependent launch does not exist here (launches run to completion in order); the
+// setting is kept so the runner's flag reads back.
+namespace {
+bool g_pdl = true;
+}
+bool pdl_enabled() { return g_pdl; }
+void set_pdl_enabled(bool on) { g_pdl = on; }
+
 }  // namespace kestrel::cuda

@@ -1,0 +1,61 @@
+// cuda::Gemm for the CPU emulation of the CUDA backend (KESTREL_CUDA_EMULATE), where cuBLASLt is
+// not available: the same product y = x . W^T over bf16 operands with f32 accumulation, as a plain
+// loop (row by row, one k order), rounded to bf16 or kept f32 as cuBLASLt would store it. tune()
+// has nothing to choose between and keeps candidate 0.
+#include <cstring>
+#include <string>
+
+#include "backend/cuda/gemm.h"
+#include "core/error.h"
+
+namespace kestrel::cuda {
+
+namespace {
+float bf16_to_f32(const bf16& h) {
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f32_to_bf16_bits(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+}  // namespace
+
+struct Gemm::Impl {};
+
+Gemm::Gemm(size_t) : impl_(std::make_unique<Impl>()) {}
+Gemm::~Gemm() = default;
+
+void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out,
+               cudaStream_t) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0)
+    throw Error("Gemm: sizes must be positive, got " + std::to_string(n_tokens) + " x " + std::to_string(n_in) +
+                " -> " + std::to_string(n_out));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n_in; ++i) acc += bf16_to_f32(x[t * n_in + i]) * bf16_to_f32(w[o * n_in + i]);
+      if (out == GemmOutput::F32) {
+        static_cast<float*>(y)[t * n_out + o] = acc;
+      } else {
+        const uint16_t b = f32_to_bf16_bits(acc);
+        std::memcpy(static_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
+      }
+    }
+}
+
+int Gemm::tune(const bf16*, const bf16* const*, size_t, void*, GemmOutput, int64_t, int64_t, int64_t, cudaStream_t,
+               bool) {
+  return 0;
+}
+
+size_t Gemm::cached_shapes() const { return 0; }
+
+}  // namespace kestrel::cuda
