@@ -5,9 +5,11 @@
 
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -35,6 +37,18 @@ std::string read_file(const std::string& path) {
 bool file_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string temp_path(const std::string& stem, const std::string& suffix) {
+  return (std::filesystem::temp_directory_path() /
+          ("kestrel_" + stem + "_" + std::to_string(::getpid()) + suffix))
+      .string();
+}
+
+std::string write_file(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  return path;
 }
 
 int run_command(const std::string& cmd, std::string* out) {

@@ -1,4 +1,5 @@
-// Helpers shared by the tests: where the third-party test data and the default model live.
+// Helpers shared by the tests: where the third-party test data and the default model live, files
+// under the temp folder, and checks on the kestrel::Error a call throws.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -7,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "engine/engine.h"
 
 namespace kestrel::test {
@@ -19,6 +21,42 @@ std::string model_dir();
 std::string kestrel_binary();
 std::string read_file(const std::string& path);
 bool file_exists(const std::string& path);
+
+// <system temp folder>/kestrel_<stem>_<pid><suffix>: a path of this process's own. Nothing is created.
+std::string temp_path(const std::string& stem, const std::string& suffix = "");
+// Writes bytes to path (replacing the file); returns path.
+std::string write_file(const std::string& path, const std::vector<uint8_t>& bytes);
+// The bytes as a std::string, for writers that take text.
+inline std::string bytes_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+// The message of the kestrel::Error fn throws ("" when it throws none). Any other exception
+// escapes and fails the test.
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Succeeds when fn throws a kestrel::Error whose message starts with "<name>: " and contains
+// phrase, as the file readers' errors name their file. Any other exception escapes and fails the test.
+template <typename Fn>
+::testing::AssertionResult fails_naming(const std::string& name, const std::string& phrase, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(name + ": ", 0) != 0)
+      return ::testing::AssertionFailure() << "message lacks the name prefix: " << msg;
+    if (msg.find(phrase) == std::string::npos)
+      return ::testing::AssertionFailure() << "message lacks \"" << phrase << "\": " << msg;
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "no error thrown; expected \"" << phrase << "\"";
+}
 
 // Runs a shell command; returns its exit status and fills *out with stdout.
 int run_command(const std::string& cmd, std::string* out);

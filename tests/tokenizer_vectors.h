@@ -3,7 +3,6 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -23,6 +22,25 @@ struct VectorCase {
 };
 
 inline std::string vectors_dir() { return data_dir() + "/tokenizer-vectors"; }
+
+// ggml-vocab-<name>.gguf in vectors_dir(); its vectors are the .inp and .out files beside it.
+inline std::string vocab_gguf(const std::string& name) { return vectors_dir() + "/ggml-vocab-" + name + ".gguf"; }
+
+// Every vectors file holds this many cases.
+inline constexpr size_t kVectorCases = 46;
+
+// The vocab-only GGUFs whose vectors the tokenizer runs in-process and through `kestrel tokenize`:
+// SentencePiece (llama-spm, phi-3) and byte-level BPE (gpt-2, refact, mpt, deepseek-llm).
+inline constexpr const char* kVocabGgufs[] = {"llama-spm", "phi-3", "gpt-2", "refact", "mpt", "deepseek-llm"};
+
+// A gtest parameter name for a kVocabGgufs entry ('-' is not allowed there): "llama-spm" -> "llama_spm".
+inline std::string vocab_param_name(const ::testing::TestParamInfo<const char*>& info) {
+  std::string s = info.param;
+  for (char& c : s) {
+    if (c == '-') c = '_';
+  }
+  return s;
+}
 
 // The cases of `base`.inp / `base`.out (base: the path of ggml-vocab-X.gguf, which need not exist).
 inline std::vector<VectorCase> load_vectors(const std::string& base) {
@@ -52,6 +70,21 @@ inline std::vector<VectorCase> load_vectors(const std::string& base) {
   }
   EXPECT_EQ(texts.size(), cases.size()) << base;
   return cases;
+}
+
+// Reads the vectors of vocab_gguf(name), expects kVectorCases of them, and calls visit(i, case) for
+// the cases whose index is in `which` (every case when `which` is empty).
+template <typename Visit>
+void for_each_vector(const std::string& name, Visit&& visit, const std::vector<size_t>& which = {}) {
+  const std::vector<VectorCase> cases = load_vectors(vocab_gguf(name));
+  EXPECT_EQ(cases.size(), kVectorCases) << name;
+  if (which.empty()) {
+    for (size_t i = 0; i < cases.size(); ++i) visit(i, cases[i]);
+    return;
+  }
+  for (size_t i : which) {
+    if (i < cases.size()) visit(i, cases[i]);
+  }
 }
 
 // A folder holding a tokenizer.json with the given vocabulary (JSON text -> id) and merges ("a b"
@@ -97,10 +130,7 @@ inline std::string write_tokenizer_json(const std::string& vocab_path, const std
                 {"ignore_merges", ignore_merges},
                 {"vocab", json::parse(read_file(vocab_path))},
                 {"merges", merges}};
-  const std::string dir =
-      (std::filesystem::temp_directory_path() /
-       ("kestrel_tokjson_" + std::to_string(::getpid()) + "_" + std::to_string(ignore_merges)))
-          .string();
+  const std::string dir = temp_path("tokjson", "_" + std::to_string(ignore_merges));
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/tokenizer.json", std::ios::binary) << j.dump();
   return dir;

@@ -4,13 +4,12 @@
 // ../shared/data/tokenizer-vectors/README.md) for a spread of the vector inputs; a tokenizer kestrel
 // does not implement must be named in the error.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <utility>
+#include <vector>
 
 #include "gguf_builder.h"
 #include "io/gguf.h"
@@ -24,7 +23,10 @@ namespace {
 using test::data_dir;
 using test::kestrel_binary;
 using test::run_command;
+using test::temp_path;
 using test::vectors_dir;
+using test::vocab_gguf;
+using test::write_file;
 
 std::string shell_quote(const std::string& s) {
   std::string out = "'";
@@ -34,7 +36,7 @@ std::string shell_quote(const std::string& s) {
 
 // Vector inputs run through the CLI (one process each): plain text, the empty string, whitespace
 // only, punctuation, Cyrillic, mixed CJK/emoji/digits, a digit run, Vietnamese and the long mixed text.
-constexpr size_t kCases[] = {0, 2, 10, 17, 20, 32, 42, 43, 45};
+const std::vector<size_t> kCases = {0, 2, 10, 17, 20, 32, 42, 43, 45};
 
 std::string tokenize(const std::string& source, const std::string& text, int* rc) {
   std::string out;
@@ -52,34 +54,27 @@ std::string ids_line(const std::vector<int32_t>& ids) {
 
 // `source` tokenizes the chosen inputs of ggml-vocab-`vectors`.gguf.{inp,out} to the reference ids.
 void expect_vectors(const std::string& source, const std::string& vectors) {
-  const auto cases = test::load_vectors(vectors_dir() + "/ggml-vocab-" + vectors + ".gguf");
-  ASSERT_EQ(cases.size(), 46u) << vectors;
-  for (size_t i : kCases) {
-    int rc = -1;
-    const std::string out = tokenize(source, cases[i].text, &rc);
-    EXPECT_EQ(rc, 0) << source << ": " << out;
-    EXPECT_EQ(out, ids_line(cases[i].ids)) << source << " case " << i << " '" << cases[i].text << "'";
-  }
+  test::for_each_vector(
+      vectors,
+      [&](size_t i, const test::VectorCase& c) {
+        int rc = -1;
+        const std::string out = tokenize(source, c.text, &rc);
+        EXPECT_EQ(rc, 0) << source << ": " << out;
+        EXPECT_EQ(out, ids_line(c.ids)) << source << " case " << i << " '" << c.text << "'";
+      },
+      kCases);
 }
 
 class TokenizeCliVocab : public ::testing::TestWithParam<const char*> {};
 
 // Vocab-only GGUFs (no tensors) of the llama, phi3, gpt2, refact, mpt and deepseek architectures.
 TEST_P(TokenizeCliVocab, VocabOnlyGgufMatchesReferenceIds) {
-  const std::string path = vectors_dir() + "/ggml-vocab-" + GetParam() + ".gguf";
+  const std::string path = vocab_gguf(GetParam());
   KESTREL_REQUIRE_FILE(path);
   expect_vectors(path, GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Vocab, TokenizeCliVocab,
-                         ::testing::Values("llama-spm", "phi-3", "gpt-2", "refact", "mpt", "deepseek-llm"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& c : s) {
-                             if (c == '-') c = '_';
-                           }
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(Vocab, TokenizeCliVocab, ::testing::ValuesIn(test::kVocabGgufs), test::vocab_param_name);
 
 // Old vocab GGUFs without tokenizer.ggml.pre (gpt-neox: byte-level BPE, so the GPT-2 regex;
 // baichuan: SentencePiece). No reference vectors exist for them: "Hello world" must give the ids
@@ -89,7 +84,7 @@ TEST(TokenizeCli, VocabGgufWithoutPreTokenizerKey) {
        std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"gpt-neox", {"Hello", "\xC4\xA0world"}},              // "Ġworld": GPT-2 byte alphabet
            {"baichuan", {"\xE2\x96\x81Hello", "\xE2\x96\x81world"}}}) {  // "▁": SentencePiece space
-    const std::string path = vectors_dir() + "/ggml-vocab-" + name + ".gguf";
+    const std::string path = vocab_gguf(name);
     KESTREL_REQUIRE_FILE(path);
     const GgufFile f = GgufFile::open(path);
     const auto& tokens = f.get_string_array("tokenizer.ggml.tokens");
@@ -107,7 +102,7 @@ TEST(TokenizeCli, VocabGgufWithoutPreTokenizerKey) {
 
 // bert-bge is a WordPiece vocabulary: the error names the tokenizer model, not the architecture.
 TEST(TokenizeCli, UnsupportedTokenizerModelIsNamed) {
-  const std::string path = vectors_dir() + "/ggml-vocab-bert-bge.gguf";
+  const std::string path = vocab_gguf("bert-bge");
   KESTREL_REQUIRE_FILE(path);
   int rc = 0;
   const std::string out = tokenize(path, "Hello world", &rc);
@@ -125,11 +120,7 @@ TEST(TokenizeCli, UnsupportedPreTokenizerIsNamedWithTheSupportedOnes) {
                          .kv("tokenizer.ggml.tokens", B::strings({"a", "b", "ab"}))
                          .kv("tokenizer.ggml.merges", B::strings({"a b"}))
                          .build();
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("kestrel_vocab_" + std::to_string(::getpid()) + ".gguf"))
-                               .string();
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(image.data()),
-                                              static_cast<std::streamsize>(image.size()));
+  const std::string path = write_file(temp_path("vocab", ".gguf"), image);
   int rc = 0;
   const std::string out = tokenize(path, "ab", &rc);
   std::filesystem::remove(path);
@@ -149,11 +140,7 @@ TEST(TokenizeCli, VocabGgufOfAnyArchitecture) {
                          .kv("tokenizer.ggml.tokens", B::strings({"a", "b", "ab"}))
                          .kv("tokenizer.ggml.merges", B::strings({"a b"}))
                          .build();
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("kestrel_vocab_ok_" + std::to_string(::getpid()) + ".gguf"))
-                               .string();
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(image.data()),
-                                              static_cast<std::streamsize>(image.size()));
+  const std::string path = write_file(temp_path("vocab_ok", ".gguf"), image);
   int rc = -1;
   const std::string out = tokenize(path, "abba", &rc);
   std::filesystem::remove(path);

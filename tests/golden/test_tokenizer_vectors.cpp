@@ -22,8 +22,9 @@
 namespace kestrel {
 namespace {
 
+using test::for_each_vector;
 using test::load_vectors;
-using test::vectors_dir;
+using test::vocab_gguf;
 using test::VectorCase;
 using test::write_tokenizer_json;
 
@@ -35,56 +36,44 @@ std::string show_ids(const std::vector<int32_t>& ids) {
 
 // Checks every case; returns the number that passed.
 int check_vectors(const Tokenizer& tok, const std::string& name) {
-  const std::vector<VectorCase> cases = load_vectors(vectors_dir() + "/ggml-vocab-" + name + ".gguf");
-  EXPECT_EQ(cases.size(), 46u) << name;
   int passed = 0;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    const std::vector<int32_t> got =
-        tok.encode(cases[i].text, /*add_special=*/false, /*parse_special=*/false);
-    EXPECT_EQ(got, cases[i].ids) << name << " case " << i << " text '" << cases[i].text << "'\n  want"
-                                 << show_ids(cases[i].ids) << "\n  got " << show_ids(got);
-    if (got == cases[i].ids) ++passed;
-  }
+  for_each_vector(name, [&](size_t i, const VectorCase& c) {
+    const std::vector<int32_t> got = tok.encode(c.text, /*add_special=*/false, /*parse_special=*/false);
+    EXPECT_EQ(got, c.ids) << name << " case " << i << " text '" << c.text << "'\n  want" << show_ids(c.ids)
+                          << "\n  got " << show_ids(got);
+    if (got == c.ids) ++passed;
+  });
   return passed;
 }
 
 // decode(encode(x)) == x for every vector input (the SentencePiece dummy prefix is removed by decode).
 void check_round_trip(const Tokenizer& tok, const std::string& name) {
-  for (const VectorCase& c : load_vectors(vectors_dir() + "/ggml-vocab-" + name + ".gguf")) {
+  for (const VectorCase& c : load_vectors(vocab_gguf(name))) {
     const std::vector<int32_t> ids = tok.encode(c.text, false, false);
     EXPECT_EQ(tok.decode(ids), c.text) << name;
   }
 }
 
 std::unique_ptr<Tokenizer> gguf_tokenizer(const std::string& name) {
-  const GgufFile f = GgufFile::open(vectors_dir() + "/ggml-vocab-" + name + ".gguf");
-  return Tokenizer::from_gguf(f);
+  return Tokenizer::from_gguf(GgufFile::open(vocab_gguf(name)));
 }
 
 class TokVectorsGguf : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(TokVectorsGguf, MatchesReferenceIds) {
   const std::string name = GetParam();
-  KESTREL_REQUIRE_FILE(vectors_dir() + "/ggml-vocab-" + name + ".gguf");
+  KESTREL_REQUIRE_FILE(vocab_gguf(name));
   const auto tok = gguf_tokenizer(name);
   EXPECT_EQ(check_vectors(*tok, name), 46) << name;
 }
 
 TEST_P(TokVectorsGguf, RoundTrips) {
   const std::string name = GetParam();
-  KESTREL_REQUIRE_FILE(vectors_dir() + "/ggml-vocab-" + name + ".gguf");
+  KESTREL_REQUIRE_FILE(vocab_gguf(name));
   check_round_trip(*gguf_tokenizer(name), name);
 }
 
-INSTANTIATE_TEST_SUITE_P(TokVocab, TokVectorsGguf,
-                         ::testing::Values("llama-spm", "phi-3", "gpt-2", "refact", "mpt", "deepseek-llm"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& c : s) {
-                             if (c == '-') c = '_';
-                           }
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(TokVocab, TokVectorsGguf, ::testing::ValuesIn(test::kVocabGgufs), test::vocab_param_name);
 
 std::unique_ptr<Tokenizer> llama3_tokenizer() {
   const std::string dir = test::data_dir() + "/llama3-bpe-vocab";

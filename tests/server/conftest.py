@@ -153,9 +153,10 @@ REFUSING_TEMPLATE = """{%- for m in messages -%}
 {%- if add_generation_prompt %}assistant:{% endif -%}"""
 
 
-@pytest.fixture(scope="module")
-def templated_server(tmp_path_factory):
-    """stories260K as a Hugging Face folder (tests/reference/gguf_to_hf.py) with REFUSING_TEMPLATE."""
+def stories_hf_server(tmp_path_factory, template, name):
+    """stories260K as a Hugging Face folder (tests/reference/gguf_to_hf.py) with `template` as its
+    chat_template.jinja, served as `name`. A generator: a fixture yields from it, and the server
+    stops (exit status 0) when the fixture ends."""
     require(kestrel_binary())
     require(stories_model())
     for module in ("numpy", "gguf", "safetensors"):
@@ -165,11 +166,17 @@ def templated_server(tmp_path_factory):
             if os.environ.get("KESTREL_REQUIRE_REFERENCE"):
                 pytest.fail(f"missing the Python package {module}")
             pytest.skip(f"missing the Python package {module}")
-    folder = tmp_path_factory.mktemp("stories-hf")
+    folder = tmp_path_factory.mktemp(name)
     subprocess.run([sys.executable, str(REPO / "tests" / "reference" / "gguf_to_hf.py"), "--gguf", str(stories_model()),
                     "--out", str(folder), "--tie"], check=True, capture_output=True)
-    (folder / "chat_template.jinja").write_text(REFUSING_TEMPLATE)
-    s = Server(folder, "--max-model-len", "256", name="stories-hf")
+    (folder / "chat_template.jinja").write_text(template)
+    s = Server(folder, "--max-model-len", "256", name=name)
     yield s
     rc, out = s.stop()
     assert rc == 0, out
+
+
+@pytest.fixture(scope="module")
+def templated_server(tmp_path_factory):
+    """stories260K as a Hugging Face folder with REFUSING_TEMPLATE."""
+    yield from stories_hf_server(tmp_path_factory, REFUSING_TEMPLATE, "stories-hf")

@@ -2,12 +2,9 @@
 tool calls with null content, and the tools when tool_choice is "none" (stories260K as a Hugging
 Face folder with a template that shows what it was given)."""
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO, Server, kestrel_binary, require, stories_model
+from conftest import stories_hf_server
 
 # Writes every field it is given; refuses a tool message without a tool_call_id.
 TOOLS_TEMPLATE = (
@@ -23,18 +20,7 @@ TOOLS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory):
-    require(kestrel_binary())
-    require(stories_model())
-    for module in ("numpy", "gguf", "safetensors"):
-        pytest.importorskip(module)
-    folder = tmp_path_factory.mktemp("stories-hf-tools")
-    subprocess.run([sys.executable, str(REPO / "tests" / "reference" / "gguf_to_hf.py"), "--gguf", str(stories_model()),
-                    "--out", str(folder), "--tie"], check=True, capture_output=True)
-    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    s = Server(folder, "--max-model-len", "256", name="stories-hf-tools")
-    yield s
-    rc, out = s.stop()
-    assert rc == 0, out
+    yield from stories_hf_server(tmp_path_factory, TOOLS_TEMPLATE, "stories-hf-tools")
 
 
 def same_as_prompt(server, chat_body, prompt):

@@ -1,4 +1,5 @@
-// Helpers shared by the GGUF reader tests (test_gguf.cpp, test_gguf_golden.cpp).
+// Helpers shared by the GGUF reader tests (test_gguf.cpp, test_gguf_golden.cpp) and the tests that
+// parse GGUF images of their own (test_model_footprint.cpp).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,10 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"
 #include "io/gguf.h"
+#include "test_util.h"
 
 namespace kestrel::test::gguf {
+
+using ::kestrel::test::error_of;
 
 inline constexpr const char* kName = "img.gguf";
 
@@ -22,28 +25,7 @@ inline GgufFile parse(const std::vector<uint8_t>& img) {
 // Succeeds when parsing img throws exactly one kestrel::Error whose message starts with the image
 // name and contains phrase. Any other exception escapes and fails the test.
 inline ::testing::AssertionResult fails_with(const std::vector<uint8_t>& img, const std::string& phrase) {
-  try {
-    parse(img);
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(std::string(kName) + ": ", 0) != 0)
-      return ::testing::AssertionFailure() << "message lacks the name prefix: " << msg;
-    if (msg.find(phrase) == std::string::npos)
-      return ::testing::AssertionFailure() << "message lacks \"" << phrase << "\": " << msg;
-    return ::testing::AssertionSuccess();
-  }
-  return ::testing::AssertionFailure() << "parsed without error; expected \"" << phrase << "\"";
-}
-
-// The message of the Error fn throws ("" when it throws none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+  return fails_naming(kName, phrase, [&] { parse(img); });
 }
 
 inline float f32_at(const uint8_t* p) {

@@ -23,6 +23,8 @@
 #include "safetensors_builder.h"
 
 using namespace kestrel;
+using kestrel::test::bytes_of;
+using kestrel::test::error_of;
 using kestrel::test::SafetensorsBuilder;
 using kestrel::test::TempDir;
 using json = nlohmann::json;
@@ -95,20 +97,10 @@ struct TinyModel {
   std::string write(const TempDir& dir) const {
     dir.write_config(config);
     const auto img = builder().build();
-    dir.write("model.safetensors", std::string(img.begin(), img.end()));
+    dir.write("model.safetensors", bytes_of(img));
     return dir.path();
   }
 };
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 std::string load_error(const TinyModel& m) {
   TempDir dir;
@@ -249,7 +241,7 @@ TEST(HfLoader, UnsupportedDtypeAndMisalignedData) {
   std::vector<uint8_t> data = tm.builder().data();
   h["model.layers.0.self_attn.q_proj.weight"]["dtype"] = "I32";
   auto img = SafetensorsBuilder::image(h.dump() + std::string((8 - h.dump().size() % 8) % 8, ' '), data);
-  dir.write("model.safetensors", std::string(img.begin(), img.end()));
+  dir.write("model.safetensors", bytes_of(img));
   std::string e = error_of([&] { LlamaModel::load_hf_dir(dir.path()); });
   EXPECT_NE(e.find("tensor 'model.layers.0.self_attn.q_proj.weight' has dtype I32, expected F32, F16 or BF16"),
             std::string::npos)
@@ -260,7 +252,7 @@ TEST(HfLoader, UnsupportedDtypeAndMisalignedData) {
   std::string text = h.dump();
   text.append((8 - text.size() % 8) % 8 + 1, ' ');
   img = SafetensorsBuilder::image(text, data);
-  dir.write("model.safetensors", std::string(img.begin(), img.end()));
+  dir.write("model.safetensors", bytes_of(img));
   e = error_of([&] { LlamaModel::load_hf_dir(dir.path()); });
   EXPECT_NE(e.find("is not aligned to its 4-byte elements"), std::string::npos) << e;
 }
@@ -372,7 +364,7 @@ TEST(HfLoader, Qwen2FolderMatchesTheSameTensorsInGguf) {
     put(b + "ffn_down.weight", p + "mlp.down_proj.weight");
   }
   const auto img = g.build();
-  const std::string gguf_path = dir.write("same.gguf", std::string(img.begin(), img.end()));
+  const std::string gguf_path = dir.write("same.gguf", bytes_of(img));
   const auto gguf = LlamaModel::load_gguf(gguf_path);
   ASSERT_EQ(gguf->hparams().rope_style, RopeStyle::RotateHalf);
   EXPECT_FALSE(hf->weights().layers[0].bq.empty());

@@ -9,20 +9,12 @@
 #include "core/error.h"
 #include "core/units.h"
 #include "memory/kv_planner.h"
+#include "test_util.h"
 
 using namespace kestrel;
+using kestrel::test::error_of;
 
 namespace {
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 const KvGeometry kLlama2_70b{80, 8, 128, 0, 0};
 const KvGeometry kLlama2_7b{32, 32, 128, 0, 0};

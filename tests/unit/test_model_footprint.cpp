@@ -10,6 +10,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "gguf_builder.h"
+#include "gguf_test_support.h"
 #include "hf_configs.h"
 #include "io/gguf.h"
 #include "memory/kv_planner.h"
@@ -17,28 +18,16 @@
 #include "test_util.h"
 
 using namespace kestrel;
+using kestrel::test::error_of;
 using kestrel::test::GgufBuilder;
 using kestrel::test::TempDir;
+using kestrel::test::gguf::parse;
 using B = GgufBuilder;
 
 namespace {
 
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 KvGeometry geometry_of(const ModelFootprint& fp) {
   return {fp.n_layer, fp.n_head_kv, fp.head_dim, fp.kv_lora_rank, fp.rope_dim};
-}
-
-GgufFile parse(const std::vector<uint8_t>& img) {
-  return GgufFile::parse(img.data(), img.size(), "img.gguf");
 }
 
 }  // namespace

@@ -16,8 +16,11 @@
 #include "io/safetensors.h"
 #include "io/safetensors_checkpoint.h"
 #include "safetensors_builder.h"
+#include "test_util.h"
 
 using namespace kestrel;
+using kestrel::test::bytes_of;
+using kestrel::test::error_of;
 using kestrel::test::SafetensorsBuilder;
 using kestrel::test::TempDir;
 using json = nlohmann::ordered_json;
@@ -33,27 +36,7 @@ SafetensorsFile parse(const std::vector<uint8_t>& img) {
 // Succeeds when parsing img throws a kestrel::Error whose message starts with the image name and
 // contains phrase. Any other exception escapes and fails the test.
 ::testing::AssertionResult fails_with(const std::vector<uint8_t>& img, const std::string& phrase) {
-  try {
-    parse(img);
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(std::string(kName) + ": ", 0) != 0)
-      return ::testing::AssertionFailure() << "message lacks the name prefix: " << msg;
-    if (msg.find(phrase) == std::string::npos)
-      return ::testing::AssertionFailure() << "message lacks \"" << phrase << "\": " << msg;
-    return ::testing::AssertionSuccess();
-  }
-  return ::testing::AssertionFailure() << "parsed without error; expected \"" << phrase << "\"";
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+  return test::fails_naming(kName, phrase, [&] { parse(img); });
 }
 
 // Two tensors, "b" stored first: a [2, 3] F32 matrix and a [4] BF16 vector.
@@ -70,8 +53,6 @@ std::vector<uint8_t> edited(const std::function<void(json&)>& edit) {
   edit(h);
   return SafetensorsBuilder::image(h.dump(), b.data());
 }
-
-std::string bytes_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
 }  // namespace
 
