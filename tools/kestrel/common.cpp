@@ -100,7 +100,7 @@ KvDtype resolve_kv_dtype(const std::string& flag, const LlamaModel& model, const
   if (flag != "auto") return parse_kv_dtype(flag, "--kv-cache-dtype");
   if (device == "cuda") return KvDtype::BF16;
   const auto& layers = model.weights().layers;
-  return !layers.empty() && layers[0].wq.type == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
+  return !layers.empty() && layers[0].wq.type.storage == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
 }
 
 void EngineFlags::add_to(CLI::App& app) {

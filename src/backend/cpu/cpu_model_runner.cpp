@@ -18,8 +18,8 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
     : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {
-    if (!matmul_supports(w.type))
-      throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type)) +
+    if (!w.type.self_contained() || !matmul_supports(w.type.storage))
+      throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type.storage)) +
                   ", which the CPU kernels do not support");
   };
   const auto& W = model.weights();
@@ -131,7 +131,7 @@ void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
   const WeightView& e = model_.weights().token_embd;
-  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(e.type, e.row(b.token_ids[t]), x_.data() + t * d, d);
+  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(e.type.storage, e.row(b.token_ids[t]), x_.data() + t * d, d);
 }
 
 float* CpuModelRunner::act(Act a) {

@@ -92,12 +92,13 @@ void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_token
   const size_t n_mat = w.size();
   if (n_mat == 0) return;
   for (const WeightView& wi : w) {
-    if (!matmul_supports(wi.type))
-      throw Error("matmul: unsupported weight type " + std::string(type_name(wi.type)));
-    const int64_t bs = type_traits(wi.type).block_size;
+    if (!wi.type.self_contained() || !matmul_supports(wi.type.storage))
+      throw Error("matmul: unsupported weight type " + std::string(type_name(wi.type.storage)) +
+                  (wi.type.self_contained() ? "" : " with scales stored apart"));
+    const int64_t bs = type_traits(wi.type.storage).block_size;
     if (wi.n_in <= 0 || wi.n_in % bs != 0)
       throw Error("matmul: n_in = " + std::to_string(wi.n_in) + " is not a positive multiple of the " +
-                  std::string(type_name(wi.type)) + " block size " + std::to_string(bs));
+                  std::string(type_name(wi.type.storage)) + " block size " + std::to_string(bs));
     if (wi.n_in != w[0].n_in)
       throw Error("matmul_multi: n_in " + std::to_string(wi.n_in) + " and " + std::to_string(w[0].n_in) + " differ");
   }
@@ -115,13 +116,13 @@ void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_token
   for (size_t i = 0; i < n_mat; ++i) {
     act_of[i] = i;
     for (size_t j = 0; j < i; ++j)
-      if (w[j].type == w[i].type) {
+      if (w[j].type.storage == w[i].type.storage) {
         act_of[i] = j;
         break;
       }
     act_off[i] = act_total;
-    if (act_of[i] == i) act_total += detail::align64(k.act_bytes(w[i].type, n_in, n_tokens));
-    scratch = std::max(scratch, detail::align64(k.scratch_bytes(w[i].type, n_in)));
+    if (act_of[i] == i) act_total += detail::align64(k.act_bytes(w[i].type.storage, n_in, n_tokens));
+    scratch = std::max(scratch, detail::align64(k.scratch_bytes(w[i].type.storage, n_in)));
     work += n_in * w[i].n_out * n_tokens;
   }
   if (work == 0) return;
@@ -129,16 +130,16 @@ void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_token
   uint8_t* buf = ws.reserve(act_total + scratch * static_cast<size_t>(nth));
 
   for (size_t i = 0; i < n_mat; ++i) {
-    if (act_of[i] != i || k.act_bytes(w[i].type, n_in, n_tokens) == 0) continue;
+    if (act_of[i] != i || k.act_bytes(w[i].type.storage, n_in, n_tokens) == 0) continue;
     uint8_t* dst = buf + act_off[i];
     if (nth > 1 && n_tokens >= 32) {
       // Split at multiples of 16 tokens (see MatmulKernels::quantize_acts).
       const int64_t n_groups = (n_tokens + 15) / 16;
       pool.parallel_for(n_groups, 1, [&](int64_t g0, int64_t g1) {
-        k.quantize_acts(w[i].type, x, n_in, n_tokens, 16 * g0, std::min(n_tokens, 16 * g1), ws.activations_8bit, dst);
+        k.quantize_acts(w[i].type.storage, x, n_in, n_tokens, 16 * g0, std::min(n_tokens, 16 * g1), ws.activations_8bit, dst);
       });
     } else {
-      k.quantize_acts(w[i].type, x, n_in, n_tokens, 0, n_tokens, ws.activations_8bit, dst);
+      k.quantize_acts(w[i].type.storage, x, n_in, n_tokens, 0, n_tokens, ws.activations_8bit, dst);
     }
   }
 
@@ -146,10 +147,10 @@ void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_token
   for (size_t i = 0; i < n_mat; ++i) {
     detail::MatmulArgs& a = args[i];
     a.w = w[i];
-    a.w_row_bytes = row_bytes(w[i].type, n_in);
+    a.w_row_bytes = row_bytes(w[i].type.storage, n_in);
     a.x = x;
     a.act = buf + act_off[act_of[i]];
-    a.act_stride = k.act_stride(w[i].type, n_in, n_tokens);
+    a.act_stride = k.act_stride(w[i].type.storage, n_in, n_tokens);
     a.n_tokens = n_tokens;
     a.y = y[i];
   }
@@ -168,7 +169,7 @@ void matmul_multi(std::span<const WeightView> w, const float* x, int64_t n_token
   int64_t tile[kMaxMatrices], rows_per_chunk[kMaxMatrices], chunk_end[kMaxMatrices];
   int64_t n_chunks = 0;
   for (size_t i = 0; i < n_mat; ++i) {
-    tile[i] = k.row_tile(w[i].type, n_tokens);
+    tile[i] = k.row_tile(w[i].type.storage, n_tokens);
     const int64_t n_tiles = (w[i].n_out + tile[i] - 1) / tile[i];
     const int64_t tiles_per_chunk = std::max<int64_t>(1, n_tiles / (4 * nth));
     rows_per_chunk[i] = tiles_per_chunk * tile[i];

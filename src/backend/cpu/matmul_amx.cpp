@@ -271,7 +271,7 @@ size_t amx_scratch_bytes(int64_t n_in) {
 }
 
 void amx_matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  switch (a.w.type) {
+  switch (a.w.type.storage) {
     case GgmlType::Q4_0: gemm<FmtQ4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: gemm<FmtQ4_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: gemm<FmtQ8_0>(a, r0, r1, scratch); break;

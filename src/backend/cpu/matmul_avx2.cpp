@@ -506,7 +506,7 @@ void matmul32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
 }
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  switch (a.w.type) {
+  switch (a.w.type.storage) {
     case GgmlType::Q4_0: matmul32<A2Q4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: matmul32<A2Q4_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: matmul32<A2Q8_0>(a, r0, r1, scratch); break;

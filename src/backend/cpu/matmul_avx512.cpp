@@ -312,8 +312,8 @@ size_t scratch_bytes(GgmlType type, int64_t n_in) {
 int64_t row_tile(GgmlType type, int64_t n_tokens) { return use_amx(type, n_tokens) ? 16 : 4; }
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  if (use_amx(a.w.type, a.n_tokens)) return amx_matmul_rows(a, r0, r1, scratch);
-  switch (a.w.type) {
+  if (use_amx(a.w.type.storage, a.n_tokens)) return amx_matmul_rows(a, r0, r1, scratch);
+  switch (a.w.type.storage) {
     case GgmlType::Q4_0: matmul32<FmtQ4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: matmul32<FmtQ4_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: matmul32<FmtQ8_0>(a, r0, r1, scratch); break;

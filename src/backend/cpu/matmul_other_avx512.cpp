@@ -285,7 +285,7 @@ void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* ds
 }
 
 void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  switch (a.w.type) {
+  switch (a.w.type.storage) {
     case GgmlType::Q4_K: matmul_kquant<KFmtQ4_K>(a, r0, r1); break;
     case GgmlType::Q6_K: matmul_kquant<KFmtQ6_K>(a, r0, r1); break;
     case GgmlType::F32: matmul_float<FFmtF32>(a, r0, r1); break;

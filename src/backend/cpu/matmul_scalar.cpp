@@ -177,7 +177,7 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
 }
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  const GgmlType type = a.w.type;
+  const GgmlType type = a.w.type.storage;
   const int64_t n_in = a.w.n_in;
   if (is_float_type(type)) {
     auto* wf = reinterpret_cast<float*>(scratch);
