@@ -514,6 +514,23 @@ TEST(KernelMatmul, RejectsBadArguments) {
                Error);
   // Nothing to do is not an error.
   matmul(WeightView{GgmlType::Q4_1, 32, 1, w.data()}, x.data(), 0, y.data(), ws, pool);
+  // A scheme whose scales live apart from the data (INT4 groups) is refused by name, even when its
+  // storage encoding is one the kernels read.
+  TensorType int4;
+  int4.storage = GgmlType::Q4_0;
+  int4.scheme = QuantScheme::Int4Groups;
+  int4.block_size = 128;
+  int4.scales = w.data();
+  EXPECT_FALSE(int4 == GgmlType::Q4_0);
+  try {
+    matmul(WeightView{int4, 64, 1, w.data()}, x.data(), 1, y.data(), ws, pool);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scales stored apart"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(TensorType(GgmlType::Q4_1) == GgmlType::Q4_1);
+  EXPECT_EQ(TensorType(GgmlType::Q4_1).block_size, 32);
+  EXPECT_EQ(TensorType(GgmlType::BF16).scheme, QuantScheme::None);
 }
 
 TEST(KernelVecDot, MatchesDouble) {
