@@ -100,10 +100,7 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
   int threads = 0;
   for (int n : a.parallel) {
     if (n <= 0) throw Error("bench: --parallel values must be positive, got " + std::to_string(n));
-    EngineConfig c;
-    c.block_size = a.engine.block_size;
-    c.kv_dtype = resolve_kv_dtype(a.engine.kv_dtype, *lm.model, a.engine.device.device);
-    c.n_threads = a.engine.threads;
+    EngineConfig c = a.engine.config(*lm.model);  // threads, block size, KV dtype; the rest set here
     c.max_num_seqs = n;
     c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, n);
     c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
