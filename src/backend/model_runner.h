@@ -18,7 +18,7 @@ namespace kestrel {
 
 // The CUDA backend's kernel choices, switchable for measuring one against another. The defaults
 // are the fastest measured on an H200 (docs/performance.md); the CLI's --cuda-* flags set them
-// (tools/kestrel/common.cpp, DeviceFlags, which validates them).
+// (tools/kestrel/engine_config.cpp, KestrelConfig, which validates them).
 struct CudaTuning {
   bool stream_gemv = true;           // streaming GEMV for one- and two-token projections
   int stream_gemv_stages = 0;        // its pipeline depth: 0 = the kernel's default (4), else 3, 4 or 6

@@ -22,7 +22,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-constexpr int64_t kDefaultMaxModelLen = 8192;
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
 
 EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const ModelRunner* runner) {

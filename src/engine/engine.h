@@ -20,6 +20,9 @@
 
 namespace kestrel {
 
+// The context a request may use when EngineConfig::max_model_len is 0: the model's, at most this.
+inline constexpr int64_t kDefaultMaxModelLen = 8192;
+
 struct EngineConfig {
   int32_t block_size = 16;               // tokens per KV block
   int32_t n_kv_blocks = 0;               // blocks in the KV pool; 0 = sized from max_model_len and max_num_seqs (CPU: capped at 2 GiB of KV)

@@ -483,7 +483,7 @@ TEST(CliBatch, ExitCodes) {
       {m + "-i " + dir / "ok.jsonl", 2, "--output"},
       {m + "-i " + dir / "ok.jsonl" + " -o " + dir / "out.jsonl --max-num-seqs 0", 2, "--max-num-seqs"},
       {m + "-i " + dir / "ok.jsonl" + " -o " + dir / "out.jsonl --frobnicate", 2, "frobnicate"},
-      {m + "-i " + dir / "ok.jsonl" + " -o " + dir / "out.jsonl --max-model-len 100000", 2, "max_model_len 100000"},
+      {m + "-i " + dir / "ok.jsonl" + " -o " + dir / "out.jsonl --max-model-len 100000", 2, "--max-model-len: 100000 exceeds"},
       {m + "-i " + dir / "ok.jsonl" + " -o " + dir / "out.jsonl --num-kv-blocks 2", 2, "cannot hold one sequence"},
   };
   for (const Case& c : cases) {

@@ -32,7 +32,7 @@ struct BatchArgs {
   std::string input;
   std::string output;
   std::string stats_json;
-  EngineServingFlags engine;
+  KestrelConfig config;
 };
 
 // The whole input ("-" = standard input). Throws kestrel::Error naming the file.
@@ -231,7 +231,7 @@ void run_batch(const BatchArgs& a) {
   const std::string input = read_input(a.input);
   ResultFile out(a.output);
   LoadedModel lm = load_model(a.model);
-  const std::unique_ptr<Engine> engine = a.engine.make_engine(lm);
+  const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
 
   // All requests are submitted up front: the engine's waiting queue does the admission.
@@ -263,7 +263,7 @@ void register_batch(CLI::App& app) {
   sub->add_option("-o,--output", a->output,
                   "Results, one JSON object per line, written as each completes (match them by id); - = stdout")
       ->required();
-  a->engine.add_to(*sub);
+  a->config.add_flags(*sub, EngineMode::Serving);
   sub->add_option("--stats-json", a->stats_json, "Also write the end-of-run summary to this file as JSON");
   sub->callback([a] { run_batch(*a); });
 }

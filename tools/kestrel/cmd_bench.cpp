@@ -26,12 +26,12 @@ struct BenchArgs {
   std::vector<int> parallel;  // concurrent sequences per run (engine mode)
   int64_t max_batched_tokens = 2048;
   int64_t shared_prefix = 0;  // prefix-cache test: tokens shared by consecutive requests
-  EngineFlags engine;
+  KestrelConfig config;
 };
 
 // Threads the CPU backend runs with (0 on the command line = every hardware thread).
 int bench_threads(const BenchArgs& a) {
-  return a.engine.threads > 0 ? a.engine.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return a.config.device.threads > 0 ? a.config.device.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
@@ -56,14 +56,13 @@ void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
               "|---|---|---|---|---|---|---|\n");
   const std::vector<int32_t> prefix = random_prompt(a.shared_prefix, hp.n_vocab, 7);
   for (bool caching : {false, true}) {
-    EngineConfig c;
-    c.block_size = a.engine.block_size;
-    c.kv_dtype = resolve_kv_dtype(a.engine.kv_dtype, *lm.model, a.engine.device.device);
-    c.n_threads = a.engine.threads;
-    c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
-    c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
-    c.enable_prefix_caching = caching;
-    Engine e(*lm.model, nullptr, c, make_engine_runner(a.engine.device, *lm.model, c));
+    KestrelConfig c = a.config;
+    c.scheduler.max_num_seqs = 2;  // a pool of two sequences: the cached request's blocks beside the running one's
+    c.scheduler.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
+    c.model.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
+    c.cache.enable_prefix_caching = caching;
+    const std::unique_ptr<Engine> engine = make_engine(lm, c);
+    Engine& e = *engine;
     std::vector<double> ttft;
     int64_t run_tokens = 0, hits = 0;
     for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
@@ -100,13 +99,13 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
   int threads = 0;
   for (int n : a.parallel) {
     if (n <= 0) throw Error("bench: --parallel values must be positive, got " + std::to_string(n));
-    EngineConfig c = a.engine.config(*lm.model);  // threads, block size, KV dtype; the rest set here
-    c.max_num_seqs = n;
-    c.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, n);
-    c.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
-    c.n_kv_blocks = static_cast<int32_t>(n * ((c.max_model_len + c.block_size - 1) / c.block_size));
-    c.enable_prefix_caching = false;
-    Engine e(*lm.model, nullptr, c, make_engine_runner(a.engine.device, *lm.model, c));
+    KestrelConfig c = a.config;  // a pool of n sequences of -p + -n tokens
+    c.scheduler.max_num_seqs = n;
+    c.scheduler.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, n);
+    c.model.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.n_prompt + a.n_gen + 1);
+    c.cache.enable_prefix_caching = false;
+    const std::unique_ptr<Engine> engine = make_engine(lm, c);
+    Engine& e = *engine;
     std::vector<double> pp, tg, ttft, tpot;
     int64_t steps = 0;
     for (int r = 0; r <= a.reps; ++r) {  // r == 0 warms up
@@ -169,16 +168,15 @@ void run_bench(BenchArgs a) {
   }
   // One request at a time through the engine: the whole prompt in one forward pass, as
   // llama-bench does, then -n decode steps; EOS ignored, nothing reused between repetitions.
-  EngineConfig c = a.engine.config(*lm.model);
+  KestrelConfig c = a.config;
   const int64_t n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
   if (n_ctx > lm.model->hparams().n_ctx_train)
     throw Error("bench: -p + -n = " + std::to_string(n_ctx - 1) + " tokens exceeds the model's context of " +
                 std::to_string(lm.model->hparams().n_ctx_train));
-  c.max_model_len = n_ctx;
-  c.n_kv_blocks = static_cast<int32_t>((n_ctx + c.block_size - 1) / c.block_size);
-  c.max_num_batched_tokens = a.n_prompt;
-  c.enable_prefix_caching = false;
-  std::unique_ptr<Engine> engine = make_engine(lm, c, a.engine.device);
+  c.model.max_model_len = n_ctx;
+  c.scheduler.max_num_batched_tokens = a.n_prompt;
+  c.cache.enable_prefix_caching = false;
+  std::unique_ptr<Engine> engine = make_engine(lm, c);
   Request req;
   req.prompt = random_prompt(a.n_prompt, lm.model->hparams().n_vocab, 0);  // the ids do not change the cost
   req.sampling.temperature = 0;
@@ -224,7 +222,7 @@ void register_bench(CLI::App& app) {
                   "(cache on and off); -p is then the request's own new tokens");
   sub->add_option("--max-num-batched-tokens", a->max_batched_tokens,
                   "Tokens per engine step (with --parallel)")->capture_default_str();
-  a->engine.add_to(*sub);
+  a->config.add_flags(*sub, EngineMode::Single);
   sub->callback([a] { run_bench(*a); });
 }
 

@@ -24,7 +24,7 @@ struct ChatArgs {
   int64_t n_predict = -1;
   bool stats = false;
   SamplingFlags sampling;
-  EngineFlags engine;
+  KestrelConfig config;
 };
 
 // Answers the conversation's last user message, streaming the reply to stdout. The engine's
@@ -75,7 +75,7 @@ void run_chat(const ChatArgs& a) {
   const PromptFormat format = PromptFormat::for_model(*lm.model, tok);
   settings.stop_ids = format.stop_ids;
   if (format.end_of_turn_id) settings.stop_ids.push_back(*format.end_of_turn_id);
-  std::unique_ptr<Engine> engine = make_engine(lm, a.engine.config(*lm.model), a.engine.device);
+  std::unique_ptr<Engine> engine = make_engine(lm, a.config);
   std::vector<ChatMessage> messages;
   if (!a.system.empty()) messages.push_back({"system", a.system});
 
@@ -123,8 +123,8 @@ void register_chat(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--stats", a->stats, "Print load and speed figures to stderr");
   a->sampling.add_to(*sub);
-  a->engine.add_to(*sub);
-  a->engine.add_prefill_chunk(*sub);
+  a->config.add_flags(*sub, EngineMode::Single);
+  a->config.add_prefill_chunk_flag(*sub);
   sub->callback([a] { run_chat(*a); });
 }
 

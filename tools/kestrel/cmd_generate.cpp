@@ -19,7 +19,7 @@ struct GenerateArgs {
   bool json = false;
   std::string dump_logits;
   SamplingFlags sampling;
-  EngineFlags engine;
+  KestrelConfig config;
 };
 
 // A little-endian float32 .npy file (NumPy format 1.0) of shape [rows, cols].
@@ -46,7 +46,7 @@ void run_generate(const GenerateArgs& a) {
   const Tokenizer& tok = *lm.tokenizer;
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
   if (prompt_ids.empty()) throw Error("empty prompt: nothing to condition on");
-  std::unique_ptr<Engine> engine = make_engine(lm, a.engine.config(*lm.model), a.engine.device);
+  std::unique_ptr<Engine> engine = make_engine(lm, a.config);
 
   Request req;
   req.prompt = prompt_ids;
@@ -115,8 +115,8 @@ void register_generate(CLI::App& app) {
   sub->add_option("--dump-logits", a->dump_logits,
                   "Also write the logits of every prompt position to this .npy file (float32, [n_prompt, n_vocab])");
   a->sampling.add_to(*sub);
-  a->engine.add_to(*sub);
-  a->engine.add_prefill_chunk(*sub);
+  a->config.add_flags(*sub, EngineMode::Single);
+  a->config.add_prefill_chunk_flag(*sub);
   sub->callback([a] { run_generate(*a); });
 }
 

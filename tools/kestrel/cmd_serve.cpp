@@ -28,7 +28,7 @@ namespace {
 struct ServeArgs {
   std::string model;
   ServerOptions server;
-  EngineServingFlags engine;
+  KestrelConfig config;
   double keep_alive_s = 5;
   uint64_t max_body_bytes = 8 << 20;
 };
@@ -78,7 +78,7 @@ void run_serve(ServeArgs a) {
   const std::string path = resolve_model_path(a.model);
   LoadedModel lm = load_model(path);
   if (a.server.served_model_name.empty()) a.server.served_model_name = default_model_name(path);
-  const std::unique_ptr<Engine> engine = a.engine.make_engine(lm);
+  const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
   // A template that does not parse would fail every chat request with an error that is not the client's.
   if (!format.template_error.empty())
@@ -119,8 +119,8 @@ void run_serve(ServeArgs a) {
 
 void register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
-  a->engine.engine.max_num_seqs = 256;  // serving: many clients decode together
-  a->engine.engine.populate_kv = true;   // serving: the KV pool resident from the start (flat RSS, no late OOM)
+  a->config.scheduler.max_num_seqs = 256;  // serving: many clients decode together
+  a->config.cache.populate_kv = true;  // serving: the KV pool resident from the start (flat RSS, no late OOM)
   CLI::App* sub = app.add_subcommand(
       "serve", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics");
   sub->add_option("-m,--model", a->model, kModelHelp);
@@ -150,7 +150,7 @@ void register_serve(CLI::App& app) {
       ->transform(CLI::AsSizeValue(true))
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
       ->default_str("8MiB");
-  a->engine.add_to(*sub);
+  a->config.add_flags(*sub, EngineMode::Serving);
   sub->callback([a] { run_serve(*a); });
 }
 

@@ -6,8 +6,10 @@
 #include <memory>
 #include <string>
 
-#include "engine/engine.h"
 #include <functional>
+
+#include "engine/engine.h"
+#include "engine_config.h"
 #include "model/llama_weights.h"
 #include "sampling/sampling_params.h"
 #include "tokenizer/tokenizer.h"
@@ -45,65 +47,17 @@ struct SamplingFlags {
   SamplingParams params() const;
 };
 
-// --device and the options of the GPU backend.
-struct DeviceFlags {
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
-  bool enforce_eager = false;  // CUDA: no CUDA graphs (RunnerOptions::enforce_eager)
-  CudaTuning cuda;             // CUDA: kernel choices (--cuda-*)
-  // Adds --device and the backends' flags, --cpu-isa and --no-amx among them: those two are
-  // process-wide and applied as they are parsed.
-  void add_to(CLI::App& app);
-  void apply(RunnerOptions& o) const;  // fills the device options of o
-};
-
-// The KV cache element type a --kv-dtype / --kv-cache-dtype value names, "auto" resolved as vLLM
-// does: the weights' float type where that is f32 on the CPU, else f16 on the CPU and bf16 on the
-// GPU. Throws kestrel::Error naming the flag for an unknown name.
-KvDtype resolve_kv_dtype(const std::string& flag, const LlamaModel& model, const std::string& device);
-
-// Flags of the commands that run one request at a time through the engine (generate, chat, bench).
-struct EngineFlags {
-  int threads = 0;
-  int64_t ctx_size = 4096;
-  int block_size = 16;
-  std::string kv_dtype = "auto";
-  int64_t prefill_chunk = 256;  // prompt tokens per forward pass
-  DeviceFlags device;
-  void add_to(CLI::App& app);
-  // --prefill-chunk, for generate and chat (bench runs its prompt in one pass).
-  void add_prefill_chunk(CLI::App& app);
-  // The engine for one sequence of up to --ctx-size tokens (capped at the model's context), its
-  // prompt run --prefill-chunk tokens per step, with the prefix cache on (a chat turn reuses the
-  // KV of the conversation before it).
-  EngineConfig config(const LlamaModel& model) const;
-};
-
-// The engine for this config on the device these flags name (make_engine_runner). Throws
-// CLI::ValidationError when the engine rejects the config (each flag is in range on its own),
-// kestrel::Error when the device cannot start.
-std::unique_ptr<Engine> make_engine(const LoadedModel& lm, const EngineConfig& config, const DeviceFlags& device);
+// The engine this config describes, on the device it names: the config validated against the
+// model (KestrelConfig::engine_config), the CPU backend made by the Engine, CUDA's by make_runner
+// (sizing its KV pool from free memory when the config leaves it to the backend). Throws
+// CLI::ValidationError naming the flag for a config the model or the engine rejects, kestrel::Error
+// when the device cannot start.
+std::unique_ptr<Engine> make_engine(const LoadedModel& lm, const KestrelConfig& config);
 
 // The backend named by --device ("cpu" or "cuda") with these options. Throws kestrel::Error for an
 // unknown device, or "cuda" in a build without CUDA or on a machine without a GPU.
 std::unique_ptr<ModelRunner> make_runner(const std::string& device, const LlamaModel& model,
                                          const RunnerOptions& options);
-// The backend for an Engine with this config: null for the CPU (the Engine makes its own, sized
-// by the config), else make_runner's (CUDA sizes its KV pool from free memory when
-// config.n_kv_blocks is 0).
-std::unique_ptr<ModelRunner> make_engine_runner(const DeviceFlags& device, const LlamaModel& model,
-                                                const EngineConfig& config);
-
-// Flags of the commands that drive the serving engine (batch, serve): scheduling, KV pool, device.
-struct EngineServingFlags {
-  EngineConfig engine;
-  bool no_prefix_cache = false;
-  std::string kv_dtype = "auto";
-  DeviceFlags device;
-  void add_to(CLI::App& app);
-  // The engine these flags describe (make_engine).
-  std::unique_ptr<Engine> make_engine(const LoadedModel& lm) const;
-};
 
 // One request run to its end on an engine with nothing else to do: generate, chat and bench.
 struct SingleResult {

@@ -1,0 +1,127 @@
+// KestrelConfig: the engine flags parsed as the CLI parses them, validated against a real model
+// (stories260K: f32 weights, a context of 2048 tokens), each error naming its flag, and the
+// EngineConfig / RunnerOptions they resolve to.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine_config.h"
+#include "test_util.h"
+
+namespace kestrel::cli {
+namespace {
+
+using test::data_dir;
+
+std::string stories_path() { return data_dir() + "/stories260K/stories260K.gguf"; }
+
+// The config a subcommand with these flags ends up with.
+KestrelConfig parse(EngineMode mode, std::vector<std::string> args) {
+  CLI::App app;
+  KestrelConfig c;
+  c.add_flags(app, mode);
+  if (mode == EngineMode::Single) c.add_prefill_chunk_flag(app);
+  std::reverse(args.begin(), args.end());  // CLI11 takes the arguments last first
+  app.parse(args);
+  return c;
+}
+
+// The flag a validation error names ("" when validate() accepts the config), and its message.
+std::pair<std::string, std::string> rejection(const KestrelConfig& c, const LlamaModel& m) {
+  try {
+    c.validate(m);
+  } catch (const CLI::ValidationError& e) {
+    const std::string what = e.what();
+    return {what.substr(0, what.find(':')), what};
+  }
+  return {"", ""};
+}
+
+class EngineConfigTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KESTREL_REQUIRE_FILE(stories_path());
+    model_ = LlamaModel::load(stories_path());
+    ASSERT_EQ(model_->hparams().n_ctx_train, 2048);
+  }
+  std::unique_ptr<LlamaModel> model_;
+};
+
+TEST_F(EngineConfigTest, SingleModeCapsTheContextAndSizesThePoolForOneSequence) {
+  const KestrelConfig c = parse(EngineMode::Single, {"-c", "100000", "--block-size", "32", "--prefill-chunk", "7"});
+  const EngineConfig e = c.engine_config(*model_);
+  EXPECT_EQ(e.max_model_len, 2048);
+  EXPECT_EQ(e.max_num_seqs, 1);
+  EXPECT_EQ(e.n_kv_blocks, 64);  // 2048 / 32
+  EXPECT_EQ(e.max_num_batched_tokens, 7);
+  EXPECT_TRUE(e.enable_prefix_caching);
+  EXPECT_EQ(e.kv_dtype, KvDtype::F32);  // auto: the weights are f32
+}
+
+TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
+  const KestrelConfig c = parse(EngineMode::Serving,
+                                {"--max-model-len", "300", "--max-num-seqs", "5", "--max-num-batched-tokens", "64",
+                                 "--num-kv-blocks", "40", "--no-prefix-cache", "--kv-cache-dtype", "f16", "-t", "2",
+                                 "--gpu-memory-utilization", "0.5", "--enforce-eager", "--cuda-pdl", "off"});
+  const EngineConfig e = c.engine_config(*model_);
+  EXPECT_EQ(e.max_model_len, 300);
+  EXPECT_EQ(e.max_num_seqs, 5);
+  EXPECT_EQ(e.max_num_batched_tokens, 64);
+  EXPECT_EQ(e.n_kv_blocks, 40);
+  EXPECT_FALSE(e.enable_prefix_caching);
+  EXPECT_EQ(e.kv_dtype, KvDtype::F16);
+  EXPECT_EQ(e.n_threads, 2);
+  const RunnerOptions o = c.runner_options(e);
+  EXPECT_EQ(o.n_kv_blocks, 40);
+  EXPECT_EQ(o.kv_dtype, KvDtype::F16);
+  EXPECT_DOUBLE_EQ(o.gpu_memory_utilization, 0.5);
+  EXPECT_TRUE(o.enforce_eager);
+  EXPECT_FALSE(o.cuda.pdl);
+  EXPECT_TRUE(o.cuda.fused_norm);  // untouched choices keep their defaults
+}
+
+TEST_F(EngineConfigTest, ServingDefaultContextIsTheModels) {
+  EXPECT_EQ(parse(EngineMode::Serving, {}).engine_config(*model_).max_model_len, 2048);
+}
+
+TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
+  struct Case {
+    EngineMode mode;
+    std::vector<std::string> args;
+    std::string flag;
+    std::string phrase;
+  };
+  const std::vector<Case> cases = {
+      {EngineMode::Serving, {"--max-model-len", "2049"}, "--max-model-len", "exceeds the model's context of 2048"},
+      {EngineMode::Serving, {"--num-kv-blocks", "127"}, "--num-kv-blocks", "needs 128 blocks"},
+      {EngineMode::Serving, {"--num-kv-blocks", "3", "--max-model-len", "64", "--block-size", "32"}, "", ""},
+      {EngineMode::Serving, {"--max-model-len", "64", "--num-kv-blocks", "3"}, "--num-kv-blocks", "needs 4 blocks"},
+      {EngineMode::Single, {"--kv-cache-dtype", "bf16"}, "--kv-cache-dtype", "CPU backend's KV cache stores f16 or f32"},
+      {EngineMode::Single, {"--device", "cuda", "--kv-dtype", "f16"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16"},
+      {EngineMode::Single, {"--device", "cuda"}, "", ""},
+      {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "--tensor-parallel-size", "one device"},
+      {EngineMode::Single, {"--pipeline-parallel-size", "4"}, "--pipeline-parallel-size", "one device"},
+      {EngineMode::Serving, {"--num-speculative-tokens", "3"}, "--num-speculative-tokens", "without a draft"},
+  };
+  for (const Case& k : cases) {
+    const auto [flag, what] = rejection(parse(k.mode, k.args), *model_);
+    EXPECT_EQ(flag, k.flag) << what;
+    EXPECT_NE(what.find(k.phrase), std::string::npos) << what;
+  }
+}
+
+TEST(EngineConfigFlags, OutOfRangeValuesAreRefusedAsTheyAreParsed) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--max-num-seqs", "0"}, {"--block-size", "0"}, {"--kv-cache-dtype", "f12"},
+        {"--gpu-memory-utilization", "1.5"}, {"--tensor-parallel-size", "0"}, {"--device", "tpu"}}) {
+    EXPECT_THROW(parse(EngineMode::Serving, args), CLI::ValidationError) << args[0];
+  }
+  // Each mode offers its own flags only.
+  EXPECT_THROW(parse(EngineMode::Single, {"--num-kv-blocks", "8"}), CLI::ExtrasError);
+  EXPECT_THROW(parse(EngineMode::Serving, {"--prefill-chunk", "8"}), CLI::ExtrasError);
+}
+
+}  // namespace
+}  // namespace kestrel::cli

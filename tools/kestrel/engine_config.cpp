@@ -1,0 +1,226 @@
+#include "engine_config.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "backend/cpu/matmul.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
+
+namespace kestrel::cli {
+
+namespace {
+// More threads than cores only makes the spinning fork-join pool slower; allow some headroom.
+int max_threads() { return 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+const char* const kKvDtypeFlag = "--kv-cache-dtype";
+
+// Kernel choices, for measuring one path against another; the defaults are the fastest measured.
+void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
+  const char* const group = "Kernel choices (measurements)";
+  const auto on_off = CLI::IsMember({"on", "off"});
+  auto toggle = [&](const char* name, bool& field, const std::string& help) {
+    app.add_option_function<std::string>(name, [&field](const std::string& v) { field = v == "on"; }, help)
+        ->check(on_off)
+        ->default_str(field ? "on" : "off")
+        ->group(group);
+  };
+  app.add_option_function<std::string>(
+         "--cpu-isa",
+         [](const std::string& v) {
+           if (v != "auto") set_simd_level_cap(*parse_simd_level(v));
+         },
+         "CPU: highest SIMD path the kernels may use (auto = the best the CPU has)")
+      ->check(CLI::IsMember({"auto", "avx512", "avx2", "scalar"}))
+      ->default_str("auto")
+      ->group(group);
+  app.add_flag_callback("--no-amx", [] { cpu::set_amx_enabled(false); },
+                        "CPU: keep prompt processing off the AMX tiles (the AVX-512 VNNI kernels instead)")
+      ->group(group);
+  toggle("--cuda-stream-gemv", t.stream_gemv, "CUDA: streaming GEMV for one- and two-token projections");
+  app.add_option("--cuda-stream-gemv-stages", t.stream_gemv_stages, "CUDA: its pipeline stages; 0 = the kernel's default")
+      ->check(CLI::IsMember({0, 3, 4, 6}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--cuda-stream-gemv-min-mb", t.stream_gemv_min_mb,
+                 "CUDA: smallest weight (MiB of bf16) the streaming GEMV takes; smaller ones use the skinny GEMM")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str()
+      ->group(group);
+  toggle("--cuda-fused-norm", t.fused_norm, "CUDA: residual add + RMSNorm inside the streaming GEMV");
+  toggle("--cuda-fused-rope", t.fused_rope, "CUDA: RoPE and the K/V write inside decode attention");
+  app.add_option("--cuda-skinny-max-tokens", t.skinny_max_tokens,
+                 "CUDA: token counts up to which small projections use the skinny GEMM; 0 = never")
+      ->check(CLI::Range(int64_t{0}, int64_t{16}))
+      ->capture_default_str()
+      ->group(group);
+  toggle("--cuda-gemm-tune", t.gemm_tune, "CUDA: time cuBLASLt's algorithms for each decode batch size");
+  toggle("--cuda-gemm-split-k", t.gemm_split_k, "CUDA: split-K variants among the timed algorithms");
+  toggle("--cuda-pdl", t.pdl, "CUDA: programmatic dependent launch between kernels");
+  app.add_option("--cuda-attn-decode-stages", t.attn_decode_stages,
+                 "CUDA: K/V tile stages of decode attention; 0 = chosen by batch size")
+      ->check(CLI::IsMember({0, 2, 3}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--cuda-attn-items-per-block", t.attn_items_per_block,
+                 "CUDA: split-KV decode, k in ceil(k x resident blocks / items) splits; 0 = the measured rule")
+      ->check(CLI::Range(int64_t{0}, int64_t{64}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--cuda-attn-min-split-tiles", t.attn_min_split_tiles,
+                 "CUDA: split-KV decode, 64-key tiles per split at least; 0 = the measured rule")
+      ->check(CLI::Range(int64_t{0}, int64_t{4096}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_flag("--cuda-profile-ops", t.profile_ops,
+               "CUDA: time every op of every pass (eagerly, no graphs), print per-op totals and GEMM tuning picks at exit")
+      ->group(group);
+}
+
+// The context the engine will use: Serving's 0 = the model's context up to kDefaultMaxModelLen;
+// Single's -c capped at the model's context.
+int64_t resolved_max_model_len(const KestrelConfig& c, const ModelHparams& hp) {
+  if (c.mode == EngineMode::Single) return std::min(c.model.max_model_len, hp.n_ctx_train);
+  return c.model.max_model_len == 0 ? std::min(hp.n_ctx_train, kDefaultMaxModelLen) : c.model.max_model_len;
+}
+}  // namespace
+
+KvDtype resolve_kv_dtype(const std::string& flag, const LlamaModel& model, const std::string& device) {
+  if (flag != "auto") {
+    try {
+      return parse_kv_dtype(flag, kKvDtypeFlag);
+    } catch (const Error& e) {
+      throw CLI::ValidationError(kKvDtypeFlag, e.what());
+    }
+  }
+  if (device == "cuda") return KvDtype::BF16;
+  const auto& layers = model.weights().layers;
+  return !layers.empty() && layers[0].wq.type.storage == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
+}
+
+void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
+  mode = m;
+  if (mode == EngineMode::Single) {
+    model.max_model_len = 4096;
+    scheduler.max_num_seqs = 1;
+    scheduler.max_num_batched_tokens = 256;
+    app.add_option("-c,--ctx-size", model.max_model_len, "Context length in tokens (at most the model's)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+        ->capture_default_str();
+  } else {
+    app.add_option("--max-num-seqs", scheduler.max_num_seqs, "Running sequences per step at most")
+        ->check(CLI::Range(1, 1 << 20))
+        ->capture_default_str();
+    app.add_option("--max-num-batched-tokens", scheduler.max_num_batched_tokens,
+                   "Tokens (decode + prefill chunks) per step at most")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+        ->capture_default_str();
+    app.add_option("--num-kv-blocks", cache.num_kv_blocks,
+                   "KV blocks in the pool; 0 = sized from max-model-len and max-num-seqs (CUDA: from free memory)")
+        ->check(CLI::Range(0, 1 << 30))
+        ->capture_default_str();
+    app.add_flag_callback("--no-prefix-cache", [this] { cache.enable_prefix_caching = false; },
+                          "Do not reuse the KV of identical prompt prefixes");
+    app.add_option("--max-model-len", model.max_model_len,
+                   "Prompt + output tokens per request at most; 0 = the model's context (at most 8192)")
+        ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
+        ->capture_default_str();
+  }
+  app.add_option("--block-size", cache.block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--kv-cache-dtype,--kv-dtype", cache.kv_cache_dtype,
+                 "KV cache element type: auto (f32 for f32 weights on the CPU, else f16; bf16 on the GPU), "
+                 "f16 or f32 (CPU), bf16 (CUDA)")
+      ->check(CLI::IsMember({"auto", "f16", "fp16", "float16", "f32", "fp32", "float32", "bf16"}, CLI::ignore_case))
+      ->capture_default_str();
+  app.add_option("-t,--threads", device.threads, "CPU threads; 0 = all cores")
+      ->check(CLI::Range(0, max_threads()))
+      ->capture_default_str();
+  app.add_option("--device", device.device, "Backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  app.add_option("--gpu-memory-utilization", cache.gpu_memory_utilization,
+                 "CUDA: fraction of the GPU's memory that weights and KV cache may use")
+      ->check(CLI::Range(0.05, 1.0))
+      ->capture_default_str();
+  app.add_flag("--enforce-eager", device.enforce_eager, "CUDA: launch every step's kernels eagerly (no CUDA graphs)");
+  app.add_option("--tensor-parallel-size", parallel.tensor_parallel_size, "GPUs a model's layers are split across")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size, "Pipeline stages (groups of layers)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--num-speculative-tokens", speculative.num_speculative_tokens,
+                 "Draft tokens proposed and verified per decode step; 0 = no speculative decoding")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  add_kernel_choice_flags(app, device.cuda);
+}
+
+void KestrelConfig::add_prefill_chunk_flag(CLI::App& app) {
+  app.add_option("--prefill-chunk", scheduler.max_num_batched_tokens,
+                 "Prompt tokens per forward pass (chunked prefill; 1 runs the prompt as decode steps)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+}
+
+void KestrelConfig::validate(const LlamaModel& m) const {
+  const ModelHparams& hp = m.hparams();
+  if (mode == EngineMode::Serving && model.max_model_len > hp.n_ctx_train)
+    throw CLI::ValidationError("--max-model-len", std::to_string(model.max_model_len) +
+                                                      " exceeds the model's context of " + std::to_string(hp.n_ctx_train));
+  const int64_t max_model_len = resolved_max_model_len(*this, hp);
+  const int64_t blocks_per_seq = (max_model_len + cache.block_size - 1) / cache.block_size;
+  if (cache.num_kv_blocks > 0 && cache.num_kv_blocks < blocks_per_seq)
+    throw CLI::ValidationError(
+        "--num-kv-blocks", "a KV pool of " + std::to_string(cache.num_kv_blocks) + " blocks of " +
+                               std::to_string(cache.block_size) + " tokens cannot hold one sequence of " +
+                               std::to_string(max_model_len) + " tokens (--max-model-len; needs " +
+                               std::to_string(blocks_per_seq) + " blocks): raise --num-kv-blocks or lower --max-model-len");
+  const KvDtype kv = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
+  if (device.device == "cuda" && kv != KvDtype::BF16)
+    throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
+                                                 ": the CUDA backend's KV cache stores bf16 (or auto)");
+  if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32)
+    throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
+                                                 ": the CPU backend's KV cache stores f16 or f32 (or auto)");
+  if (parallel.tensor_parallel_size != 1)
+    throw CLI::ValidationError("--tensor-parallel-size", std::to_string(parallel.tensor_parallel_size) +
+                                                             ": this kestrel runs a model on one device (1)");
+  if (parallel.pipeline_parallel_size != 1)
+    throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(parallel.pipeline_parallel_size) +
+                                                               ": this kestrel runs a model on one device (1)");
+  if (speculative.num_speculative_tokens != 0)
+    throw CLI::ValidationError("--num-speculative-tokens", std::to_string(speculative.num_speculative_tokens) +
+                                                               ": this kestrel decodes without a draft (0)");
+}
+
+EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
+  validate(m);
+  EngineConfig c;
+  c.block_size = cache.block_size;
+  c.max_model_len = resolved_max_model_len(*this, m.hparams());
+  c.max_num_seqs = scheduler.max_num_seqs;
+  c.max_num_batched_tokens = scheduler.max_num_batched_tokens;
+  c.n_kv_blocks = cache.num_kv_blocks;
+  // One request at a time: a pool of exactly max_num_seqs sequences of the context, whatever the device.
+  if (mode == EngineMode::Single && c.n_kv_blocks == 0)
+    c.n_kv_blocks = static_cast<int32_t>(scheduler.max_num_seqs * ((c.max_model_len + c.block_size - 1) / c.block_size));
+  c.enable_prefix_caching = cache.enable_prefix_caching;
+  c.kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
+  c.n_threads = device.threads;
+  c.populate_kv = cache.populate_kv;
+  return c;
+}
+
+RunnerOptions KestrelConfig::runner_options(const EngineConfig& engine) const {
+  RunnerOptions o;
+  o.block_size = engine.block_size;
+  o.n_kv_blocks = engine.n_kv_blocks;
+  o.kv_dtype = engine.kv_dtype;
+  o.n_threads = engine.n_threads;
+  o.populate_kv = engine.populate_kv;
+  o.gpu_memory_utilization = cache.gpu_memory_utilization;
+  o.enforce_eager = device.enforce_eager;
+  o.cuda = device.cuda;
+  return o;
+}
+
+}  // namespace kestrel::cli
