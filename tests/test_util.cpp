@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace kestrel::test {
@@ -81,6 +82,26 @@ std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int3
     for (RequestOutput& o : engine.step()) {
       if (!o.prompt_logits.empty()) out = std::move(o.prompt_logits);
       if (o.finished && o.finish_reason == "error") throw Error(o.error);
+    }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                             int64_t max_tokens) {
+  std::map<RequestId, size_t> index;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Request r;
+    r.prompt = prompts[i];
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    index[engine.add_request(r)] = i;
+  }
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  while (engine.has_unfinished())
+    for (const RequestOutput& o : engine.step()) {
+      EXPECT_NE(o.finish_reason, "error") << o.error;
+      auto& ids = out[index.at(o.id)];
+      ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     }
   return out;
 }

@@ -66,6 +66,11 @@ int run_command(const std::string& cmd, std::string* out);
 // [ids.size(), n_vocab], f32. config.max_model_len 0 = ids.size() + 1.
 std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config = {});
 
+// Submits every prompt at once (greedy, max_tokens new tokens, no stop ids) and steps the engine to
+// the end: each prompt's ids. An output that ends with an error fails the calling test.
+std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                             int64_t max_tokens);
+
 }  // namespace kestrel::test
 
 // Skips (loudly) when a data file is absent: the shared data and the default model are outside the

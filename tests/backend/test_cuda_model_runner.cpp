@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -18,6 +17,7 @@
 #include "tokenizer/tokenizer.h"
 
 using namespace kestrel;
+using test::greedy_ids;
 
 namespace {
 
@@ -41,26 +41,6 @@ EngineConfig config() {
   return c;
 }
 
-// Greedy ids of each prompt, all submitted at once.
-std::vector<std::vector<int32_t>> greedy(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int64_t n) {
-  std::map<RequestId, size_t> index;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    Request r;
-    r.prompt = prompts[i];
-    r.max_tokens = n;
-    r.sampling.temperature = 0;
-    index[e.add_request(r)] = i;
-  }
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  while (e.has_unfinished())
-    for (const RequestOutput& o : e.step()) {
-      EXPECT_NE(o.finish_reason, "error") << o.error;
-      auto& ids = out[index.at(o.id)];
-      ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-    }
-  return out;
-}
-
 }  // namespace
 
 // Prompt logits (every position, the prompt in chunks) within 0.05 + 2% of each row's largest
@@ -79,13 +59,13 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
   const int64_t n_vocab = model->hparams().n_vocab;
 
   Engine cpu(*model, tok.get(), config());
-  const auto want = greedy(cpu, prompts, 32);
+  const auto want = greedy_ids(cpu, prompts, 32);
   const std::vector<float> want_logits = test::prompt_logits(*model, prompts[0], config());
 
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
     Engine gpu(*model, tok.get(), config(), cuda_runner(*model, eager));
-    EXPECT_EQ(greedy(gpu, prompts, 32), want);
+    EXPECT_EQ(greedy_ids(gpu, prompts, 32), want);
 
     Request r;
     r.prompt = prompts[0];

@@ -53,15 +53,15 @@ void run_generate(const GenerateArgs& a) {
   req.sampling = sp;
   req.stop_ids = stop_ids(tok);
   req.prompt_logits = !a.dump_logits.empty();
-  // -n 0 generates nothing; with --dump-logits the one token sampled beside the logits is dropped.
+  // -n 0 generates nothing: the engine runs only for --dump-logits, and the one token it samples
+  // beside the logits is dropped.
   const bool silent = a.n_predict == 0;
   req.max_tokens = silent ? 1 : a.n_predict;
-  if (silent && !req.prompt_logits) req.max_tokens = 0;
   // The output continues the prompt: keep a SentencePiece leading space unless nothing precedes it.
   const bool continuation = !(prompt_ids.size() == 1 && prompt_ids[0] == tok.bos_id());
   StreamDecoder stream(tok, /*skip_special=*/false, continuation);
   SingleResult res;
-  if (req.max_tokens != 0) {
+  if (!silent || req.prompt_logits) {
     res = run_single(*engine, std::move(req), [&](const RequestOutput& o) {
       if (a.json || silent) return;
       for (int32_t id : o.new_token_ids) {
