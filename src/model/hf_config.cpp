@@ -156,13 +156,15 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
   }
   read_rope_scaling(c, cfg);
 
-  // Mistral always honours sliding_window; Qwen2 only with use_sliding_window.
+  // Mistral attends through its sliding window in every layer. Qwen2 with use_sliding_window
+  // windows only the layers from max_window_layers on, which one window for all layers cannot
+  // say: its context is capped at the window instead, where windowed and full attention agree.
   const bool windowed = hp.arch == "mistral" || (hp.arch == "qwen2" && c.flag_or("use_sliding_window", false));
   if (windowed && c.has("sliding_window")) {
     const int64_t window = c.get("sliding_window");
     if (window < hp.n_ctx_train) {
       hp.sliding_window = window;
-      hp.n_ctx_train = window;
+      if (hp.arch == "qwen2") hp.n_ctx_train = window;
     }
   }
   try {

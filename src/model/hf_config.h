@@ -30,8 +30,9 @@ struct HfModelConfig {
   // max_position_embeddings (Llama 2048, Mistral 131072, Qwen2 32768), tie_word_embeddings
   // (false), hidden_act (must be silu), attention_bias and mlp_bias (Llama; mlp_bias must be
   // false), rope_scaling (null, default, linear {factor} or llama3 {factor, low_freq_factor,
-  // high_freq_factor, original_max_position_embeddings}), sliding_window (Mistral; Qwen2 only with
-  // use_sliding_window): a window shorter than max_position_embeddings caps n_ctx_train at it.
+  // high_freq_factor, original_max_position_embeddings}), sliding_window (Mistral: every layer
+  // attends through it; Qwen2 only with use_sliding_window, and then n_ctx_train is capped at it,
+  // as its window covers only some layers); a window no shorter than the context has no effect.
   // Throws kestrel::Error("<where>: ...") naming the field and value for an unsupported
   // architecture, a missing required field, a value of the wrong type or out of range, or an
   // unsupported rope_scaling type or hidden_act. hparams.name is left empty for the caller.

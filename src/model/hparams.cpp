@@ -77,7 +77,7 @@ std::string ModelHparams::summary() const {
   s << arch << ": " << n_layer << " layers, n_embd " << n_embd << ", " << n_head << " heads / "
     << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
     << ", context " << n_ctx_train;
-  if (sliding_window > 0) s << " (the sliding window)";
+  if (sliding_window > 0) s << ", sliding window " << sliding_window;
   s << ", rope theta " << rope_theta;
   return s.str();
 }

@@ -30,9 +30,8 @@ struct ModelHparams {
   float rope_theta = 10000.0f;
   float rope_linear_scale = 1.0f;  // positions are divided by this ("linear" rope scaling)
   RopeStyle rope_style = RopeStyle::AdjacentPairs;
-  // Sliding-window attention span in tokens (Mistral's sliding_window); 0 = full attention. kestrel
-  // attends to the whole context, which equals the windowed result only while the context fits in
-  // the window, so a loader that sets it also caps n_ctx_train at it.
+  // Sliding-window attention span in tokens (Mistral's sliding_window), every layer: the token at
+  // position p attends to positions (p - W, p]; 0 = full attention.
   int64_t sliding_window = 0;
 
   int64_t q_dim() const { return n_head * head_dim; }

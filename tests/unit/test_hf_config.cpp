@@ -201,7 +201,7 @@ TEST(HfConfig, Qwen2HasQkvBiasAndAnUnusedWindow) {
   EXPECT_EQ(c.hparams.sliding_window, 0);  // use_sliding_window false
   EXPECT_EQ(c.hparams.n_ctx_train, 32768);
   json j = qwen25_05b();
-  j["use_sliding_window"] = true;
+  j["use_sliding_window"] = true;  // windows only some layers (max_window_layers): the context is capped
   j["sliding_window"] = 4096;
   EXPECT_EQ(parse(j).hparams.sliding_window, 4096);
   EXPECT_EQ(parse(j).hparams.n_ctx_train, 4096);
@@ -220,12 +220,12 @@ TEST(HfConfig, LlamaAttentionBiasMeansAllFourProjections) {
   EXPECT_CONFIG_ERROR(j, "mlp_bias true is not supported");
 }
 
-TEST(HfConfig, MistralSlidingWindowCapsTheContext) {
+TEST(HfConfig, MistralSlidingWindowKeepsTheContext) {
   const HfModelConfig c = parse(mistral_7b_v01());
   EXPECT_EQ(c.hparams.arch, "mistral");
   EXPECT_EQ(c.hparams.sliding_window, 4096);
-  EXPECT_EQ(c.hparams.n_ctx_train, 4096);
-  EXPECT_NE(c.hparams.summary().find("context 4096 (the sliding window)"), std::string::npos);
+  EXPECT_EQ(c.hparams.n_ctx_train, 32768);
+  EXPECT_NE(c.hparams.summary().find("context 32768, sliding window 4096"), std::string::npos);
   json j = mistral_7b_v01();
   j["sliding_window"] = nullptr;  // Mistral v0.2 and later
   EXPECT_EQ(parse(j).hparams.sliding_window, 0);

@@ -44,6 +44,7 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   const int64_t hd = hp_.head_dim;
   const int64_t group = hp_.n_head / hp_.n_head_kv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t window = hp_.sliding_window;
   const auto& op = ops();
   const void* kc = kv_.k(layer);
   const void* vc = kv_.v(layer);
@@ -66,6 +67,8 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
       a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
       a.block_size = kv_.block_size();
       a.n_ctx = b.positions[t] + 1;  // causal: a token sees itself and everything before it
+      // A sliding window of W keys: positions (pos - W, pos], as Mistral's reference attends.
+      a.kv_begin = window > 0 ? std::max<int64_t>(0, a.n_ctx - window) : 0;
       a.head_dim = hd;
       a.group = group;
       a.scale = scale;

@@ -21,7 +21,8 @@ struct AttentionArgs {
   int64_t head_offset;         // kv_head * block_size * head_dim
   const int32_t* block_table;  // [>= ceil(n_ctx / block_size)] block ids of the sequence
   int32_t block_size;
-  int64_t n_ctx;               // keys at positions [0, n_ctx) are attended (causal bound applied)
+  int64_t n_ctx;               // keys at positions [kv_begin, n_ctx) are attended (causal bound applied)
+  int64_t kv_begin;            // first key position attended: 0, or past a sliding window's start
   int64_t head_dim;
   int64_t group;               // query heads per KV head (1 = MHA, n_head = MQA)
   float scale;                 // softmax scale, 1/sqrt(head_dim)

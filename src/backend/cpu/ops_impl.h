@@ -143,11 +143,13 @@ void attention_impl(const AttentionArgs& a) {
     std::memset(a.out + g * hd, 0, sizeof(float) * static_cast<size_t>(hd));
   }
   const int64_t bs = a.block_size;
-  for (int64_t start = 0; start < a.n_ctx; start += bs) {
-    const int64_t n = std::min<int64_t>(bs, a.n_ctx - start);
+  // Block by block from kv_begin (a window may start inside a block): n keys from offset `first`.
+  for (int64_t start = a.kv_begin; start < a.n_ctx;) {
+    const int64_t first = start % bs;
+    const int64_t n = std::min<int64_t>(bs - first, a.n_ctx - start);
     // This KV head's keys of the block: n rows of head_dim, contiguous.
-    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * a.block_stride;
-    if (start + bs < a.n_ctx) {  // the next block is elsewhere in memory: start fetching it
+    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * a.block_stride + first * hd;
+    if (start - first + bs < a.n_ctx) {  // the next block is elsewhere in memory: start fetching it
       const int64_t next = static_cast<int64_t>(a.block_table[start / bs + 1]) * a.block_stride;
       __builtin_prefetch(kc + next);
       __builtin_prefetch(vc + next);
@@ -179,6 +181,7 @@ void attention_impl(const AttentionArgs& a) {
         m[g] = m_new;
       }
     }
+    start += n;
   }
   for (int64_t g = 0; g < g_n; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;

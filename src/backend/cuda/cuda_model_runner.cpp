@@ -49,6 +49,10 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (!cuda::attention_supports_head_dim(static_cast<int32_t>(hp_.head_dim)))
     throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
                 " is not supported (a multiple of 8 from 8 to 256)");
+  // The attention kernels attend to every earlier key: right for a window only as long as the context.
+  if (hp_.sliding_window > 0 && hp_.sliding_window < hp_.n_ctx_train)
+    throw Error("CUDA backend: sliding-window attention (window " + std::to_string(hp_.sliding_window) +
+                " of a context of " + std::to_string(hp_.n_ctx_train) + ") is not supported; use --device cpu");
   if (o.block_size <= 0) throw Error("block size must be positive");
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

@@ -1,8 +1,8 @@
 // The Llama family's decoder (Touvron et al. 2023): pre-norm blocks of RMSNorm -> attention with
 // RoPE -> residual add, RMSNorm -> SwiGLU MLP -> residual add; final RMSNorm and the LM head.
-// Qwen2 (biases on q, k and v) and Mistral (sliding-window attention, capped to the window by the
-// loader) are the same graph; what differs (biases, RoPE pairing, GQA widths) is in the weights
-// and the hyperparameters the backends read.
+// Qwen2 (biases on q, k and v) and Mistral (sliding-window attention: hparams.sliding_window, which
+// the backends' attention applies) are the same graph; what differs (biases, RoPE pairing, GQA
+// widths, the window) is in the weights and the hyperparameters the backends read.
 #include "model/archs/archs.h"
 
 namespace kestrel::archs {
