@@ -11,9 +11,9 @@ namespace {
 // Explicit, so a static library never drops a builder the way it drops an unreferenced
 // self-registering object file.
 constexpr std::array<Architecture, 3> kArchitectures = {{
-    {"llama", archs::llama_forward},
-    {"mistral", archs::llama_forward},
-    {"qwen2", archs::llama_forward},
+    {"llama", archs::llama_forward, archs::llama_tensors},
+    {"mistral", archs::llama_forward, archs::llama_tensors},
+    {"qwen2", archs::llama_forward, archs::llama_tensors},
 }};
 }  // namespace
 

@@ -15,24 +15,9 @@
 #include <vector>
 
 #include "model/hparams.h"
+#include "model/model_weights.h"
 
 namespace kestrel {
-
-// The tensors an architecture names, by role: per layer, or model-level (layer -1).
-enum class WeightRole {
-  AttnNorm,    // [d] RMSNorm weight before attention
-  Qkv,         // [q_dim + 2 kv_dim, d] the q, k and v projections (with their biases, if any)
-  AttnOut,     // [d, q_dim] the output projection (with its bias, if any)
-  FfnNorm,     // [d] RMSNorm weight before the MLP
-  GateUp,      // [2 n_ff, d] the gate and up projections
-  Down,        // [d, n_ff] the down projection
-  OutputNorm,  // [d] final RMSNorm weight (layer -1)
-  Output,      // [n_vocab, d] the LM head (layer -1; the embedding when tied)
-};
-struct WeightId {
-  int32_t layer;
-  WeightRole role;
-};
 
 // Activations of a pass, each [n, width] in the backend's element type.
 enum class Act {
@@ -67,12 +52,28 @@ class ForwardOps {
   virtual void final_norm_logits(Act add, WeightId norm, WeightId head) = 0;
 };
 
-// One architecture family: its forward pass over ForwardOps. Adding an architecture adds a
-// builder under src/model/archs/ and its names to the registry (architecture.cpp); no backend
-// file changes.
+// One tensor an architecture loads, named as llama.cpp's GGUF files and transformers' state dicts
+// name it, without the ".weight" / ".bias" suffix ("blk.3.attn_q", "model.layers.3.self_attn.q_proj").
+struct TensorSpec {
+  WeightRole role;   // a stored role
+  std::string gguf;
+  std::string hf;
+  int64_t n_in = 0;   // a matrix's columns; 0 for a vector
+  int64_t n_out = 0;  // a matrix's rows, or the vector's length
+  // May carry a bias [n_out]: in a GGUF file loaded when present, in an HF folder when config.json
+  // says so (HfModelConfig::has_bias).
+  bool may_have_bias = false;
+};
+
+// One architecture family: its tensors and its forward pass over ForwardOps. Adding an
+// architecture adds a builder under src/model/archs/ and its names to the registry
+// (architecture.cpp); no backend file changes unless it needs an op the backends lack.
 struct Architecture {
   std::string_view name;
   void (*forward)(ForwardOps& ops, const ModelHparams& hp);
+  // The tensors of one layer (layer -1: the model-level ones), all required except the LM head
+  // (WeightRole::Output), whose absence means it is tied to the token embedding.
+  std::vector<TensorSpec> (*tensors)(const ModelHparams& hp, int32_t layer);
 };
 
 // The architecture registered under `name` (GGUF general.architecture / the HF config's family:

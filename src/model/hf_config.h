@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "model/hparams.h"
+#include "model/model_weights.h"
 
 namespace kestrel {
 
@@ -20,6 +21,12 @@ struct HfModelConfig {
   bool tie_word_embeddings = false;  // the output matrix is model.embed_tokens.weight
   bool qkv_bias = false;             // q/k/v_proj.bias exist: Qwen2 always, Llama with attention_bias
   bool o_bias = false;               // o_proj.bias exists: Llama with attention_bias
+  // Whether the folder stores a bias for this stored role (a missing one is an error, an
+  // unannounced one too).
+  bool has_bias(WeightRole role) const {
+    if (role == WeightRole::Q || role == WeightRole::K || role == WeightRole::V) return qkv_bias;
+    return role == WeightRole::AttnOut && o_bias;
+  }
   // [rope_dim / 2] divisors of the RoPE frequencies (rope_scaling type llama3), or empty; the same
   // values a GGUF carries as rope_freqs.weight.
   std::vector<float> rope_freq_factors;

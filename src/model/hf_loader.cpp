@@ -1,6 +1,6 @@
-// LlamaModel::load_hf_dir: a Hugging Face model folder into the same LlamaWeights the GGUF path
-// fills. Tensor names are those of transformers' LlamaForCausalLM / MistralForCausalLM /
-// Qwen2ForCausalLM state dicts. A PyTorch Linear weight is stored [out_features, in_features]
+// LlamaModel::load_hf_dir: a Hugging Face model folder into the same ModelWeights the GGUF path
+// fills, tensor by tensor as the architecture lists them (Architecture::tensors: transformers'
+// state-dict names). A PyTorch Linear weight is stored [out_features, in_features]
 // row-major, which is WeightView's layout (n_out rows of n_in), so matrices are viewed in place.
 // q_proj / k_proj rows stay in HF's order, which RoPE reads in rotate-half pairs (RopeStyle).
 #include <cstring>
@@ -13,6 +13,7 @@
 #include "io/mapped_file.h"
 #include "io/quoted.h"
 #include "io/safetensors_checkpoint.h"
+#include "model/forward_ops.h"
 #include "model/hf_config.h"
 #include "model/llama_weights.h"
 
@@ -159,38 +160,30 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
   m->chat_template_ = read_chat_template(root);
 
   HfTensorLoader ld(*m->safetensors_, m->weight_bytes_);
-  LlamaWeights& w = m->weights_;
-  w.token_embd = ld.matrix("model.embed_tokens.weight", hp.n_embd, hp.n_vocab);
-  w.output_norm = ld.vector("model.norm.weight", hp.n_embd);
-  if (cfg.tie_word_embeddings) {
-    w.output = w.token_embd;  // as transformers ties them: a stored lm_head.weight is ignored
-    w.tied_output = true;
-  } else if (ld.has("lm_head.weight")) {
-    w.output = ld.matrix("lm_head.weight", hp.n_embd, hp.n_vocab);
-  } else {
-    throw Error(dir + ": missing tensor 'lm_head.weight' (config.json has tie_word_embeddings false)");
-  }
-  w.rope_freq_factors = cfg.rope_freq_factors;
-  w.layers.resize(static_cast<size_t>(hp.n_layer));
-  for (int64_t il = 0; il < hp.n_layer; ++il) {
-    const std::string p = "model.layers." + std::to_string(il) + ".";
-    LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
-    L.attn_norm = ld.vector(p + "input_layernorm.weight", hp.n_embd);
-    L.wq = ld.matrix(p + "self_attn.q_proj.weight", hp.n_embd, hp.q_dim());
-    L.wk = ld.matrix(p + "self_attn.k_proj.weight", hp.n_embd, hp.kv_dim());
-    L.wv = ld.matrix(p + "self_attn.v_proj.weight", hp.n_embd, hp.kv_dim());
-    L.wo = ld.matrix(p + "self_attn.o_proj.weight", hp.q_dim(), hp.n_embd);
-    if (cfg.qkv_bias) {
-      L.bq = ld.vector(p + "self_attn.q_proj.bias", hp.q_dim());
-      L.bk = ld.vector(p + "self_attn.k_proj.bias", hp.kv_dim());
-      L.bv = ld.vector(p + "self_attn.v_proj.bias", hp.kv_dim());
+  ModelWeights& w = m->weights_;
+  const Architecture& arch = architecture(hp.arch);
+  w.resize(hp.n_layer);
+  for (int32_t l = -1; l < static_cast<int32_t>(hp.n_layer); ++l)
+    for (const TensorSpec& spec : arch.tensors(hp, l)) {
+      if (spec.role == WeightRole::Output && cfg.tie_word_embeddings) {
+        // Tied as transformers ties them: a stored lm_head.weight is ignored.
+        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}});
+        w.tied_output = true;
+        continue;
+      }
+      const std::string name = spec.hf + ".weight";
+      if (spec.role == WeightRole::Output && !ld.has(name))
+        throw Error(dir + ": missing tensor '" + name + "' (config.json has tie_word_embeddings false)");
+      LayerTensor lt;
+      if (spec.n_in == 0) {
+        lt.vector = ld.vector(name, spec.n_out);
+      } else {
+        lt.matrix = ld.matrix(name, spec.n_in, spec.n_out);
+      }
+      if (spec.may_have_bias && cfg.has_bias(spec.role)) lt.bias = ld.vector(spec.hf + ".bias", spec.n_out);
+      w.put({l, spec.role}, std::move(lt));
     }
-    if (cfg.o_bias) L.bo = ld.vector(p + "self_attn.o_proj.bias", hp.n_embd);
-    L.ffn_norm = ld.vector(p + "post_attention_layernorm.weight", hp.n_embd);
-    L.w_gate = ld.matrix(p + "mlp.gate_proj.weight", hp.n_embd, hp.n_ff);
-    L.w_up = ld.matrix(p + "mlp.up_proj.weight", hp.n_embd, hp.n_ff);
-    L.w_down = ld.matrix(p + "mlp.down_proj.weight", hp.n_ff, hp.n_embd);
-  }
+  w.rope_freq_factors = cfg.rope_freq_factors;
   ld.check_all_used(hp.arch);
   return m;
 }

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "model/forward_ops.h"
 #include "io/safetensors_checkpoint.h"
 
 namespace kestrel {
@@ -117,34 +118,29 @@ std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
   m->chat_template_ = f.get_string_or("tokenizer.chat_template", "");
   const ModelHparams& hp = m->hparams_;
   Loader ld(f, m->weight_bytes_);
-  LlamaWeights& w = m->weights_;
-  w.token_embd = ld.matrix("token_embd.weight", hp.n_embd, hp.n_vocab);
-  w.output_norm = ld.vector("output_norm.weight", hp.n_embd);
-  if (const auto* out = ld.find("output.weight"); out != nullptr) {
-    w.output = ld.matrix(*out, hp.n_embd, hp.n_vocab);
-  } else {
-    w.output = w.token_embd;
-    w.tied_output = true;
-  }
+  ModelWeights& w = m->weights_;
+  const Architecture& arch = architecture(hp.arch);
+  w.resize(hp.n_layer);
+  for (int32_t l = -1; l < static_cast<int32_t>(hp.n_layer); ++l)
+    for (const TensorSpec& spec : arch.tensors(hp, l)) {
+      const GgufTensorInfo* t = ld.find(spec.gguf + ".weight");
+      if (t == nullptr && spec.role == WeightRole::Output) {  // no LM head: tied to the embedding
+        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}});
+        w.tied_output = true;
+        continue;
+      }
+      if (t == nullptr) t = &ld.require(spec.gguf + ".weight");
+      LayerTensor lt;
+      if (spec.n_in == 0) {
+        lt.vector = ld.vector(*t, spec.n_out);
+      } else {
+        lt.matrix = ld.matrix(*t, spec.n_in, spec.n_out);
+      }
+      if (spec.may_have_bias) lt.bias = ld.optional_vector(spec.gguf + ".bias", spec.n_out);
+      w.put({l, spec.role}, std::move(lt));
+    }
   if (const auto* rf = ld.find("rope_freqs.weight"); rf != nullptr)
     w.rope_freq_factors = ld.vector(*rf, hp.rope_dim / 2);
-  w.layers.resize(static_cast<size_t>(hp.n_layer));
-  for (int64_t il = 0; il < hp.n_layer; ++il) {
-    const std::string p = "blk." + std::to_string(il) + ".";
-    LlamaLayerWeights& L = w.layers[static_cast<size_t>(il)];
-    L.attn_norm = ld.vector(p + "attn_norm.weight", hp.n_embd);
-    L.wq = ld.matrix(p + "attn_q.weight", hp.n_embd, hp.q_dim());
-    L.wk = ld.matrix(p + "attn_k.weight", hp.n_embd, hp.kv_dim());
-    L.wv = ld.matrix(p + "attn_v.weight", hp.n_embd, hp.kv_dim());
-    L.wo = ld.matrix(p + "attn_output.weight", hp.q_dim(), hp.n_embd);
-    L.bq = ld.optional_vector(p + "attn_q.bias", hp.q_dim());
-    L.bk = ld.optional_vector(p + "attn_k.bias", hp.kv_dim());
-    L.bv = ld.optional_vector(p + "attn_v.bias", hp.kv_dim());
-    L.ffn_norm = ld.vector(p + "ffn_norm.weight", hp.n_embd);
-    L.w_gate = ld.matrix(p + "ffn_gate.weight", hp.n_embd, hp.n_ff);
-    L.w_up = ld.matrix(p + "ffn_up.weight", hp.n_embd, hp.n_ff);
-    L.w_down = ld.matrix(p + "ffn_down.weight", hp.n_ff, hp.n_embd);
-  }
   return m;
 }
 

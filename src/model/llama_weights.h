@@ -12,34 +12,11 @@
 #include "core/tensor.h"
 #include "io/gguf.h"
 #include "model/hparams.h"
+#include "model/model_weights.h"
 
 namespace kestrel {
 
 class SafetensorsCheckpoint;
-
-struct LlamaLayerWeights {
-  std::vector<float> attn_norm;  // [n_embd], f32
-  WeightView wq;                 // [q_dim rows, n_embd]
-  WeightView wk;                 // [kv_dim rows, n_embd]
-  WeightView wv;                 // [kv_dim rows, n_embd]
-  WeightView wo;                 // [n_embd rows, q_dim]
-  std::vector<float> bq, bk, bv; // optional biases (Qwen2): [q_dim], [kv_dim], [kv_dim], f32
-  std::vector<float> bo;         // optional o_proj bias (HF Llama attention_bias): [n_embd], f32
-  std::vector<float> ffn_norm;   // [n_embd], f32
-  WeightView w_gate;             // [n_ff rows, n_embd]
-  WeightView w_up;               // [n_ff rows, n_embd]
-  WeightView w_down;             // [n_embd rows, n_ff]
-};
-
-struct LlamaWeights {
-  WeightView token_embd;          // [n_vocab rows, n_embd]
-  std::vector<LlamaLayerWeights> layers;
-  std::vector<float> output_norm; // [n_embd], f32
-  WeightView output;              // [n_vocab rows, n_embd]; == token_embd when tied
-  bool tied_output = false;
-  std::vector<float> rope_freq_factors;  // [rope_dim/2] divisors of the RoPE frequencies
-                                         // (Llama 3 scaling, GGUF tensor rope_freqs.weight), or empty
-};
 
 enum class ModelFormat {
   Gguf,      // one .gguf file
@@ -80,7 +57,7 @@ class LlamaModel {
   // Chat template source (Jinja): GGUF tokenizer.chat_template, or the HF folder's; "" when none.
   const std::string& chat_template() const { return chat_template_; }
   const ModelHparams& hparams() const { return hparams_; }
-  const LlamaWeights& weights() const { return weights_; }
+  const ModelWeights& weights() const { return weights_; }
   // Bytes of the tensors the weights use (matrices in their file type, vectors as stored).
   uint64_t weight_bytes() const { return weight_bytes_; }
 
@@ -93,7 +70,7 @@ class LlamaModel {
   std::unique_ptr<SafetensorsCheckpoint> safetensors_;
   std::string chat_template_;
   ModelHparams hparams_;
-  LlamaWeights weights_;
+  ModelWeights weights_;
   uint64_t weight_bytes_ = 0;
 };
 

@@ -136,22 +136,24 @@ TEST(HfLoader, ViewsF32WeightsInPlace) {
   EXPECT_EQ(m->hparams().arch, "llama");
   EXPECT_EQ(m->hparams().rope_style, RopeStyle::RotateHalf);
   EXPECT_EQ(m->chat_template(), "");
-  const LlamaWeights& w = m->weights();
+  const ModelWeights& w = m->weights();
   EXPECT_TRUE(w.tied_output);
-  EXPECT_EQ(w.output.data, w.token_embd.data);
-  ASSERT_EQ(w.layers.size(), 2u);
-  const LlamaLayerWeights& L = w.layers[1];
-  EXPECT_EQ(L.wk.type, GgmlType::F32);
-  EXPECT_EQ(L.wk.n_in, 16);
-  EXPECT_EQ(L.wk.n_out, 8);
-  EXPECT_EQ(L.w_down.n_in, 24);
-  EXPECT_EQ(L.w_down.n_out, 16);
+  EXPECT_EQ(w.at({-1, WeightRole::Output}).matrix.data, w.at({-1, WeightRole::TokenEmbd}).matrix.data);
+  ASSERT_EQ(w.n_layer(), 2);
+  const WeightView& wk = w.at({1, WeightRole::K}).matrix;
+  EXPECT_EQ(wk.type, GgmlType::F32);
+  EXPECT_EQ(wk.n_in, 16);
+  EXPECT_EQ(wk.n_out, 8);
+  EXPECT_EQ(w.at({1, WeightRole::Down}).matrix.n_in, 24);
+  EXPECT_EQ(w.at({1, WeightRole::Down}).matrix.n_out, 16);
   // Row r of the view is row r of the [out, in] tensor.
   const auto& k = tm.tensors.at("model.layers.1.self_attn.k_proj.weight").values;
-  EXPECT_EQ(f32_at(L.wk, 5, 3), k[5 * 16 + 3]);
-  EXPECT_EQ(L.ffn_norm, tm.tensors.at("model.layers.1.post_attention_layernorm.weight").values);
-  EXPECT_TRUE(L.bq.empty());
-  EXPECT_TRUE(L.bo.empty());
+  EXPECT_EQ(f32_at(wk, 5, 3), k[5 * 16 + 3]);
+  EXPECT_EQ(w.at({1, WeightRole::FfnNorm}).vector, tm.tensors.at("model.layers.1.post_attention_layernorm.weight").values);
+  EXPECT_TRUE(w.at({1, WeightRole::Q}).bias.empty());
+  EXPECT_TRUE(w.at({1, WeightRole::AttnOut}).bias.empty());
+  EXPECT_EQ(w.find({1, WeightRole::Qkv}), nullptr);  // a group is not stored
+  EXPECT_NE(error_of([&] { w.at({2, WeightRole::Q}); }).find("no 'q' tensor in layer 2"), std::string::npos);
   EXPECT_TRUE(w.rope_freq_factors.empty());
   uint64_t bytes = 0;
   for (const auto& [name, t] : tm.tensors) bytes += 4 * t.values.size();
@@ -172,11 +174,11 @@ TEST(HfLoader, HalfPrecisionDtypesStayInTheirType) {
     tm.write(dir);
     const auto m = LlamaModel::load_hf_dir(dir.path());
     const GgmlType want = std::string(dtype) == "F16" ? GgmlType::F16 : GgmlType::BF16;
-    EXPECT_EQ(m->weights().token_embd.type, want);
-    EXPECT_EQ(m->weights().layers[0].wq.type, want);
+    EXPECT_EQ(m->weights().at({-1, WeightRole::TokenEmbd}).matrix.type, want);
+    EXPECT_EQ(m->weights().at({0, WeightRole::Q}).matrix.type, want);
     const float norm0 = tm.tensors.at("model.norm.weight").values[0];
     const float rounded = want == GgmlType::F16 ? fp16_to_fp32(fp32_to_fp16(norm0)) : bf16_to_fp32(fp32_to_bf16(norm0));
-    EXPECT_EQ(m->weights().output_norm[0], rounded);  // converted to f32 exactly
+    EXPECT_EQ(m->weights().at({-1, WeightRole::OutputNorm}).vector[0], rounded);  // converted to f32 exactly
     const auto out = logits(*m, kIds);
     for (float v : out) ASSERT_TRUE(std::isfinite(v));
   }
@@ -190,8 +192,9 @@ TEST(HfLoader, UntiedOutputNeedsLmHead) {
   tm.write(dir);
   const auto m = LlamaModel::load_hf_dir(dir.path());
   EXPECT_FALSE(m->weights().tied_output);
-  EXPECT_NE(m->weights().output.data, m->weights().token_embd.data);
-  EXPECT_EQ(f32_at(m->weights().output, 39, 15), 0.25f);
+  const WeightView& head = m->weights().at({-1, WeightRole::Output}).matrix;
+  EXPECT_NE(head.data, m->weights().at({-1, WeightRole::TokenEmbd}).matrix.data);
+  EXPECT_EQ(f32_at(head, 39, 15), 0.25f);
 
   tm.tensors.erase("lm_head.weight");
   EXPECT_NE(load_error(tm).find("missing tensor 'lm_head.weight' (config.json has tie_word_embeddings false)"),
@@ -367,7 +370,7 @@ TEST(HfLoader, Qwen2FolderMatchesTheSameTensorsInGguf) {
   const std::string gguf_path = dir.write("same.gguf", bytes_of(img));
   const auto gguf = LlamaModel::load_gguf(gguf_path);
   ASSERT_EQ(gguf->hparams().rope_style, RopeStyle::RotateHalf);
-  EXPECT_FALSE(hf->weights().layers[0].bq.empty());
+  EXPECT_FALSE(hf->weights().at({0, WeightRole::Q}).bias.empty());
 
   const auto a = logits(*hf, kIds);
   const auto b = logits(*gguf, kIds);

@@ -94,8 +94,8 @@ KvDtype resolve_kv_dtype(const std::string& flag, const LlamaModel& model, const
     }
   }
   if (device == "cuda") return KvDtype::BF16;
-  const auto& layers = model.weights().layers;
-  return !layers.empty() && layers[0].wq.type.storage == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
+  const LayerTensor* q = model.weights().find({0, WeightRole::Q});
+  return q != nullptr && q->matrix.type.storage == GgmlType::F32 ? KvDtype::F32 : KvDtype::F16;
 }
 
 void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {

@@ -22,14 +22,14 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
       throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type.storage)) +
                   ", which the CPU kernels do not support");
   };
-  const auto& W = model.weights();
-  require(W.token_embd, "token_embd.weight");
-  require(W.output, "output.weight");
-  for (size_t il = 0; il < W.layers.size(); ++il) {
-    const auto& L = W.layers[il];
-    for (const WeightView* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down})
-      require(*w, "a matrix of layer " + std::to_string(il));
-  }
+  const ModelWeights& W = model.weights();
+  for (int32_t l = -1; l < static_cast<int32_t>(hp_.n_layer); ++l)
+    for (size_t r = 0; r < kWeightRoleCount; ++r) {
+      const LayerTensor* t = W.find({l, static_cast<WeightRole>(r)});
+      if (t != nullptr && t->matrix.n_out > 0)
+        require(t->matrix, "tensor '" + std::string(weight_role_name(static_cast<WeightRole>(r))) + "'" +
+                               (l < 0 ? std::string() : " of layer " + std::to_string(l)));
+    }
   inv_freq_ = rope_inv_freq(hp_, model.weights().rope_freq_factors);
 }
 
@@ -133,7 +133,7 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
 void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
-  const WeightView& e = model_.weights().token_embd;
+  const WeightView& e = model_.weights().at({-1, WeightRole::TokenEmbd}).matrix;
   for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(e.type.storage, e.row(b.token_ids[t]), x_.data() + t * d, d);
 }
 
@@ -148,35 +148,50 @@ float* CpuModelRunner::act(Act a) {
   return nullptr;
 }
 
+size_t CpuModelRunner::act_parts(Act a, float** ys) {
+  switch (a) {
+    case Act::Qkv:
+      ys[0] = q_.data(), ys[1] = k_.data(), ys[2] = v_.data();
+      return 3;
+    case Act::GateUp:
+      ys[0] = gate_.data(), ys[1] = up_.data();
+      return 2;
+    default:
+      ys[0] = act(a);
+      return 1;
+  }
+}
+
 void CpuModelRunner::add_to_residual(Act add) {
   if (add != Act::None) ops().add(x_.data(), act(add), batch_->n_tokens() * hp_.n_embd);
 }
 
+void CpuModelRunner::project(WeightId proj, const float* x, int64_t n, float* const* ys) {
+  const std::span<const WeightRole> roles = parts(proj.role);
+  KESTREL_ASSERT(roles.size() <= 4, "CPU backend: at most four projections of one input");
+  WeightView w[4];
+  const LayerTensor* t[4];
+  for (size_t i = 0; i < roles.size(); ++i) {
+    t[i] = &model_.weights().at({proj.layer, roles[i]});
+    w[i] = t[i]->matrix;
+  }
+  // One fork-join for all parts; each output is bitwise what its own matmul gives.
+  matmul_multi({w, roles.size()}, x, n, {ys, roles.size()}, ws_, pool_);
+  for (size_t i = 0; i < roles.size(); ++i) {
+    const std::vector<float>& bias = t[i]->bias;
+    if (bias.empty()) continue;
+    const int64_t width = w[i].n_out;
+    for (int64_t r = 0; r < n; ++r) ops().add(ys[i] + r * width, bias.data(), width);
+  }
+}
+
 void CpuModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) {
   const int64_t n = batch_->n_tokens();
-  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
   add_to_residual(add);
-  const std::vector<float>& w_norm = norm.role == WeightRole::AttnNorm ? L.attn_norm : L.ffn_norm;
-  rms_norm_rows(x_.data(), w_norm.data(), h_.data(), n);
-  if (proj.role == WeightRole::Qkv) {
-    KESTREL_ASSERT(out == Act::Qkv, "CPU backend: the QKV projection writes Act::Qkv");
-    const WeightView wqkv[3] = {L.wq, L.wk, L.wv};
-    float* const yqkv[3] = {q_.data(), k_.data(), v_.data()};
-    matmul_multi(wqkv, h_.data(), n, yqkv, ws_, pool_);
-    if (!L.bq.empty()) {
-      const int64_t kvd = hp_.kv_dim();
-      for (int64_t t = 0; t < n; ++t) {
-        ops().add(q_.data() + t * hp_.q_dim(), L.bq.data(), hp_.q_dim());
-        ops().add(k_.data() + t * kvd, L.bk.data(), kvd);
-        ops().add(v_.data() + t * kvd, L.bv.data(), kvd);
-      }
-    }
-    return;
-  }
-  KESTREL_ASSERT(proj.role == WeightRole::GateUp && out == Act::GateUp, "CPU backend: unknown normed projection");
-  const WeightView wgu[2] = {L.w_gate, L.w_up};
-  float* const ygu[2] = {gate_.data(), up_.data()};
-  matmul_multi(wgu, h_.data(), n, ygu, ws_, pool_);
+  rms_norm_rows(x_.data(), model_.weights().at(norm).vector.data(), h_.data(), n);
+  float* ys[4];
+  KESTREL_ASSERT(act_parts(out, ys) == parts(proj.role).size(), "CPU backend: one output array per projection");
+  project(proj, h_.data(), n, ys);
 }
 
 void CpuModelRunner::rope_write_kv(int32_t layer, Act qkv) {
@@ -192,13 +207,9 @@ void CpuModelRunner::rope_write_kv(int32_t layer, Act qkv) {
 }
 
 void CpuModelRunner::linear(Act in, WeightId proj, Act out) {
-  KESTREL_ASSERT(proj.role == WeightRole::AttnOut, "CPU backend: unknown projection");
-  const int64_t n = batch_->n_tokens(), d = hp_.n_embd;
-  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
-  float* y = act(out);
-  matmul(L.wo, act(in), n, y, ws_, pool_);
-  if (!L.bo.empty())
-    for (int64_t t = 0; t < n; ++t) ops().add(y + t * d, L.bo.data(), d);
+  float* ys[4];
+  KESTREL_ASSERT(act_parts(out, ys) == parts(proj.role).size(), "CPU backend: one output array per projection");
+  project(proj, act(in), batch_->n_tokens(), ys);
 }
 
 void CpuModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
@@ -209,23 +220,22 @@ void CpuModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) op.silu_mul(gate_.data() + r * ff, up_.data() + r * ff, gate_.data() + r * ff, ff);
   });
-  const LlamaLayerWeights& L = model_.weights().layers[static_cast<size_t>(proj.layer)];
-  matmul(L.w_down, gate_.data(), n, act(out), ws_, pool_);
+  float* y = act(out);
+  project(proj, gate_.data(), n, &y);
 }
 
 void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
-  KESTREL_ASSERT(norm.role == WeightRole::OutputNorm && head.role == WeightRole::Output, "CPU backend: final norm");
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
-  const auto& w = model_.weights();
+  const ModelWeights& w = model_.weights();
   add_to_residual(add);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   grow(logits_in_, n_out * d);
   grow(logits_, n_out * hp_.n_vocab);
   for (int64_t i = 0; i < n_out; ++i)
-    ops().rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.output_norm.data(),
+    ops().rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.at(norm).vector.data(),
                    logits_in_.data() + i * d, 1, d, hp_.rms_eps);
-  matmul(w.output, logits_in_.data(), n_out, logits_.data(), ws_, pool_);
+  matmul(w.at(head).matrix, logits_in_.data(), n_out, logits_.data(), ws_, pool_);
 }
 
 }  // namespace kestrel::cpu

@@ -39,7 +39,12 @@ class CpuModelRunner final : private ForwardOps {
   void swiglu_linear(Act in, WeightId proj, Act out) override;
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
   float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn
+  // The arrays of an activation, one per stored part of the projection that writes it (Qkv: q_,
+  // k_, v_; GateUp: gate_, up_; else act(a)); returns their count.
+  size_t act_parts(Act a, float** ys);
   void add_to_residual(Act add);
+  // ys[i] = x . w(part i of proj)^T (+ its bias) for the stored parts of proj (parts()), n rows.
+  void project(WeightId proj, const float* x, int64_t n, float* const* ys);
 
   void check(const ForwardBatch& b) const;
   // Stores the batch's K and V rows of `layer` in their slots (converted to the cache's dtype).

@@ -13,6 +13,19 @@
 
 namespace kestrel::cuda_runner {
 
+namespace {
+// The op profiler's name for a projection (a string that lives as long as the program).
+const char* gemm_label(WeightRole role) {
+  switch (role) {
+    case WeightRole::Qkv: return "gemm qkv";
+    case WeightRole::GateUp: return "gemm gate_up";
+    case WeightRole::AttnOut: return "gemm o";
+    case WeightRole::Down: return "gemm down";
+    default: return "gemm";
+  }
+}
+}  // namespace
+
 cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, const PassShape& s) const {
   cuda::AttentionParams ap{};
   ap.block_tables = d.block_tables;
@@ -81,12 +94,12 @@ void CudaModelRunner::embed() {
 void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) {
   const Layer& L = layers_[static_cast<size_t>(proj.layer)];
   const int64_t n = pass_.n_tokens, d = hp_.n_embd;
-  const bool qkv = proj.role == WeightRole::Qkv;
-  KESTREL_ASSERT(qkv || proj.role == WeightRole::GateUp, "CUDA backend: unknown normed projection");
-  const DevMem& norm_w = norm.role == WeightRole::AttnNorm ? L.attn_norm : L.ffn_norm;
-  const DevMem& w = qkv ? L.w_qkv : L.w_gate_up;
-  const int64_t n_out = qkv ? hp_.q_dim() + 2 * hp_.kv_dim() : 2 * hp_.n_ff;
-  const char* what = qkv ? "gemm qkv" : "gemm gate_up";
+  const DeviceWeight& W = L[proj.role];
+  KESTREL_ASSERT(W.n_in == d, "CUDA backend: a normed projection reads the model width");
+  const DevMem& norm_w = L[norm.role].w;
+  const DevMem& w = W.w;
+  const int64_t n_out = W.n_out;
+  const char* what = gemm_label(proj.role);
   bf16* y = act(out);
   if (!fused_norm_ || !uses_stream_gemv(n, d, n_out)) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
@@ -107,7 +120,7 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
     std::swap(pass_residual_, pass_spare_);
     mark(what);
   }
-  if (qkv && L.b_qkv.bytes() > 0) cuda::add_bias(y, L.b_qkv.as<float>(), n, n_out, stream_);
+  if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, n_out, stream_);
 }
 
 void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
@@ -137,19 +150,17 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
 }
 
 void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
-  KESTREL_ASSERT(proj.role == WeightRole::AttnOut, "CUDA backend: unknown projection");
-  const Layer& L = layers_[static_cast<size_t>(proj.layer)];
-  const int64_t n = pass_.n_tokens, d = hp_.n_embd;
+  const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
+  const int64_t n = pass_.n_tokens;
   bf16* y = act(out);
-  project(act(in), L.wo.as<bf16>(), y, false, n, hp_.q_dim(), d);
-  mark("gemm o");
-  if (L.bo.bytes() > 0) cuda::add_bias(y, L.bo.as<float>(), n, d, stream_);
+  project(act(in), W.w.as<bf16>(), y, false, n, W.n_in, W.n_out);
+  mark(gemm_label(proj.role));
+  if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, W.n_out, stream_);
 }
 
 void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
-  KESTREL_ASSERT(proj.role == WeightRole::Down, "CUDA backend: SwiGLU feeds the down projection");
-  const Layer& L = layers_[static_cast<size_t>(proj.layer)];
-  project(act(in), L.w_down.as<bf16>(), act(out), false, pass_.n_tokens, hp_.n_ff, hp_.n_embd, /*swiglu=*/true);
+  const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
+  project(act(in), W.w.as<bf16>(), act(out), false, pass_.n_tokens, W.n_in, W.n_out, /*swiglu=*/true);
   mark("gemm down (+silu)");
 }
 
@@ -187,15 +198,15 @@ void CudaModelRunner::tune_gemms(int64_t n) {
       std::fprintf(stderr, "gemm tune: %lld x %lld -> %lld: candidate %d\n", static_cast<long long>(n),
                    static_cast<long long>(n_in), static_cast<long long>(n_out), pick);
   };
-  auto all_layers = [&](DevMem Layer::*w) {
+  auto all_layers = [&](WeightRole role) {
     std::vector<const bf16*> ws;
-    for (const Layer& L : layers_) ws.push_back((L.*w).as<bf16>());
+    for (const Layer& L : layers_) ws.push_back(L[role].w.as<bf16>());
     return ws;
   };
-  tune(h_.as<bf16>(), all_layers(&Layer::w_qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);
-  tune(attn_.as<bf16>(), all_layers(&Layer::wo), o_.as<void>(), false, qd, d);
-  tune(h_.as<bf16>(), all_layers(&Layer::w_gate_up), gate_up_.as<void>(), false, d, 2 * ff);
-  tune(act_.as<bf16>(), all_layers(&Layer::w_down), down_.as<void>(), false, ff, d);
+  tune(h_.as<bf16>(), all_layers(WeightRole::Qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);
+  tune(attn_.as<bf16>(), all_layers(WeightRole::AttnOut), o_.as<void>(), false, qd, d);
+  tune(h_.as<bf16>(), all_layers(WeightRole::GateUp), gate_up_.as<void>(), false, d, 2 * ff);
+  tune(act_.as<bf16>(), all_layers(WeightRole::Down), down_.as<void>(), false, ff, d);
   // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).
   const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
   tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);

@@ -95,30 +95,62 @@ CudaModelRunner::~CudaModelRunner() {
 }
 
 void CudaModelRunner::upload_weights() {
-  const auto& W = model_.weights();
+  const ModelWeights& W = model_.weights();
   WeightUploader up(stream_);
-  embd_ = up.matrices({&W.token_embd});
-  lm_head_ = W.tied_output ? DevMem() : up.matrices({&W.output});
-  out_norm_ = upload_bf16(W.output_norm);
-  layers_.resize(W.layers.size());
-  const int64_t qd = hp_.q_dim(), kvd = hp_.kv_dim();
-  for (size_t l = 0; l < W.layers.size(); ++l) {
-    const auto& L = W.layers[l];
-    Layer& d = layers_[l];
-    d.attn_norm = upload_bf16(L.attn_norm);
-    d.ffn_norm = upload_bf16(L.ffn_norm);
-    d.w_qkv = up.matrices({&L.wq, &L.wk, &L.wv});
-    d.wo = up.matrices({&L.wo});
-    d.w_gate_up = up.matrices({&L.w_gate, &L.w_up});
-    d.w_down = up.matrices({&L.w_down});
-    if (!L.bq.empty() || !L.bk.empty() || !L.bv.empty()) {
-      std::vector<float> b(static_cast<size_t>(qd + 2 * kvd), 0.0f);
-      std::copy(L.bq.begin(), L.bq.end(), b.begin());
-      std::copy(L.bk.begin(), L.bk.end(), b.begin() + qd);
-      std::copy(L.bv.begin(), L.bv.end(), b.begin() + qd + kvd);
-      d.b_qkv = upload_f32(b);
+  auto matrix = [&](const WeightView& w) {
+    const WeightView* one[1] = {&w};
+    return up.matrices(one);
+  };
+  embd_ = matrix(W.at({-1, WeightRole::TokenEmbd}).matrix);
+  lm_head_ = W.tied_output ? DevMem() : matrix(W.at({-1, WeightRole::Output}).matrix);
+  out_norm_ = upload_bf16(W.at({-1, WeightRole::OutputNorm}).vector);
+  layers_.resize(static_cast<size_t>(hp_.n_layer));
+  for (int32_t l = 0; l < static_cast<int32_t>(hp_.n_layer); ++l) {
+    Layer& d = layers_[static_cast<size_t>(l)];
+    std::array<bool, kWeightRoleCount> stacked{};  // parts uploaded within their group
+    for (size_t r = 0; r < kWeightRoleCount; ++r) {
+      const auto group = static_cast<WeightRole>(r);
+      const std::span<const WeightRole> roles = parts(group);
+      if (roles.size() < 2) continue;
+      std::vector<const LayerTensor*> ts;
+      for (WeightRole p : roles)
+        if (const LayerTensor* t = W.find({l, p}); t != nullptr && t->matrix.n_out > 0) ts.push_back(t);
+      if (ts.size() != roles.size()) continue;
+      std::vector<const WeightView*> views;
+      DeviceWeight& dw = d[group];
+      dw.n_in = ts[0]->matrix.n_in;
+      bool any_bias = false;
+      for (const LayerTensor* t : ts) {
+        views.push_back(&t->matrix);
+        dw.n_out += t->matrix.n_out;
+        any_bias = any_bias || !t->bias.empty();
+      }
+      dw.w = up.matrices(views);
+      if (any_bias) {
+        std::vector<float> b(static_cast<size_t>(dw.n_out), 0.0f);
+        int64_t at = 0;
+        for (const LayerTensor* t : ts) {
+          std::copy(t->bias.begin(), t->bias.end(), b.begin() + at);
+          at += t->matrix.n_out;
+        }
+        dw.b = upload_f32(b);
+      }
+      for (WeightRole p : roles) stacked[static_cast<size_t>(p)] = true;
     }
-    if (!L.bo.empty()) d.bo = upload_f32(L.bo);
+    for (size_t r = 0; r < kWeightRoleCount; ++r) {
+      const LayerTensor* t = W.find({l, static_cast<WeightRole>(r)});
+      if (t == nullptr || stacked[r]) continue;
+      DeviceWeight& dw = d.by_role[r];
+      if (t->matrix.n_out == 0) {
+        dw.w = upload_bf16(t->vector);
+        dw.n_out = static_cast<int64_t>(t->vector.size());
+        continue;
+      }
+      dw.w = matrix(t->matrix);
+      dw.n_in = t->matrix.n_in;
+      dw.n_out = t->matrix.n_out;
+      if (!t->bias.empty()) dw.b = upload_f32(t->bias);
+    }
   }
   inv_freq_ = upload_f32(rope_inv_freq(hp_, W.rope_freq_factors));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));

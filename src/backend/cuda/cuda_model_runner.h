@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <set>
@@ -28,10 +29,17 @@ using cuda::bf16;
 using cuda::DevMem;
 using cuda::PinnedMem;
 
+// One layer's weights on the device, by role (ModelWeights): a norm as bf16 [d]; a projection as
+// bf16 [n_out, n_in], a group's parts stacked under the group's role (q|k|v, gate|up) and not kept
+// apart; f32 biases (a group's stacked, zeros for a part without one) or empty.
+struct DeviceWeight {
+  DevMem w, b;
+  int64_t n_in = 0, n_out = 0;
+};
 struct Layer {
-  DevMem attn_norm, ffn_norm;      // [n_embd] bf16
-  DevMem w_qkv, wo, w_gate_up, w_down;  // bf16, rows as in LlamaLayerWeights; q|k|v and gate|up stacked
-  DevMem b_qkv, bo;                // f32 biases (q|k|v stacked, zeros for a missing part) or empty
+  std::array<DeviceWeight, kWeightRoleCount> by_role;
+  const DeviceWeight& operator[](WeightRole r) const { return by_role[static_cast<size_t>(r)]; }
+  DeviceWeight& operator[](WeightRole r) { return by_role[static_cast<size_t>(r)]; }
 };
 
 // The device-side index arrays of one batch, carved from one allocation that a single host-to-

@@ -8,10 +8,10 @@
 
 namespace kestrel::cuda {
 
-DevMem WeightUploader::matrices(std::initializer_list<const WeightView*> ws) {
+DevMem WeightUploader::matrices(std::span<const WeightView* const> ws) {
   size_t total = 0;
   for (const WeightView* w : ws) {
-    if (w->n_in != (*ws.begin())->n_in) throw Error("CUDA upload: stacked matrices differ in width");
+    if (w->n_in != ws.front()->n_in) throw Error("CUDA upload: stacked matrices differ in width");
     if (!w->type.self_contained())
       throw Error("CUDA upload: a " + std::string(type_name(w->type.storage)) +
                   " matrix with scales stored apart is not supported");

@@ -8,7 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -110,7 +110,7 @@ class WeightUploader {
 
   // The matrices' rows, in order, as one bf16 device allocation [sum n_out, n_in].
   // Errors: kestrel::Error if the matrices' n_in differ or CUDA fails.
-  DevMem matrices(std::initializer_list<const WeightView*> ws);
+  DevMem matrices(std::span<const WeightView* const> ws);
 
  private:
   static constexpr size_t kStageBytes = size_t{64} << 20;

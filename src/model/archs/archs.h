@@ -5,6 +5,8 @@
 
 namespace kestrel::archs {
 
-void llama_forward(ForwardOps& ops, const ModelHparams& hp);  // llama.cpp: llama, qwen2, mistral
+// llama.cpp: llama, qwen2, mistral
+void llama_forward(ForwardOps& ops, const ModelHparams& hp);
+std::vector<TensorSpec> llama_tensors(const ModelHparams& hp, int32_t layer);
 
 }  // namespace kestrel::archs

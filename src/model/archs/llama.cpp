@@ -22,4 +22,24 @@ void llama_forward(ForwardOps& ops, const ModelHparams& hp) {
   ops.final_norm_logits(pending, {-1, WeightRole::OutputNorm}, {-1, WeightRole::Output});
 }
 
+std::vector<TensorSpec> llama_tensors(const ModelHparams& hp, int32_t layer) {
+  using R = WeightRole;
+  const int64_t d = hp.n_embd;
+  if (layer < 0)
+    return {{R::TokenEmbd, "token_embd", "model.embed_tokens", d, hp.n_vocab},
+            {R::OutputNorm, "output_norm", "model.norm", 0, d},
+            {R::Output, "output", "lm_head", d, hp.n_vocab}};
+  const std::string g = "blk." + std::to_string(layer) + ".";
+  const std::string h = "model.layers." + std::to_string(layer) + ".";
+  return {{R::AttnNorm, g + "attn_norm", h + "input_layernorm", 0, d},
+          {R::Q, g + "attn_q", h + "self_attn.q_proj", d, hp.q_dim(), true},
+          {R::K, g + "attn_k", h + "self_attn.k_proj", d, hp.kv_dim(), true},
+          {R::V, g + "attn_v", h + "self_attn.v_proj", d, hp.kv_dim(), true},
+          {R::AttnOut, g + "attn_output", h + "self_attn.o_proj", hp.q_dim(), d, true},
+          {R::FfnNorm, g + "ffn_norm", h + "post_attention_layernorm", 0, d},
+          {R::Gate, g + "ffn_gate", h + "mlp.gate_proj", d, hp.n_ff},
+          {R::Up, g + "ffn_up", h + "mlp.up_proj", d, hp.n_ff},
+          {R::Down, g + "ffn_down", h + "mlp.down_proj", hp.n_ff, d}};
+}
+
 }  // namespace kestrel::archs

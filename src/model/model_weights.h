@@ -1,0 +1,77 @@
+// A model's weights by role: the tensors an architecture's builder names (WeightId{layer, role}),
+// each viewed in place in the mapped model file (matrices in their file type) or converted to f32
+// (norm vectors, biases). Which roles a model has is its architecture's tensor list
+// (Architecture::tensors), read by both loaders; the backends look tensors up here by role, so an
+// architecture with new tensors adds roles, not backend fields.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace kestrel {
+
+// The tensors an architecture names. Stored roles are one tensor each; group roles name several
+// projections of one input that a backend may run as one (parts()). Layer -1 holds the
+// model-level tensors.
+enum class WeightRole : uint8_t {
+  TokenEmbd,   // [n_vocab, d] token embedding (layer -1)
+  OutputNorm,  // [d] final RMSNorm weight (layer -1)
+  Output,      // [n_vocab, d] the LM head (layer -1; the embedding's view when tied)
+  AttnNorm,    // [d] RMSNorm weight before attention
+  Q,           // [q_dim, d]
+  K,           // [kv_dim, d]
+  V,           // [kv_dim, d]
+  AttnOut,     // [d, q_dim] the output projection
+  FfnNorm,     // [d] RMSNorm weight before the MLP
+  Gate,        // [n_ff, d]
+  Up,          // [n_ff, d]
+  Down,        // [d, n_ff]
+  // Groups.
+  Qkv,     // Q, K, V
+  GateUp,  // Gate, Up
+  kCount,
+};
+inline constexpr size_t kWeightRoleCount = static_cast<size_t>(WeightRole::kCount);
+
+struct WeightId {
+  int32_t layer;
+  WeightRole role;
+};
+
+// The stored roles of a group, in output-row order ({role} for a stored role).
+std::span<const WeightRole> parts(WeightRole role);
+// "attn_norm", "q", ..., for errors.
+std::string_view weight_role_name(WeightRole role);
+
+// One stored tensor: a matrix or a vector, with an optional bias.
+struct LayerTensor {
+  WeightView matrix;          // [n_out rows, n_in] in its file type; n_out 0 for a vector
+  std::vector<float> vector;  // a norm weight [d], f32; empty for a matrix
+  std::vector<float> bias;    // [n_out] f32, or empty
+};
+
+class ModelWeights {
+ public:
+  void resize(int64_t n_layer) { t_.assign(static_cast<size_t>(n_layer + 1), {}); }
+  int64_t n_layer() const { return static_cast<int64_t>(t_.size()) - 1; }
+  // The tensor of a stored role, or null when the model has none (an optional tensor).
+  const LayerTensor* find(WeightId id) const;
+  // find(), and throws kestrel::Error naming the layer and role when it is absent.
+  const LayerTensor& at(WeightId id) const;
+  void put(WeightId id, LayerTensor t);
+
+  bool tied_output = false;              // Output is TokenEmbd's view
+  std::vector<float> rope_freq_factors;  // [rope_dim/2] divisors of the RoPE frequencies (Llama 3 scaling), or empty
+
+ private:
+  std::vector<std::array<std::optional<LayerTensor>, kWeightRoleCount>> t_;  // [n_layer + 1], layer -1 first
+};
+
+}  // namespace kestrel
