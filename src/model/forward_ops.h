@@ -27,6 +27,7 @@ enum class Act {
   AttnOut,  // [n, d] output projection, added to the residual stream by the next add_norm_*
   GateUp,   // [n, 2 n_ff]
   Down,     // [n, d] MLP output, added to the residual stream by the next add_norm_*
+  Normed,   // [n, d] RMSNorm of the residual stream (add_norm)
 };
 
 class ForwardOps {
@@ -50,10 +51,21 @@ class ForwardOps {
   // residual += add, then the logits of the batch's logits rows: RMSNorm(row) * w(norm) .
   // w(head)^T, [n_rows, n_vocab] f32.
   virtual void final_norm_logits(Act add, WeightId norm, WeightId head) = 0;
+
+  // Ops of some architectures only. A backend without one throws kestrel::Error naming it.
+  // residual += add, then out = RMSNorm(residual) * w(norm).
+  virtual void add_norm(Act add, WeightId norm, Act out);
+  // The mixture-of-experts FFN of `layer` (hparams.moe): router logits in . w(Router)^T (f32),
+  // moe_select's top-k experts and weights per token, out = sum_k w_k * ExpDown_e(silu(ExpGate_e
+  // in) * ExpUp_e in) + [sigmoid(in . w(ShRouter)) *] ShDown(silu(ShGate in) * ShUp in).
+  virtual void moe_ffn(int32_t layer, Act in, Act out);
 };
 
 // One tensor an architecture loads, named as llama.cpp's GGUF files and transformers' state dicts
 // name it, without the ".weight" / ".bias" suffix ("blk.3.attn_q", "model.layers.3.self_attn.q_proj").
+// Experts (n_expert > 0): GGUF stores one 3-D tensor ne {n_in, n_out, n_expert}
+// ("blk.3.ffn_gate_exps"); an HF folder one tensor per expert, its name the hf pattern with "{e}"
+// replaced by the expert's index ("model.layers.3.mlp.experts.{e}.gate_proj").
 struct TensorSpec {
   WeightRole role;   // a stored role
   std::string gguf;
@@ -63,6 +75,7 @@ struct TensorSpec {
   // May carry a bias [n_out]: in a GGUF file loaded when present, in an HF folder when config.json
   // says so (HfModelConfig::has_bias).
   bool may_have_bias = false;
+  int64_t n_expert = 0;  // > 0: a set of n_expert [n_out, n_in] matrices (LayerTensor::experts)
 };
 
 // One architecture family: its tensors and its forward pass over ForwardOps. Adding an

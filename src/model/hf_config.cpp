@@ -22,6 +22,8 @@ constexpr ArchInfo kArchs[] = {
     {"LlamaForCausalLM", "llama", "llama", 2048},
     {"MistralForCausalLM", "mistral", "mistral", 4096 * 32},
     {"Qwen2ForCausalLM", "qwen2", "qwen2", 32768},
+    {"MixtralForCausalLM", "mixtral", "mixtral", 4096 * 32},
+    {"Qwen2MoeForCausalLM", "qwen2_moe", "qwen2moe", 32768},
 };
 
 const ArchInfo& find_arch(const HfFields& c) {
@@ -77,6 +79,39 @@ void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
   } else {
     s.fail("rope type '" + type + "' is not supported (supported: default, linear, llama3)");
   }
+}
+
+// The MoE fields of MixtralConfig and Qwen2MoeConfig (transformers' defaults where a field is absent).
+void read_moe(const HfFields& c, HfModelConfig& cfg) {
+  ModelHparams& hp = cfg.hparams;
+  MoeHparams& moe = hp.moe;
+  if (hp.arch == "mixtral") {
+    moe.routing.n_expert = static_cast<int32_t>(c.get_or("num_local_experts", 8));
+    moe.routing.n_expert_used = static_cast<int32_t>(c.get_or("num_experts_per_tok", 2));
+    moe.routing.norm_topk = true;  // MixtralTopKRouter renormalises the top-k weights
+    moe.n_ff_expert = hp.n_ff;     // intermediate_size is each expert's width
+  } else {  // qwen2moe
+    moe.routing.n_expert = static_cast<int32_t>(c.get_or("num_experts", 60));
+    moe.routing.n_expert_used = static_cast<int32_t>(c.get_or("num_experts_per_tok", 4));
+    moe.routing.norm_topk = c.flag_or("norm_topk_prob", false);
+    moe.n_ff_expert = c.get_or("moe_intermediate_size", 1408);
+    moe.n_ff_shared = c.get_or("shared_expert_intermediate_size", 5632, 0);
+    moe.shared_gate = moe.n_ff_shared > 0;  // Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))
+    moe.sparse_step = c.get_or("decoder_sparse_step", 1);
+    if (c.has("mlp_only_layers")) {
+      const json& m = c.at("mlp_only_layers");
+      if (!m.is_array()) c.fail("field 'mlp_only_layers' must be an array of layer indices, got " + m.dump());
+      for (const json& v : m) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= hp.n_layer)
+          c.fail("field 'mlp_only_layers' holds " + v.dump() + ", not a layer index in [0, " +
+                 std::to_string(hp.n_layer) + ")");
+        moe.dense_layers.push_back(v.get<int64_t>());
+      }
+    }
+  }
+  if (moe.routing.n_expert_used > moe.routing.n_expert)
+    c.fail("num_experts_per_tok " + std::to_string(moe.routing.n_expert_used) + " exceeds the " +
+           std::to_string(moe.routing.n_expert) + " experts");
 }
 
 }  // namespace
@@ -148,23 +183,25 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
   if (act != "silu") c.fail("hidden_act '" + act + "' is not supported (only silu)");
   cfg.tie_word_embeddings = c.flag_or("tie_word_embeddings", false);
   cfg.torch_dtype = c.string_or("torch_dtype", "");
-  if (hp.arch == "qwen2") {
-    cfg.qkv_bias = true;  // Qwen2Attention: q/k/v_proj with bias, o_proj without
+  if (hp.arch == "qwen2" || hp.arch == "qwen2moe") {
+    cfg.qkv_bias = true;  // Qwen2Attention, Qwen2MoeAttention: q/k/v_proj with bias, o_proj without
   } else if (hp.arch == "llama") {
     cfg.qkv_bias = cfg.o_bias = c.flag_or("attention_bias", false);  // LlamaAttention: all four
     if (c.flag_or("mlp_bias", false)) c.fail("mlp_bias true is not supported (no MLP biases)");
   }
   read_rope_scaling(c, cfg);
+  if (hp.arch == "mixtral" || hp.arch == "qwen2moe") read_moe(c, cfg);
 
   // Mistral attends through its sliding window in every layer. Qwen2 with use_sliding_window
   // windows only the layers from max_window_layers on, which one window for all layers cannot
   // say: its context is capped at the window instead, where windowed and full attention agree.
-  const bool windowed = hp.arch == "mistral" || (hp.arch == "qwen2" && c.flag_or("use_sliding_window", false));
+  const bool windowed = hp.arch == "mistral" || hp.arch == "mixtral" ||
+                        ((hp.arch == "qwen2" || hp.arch == "qwen2moe") && c.flag_or("use_sliding_window", false));
   if (windowed && c.has("sliding_window")) {
     const int64_t window = c.get("sliding_window");
     if (window < hp.n_ctx_train) {
       hp.sliding_window = window;
-      if (hp.arch == "qwen2") hp.n_ctx_train = window;
+      if (hp.arch == "qwen2" || hp.arch == "qwen2moe") hp.n_ctx_train = window;
     }
   }
   try {

@@ -2,8 +2,9 @@
 // needs to know (tied embeddings, which biases exist, RoPE frequency divisors).
 //
 // Architectures (config "architectures"[0], else "model_type"): LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM. Field meanings and defaults are those of transformers' LlamaConfig,
-// MistralConfig and Qwen2Config (src/transformers/models/<arch>/configuration_<arch>.py).
+// Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM. Field meanings and defaults are those
+// of transformers' LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig and Qwen2MoeConfig
+// (src/transformers/models/<arch>/configuration_<arch>.py).
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -16,7 +17,7 @@
 namespace kestrel {
 
 struct HfModelConfig {
-  ModelHparams hparams;  // arch "llama" / "mistral" / "qwen2"; rope_style RotateHalf
+  ModelHparams hparams;  // arch "llama" / "mistral" / "qwen2" / "mixtral" / "qwen2moe"; rope_style RotateHalf
   std::string torch_dtype;           // "bfloat16", "float32", ...; "" when absent (informational)
   bool tie_word_embeddings = false;  // the output matrix is model.embed_tokens.weight
   bool qkv_bias = false;             // q/k/v_proj.bias exist: Qwen2 always, Llama with attention_bias
@@ -40,6 +41,10 @@ struct HfModelConfig {
   // high_freq_factor, original_max_position_embeddings}), sliding_window (Mistral: every layer
   // attends through it; Qwen2 only with use_sliding_window, and then n_ctx_train is capped at it,
   // as its window covers only some layers); a window no shorter than the context has no effect.
+  // Mixtral: num_local_experts (8), num_experts_per_tok (2), intermediate_size as each expert's
+  // width, top-k renormalised. Qwen2-MoE: num_experts (60), num_experts_per_tok (4),
+  // moe_intermediate_size (1408), shared_expert_intermediate_size (5632, sigmoid-gated),
+  // norm_topk_prob (false), decoder_sparse_step (1), mlp_only_layers ([]).
   // Throws kestrel::Error("<where>: ...") naming the field and value for an unsupported
   // architecture, a missing required field, a value of the wrong type or out of range, or an
   // unsupported rope_scaling type or hidden_act. hparams.name is left empty for the caller.

@@ -167,8 +167,20 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
     for (const TensorSpec& spec : arch.tensors(hp, l)) {
       if (spec.role == WeightRole::Output && cfg.tie_word_embeddings) {
         // Tied as transformers ties them: a stored lm_head.weight is ignored.
-        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}});
+        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}, {}});
         w.tied_output = true;
+        continue;
+      }
+      if (spec.n_expert > 0) {
+        LayerTensor lt;
+        const size_t at = spec.hf.find("{e}");
+        KESTREL_ASSERT(at != std::string::npos, "an expert tensor's HF name has an {e} placeholder");
+        for (int64_t e = 0; e < spec.n_expert; ++e) {
+          std::string name = spec.hf;
+          name.replace(at, 3, std::to_string(e));
+          lt.experts.push_back(ld.matrix(name + ".weight", spec.n_in, spec.n_out));
+        }
+        w.put({l, spec.role}, std::move(lt));
         continue;
       }
       const std::string name = spec.hf + ".weight";

@@ -1,5 +1,6 @@
 #include "model/hparams.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -8,6 +9,13 @@
 #include "model/forward_ops.h"
 
 namespace kestrel {
+
+bool MoeHparams::is_moe_layer(int64_t layer) const {
+  if (!enabled() || layer < first_dense || (layer + 1) % sparse_step != 0) return false;
+  for (int64_t d : dense_layers)
+    if (d == layer) return false;
+  return true;
+}
 
 ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   ModelHparams hp;
@@ -36,7 +44,20 @@ ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   } else if (scaling != "none") {
     throw Error(f.path() + ": unsupported " + a + "rope.scaling.type '" + scaling + "'");
   }
-  hp.rope_style = hp.arch == "qwen2" ? RopeStyle::RotateHalf : RopeStyle::AdjacentPairs;
+  hp.rope_style = hp.arch == "qwen2" || hp.arch == "qwen2moe" ? RopeStyle::RotateHalf : RopeStyle::AdjacentPairs;
+  // Mixture of experts, as llama.cpp's converter writes it: Mixtral is "llama" with expert_count
+  // and feed_forward_length the expert width; qwen2moe adds expert_feed_forward_length and the
+  // shared expert's expert_shared_feed_forward_length (sigmoid-gated, top-k not renormalised).
+  if (const int64_t n_expert = f.get_int_or(a + "expert_count", 0); n_expert > 0) {
+    MoeHparams& moe = hp.moe;
+    moe.routing.n_expert = static_cast<int32_t>(std::min<int64_t>(n_expert, 1 << 20));
+    moe.routing.n_expert_used = static_cast<int32_t>(f.get_int_in(a + "expert_used_count", 1, n_expert));
+    moe.n_ff_expert = f.get_int_or(a + "expert_feed_forward_length", hp.n_ff);
+    moe.n_ff_shared = f.get_int_or(a + "expert_shared_feed_forward_length", 0);
+    moe.shared_gate = hp.arch == "qwen2moe" && moe.n_ff_shared > 0;
+    moe.routing.norm_topk = f.get_bool_or(a + "expert_weights_norm", hp.arch != "qwen2moe");
+    moe.routing.routed_scale = static_cast<float>(f.get_float_or(a + "expert_weights_scale", 1.0));
+  }
   if (const auto* tokens = f.find("tokenizer.ggml.tokens"); tokens != nullptr)
     hp.n_vocab = static_cast<int64_t>(tokens->array_size());
   hp.n_vocab = f.get_int_or(a + "vocab_size", hp.n_vocab);
@@ -70,6 +91,29 @@ void ModelHparams::validate() const {
   require(std::isfinite(rope_theta) && rope_theta > 0, "rope.freq_base = " + std::to_string(rope_theta));
   require(std::isfinite(rope_linear_scale) && rope_linear_scale > 0,
           "rope.scaling.factor = " + std::to_string(rope_linear_scale));
+  if (moe.enabled()) {
+    const MoeRouting& r = moe.routing;
+    require(r.n_expert <= 1024, "expert_count = " + std::to_string(r.n_expert));
+    require(r.n_expert_used > 0 && r.n_expert_used <= r.n_expert,
+            "expert_used_count = " + std::to_string(r.n_expert_used) + " must be in [1, expert_count " +
+                std::to_string(r.n_expert) + "]");
+    require(moe.n_ff_expert > 0 && moe.n_ff_expert <= (1 << 20),
+            "expert_feed_forward_length = " + std::to_string(moe.n_ff_expert));
+    require(moe.n_ff_shared >= 0 && moe.n_ff_shared <= (1 << 20),
+            "expert_shared_feed_forward_length = " + std::to_string(moe.n_ff_shared));
+    require(!moe.shared_gate || moe.n_ff_shared > 0, "a shared-expert gate without a shared expert");
+    require(moe.first_dense >= 0 && moe.first_dense <= n_layer,
+            "leading_dense_block_count = " + std::to_string(moe.first_dense));
+    require(moe.sparse_step > 0, "decoder_sparse_step = " + std::to_string(moe.sparse_step));
+    require(std::isfinite(r.routed_scale) && r.routed_scale > 0,
+            "expert_weights_scale = " + std::to_string(r.routed_scale));
+    if (r.select == MoeRouting::Select::GroupLimited)
+      require(r.n_group > 0 && r.n_expert % r.n_group == 0 && r.topk_group > 0 && r.topk_group <= r.n_group &&
+                  r.topk_group * (r.n_expert / r.n_group) >= r.n_expert_used,
+              "expert groups: n_group " + std::to_string(r.n_group) + ", topk_group " +
+                  std::to_string(r.topk_group) + " for " + std::to_string(r.n_expert) + " experts, top-" +
+                  std::to_string(r.n_expert_used));
+  }
 }
 
 std::string ModelHparams::summary() const {
@@ -78,6 +122,11 @@ std::string ModelHparams::summary() const {
     << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
     << ", context " << n_ctx_train;
   if (sliding_window > 0) s << ", sliding window " << sliding_window;
+  if (moe.enabled()) {
+    s << ", MoE " << moe.routing.n_expert << " experts top-" << moe.routing.n_expert_used << " (FFN "
+      << moe.n_ff_expert << ")";
+    if (moe.n_ff_shared > 0) s << " + shared FFN " << moe.n_ff_shared;
+  }
   s << ", rope theta " << rope_theta;
   return s.str();
 }

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "model/moe_router.h"
+
 namespace kestrel {
 
 class GgufFile;
@@ -13,6 +15,24 @@ class GgufFile;
 // that adjacent pairs (x[2i], x[2i+1]) rotate together; Hugging Face checkpoints and GGUF "qwen2"
 // rotate x[i] with x[i + rope_dim/2] ("rotate half", GPT-NeoX style).
 enum class RopeStyle { AdjacentPairs, RotateHalf };
+
+// A mixture-of-experts FFN (Shazeer et al. 2017; Mixtral, Qwen2-MoE, DeepSeek-V2): in its MoE
+// layers each token runs n_expert_used of n_expert routed SwiGLU experts (width n_ff_expert),
+// mixed by the router's weights (routing), plus an always-run shared expert of width n_ff_shared
+// (Qwen2-MoE scales it by sigmoid(x . w_gate), shared_gate). Other layers keep the dense FFN
+// (width n_ff).
+struct MoeHparams {
+  MoeRouting routing;          // n_expert 0: a dense model
+  int64_t n_ff_expert = 0;     // one routed expert's intermediate width
+  int64_t n_ff_shared = 0;     // the shared expert's (all shared experts together), 0 = none
+  bool shared_gate = false;    // Qwen2-MoE: the shared expert's output times sigmoid(x . shared_expert_gate)
+  int64_t first_dense = 0;     // layers [0, first_dense) are dense (DeepSeek's first_k_dense_replace)
+  int64_t sparse_step = 1;     // Qwen2-MoE decoder_sparse_step: layer l is MoE iff (l + 1) % step == 0
+  std::vector<int64_t> dense_layers;  // Qwen2-MoE mlp_only_layers
+
+  bool enabled() const { return routing.n_expert > 0; }
+  bool is_moe_layer(int64_t layer) const;
+};
 
 struct ModelHparams {
   std::string arch;         // "llama", "qwen2", ...
@@ -33,6 +53,7 @@ struct ModelHparams {
   // Sliding-window attention span in tokens (Mistral's sliding_window), every layer: the token at
   // position p attends to positions (p - W, p]; 0 = full attention.
   int64_t sliding_window = 0;
+  MoeHparams moe;
 
   int64_t q_dim() const { return n_head * head_dim; }
   int64_t kv_dim() const { return n_head_kv * head_dim; }

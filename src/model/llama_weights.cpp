@@ -27,11 +27,29 @@ class Loader {
   }
 
   WeightView matrix(const GgufTensorInfo& t, int64_t n_in, int64_t n_out) {
-    if (t.ne.size() != 2 || t.ne[0] != n_in || t.ne[1] != n_out)
+    // A one-row matrix may be stored 1-D (qwen2moe's ffn_gate_inp_shexp).
+    const bool one_row = n_out == 1 && t.ne.size() == 1 && t.ne[0] == n_in;
+    if (!one_row && (t.ne.size() != 2 || t.ne[0] != n_in || t.ne[1] != n_out))
       throw Error(f_.path() + ": tensor '" + t.name + "' has shape " + shape(t) + ", expected [" +
                   std::to_string(n_in) + ", " + std::to_string(n_out) + "]");
     bytes_ += t.n_bytes;
     return WeightView{t.type, n_in, n_out, t.data};
+  }
+
+  // n_expert [n_out, n_in] matrices stored as one 3-D tensor ne {n_in, n_out, n_expert}, viewed
+  // in place expert by expert.
+  std::vector<WeightView> experts(const GgufTensorInfo& t, int64_t n_in, int64_t n_out, int64_t n_expert) {
+    if (t.ne.size() != 3 || t.ne[0] != n_in || t.ne[1] != n_out || t.ne[2] != n_expert)
+      throw Error(f_.path() + ": tensor '" + t.name + "' has shape " + shape(t) + ", expected [" +
+                  std::to_string(n_in) + ", " + std::to_string(n_out) + ", " + std::to_string(n_expert) + "]");
+    bytes_ += t.n_bytes;
+    std::vector<WeightView> v;
+    for (int64_t e = 0; e < n_expert; ++e) {
+      WeightView w{t.type, n_in, n_out, nullptr};
+      w.data = t.data + static_cast<size_t>(e * n_out) * w.row_size();
+      v.push_back(w);
+    }
+    return v;
   }
 
   // A 1-D vector of n elements converted to f32.
@@ -125,13 +143,15 @@ std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
     for (const TensorSpec& spec : arch.tensors(hp, l)) {
       const GgufTensorInfo* t = ld.find(spec.gguf + ".weight");
       if (t == nullptr && spec.role == WeightRole::Output) {  // no LM head: tied to the embedding
-        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}});
+        w.put({l, spec.role}, LayerTensor{w.at({-1, WeightRole::TokenEmbd}).matrix, {}, {}, {}});
         w.tied_output = true;
         continue;
       }
       if (t == nullptr) t = &ld.require(spec.gguf + ".weight");
       LayerTensor lt;
-      if (spec.n_in == 0) {
+      if (spec.n_expert > 0) {
+        lt.experts = ld.experts(*t, spec.n_in, spec.n_out, spec.n_expert);
+      } else if (spec.n_in == 0) {
         lt.vector = ld.vector(*t, spec.n_out);
       } else {
         lt.matrix = ld.matrix(*t, spec.n_in, spec.n_out);

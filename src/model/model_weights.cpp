@@ -7,6 +7,7 @@ namespace kestrel {
 namespace {
 constexpr WeightRole kQkv[] = {WeightRole::Q, WeightRole::K, WeightRole::V};
 constexpr WeightRole kGateUp[] = {WeightRole::Gate, WeightRole::Up};
+constexpr WeightRole kShGateUp[] = {WeightRole::ShGate, WeightRole::ShUp};
 constexpr std::array<WeightRole, kWeightRoleCount> kSelf = [] {
   std::array<WeightRole, kWeightRoleCount> a{};
   for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<WeightRole>(i);
@@ -14,13 +15,16 @@ constexpr std::array<WeightRole, kWeightRoleCount> kSelf = [] {
 }();
 constexpr std::array<std::string_view, kWeightRoleCount> kNames = {
     "token_embd", "output_norm", "output", "attn_norm", "q", "k", "v", "attn_out",
-    "ffn_norm",   "gate",        "up",     "down",      "qkv", "gate_up"};
+    "ffn_norm",   "gate",        "up",     "down",      "router", "expert_gate", "expert_up",
+    "expert_down", "shared_gate", "shared_up", "shared_down", "shared_router", "qkv", "gate_up",
+    "shared_gate_up"};
 }  // namespace
 
 std::span<const WeightRole> parts(WeightRole role) {
   switch (role) {
     case WeightRole::Qkv: return kQkv;
     case WeightRole::GateUp: return kGateUp;
+    case WeightRole::ShGateUp: return kShGateUp;
     default: return {&kSelf[static_cast<size_t>(role)], 1};
   }
 }

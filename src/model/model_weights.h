@@ -33,9 +33,19 @@ enum class WeightRole : uint8_t {
   Gate,        // [n_ff, d]
   Up,          // [n_ff, d]
   Down,        // [d, n_ff]
+  // Mixture of experts (MoeHparams): E routed experts of width f, a shared expert of width s.
+  Router,      // [E, d] router logits
+  ExpGate,     // E experts of [f, d] (LayerTensor::experts)
+  ExpUp,       // E experts of [f, d]
+  ExpDown,     // E experts of [d, f]
+  ShGate,      // [s, d]
+  ShUp,        // [s, d]
+  ShDown,      // [d, s]
+  ShRouter,    // [1, d] the shared expert's gate (Qwen2-MoE: output times sigmoid(x . w))
   // Groups.
-  Qkv,     // Q, K, V
-  GateUp,  // Gate, Up
+  Qkv,       // Q, K, V
+  GateUp,    // Gate, Up
+  ShGateUp,  // ShGate, ShUp
   kCount,
 };
 inline constexpr size_t kWeightRoleCount = static_cast<size_t>(WeightRole::kCount);
@@ -50,11 +60,12 @@ std::span<const WeightRole> parts(WeightRole role);
 // "attn_norm", "q", ..., for errors.
 std::string_view weight_role_name(WeightRole role);
 
-// One stored tensor: a matrix or a vector, with an optional bias.
+// One stored tensor: a matrix or a vector, with an optional bias, or a set of expert matrices.
 struct LayerTensor {
   WeightView matrix;          // [n_out rows, n_in] in its file type; n_out 0 for a vector
   std::vector<float> vector;  // a norm weight [d], f32; empty for a matrix
   std::vector<float> bias;    // [n_out] f32, or empty
+  std::vector<WeightView> experts;  // ExpGate/ExpUp/ExpDown: one [n_out, n_in] matrix per expert
 };
 
 class ModelWeights {

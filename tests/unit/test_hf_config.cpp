@@ -236,6 +236,54 @@ TEST(HfConfig, MistralSlidingWindowKeepsTheContext) {
   EXPECT_CONFIG_ERROR(j, "field 'sliding_window' must be in [1,");
 }
 
+// Mixtral-8x7B-v0.1's and Qwen1.5-MoE-A2.7B's config.json fields (as published on the Hub).
+TEST(HfConfig, MixtureOfExpertsFields) {
+  const json mixtral = {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 4096}, {"intermediate_size", 14336},
+                        {"num_hidden_layers", 32}, {"num_attention_heads", 32}, {"num_key_value_heads", 8},
+                        {"num_local_experts", 8}, {"num_experts_per_tok", 2}, {"vocab_size", 32000},
+                        {"max_position_embeddings", 32768}, {"rope_theta", 1e6}, {"sliding_window", nullptr}};
+  const HfModelConfig m = parse(mixtral);
+  EXPECT_EQ(m.hparams.arch, "mixtral");
+  EXPECT_EQ(m.hparams.moe.routing.n_expert, 8);
+  EXPECT_EQ(m.hparams.moe.routing.n_expert_used, 2);
+  EXPECT_TRUE(m.hparams.moe.routing.norm_topk);
+  EXPECT_EQ(m.hparams.moe.n_ff_expert, 14336);
+  EXPECT_EQ(m.hparams.moe.n_ff_shared, 0);
+  EXPECT_TRUE(m.hparams.moe.is_moe_layer(0) && m.hparams.moe.is_moe_layer(31));
+  EXPECT_NE(m.hparams.summary().find("MoE 8 experts top-2 (FFN 14336)"), std::string::npos) << m.hparams.summary();
+  json bad = mixtral;
+  bad["num_experts_per_tok"] = 9;
+  EXPECT_CONFIG_ERROR(bad, "num_experts_per_tok 9 exceeds the 8 experts");
+
+  const json qwen = {{"architectures", {"Qwen2MoeForCausalLM"}}, {"hidden_size", 2048}, {"intermediate_size", 5632},
+                     {"moe_intermediate_size", 1408}, {"shared_expert_intermediate_size", 5632},
+                     {"num_experts", 60}, {"num_experts_per_tok", 4}, {"num_hidden_layers", 24},
+                     {"num_attention_heads", 16}, {"num_key_value_heads", 16}, {"vocab_size", 151936},
+                     {"norm_topk_prob", false}, {"decoder_sparse_step", 1}, {"mlp_only_layers", json::array()},
+                     {"use_sliding_window", false}, {"sliding_window", 32768}};
+  const HfModelConfig q = parse(qwen);
+  EXPECT_EQ(q.hparams.arch, "qwen2moe");
+  EXPECT_TRUE(q.qkv_bias);
+  EXPECT_EQ(q.hparams.rope_style, RopeStyle::RotateHalf);
+  EXPECT_EQ(q.hparams.moe.routing.n_expert, 60);
+  EXPECT_FALSE(q.hparams.moe.routing.norm_topk);
+  EXPECT_EQ(q.hparams.moe.n_ff_expert, 1408);
+  EXPECT_EQ(q.hparams.moe.n_ff_shared, 5632);
+  EXPECT_TRUE(q.hparams.moe.shared_gate);
+  json step = qwen;
+  step["decoder_sparse_step"] = 2;  // layers 1, 3, ... are MoE
+  step["mlp_only_layers"] = {3};
+  const MoeHparams s = parse(step).hparams.moe;
+  EXPECT_FALSE(s.is_moe_layer(0));
+  EXPECT_TRUE(s.is_moe_layer(1));
+  EXPECT_FALSE(s.is_moe_layer(3));
+  EXPECT_TRUE(s.is_moe_layer(5));
+  step["mlp_only_layers"] = {24};
+  EXPECT_CONFIG_ERROR(step, "field 'mlp_only_layers' holds 24, not a layer index in [0, 24)");
+  step["mlp_only_layers"] = "none";
+  EXPECT_CONFIG_ERROR(step, "field 'mlp_only_layers' must be an array");
+}
+
 TEST(HfConfig, Defaults) {
   const json j = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64},   {"intermediate_size", 128},
                   {"num_hidden_layers", 2},                {"num_attention_heads", 4}, {"vocab_size", 100}};
@@ -302,7 +350,7 @@ TEST(HfConfig, MissingAndBadFields) {
   j = base;
   j["architectures"] = {"GPT2LMHeadModel"};
   EXPECT_CONFIG_ERROR(j, "unsupported architectures 'GPT2LMHeadModel' (supported: LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM)");
+                         "Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)");
   j["architectures"] = json::array();
   EXPECT_CONFIG_ERROR(j, "field 'architectures' must be a non-empty array of strings");
   j.erase("architectures");

@@ -8,12 +8,6 @@
 
 namespace kestrel::cpu {
 
-namespace {
-void grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-}
-}  // namespace
-
 CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
     : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
   KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
@@ -26,10 +20,13 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
   for (int32_t l = -1; l < static_cast<int32_t>(hp_.n_layer); ++l)
     for (size_t r = 0; r < kWeightRoleCount; ++r) {
       const LayerTensor* t = W.find({l, static_cast<WeightRole>(r)});
-      if (t != nullptr && t->matrix.n_out > 0)
-        require(t->matrix, "tensor '" + std::string(weight_role_name(static_cast<WeightRole>(r))) + "'" +
-                               (l < 0 ? std::string() : " of layer " + std::to_string(l)));
+      if (t == nullptr) continue;
+      const std::string what = "tensor '" + std::string(weight_role_name(static_cast<WeightRole>(r))) + "'" +
+                               (l < 0 ? std::string() : " of layer " + std::to_string(l));
+      if (t->matrix.n_out > 0) require(t->matrix, what);
+      for (const WeightView& e : t->experts) require(e, what);
     }
+  if (hp_.moe.enabled()) expert_tokens_.assign(static_cast<size_t>(hp_.n_layer * hp_.moe.routing.n_expert), 0);
   inv_freq_ = rope_inv_freq(hp_, model.weights().rope_freq_factors);
 }
 
@@ -142,6 +139,7 @@ float* CpuModelRunner::act(Act a) {
     case Act::Attn: return attn_.data();
     case Act::AttnOut: return o_.data();
     case Act::Down: return down_.data();
+    case Act::Normed: return h_.data();
     default: break;
   }
   KESTREL_ASSERT(false, "CPU backend: no single array for this activation");
@@ -192,6 +190,12 @@ void CpuModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act 
   float* ys[4];
   KESTREL_ASSERT(act_parts(out, ys) == parts(proj.role).size(), "CPU backend: one output array per projection");
   project(proj, h_.data(), n, ys);
+}
+
+void CpuModelRunner::add_norm(Act add, WeightId norm, Act out) {
+  KESTREL_ASSERT(out == Act::Normed, "CPU add_norm: writes Act::Normed");
+  add_to_residual(add);
+  rms_norm_rows(x_.data(), model_.weights().at(norm).vector.data(), h_.data(), batch_->n_tokens());
 }
 
 void CpuModelRunner::rope_write_kv(int32_t layer, Act qkv) {

@@ -27,6 +27,9 @@ class CpuModelRunner final : private ForwardOps {
   std::span<const float> forward(const ForwardBatch& batch);
 
   const LlamaModel& model() const { return model_; }
+  // Tokens each routed expert has run since construction, [n_layer * n_expert] (layer-major;
+  // dense layers stay 0); empty for a dense model.
+  const std::vector<uint64_t>& expert_tokens() const { return expert_tokens_; }
 
  private:
   // ForwardOps over the pass's batch (batch_). Act::Qkv is q_, k_ and v_ (three arrays: the
@@ -38,7 +41,9 @@ class CpuModelRunner final : private ForwardOps {
   void linear(Act in, WeightId proj, Act out) override;
   void swiglu_linear(Act in, WeightId proj, Act out) override;
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
-  float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn
+  void add_norm(Act add, WeightId norm, Act out) override;
+  void moe_ffn(int32_t layer, Act in, Act out) override;  // cpu_moe.cpp
+  float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn, Normed
   // The arrays of an activation, one per stored part of the projection that writes it (Qkv: q_,
   // k_, v_; GateUp: gate_, up_; else act(a)); returns their count.
   size_t act_parts(Act a, float** ys);
@@ -46,6 +51,11 @@ class CpuModelRunner final : private ForwardOps {
   // ys[i] = x . w(part i of proj)^T (+ its bias) for the stored parts of proj (parts()), n rows.
   void project(WeightId proj, const float* x, int64_t n, float* const* ys);
 
+  // Resizes v to hold at least n elements (activation arrays only grow).
+  template <typename T>
+  static void grow(std::vector<T>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  }
   void check(const ForwardBatch& b) const;
   // Stores the batch's K and V rows of `layer` in their slots (converted to the cache's dtype).
   void write_kv(const ForwardBatch& b, int64_t layer);
@@ -64,6 +74,12 @@ class CpuModelRunner final : private ForwardOps {
   // o and down the block outputs not yet added to x.
   std::vector<float> x_, h_, q_, k_, v_, attn_, o_, down_, gate_, up_, logits_in_, logits_;
   std::vector<int32_t> token_seq_;  // [n_tokens] sequence index of each token
+  // MoE scratch (cpu_moe.cpp): router logits, each (token, slot)'s expert and weight, the rows
+  // grouped by expert, and the shared expert's activations.
+  std::vector<float> router_logits_, moe_weights_, moe_x_, moe_gate_, moe_up_, moe_y_, shared_gate_, shared_up_,
+      shared_y_, shared_scale_;
+  std::vector<int32_t> moe_ids_, moe_offsets_, moe_rows_;
+  std::vector<uint64_t> expert_tokens_;
 };
 
 }  // namespace kestrel::cpu

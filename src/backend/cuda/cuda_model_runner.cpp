@@ -53,6 +53,8 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (hp_.sliding_window > 0 && hp_.sliding_window < hp_.n_ctx_train)
     throw Error("CUDA backend: sliding-window attention (window " + std::to_string(hp_.sliding_window) +
                 " of a context of " + std::to_string(hp_.n_ctx_train) + ") is not supported; use --device cpu");
+  if (hp_.moe.enabled())
+    throw Error("CUDA backend: mixture-of-experts layers (" + hp_.arch + ") are not supported yet; use --device cpu");
   if (o.block_size <= 0) throw Error("block size must be positive");
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));

@@ -5,7 +5,7 @@
 
 namespace kestrel::archs {
 
-// llama.cpp: llama, qwen2, mistral
+// llama.cpp: llama, qwen2, mistral, mixtral, qwen2moe
 void llama_forward(ForwardOps& ops, const ModelHparams& hp);
 std::vector<TensorSpec> llama_tensors(const ModelHparams& hp, int32_t layer);
 
