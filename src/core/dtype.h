@@ -66,6 +66,8 @@ uint16_t fp32_to_bf16(float f);
 // ---- quantization blocks (ggml layout) ----
 constexpr int QK4_0 = 32;
 constexpr int QK4_1 = 32;
+constexpr int QK5_0 = 32;
+constexpr int QK5_1 = 32;
 constexpr int QK8_0 = 32;
 constexpr int QK8_1 = 32;
 constexpr int QK_K = 256;
@@ -80,6 +82,17 @@ struct BlockQ4_1 {
   uint16_t m;  // fp16 min
   uint8_t qs[QK4_1 / 2];
 };
+struct BlockQ5_0 {
+  uint16_t d;             // fp16 scale
+  uint8_t qh[4];          // bit i of the little-endian uint32: the 5th bit of element i
+  uint8_t qs[QK5_0 / 2];  // low 4 bits, nibble order of Q4_0; value d * (q - 16)
+};
+struct BlockQ5_1 {
+  uint16_t d;  // fp16 scale
+  uint16_t m;  // fp16 min; value d * q + m
+  uint8_t qh[4];
+  uint8_t qs[QK5_1 / 2];
+};
 struct BlockQ8_0 {
   uint16_t d;  // fp16 scale
   int8_t qs[QK8_0];
@@ -89,11 +102,30 @@ struct BlockQ8_1 {
   uint16_t s;  // fp16 d * sum(qs)
   int8_t qs[QK8_1];
 };
+struct BlockQ2_K {
+  uint8_t scales[QK_K / 16];  // per 16 elements: 4-bit scale (low nibble), 4-bit min (high nibble)
+  uint8_t qs[QK_K / 4];       // 2-bit quants: element 128h + 32j + l in bits 2j..2j+1 of qs[32h + l]
+  uint16_t d;                 // fp16 super-block scale for the scales
+  uint16_t dmin;              // fp16 super-block scale for the mins
+};
+struct BlockQ3_K {
+  uint8_t hmask[QK_K / 8];       // bit 4h + j of hmask[l] clear: element 128h + 32j + l is low - 4
+  uint8_t qs[QK_K / 4];          // low 2 bits, arranged as in Q2_K
+  uint8_t scales[K_SCALE_SIZE];  // 16 six-bit scales per 16 elements, stored + 32
+  uint16_t d;                    // fp16 super-block scale; value d * (scale - 32) * q
+};
 struct BlockQ4_K {
   uint16_t d;                     // fp16 super-block scale for the quantized scales
   uint16_t dmin;                  // fp16 super-block scale for the quantized mins
   uint8_t scales[K_SCALE_SIZE];   // 8 scales and 8 mins, 6 bits each
   uint8_t qs[QK_K / 2];           // 4-bit quants
+};
+struct BlockQ5_K {
+  uint16_t d;                    // fp16 super-block scale for the quantized scales
+  uint16_t dmin;                 // fp16 super-block scale for the quantized mins
+  uint8_t scales[K_SCALE_SIZE];  // as in Q4_K
+  uint8_t qh[QK_K / 8];          // 5th bit of element 32s + l: bit s of qh[l]
+  uint8_t qs[QK_K / 2];          // low 4 bits, arranged as in Q4_K
 };
 struct BlockQ6_K {
   uint8_t ql[QK_K / 2];      // low 4 bits
@@ -108,9 +140,14 @@ struct BlockQ8_K {
 };
 static_assert(sizeof(BlockQ4_0) == 18);
 static_assert(sizeof(BlockQ4_1) == 20);
+static_assert(sizeof(BlockQ5_0) == 22);
+static_assert(sizeof(BlockQ5_1) == 24);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ8_1) == 36);
+static_assert(sizeof(BlockQ2_K) == 84);
+static_assert(sizeof(BlockQ3_K) == 110);
 static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210);
 static_assert(sizeof(BlockQ8_K) == 292);
 

@@ -3,7 +3,7 @@
 // the CPU allows) against the scalar one, and batch invariance.
 //
 // Tolerances. Quantized weights: the kernels round x to 16 bits per block (32 elements, or 256 for
-// Q4_K / Q6_K): Q = round(x / d) with d = max|x_block| / 32385, so each element moves by at most
+// the K-quants): Q = round(x / d) with d = max|x_block| / 32385, so each element moves by at most
 // d / 2 (times 1.01 for the f32 rounding of x / d: see quantize_block_q16), and
 // |y - y_exact| <= sum_blocks d / 2 * sum|w_block| (the weights are exact: y_exact uses the
 // dequantized weights), plus 3e-5 * sum|w x| for f32 accumulation (see reference()). Float
@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <string>
@@ -31,7 +32,9 @@ using namespace kestrel::cpu;
 namespace {
 
 constexpr GgmlType kAllTypes[] = {GgmlType::F32,  GgmlType::F16,  GgmlType::BF16, GgmlType::Q8_0,
-                                  GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K, GgmlType::Q6_K};
+                                  GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1,
+                                  GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K,
+                                  GgmlType::Q6_K};
 
 bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
 
@@ -95,10 +98,26 @@ std::vector<uint8_t> random_weights(GgmlType type, int64_t n_in, int64_t n_out, 
         break;
       }
       case GgmlType::Q8_0:
-      case GgmlType::Q4_0: put_fp16(blk, scale(rng)); break;
+      case GgmlType::Q4_0:
+      case GgmlType::Q5_0: put_fp16(blk, scale(rng)); break;
       case GgmlType::Q4_1:
         put_fp16(blk, scale(rng));
         put_fp16(blk + 2, -8.0f * scale(rng));
+        break;
+      case GgmlType::Q5_1:
+        put_fp16(blk, scale(rng));
+        put_fp16(blk + 2, -16.0f * scale(rng));
+        break;
+      case GgmlType::Q2_K:  // d and dmin come last; the 4-bit scales and mins are random bytes
+        put_fp16(blk + offsetof(BlockQ2_K, d), scale(rng) / 8.0f);
+        put_fp16(blk + offsetof(BlockQ2_K, dmin), scale(rng) / 8.0f);
+        break;
+      case GgmlType::Q3_K:  // d comes last; the 6-bit scales are random bytes
+        put_fp16(blk + offsetof(BlockQ3_K, d), scale(rng) / 32.0f);
+        break;
+      case GgmlType::Q5_K:
+        put_fp16(blk, scale(rng) / 64.0f);
+        put_fp16(blk + 2, scale(rng) / 8.0f);
         break;
       case GgmlType::Q4_K:  // d and dmin; the 6-bit scales and mins are random bytes
         put_fp16(blk, scale(rng) / 32.0f);
@@ -303,9 +322,12 @@ TEST(KernelDequantize, Q6_K) {
 TEST(KernelDequantize, RejectsBadInput) {
   float out[32];
   uint8_t raw[64] = {};
-  EXPECT_THROW(dequantize_row(GgmlType::Q5_0, raw, out, 32), Error);
+  EXPECT_THROW(dequantize_row(GgmlType::Q8_1, raw, out, 32), Error);
   EXPECT_THROW(dequantize_row(GgmlType::Q8_0, raw, out, 16), Error);
-  EXPECT_FALSE(matmul_supports(GgmlType::Q2_K));
+  EXPECT_THROW(dequantize_row(GgmlType::Q5_0, raw, out, 16), Error);
+  EXPECT_FALSE(matmul_supports(GgmlType::Q8_K));
+  EXPECT_FALSE(matmul_supports(GgmlType::I8));
+  for (GgmlType t : kAllTypes) EXPECT_TRUE(matmul_supports(t)) << type_name(t);
 }
 
 // ---- matmul against the float64 reference ----
@@ -343,7 +365,7 @@ TEST(KernelMatmul, MatchesReferenceForEveryTypeAndLevel) {
   }
 }
 
-// The SmolLM2 shapes, Q4_1 and Q8_0, against the reference, with the error also checked on
+// The SmolLM2 shapes, Q4_1 and Q8_0 (and a Gemma 3 270M Q5_0 shape), against the reference, with the error also checked on
 // average: the bound is a worst case, the typical error should be far below it. The same calls
 // with 8-bit activations must break the 16-bit bound (while keeping to their own, 255x wider).
 TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
@@ -356,7 +378,7 @@ TEST(KernelMatmul, SmolLm2ShapesTypicalError) {
   };
   for (const Shape& s : {Shape{GgmlType::Q4_1, 576, 576}, Shape{GgmlType::Q4_1, 576, 1536},
                          Shape{GgmlType::Q4_1, 1536, 576}, Shape{GgmlType::Q4_1, 576, 192},
-                         Shape{GgmlType::Q8_0, 576, 1000}}) {
+                         Shape{GgmlType::Q8_0, 576, 1000}, Shape{GgmlType::Q5_0, 640, 1024}}) {
     const auto wdata = random_weights(s.type, s.n_in, s.n_out, rng);
     const int64_t n_tokens = 21;  // through the GEMV for token 0 below, the GEMM / AMX here
     const auto x = random_activations(s.n_in * n_tokens, rng);
@@ -465,7 +487,7 @@ TEST(KernelMatmul, MultiMatchesSeparateCalls) {
     int64_t n_out;
   };
   const Mat mats[] = {{GgmlType::Q4_1, 200}, {GgmlType::Q4_1, 64}, {GgmlType::Q8_0, 0}, {GgmlType::Q4_K, 37},
-                      {GgmlType::Q8_0, 130}, {GgmlType::F16, 9}};
+                      {GgmlType::Q8_0, 130}, {GgmlType::F16, 9}, {GgmlType::Q5_0, 50}, {GgmlType::Q5_K, 21}};
   std::vector<std::vector<uint8_t>> wdata;
   std::vector<WeightView> views;
   for (const Mat& m : mats) {
@@ -510,7 +532,9 @@ TEST(KernelMatmul, RejectsBadArguments) {
   std::vector<float> x(64), y(64);
   EXPECT_THROW(matmul(WeightView{GgmlType::Q4_1, 48, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
                Error);
-  EXPECT_THROW(matmul(WeightView{GgmlType::Q5_1, 32, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
+  EXPECT_THROW(matmul(WeightView{GgmlType::Q8_1, 32, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
+               Error);
+  EXPECT_THROW(matmul(WeightView{GgmlType::Q3_K, 128, 1, w.data()}, x.data(), 1, y.data(), ws, pool),
                Error);
   // Nothing to do is not an error.
   matmul(WeightView{GgmlType::Q4_1, 32, 1, w.data()}, x.data(), 0, y.data(), ws, pool);

@@ -2,13 +2,13 @@
 // dequantization.
 //
 // Quantized weights are used as stored. The activations x are quantized to 16 bits per element
-// (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q8_0 weights, super-blocks of 256 for Q4_K /
-// Q6_K): Q = round(x / d), d = max|x_block| / 32385, kept as two int8 planes Q = 255 q1 + q2
-// (|q1|, |q2| <= 127). The products are exact integer dot products of the weight quants with each
+// (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, super-blocks of
+// 256 for the K-quants Q2_K..Q6_K): Q = round(x / d), d = max|x_block| / 32385, kept as two int8
+// planes Q = 255 q1 + q2 (|q1|, |q2| <= 127). The products are exact integer dot products of the weight quants with each
 // plane (AVX-512 VNNI vpdpbusd, AMX TDPBUSD, AVX2 vpmaddubsw, or plain C++; the weights are
 // loaded once for both planes), combined as 255 * sum(w q1) + sum(w q2) and scaled to f32 once
-// per weight block (matmul_kernels.h, quantize_block_q16). Q4_1's offset term uses the block sum
-// d * sum(Q) on every path.
+// per weight block (matmul_kernels.h, quantize_block_q16). The offset terms of Q4_1 / Q5_1 (and of
+// Q4_0 / Q5_0 in the SIMD kernels) use the block sum d * sum(Q) on every path.
 //
 // Error bound. The only extra error besides f32 rounding is the rounding of x: each element moves
 // by at most d / 2 = max|x_block| / 64770 (the f32 computation of x / d adds < 1 % of that), so
@@ -71,7 +71,7 @@ class MatmulWorkspace {
 };
 
 // True for the weight types matmul and dequantize_row accept: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-// Q4_K, Q6_K.
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 bool matmul_supports(GgmlType type);
 
 // y[t, o] = sum_i W[o, i] * x[t, i] for t < n_tokens, o < w.n_out.
@@ -107,7 +107,7 @@ void set_simd_level_for_testing(SimdLevel level);
 
 // True when calls with many tokens (prefill) run on AMX tiles: AVX-512 level, a CPU with
 // AMX-INT8 whose OS grants the tile state, and AMX not switched off by set_amx_enabled(false).
-// Only Q4_0 / Q4_1 / Q8_0 weights use it.
+// Only 32-element block weights (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) use it.
 bool matmul_uses_amx();
 // false keeps the AVX-512 kernels off AMX (the CLI's --no-amx; tests and benchmarks compare the
 // paths). Not meant to change while another thread runs a kernel.

@@ -1,4 +1,4 @@
-// AMX-INT8 GEMM for 32-element block weights (Q4_0, Q4_1, Q8_0), used for prefill on CPUs with
+// AMX-INT8 GEMM for 32-element block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), used for prefill on CPUs with
 // AMX (Sapphire Rapids and later) once the OS has granted the tile data permission.
 //
 // One TDPBUSD multiplies a 16-row x 32-byte weight tile (one block of 16 rows, u8 quants as in
@@ -274,6 +274,8 @@ void amx_matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scrat
   switch (a.w.type.storage) {
     case GgmlType::Q4_0: gemm<FmtQ4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: gemm<FmtQ4_1>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_0: gemm<FmtQ5_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_1: gemm<FmtQ5_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: gemm<FmtQ8_0>(a, r0, r1, scratch); break;
     default: break;
   }

@@ -1,10 +1,12 @@
 // AVX2 + FMA + F16C kernels (for x86-64 CPUs without AVX-512 VNNI).
 //
 // Without vpdpbusd the integer dot products use vpmaddubsw (u8 x s8 -> s16 pairs) and vpmaddwd
-// (-> s32), once per activation plane (q1, q2: see quantize_block_q16). vpmaddubsw saturates at 2^15, so the unsigned operand must stay small: Q4_0 / Q4_1
-// nibbles (0..15) are used as they are (offsets via the activation's block sums s, as in the
-// AVX-512 kernels), while Q8_0 uses |w| and moves w's sign onto the activation (vpsignb):
-// 2 * 128 * 127 < 2^15. One 256-bit register holds one 32-element block in natural order, so the
+// (-> s32), once per activation plane (q1, q2: see quantize_block_q16). vpmaddubsw saturates at
+// 2^15, so the unsigned operand must stay small: Q4_0 / Q4_1 / Q5_0 / Q5_1 quants (0..31) and the
+// K-quants' quants (made unsigned by an offset) are used as they are (offsets via the
+// activation's block sums, as in the AVX-512 kernels), while Q8_0 uses |w| and moves w's sign
+// onto the activation (vpsignb): 2 * 128 * 127 < 2^15. The per-format unpacking lives in
+// quant_formats_avx2.h. One 256-bit register holds one 32-element block in natural order, so the
 // activation layouts are the scalar ones (ActLayout32, ActLayoutK) with identical rounding.
 //
 // As in the AVX-512 file, a (row, token) output runs the same instruction sequence alone (GEMV)
@@ -18,6 +20,7 @@
 #include <cstring>
 
 #include "backend/cpu/matmul_kernels.h"
+#include "backend/cpu/quant_formats_avx2.h"
 
 namespace kestrel::cpu::detail {
 namespace {
@@ -44,16 +47,7 @@ inline int hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-inline float load_fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
-// 255 * hi + lo in int32 lanes (see quantize_block_q16).
-inline __m256i combine_planes(__m256i hi, __m256i lo) {
-  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
-}
 
 // Packs 4 x 8 int32 (each in int8 range) to 32 int8 in element order.
 inline void store_i8x32(int8_t* dst, const __m256i v[4]) {
@@ -118,53 +112,8 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t, bool bit
   std::memset(s + L.nb, 0, L.bytes - L.s_off - static_cast<size_t>(L.nb) * 4);
 }
 
-// ---- 32-element block formats ----
-// prep() turns a block's quants into the two operands the dot product needs: u (unsigned, for
-// vpmaddubsw) and, for Q8_0, the signed quants whose signs move onto the activation.
 
-struct Prepared {
-  __m256i u, sign;
-};
-
-struct A2Q4_0 {
-  static constexpr int kBlockBytes = sizeof(BlockQ4_0);
-  static constexpr bool kHasOffset = true;
-  static __m256i quants(const uint8_t* blk) {  // element order: low nibbles, then high nibbles
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
-                                   _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
-  }
-  static float d(const uint8_t* blk) { return load_fp16(blk); }
-  static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
-  static Prepared prep(__m256i q) { return {q, q}; }
-  static __m256i dot(const Prepared& p, __m256i a) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(p.u, a), _mm256_set1_epi16(1));
-  }
-};
-
-struct A2Q4_1 : A2Q4_0 {
-  static constexpr int kBlockBytes = sizeof(BlockQ4_1);
-  static __m256i quants(const uint8_t* blk) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(q, m4)),
-                                   _mm_and_si128(_mm_srli_epi16(q, 4), m4), 1);
-  }
-  static float c(const uint8_t* blk) { return load_fp16(blk + 2); }
-};
-
-struct A2Q8_0 {
-  static constexpr int kBlockBytes = sizeof(BlockQ8_0);
-  static constexpr bool kHasOffset = false;
-  static __m256i quants(const uint8_t* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)); }
-  static float d(const uint8_t* blk) { return load_fp16(blk); }
-  static float c(const uint8_t*) { return 0.0f; }
-  static Prepared prep(__m256i q) { return {_mm256_sign_epi8(q, q), q}; }
-  static __m256i dot(const Prepared& p, __m256i a) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(p.u, _mm256_sign_epi8(a, p.sign)), _mm256_set1_epi16(1));
-  }
-};
+// ---- 32-element block formats (quant_formats_avx2.h) ----
 
 struct Act32 {
   const int8_t* q1;
@@ -176,7 +125,6 @@ struct Act32 {
         d(reinterpret_cast<const float*>(p + L.d_off)), s(reinterpret_cast<const float*>(p + L.s_off)) {}
 };
 
-inline __m256i load_a(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Block b's exact sum(u * Q) spread over 8 lanes: both planes against the same weights.
 template <class F>
@@ -282,108 +230,8 @@ void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   }
 }
 
+
 // ---- K-quants: one row against up to 4 tokens, a super-block unpacked once ----
-
-// One token's activations for one super-block.
-struct KActs {
-  const int8_t *q1, *q2;
-  const int16_t *bsums1, *bsums2;
-  float d;
-};
-
-// 255 * hi + lo per lane, in f32 (K-quant sums can exceed int32 when combined).
-inline __m256 planes_f32(__m256i hi, __m256i lo) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(static_cast<float>(kActSplit)), _mm256_cvtepi32_ps(lo));
-}
-
-struct A2UnpackedQ4K {
-  __m256i q[8], sc[8];  // quants of elements 32k..32k+31; s16 scale of sub-block k
-  __m256i m16;          // s16 min per bsum (16 elements): m_{i/2}
-  float d, dmin;
-};
-
-struct A2Q4_K {
-  using Block = BlockQ4_K;
-  using Unpacked = A2UnpackedQ4K;
-  static void unpack(const Block& b, Unpacked& u) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int j = 0; j < 4; ++j) {  // 32 bytes of qs: low nibbles are sub-block 2j, high 2j+1
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j));
-      u.q[2 * j] = _mm256_and_si256(v, m4);
-      u.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-    alignas(32) int16_t mn[16];
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      q4k_scale_min(b.scales, j, &s, &m);
-      u.sc[j] = _mm256_set1_epi16(static_cast<short>(s));
-      mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
-    }
-    u.m16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn));
-    u.d = _cvtsh_ss(b.d);
-    u.dmin = _cvtsh_ss(b.dmin);
-  }
-  static __m256i isum(const Unpacked& u, const int8_t* aq) {
-    __m256i iacc = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k)
-      iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
-    return iacc;
-  }
-  static __m256i imin(const Unpacked& u, const int16_t* bsums) {
-    return _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.m16);
-  }
-  static __m256 dot(const Unpacked& u, const KActs& a, __m256 acc) {
-    const __m256 isums = planes_f32(isum(u, a.q1), isum(u, a.q2));
-    const __m256 imins = planes_f32(imin(u, a.bsums1), imin(u, a.bsums2));
-    acc = _mm256_fmadd_ps(isums, _mm256_set1_ps(u.d * a.d), acc);
-    return _mm256_fmadd_ps(imins, _mm256_set1_ps(-(u.dmin * a.d)), acc);
-  }
-};
-
-struct A2UnpackedQ6K {
-  __m256i q[8], sc[8];  // quants + 32 of elements 32k..32k+31; s16 scales (sub-blocks 2k, 2k+1)
-  __m256i sc16;         // the 16 scales as s16
-  float d;
-};
-
-struct A2Q6_K {
-  using Block = BlockQ6_K;
-  using Unpacked = A2UnpackedQ6K;
-  static void unpack(const Block& b, Unpacked& u) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-      // Element 32k + l of the half: ql[(k & 1) * 32 + l] nibble (low for k < 2), qh[l] bits 2k.
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-      const __m256i lo4[4] = {_mm256_and_si256(ql0, m4), _mm256_and_si256(ql1, m4),
-                              _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                              _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4)};
-      for (int k = 0; k < 4; ++k) {
-        const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), m2);
-        u.q[4 * h + k] = _mm256_or_si256(lo4[k], _mm256_slli_epi16(hi2, 4));
-      }
-    }
-    u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
-    for (int k = 0; k < 8; ++k) {  // maddubs lanes 0..7 are sub-block 2k, lanes 8..15 sub-block 2k+1
-      const __m256i lo = _mm256_set1_epi16(b.scales[2 * k]), hi = _mm256_set1_epi16(b.scales[2 * k + 1]);
-      u.sc[k] = _mm256_blend_epi32(lo, hi, 0xf0);
-    }
-    u.d = _cvtsh_ss(b.d);
-  }
-  static __m256i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
-    __m256i iacc = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k)
-      iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[k], load_a(aq + 32 * k)), u.sc[k]));
-    // The stored quants are value + 32: subtract 32 * sum_j scale_j * bsum_j.
-    const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
-    return _mm256_sub_epi32(iacc, _mm256_slli_epi32(ioff, 5));
-  }
-  static __m256 dot(const Unpacked& u, const KActs& a, __m256 acc) {
-    const __m256 isums = planes_f32(isum(u, a.q1, a.bsums1), isum(u, a.q2, a.bsums2));
-    return _mm256_fmadd_ps(isums, _mm256_set1_ps(u.d * a.d), acc);
-  }
-};
 
 template <class F, int T>
 void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, int64_t r, int64_t t0) {
@@ -509,8 +357,13 @@ void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) 
   switch (a.w.type.storage) {
     case GgmlType::Q4_0: matmul32<A2Q4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: matmul32<A2Q4_1>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_0: matmul32<A2Q5_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_1: matmul32<A2Q5_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: matmul32<A2Q8_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q2_K: matmul_kquant<A2Q2_K>(a, r0, r1); break;
+    case GgmlType::Q3_K: matmul_kquant<A2Q3_K>(a, r0, r1); break;
     case GgmlType::Q4_K: matmul_kquant<A2Q4_K>(a, r0, r1); break;
+    case GgmlType::Q5_K: matmul_kquant<A2Q5_K>(a, r0, r1); break;
     case GgmlType::Q6_K: matmul_kquant<A2Q6_K>(a, r0, r1); break;
     case GgmlType::F32: matmul_float<A2F32>(a, r0, r1); break;
     case GgmlType::F16: matmul_float<A2F16>(a, r0, r1); break;

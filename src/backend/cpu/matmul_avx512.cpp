@@ -1,8 +1,8 @@
 // AVX-512 (F/BW/VL/DQ/VNNI) kernels.
 //
-// 32-element block types (Q4_0, Q4_1, Q8_0) run on vpdpbusd (u8 x s8 -> s32). Every weight is
-// turned into an unsigned quant u with w = d * u + c per block (Q4_0: c = -8d, Q4_1: c = m,
-// Q8_0: u = q + 128, c = -128d), so a block's dot product with x (x ~ dx * Q, Q the 16-bit quants
+// 32-element block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run on vpdpbusd (u8 x s8 -> s32). Every
+// weight is turned into an unsigned quant u with w = d * u + c per block (Q4_0: c = -8d, Q4_1 /
+// Q5_1: c = m, Q5_0: c = -16d, Q8_0: u = q + 128, c = -128d), so a block's dot product with x (x ~ dx * Q, Q the 16-bit quants
 // 255 * q1 + q2 of quantize_block_q16) is
 //   d * dx * sum(u * Q) + c * s,      s = dx * sum(Q), computed when x is quantized,
 // where sum(u * Q) = 255 * sum(u * q1) + sum(u * q2): two vpdpbusd per weight register, one for
@@ -30,6 +30,8 @@
 // lane by lane (isum, dw, dx, c, s: the chunk's 16 blocks), then reduce16 sums the lanes. The
 // GEMV and the GEMM tiles run exactly this, so a token's output is bitwise the same whatever else
 // is in the batch and however the rows are split over threads.
+//
+// Q2_K, Q3_K and Q5_K run the AVX2 kernels (avx512_native).
 //
 // Q4_K / Q6_K use vpmaddubsw + vpmaddwd (the quant x scale products must stay in 32 bits) on
 // activations in natural order (the scalar layout); F32 / F16 / BF16 use f32 FMA.
@@ -279,43 +281,74 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens,
 
 using Acts = PerTokenActs<act_row_bytes, quantize_act>;
 
+// Types without AVX-512 kernels of their own run the AVX2 ones (every AVX-512 CPU has AVX2), with
+// the AVX2 activation layout: the whole call goes through kernels_avx2() for them.
+bool avx512_native(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
+    case GgmlType::Q8_0:
+    case GgmlType::Q4_K:
+    case GgmlType::Q6_K:
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // A 16-token AMX tile costs about the same however many of its tokens are real; it beats the
 // vpdpbusd GEMM from about 8 (measured: 576 -> 1536 Q4_1, 8 tokens 102 us vs 120 us, 4 tokens
 // 81 us vs 79 us).
 constexpr int64_t kAmxMinTokens = 8;
 
 bool use_amx(GgmlType type, int64_t n_tokens) {
-  const bool block32 = type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q8_0;
+  const bool block32 = type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q5_0 ||
+                       type == GgmlType::Q5_1 || type == GgmlType::Q8_0;
   return block32 && n_tokens >= kAmxMinTokens && amx_allowed() && amx_usable();
 }
 
 size_t act_bytes(GgmlType type, int64_t n_in, int64_t n_tokens) {
+  if (!avx512_native(type)) return kernels_avx2().act_bytes(type, n_in, n_tokens);
   return use_amx(type, n_tokens) ? amx_act_bytes(n_in, n_tokens) : Acts::bytes(type, n_in, n_tokens);
 }
 
 size_t act_stride(GgmlType type, int64_t n_in, int64_t n_tokens) {
+  if (!avx512_native(type)) return kernels_avx2().act_stride(type, n_in, n_tokens);
   return use_amx(type, n_tokens) ? 0 : Acts::stride(type, n_in, n_tokens);
 }
 
 void quantize_acts(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens, int64_t t0, int64_t t1,
                    bool bits8, uint8_t* dst) {
+  if (!avx512_native(type)) return kernels_avx2().quantize_acts(type, x, n_in, n_tokens, t0, t1, bits8, dst);
   if (use_amx(type, n_tokens)) amx_quantize_acts(x, n_in, n_tokens, t0, t1, bits8, dst);
   else Acts::quantize(type, x, n_in, n_tokens, t0, t1, bits8, dst);
 }
 
 size_t scratch_bytes(GgmlType type, int64_t n_in) {
+  if (!avx512_native(type)) return kernels_avx2().scratch_bytes(type, n_in);
   if (is_float_type(type) || is_k_quant(type)) return 0;
   const size_t vnni = 4 * static_cast<size_t>(Layout16(n_in).nch) * kChunkBytes;
   return use_amx(type, kAmxMinTokens) ? std::max(vnni, amx_scratch_bytes(n_in)) : vnni;
 }
 
-int64_t row_tile(GgmlType type, int64_t n_tokens) { return use_amx(type, n_tokens) ? 16 : 4; }
+int64_t row_tile(GgmlType type, int64_t n_tokens) {
+  if (!avx512_native(type)) return kernels_avx2().row_tile(type, n_tokens);
+  return use_amx(type, n_tokens) ? 16 : 4;
+}
 
 void matmul_rows(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
+  if (!avx512_native(a.w.type.storage)) return kernels_avx2().matmul_rows(a, r0, r1, scratch);
   if (use_amx(a.w.type.storage, a.n_tokens)) return amx_matmul_rows(a, r0, r1, scratch);
   switch (a.w.type.storage) {
     case GgmlType::Q4_0: matmul32<FmtQ4_0>(a, r0, r1, scratch); break;
     case GgmlType::Q4_1: matmul32<FmtQ4_1>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_0: matmul32<FmtQ5_0>(a, r0, r1, scratch); break;
+    case GgmlType::Q5_1: matmul32<FmtQ5_1>(a, r0, r1, scratch); break;
     case GgmlType::Q8_0: matmul32<FmtQ8_0>(a, r0, r1, scratch); break;
     default: avx512_matmul_other(a, r0, r1); break;
   }

@@ -11,7 +11,7 @@ void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* ds
 // y rows [r0, r1) for Q4_K, Q6_K, F32, F16 and BF16 weights.
 void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1);
 
-// AMX (matmul_amx.cpp), for Q4_0 / Q4_1 / Q8_0 weights and several tokens. amx_usable() checks
+// AMX (matmul_amx.cpp), for 32-element block weights and several tokens. amx_usable() checks
 // CPUID and asks Linux for the tile state (once); the others may only be called when it is true.
 bool amx_usable();
 size_t amx_act_bytes(int64_t n_in, int64_t n_tokens);

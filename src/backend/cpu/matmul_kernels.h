@@ -59,7 +59,7 @@ const MatmulKernels& kernels_avx512();
 // ---- shared numerics ----
 
 // Activations are rounded to 16 bits per block (32 elements, or a 256-element super-block for
-// Q4_K / Q6_K) and stored as two int8 planes, so every integer dot product stays an int8 one
+// the K-quants) and stored as two int8 planes, so every integer dot product stays an int8 one
 // (vpdpbusd, vpmaddubsw, AMX TDPBUSD) against the weight quants as stored:
 //   d = max|x| / kActLevels,  Q = round-half-even(x * (kActLevels / max|x|)),  |Q| <= kActLevels,
 //   Q = kActSplit * q1 + q2  with q1 = round(Q / kActSplit), so |q1| <= 127 and |q2| <= 127
@@ -125,6 +125,18 @@ void q4k_unpack(const BlockQ4_K& b, uint8_t q[QK_K]);
 // Unpacks one Q6_K super-block to its quants in element order, already centred (q[i] in -32..31);
 // element i has the scale b.scales[i / 16].
 void q6k_unpack(const BlockQ6_K& b, int8_t q[QK_K]);
+// Q5_0 / Q5_1 quants of one block in element order (q[i] in 0..31), from qh and the nibbles qs.
+void q5_unpack(const uint8_t qh[4], const uint8_t qs[16], uint8_t q[32]);
+// Q5_K quants in element order (q[i] in 0..31); element i has the scale / min of sub-block i / 32
+// (q4k_scale_min).
+void q5k_unpack(const BlockQ5_K& b, uint8_t q[QK_K]);
+// Q3_K quants in element order, already centred (q[i] in -4..3), and the 16 scales (-32..31) of
+// the 16-element sub-blocks.
+void q3k_unpack(const BlockQ3_K& b, int8_t q[QK_K]);
+void q3k_scales(const uint8_t s[K_SCALE_SIZE], int8_t sc[QK_K / 16]);
+// Q2_K quants in element order (q[i] in 0..3); element i has the scale b.scales[i / 16] & 15 and
+// the min b.scales[i / 16] >> 4.
+void q2k_unpack(const BlockQ2_K& b, uint8_t q[QK_K]);
 
 inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
 
@@ -193,7 +205,11 @@ struct ActLayoutK {
   }
 };
 
-inline bool is_k_quant(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q6_K; }
+// Types on 256-element super-blocks, whose activations use ActLayoutK.
+inline bool is_k_quant(GgmlType t) {
+  return t == GgmlType::Q2_K || t == GgmlType::Q3_K || t == GgmlType::Q4_K || t == GgmlType::Q5_K ||
+         t == GgmlType::Q6_K;
+}
 inline bool is_float_type(GgmlType t) {
   return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16;
 }

@@ -76,6 +76,34 @@ size_t scratch_bytes(GgmlType type, int64_t n_in) {
   return is_float_type(type) ? align64(static_cast<size_t>(n_in) * sizeof(float)) : 0;
 }
 
+// Super-block b of Q4_K / Q5_K (quants q in element order, the 6-bit scales and mins of the 32-element
+// sub-blocks packed as q4k_scale_min reads them): d * sum_j sc_j * sum(q Q) - dmin * sum_j m_j * sum(Q),
+// times the activation scale.
+float scale_min_dot(const uint8_t q[QK_K], uint16_t d, uint16_t dmin, const uint8_t scales[K_SCALE_SIZE],
+                    const ActK& a, int64_t b) {
+  const int8_t* a1 = a.q1 + b * QK_K;
+  const int8_t* a2 = a.q2 + b * QK_K;
+  const int16_t* bs1 = a.bsums1 + b * (QK_K / 16);
+  const int16_t* bs2 = a.bsums2 + b * (QK_K / 16);
+  int32_t isum1 = 0, isum2 = 0, imin1 = 0, imin2 = 0;
+  for (int j = 0; j < QK_K / 32; ++j) {
+    int sc, m;
+    q4k_scale_min(scales, j, &sc, &m);
+    int32_t s1 = 0, s2 = 0;
+    for (int l = 0; l < 32; ++l) {
+      s1 += q[32 * j + l] * a1[32 * j + l];
+      s2 += q[32 * j + l] * a2[32 * j + l];
+    }
+    isum1 += sc * s1;
+    isum2 += sc * s2;
+    imin1 += m * (bs1[2 * j] + bs1[2 * j + 1]);
+    imin2 += m * (bs2[2 * j] + bs2[2 * j + 1]);
+  }
+  const float isum = std::fma(static_cast<float>(isum1), static_cast<float>(kActSplit), static_cast<float>(isum2));
+  const float imin = std::fma(static_cast<float>(imin1), static_cast<float>(kActSplit), static_cast<float>(imin2));
+  return a.d[b] * (fp16_to_fp32(d) * isum - fp16_to_fp32(dmin) * imin);
+}
+
 // One weight row against one token's activations. Per block, the integer sums of both planes
 // combine exactly into sum(u * Q) (see quantize_block_q16).
 float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in) {
@@ -83,6 +111,8 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
   switch (type) {
     case GgmlType::Q4_0:
     case GgmlType::Q4_1:
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1:
     case GgmlType::Q8_0: {
       const Act32 a = act32(act, n_in);
       for (int64_t b = 0; b < n_in / 32; ++b) {
@@ -104,6 +134,26 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
             i2 += lo * a2[l] + hi * a2[l + 16];
           }
           sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2);
+        } else if (type == GgmlType::Q5_0) {
+          const auto& blk = reinterpret_cast<const BlockQ5_0*>(w)[b];
+          uint8_t q[32];
+          q5_unpack(blk.qh, blk.qs, q);
+          for (int l = 0; l < 32; ++l) {
+            i1 += (q[l] - 16) * a1[l];
+            i2 += (q[l] - 16) * a2[l];
+          }
+          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2);
+        } else if (type == GgmlType::Q5_1) {
+          // As Q4_1 below.
+          const auto& blk = reinterpret_cast<const BlockQ5_1*>(w)[b];
+          uint8_t q[32];
+          q5_unpack(blk.qh, blk.qs, q);
+          for (int l = 0; l < 32; ++l) {
+            i1 += q[l] * a1[l];
+            i2 += q[l] * a2[l];
+          }
+          sum += fp16_to_fp32(blk.d) * a.d[b] * static_cast<float>(kActSplit * i1 + i2) +
+                 fp16_to_fp32(blk.m) * a.s[b];
         } else {
           // w = d * q + m, so w . x = d * dx * sum(q * Q) + m * (dx * sum(Q)) = ... + m * s.
           const auto& blk = reinterpret_cast<const BlockQ4_1*>(w)[b];
@@ -124,27 +174,72 @@ float dot_row(GgmlType type, const uint8_t* w, const uint8_t* act, int64_t n_in)
       for (int64_t b = 0; b < n_in / QK_K; ++b) {
         const auto& blk = reinterpret_cast<const BlockQ4_K*>(w)[b];
         q4k_unpack(blk, q);
+        sum += scale_min_dot(q, blk.d, blk.dmin, blk.scales, a, b);
+      }
+      return sum;
+    }
+    case GgmlType::Q5_K: {
+      const ActK a = act_k(act, n_in);
+      uint8_t q[QK_K];
+      for (int64_t b = 0; b < n_in / QK_K; ++b) {
+        const auto& blk = reinterpret_cast<const BlockQ5_K*>(w)[b];
+        q5k_unpack(blk, q);
+        sum += scale_min_dot(q, blk.d, blk.dmin, blk.scales, a, b);
+      }
+      return sum;
+    }
+    case GgmlType::Q2_K: {
+      // w = d * sc_j * q - dmin * m_j per 16-element sub-block j, q >= 0: the min term uses the
+      // activation sums of the sub-block (bsums).
+      const ActK a = act_k(act, n_in);
+      uint8_t q[QK_K];
+      for (int64_t b = 0; b < n_in / QK_K; ++b) {
+        const auto& blk = reinterpret_cast<const BlockQ2_K*>(w)[b];
+        q2k_unpack(blk, q);
         const int8_t* a1 = a.q1 + b * QK_K;
         const int8_t* a2 = a.q2 + b * QK_K;
         const int16_t* bs1 = a.bsums1 + b * (QK_K / 16);
         const int16_t* bs2 = a.bsums2 + b * (QK_K / 16);
         int32_t isum1 = 0, isum2 = 0, imin1 = 0, imin2 = 0;
-        for (int j = 0; j < QK_K / 32; ++j) {
-          int sc, m;
-          q4k_scale_min(blk.scales, j, &sc, &m);
+        for (int j = 0; j < QK_K / 16; ++j) {
+          const int sc = blk.scales[j] & 0x0f, m = blk.scales[j] >> 4;
           int32_t s1 = 0, s2 = 0;
-          for (int l = 0; l < 32; ++l) {
-            s1 += q[32 * j + l] * a1[32 * j + l];
-            s2 += q[32 * j + l] * a2[32 * j + l];
+          for (int l = 0; l < 16; ++l) {
+            s1 += q[16 * j + l] * a1[16 * j + l];
+            s2 += q[16 * j + l] * a2[16 * j + l];
           }
           isum1 += sc * s1;
           isum2 += sc * s2;
-          imin1 += m * (bs1[2 * j] + bs1[2 * j + 1]);
-          imin2 += m * (bs2[2 * j] + bs2[2 * j + 1]);
+          imin1 += m * bs1[j];
+          imin2 += m * bs2[j];
         }
         const float isum = std::fma(static_cast<float>(isum1), static_cast<float>(kActSplit), static_cast<float>(isum2));
         const float imin = std::fma(static_cast<float>(imin1), static_cast<float>(kActSplit), static_cast<float>(imin2));
         sum += a.d[b] * (fp16_to_fp32(blk.d) * isum - fp16_to_fp32(blk.dmin) * imin);
+      }
+      return sum;
+    }
+    case GgmlType::Q3_K: {
+      const ActK a = act_k(act, n_in);
+      int8_t q[QK_K], sc[QK_K / 16];
+      for (int64_t b = 0; b < n_in / QK_K; ++b) {
+        const auto& blk = reinterpret_cast<const BlockQ3_K*>(w)[b];
+        q3k_unpack(blk, q);
+        q3k_scales(blk.scales, sc);
+        const int8_t* a1 = a.q1 + b * QK_K;
+        const int8_t* a2 = a.q2 + b * QK_K;
+        int32_t isum1 = 0, isum2 = 0;
+        for (int j = 0; j < QK_K / 16; ++j) {
+          int32_t s1 = 0, s2 = 0;
+          for (int l = 0; l < 16; ++l) {
+            s1 += q[16 * j + l] * a1[16 * j + l];
+            s2 += q[16 * j + l] * a2[16 * j + l];
+          }
+          isum1 += sc[j] * s1;
+          isum2 += sc[j] * s2;
+        }
+        const float isum = std::fma(static_cast<float>(isum1), static_cast<float>(kActSplit), static_cast<float>(isum2));
+        sum += a.d[b] * fp16_to_fp32(blk.d) * isum;
       }
       return sum;
     }

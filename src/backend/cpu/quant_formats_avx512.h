@@ -1,4 +1,4 @@
-// 32-element block formats (Q4_0, Q4_1, Q8_0) for the AVX-512 kernels: the activation chunk
+// 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) for the AVX-512 kernels: the activation chunk
 // layout and quantizer, the weight loaders and the per-chunk arithmetic that every AVX-512 / AMX path shares
 // (matmul_avx512.cpp describes the scheme). Include only from *_avx512.cpp / *_amx.cpp; all
 // definitions have internal linkage (see simd_avx512.h).
@@ -8,6 +8,7 @@
 #include "backend/cpu/simd_avx512.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "backend/cpu/matmul_kernels.h"
@@ -167,6 +168,91 @@ struct FmtQ4_1 {
     const __m512i idx = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19);
     const __m512i dm = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 5, 10, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v0);
     return nibble_group(_mm512_permutex2var_epi32(v0, idx, v1), _mm512_castsi512_si128(dm));
+  }
+  static void scales(__m512i sc, __m512& dw, __m512& c) {
+    dw = half_to_f32(sc, false);
+    c = half_to_f32(sc, true);
+  }
+};
+
+// Q5_0 / Q5_1 5th bits (bit i of a block's little-endian 32-bit qh: element i) as 0x10 in the
+// quant bytes. Transposed chunk: qh holds each block's qh in its lane, register k of q holds
+// elements 4k..4k+3 (split_nibbles), so byte b of lane j gets bit 4k + b of qh_j.
+inline void add_fifth_bits(__m512i qh, __m512i q[8]) {
+  const __m512i nibble = _mm512_set1_epi32(0x0f), select = _mm512_set1_epi32(0x08040201);
+  const __m512i b5 = _mm512_set1_epi8(0x10);
+  for (int k = 0; k < 8; ++k) {
+    __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * k), nibble);  // the 4 bits in every byte
+    t = _mm512_or_si512(t, _mm512_slli_epi32(t, 8));
+    t = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
+    q[k] = _mm512_or_si512(q[k], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(t, select), b5));
+  }
+}
+
+// Grouped: lo / hi hold elements 0..15 / 16..31 of block j at bytes 16j.., so their 64 bits are the
+// low / high 16 bits of the four qh (dwords of qh4) side by side.
+inline Group add_fifth_bits(Group g, __m128i qh4) {
+  const __m128i halves = _mm_shuffle_epi8(qh4, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m512i b5 = _mm512_set1_epi8(0x10);
+  g.lo = _mm512_or_si512(g.lo, _mm512_maskz_mov_epi8(static_cast<__mmask64>(_mm_cvtsi128_si64(halves)), b5));
+  g.hi = _mm512_or_si512(g.hi, _mm512_maskz_mov_epi8(static_cast<__mmask64>(_mm_extract_epi64(halves, 1)), b5));
+  return g;
+}
+
+// Up to 128 bytes from p, zero past n: two registers.
+inline void load_upto128(const uint8_t* p, int n, __m512i& v0, __m512i& v1) {
+  v0 = _mm512_maskz_loadu_epi8(byte_mask(n), p);
+  v1 = n > 64 ? _mm512_maskz_loadu_epi8(byte_mask(n - 64), p + 64) : _mm512_setzero_si512();
+}
+
+struct FmtQ5_0 {
+  static constexpr int kBlockBytes = sizeof(BlockQ5_0);
+  static void load_chunk(const uint8_t* p, int nblk, Chunk& ch) {
+    const __mmask16 m = lane_mask(nblk);
+    const __m512i idx = block_offsets(kBlockBytes);
+    __m512i raw[4];
+    for (int k = 0; k < 4; ++k) raw[k] = gather(m, idx, p + offsetof(BlockQ5_0, qs) + 4 * k);
+    split_nibbles(raw, ch.q);
+    add_fifth_bits(gather(m, idx, p + offsetof(BlockQ5_0, qh)), ch.q);
+    ch.sc = gather(m, idx, p);  // d in the low half (the high half, qh, is ignored)
+  }
+  static Group load_group(const uint8_t* p, int nblk) {
+    __m512i v0, v1;
+    load_upto128(p, kBlockBytes * nblk, v0, v1);
+    // Block j is 11 words from word 11j: d, 2 words of qh, 8 words of nibbles.
+    alignas(64) static constexpr int16_t kQsWords[32] = {3,  4,  5,  6,  7,  8,  9,  10, 14, 15, 16,
+                                                         17, 18, 19, 20, 21, 25, 26, 27, 28, 29, 30,
+                                                         31, 32, 36, 37, 38, 39, 40, 41, 42, 43};
+    alignas(64) static constexpr int16_t kDQhWords[32] = {0, 0, 11, 11, 22, 22, 33, 33, 1, 2, 12, 13, 23, 24, 34, 35};
+    const __m512i dqh = _mm512_permutex2var_epi16(v0, _mm512_load_si512(kDQhWords), v1);
+    const Group g = nibble_group(_mm512_permutex2var_epi16(v0, _mm512_load_si512(kQsWords), v1), _mm512_castsi512_si128(dqh));
+    return add_fifth_bits(g, _mm512_extracti32x4_epi32(dqh, 1));
+  }
+  static void scales(__m512i sc, __m512& dw, __m512& c) {
+    dw = half_to_f32(sc, false);
+    c = _mm512_mul_ps(dw, _mm512_set1_ps(-16.0f));
+  }
+};
+
+struct FmtQ5_1 {
+  static constexpr int kBlockBytes = sizeof(BlockQ5_1);
+  static void load_chunk(const uint8_t* p, int nblk, Chunk& ch) {
+    const __mmask16 m = lane_mask(nblk);
+    const __m512i idx = block_offsets(kBlockBytes);
+    __m512i raw[4];
+    for (int k = 0; k < 4; ++k) raw[k] = gather(m, idx, p + offsetof(BlockQ5_1, qs) + 4 * k);
+    split_nibbles(raw, ch.q);
+    add_fifth_bits(gather(m, idx, p + offsetof(BlockQ5_1, qh)), ch.q);
+    ch.sc = gather(m, idx, p);
+  }
+  static Group load_group(const uint8_t* p, int nblk) {
+    __m512i v0, v1;
+    load_upto128(p, kBlockBytes * nblk, v0, v1);
+    // Block j is 6 dwords from dword 6j: (d, m), qh, then 4 dwords of nibbles.
+    const __m512i qs = _mm512_setr_epi32(2, 3, 4, 5, 8, 9, 10, 11, 14, 15, 16, 17, 20, 21, 22, 23);
+    const __m512i dm_qh = _mm512_permutex2var_epi32(v0, _mm512_setr_epi32(0, 6, 12, 18, 1, 7, 13, 19, 0, 0, 0, 0, 0, 0, 0, 0), v1);
+    const Group g = nibble_group(_mm512_permutex2var_epi32(v0, qs, v1), _mm512_castsi512_si128(dm_qh));
+    return add_fifth_bits(g, _mm512_extracti32x4_epi32(dm_qh, 1));
   }
   static void scales(__m512i sc, __m512& dw, __m512& c) {
     dw = half_to_f32(sc, false);
