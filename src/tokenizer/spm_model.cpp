@@ -1,6 +1,9 @@
 #include "tokenizer/spm_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <queue>
 
 #include "tokenizer/utf8.h"
@@ -10,6 +13,12 @@ namespace kestrel {
 namespace {
 
 constexpr std::string_view kSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's visible space
+
+
+bool is_space_run(const TokenData& t) {
+  return t.type == TokenType::USER_DEFINED && !t.text.empty() &&
+         t.text.find_first_not_of(' ') == std::string::npos;
+}
 
 }  // namespace
 
@@ -21,15 +30,46 @@ SpmModel::SpmModel(std::shared_ptr<const Vocab> vocab, int32_t unk_id, bool add_
     const std::optional<int32_t> id = vocab_->find(name);
     byte_ids_[b] = id && vocab_->at(*id).type == TokenType::BYTE ? *id : -1;
   }
+  float top = -std::numeric_limits<float>::infinity();
+  size_t longest = 0;
+  for (int32_t id = 0; id < vocab_->size(); ++id) {
+    const TokenData& t = vocab_->at(id);
+    if (t.type == TokenType::NORMAL || t.type == TokenType::UNDEFINED) top = std::max(top, t.score);
+    if (is_space_run(t)) longest = std::max(longest, t.text.size());
+  }
+  if (longest == 0) return;
+  if (!std::isfinite(top)) top = 0.0f;
+  space_run_ids_.assign(longest + 1, -1);
+  space_run_scores_.assign(longest + 1, 0.0f);
+  for (int32_t id = 0; id < vocab_->size(); ++id) {
+    const TokenData& t = vocab_->at(id);
+    const size_t n = t.text.size();
+    if (!is_space_run(t) || space_run_ids_[n] >= 0 || vocab_->find(t.text) != id) continue;
+    space_run_ids_[n] = id;
+    space_run_scores_[n] = top + 1.0f + static_cast<float>(longest - n);
+  }
 }
 
-std::optional<int32_t> SpmModel::find_piece(std::string_view text) const {
-  const std::optional<int32_t> id = vocab_->find(text);
-  if (!id) return std::nullopt;
-  const TokenType t = vocab_->at(*id).type;
-  if (t != TokenType::NORMAL && t != TokenType::USER_DEFINED && t != TokenType::UNDEFINED)
+bool SpmModel::handles_in_text(int32_t id) const {
+  if (!vocab_->contains(id) || !is_space_run(vocab_->at(id))) return false;
+  const size_t n = vocab_->at(id).text.size();
+  return n < space_run_ids_.size() && space_run_ids_[n] == id;
+}
+
+std::optional<SpmModel::Piece> SpmModel::find_piece(std::string_view text) const {
+  if (const std::optional<int32_t> id = vocab_->find(text)) {
+    const TokenData& t = vocab_->at(*id);
+    if (t.type == TokenType::NORMAL || t.type == TokenType::UNDEFINED ||
+        (t.type == TokenType::USER_DEFINED && !is_space_run(t)))
+      return Piece{*id, t.score};
+  }
+  // A run of n '▁' is the whitespace-run token of n spaces, when the vocabulary has one.
+  const size_t n = text.size() / kSpace.size();
+  if (n == 0 || n >= space_run_ids_.size() || space_run_ids_[n] < 0 || text.size() != n * kSpace.size())
     return std::nullopt;
-  return id;
+  for (size_t i = 0; i < text.size(); i += kSpace.size())
+    if (text.substr(i, kSpace.size()) != kSpace) return std::nullopt;
+  return Piece{space_run_ids_[n], space_run_scores_[n]};
 }
 
 void SpmModel::encode(std::string_view text, std::vector<int32_t>* out, const std::atomic<bool>* cancel) const {
@@ -76,8 +116,8 @@ void SpmModel::encode(std::string_view text, std::vector<int32_t>* out, const st
   auto try_add = [&](int32_t l, int32_t r) {
     if (l < 0 || r < 0) return;
     const uint32_t len = syms[l].len + syms[r].len;
-    const std::optional<int32_t> id = find_piece(std::string_view(s).substr(syms[l].start, len));
-    if (id) queue.push({vocab_->at(*id).score, l, len});
+    const std::optional<Piece> p = find_piece(std::string_view(s).substr(syms[l].start, len));
+    if (p) queue.push({p->score, l, len});
   };
   for (size_t i = 1; i < syms.size(); ++i) try_add(static_cast<int32_t>(i - 1), static_cast<int32_t>(i));
 
@@ -103,8 +143,8 @@ void SpmModel::encode(std::string_view text, std::vector<int32_t>* out, const st
 
   for (int32_t i = 0; i >= 0; i = syms[i].next) {
     const std::string_view piece = std::string_view(s).substr(syms[i].start, syms[i].len);
-    if (const std::optional<int32_t> id = find_piece(piece)) {
-      out->push_back(*id);
+    if (const std::optional<Piece> p = find_piece(piece)) {
+      out->push_back(p->id);
       continue;
     }
     for (char c : piece) {

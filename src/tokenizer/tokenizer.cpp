@@ -94,7 +94,8 @@ std::unique_ptr<Tokenizer> Tokenizer::from_spec(TokenizerSpec spec) {
         break;
     }
     const bool cuttable =
-        td.type == TokenType::USER_DEFINED || td.type == TokenType::CONTROL || td.type == TokenType::UNKNOWN;
+        (td.type == TokenType::USER_DEFINED || td.type == TokenType::CONTROL || td.type == TokenType::UNKNOWN) &&
+        !t->model_->handles_in_text(id);
     if (cuttable && !td.text.empty() && v.find(td.text) == id) {
       t->added_by_byte_[static_cast<uint8_t>(td.text[0])].push_back(
           {td.text, id, td.type != TokenType::USER_DEFINED});

@@ -34,6 +34,10 @@ class TokenizerModel {
   // Whether decoding drops the space the encoder put in front of the text (SentencePiece's dummy
   // prefix).
   virtual bool strips_leading_space() const { return false; }
+
+  // Whether the added token `id` is encoded by this model as part of ordinary text rather than cut
+  // out of the text first by the Tokenizer (SentencePiece's whitespace runs, see spm_model.h).
+  virtual bool handles_in_text(int32_t /*id*/) const { return false; }
 };
 
 }  // namespace kestrel

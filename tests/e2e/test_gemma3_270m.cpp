@@ -1,0 +1,203 @@
+// Gemma 3 270M (models/gemma-3-270m-q4_k_m.gguf, scripts/fetch_model.sh gemma3-270m): what works
+// without the model's forward pass. The tokenizer read from the GGUF must give Hugging Face
+// transformers' prompt ids for the prompts of ../shared/data/gemma3-270m/greedy-transformers.json
+// and decode its continuations to transformers' text; the GGUF reader must read the file's
+// metadata and tensor directory as llama.cpp wrote them.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "io/gguf.h"
+#include "test_util.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer_source.h"
+
+namespace kestrel {
+namespace {
+
+std::string gemma_path() { return test::model_dir() + "/gemma-3-270m-q4_k_m.gguf"; }
+std::string transcripts_path() { return test::data_dir() + "/gemma3-270m/greedy-transformers.json"; }
+
+TEST(Gemma3_270m, TokenizerMatchesTransformersPromptIds) {
+  KESTREL_REQUIRE_FILE(gemma_path());
+  KESTREL_REQUIRE_FILE(transcripts_path());
+  const auto tok = load_tokenizer(gemma_path());
+  EXPECT_EQ(tok->kind(), TokenizerKind::SPM);
+  EXPECT_EQ(tok->n_vocab(), 262144);
+  EXPECT_EQ(tok->bos_id(), 2);
+  EXPECT_EQ(tok->eos_id(), 1);
+  EXPECT_TRUE(tok->add_bos());
+  EXPECT_FALSE(tok->add_eos());
+  const auto cases = nlohmann::json::parse(test::read_file(transcripts_path())).at("cases");
+  ASSERT_EQ(cases.size(), 6u);
+  for (const auto& c : cases) {
+    const std::string prompt = c.at("prompt").get<std::string>();
+    const auto want = c.at("prompt_ids").get<std::vector<int32_t>>();
+    EXPECT_EQ(tok->encode(prompt, /*add_special=*/true, /*parse_special=*/false), want) << prompt;
+    EXPECT_EQ(tok->encode(prompt, /*add_special=*/true, /*parse_special=*/true), want) << prompt;
+    // No dummy-prefix space (add_space_prefix false): the text comes back as it went in.
+    EXPECT_EQ(tok->decode(want, /*skip_special=*/true), prompt);
+  }
+}
+
+TEST(Gemma3_270m, TokenizerDecodesTransformersContinuations) {
+  KESTREL_REQUIRE_FILE(gemma_path());
+  KESTREL_REQUIRE_FILE(transcripts_path());
+  const auto tok = load_tokenizer(gemma_path());
+  const auto cases = nlohmann::json::parse(test::read_file(transcripts_path())).at("cases");
+  for (const auto& c : cases) {
+    const auto ids = c.at("output_ids").get<std::vector<int32_t>>();
+    const std::string text = c.at("text").get<std::string>();
+    ASSERT_EQ(ids.size(), 32u);
+    EXPECT_EQ(tok->decode(ids, /*skip_special=*/false, /*continuation=*/true), text);
+    // Prompt and continuation decode to the concatenation of their texts.
+    auto all = c.at("prompt_ids").get<std::vector<int32_t>>();
+    all.insert(all.end(), ids.begin(), ids.end());
+    EXPECT_EQ(tok->decode(all, /*skip_special=*/true), c.at("prompt").get<std::string>() + text);
+  }
+  // <end_of_turn> ends generation besides <eos>; <start_of_turn> does not.
+  EXPECT_TRUE(tok->is_eog(1));
+  EXPECT_TRUE(tok->is_eog(106));
+  EXPECT_FALSE(tok->is_eog(105));
+}
+
+// Ids from transformers 5.24.0 (tokenizers 0.23.3): AutoTokenizer.from_pretrained(models/,
+// gguf_file="gemma-3-270m-q4_k_m.gguf"), which reproduces the six prompts' ids above;
+// split_special_tokens = !parse_special. They cover the turn markers, whitespace runs (spaces are
+// merged as pieces, so a run past the longest token, 31, splits 16 + 24; a literal U+2581 joins a
+// run), newline and tab runs (added tokens, cut out longest first), HTML tags (user-defined),
+// byte fallback for characters outside the vocabulary, and a carriage return.
+TEST(Gemma3_270m, TokenizerMatchesTransformersOnTurnsWhitespaceAndBytes) {
+  KESTREL_REQUIRE_FILE(gemma_path());
+  const auto tok = load_tokenizer(gemma_path());
+  struct Case {
+    std::string text;
+    bool parse_special;
+    std::vector<int32_t> ids;
+  };
+  const std::vector<Case> cases = {
+      {"<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n", true,
+       {2, 105, 2364, 107, 3689, 563, 236743, 236778, 236862, 236778, 236881, 106, 107, 105, 4368, 107}},
+      {"<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n", false,
+       {2, 236820, 3041, 236779, 1340, 236779, 887, 236813, 2364, 107, 3689, 563, 236743, 236778, 236862, 236778,
+        145912, 643, 236779, 1340, 236779, 887, 236813, 107}},
+      {"x" + std::string(40, ' ') + "y", true, {2, 236781, 152, 160, 236762}},
+      {"a \u2581\u2581\u2581b \u2581c", true, {2, 236746, 140, 236763, 138, 236755}},
+      {std::string(33, '\n') + "\t\t\t<table><td>cell</td></table>", true, {2, 137, 108, 255970, 168, 175, 5447, 183, 176}},
+      {"\u00dcn\u00efc\u00f6d\u00e9 \U0001d518\U0001d52b\U0001d526 \U0001f999 \u65e5\u672c\u8a9e", true,
+       {2, 238194, 236749, 238527, 236755, 55515, 236859, 236743, 478, 395, 386, 390, 478, 395, 386, 409, 254865,
+        236743, 478, 397, 404, 391, 33375, 238582}},
+      {"def f(x):\n    return x  # two\n\n\n", true,
+       {2, 2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 138, 236865, 1156, 109}},
+      {"x\r\ny", true, {2, 236781, 251, 107, 236762}},
+  };
+  for (const Case& c : cases) {
+    const auto ids = tok->encode(c.text, /*add_special=*/true, c.parse_special);
+    EXPECT_EQ(ids, c.ids) << "'" << c.text << "' parse_special=" << c.parse_special;
+    // Decoding (after BOS) gives the text back, except the literal U+2581, which is a space once
+    // encoded.
+    const std::vector<int32_t> after_bos(ids.begin() + (ids.empty() ? 0 : 1), ids.end());
+    if (c.text.find("\u2581") == std::string::npos) EXPECT_EQ(tok->decode(after_bos), c.text);
+  }
+}
+
+// The whitespace-run rule on a vocabulary of its own (no model file needed): runs of 2..4 spaces are
+// USER_DEFINED tokens spelled with spaces, as llama.cpp's converter writes Gemma's, scored -1000.
+// They merge pairwise before anything else, shorter runs first, as transformers' Gemma tokenizer
+// does: five spaces become 2 + 3, not the longest token first (4 + "▁b"), and a literal U+2581
+// joins the run. Newline runs stay added tokens cut out of the text first.
+TEST(Gemma3_270m, SpaceRunTokensMergeAsPieces) {
+  TokenizerSpec spec;
+  spec.kind = TokenizerKind::SPM;
+  auto add = [&](std::string text, float score, TokenType type) {
+    spec.tokens.push_back({std::move(text), score, type});
+    return static_cast<int32_t>(spec.tokens.size() - 1);
+  };
+  add("<unk>", 0, TokenType::UNKNOWN);
+  const int32_t sp2 = add("  ", -1000, TokenType::USER_DEFINED);
+  const int32_t sp3 = add("   ", -1000, TokenType::USER_DEFINED);
+  const int32_t sp4 = add("    ", -1000, TokenType::USER_DEFINED);
+  const int32_t nl = add("\n", -1000, TokenType::USER_DEFINED);
+  const int32_t nl2 = add("\n\n", -1000, TokenType::USER_DEFINED);
+  const int32_t a = add("a", -1, TokenType::NORMAL);
+  const int32_t b = add("b", -2, TokenType::NORMAL);
+  const int32_t space = add("\u2581", -3, TokenType::NORMAL);
+  const int32_t space_b = add("\u2581b", 0, TokenType::NORMAL);
+  spec.unk_id = 0;
+  const auto tok = Tokenizer::from_spec(std::move(spec));
+  auto enc = [&](const std::string& text) { return tok->encode(text, false, false); };
+  EXPECT_EQ(enc("a b"), (std::vector<int32_t>{a, space_b}));
+  EXPECT_EQ(enc("a  b"), (std::vector<int32_t>{a, sp2, b}));
+  EXPECT_EQ(enc("a    b"), (std::vector<int32_t>{a, sp4, b}));
+  EXPECT_EQ(enc("a     b"), (std::vector<int32_t>{a, sp2, sp3, b}));
+  EXPECT_EQ(enc("a \u2581b"), (std::vector<int32_t>{a, sp2, b}));
+  EXPECT_EQ(enc("a\n\n\nb"), (std::vector<int32_t>{a, nl2, nl, b}));
+  EXPECT_EQ(tok->decode(enc("a     b \n\nb")), "a     b \n\nb");
+  EXPECT_EQ(enc(" "), (std::vector<int32_t>{space}));
+}
+
+// The metadata llama.cpp writes for gemma3 (the keys the architecture reads) and the tensor
+// directory: 18 layers of 13 tensors plus the embedding (tied output) and the final norm.
+TEST(Gemma3_270m, GgufMetadataAndTensors) {
+  KESTREL_REQUIRE_FILE(gemma_path());
+  const GgufFile f = GgufFile::open(gemma_path());
+  EXPECT_EQ(f.version(), 3u);
+  EXPECT_EQ(f.metadata().size(), 33u);
+  EXPECT_EQ(f.get_string("general.architecture"), "gemma3");
+  EXPECT_EQ(f.get_int("gemma3.context_length"), 32768);
+  EXPECT_EQ(f.get_int("gemma3.embedding_length"), 640);
+  EXPECT_EQ(f.get_int("gemma3.block_count"), 18);
+  EXPECT_EQ(f.get_int("gemma3.feed_forward_length"), 2048);
+  EXPECT_EQ(f.get_int("gemma3.attention.head_count"), 4);
+  EXPECT_EQ(f.get_int("gemma3.attention.head_count_kv"), 1);
+  EXPECT_EQ(f.get_int("gemma3.attention.key_length"), 256);
+  EXPECT_EQ(f.get_int("gemma3.attention.value_length"), 256);
+  EXPECT_EQ(f.get_int("gemma3.attention.sliding_window"), 512);
+  EXPECT_FLOAT_EQ(static_cast<float>(f.get_float("gemma3.attention.layer_norm_rms_epsilon")), 1e-6f);
+  EXPECT_EQ(f.get_float("gemma3.rope.freq_base"), 1e6);
+  // Not in the file (llama.cpp fixes them for gemma3): the local layers' RoPE base (1e4) and the
+  // sliding-window pattern (5 local : 1 global).
+  EXPECT_FALSE(f.has("gemma3.rope.freq_base_swa"));
+  EXPECT_FALSE(f.has("gemma3.attention.sliding_window_pattern"));
+  EXPECT_FALSE(f.has("tokenizer.chat_template"));
+  EXPECT_EQ(f.get_int("general.file_type"), 15);  // MOSTLY_Q4_K_M
+
+  ASSERT_EQ(f.tensors().size(), 236u);
+  EXPECT_EQ(f.find_tensor("output.weight"), nullptr);
+  struct Want {
+    const char* name;
+    GgmlType type;
+    std::vector<int64_t> ne;
+  };
+  const std::vector<Want> want = {
+      {"token_embd.weight", GgmlType::Q8_0, {640, 262144}},
+      {"output_norm.weight", GgmlType::F32, {640}},
+      {"blk.0.attn_norm.weight", GgmlType::F32, {640}},
+      {"blk.0.attn_q.weight", GgmlType::Q5_0, {640, 1024}},
+      {"blk.0.attn_k.weight", GgmlType::Q5_0, {640, 256}},
+      {"blk.0.attn_v.weight", GgmlType::Q8_0, {640, 256}},
+      {"blk.0.attn_q_norm.weight", GgmlType::F32, {256}},
+      {"blk.0.attn_k_norm.weight", GgmlType::F32, {256}},
+      {"blk.0.attn_output.weight", GgmlType::Q4_K, {1024, 640}},
+      {"blk.0.post_attention_norm.weight", GgmlType::F32, {640}},
+      {"blk.0.ffn_norm.weight", GgmlType::F32, {640}},
+      {"blk.0.ffn_gate.weight", GgmlType::Q5_0, {640, 2048}},
+      {"blk.0.ffn_up.weight", GgmlType::Q5_0, {640, 2048}},
+      {"blk.0.ffn_down.weight", GgmlType::Q6_K, {2048, 640}},
+      {"blk.0.post_ffw_norm.weight", GgmlType::F32, {640}},
+      {"blk.2.attn_v.weight", GgmlType::Q5_0, {640, 256}},
+      {"blk.2.ffn_down.weight", GgmlType::Q4_K, {2048, 640}},
+      {"blk.17.post_ffw_norm.weight", GgmlType::F32, {640}},
+  };
+  for (const Want& w : want) {
+    const GgufTensorInfo* t = f.find_tensor(w.name);
+    ASSERT_NE(t, nullptr) << w.name;
+    EXPECT_EQ(t->type, w.type) << w.name;
+    EXPECT_EQ(t->ne, w.ne) << w.name;
+  }
+}
+
+}  // namespace
+}  // namespace kestrel
