@@ -5,6 +5,14 @@ namespace kestrel {
 namespace {
 bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
 
+// Without leading and trailing whitespace (Python's str.strip() on ASCII whitespace).
+std::string trim(const std::string& s) {
+  const char* ws = " \t\n\r\f\v";
+  const size_t b = s.find_first_not_of(ws);
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(ws) - b + 1);
+}
+
 // SmolLM2-style templates write the default system turn as one string literal:
 // '<|im_start|>system\n<text><|im_end|>\n'. Take <text> when the literal is plain text.
 std::string chatml_default_system(const std::string& src) {
@@ -21,7 +29,7 @@ std::string chatml_default_system(const std::string& src) {
 }
 }  // namespace
 
-ChatTemplate ChatTemplate::detect(const std::string& source, bool has_im_start) {
+ChatTemplate ChatTemplate::detect(const std::string& source, bool has_im_start, bool has_start_of_turn) {
   ChatTemplate t;
   if (contains(source, "<|im_start|>") || (source.empty() && has_im_start)) {
     t.kind_ = Kind::ChatML;
@@ -30,6 +38,8 @@ ChatTemplate ChatTemplate::detect(const std::string& source, bool has_im_start) 
     t.kind_ = Kind::Llama3;
   } else if (contains(source, "[INST]")) {
     t.kind_ = Kind::Llama2;
+  } else if (contains(source, "<start_of_turn>") || (source.empty() && has_start_of_turn)) {
+    t.kind_ = Kind::Gemma;
   }
   return t;
 }
@@ -39,6 +49,7 @@ const char* ChatTemplate::kind_name() const {
     case Kind::ChatML: return "chatml";
     case Kind::Llama3: return "llama3";
     case Kind::Llama2: return "llama2";
+    case Kind::Gemma: return "gemma";
     default: return "plain";
   }
 }
@@ -48,6 +59,7 @@ std::string ChatTemplate::end_of_turn() const {
     case Kind::ChatML: return "<|im_end|>";
     case Kind::Llama3: return "<|eot_id|>";
     case Kind::Llama2: return "</s>";
+    case Kind::Gemma: return "<end_of_turn>";
     default: return "";
   }
 }
@@ -84,6 +96,24 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages,
           out += " " + m.content + " </s>";
         }
       }
+      break;
+    }
+    case Kind::Gemma: {
+      // The system text has no turn of its own: it opens the first turn, then a blank line. Texts
+      // are trimmed, as Gemma's templates do.
+      std::string opening;
+      bool first = true;
+      for (const auto& m : messages) {
+        if (m.role == "system" && first && opening.empty()) {
+          opening = trim(m.content) + "\n\n";
+          continue;
+        }
+        out += "<start_of_turn>" + (m.role == "assistant" ? std::string("model") : m.role) + "\n";
+        if (first) out += opening;
+        first = false;
+        out += trim(m.content) + "<end_of_turn>\n";
+      }
+      if (add_generation_prompt) out += "<start_of_turn>model\n";
       break;
     }
     case Kind::Plain:

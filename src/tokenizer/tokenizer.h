@@ -3,7 +3,8 @@
 // Two models: SentencePiece BPE (GGUF tokenizer.ggml.model "llama") and byte-level BPE ("gpt2";
 // also Hugging Face BPE folders). Both share the handling of added tokens:
 //   - encode() first cuts the text at added-token text, leftmost-longest match first (as Hugging Face
-//     tokenizers does). USER_DEFINED tokens (non-special added tokens) are always cut out; CONTROL and
+//     tokenizers does). USER_DEFINED tokens (non-special added tokens) are always cut out, except
+//     SentencePiece's whitespace runs, which the model merges as pieces (spm_model.h); CONTROL and
 //     UNKNOWN tokens (<s>, <|im_start|>, ...) only when parse_special is true. Each stretch of text in
 //     between is encoded by the model on its own; for SentencePiece that means each stretch gets the
 //     dummy-prefix space (llama.cpp and the original Llama tokenizer behave the same).

@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "io/gguf.h"
+#include "template/chat_render.h"
 #include "test_util.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/tokenizer_source.h"
 
@@ -136,6 +138,34 @@ TEST(Gemma3_270m, SpaceRunTokensMergeAsPieces) {
   EXPECT_EQ(enc("a\n\n\nb"), (std::vector<int32_t>{a, nl2, nl, b}));
   EXPECT_EQ(tok->decode(enc("a     b \n\nb")), "a     b \n\nb");
   EXPECT_EQ(enc(" "), (std::vector<int32_t>{space}));
+}
+
+// Without tokenizer.chat_template (this GGUF has none) a vocabulary with <start_of_turn> gets the
+// Gemma turn format; it renders a conversation as the Gemma-style Jinja golden template does.
+TEST(Gemma3_270m, ChatFallbackIsGemmaTurns) {
+  const ChatTemplate t = ChatTemplate::detect("", /*has_im_start=*/false, /*has_start_of_turn=*/true);
+  ASSERT_EQ(t.kind(), ChatTemplate::Kind::Gemma);
+  EXPECT_EQ(t.end_of_turn(), "<end_of_turn>");
+  EXPECT_EQ(ChatTemplate::detect("", false, false).kind(), ChatTemplate::Kind::Plain);
+  EXPECT_EQ(ChatTemplate::detect("", true, true).kind(), ChatTemplate::Kind::ChatML);
+  EXPECT_EQ(ChatTemplate::detect("{{ '<start_of_turn>' }}", false).kind(), ChatTemplate::Kind::Gemma);
+  const std::vector<ChatMessage> conv = {{"system", "You are a concise assistant."},
+                                         {"user", "  What is the capital of France?  "},
+                                         {"assistant", "Paris."},
+                                         {"user", "And of Italy?"}};
+  EXPECT_EQ(t.apply(conv, true),
+            "<start_of_turn>user\nYou are a concise assistant.\n\nWhat is the capital of France?<end_of_turn>\n"
+            "<start_of_turn>model\nParis.<end_of_turn>\n"
+            "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n"
+            "<start_of_turn>model\n");
+  EXPECT_EQ(t.apply({{"user", "Hi"}}, false), "<start_of_turn>user\nHi<end_of_turn>\n");
+  // The same conversations through the Jinja engine and the golden template (BOS left to the encoder).
+  const std::string tmpl = test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/golden/chat_templates/gemma_turns.jinja");
+  ChatTemplateInputs in;
+  in.messages = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : conv) in.messages.push_back({{"role", m.role}, {"content", m.content}});
+  in.add_generation_prompt = true;
+  EXPECT_EQ(render_chat_template(tmpl, in), t.apply(conv, true));
 }
 
 // The metadata llama.cpp writes for gemma3 (the keys the architecture reads) and the tensor

@@ -57,6 +57,21 @@ TEST(ChatTemplateGolden, ToolsChatml) { check_template("tools_chatml"); }
 TEST(ChatTemplateGolden, HeaderStyle) { check_template("header_style"); }
 TEST(ChatTemplateGolden, Alternating) { check_template("alternating"); }
 TEST(ChatTemplateGolden, KitchenSink) { check_template("kitchen_sink"); }
+TEST(ChatTemplateGolden, GemmaTurns) { check_template("gemma_turns"); }
+
+TEST(ChatTemplateGolden, GemmaTurnsByHand) {
+  // Written from the Gemma turn format, independently of jinja2: the system text opens the first
+  // user turn after a blank line, the assistant's turns are "model", the generation prompt opens one.
+  ChatTemplateInputs in;
+  in.messages = test::read_chat_golden_json("conversations.json").at("system_user_assistant");
+  in.add_generation_prompt = true;
+  in.bos_token = "<bos>";
+  EXPECT_EQ(render_chat_template(test::read_file(test::chat_golden_dir() + "/gemma_turns.jinja"), in),
+            "<bos><start_of_turn>user\nYou are a concise assistant.\n\nWhat is the capital of France?<end_of_turn>\n"
+            "<start_of_turn>model\nParis.<end_of_turn>\n"
+            "<start_of_turn>user\nAnd of Italy?<end_of_turn>\n"
+            "<start_of_turn>model\n");
+}
 
 TEST(ChatTemplateGolden, ErrorsAsJinja2Reports) {
   // The alternation check of the Mistral-style template: raise_exception's text comes through.

@@ -535,7 +535,8 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
   }
   if (tokenizer.bos_id() >= 0) f.bos_token = tokenizer.token(tokenizer.bos_id()).text;
   if (tokenizer.eos_id() >= 0) f.eos_token = tokenizer.token(tokenizer.eos_id()).text;
-  f.chat_template = ChatTemplate::detect(model.chat_template(), tokenizer.token_id("<|im_start|>").has_value());
+  f.chat_template = ChatTemplate::detect(model.chat_template(), tokenizer.token_id("<|im_start|>").has_value(),
+                                         tokenizer.token_id("<start_of_turn>").has_value());
   for (int32_t id = 0; id < tokenizer.n_vocab(); ++id)
     if (tokenizer.is_eog(id)) f.stop_ids.push_back(id);
   if (const std::string eot = f.chat_template.end_of_turn(); !eot.empty()) f.end_of_turn_id = tokenizer.token_id(eot);
