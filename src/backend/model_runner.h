@@ -78,6 +78,9 @@ class ModelRunner {
   virtual int32_t n_kv_blocks() const = 0;
   virtual int32_t block_size() const = 0;
   virtual KvDtype kv_dtype() const = 0;
+  // Bytes the KV pool holds per token over all layers: kv_bytes_per_token() of the model's
+  // geometry in kv_dtype(), the figure `kestrel plan` prints.
+  virtual int64_t kv_bytes_per_token() const = 0;
   // "cpu (2 threads, avx512)", "cuda (NVIDIA H200)", for logs.
   virtual std::string description() const = 0;
 };

@@ -5,6 +5,9 @@
 // [n_blocks, n_head_kv, block_size, head_dim]: the keys of one KV head in one block are
 // contiguous, so attention over a sequence streams whole runs of memory per block. Which blocks a
 // sequence owns is the business of its block table and of the KvManager, not of this class.
+// Multi-head latent attention (KvGeometry::is_mla) caches one row [kv_lora_rank + rope_dim] per
+// token and layer (the latent c_KV, then the RoPE key): the K storage with one head of that width,
+// and no V storage.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +17,7 @@
 #include <vector>
 
 #include "memory/kv_dtype.h"
+#include "memory/kv_planner.h"
 
 namespace kestrel {
 
@@ -25,6 +29,9 @@ class KvCache {
   // resident from the start (a server: memory runs short at start, not as an out-of-memory kill
   // once the cache fills, and its RSS stays flat while it serves); otherwise pages are touched
   // only when a block is first written.
+  KvCache(const KvGeometry& geometry, int32_t block_size, int32_t n_blocks, KvDtype dtype = KvDtype::F32,
+          bool populate = false);
+  // Standard attention's geometry.
   KvCache(int64_t n_layer, int64_t n_head_kv, int64_t head_dim, int32_t block_size, int32_t n_blocks,
           KvDtype dtype = KvDtype::F32, bool populate = false);
 
@@ -35,8 +42,9 @@ class KvCache {
   int64_t kv_dim() const { return n_head_kv_ * head_dim_; }
   int64_t n_slots() const { return static_cast<int64_t>(n_blocks_) * block_size_; }
   KvDtype dtype() const { return dtype_; }
-  // Bytes of K and V for one token across all layers (2 x layers x kv_heads x head_dim x bytes).
-  int64_t bytes_per_token() const { return 2 * n_layer_ * kv_dim() * kv_dtype_bytes(dtype_); }
+  bool has_v() const { return !v_.empty(); }  // false for MLA
+  // Bytes of one token across all layers: kv_bytes_per_token() of the geometry (the planner's).
+  int64_t bytes_per_token() const { return (has_v() ? 2 : 1) * n_layer_ * kv_dim() * kv_dtype_bytes(dtype_); }
   // Element offset of (slot, kv head) in a layer's K or V storage; head_dim elements follow.
   int64_t offset(int64_t slot, int64_t head) const {
     return ((slot / block_size_ * n_head_kv_ + head) * block_size_ + slot % block_size_) * head_dim_;
@@ -44,9 +52,9 @@ class KvCache {
 
   // A layer's storage, [n_blocks, n_head_kv, block_size, head_dim] of dtype().
   void* k(int64_t layer) { return k_[static_cast<size_t>(layer)].get(); }
-  void* v(int64_t layer) { return v_[static_cast<size_t>(layer)].get(); }
+  void* v(int64_t layer) { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
   const void* k(int64_t layer) const { return k_[static_cast<size_t>(layer)].get(); }
-  const void* v(int64_t layer) const { return v_[static_cast<size_t>(layer)].get(); }
+  const void* v(int64_t layer) const { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
   // Copies the K and V of every layer from block src to block dst (copy-on-write).
   void copy_block(int32_t src, int32_t dst);
 

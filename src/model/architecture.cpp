@@ -10,16 +10,20 @@ namespace kestrel {
 namespace {
 // Explicit, so a static library never drops a builder the way it drops an unreferenced
 // self-registering object file.
-constexpr std::array<Architecture, 5> kArchitectures = {{
+constexpr std::array<Architecture, 6> kArchitectures = {{
     {"llama", archs::llama_forward, archs::llama_tensors},
     {"mistral", archs::llama_forward, archs::llama_tensors},
     {"qwen2", archs::llama_forward, archs::llama_tensors},
     {"mixtral", archs::llama_forward, archs::llama_tensors},
     {"qwen2moe", archs::llama_forward, archs::llama_tensors},
+    {"deepseek2", archs::deepseek2_forward, archs::deepseek2_tensors},
 }};
 }  // namespace
 
 void ForwardOps::add_norm(Act, WeightId, Act) { throw Error("this backend does not implement add_norm"); }
+void ForwardOps::mla_attention(int32_t, Act, Act) {
+  throw Error("this backend does not run multi-head latent attention yet");
+}
 void ForwardOps::moe_ffn(int32_t, Act, Act) {
   throw Error("this backend does not run mixture-of-experts layers yet");
 }

@@ -59,6 +59,13 @@ class ForwardOps {
   // moe_select's top-k experts and weights per token, out = sum_k w_k * ExpDown_e(silu(ExpGate_e
   // in) * ExpUp_e in) + [sigmoid(in . w(ShRouter)) *] ShDown(silu(ShGate in) * ShUp in).
   virtual void moe_ffn(int32_t layer, Act in, Act out);
+  // Multi-head latent attention of `layer` (hparams.mla; DeepSeek-V2, arXiv:2405.04434 sec. 2.1)
+  // from the normed input [n, d] to the heads' outputs out [n, n_head * v_head_dim]: queries
+  // through QA -> QANorm -> QB (or Q), the latent c = RMSNorm(KvA[:r]) * KvANorm and the RoPE key
+  // k_R = rope(KvA[r:]) cached per token; head h's score is q_nope_h . (W_UK_h c) + q_rope_h . k_R,
+  // its output W_UV_h (sum_j p_j c_j) (W_UK_h, W_UV_h: KvB's rows of head h), scale
+  // hparams.softmax_scale(). A backend may absorb W_UK into the query and W_UV after the sum.
+  virtual void mla_attention(int32_t layer, Act in, Act out);
 };
 
 // One tensor an architecture loads, named as llama.cpp's GGUF files and transformers' state dicts

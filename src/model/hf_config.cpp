@@ -1,5 +1,6 @@
 #include "model/hf_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <numbers>
@@ -24,6 +25,7 @@ constexpr ArchInfo kArchs[] = {
     {"Qwen2ForCausalLM", "qwen2", "qwen2", 32768},
     {"MixtralForCausalLM", "mixtral", "mixtral", 4096 * 32},
     {"Qwen2MoeForCausalLM", "qwen2_moe", "qwen2moe", 32768},
+    {"DeepseekV2ForCausalLM", "deepseek_v2", "deepseek2", 2048},
 };
 
 const ArchInfo& find_arch(const HfFields& c) {
@@ -47,6 +49,16 @@ const ArchInfo& find_arch(const HfFields& c) {
   for (const ArchInfo& i : kArchs) supported += (supported.empty() ? "" : ", ") + std::string(i.hf_name);
   c.fail(std::string("unsupported ") + field + " '" + name + "' (supported: " + supported + ")");
 }
+
+double yarn_mscale(double factor, double m) { return factor <= 1 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
+
+// rope_scaling type "yarn" (Peng et al. 2023, YaRN), read as transformers'
+// _compute_yarn_parameters reads it: with original_max_position_embeddings present the factor is
+// max_position_embeddings / original (DeepSeek's convention); the cos/sin attention factor
+// (attention_factor, else mscale(factor, mscale) / mscale(factor, mscale_all_dim), else
+// mscale(factor)) must be 1, which holds for DeepSeek's configs (mscale == mscale_all_dim). DeepSeek
+// also scales the softmax by mscale(factor, mscale_all_dim)^2.
+void read_yarn(const HfFields& c, const HfFields& s, HfModelConfig& cfg);
 
 // A positive finite number of rope_scaling.
 double positive(const HfFields& s, const char* key) {
@@ -76,8 +88,10 @@ void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
     if (!(low < high))
       s.fail("low_freq_factor " + std::to_string(low) + " must be below high_freq_factor " + std::to_string(high));
     cfg.rope_freq_factors = llama3_rope_freq_factors(hp.rope_dim, hp.rope_theta, factor, low, high, original);
+  } else if (type == "yarn") {
+    read_yarn(c, s, cfg);
   } else {
-    s.fail("rope type '" + type + "' is not supported (supported: default, linear, llama3)");
+    s.fail("rope type '" + type + "' is not supported (supported: default, linear, llama3, yarn)");
   }
 }
 
@@ -114,7 +128,98 @@ void read_moe(const HfFields& c, HfModelConfig& cfg) {
            std::to_string(moe.routing.n_expert) + " experts");
 }
 
+void read_yarn(const HfFields& c, const HfFields& s, HfModelConfig& cfg) {
+  ModelHparams& hp = cfg.hparams;
+  double factor = positive(s, "factor");
+  double original = static_cast<double>(hp.n_ctx_train);
+  if (s.has("original_max_position_embeddings")) {
+    original = positive(s, "original_max_position_embeddings");
+    factor = static_cast<double>(hp.n_ctx_train) / original;
+  }
+  const double mscale = s.number_or("mscale", 0), mscale_all = s.number_or("mscale_all_dim", 0);
+  double attention_factor = yarn_mscale(factor, 1.0);
+  if (s.has("attention_factor")) {
+    attention_factor = s.number("attention_factor");
+  } else if (mscale != 0 && mscale_all != 0) {
+    attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all);
+  }
+  if (std::abs(attention_factor - 1.0) > 1e-6)
+    s.fail("a yarn attention factor of " + std::to_string(attention_factor) +
+           " is not supported (only 1, as when mscale equals mscale_all_dim)");
+  const double beta_fast = s.number_or("beta_fast", 32), beta_slow = s.number_or("beta_slow", 1);
+  cfg.rope_freq_factors = yarn_rope_freq_factors(hp.rope_dim, hp.rope_theta, factor, original, beta_fast, beta_slow,
+                                                 s.flag_or("truncate", true));
+  if (hp.arch == "deepseek2" && mscale_all != 0) {
+    const double m = yarn_mscale(factor, mscale_all);
+    hp.attn_scale = static_cast<float>(m * m / std::sqrt(static_cast<double>(hp.head_dim)));
+  }
+  (void)c;
+}
+
+// DeepseekV2Config's attention and MoE fields.
+void read_deepseek2(const HfFields& c, HfModelConfig& cfg) {
+  ModelHparams& hp = cfg.hparams;
+  MlaHparams& mla = hp.mla;
+  mla.q_lora_rank = c.get_or("q_lora_rank", 0, 0);
+  mla.kv_lora_rank = c.get_or("kv_lora_rank", 512);
+  mla.qk_nope = c.get_or("qk_nope_head_dim", 128);
+  mla.qk_rope = c.get_or("qk_rope_head_dim", 64);
+  mla.v_head_dim = c.get_or("v_head_dim", 128);
+  if (mla.qk_rope % 2 != 0) c.fail("qk_rope_head_dim " + std::to_string(mla.qk_rope) + " is odd (RoPE rotates pairs)");
+  hp.head_dim = mla.qk_nope + mla.qk_rope;
+  hp.rope_dim = mla.qk_rope;
+  hp.n_head_kv = hp.n_head;  // every head reads the one cached latent
+  hp.rope_style = RopeStyle::AdjacentPairs;  // DeepSeek rotates interleaved pairs (x[2i], x[2i+1])
+  if (c.flag_or("attention_bias", false)) c.fail("attention_bias true is not supported");
+  if (!c.has("n_routed_experts")) return;
+  MoeHparams& moe = hp.moe;
+  moe.routing.n_expert = static_cast<int32_t>(c.get("n_routed_experts"));
+  moe.routing.n_expert_used = static_cast<int32_t>(c.get("num_experts_per_tok"));
+  moe.n_ff_expert = c.get_or("moe_intermediate_size", 1407);
+  moe.n_ff_shared = c.get_or("n_shared_experts", 0, 0) * moe.n_ff_expert;
+  moe.first_dense = c.get_or("first_k_dense_replace", 0, 0);
+  if (c.get_or("moe_layer_freq", 1) != 1) c.fail("moe_layer_freq other than 1 is not supported");
+  moe.routing.routed_scale = static_cast<float>(c.number_or("routed_scaling_factor", 1.0));
+  // DeepSeek-V2's router (transformers DeepseekV2Moe) scales the top-k softmax weights without
+  // renormalising them, whatever norm_topk_prob says.
+  moe.routing.norm_topk = false;
+  const std::string scoring = c.string_or("scoring_func", "softmax");
+  if (scoring != "softmax") c.fail("scoring_func '" + scoring + "' is not supported (only softmax)");
+  const std::string method = c.string_or("topk_method", "greedy");
+  if (method == "group_limited_greedy") {
+    moe.routing.select = MoeRouting::Select::GroupLimited;
+    moe.routing.n_group = static_cast<int32_t>(c.get("n_group"));
+    moe.routing.topk_group = static_cast<int32_t>(c.get("topk_group"));
+  } else if (method != "greedy") {
+    c.fail("topk_method '" + method + "' is not supported (supported: greedy, group_limited_greedy)");
+  }
+}
+
 }  // namespace
+
+std::vector<float> yarn_rope_freq_factors(int64_t rope_dim, double theta, double factor, double original_max_position_embeddings,
+                                          double beta_fast, double beta_slow, bool truncate) {
+  if (!(factor > 0)) throw Error("yarn rope scaling: factor must be positive, got " + std::to_string(factor));
+  const double d = static_cast<double>(rope_dim);
+  // The pair index whose wavelength makes `rotations` turns over the original context.
+  auto correction_dim = [&](double rotations) {
+    return d * std::log(original_max_position_embeddings / (rotations * 2 * std::numbers::pi)) / (2 * std::log(theta));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (truncate) low = std::floor(low), high = std::ceil(high);
+  low = std::max(low, 0.0);
+  high = std::min(high, d - 1);
+  if (low == high) high += 0.001;
+  std::vector<float> out(static_cast<size_t>(rope_dim / 2));
+  for (int64_t i = 0; i < rope_dim / 2; ++i) {
+    const double extrapolation = std::pow(theta, -2.0 * static_cast<double>(i) / d);
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double keep = 1 - ramp;  // the share of the unscaled frequency
+    const double inv_freq = extrapolation / factor * (1 - keep) + extrapolation * keep;
+    out[static_cast<size_t>(i)] = static_cast<float>(extrapolation / inv_freq);
+  }
+  return out;
+}
 
 std::vector<float> llama3_rope_freq_factors(int64_t rope_dim, double theta, double factor,
                                             double low_freq_factor, double high_freq_factor,
@@ -189,6 +294,7 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
     cfg.qkv_bias = cfg.o_bias = c.flag_or("attention_bias", false);  // LlamaAttention: all four
     if (c.flag_or("mlp_bias", false)) c.fail("mlp_bias true is not supported (no MLP biases)");
   }
+  if (hp.arch == "deepseek2") read_deepseek2(c, cfg);
   read_rope_scaling(c, cfg);
   if (hp.arch == "mixtral" || hp.arch == "qwen2moe") read_moe(c, cfg);
 

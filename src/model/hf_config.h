@@ -2,8 +2,8 @@
 // needs to know (tied embeddings, which biases exist, RoPE frequency divisors).
 //
 // Architectures (config "architectures"[0], else "model_type"): LlamaForCausalLM, MistralForCausalLM,
-// Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM. Field meanings and defaults are those
-// of transformers' LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig and Qwen2MoeConfig
+// Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM. Field meanings and defaults are those
+// of transformers' LlamaConfig, MistralConfig, Qwen2Config, MixtralConfig, Qwen2MoeConfig and DeepseekV2Config
 // (src/transformers/models/<arch>/configuration_<arch>.py).
 #pragma once
 
@@ -17,7 +17,7 @@
 namespace kestrel {
 
 struct HfModelConfig {
-  ModelHparams hparams;  // arch "llama" / "mistral" / "qwen2" / "mixtral" / "qwen2moe"; rope_style RotateHalf
+  ModelHparams hparams;  // arch "llama" / "mistral" / "qwen2" / "mixtral" / "qwen2moe" / "deepseek2"
   std::string torch_dtype;           // "bfloat16", "float32", ...; "" when absent (informational)
   bool tie_word_embeddings = false;  // the output matrix is model.embed_tokens.weight
   bool qkv_bias = false;             // q/k/v_proj.bias exist: Qwen2 always, Llama with attention_bias
@@ -44,7 +44,11 @@ struct HfModelConfig {
   // Mixtral: num_local_experts (8), num_experts_per_tok (2), intermediate_size as each expert's
   // width, top-k renormalised. Qwen2-MoE: num_experts (60), num_experts_per_tok (4),
   // moe_intermediate_size (1408), shared_expert_intermediate_size (5632, sigmoid-gated),
-  // norm_topk_prob (false), decoder_sparse_step (1), mlp_only_layers ([]).
+  // norm_topk_prob (false), decoder_sparse_step (1), mlp_only_layers ([]). DeepSeek-V2: q_lora_rank
+  // (null: q_proj), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, n_routed_experts
+  // (null: dense), num_experts_per_tok, moe_intermediate_size, n_shared_experts,
+  // first_k_dense_replace, moe_layer_freq (1), routed_scaling_factor, topk_method (greedy,
+  // group_limited_greedy with n_group, topk_group), scoring_func (softmax); rope_scaling yarn.
   // Throws kestrel::Error("<where>: ...") naming the field and value for an unsupported
   // architecture, a missing required field, a value of the wrong type or out of range, or an
   // unsupported rope_scaling type or hidden_act. hparams.name is left empty for the caller.
@@ -64,5 +68,14 @@ struct HfModelConfig {
 std::vector<float> llama3_rope_freq_factors(int64_t rope_dim, double theta, double factor,
                                             double low_freq_factor, double high_freq_factor,
                                             double original_max_position_embeddings);
+
+// Divisors of the RoPE frequencies for rope_scaling type "yarn" (Peng et al. 2023), per pair i of
+// [0, rope_dim/2): the scaled inv_freq blends theta^(-2i/d) (kept) and theta^(-2i/d) / factor
+// (interpolated) by a linear ramp between the pair indices whose wavelengths make beta_fast and
+// beta_slow turns over original_max_position_embeddings (floored / ceiled when truncate), as
+// transformers' _compute_yarn_parameters computes it; divisor = theta^(-2i/d) / scaled inv_freq.
+std::vector<float> yarn_rope_freq_factors(int64_t rope_dim, double theta, double factor,
+                                          double original_max_position_embeddings, double beta_fast,
+                                          double beta_slow, bool truncate);
 
 }  // namespace kestrel

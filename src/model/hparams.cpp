@@ -17,6 +17,23 @@ bool MoeHparams::is_moe_layer(int64_t layer) const {
   return true;
 }
 
+float ModelHparams::softmax_scale() const {
+  return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
+
+KvGeometry ModelHparams::kv_geometry() const {
+  KvGeometry g;
+  g.n_layer = n_layer;
+  if (mla.enabled()) {
+    g.kv_lora_rank = mla.kv_lora_rank;
+    g.rope_dim = mla.qk_rope;
+  } else {
+    g.n_head_kv = n_head_kv;
+    g.head_dim = head_dim;
+  }
+  return g;
+}
+
 ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   ModelHparams hp;
   hp.arch = f.get_string("general.architecture");
@@ -91,6 +108,18 @@ void ModelHparams::validate() const {
   require(std::isfinite(rope_theta) && rope_theta > 0, "rope.freq_base = " + std::to_string(rope_theta));
   require(std::isfinite(rope_linear_scale) && rope_linear_scale > 0,
           "rope.scaling.factor = " + std::to_string(rope_linear_scale));
+  require(std::isfinite(attn_scale) && attn_scale >= 0, "attention scale = " + std::to_string(attn_scale));
+  if (mla.enabled()) {
+    require(mla.kv_lora_rank <= 8192 && mla.q_lora_rank >= 0 && mla.q_lora_rank <= 65536,
+            "MLA ranks: kv_lora_rank " + std::to_string(mla.kv_lora_rank) + ", q_lora_rank " +
+                std::to_string(mla.q_lora_rank));
+    require(mla.qk_nope > 0 && mla.qk_nope <= 1024 && mla.v_head_dim > 0 && mla.v_head_dim <= 1024,
+            "MLA head widths: qk_nope_head_dim " + std::to_string(mla.qk_nope) + ", v_head_dim " +
+                std::to_string(mla.v_head_dim));
+    require(mla.qk_rope == rope_dim && head_dim == mla.qk_nope + mla.qk_rope,
+            "MLA: head_dim " + std::to_string(head_dim) + " must be qk_nope_head_dim + qk_rope_head_dim (" +
+                std::to_string(mla.qk_nope) + " + " + std::to_string(mla.qk_rope) + ")");
+  }
   if (moe.enabled()) {
     const MoeRouting& r = moe.routing;
     require(r.n_expert <= 1024, "expert_count = " + std::to_string(r.n_expert));
@@ -122,6 +151,7 @@ std::string ModelHparams::summary() const {
     << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
     << ", context " << n_ctx_train;
   if (sliding_window > 0) s << ", sliding window " << sliding_window;
+  if (mla.enabled()) s << ", MLA latent " << mla.kv_lora_rank << " + rope " << mla.qk_rope;
   if (moe.enabled()) {
     s << ", MoE " << moe.routing.n_expert << " experts top-" << moe.routing.n_expert_used << " (FFN "
       << moe.n_ff_expert << ")";

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "memory/kv_planner.h"
 #include "model/moe_router.h"
 
 namespace kestrel {
@@ -34,6 +35,20 @@ struct MoeHparams {
   bool is_moe_layer(int64_t layer) const;
 };
 
+// Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1): per token one latent
+// c_KV [kv_lora_rank] (after kv_a_layernorm) and one RoPE key k_R [qk_rope] shared by all heads
+// are cached; head h's key is [W_UK_h c_KV | k_R] and its value W_UV_h c_KV, both from kv_b_proj.
+// Queries come through the low-rank q_a_proj -> q_a_layernorm -> q_b_proj (q_lora_rank > 0) or q_proj.
+struct MlaHparams {
+  int64_t q_lora_rank = 0;   // 0: a full-rank q_proj (DeepSeek-V2-Lite)
+  int64_t kv_lora_rank = 0;  // > 0: the model uses MLA
+  int64_t qk_nope = 0;       // the non-rotated part of each q/k head
+  int64_t qk_rope = 0;       // the rotated part (== ModelHparams::rope_dim)
+  int64_t v_head_dim = 0;
+
+  bool enabled() const { return kv_lora_rank > 0; }
+};
+
 struct ModelHparams {
   std::string arch;         // "llama", "qwen2", ...
   std::string name;         // general.name, for display
@@ -54,9 +69,16 @@ struct ModelHparams {
   // position p attends to positions (p - W, p]; 0 = full attention.
   int64_t sliding_window = 0;
   MoeHparams moe;
+  MlaHparams mla;               // MLA: head_dim = qk_nope + qk_rope, rope_dim = qk_rope
+  float attn_scale = 0;         // softmax scale; 0 = 1 / sqrt(head_dim) (YaRN's mscale changes it)
 
   int64_t q_dim() const { return n_head * head_dim; }
   int64_t kv_dim() const { return n_head_kv * head_dim; }
+  // Width of the attention output (the input of the output projection).
+  int64_t attn_out_dim() const { return mla.enabled() ? n_head * mla.v_head_dim : q_dim(); }
+  float softmax_scale() const;
+  // What one token leaves in the KV cache per layer (K and V heads, or MLA's latent + RoPE key).
+  KvGeometry kv_geometry() const;
 
   // Reads `<arch>.*` keys (GGUF naming, e.g. llama.embedding_length). Throws kestrel::Error naming
   // the key when a required key is missing or a value is out of range (e.g. n_head not dividing

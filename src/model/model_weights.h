@@ -42,6 +42,13 @@ enum class WeightRole : uint8_t {
   ShUp,        // [s, d]
   ShDown,      // [d, s]
   ShRouter,    // [1, d] the shared expert's gate (Qwen2-MoE: output times sigmoid(x . w))
+  // Multi-head latent attention (MlaHparams; r = kv_lora_rank, H heads).
+  QA,          // [q_lora_rank, d] low-rank query down-projection
+  QANorm,      // [q_lora_rank] its RMSNorm weight
+  QB,          // [H (qk_nope + qk_rope), q_lora_rank]
+  KvA,         // [r + qk_rope, d]: the latent and the RoPE key
+  KvANorm,     // [r] the latent's RMSNorm weight
+  KvB,         // [H (qk_nope + v_head_dim), r]: per head W_UK (qk_nope rows) then W_UV (v_head_dim rows)
   // Groups.
   Qkv,       // Q, K, V
   GateUp,    // Gate, Up

@@ -608,6 +608,7 @@ class DeviceSamplingRunner final : public ModelRunner {
   int32_t n_kv_blocks() const override { return inner_->n_kv_blocks(); }
   int32_t block_size() const override { return inner_->block_size(); }
   KvDtype kv_dtype() const override { return inner_->kv_dtype(); }
+  int64_t kv_bytes_per_token() const override { return inner_->kv_bytes_per_token(); }
   std::string description() const override { return "device-sampling wrapper over " + inner_->description(); }
 
   int host_calls = 0, device_calls = 0;

@@ -68,6 +68,7 @@ class FaultyRunner final : public ModelRunner {
   int32_t n_kv_blocks() const override { return inner_->n_kv_blocks(); }
   int32_t block_size() const override { return inner_->block_size(); }
   KvDtype kv_dtype() const override { return inner_->kv_dtype(); }
+  int64_t kv_bytes_per_token() const override { return inner_->kv_bytes_per_token(); }
   std::string description() const override { return "faulty wrapper over " + inner_->description(); }
 
   int n_faulted = 0;

@@ -3,6 +3,7 @@
 // _compute_llama3_parameters), and one named error per bad field.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -175,7 +176,10 @@ TEST(HfConfig, RopeScalingTypes) {
   j["rope_scaling"] = {{"rope_type", "default"}};
   EXPECT_TRUE(parse(j).rope_freq_factors.empty());
   j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_CONFIG_ERROR(j, "rope_scaling: rope type 'yarn' is not supported (supported: default, linear, llama3)");
+  // YaRN's cos/sin attention factor mscale(4) = 1.139 (no mscale fields) is not applied.
+  EXPECT_CONFIG_ERROR(j, "rope_scaling: a yarn attention factor of 1.138629 is not supported");
+  j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 4.0}};
+  EXPECT_CONFIG_ERROR(j, "rope_scaling: rope type 'dynamic' is not supported (supported: default, linear, llama3, yarn)");
   j["rope_scaling"] = {{"rope_type", "linear"}};
   EXPECT_CONFIG_ERROR(j, "rope_scaling: missing required field 'factor'");
   j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", -2}};
@@ -284,6 +288,66 @@ TEST(HfConfig, MixtureOfExpertsFields) {
   EXPECT_CONFIG_ERROR(step, "field 'mlp_only_layers' must be an array");
 }
 
+// DeepSeek-V2-Lite's config.json fields (as published on the Hub).
+TEST(HfConfig, DeepseekV2LiteMlaMoeAndYarn) {
+  const json j = {{"architectures", {"DeepseekV2ForCausalLM"}}, {"hidden_size", 2048}, {"intermediate_size", 10944},
+                  {"num_hidden_layers", 27}, {"num_attention_heads", 16}, {"num_key_value_heads", 16},
+                  {"vocab_size", 102400}, {"max_position_embeddings", 163840}, {"kv_lora_rank", 512},
+                  {"q_lora_rank", nullptr}, {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64},
+                  {"v_head_dim", 128}, {"n_routed_experts", 64}, {"num_experts_per_tok", 6},
+                  {"moe_intermediate_size", 1408}, {"n_shared_experts", 2}, {"first_k_dense_replace", 1},
+                  {"moe_layer_freq", 1}, {"routed_scaling_factor", 1.0}, {"topk_method", "greedy"},
+                  {"n_group", 1}, {"topk_group", 1}, {"norm_topk_prob", false}, {"scoring_func", "softmax"},
+                  {"rms_norm_eps", 1e-6}, {"rope_theta", 10000},
+                  {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"original_max_position_embeddings", 4096},
+                                    {"beta_fast", 32}, {"beta_slow", 1}, {"mscale", 0.707},
+                                    {"mscale_all_dim", 0.707}}}};
+  const HfModelConfig c = parse(j);
+  const ModelHparams& hp = c.hparams;
+  EXPECT_EQ(hp.arch, "deepseek2");
+  EXPECT_EQ(hp.head_dim, 192);
+  EXPECT_EQ(hp.rope_dim, 64);
+  EXPECT_EQ(hp.rope_style, RopeStyle::AdjacentPairs);
+  EXPECT_EQ(hp.mla.q_lora_rank, 0);
+  EXPECT_EQ(hp.mla.kv_lora_rank, 512);
+  EXPECT_EQ(hp.attn_out_dim(), 16 * 128);
+  EXPECT_EQ(hp.kv_geometry().kv_lora_rank, 512);
+  EXPECT_EQ(hp.moe.n_ff_shared, 2 * 1408);
+  EXPECT_FALSE(hp.moe.is_moe_layer(0));
+  EXPECT_TRUE(hp.moe.is_moe_layer(26));
+  // 192^-0.5 x (0.1 x 0.707 x ln 40 + 1)^2
+  EXPECT_NEAR(hp.softmax_scale(), 0.1147213868, 1e-7);
+  ASSERT_EQ(c.rope_freq_factors.size(), 32u);
+  EXPECT_FLOAT_EQ(c.rope_freq_factors.front(), 1.0f);  // high frequencies kept
+  EXPECT_FLOAT_EQ(c.rope_freq_factors.back(), 40.0f);  // low frequencies interpolated by the factor
+  EXPECT_NE(hp.summary().find("MLA latent 512 + rope 64"), std::string::npos) << hp.summary();
+  json bad = j;
+  bad["topk_method"] = "noaux_tc";
+  EXPECT_CONFIG_ERROR(bad, "topk_method 'noaux_tc' is not supported (supported: greedy, group_limited_greedy)");
+  bad = j;
+  bad["moe_layer_freq"] = 2;
+  EXPECT_CONFIG_ERROR(bad, "moe_layer_freq other than 1 is not supported");
+  bad = j;
+  bad["topk_method"] = "group_limited_greedy";
+  bad["n_group"] = 8;
+  bad["topk_group"] = 3;
+  EXPECT_EQ(parse(bad).hparams.moe.routing.select, MoeRouting::Select::GroupLimited);
+  bad["n_group"] = 7;  // does not divide 64 experts
+  EXPECT_CONFIG_ERROR(bad, "expert groups: n_group 7");
+}
+
+// transformers' YaRN inverse frequencies for rope_dim 8, theta 1e4, factor 32 over 128 positions
+// (deepseek-v2-tiny's reference.json notes.yarn.inv_freq), as divisors of theta^(-2i/8).
+TEST(HfConfig, YarnFrequencies) {
+  const std::vector<float> f = yarn_rope_freq_factors(8, 10000.0, 32.0, 128.0, 32.0, 1.0, true);
+  const double want_inv[] = {1.0, 0.05156249925494194, 0.0003124999930150807, 3.125000148429535e-05};
+  ASSERT_EQ(f.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const double base = std::pow(10000.0, -2.0 * static_cast<double>(i) / 8.0);
+    EXPECT_NEAR(base / f[i], want_inv[i], want_inv[i] * 1e-7) << i;
+  }
+}
+
 TEST(HfConfig, Defaults) {
   const json j = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64},   {"intermediate_size", 128},
                   {"num_hidden_layers", 2},                {"num_attention_heads", 4}, {"vocab_size", 100}};
@@ -350,7 +414,7 @@ TEST(HfConfig, MissingAndBadFields) {
   j = base;
   j["architectures"] = {"GPT2LMHeadModel"};
   EXPECT_CONFIG_ERROR(j, "unsupported architectures 'GPT2LMHeadModel' (supported: LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)");
+                         "Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM)");
   j["architectures"] = json::array();
   EXPECT_CONFIG_ERROR(j, "field 'architectures' must be a non-empty array of strings");
   j.erase("architectures");

@@ -13,7 +13,10 @@
 #include <string>
 #include <vector>
 
+#include "backend/model_runner.h"
 #include "engine/engine.h"
+#include "memory/kv_planner.h"
+#include "model/model_footprint.h"
 #include "npy.h"
 #include "test_util.h"
 
@@ -148,6 +151,64 @@ TEST(HfTiny, Qwen2MoeMatchesTransformers) {
   ASSERT_EQ(moe.n_ff_shared, 64);
   ASSERT_TRUE(moe.shared_gate);
   EXPECT_LT(check_folder(*model, folder), 2e-5);
+}
+
+// deepseek-v2-tiny: MLA with q_lora (q_a -> norm -> q_b), YaRN (factor 32 over 128 positions,
+// mscale_all_dim 0.707), 8 routed experts top-2 not renormalised times 2.5, one shared expert,
+// layer 0 dense. Kestrel runs MLA absorbed (W_UK into the query, W_UV after the latent sum), the
+// reference up-projects per-head K and V: the sums differ in order only. Measured worst
+// |kestrel - transformers|: 5.3e-6, 6.4e-6, 1.0e-5 (7, 40, 100 tokens); bound 3e-5, three times the worst.
+TEST(HfTiny, DeepseekV2MatchesTransformers) {
+  const std::string folder = test::data_dir() + "/hf-tiny/deepseek-v2-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  const auto model = LlamaModel::load_hf_dir(folder);
+  const ModelHparams& hp = model->hparams();
+  ASSERT_EQ(hp.mla.q_lora_rank, 32);
+  ASSERT_EQ(hp.moe.first_dense, 1);
+  EXPECT_FALSE(hp.moe.is_moe_layer(0));
+  EXPECT_TRUE(hp.moe.is_moe_layer(1));
+  // reference.json notes.yarn: transformers' inv_freq and softmax scale.
+  const std::vector<float> inv = rope_inv_freq(hp, model->weights().rope_freq_factors);
+  const double want[] = {1.0, 0.05156249925494194, 0.0003124999930150807, 3.125000148429535e-05};
+  ASSERT_EQ(inv.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(inv[i], want[i], want[i] * 1e-7) << i;
+  EXPECT_NEAR(hp.softmax_scale(), 0.31641152016687396, 1e-7);
+  EXPECT_LT(check_folder(*model, folder), 3e-5);
+}
+
+// deepseek-v2-lite-tiny: the same without the query low-rank projection (q_proj).
+// Measured worst: 8.6e-6, 7.9e-6, 6.7e-6; bound 3e-5 as above.
+TEST(HfTiny, DeepseekV2LiteMatchesTransformers) {
+  const std::string folder = test::data_dir() + "/hf-tiny/deepseek-v2-lite-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  const auto model = LlamaModel::load_hf_dir(folder);
+  ASSERT_EQ(model->hparams().mla.q_lora_rank, 0);
+  EXPECT_LT(check_folder(*model, folder), 3e-5);
+}
+
+// The KV pool of an MLA model holds exactly what `kestrel plan` counts per token: per layer one
+// latent (32) and one RoPE key (8), no per-head K and V: 3 x 40 x 4 B = 480 B in f32, 240 in f16.
+TEST(HfTiny, MlaKvPoolBytesEqualThePlan) {
+  const std::string folder = test::data_dir() + "/hf-tiny/deepseek-v2-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/config.json");
+  const auto model = LlamaModel::load_hf_dir(folder);
+  const ModelFootprint fp = ModelFootprint::from_hf_config(folder);
+  KvGeometry g;
+  g.n_layer = fp.n_layer;
+  g.n_head_kv = fp.n_head_kv;
+  g.head_dim = fp.head_dim;
+  g.kv_lora_rank = fp.kv_lora_rank;
+  g.rope_dim = fp.rope_dim;
+  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16}) {
+    RunnerOptions o;
+    o.block_size = 16;
+    o.n_kv_blocks = 8;
+    o.kv_dtype = dtype;
+    o.n_threads = 1;
+    const auto runner = make_cpu_model_runner(*model, o);
+    EXPECT_EQ(runner->kv_bytes_per_token(), kv_bytes_per_token(g, dtype));
+    EXPECT_EQ(runner->kv_bytes_per_token(), dtype == KvDtype::F32 ? 480 : 240);
+  }
 }
 
 }  // namespace

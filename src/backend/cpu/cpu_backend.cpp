@@ -20,8 +20,7 @@ class CpuBackend final : public ModelRunner {
  public:
   CpuBackend(const LlamaModel& model, const RunnerOptions& o)
       : pool_(o.n_threads),
-        kv_(model.hparams().n_layer, model.hparams().n_head_kv, model.hparams().head_dim, o.block_size,
-            o.n_kv_blocks, o.kv_dtype, o.populate_kv),
+        kv_(model.hparams().kv_geometry(), o.block_size, o.n_kv_blocks, o.kv_dtype, o.populate_kv),
         runner_(model, kv_, pool_) {}
 
   std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }
@@ -31,6 +30,7 @@ class CpuBackend final : public ModelRunner {
   int32_t n_kv_blocks() const override { return kv_.n_blocks(); }
   int32_t block_size() const override { return kv_.block_size(); }
   KvDtype kv_dtype() const override { return kv_.dtype(); }
+  int64_t kv_bytes_per_token() const override { return kv_.bytes_per_token(); }
   std::string description() const override {
     return "cpu (" + std::to_string(pool_.size()) + " threads, " + simd_level_name(simd_level()) + ", KV " +
            std::string(kv_dtype_name(kv_.dtype())) + ")";

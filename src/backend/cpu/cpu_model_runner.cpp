@@ -1,5 +1,6 @@
 #include "backend/cpu/cpu_model_runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -10,7 +11,9 @@ namespace kestrel::cpu {
 
 CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
     : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
-  KESTREL_ASSERT(kv.kv_dim() == hp_.kv_dim(), "KV cache shape does not match the model");
+  const KvGeometry g = hp_.kv_geometry();
+  KESTREL_ASSERT(kv.kv_dim() == (g.is_mla() ? g.kv_lora_rank + g.rope_dim : hp_.kv_dim()) && kv.has_v() == !g.is_mla(),
+                 "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {
     if (!w.type.self_contained() || !matmul_supports(w.type.storage))
       throw Error(model.path() + ": " + what + " has type " + std::string(type_name(w.type.storage)) +
@@ -28,6 +31,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
     }
   if (hp_.moe.enabled()) expert_tokens_.assign(static_cast<size_t>(hp_.n_layer * hp_.moe.routing.n_expert), 0);
   inv_freq_ = rope_inv_freq(hp_, model.weights().rope_freq_factors);
+  if (hp_.mla.enabled()) prepare_mla();
 }
 
 void CpuModelRunner::check(const ForwardBatch& b) const {
@@ -40,7 +44,7 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   const int64_t n = b.n_tokens();
   const int64_t hd = hp_.head_dim;
   const int64_t group = hp_.n_head / hp_.n_head_kv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = hp_.softmax_scale();
   const int64_t window = hp_.sliding_window;
   const auto& op = ops();
   const void* kc = kv_.k(layer);
@@ -113,7 +117,7 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   grow(q_, n * hp_.q_dim());
   grow(k_, n * hp_.kv_dim());
   grow(v_, n * hp_.kv_dim());
-  grow(attn_, n * hp_.q_dim());
+  grow(attn_, n * std::max(hp_.q_dim(), hp_.attn_out_dim()));
   grow(gate_, n * hp_.n_ff);
   grow(up_, n * hp_.n_ff);
   token_seq_.resize(static_cast<size_t>(n));

@@ -43,6 +43,8 @@ class CpuModelRunner final : private ForwardOps {
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
   void add_norm(Act add, WeightId norm, Act out) override;
   void moe_ffn(int32_t layer, Act in, Act out) override;  // cpu_moe.cpp
+  void mla_attention(int32_t layer, Act in, Act out) override;  // cpu_mla.cpp
+  void prepare_mla();  // the absorbed per-head matrices of every layer, from KvB
   float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn, Normed
   // The arrays of an activation, one per stored part of the projection that writes it (Qkv: q_,
   // k_, v_; GateUp: gate_, up_; else act(a)); returns their count.
@@ -80,6 +82,10 @@ class CpuModelRunner final : private ForwardOps {
       shared_y_, shared_scale_;
   std::vector<int32_t> moe_ids_, moe_offsets_, moe_rows_;
   std::vector<uint64_t> expert_tokens_;
+  // MLA (cpu_mla.cpp): per layer W_UK_h^T [H, r, qk_nope] and W_UV_h [H, v_head_dim, r] in f32;
+  // scratch for the low-rank query, the cached rows, the absorbed queries and latent outputs.
+  std::vector<std::vector<float>> mla_uk_t_, mla_uv_;
+  std::vector<float> mla_qa_, mla_kv_, mla_q_, mla_o_;
 };
 
 }  // namespace kestrel::cpu

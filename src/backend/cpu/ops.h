@@ -24,9 +24,12 @@ struct AttentionArgs {
   int64_t n_ctx;               // keys at positions [kv_begin, n_ctx) are attended (causal bound applied)
   int64_t kv_begin;            // first key position attended: 0, or past a sliding window's start
   int64_t head_dim;
+  // Values are the first v_dim elements of each row of v_cache (row stride head_dim); 0 = head_dim.
+  // MLA attends over its latent rows: v_cache == k_cache, v_dim = kv_lora_rank.
+  int64_t v_dim;
   int64_t group;               // query heads per KV head (1 = MHA, n_head = MQA)
   float scale;                 // softmax scale, 1/sqrt(head_dim)
-  float* out;                  // [group, head_dim]
+  float* out;                  // [group, v_dim]
 };
 
 struct OpsTable {

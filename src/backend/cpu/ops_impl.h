@@ -131,6 +131,7 @@ void attention_impl(const AttentionArgs& a) {
   constexpr int kMaxGroup = 64;
   constexpr int kMaxTile = 64;
   const int64_t hd = a.head_dim;
+  const int64_t vd = a.v_dim > 0 ? a.v_dim : hd;
   const int64_t g_n = a.group;
   const T* kc = static_cast<const T*>(a.k_cache) + a.head_offset;
   const T* vc = static_cast<const T*>(a.v_cache) + a.head_offset;
@@ -140,7 +141,7 @@ void attention_impl(const AttentionArgs& a) {
   for (int64_t g = 0; g < g_n; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
-    std::memset(a.out + g * hd, 0, sizeof(float) * static_cast<size_t>(hd));
+    std::memset(a.out + g * vd, 0, sizeof(float) * static_cast<size_t>(vd));
   }
   const int64_t bs = a.block_size;
   // Block by block from kv_begin (a window may start inside a block): n keys from offset `first`.
@@ -172,11 +173,11 @@ void attention_impl(const AttentionArgs& a) {
           v8f sv = load8(s + j) - m_new;
           store8(pr + j, exp8(sv));
         }
-        float* o = a.out + g * hd;
+        float* o = a.out + g * vd;
         l[g] *= correction;
         for (int64_t j = 0; j < tn; ++j) {
           l[g] += pr[j];
-          scale_add(o, j == 0 ? correction : 1.0f, pr[j], vc + base + (t0 + j) * hd, hd);
+          scale_add(o, j == 0 ? correction : 1.0f, pr[j], vc + base + (t0 + j) * hd, vd);
         }
         m[g] = m_new;
       }
@@ -185,8 +186,8 @@ void attention_impl(const AttentionArgs& a) {
   }
   for (int64_t g = 0; g < g_n; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    float* o = a.out + g * hd;
-    for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+    float* o = a.out + g * vd;
+    for (int64_t i = 0; i < vd; ++i) o[i] *= inv;
   }
 }
 

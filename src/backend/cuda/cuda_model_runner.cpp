@@ -53,6 +53,8 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (hp_.sliding_window > 0 && hp_.sliding_window < hp_.n_ctx_train)
     throw Error("CUDA backend: sliding-window attention (window " + std::to_string(hp_.sliding_window) +
                 " of a context of " + std::to_string(hp_.n_ctx_train) + ") is not supported; use --device cpu");
+  if (hp_.mla.enabled())
+    throw Error("CUDA backend: multi-head latent attention (" + hp_.arch + ") is not supported yet; use --device cpu");
   if (hp_.moe.enabled())
     throw Error("CUDA backend: mixture-of-experts layers (" + hp_.arch + ") are not supported yet; use --device cpu");
   if (o.block_size <= 0) throw Error("block size must be positive");
@@ -246,5 +248,10 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
   if (grew) graphs_.clear();
 }
 
+int64_t CudaModelRunner::kv_bytes_per_token() const {
+  return kestrel::kv_bytes_per_token(hp_.kv_geometry(), KvDtype::BF16);
+}
+
 }  // namespace cuda_runner
+
 }  // namespace kestrel

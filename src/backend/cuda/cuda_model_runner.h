@@ -117,6 +117,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
   KvDtype kv_dtype() const override { return KvDtype::BF16; }
+  int64_t kv_bytes_per_token() const override;
   std::string description() const override {
     return "cuda (" + device_name_ + ", bf16 weights, KV bf16 " + std::to_string(n_blocks_) + " blocks, " +
            (eager_ ? "eager" : "CUDA graphs for decode") + ")";

@@ -1,0 +1,135 @@
+// The CPU backend's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434 sec. 2.1), run in
+// the latent space ("weight absorption", sec. 2.1.2 and appendix): the cache holds per token one
+// row [c_KV (kv_lora_rank) | k_R (qk_rope)]; head h's query becomes [W_UK_h^T q_nope_h | q_rope_h],
+// so all heads attend over the one cached row as MQA with head_dim kv_lora_rank + qk_rope, the
+// values being the latent itself; head h's output is W_UV_h times its latent output. Scores and
+// outputs equal the up-projected form's (per-head K = [W_UK_h c | k_R], V = W_UV_h c) up to f32
+// rounding; each cached token costs kv_lora_rank + qk_rope elements per layer instead of
+// 2 x n_head x head_dim.
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/cpu_model_runner.h"
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+
+namespace kestrel::cpu {
+
+void CpuModelRunner::prepare_mla() {
+  const MlaHparams& mla = hp_.mla;
+  const int64_t H = hp_.n_head, r = mla.kv_lora_rank, nope = mla.qk_nope, vd = mla.v_head_dim;
+  mla_uk_t_.resize(static_cast<size_t>(hp_.n_layer));
+  mla_uv_.resize(static_cast<size_t>(hp_.n_layer));
+  std::vector<float> row(static_cast<size_t>(r));
+  for (int32_t l = 0; l < static_cast<int32_t>(hp_.n_layer); ++l) {
+    const WeightView& kvb = model_.weights().at({l, WeightRole::KvB}).matrix;  // [H (nope + vd), r]
+    std::vector<float>& uk_t = mla_uk_t_[static_cast<size_t>(l)];  // [H, r, nope]: W_UK_h transposed
+    std::vector<float>& uv = mla_uv_[static_cast<size_t>(l)];      // [H, vd, r]: W_UV_h
+    uk_t.assign(static_cast<size_t>(H * r * nope), 0.0f);
+    uv.assign(static_cast<size_t>(H * vd * r), 0.0f);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < nope + vd; ++i) {
+        dequantize_row(kvb.type.storage, kvb.row(h * (nope + vd) + i), row.data(), r);
+        if (i < nope) {
+          for (int64_t j = 0; j < r; ++j) uk_t[static_cast<size_t>((h * r + j) * nope + i)] = row[static_cast<size_t>(j)];
+        } else {
+          std::copy(row.begin(), row.end(), uv.begin() + (h * vd + (i - nope)) * r);
+        }
+      }
+  }
+}
+
+void CpuModelRunner::mla_attention(int32_t layer, Act in, Act out) {
+  KESTREL_ASSERT(out == Act::Attn, "CPU mla_attention: writes Act::Attn");
+  const MlaHparams& mla = hp_.mla;
+  const ModelWeights& W = model_.weights();
+  const ForwardBatch& b = *batch_;
+  const int64_t n = b.n_tokens(), H = hp_.n_head, r = mla.kv_lora_rank, rope_d = mla.qk_rope, nope = mla.qk_nope;
+  const int64_t vd = mla.v_head_dim, qh = nope + rope_d, row = r + rope_d;
+  const float* x = act(in);
+  const auto& op = ops();
+  const bool adjacent = hp_.rope_style == RopeStyle::AdjacentPairs;
+
+  // Queries [n, H, qh].
+  float* q = q_.data();
+  if (const LayerTensor* qa = W.find({layer, WeightRole::QA}); qa != nullptr) {
+    const int64_t qr = mla.q_lora_rank;
+    grow(mla_qa_, n * qr);
+    float* y = mla_qa_.data();
+    project({layer, WeightRole::QA}, x, n, &y);
+    op.rms_norm(y, W.at({layer, WeightRole::QANorm}).vector.data(), y, n, qr, hp_.rms_eps);
+    project({layer, WeightRole::QB}, y, n, &q);
+  } else {
+    project({layer, WeightRole::Q}, x, n, &q);
+  }
+  // The cached rows [n, r + rope]: normed latent, rotated key.
+  grow(mla_kv_, n * row);
+  float* kv = mla_kv_.data();
+  project({layer, WeightRole::KvA}, x, n, &kv);
+  const float* kv_norm = W.at({layer, WeightRole::KvANorm}).vector.data();
+  for (int64_t t = 0; t < n; ++t) op.rms_norm(kv + t * row, kv_norm, kv + t * row, 1, r, hp_.rms_eps);
+  rope(q + nope, b.positions.data(), n, H, qh, rope_d, inv_freq_.data(), hp_.rope_linear_scale, adjacent);
+  rope(kv + r, b.positions.data(), n, 1, row, rope_d, inv_freq_.data(), hp_.rope_linear_scale, adjacent);
+  const bool f16 = kv_.dtype() == KvDtype::F16;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t off = kv_.offset(b.slot_mapping[t], 0);
+    if (f16) {
+      op.f32_to_f16(kv + t * row, static_cast<uint16_t*>(kv_.k(layer)) + off, row);
+    } else {
+      std::memcpy(static_cast<float*>(kv_.k(layer)) + off, kv + t * row, sizeof(float) * static_cast<size_t>(row));
+    }
+  }
+
+  // Absorbed queries [n, H, row] = [W_UK_h^T q_nope_h | q_rope_h].
+  grow(mla_q_, n * H * row);
+  grow(mla_o_, n * H * r);
+  const std::vector<float>& uk_t = mla_uk_t_[static_cast<size_t>(layer)];
+  const std::vector<float>& uv = mla_uv_[static_cast<size_t>(layer)];
+  pool_.parallel_for(n * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t h = th % H;
+      const float* qn = q + th * qh;
+      float* ql = mla_q_.data() + th * row;
+      for (int64_t j = 0; j < r; ++j) ql[j] = vec_dot_f32(uk_t.data() + (h * r + j) * nope, qn, nope);
+      std::copy_n(qn + nope, rope_d, ql + r);
+    }
+  });
+  // All heads over the one latent row (MQA), at most 64 heads per task (the kernel's group bound).
+  constexpr int64_t kMaxGroup = 64;
+  const int64_t chunks = (H + kMaxGroup - 1) / kMaxGroup;
+  const float scale = hp_.softmax_scale();
+  pool_.parallel_for(n * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / chunks, h0 = (task % chunks) * kMaxGroup;
+      const int64_t s = token_seq_[static_cast<size_t>(t)];
+      AttentionArgs a{};
+      a.q = mla_q_.data() + (t * H + h0) * row;
+      a.k_cache = kv_.k(layer);
+      a.v_cache = kv_.k(layer);
+      a.kv_f16 = f16;
+      a.block_stride = static_cast<int64_t>(kv_.block_size()) * row;
+      a.head_offset = 0;
+      a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
+      a.block_size = kv_.block_size();
+      a.n_ctx = b.positions[t] + 1;
+      a.kv_begin = 0;
+      a.head_dim = row;
+      a.v_dim = r;
+      a.group = std::min(kMaxGroup, H - h0);
+      a.scale = scale;
+      a.out = mla_o_.data() + (t * H + h0) * r;
+      op.attention(a);
+    }
+  });
+  // out[t, h, i] = W_UV_h[i] . o_lat[t, h].
+  float* o = act(out);
+  pool_.parallel_for(n * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t h = th % H;
+      for (int64_t i = 0; i < vd; ++i)
+        o[th * vd + i] = vec_dot_f32(uv.data() + (h * vd + i) * r, mla_o_.data() + th * r, r);
+    }
+  });
+}
+
+}  // namespace kestrel::cpu
