@@ -41,7 +41,8 @@ std::string answer(Engine& engine, const Tokenizer& tok, const PromptFormat& for
     throw Error(e.what());
   }
   Request req = settings;
-  req.prompt = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
+  // A template that writes the BOS text itself (Gemma, Llama 2 and 3) must not get a second one.
+  req.prompt = tok.encode(prompt, /*add_special=*/!format.starts_with_bos(prompt), /*parse_special=*/true);
   StreamDecoder stream(tok);
   std::vector<int32_t> reply;
   const SingleResult res = run_single(engine, std::move(req), [&](const RequestOutput& o) {
