@@ -15,6 +15,7 @@
 #include "scheduler/scheduler.h"
 #include "scheduler/step_batch.h"
 #include "tokenizer/stream_decoder.h"
+#include "backend/kv_geometry.h"
 
 namespace kestrel {
 
@@ -42,7 +43,7 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
     c.kv_dtype = runner->kv_dtype();
   }
   if (c.n_kv_blocks == 0) {
-    const int64_t bytes_per_block = kv_bytes_per_token(hp.kv_geometry(), c.kv_dtype) * c.block_size;
+    const int64_t bytes_per_block = kv_bytes_per_token(kv_geometry(hp), c.kv_dtype) * c.block_size;
     const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
     c.n_kv_blocks = static_cast<int32_t>(std::min<int64_t>(blocks_per_seq * std::max(1, c.max_num_seqs), cap));
   }

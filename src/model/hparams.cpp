@@ -21,19 +21,6 @@ float ModelHparams::softmax_scale() const {
   return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }
 
-KvGeometry ModelHparams::kv_geometry() const {
-  KvGeometry g;
-  g.n_layer = n_layer;
-  if (mla.enabled()) {
-    g.kv_lora_rank = mla.kv_lora_rank;
-    g.rope_dim = mla.qk_rope;
-  } else {
-    g.n_head_kv = n_head_kv;
-    g.head_dim = head_dim;
-  }
-  return g;
-}
-
 ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   ModelHparams hp;
   hp.arch = f.get_string("general.architecture");

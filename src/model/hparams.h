@@ -5,7 +5,6 @@
 #include <string>
 #include <vector>
 
-#include "memory/kv_planner.h"
 #include "model/moe_router.h"
 
 namespace kestrel {
@@ -77,8 +76,6 @@ struct ModelHparams {
   // Width of the attention output (the input of the output projection).
   int64_t attn_out_dim() const { return mla.enabled() ? n_head * mla.v_head_dim : q_dim(); }
   float softmax_scale() const;
-  // What one token leaves in the KV cache per layer (K and V heads, or MLA's latent + RoPE key).
-  KvGeometry kv_geometry() const;
 
   // Reads `<arch>.*` keys (GGUF naming, e.g. llama.embedding_length). Throws kestrel::Error naming
   // the key when a required key is missing or a value is out of range (e.g. n_head not dividing

@@ -311,7 +311,6 @@ TEST(HfConfig, DeepseekV2LiteMlaMoeAndYarn) {
   EXPECT_EQ(hp.mla.q_lora_rank, 0);
   EXPECT_EQ(hp.mla.kv_lora_rank, 512);
   EXPECT_EQ(hp.attn_out_dim(), 16 * 128);
-  EXPECT_EQ(hp.kv_geometry().kv_lora_rank, 512);
   EXPECT_EQ(hp.moe.n_ff_shared, 2 * 1408);
   EXPECT_FALSE(hp.moe.is_moe_layer(0));
   EXPECT_TRUE(hp.moe.is_moe_layer(26));

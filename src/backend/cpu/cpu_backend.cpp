@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "memory/kv_cache.h"
+#include "backend/kv_geometry.h"
 
 namespace kestrel {
 
@@ -20,7 +21,7 @@ class CpuBackend final : public ModelRunner {
  public:
   CpuBackend(const LlamaModel& model, const RunnerOptions& o)
       : pool_(o.n_threads),
-        kv_(model.hparams().kv_geometry(), o.block_size, o.n_kv_blocks, o.kv_dtype, o.populate_kv),
+        kv_(kv_geometry(model.hparams()), o.block_size, o.n_kv_blocks, o.kv_dtype, o.populate_kv),
         runner_(model, kv_, pool_) {}
 
   std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }

@@ -6,12 +6,13 @@
 
 #include "backend/cpu/ops.h"
 #include "core/error.h"
+#include "backend/kv_geometry.h"
 
 namespace kestrel::cpu {
 
 CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
     : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
-  const KvGeometry g = hp_.kv_geometry();
+  const KvGeometry g = kv_geometry(hp_);
   KESTREL_ASSERT(kv.kv_dim() == (g.is_mla() ? g.kv_lora_rank + g.rope_dim : hp_.kv_dim()) && kv.has_v() == !g.is_mla(),
                  "KV cache shape does not match the model");
   auto require = [&](const WeightView& w, const std::string& what) {

@@ -11,6 +11,7 @@
 #include "backend/cuda/cuda_model_runner.h"
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
+#include "backend/kv_geometry.h"
 
 namespace kestrel {
 
@@ -249,7 +250,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
 }
 
 int64_t CudaModelRunner::kv_bytes_per_token() const {
-  return kestrel::kv_bytes_per_token(hp_.kv_geometry(), KvDtype::BF16);
+  return kestrel::kv_bytes_per_token(kv_geometry(hp_), KvDtype::BF16);
 }
 
 }  // namespace cuda_runner
