@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/matmul_kernels.h"
 #include "core/dtype.h"
 
 using namespace kestrel;
@@ -264,4 +265,39 @@ TEST(KernelDequantize, Q5_K) {
   EXPECT_EQ(out[37], 0.5f * 3 * 25 - 0.25f * 2);   // 37
   EXPECT_EQ(out[199], 0.5f * 17 * 11 - 0.25f * 3);  // 92.75
   EXPECT_EQ(out[64], 0.0f);                         // sub-block 2: scale 0, min 0
+}
+
+// The SIMD kernels take Q4_K / Q5_K scales and mins apart with word operations
+// (q4k_scales_mins); they must agree with the per-sub-block reading of the dequantizer.
+TEST(KernelDequantize, K4ScalesMinsWordsMatchPerSubBlock) {
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (int trial = 0; trial < 2000; ++trial) {
+    uint8_t s[12];
+    for (auto& v : s) v = static_cast<uint8_t>(byte(rng));
+    uint64_t sc8, m8;
+    detail::q4k_scales_mins(s, &sc8, &m8);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      detail::q4k_scale_min(s, j, &sc, &m);
+      ASSERT_EQ(static_cast<int>((sc8 >> (8 * j)) & 0xff), sc) << "trial " << trial << " j " << j;
+      ASSERT_EQ(static_cast<int>((m8 >> (8 * j)) & 0xff), m) << "trial " << trial << " j " << j;
+    }
+  }
+}
+
+// Likewise Q3_K's scales (q3k_scales_biased, offset by 32) against q3k_scales.
+TEST(KernelDequantize, K3ScalesWordsMatchPerScale) {
+  std::mt19937 rng(19);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (int trial = 0; trial < 2000; ++trial) {
+    uint8_t s[12];
+    uint32_t w[4];
+    int8_t want[16];
+    for (auto& v : s) v = static_cast<uint8_t>(byte(rng));
+    detail::q3k_scales_biased(s, w);
+    detail::q3k_scales(s, want);
+    for (int i = 0; i < 16; ++i)
+      ASSERT_EQ(static_cast<int>((w[i / 4] >> (8 * (i % 4))) & 0xff) - 32, want[i]) << "trial " << trial << " scale " << i;
+  }
 }

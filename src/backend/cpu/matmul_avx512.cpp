@@ -31,10 +31,8 @@
 // GEMV and the GEMM tiles run exactly this, so a token's output is bitwise the same whatever else
 // is in the batch and however the rows are split over threads.
 //
-// Q2_K, Q3_K and Q5_K run the AVX2 kernels (avx512_native).
-//
-// Q4_K / Q6_K use vpmaddubsw + vpmaddwd (the quant x scale products must stay in 32 bits) on
-// activations in natural order (the scalar layout); F32 / F16 / BF16 use f32 FMA.
+// The K-quants (Q2_K..Q6_K) use vpmaddubsw + vpmaddwd (the quant x scale products must stay in
+// 32 bits) on activations in natural order (the scalar layout); F32 / F16 / BF16 use f32 FMA.
 #if defined(__x86_64__)
 
 // First: it sets up <immintrin.h> (see there).
@@ -281,8 +279,9 @@ void quantize_act(GgmlType type, const float* x, int64_t n_in, int64_t n_tokens,
 
 using Acts = PerTokenActs<act_row_bytes, quantize_act>;
 
-// Types without AVX-512 kernels of their own run the AVX2 ones (every AVX-512 CPU has AVX2), with
-// the AVX2 activation layout: the whole call goes through kernels_avx2() for them.
+// A type without AVX-512 kernels of its own would run the AVX2 ones (every AVX-512 CPU has AVX2),
+// with the AVX2 activation layout: the whole call goes through kernels_avx2() for it. Today every
+// type matmul_supports() has its own.
 bool avx512_native(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_0:
@@ -290,7 +289,10 @@ bool avx512_native(GgmlType type) {
     case GgmlType::Q5_0:
     case GgmlType::Q5_1:
     case GgmlType::Q8_0:
+    case GgmlType::Q2_K:
+    case GgmlType::Q3_K:
     case GgmlType::Q4_K:
+    case GgmlType::Q5_K:
     case GgmlType::Q6_K:
     case GgmlType::F32:
     case GgmlType::F16:

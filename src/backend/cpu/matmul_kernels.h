@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "backend/cpu/matmul.h"
 
@@ -117,6 +118,31 @@ inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
     *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
     *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// All 8 scales and 8 mins of that packing at once, byte j of *sc / *m being sub-block j's, with
+// 32-bit word operations (for the SIMD kernels; same values as q4k_scale_min): bytes 0..3 and
+// 4..7 hold scales / mins 0..3 in their low 6 bits and the top 2 bits of scales / mins 4..7 in
+// their top 2 bits; bytes 8..11 hold the low 4 bits of scale j + 4 (low nibble) and min j + 4
+// (high nibble).
+inline void q4k_scales_mins(const uint8_t* s, uint64_t* sc, uint64_t* m) {
+  uint32_t a[3];
+  std::memcpy(a, s, 12);
+  const uint32_t sc_hi = (a[2] & 0x0f0f0f0fu) | ((a[0] >> 2) & 0x30303030u);
+  const uint32_t m_hi = ((a[2] >> 4) & 0x0f0f0f0fu) | ((a[1] >> 2) & 0x30303030u);
+  *sc = (a[0] & 0x3f3f3f3fu) | static_cast<uint64_t>(sc_hi) << 32;
+  *m = (a[1] & 0x3f3f3f3fu) | static_cast<uint64_t>(m_hi) << 32;
+}
+
+// Q3_K's 16 scales with 32-bit word operations, still offset by 32 (0..63; byte j of w[i] is
+// scale 4i + j plus 32; same values as q3k_scales): word i takes its low 4 bits from the low
+// nibbles (i < 2) or high nibbles (i >= 2) of word i % 2 of the packing, its high 2 bits from bits
+// 2i..2i+1 of each byte of word 2.
+inline void q3k_scales_biased(const uint8_t* s, uint32_t w[4]) {
+  uint32_t a[3];
+  std::memcpy(a, s, 12);
+  for (int i = 0; i < 4; ++i)
+    w[i] = ((a[i % 2] >> (4 * (i / 2))) & 0x0f0f0f0fu) | (((a[2] >> (2 * i)) & 0x03030303u) << 4);
 }
 
 // Unpacks one Q4_K super-block to its 4-bit quants in element order (q[i] in 0..15); element i has

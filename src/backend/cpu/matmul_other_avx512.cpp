@@ -1,7 +1,7 @@
-// AVX-512 kernels for the weight types that are not on SmolLM2's hot path: Q4_K and Q6_K
+// AVX-512 kernels for the weight types that are not on SmolLM2's hot path: the K-quants Q2_K..Q6_K
 // (256-element super-blocks) and F32 / F16 / BF16.
 //
-// K-quants: the 4/6-bit quants times the int8 activation planes (q1, q2; see
+// K-quants: the 2- to 6-bit quants (made unsigned, below 64) times the int8 activation planes (q1, q2; see
 // quantize_block_q16) go through vpmaddubsw (pairs -> s16, no saturation: 2 * 63 * 127 < 2^15)
 // and vpmaddwd with the sub-block scales (-> s32), so a whole super-block is summed in integers
 // per plane; the planes combine in f32 (255 * s1 + s2 could overflow int32). The min / offset
@@ -40,44 +40,29 @@ inline __m512 planes_f32(__m256i hi, __m256i lo) {
   return planes_f32(_mm512_zextsi256_si512(hi), _mm512_zextsi256_si512(lo));
 }
 
+// Scale-and-min formats (Q4_K, Q5_K, Q2_K): w = d * sc * u - dmin * m per sub-block.
 struct UnpackedQ4K {
-  __m512i q[4];   // quants 0..15 of elements 64k..64k+63
-  __m512i sc[4];  // s16 scale of each maddubs lane: sub-block 2k for lanes 0..15, 2k+1 for 16..31
-  __m256i m16;    // s16 min of each bsum (16 elements): m_{i/2}
+  __m512i q[4];   // quants (unsigned) of elements 64k..64k+63
+  __m512i sc[4];  // s16 scale of each maddubs lane (lane i: bytes 2i, 2i + 1)
+  __m256i m16;    // s16 min of each bsum (16 elements)
   float d, dmin;
 };
 
-struct KFmtQ4_K {
-  using Block = BlockQ4_K;
-  using Unpacked = UnpackedQ4K;
-  static void unpack(const Block& b, Unpacked& u) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    for (int h = 0; h < 2; ++h) {
-      // 64 bytes of qs: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3
-      // (32 elements each); reorder the 256-bit halves into element order.
-      const __m512i v = _mm512_loadu_si512(b.qs + 64 * h);
-      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      u.q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-      u.q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xee);
-    }
-    alignas(16) int16_t sc[8], mn[8];
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      q4k_scale_min(b.scales, j, &s, &m);
-      sc[j] = static_cast<int16_t>(s);
-      mn[j] = static_cast<int16_t>(m);
-    }
-    const __m512i scv = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)));
-    for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(static_cast<short>(2 * k)),
-                                                  _mm512_set1_epi16(static_cast<short>(2 * k + 1)));
-      u.sc[k] = _mm512_permutexvar_epi16(idx, scv);
-    }
-    u.m16 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
-                                     _mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(mn))));
-    u.d = fp16_to_fp32(b.d);
-    u.dmin = fp16_to_fp32(b.dmin);
+// For formats with one scale per 16 elements: maddubs lane i of register k covers sub-block
+// 4k + i / 8; scv holds the 16 scales as s16.
+inline void scales_per16(__m512i scv, __m512i sc[4]) {
+  alignas(64) static constexpr int16_t kLanes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
+                                                     11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                                     22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+  const __m512i lane_index = _mm512_load_si512(kLanes);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane_index, 3), _mm512_set1_epi16(static_cast<short>(4 * k)));
+    sc[k] = _mm512_permutexvar_epi16(idx, scv);
   }
+}
+
+struct KScaleMin {
+  using Unpacked = UnpackedQ4K;
   static __m512i isum(const Unpacked& u, const int8_t* aq) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
@@ -93,53 +78,136 @@ struct KFmtQ4_K {
     acc = _mm512_fmadd_ps(isums, _mm512_set1_ps(u.d * a.d), acc);
     return _mm512_fmadd_ps(imins, _mm512_set1_ps(-(u.dmin * a.d)), acc);
   }
+  // Q4_K / Q5_K: 4-bit quants (u.q) from qs, and the 6-bit scales / mins of the 32-element
+  // sub-blocks, d, dmin.
+  template <class B>
+  static void unpack_k4(const B& b, Unpacked& u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int h = 0; h < 2; ++h) {
+      // 64 bytes of qs: low nibbles are sub-blocks 4h and 4h+2, high nibbles 4h+1 and 4h+3
+      // (32 elements each); reorder the 256-bit halves into element order.
+      const __m512i v = _mm512_loadu_si512(b.qs + 64 * h);
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      u.q[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+      u.q[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xee);
+    }
+    uint64_t sc8, mn8;
+    q4k_scales_mins(b.scales, &sc8, &mn8);
+    const __m128i mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(mn8)));
+    const __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+    for (int k = 0; k < 4; ++k) {  // lanes 0..15: sub-block 2k, 16..31: 2k + 1
+      const __m512i idx = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(static_cast<short>(2 * k)),
+                                                  _mm512_set1_epi16(static_cast<short>(2 * k + 1)));
+      u.sc[k] = _mm512_permutexvar_epi16(idx, scv);
+    }
+    u.m16 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm256_castsi128_si256(mn));
+    u.d = _cvtsh_ss(b.d);
+    u.dmin = _cvtsh_ss(b.dmin);
+  }
 };
 
+// 32 bytes b as a 512-bit register whose upper half is b shifted right by `shift` bits (per
+// 16-bit word): bit n of the lower half's bytes lines up with bit n + shift of the upper's.
+inline __m512i halves_shifted(const uint8_t* p, int shift) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, shift), 1);
+}
+
+struct KFmtQ4_K : KScaleMin {
+  using Block = BlockQ4_K;
+  static void unpack(const Block& b, Unpacked& u) { unpack_k4(b, u); }
+};
+
+struct KFmtQ5_K : KScaleMin {
+  using Block = BlockQ5_K;
+  static void unpack(const Block& b, Unpacked& u) {
+    unpack_k4(b, u);
+    // u.q[k] holds sub-blocks 2k, 2k + 1, whose 5th bits are bits 2k, 2k + 1 of qh[l].
+    const __m512i qh = halves_shifted(b.qh, 1), one = _mm512_set1_epi8(1);
+    for (int k = 0; k < 4; ++k)
+      u.q[k] = _mm512_or_si512(u.q[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * k), one), 4));
+  }
+};
+
+// Q2_K / Q3_K 2-bit quants: element 128h + 32j + l is bits 2j of qs[32h + l]; register k holds
+// h = k / 2, j = 2 (k % 2) and j + 1.
+inline __m512i two_bits(const uint8_t* qs, int k) {
+  return _mm512_and_si512(_mm512_srli_epi16(halves_shifted(qs + 32 * (k / 2), 2), 4 * (k % 2)), _mm512_set1_epi8(3));
+}
+
+struct KFmtQ2_K : KScaleMin {
+  using Block = BlockQ2_K;
+  static void unpack(const Block& b, Unpacked& u) {
+    for (int k = 0; k < 4; ++k) u.q[k] = two_bits(b.qs, k);
+    const __m256i sm = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    scales_per16(_mm512_castsi256_si512(_mm256_and_si256(sm, _mm256_set1_epi16(0x0f))), u.sc);
+    u.m16 = _mm256_srli_epi16(sm, 4);
+    u.d = _cvtsh_ss(b.d);
+    u.dmin = _cvtsh_ss(b.dmin);
+  }
+};
+
+// Signed-scale formats (Q6_K, Q3_K): w = d * sc_j * (u - 2^kShift) per 16-element sub-block j.
 struct UnpackedQ6K {
-  __m512i q[4];   // quants 0..63 (value + 32) of elements 64k..64k+63
+  __m512i q[4];   // quants (value + 2^kShift) of elements 64k..64k+63
   __m512i sc[4];  // s16 scale of each maddubs lane: sub-block 4k + lane / 8
   __m256i sc16;   // the 16 scales as s16, one per bsum
   float d;
 };
 
-struct KFmtQ6_K {
-  using Block = BlockQ6_K;
+template <int kShift>
+struct KSigned16 {
   using Unpacked = UnpackedQ6K;
-  static void unpack(const Block& b, Unpacked& u) {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
-    for (int h = 0; h < 2; ++h) {
-      // Element 32k + l of the half: ql[(k & 1) * 32 + l] nibble (low for k < 2), qh[l] bits 2k.
-      const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-      const __m512i qhz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
-      u.q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qhz, m2), 4));
-      u.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m2), 4));
-    }
-    u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
-    const __m512i scv = _mm512_castsi256_si512(u.sc16);
-    alignas(64) static constexpr int16_t kLanes[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10,
-                                                       11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
-                                                       22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-    const __m512i lane_index = _mm512_load_si512(kLanes);
-    for (int k = 0; k < 4; ++k) {
-      // maddubs lane i covers bytes 2i, 2i+1: sub-block 4k + i / 8.
-      const __m512i idx = _mm512_add_epi16(_mm512_srli_epi16(lane_index, 3), _mm512_set1_epi16(static_cast<short>(4 * k)));
-      u.sc[k] = _mm512_permutexvar_epi16(idx, scv);
-    }
-    u.d = fp16_to_fp32(b.d);
+  static void set_scales(__m128i sc8, Unpacked& u) {  // the 16 int8 scales
+    u.sc16 = _mm256_cvtepi8_epi16(sc8);
+    scales_per16(_mm512_castsi256_si512(u.sc16), u.sc);
   }
   static __m512i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
       iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
-    // The stored quants are value + 32: subtract 32 * sum_j scale_j * bsum_j.
+    // The unpacked quants are value + 2^kShift: subtract 2^kShift * sum_j scale_j * bsum_j.
     const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
-    return _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), 5));
+    return _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), kShift));
   }
   static __m512 dot(const Unpacked& u, const KActs& a, __m512 acc) {
     const __m512 isums = planes_f32(isum(u, a.q1, a.bsums1), isum(u, a.q2, a.bsums2));
     return _mm512_fmadd_ps(isums, _mm512_set1_ps(u.d * a.d), acc);
+  }
+};
+
+struct KFmtQ6_K : KSigned16<5> {
+  using Block = BlockQ6_K;
+  static void unpack(const Block& b, Unpacked& u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      // Element 32k + l of the half: ql[(k & 1) * 32 + l] nibble (low for k < 2), qh[l] bits 2k.
+      const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);
+      const __m512i qhz = halves_shifted(b.qh + 32 * h, 2);
+      u.q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qhz, m2), 4));
+      u.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhz, 4), m2), 4));
+    }
+    set_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)), u);
+    u.d = _cvtsh_ss(b.d);
+  }
+};
+
+struct KFmtQ3_K : KSigned16<2> {
+  using Block = BlockQ3_K;
+  static void unpack(const Block& b, Unpacked& u) {
+    // The 2-bit field plus 4 where bit 4h + j of hmask[l] is set.
+    const __m512i hm = halves_shifted(b.hmask, 1), one = _mm512_set1_epi8(1);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(hm, 4 * (k / 2) + 2 * (k % 2)), one);
+      u.q[k] = _mm512_or_si512(two_bits(b.qs, k), _mm512_slli_epi16(high, 2));
+    }
+    uint32_t w[4];
+    q3k_scales_biased(b.scales, w);
+    const __m128i biased = _mm_setr_epi32(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                          static_cast<int>(w[3]));
+    set_scales(_mm_sub_epi8(biased, _mm_set1_epi8(32)), u);
+    u.d = _cvtsh_ss(b.d);
   }
 };
 
@@ -286,7 +354,10 @@ void avx512_quantize_act_k(const float* x, int64_t n_in, bool bits8, uint8_t* ds
 
 void avx512_matmul_other(const MatmulArgs& a, int64_t r0, int64_t r1) {
   switch (a.w.type.storage) {
+    case GgmlType::Q2_K: matmul_kquant<KFmtQ2_K>(a, r0, r1); break;
+    case GgmlType::Q3_K: matmul_kquant<KFmtQ3_K>(a, r0, r1); break;
     case GgmlType::Q4_K: matmul_kquant<KFmtQ4_K>(a, r0, r1); break;
+    case GgmlType::Q5_K: matmul_kquant<KFmtQ5_K>(a, r0, r1); break;
     case GgmlType::Q6_K: matmul_kquant<KFmtQ6_K>(a, r0, r1); break;
     case GgmlType::F32: matmul_float<FFmtF32>(a, r0, r1); break;
     case GgmlType::F16: matmul_float<FFmtF16>(a, r0, r1); break;

@@ -159,14 +159,12 @@ struct A2ScaleMin {
   // Q4_K / Q5_K: the 6-bit scales and mins of the 32-element sub-blocks, and d, dmin.
   template <class B>
   static void unpack_scales_k4(const B& b, Unpacked& u) {
-    alignas(32) int16_t mn[16];
-    for (int j = 0; j < 8; ++j) {
-      int s, m;
-      q4k_scale_min(b.scales, j, &s, &m);
-      u.sc[j] = _mm256_set1_epi16(static_cast<short>(s));
-      mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
-    }
-    u.m16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mn));
+    uint64_t sc, mn;
+    q4k_scales_mins(b.scales, &sc, &mn);
+    for (int j = 0; j < 8; ++j) u.sc[j] = _mm256_set1_epi16(static_cast<short>((sc >> (8 * j)) & 0xff));
+    // Min j applies to bsums 2j and 2j + 1.
+    const __m128i m8 = _mm_cvtsi64_si128(static_cast<long long>(mn));
+    u.m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
     u.d = _cvtsh_ss(b.d);
     u.dmin = _cvtsh_ss(b.dmin);
   }
@@ -231,6 +229,16 @@ struct A2Signed16 {
     u.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     for (int k = 0; k < 8; ++k) u.sc[k] = pair_scales(sc[2 * k], sc[2 * k + 1]);
   }
+  // The same from the 16 scales as s16 lanes, without a trip through memory: dword k of sc16 is
+  // (sc_2k, sc_2k+1); broadcast it, then spread its low word over the lower 128-bit lane and its
+  // high word over the upper one.
+  static void set_scales(__m256i sc16, Unpacked& u) {
+    u.sc16 = sc16;
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                            2, 3, 2, 3, 2, 3);
+    for (int k = 0; k < 8; ++k)
+      u.sc[k] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(k)), spread);
+  }
   static __m256i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
     __m256i iacc = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k)
@@ -280,9 +288,12 @@ struct A2Q3_K : A2Signed16<2> {
         u.q[4 * h + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * j), m2), _mm256_slli_epi16(high, 2));
       }
     }
-    alignas(16) int8_t sc[16];
-    q3k_scales(b.scales, sc);
-    set_scales(sc, u);
+    uint32_t w[4];
+    q3k_scales_biased(b.scales, w);
+    const __m128i sc8 = _mm_sub_epi8(_mm_setr_epi32(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                                    static_cast<int>(w[3])),
+                                     _mm_set1_epi8(32));
+    set_scales(_mm256_cvtepi8_epi16(sc8), u);
     u.d = _cvtsh_ss(b.d);
   }
 };
