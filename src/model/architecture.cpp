@@ -10,13 +10,14 @@ namespace kestrel {
 namespace {
 // Explicit, so a static library never drops a builder the way it drops an unreferenced
 // self-registering object file.
-constexpr std::array<Architecture, 6> kArchitectures = {{
+constexpr std::array<Architecture, 7> kArchitectures = {{
     {"llama", archs::llama_forward, archs::llama_tensors},
     {"mistral", archs::llama_forward, archs::llama_tensors},
     {"qwen2", archs::llama_forward, archs::llama_tensors},
     {"mixtral", archs::llama_forward, archs::llama_tensors},
     {"qwen2moe", archs::llama_forward, archs::llama_tensors},
     {"deepseek2", archs::deepseek2_forward, archs::deepseek2_tensors},
+    {"gemma3", archs::gemma3_forward, archs::gemma3_tensors},
 }};
 }  // namespace
 
@@ -24,6 +25,9 @@ void ForwardOps::add_norm(Act, WeightId, Act) { throw Error("this backend does n
 void ForwardOps::mla_attention(int32_t, Act, Act) {
   throw Error("this backend does not run multi-head latent attention yet");
 }
+void ForwardOps::qk_norm(int32_t, Act) { throw Error("this backend does not implement qk_norm (QK-norm) yet"); }
+void ForwardOps::norm(Act, WeightId) { throw Error("this backend does not implement norm yet"); }
+void ForwardOps::geglu_linear(Act, WeightId, Act) { throw Error("this backend does not implement GeGLU yet"); }
 void ForwardOps::moe_ffn(int32_t, Act, Act) {
   throw Error("this backend does not run mixture-of-experts layers yet");
 }

@@ -66,6 +66,14 @@ class ForwardOps {
   // its output W_UV_h (sum_j p_j c_j) (W_UK_h, W_UV_h: KvB's rows of head h), scale
   // hparams.softmax_scale(). A backend may absorb W_UK into the query and W_UV after the sum.
   virtual void mla_attention(int32_t layer, Act in, Act out);
+  // Each q and k head of `qkv` = RMSNorm(head) * w(QNorm / KNorm) [head_dim] (Gemma 3's QK-norm,
+  // before RoPE).
+  virtual void qk_norm(int32_t layer, Act qkv);
+  // a = RMSNorm(a) * w(norm), row by row (Gemma's post-attention and post-FFN norms).
+  virtual void norm(Act a, WeightId w);
+  // out = (gelu_tanh(gate) * up) . w(proj)^T, in = [gate | up] rows (GeGLU, Shazeer 2020; the
+  // tanh approximation of GELU, Hendrycks & Gimpel 2016).
+  virtual void geglu_linear(Act in, WeightId proj, Act out);
 };
 
 // One tensor an architecture loads, named as llama.cpp's GGUF files and transformers' state dicts
@@ -83,6 +91,9 @@ struct TensorSpec {
   // says so (HfModelConfig::has_bias).
   bool may_have_bias = false;
   int64_t n_expert = 0;  // > 0: a set of n_expert [n_out, n_in] matrices (LayerTensor::experts)
+  // Added to a vector read from an HF folder: Gemma stores its norm weights as w for a scale of
+  // 1 + w (GGUF files already hold 1 + w).
+  float hf_add = 0;
 };
 
 // One architecture family: its tensors and its forward pass over ForwardOps. Adding an

@@ -26,6 +26,7 @@ constexpr ArchInfo kArchs[] = {
     {"MixtralForCausalLM", "mixtral", "mixtral", 4096 * 32},
     {"Qwen2MoeForCausalLM", "qwen2_moe", "qwen2moe", 32768},
     {"DeepseekV2ForCausalLM", "deepseek_v2", "deepseek2", 2048},
+    {"Gemma3ForCausalLM", "gemma3_text", "gemma3", 131072},
 };
 
 const ArchInfo& find_arch(const HfFields& c) {
@@ -156,6 +157,39 @@ void read_yarn(const HfFields& c, const HfFields& s, HfModelConfig& cfg) {
   (void)c;
 }
 
+// Gemma3TextConfig's fields beyond Llama's: hidden_activation gelu_pytorch_tanh, the softmax scale
+// query_pre_attn_scalar^-0.5, sliding_window on the layers layer_types calls sliding_attention
+// (or all but every sliding_window_pattern-th), their RoPE base rope_local_base_freq, the
+// embedding scale sqrt(hidden_size); no logit soft-capping.
+void read_gemma3(const HfFields& c, HfModelConfig& cfg) {
+  ModelHparams& hp = cfg.hparams;
+  const std::string act = c.string_or("hidden_activation", c.string_or("hidden_act", "gelu_pytorch_tanh"));
+  if (act != "gelu_pytorch_tanh")
+    c.fail("hidden_activation '" + act + "' is not supported (only gelu_pytorch_tanh)");
+  for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
+    if (c.has(key)) c.fail("field '" + std::string(key) + "' is not supported (Gemma 3 has none)");
+  if (c.has("rope_scaling")) c.fail("rope_scaling on Gemma 3's global layers is not supported yet");
+  hp.attn_scale = static_cast<float>(1.0 / std::sqrt(c.number_or("query_pre_attn_scalar", 256)));
+  hp.rope_theta_swa = static_cast<float>(c.number_or("rope_local_base_freq", 10000.0));
+  hp.embd_scale = std::sqrt(static_cast<float>(hp.n_embd));
+  hp.sliding_window = c.get_or("sliding_window", 4096);
+  hp.swa_pattern = c.get_or("sliding_window_pattern", 6);
+  if (c.has("layer_types")) {
+    const json& t = c.at("layer_types");
+    if (!t.is_array() || static_cast<int64_t>(t.size()) != hp.n_layer)
+      c.fail("field 'layer_types' must list the " + std::to_string(hp.n_layer) + " layers, got " + t.dump());
+    int64_t pattern = 0;
+    for (int64_t l = 0; l < hp.n_layer && pattern == 0; ++l)
+      if (t[static_cast<size_t>(l)] == "full_attention") pattern = l + 1;
+    for (int64_t l = 0; l < hp.n_layer; ++l) {
+      const bool full = pattern > 0 && (l + 1) % pattern == 0;
+      if (t[static_cast<size_t>(l)] != (full ? "full_attention" : "sliding_attention"))
+        c.fail("field 'layer_types' is not a repeating pattern of sliding_attention layers then one full_attention layer");
+    }
+    hp.swa_pattern = pattern;
+  }
+}
+
 // DeepseekV2Config's attention and MoE fields.
 void read_deepseek2(const HfFields& c, HfModelConfig& cfg) {
   ModelHparams& hp = cfg.hparams;
@@ -284,9 +318,13 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
   if (!(theta > 0)) c.fail("field 'rope_theta' must be positive, got " + std::to_string(theta));
   hp.rope_theta = static_cast<float>(theta);
 
-  const std::string act = c.string_or("hidden_act", "silu");
-  if (act != "silu") c.fail("hidden_act '" + act + "' is not supported (only silu)");
-  cfg.tie_word_embeddings = c.flag_or("tie_word_embeddings", false);
+  if (hp.arch == "gemma3") {
+    read_gemma3(c, cfg);
+  } else {
+    const std::string act = c.string_or("hidden_act", "silu");
+    if (act != "silu") c.fail("hidden_act '" + act + "' is not supported (only silu)");
+  }
+  cfg.tie_word_embeddings = c.flag_or("tie_word_embeddings", hp.arch == "gemma3");  // Gemma3TextConfig ties by default
   cfg.torch_dtype = c.string_or("torch_dtype", "");
   if (hp.arch == "qwen2" || hp.arch == "qwen2moe") {
     cfg.qkv_bias = true;  // Qwen2Attention, Qwen2MoeAttention: q/k/v_proj with bias, o_proj without

@@ -189,6 +189,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
       LayerTensor lt;
       if (spec.n_in == 0) {
         lt.vector = ld.vector(name, spec.n_out);
+        for (float& v : lt.vector) v += spec.hf_add;
       } else {
         lt.matrix = ld.matrix(name, spec.n_in, spec.n_out);
       }

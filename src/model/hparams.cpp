@@ -48,7 +48,19 @@ ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   } else if (scaling != "none") {
     throw Error(f.path() + ": unsupported " + a + "rope.scaling.type '" + scaling + "'");
   }
-  hp.rope_style = hp.arch == "qwen2" || hp.arch == "qwen2moe" ? RopeStyle::RotateHalf : RopeStyle::AdjacentPairs;
+  hp.rope_style = hp.arch == "qwen2" || hp.arch == "qwen2moe" || hp.arch == "gemma3" ? RopeStyle::RotateHalf
+                                                                                    : RopeStyle::AdjacentPairs;
+  if (hp.arch == "gemma3") {
+    // What llama.cpp's gemma3 loader fixes in code rather than reading from the file: every sixth
+    // layer global, the local layers' RoPE base 10000 (rope.freq_base_swa in newer files), the
+    // embedding scaled by sqrt(n_embd), and the softmax scale query_pre_attn_scalar^-0.5, which is
+    // head_dim except in the 27B model (62 layers: n_embd / n_head).
+    hp.sliding_window = f.get_int_or(a + "attention.sliding_window", 0);
+    hp.swa_pattern = 6;
+    hp.rope_theta_swa = static_cast<float>(f.get_float_or(a + "rope.freq_base_swa", 10000.0));
+    hp.embd_scale = std::sqrt(static_cast<float>(hp.n_embd));
+    if (hp.n_layer == 62) hp.attn_scale = 1.0f / std::sqrt(static_cast<float>(hp.n_embd / hp.n_head));
+  }
   // Mixture of experts, as llama.cpp's converter writes it: Mixtral is "llama" with expert_count
   // and feed_forward_length the expert width; qwen2moe adds expert_feed_forward_length and the
   // shared expert's expert_shared_feed_forward_length (sigmoid-gated, top-k not renormalised).
@@ -95,6 +107,10 @@ void ModelHparams::validate() const {
   require(std::isfinite(rope_theta) && rope_theta > 0, "rope.freq_base = " + std::to_string(rope_theta));
   require(std::isfinite(rope_linear_scale) && rope_linear_scale > 0,
           "rope.scaling.factor = " + std::to_string(rope_linear_scale));
+  require(sliding_window >= 0 && swa_pattern >= 0 && std::isfinite(rope_theta_swa) && rope_theta_swa >= 0,
+          "sliding window " + std::to_string(sliding_window) + ", pattern " + std::to_string(swa_pattern) +
+              ", local RoPE base " + std::to_string(rope_theta_swa));
+  require(std::isfinite(embd_scale) && embd_scale > 0, "embedding scale = " + std::to_string(embd_scale));
   require(std::isfinite(attn_scale) && attn_scale >= 0, "attention scale = " + std::to_string(attn_scale));
   if (mla.enabled()) {
     require(mla.kv_lora_rank <= 8192 && mla.q_lora_rank >= 0 && mla.q_lora_rank <= 65536,
@@ -137,7 +153,11 @@ std::string ModelHparams::summary() const {
   s << arch << ": " << n_layer << " layers, n_embd " << n_embd << ", " << n_head << " heads / "
     << n_head_kv << " KV heads (head_dim " << head_dim << "), FFN " << n_ff << ", vocab " << n_vocab
     << ", context " << n_ctx_train;
-  if (sliding_window > 0) s << ", sliding window " << sliding_window;
+  if (sliding_window > 0 && swa_pattern > 0) {
+    s << ", sliding window " << sliding_window << " in " << swa_pattern - 1 << " of every " << swa_pattern << " layers";
+  } else if (sliding_window > 0) {
+    s << ", sliding window " << sliding_window;
+  }
   if (mla.enabled()) s << ", MLA latent " << mla.kv_lora_rank << " + rope " << mla.qk_rope;
   if (moe.enabled()) {
     s << ", MoE " << moe.routing.n_expert << " experts top-" << moe.routing.n_expert_used << " (FFN "
@@ -149,10 +169,14 @@ std::string ModelHparams::summary() const {
 }
 
 std::vector<float> rope_inv_freq(const ModelHparams& hp, const std::vector<float>& freq_factors) {
+  return rope_inv_freq(hp, hp.rope_theta, freq_factors);
+}
+
+std::vector<float> rope_inv_freq(const ModelHparams& hp, double theta, const std::vector<float>& freq_factors) {
   const int64_t half = hp.rope_dim / 2;
   std::vector<float> inv(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
-    double f = std::pow(static_cast<double>(hp.rope_theta), -2.0 * static_cast<double>(i) / static_cast<double>(hp.rope_dim));
+    double f = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(hp.rope_dim));
     if (!freq_factors.empty()) f /= freq_factors[static_cast<size_t>(i)];
     inv[static_cast<size_t>(i)] = static_cast<float>(f);
   }

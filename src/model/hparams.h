@@ -64,9 +64,14 @@ struct ModelHparams {
   float rope_theta = 10000.0f;
   float rope_linear_scale = 1.0f;  // positions are divided by this ("linear" rope scaling)
   RopeStyle rope_style = RopeStyle::AdjacentPairs;
-  // Sliding-window attention span in tokens (Mistral's sliding_window), every layer: the token at
-  // position p attends to positions (p - W, p]; 0 = full attention.
+  // Sliding-window attention span in tokens (Mistral's sliding_window): the token at position p
+  // attends to positions (p - W, p]; 0 = full attention. Every layer, unless swa_pattern > 0:
+  // then layer l is global (full attention, RoPE base rope_theta) when (l + 1) % swa_pattern == 0
+  // and windowed (RoPE base rope_theta_swa) otherwise (Gemma 3: 5 local layers to 1 global).
   int64_t sliding_window = 0;
+  int64_t swa_pattern = 0;
+  float rope_theta_swa = 0;     // 0 = rope_theta
+  float embd_scale = 1;         // token embeddings times this (Gemma: sqrt(n_embd))
   MoeHparams moe;
   MlaHparams mla;               // MLA: head_dim = qk_nope + qk_rope, rope_dim = qk_rope
   float attn_scale = 0;         // softmax scale; 0 = 1 / sqrt(head_dim) (YaRN's mscale changes it)
@@ -76,6 +81,13 @@ struct ModelHparams {
   // Width of the attention output (the input of the output projection).
   int64_t attn_out_dim() const { return mla.enabled() ? n_head * mla.v_head_dim : q_dim(); }
   float softmax_scale() const;
+  // The window of `layer` (0 = full attention) and its RoPE base.
+  int64_t layer_window(int64_t layer) const {
+    return swa_pattern > 0 && (layer + 1) % swa_pattern == 0 ? 0 : sliding_window;
+  }
+  float layer_rope_theta(int64_t layer) const {
+    return layer_window(layer) > 0 && rope_theta_swa > 0 ? rope_theta_swa : rope_theta;
+  }
 
   // Reads `<arch>.*` keys (GGUF naming, e.g. llama.embedding_length). Throws kestrel::Error naming
   // the key when a required key is missing or a value is out of range (e.g. n_head not dividing
@@ -89,5 +101,7 @@ struct ModelHparams {
 // empty = 1), computed in double and rounded to f32 once (Su et al. 2021; Llama 3 factors as in
 // GGUF rope_freqs.weight or HF rope_scaling "llama3").
 std::vector<float> rope_inv_freq(const ModelHparams& hp, const std::vector<float>& freq_factors);
+// The same for RoPE base theta.
+std::vector<float> rope_inv_freq(const ModelHparams& hp, double theta, const std::vector<float>& freq_factors);
 
 }  // namespace kestrel

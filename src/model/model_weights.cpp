@@ -15,7 +15,7 @@ constexpr std::array<WeightRole, kWeightRoleCount> kSelf = [] {
 }();
 constexpr std::array<std::string_view, kWeightRoleCount> kNames = {
     "token_embd", "output_norm", "output", "attn_norm", "q", "k", "v", "attn_out",
-    "ffn_norm",   "gate",        "up",     "down",      "router", "expert_gate", "expert_up",
+    "ffn_norm",   "gate",        "up",     "down",      "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "router", "expert_gate", "expert_up",
     "expert_down", "shared_gate", "shared_up", "shared_down", "shared_router", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b", "qkv", "gate_up",
     "shared_gate_up"};
 }  // namespace

@@ -33,6 +33,11 @@ enum class WeightRole : uint8_t {
   Gate,        // [n_ff, d]
   Up,          // [n_ff, d]
   Down,        // [d, n_ff]
+  // Gemma 3's extra norms ([head_dim] on each q / k head before RoPE; [d] on the block outputs).
+  QNorm,
+  KNorm,
+  PostAttnNorm,
+  PostFfnNorm,
   // Mixture of experts (MoeHparams): E routed experts of width f, a shared expert of width s.
   Router,      // [E, d] router logits
   ExpGate,     // E experts of [f, d] (LayerTensor::experts)

@@ -32,6 +32,7 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
     }
   if (hp_.moe.enabled()) expert_tokens_.assign(static_cast<size_t>(hp_.n_layer * hp_.moe.routing.n_expert), 0);
   inv_freq_ = rope_inv_freq(hp_, model.weights().rope_freq_factors);
+  if (hp_.rope_theta_swa > 0) inv_freq_swa_ = rope_inv_freq(hp_, hp_.rope_theta_swa, {});
   if (hp_.mla.enabled()) prepare_mla();
 }
 
@@ -46,7 +47,7 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   const int64_t hd = hp_.head_dim;
   const int64_t group = hp_.n_head / hp_.n_head_kv;
   const float scale = hp_.softmax_scale();
-  const int64_t window = hp_.sliding_window;
+  const int64_t window = hp_.layer_window(layer);
   const auto& op = ops();
   const void* kc = kv_.k(layer);
   const void* vc = kv_.v(layer);
@@ -136,7 +137,12 @@ void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
   const WeightView& e = model_.weights().at({-1, WeightRole::TokenEmbd}).matrix;
-  for (int64_t t = 0; t < b.n_tokens(); ++t) dequantize_row(e.type.storage, e.row(b.token_ids[t]), x_.data() + t * d, d);
+  for (int64_t t = 0; t < b.n_tokens(); ++t) {
+    float* x = x_.data() + t * d;
+    dequantize_row(e.type.storage, e.row(b.token_ids[t]), x, d);
+    if (hp_.embd_scale != 1.0f)
+      for (int64_t i = 0; i < d; ++i) x[i] *= hp_.embd_scale;
+  }
 }
 
 float* CpuModelRunner::act(Act a) {
@@ -208,10 +214,12 @@ void CpuModelRunner::rope_write_kv(int32_t layer, Act qkv) {
   const ForwardBatch& b = *batch_;
   const int64_t n = b.n_tokens();
   const bool adjacent = hp_.rope_style == RopeStyle::AdjacentPairs;
-  rope(q_.data(), b.positions.data(), n, hp_.n_head, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
-       hp_.rope_linear_scale, adjacent);
-  rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, inv_freq_.data(),
-       hp_.rope_linear_scale, adjacent);
+  const float* inv_freq =
+      !inv_freq_swa_.empty() && hp_.layer_window(layer) > 0 ? inv_freq_swa_.data() : inv_freq_.data();
+  rope(q_.data(), b.positions.data(), n, hp_.n_head, hp_.head_dim, hp_.rope_dim, inv_freq, hp_.rope_linear_scale,
+       adjacent);
+  rope(k_.data(), b.positions.data(), n, hp_.n_head_kv, hp_.head_dim, hp_.rope_dim, inv_freq, hp_.rope_linear_scale,
+       adjacent);
   write_kv(b, layer);
 }
 
@@ -223,14 +231,54 @@ void CpuModelRunner::linear(Act in, WeightId proj, Act out) {
 
 void CpuModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   KESTREL_ASSERT(in == Act::GateUp && proj.role == WeightRole::Down, "CPU backend: SwiGLU reads Act::GateUp");
+  glu_linear(false, proj, out);
+}
+
+void CpuModelRunner::geglu_linear(Act in, WeightId proj, Act out) {
+  KESTREL_ASSERT(in == Act::GateUp && proj.role == WeightRole::Down, "CPU backend: GeGLU reads Act::GateUp");
+  glu_linear(true, proj, out);
+}
+
+void CpuModelRunner::glu_linear(bool gelu, WeightId proj, Act out) {
   const int64_t n = batch_->n_tokens(), ff = hp_.n_ff;
   const auto& op = ops();
   // Row by row, so a token's arithmetic (vector lanes and tails) never depends on the batch.
   pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) op.silu_mul(gate_.data() + r * ff, up_.data() + r * ff, gate_.data() + r * ff, ff);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* g = gate_.data() + r * ff;
+      const float* u = up_.data() + r * ff;
+      if (!gelu) {
+        op.silu_mul(g, u, g, ff);
+        continue;
+      }
+      // GELU's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+      for (int64_t i = 0; i < ff; ++i) {
+        const float x = g[i];
+        g[i] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+      }
+    }
   });
   float* y = act(out);
   project(proj, gate_.data(), n, &y);
+}
+
+void CpuModelRunner::qk_norm(int32_t layer, Act qkv) {
+  KESTREL_ASSERT(qkv == Act::Qkv, "CPU qk_norm: reads Act::Qkv");
+  const int64_t n = batch_->n_tokens(), hd = hp_.head_dim;
+  const float* wq = model_.weights().at({layer, WeightRole::QNorm}).vector.data();
+  const float* wk = model_.weights().at({layer, WeightRole::KNorm}).vector.data();
+  // q_ is [n * n_head, head_dim] rows, k_ [n * n_head_kv, head_dim].
+  pool_.parallel_for(n, 1, [&](int64_t r0, int64_t r1) {
+    ops().rms_norm(q_.data() + r0 * hp_.q_dim(), wq, q_.data() + r0 * hp_.q_dim(), (r1 - r0) * hp_.n_head, hd,
+                   hp_.rms_eps);
+    ops().rms_norm(k_.data() + r0 * hp_.kv_dim(), wk, k_.data() + r0 * hp_.kv_dim(), (r1 - r0) * hp_.n_head_kv, hd,
+                   hp_.rms_eps);
+  });
+}
+
+void CpuModelRunner::norm(Act a, WeightId w) {
+  float* x = act(a);
+  rms_norm_rows(x, model_.weights().at(w).vector.data(), x, batch_->n_tokens());
 }
 
 void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {

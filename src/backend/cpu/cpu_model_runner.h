@@ -44,6 +44,11 @@ class CpuModelRunner final : private ForwardOps {
   void add_norm(Act add, WeightId norm, Act out) override;
   void moe_ffn(int32_t layer, Act in, Act out) override;  // cpu_moe.cpp
   void mla_attention(int32_t layer, Act in, Act out) override;  // cpu_mla.cpp
+  void qk_norm(int32_t layer, Act qkv) override;
+  void norm(Act a, WeightId w) override;
+  void geglu_linear(Act in, WeightId proj, Act out) override;
+  // (silu or gelu_tanh)(gate) * up -> gate, then out = gate . w(proj)^T.
+  void glu_linear(bool gelu, WeightId proj, Act out);
   void prepare_mla();  // the absorbed per-head matrices of every layer, from KvB
   float* act(Act a);  // the [n, d] arrays: AttnOut, Down, Attn, Normed
   // The arrays of an activation, one per stored part of the projection that writes it (Qkv: q_,
@@ -70,7 +75,8 @@ class CpuModelRunner final : private ForwardOps {
   ThreadPool& pool_;
   MatmulWorkspace ws_;
   const Architecture& arch_;
-  std::vector<float> inv_freq_;  // [rope_dim / 2]
+  std::vector<float> inv_freq_;      // [rope_dim / 2]
+  std::vector<float> inv_freq_swa_;  // [rope_dim / 2] for windowed layers with their own RoPE base
   const ForwardBatch* batch_ = nullptr;  // the pass in progress
   // Activations, sized for the largest batch seen: x is the residual stream, h the normed rows,
   // o and down the block outputs not yet added to x.

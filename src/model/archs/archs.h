@@ -24,4 +24,8 @@ std::vector<TensorSpec> llama_tensors(const ModelHparams& hp, int32_t layer);
 void deepseek2_forward(ForwardOps& ops, const ModelHparams& hp);
 std::vector<TensorSpec> deepseek2_tensors(const ModelHparams& hp, int32_t layer);
 
+// gemma3.cpp: Gemma 3 (QK-norm, post-norms, GeGLU, local and global layers)
+void gemma3_forward(ForwardOps& ops, const ModelHparams& hp);
+std::vector<TensorSpec> gemma3_tensors(const ModelHparams& hp, int32_t layer);
+
 }  // namespace kestrel::archs
