@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ unit/golden/e2e tests and the Python reference checks (CTest), then the
 # C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer. Installs what is missing
-# first (packages, the default model, a Python venv with numpy + gguf for the float64 reference,
+# first (packages, the default model and Gemma 3 270M, a Python venv with numpy + gguf for the float64 reference,
 # safetensors for the Hugging Face folder checks, pytest + requests + openai + lm_eval for the server
 # tests), so it works on a fresh clone. Last, the libFuzzer targets (clang) run for a bounded time.
 # First of all, the tree rules (scripts/check_tree.sh: getenv in one file, file sizes, no work
@@ -13,6 +13,7 @@ scripts/check_tree.sh
 
 scripts/install_deps.sh
 scripts/fetch_model.sh
+scripts/fetch_model.sh gemma3-270m  # the second real model: Gemma 3's greedy transcripts
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

@@ -413,7 +413,7 @@ TEST(HfConfig, MissingAndBadFields) {
   j = base;
   j["architectures"] = {"GPT2LMHeadModel"};
   EXPECT_CONFIG_ERROR(j, "unsupported architectures 'GPT2LMHeadModel' (supported: LlamaForCausalLM, MistralForCausalLM, "
-                         "Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM)");
+                         "Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, DeepseekV2ForCausalLM, Gemma3ForCausalLM)");
   j["architectures"] = json::array();
   EXPECT_CONFIG_ERROR(j, "field 'architectures' must be a non-empty array of strings");
   j.erase("architectures");
