@@ -5,6 +5,9 @@
 
 namespace kestrel::archs {
 
+// The model-level tensors every decoder has: token embedding, final norm (norm_hf_add: see
+// TensorSpec::hf_add), LM head (absent = tied).
+std::vector<TensorSpec> model_tensors(const ModelHparams& hp, float norm_hf_add = 0);
 // The FFN half of a decoder block (shared by the builders): residual += attention output, RMSNorm,
 // then the dense SwiGLU MLP or, in the model's MoE layers, moe_ffn -> Act::Down.
 void ffn_block(ForwardOps& ops, const ModelHparams& hp, int32_t layer);

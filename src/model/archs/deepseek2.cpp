@@ -22,10 +22,7 @@ void deepseek2_forward(ForwardOps& ops, const ModelHparams& hp) {
 std::vector<TensorSpec> deepseek2_tensors(const ModelHparams& hp, int32_t layer) {
   using R = WeightRole;
   const int64_t d = hp.n_embd;
-  if (layer < 0)
-    return {{R::TokenEmbd, "token_embd", "model.embed_tokens", d, hp.n_vocab},
-            {R::OutputNorm, "output_norm", "model.norm", 0, d},
-            {R::Output, "output", "lm_head", d, hp.n_vocab}};
+  if (layer < 0) return model_tensors(hp);
   const MlaHparams& mla = hp.mla;
   const int64_t r = mla.kv_lora_rank, q_out = hp.n_head * (mla.qk_nope + mla.qk_rope);
   const std::string g = "blk." + std::to_string(layer) + ".";

@@ -29,10 +29,7 @@ void gemma3_forward(ForwardOps& ops, const ModelHparams& hp) {
 std::vector<TensorSpec> gemma3_tensors(const ModelHparams& hp, int32_t layer) {
   using R = WeightRole;
   const int64_t d = hp.n_embd, hd = hp.head_dim;
-  if (layer < 0)
-    return {{R::TokenEmbd, "token_embd", "model.embed_tokens", d, hp.n_vocab},
-            {R::OutputNorm, "output_norm", "model.norm", 0, d, false, 0, 1.0f},
-            {R::Output, "output", "lm_head", d, hp.n_vocab}};
+  if (layer < 0) return model_tensors(hp, 1.0f);
   const std::string g = "blk." + std::to_string(layer) + ".";
   const std::string h = "model.layers." + std::to_string(layer) + ".";
   // transformers' post_attention_layernorm is the post-norm of the attention output; the FFN's

@@ -9,6 +9,14 @@
 
 namespace kestrel::archs {
 
+std::vector<TensorSpec> model_tensors(const ModelHparams& hp, float norm_hf_add) {
+  using R = WeightRole;
+  const int64_t d = hp.n_embd;
+  return {{R::TokenEmbd, "token_embd", "model.embed_tokens", d, hp.n_vocab},
+          {R::OutputNorm, "output_norm", "model.norm", 0, d, false, 0, norm_hf_add},
+          {R::Output, "output", "lm_head", d, hp.n_vocab}};
+}
+
 void ffn_block(ForwardOps& ops, const ModelHparams& hp, int32_t l) {
   if (hp.moe.is_moe_layer(l)) {
     ops.add_norm(Act::AttnOut, {l, WeightRole::FfnNorm}, Act::Normed);
@@ -62,10 +70,7 @@ void llama_forward(ForwardOps& ops, const ModelHparams& hp) {
 std::vector<TensorSpec> llama_tensors(const ModelHparams& hp, int32_t layer) {
   using R = WeightRole;
   const int64_t d = hp.n_embd;
-  if (layer < 0)
-    return {{R::TokenEmbd, "token_embd", "model.embed_tokens", d, hp.n_vocab},
-            {R::OutputNorm, "output_norm", "model.norm", 0, d},
-            {R::Output, "output", "lm_head", d, hp.n_vocab}};
+  if (layer < 0) return model_tensors(hp);
   const std::string g = "blk." + std::to_string(layer) + ".";
   const std::string h = "model.layers." + std::to_string(layer) + ".";
   std::vector<TensorSpec> t = {
