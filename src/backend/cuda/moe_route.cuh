@@ -1,0 +1,204 @@
+// The small kernels of a mixture-of-experts layer (moe_ops.h has the whole flow): routing (top-k
+// experts per token from the router logits), grouping the (token, slot) rows by expert for the
+// grouped GEMMs, and the weighted combine of each token's k expert outputs.
+#pragma once
+
+#include <climits>
+#include <cmath>
+
+#include "backend/cuda/device_common.cuh"
+#include "backend/cuda/moe_ops.h"
+
+namespace kestrel::cuda {
+
+constexpr int kMoeRouteWarps = 4;   // tokens per routing block (one warp each)
+constexpr int kMoeSortThreads = 256;
+constexpr int kMoeMaxGroups = 32;   // group-limited routing: one group score per lane
+
+// Largest (v, id) over the warp, larger v first and the lower id on ties, in every lane.
+__device__ __forceinline__ void moe_warp_argmax(double& v, int& id) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+    if (ov > v || (ov == v && oi < id)) {
+      v = ov;
+      id = oi;
+    }
+  }
+}
+
+// One warp per token (moe_select, model/moe_router.cpp, step by step in the same arithmetic: the
+// exponentials in double summed by one lane in expert order, selections as repeated arg-maxes,
+// which pick what a stable descending sort puts first). grid ceil(n_tokens / kMoeRouteWarps),
+// block kMoeRouteWarps warps. Uses warp barriers only, so a warp past the last token may return.
+__global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
+    moe_route_kernel(const float* __restrict__ logits, int64_t logits_stride, const int64_t* __restrict__ slots,
+                     int64_t n_tokens, MoeRouteArgs r, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  KESTREL_PDL_ENTRY();
+  __shared__ double s_p[kMoeRouteWarps][kMoeMaxExperts];
+  __shared__ unsigned char s_ok[kMoeRouteWarps][kMoeMaxExperts];  // eligible and not chosen yet
+  __shared__ int32_t s_sel[kMoeRouteWarps][kMoeMaxTopK];
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kMoeRouteWarps + warp;
+  if (t >= n_tokens) return;
+  const int n = r.n_expert, k = r.top_k;
+  int32_t* out_ids = ids + t * k;
+  float* out_w = weights + t * k;
+  if (slots != nullptr && slots[t] < 0) {
+    for (int i = lane; i < k; i += kWarpSize) {
+      out_ids[i] = -1;
+      out_w[i] = 0.0f;
+    }
+    return;
+  }
+  const float* row = logits + t * logits_stride;
+  double* p = s_p[warp];
+  unsigned char* ok = s_ok[warp];
+
+  double mx = -INFINITY;
+  for (int e = lane; e < n; e += kWarpSize) mx = fmax(mx, static_cast<double>(row[e]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  for (int e = lane; e < n; e += kWarpSize) p[e] = exp(static_cast<double>(row[e]) - mx);
+  __syncwarp();
+  double sum = 0.0;
+  if (lane == 0)
+    for (int e = 0; e < n; ++e) sum += p[e];
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  for (int e = lane; e < n; e += kWarpSize) {
+    p[e] /= sum;
+    ok[e] = r.group_limited ? 0 : 1;
+  }
+  __syncwarp();
+
+  if (r.group_limited) {
+    // Group g's score is its best probability; the topk_group best groups become eligible.
+    const int per = n / r.n_group;
+    double score = -1.0;
+    if (lane < r.n_group)
+      for (int e = lane * per; e < (lane + 1) * per; ++e) score = fmax(score, p[e]);
+    bool taken = lane >= r.n_group;
+    for (int i = 0; i < r.topk_group; ++i) {
+      double v = taken ? -INFINITY : score;
+      int g = taken ? INT_MAX : lane;
+      moe_warp_argmax(v, g);
+      if (lane == g) taken = true;
+      for (int e = g * per + lane; e < (g + 1) * per; e += kWarpSize) ok[e] = 1;
+    }
+    __syncwarp();
+  }
+
+  for (int i = 0; i < k; ++i) {
+    double v = -INFINITY;
+    int best = INT_MAX;
+    for (int e = lane; e < n; e += kWarpSize)
+      if (ok[e] != 0 && p[e] > v) {  // strict: a lane's lower id wins its ties
+        v = p[e];
+        best = e;
+      }
+    moe_warp_argmax(v, best);
+    if (lane == 0) {
+      s_sel[warp][i] = best;
+      ok[best] = 0;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    double chosen = 0.0;
+    for (int i = 0; i < k; ++i) chosen += p[s_sel[warp][i]];
+    for (int i = 0; i < k; ++i) {
+      const int e = s_sel[warp][i];
+      double w = p[e];
+      if (r.norm_topk) w /= chosen;
+      out_ids[i] = e;
+      out_w[i] = static_cast<float>(w * static_cast<double>(r.routed_scale));
+    }
+  }
+}
+
+// Block e groups expert e's rows (moe_sort in moe_ops.h). Every block counts all experts' rows
+// (shared-memory histogram) to find where its tiles start, then compacts its rows in increasing
+// order, a block-wide chunk at a time (ballot ranks within a warp, warp totals before it).
+// grid n_expert, block kMoeSortThreads.
+__global__ void __launch_bounds__(kMoeSortThreads)
+    moe_sort_kernel(const int32_t* __restrict__ ids, int64_t n_rows, int32_t n_expert, int32_t tile_rows,
+                    int64_t max_tiles, int32_t* __restrict__ tile_expert, int32_t* __restrict__ perm,
+                    unsigned long long* __restrict__ counts) {
+  KESTREL_PDL_ENTRY();
+  __shared__ int32_t s_count[kMoeMaxExperts];
+  __shared__ int32_t s_warp[kMoeSortThreads / kWarpSize];
+  __shared__ int64_t s_tile0;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int e = static_cast<int>(blockIdx.x);
+  for (int i = tid; i < n_expert; i += kMoeSortThreads) s_count[i] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < n_rows; i += kMoeSortThreads) {
+    const int32_t x = ids[i];
+    if (x >= 0) atomicAdd(&s_count[x], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int64_t t0 = 0;
+    for (int i = 0; i < e; ++i) t0 += (s_count[i] + tile_rows - 1) / tile_rows;
+    s_tile0 = t0;
+    if (counts != nullptr) counts[e] += static_cast<unsigned long long>(s_count[e]);
+  }
+  __syncthreads();
+  const int64_t tile0 = s_tile0;
+  const int32_t mine = s_count[e];
+  const int64_t my_tiles = (mine + tile_rows - 1) / tile_rows;
+  for (int64_t i = tid; i < my_tiles; i += kMoeSortThreads) tile_expert[tile0 + i] = e;
+  if (e == n_expert - 1)
+    for (int64_t i = tile0 + my_tiles + tid; i < max_tiles; i += kMoeSortThreads) tile_expert[i] = -1;
+
+  int32_t* out = perm + tile0 * tile_rows;
+  int64_t at = 0;
+  for (int64_t base = 0; base < n_rows; base += kMoeSortThreads) {
+    const int64_t i = base + tid;
+    const bool hit = i < n_rows && ids[i] == e;
+    const unsigned bits = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) s_warp[warp] = __popc(bits);
+    __syncthreads();
+    int64_t before = 0, total = 0;
+    for (int w = 0; w < kMoeSortThreads / kWarpSize; ++w) {
+      before += w < warp ? s_warp[w] : 0;
+      total += s_warp[w];
+    }
+    if (hit) out[at + before + __popc(bits & ((1u << lane) - 1u))] = static_cast<int32_t>(i);
+    __syncthreads();  // s_warp is rewritten by the next chunk
+    at += total;
+  }
+  for (int64_t i = mine + tid; i < my_tiles * tile_rows; i += kMoeSortThreads) out[i] = -1;
+}
+
+// One token per block, 8 columns (16 bytes) per thread and step (moe_combine in moe_ops.h).
+__global__ void moe_combine_kernel(const __nv_bfloat16* __restrict__ y, const int32_t* __restrict__ ids,
+                                   const float* __restrict__ weights, const __nv_bfloat16* __restrict__ shared,
+                                   const float* __restrict__ shared_logits, int64_t logits_stride, int32_t top_k,
+                                   int64_t d, __nv_bfloat16* __restrict__ out) {
+  KESTREL_PDL_ENTRY();
+  const int64_t t = blockIdx.x;
+  const float g = shared_logits != nullptr ? 1.0f / (1.0f + expf(-shared_logits[t * logits_stride])) : 1.0f;
+  for (int64_t c = threadIdx.x; c < d / 8; c += blockDim.x) {
+    float acc[8] = {};
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t row = t * top_k + j;
+      if (ids[row] < 0) continue;
+      const float w = weights[row];
+      float v[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(y + row * d)[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+    }
+    if (shared != nullptr) {
+      float v[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(shared + t * d)[c], v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += g * v[i];
+    }
+    reinterpret_cast<uint4*>(out + t * d)[c] = pack_bf16x8(acc);
+  }
+}
+
+}  // namespace kestrel::cuda
