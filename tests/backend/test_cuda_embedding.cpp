@@ -24,7 +24,7 @@ TEST(CudaEmbedding, MatchesTableRows) {
     DeviceBuffer<int32_t> d_ids(ids);
     DeviceBuffer<float> d_out(static_cast<size_t>(c.n_tokens * c.n_embd));
     d_out.poison();
-    cuda::embedding(d_table.bf16(), d_ids.get(), c.n_tokens, c.n_embd, d_out.get(), nullptr);
+    cuda::embedding(d_table.bf16(), d_ids.get(), c.n_tokens, c.n_embd, 1.0f, d_out.get(), nullptr);
     const auto out = d_out.download();
     int64_t mismatches = 0;
     for (int64_t t = 0; t < c.n_tokens; ++t)

@@ -31,6 +31,7 @@ struct AttnCase {
   int32_t max_context_override = 0;  // > 0: pass this max_context (too small, or a graph's too large
                                      // bound) instead of the true one
   int32_t decode_stages = 0;         // AttentionParams::decode_stages
+  int32_t window = 0;                // AttentionParams::window (0: none)
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -92,6 +93,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.scale = scale;
   p.max_query_len = c.pass_max_query_len ? max_q : 0;
   p.decode_stages = c.decode_stages;
+  p.window = c.window;
   const size_t ws_bytes = cuda::attention_workspace_bytes(p);
   DeviceBuffer<unsigned char> d_ws(ws_bytes);
   d_ws.poison();
@@ -112,9 +114,11 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
         const int64_t blk = tables[static_cast<size_t>(s * max_blocks + j / c.block_size)];
         return cache.data() + ((blk * c.n_head_kv + kvh) * c.block_size + j % c.block_size) * D;
       };
+      // Keys [lo, pos]: with a window W, the W most recent ones (the query's own included).
+      const int32_t lo = c.window > 0 ? std::max(0, pos + 1 - c.window) : 0;
       w.assign(static_cast<size_t>(pos + 1), 0.0);
       double mx = -INFINITY;
-      for (int32_t j = 0; j <= pos; ++j) {
+      for (int32_t j = lo; j <= pos; ++j) {
         const uint16_t* kj = key_row(k_cache, j);
         double dot = 0.0;
         for (int32_t d = 0; d < D; ++d) dot += static_cast<double>(from_bf16(qh[d])) * from_bf16(kj[d]);
@@ -122,9 +126,9 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
         mx = std::max(mx, w[static_cast<size_t>(j)]);
       }
       double sum = 0.0;
-      for (auto& x : w) sum += (x = std::exp(x - mx));
+      for (int32_t j = lo; j <= pos; ++j) sum += (w[static_cast<size_t>(j)] = std::exp(w[static_cast<size_t>(j)] - mx));
       double* o = ref.data() + (t * c.n_head + h) * D;
-      for (int32_t j = 0; j <= pos; ++j) {
+      for (int32_t j = lo; j <= pos; ++j) {
         const uint16_t* vj = key_row(v_cache, j);
         for (int32_t d = 0; d < D; ++d) o[d] += w[static_cast<size_t>(j)] / sum * from_bf16(vj[d]);
       }
@@ -165,6 +169,30 @@ TEST(CudaPagedAttention, LongContextsSplitKv) {
       {"65 keys alone, max_context given as 4096 (empty splits)", 8, 1, 128, 16, {{65, 1}}, 2.0f, true, 4096},
   };
   for (const auto& c : cases) run_case(c, rng);
+}
+
+// Sliding windows (Mistral, Gemma 3's local layers): a query at position p attends keys
+// (p - W, p] only. Windows smaller and larger than a 64-key tile, not multiples of it, starting
+// mid-block and mid-tile; prefill chunks whose rows start at different tiles; decodes whose window
+// spans one to several split-KV ranges; the tensor-core head dims (64, 128, 256) and the SIMT
+// kernel's (16, 40).
+TEST(CudaPagedAttention, SlidingWindowsMatchFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(17);
+  std::vector<AttnCase> cases = {
+      {"d64 group 3, window 16, mixed", 9, 3, 64, 16, {{37, 37}, {100, 1}, {1, 1}, {70, 13}}, 2.0f, true},
+      {"d128 group 4, window 100, prefill 300 in one chunk", 8, 2, 128, 16, {{300, 300}, {513, 1}}, 2.0f, true},
+      {"d256 MQA group 4 (Gemma 3 270M), window 512, long decode", 4, 1, 256, 16, {{1500, 1}, {700, 40}}, 2.0f,
+       true},
+      {"d64, window 70, decodes split over the window", 8, 2, 64, 8, {{3001, 1}, {130, 1}, {71, 1}}, 2.0f, true},
+      {"d16 SIMT (mistral-swa-tiny), window 16, block 4", 4, 2, 16, 4, {{100, 100}, {40, 1}, {60, 7}}, 2.0f, true},
+      {"d40 SIMT, window 33, long decode", 6, 3, 40, 16, {{2049, 1}, {90, 25}}, 2.0f, false},
+  };
+  const int32_t windows[] = {16, 100, 512, 70, 16, 33};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    cases[i].window = windows[i];
+    run_case(cases[i], rng);
+  }
 }
 
 // Many decode sequences with contexts from 1 key to 12 tiles, prefill chunks among them (decode

@@ -17,6 +17,7 @@
 #include "engine/engine.h"
 #include "memory/kv_planner.h"
 #include "model/model_footprint.h"
+#include "hf_tiny_reference.h"
 #include "npy.h"
 #include "test_util.h"
 
@@ -26,29 +27,8 @@ namespace {
 using nlohmann::json;
 using test::read_npy;
 
-struct ReferencePrompt {
-  std::string name;
-  std::vector<int32_t> ids;
-  std::vector<int32_t> argmax;  // [L]
-  std::vector<int32_t> greedy;  // [32]
-  std::string file_prefix;      // "p1_len40"
-};
-
-std::vector<ReferencePrompt> read_reference(const std::string& folder) {
-  std::ifstream f(folder + "/reference.json");
-  const json r = json::parse(f);
-  std::vector<ReferencePrompt> out;
-  for (const json& p : r.at("prompts")) {
-    ReferencePrompt rp;
-    rp.name = p.at("name");
-    rp.ids = p.at("input_ids").get<std::vector<int32_t>>();
-    rp.argmax = p.at("argmax_per_position").get<std::vector<int32_t>>();
-    rp.greedy = p.at("greedy_continuation").get<std::vector<int32_t>>();
-    rp.file_prefix = rp.name + "_len" + std::to_string(rp.ids.size());
-    out.push_back(std::move(rp));
-  }
-  return out;
-}
+using test::ReferencePrompt;
+using test::read_reference;
 
 EngineConfig f32_config() {
   EngineConfig c;

@@ -42,7 +42,7 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.n_head_kv = static_cast<int32_t>(hp_.n_head_kv);
   ap.head_dim = static_cast<int32_t>(hp_.head_dim);
   ap.block_size = block_size_;
-  ap.scale = 1.0f / std::sqrt(static_cast<float>(hp_.head_dim));
+  ap.scale = hp_.softmax_scale();
   ap.workspace = workspace_.as<void>();
   ap.workspace_bytes = workspace_.bytes();
   ap.decode_stages = attn_decode_stages_;
@@ -79,12 +79,14 @@ bf16* CudaModelRunner::act(Act a) {
     case Act::AttnOut: return o_.as<bf16>();
     case Act::GateUp: return gate_up_.as<bf16>();
     case Act::Down: return down_.as<bf16>();
+    case Act::Normed: return h_.as<bf16>();
   }
   return nullptr;
 }
 
 void CudaModelRunner::embed() {
-  cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, pass_residual_, stream_);
+  cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, hp_.embd_scale, pass_residual_,
+                  stream_);
   mark("embedding");
 }
 
@@ -123,17 +125,46 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, n_out, stream_);
 }
 
+void CudaModelRunner::add_norm(Act add, WeightId norm, Act out) {
+  KESTREL_ASSERT(out == Act::Normed, "CUDA add_norm writes Act::Normed");
+  const DevMem& w = layers_[static_cast<size_t>(norm.layer)][norm.role].w;
+  cuda::add_rms_norm(pass_residual_, act(add), w.as<bf16>(), h_.as<bf16>(), pass_.n_tokens, hp_.n_embd, hp_.rms_eps,
+                     stream_);
+  mark("add_rms_norm");
+}
+
+void CudaModelRunner::norm(Act a, WeightId w) {
+  const DevMem& nw = layers_[static_cast<size_t>(w.layer)][w.role].w;
+  cuda::rms_norm_heads(act(a), pass_.n_tokens, hp_.n_embd, 1, hp_.n_embd, nw.as<bf16>(), hp_.rms_eps, stream_);
+  mark("rms_norm");
+}
+
+void CudaModelRunner::qk_norm(int32_t layer, Act qkv_act) {
+  KESTREL_ASSERT(qkv_act == Act::Qkv, "CUDA qk_norm reads Act::Qkv");
+  const Layer& L = layers_[static_cast<size_t>(layer)];
+  bf16* qkv = act(qkv_act);
+  const int64_t n = pass_.n_tokens, stride = hp_.q_dim() + 2 * hp_.kv_dim();
+  cuda::rms_norm_heads(qkv, n, stride, hp_.n_head, hp_.head_dim, L[WeightRole::QNorm].w.as<bf16>(), hp_.rms_eps,
+                       stream_);
+  cuda::rms_norm_heads(qkv + hp_.q_dim(), n, stride, hp_.n_head_kv, hp_.head_dim, L[WeightRole::KNorm].w.as<bf16>(),
+                       hp_.rms_eps, stream_);
+  mark("qk_norm");
+}
+
 void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
   bf16* qkv = act(qkv_act);
   const int64_t qkv_w = hp_.q_dim() + 2 * hp_.kv_dim();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
+  // Windowed layers with their own RoPE base (Gemma 3's local layers) take the second table.
+  const float* inv_freq = inv_freq_swa_.bytes() > 0 && hp_.layer_window(layer) > 0 ? inv_freq_swa_.as<float>()
+                                                                                    : inv_freq_.as<float>();
   if (pass_rope_in_attention_) {  // done by attention(), from the unrotated qkv
-    pass_ap_.rope = {qkv, qkv_w, pass_arrays_->slots, inv_freq_.as<float>(), hp_.rope_linear_scale,
+    pass_ap_.rope = {qkv, qkv_w, pass_arrays_->slots, inv_freq, hp_.rope_linear_scale,
                      static_cast<int32_t>(hp_.rope_dim), rotate_half};
     return;
   }
   cuda::rope_write_kv_fused(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots,
-                            inv_freq_.as<float>(), hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv,
+                            inv_freq, hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv,
                             hp_.head_dim, hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
                             v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
   mark("rope_write_kv");
@@ -145,6 +176,7 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   pass_ap_.k_cache = k_cache_[static_cast<size_t>(layer)].as<bf16>();
   pass_ap_.v_cache = v_cache_[static_cast<size_t>(layer)].as<bf16>();
   pass_ap_.out = act(out);
+  pass_ap_.window = static_cast<int32_t>(hp_.layer_window(layer));
   cuda::paged_attention(pass_ap_, stream_);
   mark("attention");
 }
@@ -162,6 +194,16 @@ void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   project(act(in), W.w.as<bf16>(), act(out), false, pass_.n_tokens, W.n_in, W.n_out, /*swiglu=*/true);
   mark("gemm down (+silu)");
+}
+
+void CudaModelRunner::geglu_linear(Act in, WeightId proj, Act out) {
+  const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
+  const int64_t n = pass_.n_tokens;
+  // The projection kernels fuse SwiGLU only: the GeGLU product goes through act_ first.
+  cuda::gelu_tanh_mul(act(in), act_.as<bf16>(), n, W.n_in, stream_);
+  mark("gelu_mul");
+  project(act_.as<bf16>(), W.w.as<bf16>(), act(out), false, n, W.n_in, W.n_out);
+  mark("gemm down");
 }
 
 void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
@@ -191,16 +233,21 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
-    if (uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;
+    if (ws.empty() || uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;
     const int pick = gemm_->tune(x, ws.data(), ws.size(), y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16,
                                  n, n_in, n_out, stream_, gemm_split_k_);
     if (prof_ != nullptr)
       std::fprintf(stderr, "gemm tune: %lld x %lld -> %lld: candidate %d\n", static_cast<long long>(n),
                    static_cast<long long>(n_in), static_cast<long long>(n_out), pick);
   };
+  // Every layer's weight of the role, or none when some layer lacks it (a mixture-of-experts
+  // layer has no dense gate/up): those projections keep cuBLASLt's heuristic pick.
   auto all_layers = [&](WeightRole role) {
     std::vector<const bf16*> ws;
-    for (const Layer& L : layers_) ws.push_back(L[role].w.as<bf16>());
+    for (const Layer& L : layers_) {
+      if (L[role].w.bytes() == 0) return std::vector<const bf16*>{};
+      ws.push_back(L[role].w.as<bf16>());
+    }
     return ws;
   };
   tune(h_.as<bf16>(), all_layers(WeightRole::Qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);

@@ -50,10 +50,6 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (!cuda::attention_supports_head_dim(static_cast<int32_t>(hp_.head_dim)))
     throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
                 " is not supported (a multiple of 8 from 8 to 256)");
-  // The attention kernels attend to every earlier key: right for a window only as long as the context.
-  if (hp_.sliding_window > 0 && hp_.sliding_window < hp_.n_ctx_train)
-    throw Error("CUDA backend: sliding-window attention (window " + std::to_string(hp_.sliding_window) +
-                " of a context of " + std::to_string(hp_.n_ctx_train) + ") is not supported; use --device cpu");
   if (hp_.mla.enabled())
     throw Error("CUDA backend: multi-head latent attention (" + hp_.arch + ") is not supported yet; use --device cpu");
   if (hp_.moe.enabled())
@@ -158,6 +154,7 @@ void CudaModelRunner::upload_weights() {
     }
   }
   inv_freq_ = upload_f32(rope_inv_freq(hp_, W.rope_freq_factors));
+  if (hp_.rope_theta_swa > 0) inv_freq_swa_ = upload_f32(rope_inv_freq(hp_, hp_.rope_theta_swa, {}));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 

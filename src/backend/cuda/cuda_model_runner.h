@@ -142,6 +142,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void attention(int32_t layer, Act qkv, Act out) override;
   void linear(Act in, WeightId proj, Act out) override;
   void swiglu_linear(Act in, WeightId proj, Act out) override;
+  void add_norm(Act add, WeightId norm, Act out) override;
+  void norm(Act a, WeightId w) override;
+  void qk_norm(int32_t layer, Act qkv) override;
+  void geglu_linear(Act in, WeightId proj, Act out) override;
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
   bf16* act(Act a);  // the activation buffer; null for Act::None
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
@@ -223,6 +227,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
     if (prof_ != nullptr) prof_->mark(op);
   }
   DevMem embd_, out_norm_, lm_head_, inv_freq_;
+  DevMem inv_freq_swa_;  // windowed layers' RoPE table when they have their own base (Gemma 3); else empty
   std::vector<Layer> layers_;
   // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16.
   std::vector<DevMem> k_cache_, v_cache_;

@@ -22,11 +22,20 @@ namespace kestrel::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// out[t, :] = table[ids[t], :]. table [n_vocab, n_embd] bf16; out [n_tokens, n_embd] f32 (the
-// residual stream is kept in f32). ids must lie in [0, n_vocab): the device does not check them
-// (the runner checks token ids on the host, as CpuModelRunner::check does).
-void embedding(const bf16* table, const int32_t* ids, int64_t n_tokens, int64_t n_embd, float* out,
+// out[t, :] = table[ids[t], :] * scale (Gemma scales its embeddings by sqrt(n_embd); else 1).
+// table [n_vocab, n_embd] bf16; out [n_tokens, n_embd] f32 (the residual stream is kept in f32).
+// ids must lie in [0, n_vocab): the device does not check them (the runner checks token ids on
+// the host, as CpuModelRunner::check does).
+void embedding(const bf16* table, const int32_t* ids, int64_t n_tokens, int64_t n_embd, float scale, float* out,
                cudaStream_t stream);
+
+// In-place RMSNorm of heads: for each row t < n_rows and head h < n_heads, the dim values at
+// x + t * row_stride + h * dim = RMSNorm(them) * weight (Gemma 3's QK-norm over the q or k heads
+// of a fused QKV row; with n_heads 1 and row_stride dim, a plain per-row norm such as Gemma's
+// post-attention and post-FFN norms). x bf16, weight [dim] bf16, f32 arithmetic, one bf16
+// rounding of the result. Errors: kestrel::Error when dim <= 0 or row_stride < n_heads * dim.
+void rms_norm_heads(bf16* x, int64_t n_rows, int64_t row_stride, int64_t n_heads, int64_t dim, const bf16* weight,
+                    float eps, cudaStream_t stream);
 
 // Fused residual add and RMSNorm (Zhang & Sennrich 2019): if add != nullptr, residual += add
 // (f32 += bf16); then out = residual / sqrt(mean(residual^2) + eps) * weight.
@@ -65,11 +74,15 @@ void rope_write_kv_fused(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, n_ff + i]  (SwiGLU; gate and up side by side as
 // one fused GEMM writes them). gate_up [n_tokens, 2 * n_ff] bf16; out [n_tokens, n_ff] bf16.
 void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
+// The same with GELU's tanh approximation for silu (GeGLU: Gemma's MLP, transformers'
+// gelu_pytorch_tanh): out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, n_ff + i].
+void gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
 
 // Causal paged attention over a flat batch of prefill chunks and decode tokens (FlashAttention-
 // style: tiled over keys with online softmax, no n x n matrix; GQA: n_head / n_head_kv query heads
 // share a KV head). Token t of sequence s at position p attends keys [0, p] of s's cache (the CPU
-// runner's rule: n_ctx = position + 1), so positions, not context_lens, bound each token's keys.
+// runner's rule: n_ctx = position + 1), or with a sliding window W keys [max(0, p + 1 - W), p], so
+// positions, not context_lens, bound each token's keys.
 // q [n_tokens, n_head, head_dim] bf16; out [n_tokens, n_head, head_dim] bf16.
 // Sequences with one query token (decode) go to a flash-decoding kernel that splits long contexts
 // over several blocks (split-KV) and combines the partial results in a second kernel; the others
@@ -106,6 +119,7 @@ struct AttentionParams {
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
   size_t workspace_bytes;
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
+  int32_t window = 0;         // sliding window in keys (the query's own included); 0 = none
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
                               // tiles load while one is computed); 0 = chosen by the number of
                               // decode items (paged_attention.cu)

@@ -158,7 +158,9 @@ Plan make_plan(const AttentionParams& p) {
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
 
-  const int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
+  // A windowed query's keys span at most ceil(window / kKeyTile) + 1 tiles (split_key_range).
+  int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
+  if (p.window > 0) max_tiles = std::min<int64_t>(max_tiles, ceil_div(p.window, kKeyTile) + 1);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
   plan.decode_stages = decode_stages(p, items);
   const int64_t splits = split_count(p, items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
@@ -268,6 +270,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.block_size = p.block_size;
   a.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
   a.head_dim = p.head_dim;
+  a.window = std::max<int32_t>(p.window, 0);
   a.group = plan.group;
   a.tokens_per_tile = plan.tokens_per_tile;
   a.scale_log2 = p.scale * 1.4426950408889634f;

@@ -68,6 +68,8 @@ struct AttnKernelArgs {
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
   int32_t head_dim;              // D (read by the kernels that take it at run time)
+  int32_t window;                // sliding window: a query at position p attends keys
+                                 // (p - window, p] (first_key); 0 = all keys [0, p]
   // Fused RoPE + KV write (tensor-core decode kernel, decode-only passes; rope_qkv null: off): q is
   // read un-rotated from rope_qkv (rows rope_qkv_stride elements apart: n_head q heads, then
   // n_head_kv k heads, then n_head_kv v heads) and rotated in shared memory; every item's last
@@ -103,20 +105,29 @@ constexpr size_t attn_prefill_smem_bytes() {
          rows * (4 + 8);
 }
 
-// The keys [x, y) of split `split` of `n_splits` for a decode query at position n_keys - 1: whole
-// kKeyTile-key tiles shared out as evenly as possible (the last range ends at n_keys); empty
-// (x >= y) when the context has fewer tiles than splits. The decode kernels and the split-KV
-// reduction use this one rule, so they agree on which splits hold a result.
-__device__ __forceinline__ int2 split_key_range(int n_keys, int split, int n_splits) {
-  const int64_t tiles = (n_keys + kKeyTile - 1) / kKeyTile;
-  const int begin = static_cast<int>(tiles * split / n_splits) * kKeyTile;
-  const int end = min(static_cast<int>(tiles * (split + 1) / n_splits) * kKeyTile, n_keys);
+// The first key a query at position pos attends: pos + 1 - window with a sliding window (the
+// window holds the query's own key and the window - 1 before it, as transformers' Mistral and
+// Gemma 3 masks), else 0.
+__device__ __forceinline__ int first_key(int pos, int window) { return window > 0 ? max(0, pos + 1 - window) : 0; }
+
+// The keys [x, y) of split `split` of `n_splits` for a decode query at position n_keys - 1 that
+// attends keys from key_lo on: the kKeyTile-key tiles (aligned to multiples of kKeyTile) from the
+// one holding key_lo to the one holding n_keys - 1, shared out as evenly as possible (the first
+// range may start below key_lo: the kernels mask those keys; the last ends at n_keys); empty
+// (x >= y) when there are fewer tiles than splits. The decode kernels and the split-KV reduction
+// use this one rule, so they agree on which splits hold a result.
+__device__ __forceinline__ int2 split_key_range(int key_lo, int n_keys, int split, int n_splits) {
+  const int t0 = key_lo / kKeyTile;
+  const int64_t tiles = (n_keys + kKeyTile - 1) / kKeyTile - t0;
+  const int begin = static_cast<int>(t0 + tiles * split / n_splits) * kKeyTile;
+  const int end = min(static_cast<int>(t0 + tiles * (split + 1) / n_splits) * kKeyTile, n_keys);
   return make_int2(begin, end);
 }
 
 // Gathers keys [key0, key0 + kKeys) of one KV head through the block table into a K and a V tile
-// (cp.async, not waited for); keys at or past key_end are zero-filled (never stale NaN, which
-// 0 * NaN would carry into O).
+// (cp.async, not waited for); keys at or past key_end, and before key_lo, are zero-filled (never
+// stale NaN, which 0 * NaN would carry into O; and a sliding window's keys before key_lo may lie
+// in blocks the sequence has released, whose block-table entries are not blocks).
 // (block-table index, offset in the block) of a key. Shifts for the usual power-of-two block
 // sizes: an integer division by a run-time divisor is a ~20-instruction sequence, and the tile
 // loaders do this per 16-byte chunk (ncu on the decode kernel: issue-bound, not memory-bound).
@@ -128,7 +139,8 @@ __device__ __forceinline__ int2 block_of_key(const AttnKernelArgs& a, int key) {
 
 template <int D, int kKeys = kKeyTile>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
-                                             const int32_t* block_table, int kvh, int key0, int key_end) {
+                                             const int32_t* block_table, int kvh, int key0, int key_end,
+                                             int key_lo = 0) {
   constexpr int kChunks = D / 8;
   static_assert(kKeys * kChunks % kAttnThreads == 0, "whole rounds of 16-byte chunks");
   // A fixed trip count, so that the compiler can issue all the block-table reads before the copies.
@@ -137,7 +149,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* s
     const int i = static_cast<int>(threadIdx.x) + k * kAttnThreads;
     const int r = i / kChunks, c = i % kChunks;
     const int key = key0 + r;
-    const bool valid = key < key_end;
+    const bool valid = key < key_end && key >= key_lo;
     int64_t off = 0;
     if (valid) {
       const int2 bk = block_of_key(a, key);
@@ -252,11 +264,12 @@ __device__ __forceinline__ void tile_scores(float (&s)[kNK / 8][4], const QFragm
 }
 
 // The warp's rows against kNK keys of the tile starting at tile row key_off (absolute key index of
-// tile row 0: key0). pos0, pos1: positions of the lane's two rows (INT_MAX: never masked).
+// tile row 0: key0). With need_mask, the lane's two rows attend keys [lo0, pos0] and [lo1, pos1]
+// only (pos INT_MAX, lo 0: never masked).
 template <int D, int kNK>
 __device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments<D>& q,
                                             const __nv_bfloat16* sk, const __nv_bfloat16* sv, int key_off, int key0,
-                                            bool need_mask, int pos0, int pos1, float scale_log2) {
+                                            bool need_mask, int pos0, int pos1, int lo0, int lo1, float scale_log2) {
   const int lane = threadIdx.x % kWarpSize;
   float s[kNK / 8][4];
   tile_scores<D, kNK>(s, q, sk, key_off);
@@ -269,7 +282,7 @@ __device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments
       float v = s[nt][j] * scale_log2;
       if (need_mask) {
         const int key = key0 + key_off + nt * 8 + c2 + (j & 1);
-        if (key > (j < 2 ? pos0 : pos1)) v = -INFINITY;
+        if (key > (j < 2 ? pos0 : pos1) || key < (j < 2 ? lo0 : lo1)) v = -INFINITY;
       }
       s[nt][j] = v;
       mx[j >> 1] = fmaxf(mx[j >> 1], v);
@@ -395,36 +408,46 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
     const int64_t off = row_off[r];
     cp_async16(sq + swz<D>(r, c), a.q + (off >= 0 ? off + c * 8 : 0), off >= 0);
   }
-  int min_pos = INT_MAX, max_pos = 0;
+  // Keys [min_lo, max_pos] cover every row's range [first_key(pos), pos]; tiles holding keys past
+  // the smallest position or before the largest first key are masked per element.
+  int min_pos = INT_MAX, max_pos = 0, min_lo = INT_MAX, max_lo = 0;
   for (int r = 0; r < kRows; ++r) {
     const int p = row_pos[r];
     min_pos = min(min_pos, p);
-    if (p != INT_MAX) max_pos = max(max_pos, p);
+    if (p != INT_MAX) {
+      max_pos = max(max_pos, p);
+      min_lo = min(min_lo, first_key(p, a.window));
+      max_lo = max(max_lo, first_key(p, a.window));
+    }
   }
   const int kv_end = max_pos + 1;
+  const int first_tile = min_lo == INT_MAX ? 0 : min_lo / kKeys;
   const int n_kv_tiles = (kv_end + kKeys - 1) / kKeys;
-  load_kv_tile<D, kKeys>(sk, sv, a, block_table, kvh, 0, kv_end);
+  load_kv_tile<D, kKeys>(sk + (first_tile & 1) * kKeys * kStride, sv + (first_tile & 1) * kKeys * kStride, a,
+                         block_table, kvh, first_tile * kKeys, kv_end, min_lo == INT_MAX ? 0 : min_lo);
   cp_async_commit();
 
   const int pos0 = row_pos[warp * 16 + lane / 4], pos1 = row_pos[warp * 16 + lane / 4 + 8];
+  const int lo0 = pos0 == INT_MAX ? 0 : first_key(pos0, a.window);
+  const int lo1 = pos1 == INT_MAX ? 0 : first_key(pos1, a.window);
   QFragments<D> qf;
   WarpSoftmax<D> st;
   init_softmax(st);
-  for (int j = 0; j < n_kv_tiles; ++j) {
+  for (int j = first_tile; j < n_kv_tiles; ++j) {
     const int buf = j & 1;
     if (j + 1 < n_kv_tiles) {
       load_kv_tile<D, kKeys>(sk + (buf ^ 1) * kKeys * kStride, sv + (buf ^ 1) * kKeys * kStride, a, block_table,
-                             kvh, (j + 1) * kKeys, kv_end);
+                             kvh, (j + 1) * kKeys, kv_end, min_lo == INT_MAX ? 0 : min_lo);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (j == 0) qf.load(sq, warp * 16);
+    if (j == first_tile) qf.load(sq, warp * 16);
     const int key0 = j * kKeys;
     attend_tile<D, kKeys>(st, qf, sk + buf * kKeys * kStride, sv + buf * kKeys * kStride, 0, key0,
-                          key0 + kKeys - 1 > min_pos, pos0, pos1, a.scale_log2);
+                          key0 + kKeys - 1 > min_pos || key0 < max_lo, pos0, pos1, lo0, lo1, a.scale_log2);
     __syncthreads();  // the buffer is refilled in the next iteration
   }
 

@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   it.token = a.query_start[it.seq];
   const bool decode = a.query_start[it.seq + 1] - it.token == 1;  // else a prefill sequence: the other kernel's
   it.pos = decode ? a.positions[it.token] : 0;
-  const int2 keys = split_key_range(it.pos + 1, it.split, a.n_splits);
+  const int key_lo = first_key(it.pos, a.window);
+  const int2 keys = split_key_range(key_lo, it.pos + 1, it.split, a.n_splits);
   if (!decode || keys.x >= keys.y) {  // nothing to do (an empty split: fewer key tiles than splits)
     // Still wait: the next kernel's griddepcontrol.wait covers this grid only, so this grid may
     // not complete before the one it follows (a pass without decodes has no block that waits).
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   for (int j = 0; j < kStages - 1; ++j) {
     if (j < n_tiles) {
       __nv_bfloat16* sk = stages + j * kStage;
-      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end);
+      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end, key_lo);
     }
     cp_async_commit();
   }
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     if (j + kStages - 1 < n_tiles) {
       __nv_bfloat16* sk = stages + (j + kStages - 1) % kStages * kStage;
       load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + (j + kStages - 1) * kKeyTile,
-                      it.key_end);
+                      it.key_end, key_lo);
     }
     cp_async_commit();
     cp_async_wait<kStages - 1>();
@@ -240,7 +241,8 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     const __nv_bfloat16* sk = stages + j % kStages * kStage;
     const int key0 = it.key_begin + j * kKeyTile;
     attend_tile<D, kKeyTile / kWarps>(st, qf, sk, sk + kKeyTile * kStride, warp * (kKeyTile / kWarps), key0,
-                                      key0 + kKeyTile - 1 > it.pos, it.pos, it.pos, a.scale_log2);
+                                      key0 + kKeyTile - 1 > it.pos || key0 < key_lo, it.pos, it.pos, key_lo, key_lo,
+                                      a.scale_log2);
     __syncthreads();  // this stage is refilled (or merged into) next
   }
   cp_async_wait<0>();  // only empty groups are left
@@ -258,17 +260,18 @@ __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKern
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;
   const int n_keys = a.positions[token] + 1;
+  const int key_lo = first_key(n_keys - 1, a.window);
   const int64_t stride = a.n_seqs * a.n_head;  // between splits
   const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
   float m = -INFINITY;
   for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = split_key_range(n_keys, s, a.n_splits);
+    const int2 keys = split_key_range(key_lo, n_keys, s, a.n_splits);
     if (keys.x < keys.y) m = fmaxf(m, a.part_lse[first + s * stride]);
   }
   for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
     float num = 0.0f, den = 0.0f;
     for (int s = 0; s < a.n_splits; ++s) {
-      const int2 keys = split_key_range(n_keys, s, a.n_splits);
+      const int2 keys = split_key_range(key_lo, n_keys, s, a.n_splits);
       if (keys.x >= keys.y) continue;
       const float lse = a.part_lse[first + s * stride];
       const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);

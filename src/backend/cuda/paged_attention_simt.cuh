@@ -46,13 +46,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
   const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
 
   // Which rows, and which keys [key_begin, key_end), this block does.
-  int seq, token0, key_begin = 0, split = 0, split_end = 0;
+  int seq, token0, key_begin = 0, split = 0, split_end = 0, key_lo = 0;
   if constexpr (kDecode) {
     seq = blockIdx.x;
     token0 = a.query_start[seq];
     if (a.query_start[seq + 1] - token0 != 1) return;  // a prefill sequence: the prefill launch's
     split = blockIdx.z;
-    const int2 keys = split_key_range(a.positions[token0] + 1, split, a.n_splits);
+    const int pos = a.positions[token0];
+    key_lo = first_key(pos, a.window);
+    const int2 keys = split_key_range(key_lo, pos + 1, split, a.n_splits);
     if (keys.x >= keys.y) return;  // the context has fewer key tiles than splits
     key_begin = keys.x;
     split_end = keys.y;
@@ -83,10 +85,17 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
     row_pos[r] = valid ? a.positions[token] : -1;  // -1: every key masked, nothing written
   }
   __syncthreads();
-  int max_pos = 0;
-  for (int r = 0; r < kSimtRows; ++r) max_pos = max(max_pos, row_pos[r]);
+  int max_pos = 0, min_lo = INT_MAX;
+  for (int r = 0; r < kSimtRows; ++r) {
+    max_pos = max(max_pos, row_pos[r]);
+    if (row_pos[r] >= 0) min_lo = min(min_lo, first_key(row_pos[r], a.window));
+  }
   int key_end = max_pos + 1;
-  if constexpr (kDecode) key_end = min(key_end, split_end);
+  if constexpr (kDecode) {
+    key_end = min(key_end, split_end);
+  } else if (min_lo != INT_MAX) {
+    key_begin = key_lo = min_lo;  // no row attends an earlier key (sliding window)
+  }
   for (int i = tid; i < kSimtRows * D; i += kAttnThreads) {
     const int64_t off = row_off[i / D];
     sq[i] = off >= 0 ? __bfloat162float(a.q[off + i % D]) * a.scale_log2 : 0.0f;
@@ -94,12 +103,13 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
 
   // The warp's rows: online-softmax state (m in log2 units; l the lane's partial sum) and outputs.
   float m[kSimtRowsPerWarp], l[kSimtRowsPerWarp], o[kSimtRowsPerWarp][kSlots];
-  int pos[kSimtRowsPerWarp];
+  int pos[kSimtRowsPerWarp], lo[kSimtRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kSimtRowsPerWarp; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
     pos[r] = row_pos[warp * kSimtRowsPerWarp + r];
+    lo[r] = pos[r] >= 0 ? first_key(pos[r], a.window) : 0;
 #pragma unroll
     for (int i = 0; i < kSlots; ++i) o[r][i] = 0.0f;
   }
@@ -113,8 +123,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
     for (int i = tid; i < kSimtKeys * kChunks; i += kAttnThreads) {
       const int r = i / kChunks, c = i % kChunks;
       const int key = key0 + r;
-      uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;  // past the end: zeros (never stale NaN)
-      if (key < key_end) {
+      // Past the end or before the window: zeros (never stale NaN; keys before the window may lie
+      // in released blocks).
+      uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+      if (key < key_end && key >= key_lo) {
         const int2 bk = block_of_key(a, key);
         const int64_t blk = block_table[bk.x];
         const int64_t off = ((blk * a.n_head_kv + kvh) * a.block_size + bk.y) * D + c * 8;
@@ -146,7 +158,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
     const int key = key0 + lane;
 #pragma unroll
     for (int r = 0; r < kSimtRowsPerWarp; ++r) {
-      const float v = key <= pos[r] && key < key_end ? s[r] : -INFINITY;
+      const float v = key <= pos[r] && key >= lo[r] && key < key_end ? s[r] : -INFINITY;
       float mx = v;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));

@@ -1,4 +1,5 @@
-// SwiGLU activation (Shazeer 2020) over the fused gate|up GEMM output: out = silu(gate) * up.
+// SwiGLU and GeGLU activations (Shazeer 2020) over the fused gate|up GEMM output:
+// out = silu(gate) * up, or gelu_tanh(gate) * up.
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
@@ -11,10 +12,18 @@ namespace kestrel::cuda {
 // -87, 1 + e^-g is 2^126 or more (or +inf) and the result is 0 (or -0); for large g it is g.
 __device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
-// gate_up [n_tokens, 2 * n_ff] bf16 (gate then up), out [n_tokens, n_ff] bf16.
+// GELU's tanh approximation (Hendrycks & Gimpel 2016; transformers' gelu_pytorch_tanh):
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), in f32 with the accurate tanhf (the CPU
+// backend's formula).
+__device__ __forceinline__ float gelu_tanh(float g) {
+  return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+// gate_up [n_tokens, 2 * n_ff] bf16 (gate then up), out [n_tokens, n_ff] bf16: act(gate) * up with
+// act = gelu_tanh (kGelu: GeGLU) or silu (SwiGLU).
 // grid (ceil(n_items / blockDim.x), min(n_tokens, 65535)) where an item is 8 elements (kVec,
 // n_ff % 8 == 0) or one; rows beyond gridDim.y are covered by striding.
-template <bool kVec>
+template <bool kVec, bool kGelu = false>
 __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ out,
                                 int64_t n_tokens, int64_t n_ff) {
   KESTREL_PDL_ENTRY();
@@ -28,11 +37,12 @@ __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_
       unpack_bf16x8(reinterpret_cast<const uint4*>(gate)[i], g);
       unpack_bf16x8(reinterpret_cast<const uint4*>(up)[i], u);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) y[j] = silu(g[j]) * u[j];
+      for (int j = 0; j < 8; ++j) y[j] = (kGelu ? gelu_tanh(g[j]) : silu(g[j])) * u[j];
       reinterpret_cast<uint4*>(out + t * n_ff)[i] = pack_bf16x8(y);
     } else {
       if (i >= n_ff) return;
-      out[t * n_ff + i] = __float2bfloat16_rn(silu(__bfloat162float(gate[i])) * __bfloat162float(up[i]));
+      const float g = __bfloat162float(gate[i]);
+      out[t * n_ff + i] = __float2bfloat16_rn((kGelu ? gelu_tanh(g) : silu(g)) * __bfloat162float(up[i]));
     }
   }
 }
