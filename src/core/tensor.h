@@ -7,6 +7,8 @@
 
 namespace kestrel {
 
+struct RandomFill;
+
 // How a weight tensor's elements are stored: the data's encoding plus, for quantized data, where
 // its scales are. The schemes read today keep the scales inside the data: plain floats (F32, F16,
 // BF16) and GGUF's block formats (Q4_0 ... Q8_0, the k-quants: every block of block_size elements
@@ -46,6 +48,11 @@ struct WeightView {
   int64_t n_in = 0;
   int64_t n_out = 0;
   const uint8_t* data = nullptr;
+  // Generated weights (--load-format dummy, core/random_fill.h): element i of the n_out * n_in
+  // bf16 values is random_fill_bf16(*random, i), which a GPU upload computes on the device; `data`
+  // holds the same values on the host only once the model's host copy is made
+  // (LlamaModel::ensure_host_weights). Null for weights read from a file.
+  const RandomFill* random = nullptr;
 
   bool empty() const { return data == nullptr; }
   size_t row_size() const { return row_bytes(type.storage, n_in); }

@@ -145,6 +145,8 @@ std::string read_chat_template(const fs::path& dir) {
 
 }  // namespace
 
+std::string LlamaModel::hf_chat_template(const std::string& dir) { return read_chat_template(dir); }
+
 std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
   const fs::path root(dir);
   const HfModelConfig cfg = HfModelConfig::from_file((root / "config.json").string());

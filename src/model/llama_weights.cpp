@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "model/dummy_weights.h"
 #include "model/forward_ops.h"
 #include "io/safetensors_checkpoint.h"
 
@@ -106,12 +107,23 @@ class Loader {
 
 }  // namespace
 
+LlamaModel::LlamaModel() = default;
 LlamaModel::~LlamaModel() = default;
 
 const GgufFile& LlamaModel::file() const {
   if (gguf_ == nullptr)
     throw Error(path_ + ": the model was loaded from a Hugging Face folder and has no GGUF metadata");
   return *gguf_;
+}
+
+LoadFormat parse_load_format(std::string_view name) {
+  if (name == "auto") return LoadFormat::Auto;
+  if (name == "dummy") return LoadFormat::Dummy;
+  throw Error("unknown load format '" + std::string(name) + "' (supported: auto, dummy)");
+}
+
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat format) {
+  return format == LoadFormat::Dummy ? load_dummy(path) : load(path);
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path) {

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
@@ -17,11 +18,19 @@
 namespace kestrel {
 
 class SafetensorsCheckpoint;
+class GeneratedWeights;
 
 enum class ModelFormat {
   Gguf,      // one .gguf file
   HfFolder,  // a Hugging Face folder: config.json + *.safetensors (+ tokenizer files)
 };
+
+// Where the weights come from (vLLM's --load-format names): Auto reads them from the model's files;
+// Dummy generates random bf16 weights in the shapes a Hugging Face config.json describes
+// (model/dummy_weights.h), for measuring speed without a checkpoint.
+enum class LoadFormat { Auto, Dummy };
+// "auto" or "dummy". Throws kestrel::Error naming the value and the supported ones otherwise.
+LoadFormat parse_load_format(std::string_view name);
 
 // A loaded model: its mapped files, hyperparameters and weight views into the files.
 class LlamaModel {
@@ -39,10 +48,22 @@ class LlamaModel {
   // and the tensor for a missing tensor, a wrong shape, an unsupported dtype or misaligned data,
   // and the config's or the reader's errors.
   static std::unique_ptr<LlamaModel> load_hf_dir(const std::string& dir);
+  // The chat template of a Hugging Face folder, as load_hf_dir reads it; "" when none.
+  static std::string hf_chat_template(const std::string& dir);
 
   // load_hf_dir for a directory, load_gguf for anything else. Throws kestrel::Error pointing at the
   // folder when given a *.safetensors, config.json or index file of one.
   static std::unique_ptr<LlamaModel> load(const std::string& path);
+  // load() for LoadFormat::Auto, load_dummy() for Dummy.
+  static std::unique_ptr<LlamaModel> load(const std::string& path, LoadFormat format);
+
+  // A model with random weights (model/dummy_weights.cpp): the shapes of the Hugging Face folder
+  // `dir`'s config.json (no weight files are read; tokenizer files and a chat template are used
+  // when present), every tensor the architecture lists generated as bf16 from a fixed seed
+  // (core/random_fill.h). Matrices are not made on the host until ensure_host_weights(): a GPU
+  // upload generates them on the device. Throws kestrel::Error for a path that is not a folder
+  // holding a config.json, and the config's errors.
+  static std::unique_ptr<LlamaModel> load_dummy(const std::string& dir);
 
   ~LlamaModel();
   LlamaModel(const LlamaModel&) = delete;
@@ -60,14 +81,21 @@ class LlamaModel {
   const ModelWeights& weights() const { return weights_; }
   // Bytes of the tensors the weights use (matrices in their file type, vectors as stored).
   uint64_t weight_bytes() const { return weight_bytes_; }
+  // Whether the weights are generated (load_dummy).
+  bool generated_weights() const { return generated_ != nullptr; }
+  // Makes every weight's values readable through its WeightView::data on the host: generates the
+  // matrices of a load_dummy model there (once; the CPU backend calls it), nothing for a model
+  // read from files. Thread-safe. Throws kestrel::Error when the host memory cannot be had.
+  void ensure_host_weights() const;
 
  private:
-  LlamaModel() = default;
+  LlamaModel();  // defined where every owned type is complete (llama_weights.cpp)
   ModelFormat format_ = ModelFormat::Gguf;
   std::string path_;
-  // Exactly one of these owns the mappings the weight views point into.
+  // Exactly one of these owns the memory the weight views point into.
   std::unique_ptr<GgufFile> gguf_;
   std::unique_ptr<SafetensorsCheckpoint> safetensors_;
+  std::unique_ptr<GeneratedWeights> generated_;  // load_dummy's memory and generators
   std::string chat_template_;
   ModelHparams hparams_;
   ModelWeights weights_;

@@ -230,7 +230,8 @@ void write_stats_json(const std::string& path, const Json& stats) {
 void run_batch(const BatchArgs& a) {
   const std::string input = read_input(a.input);
   ResultFile out(a.output);
-  LoadedModel lm = load_model(a.model);
+  LoadedModel lm = load_model(a.model, a.config);
+  require_tokenizer(lm, "batch");
   const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
 

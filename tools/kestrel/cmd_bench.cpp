@@ -157,7 +157,7 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
 void run_bench(BenchArgs a) {
   if (a.n_prompt <= 0 || a.n_gen < 0 || a.reps <= 0)
     throw Error("bench: -p must be > 0, -n >= 0 and --reps > 0");
-  LoadedModel lm = load_model(a.model);
+  LoadedModel lm = load_model(a.model, a.config);
   if (a.shared_prefix > 0) {
     run_shared_prefix(a, lm);
     return;

@@ -71,8 +71,8 @@ void run_chat(const ChatArgs& a) {
   Request settings;
   settings.sampling = a.sampling.params();
   settings.max_tokens = a.n_predict;
-  LoadedModel lm = load_model(a.model, /*quiet=*/!a.stats);
-  const Tokenizer& tok = *lm.tokenizer;
+  LoadedModel lm = load_model(a.model, a.config, /*quiet=*/!a.stats);
+  const Tokenizer& tok = require_tokenizer(lm, "chat");
   const PromptFormat format = PromptFormat::for_model(*lm.model, tok);
   settings.stop_ids = format.stop_ids;
   if (format.end_of_turn_id) settings.stop_ids.push_back(*format.end_of_turn_id);

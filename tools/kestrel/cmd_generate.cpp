@@ -42,8 +42,8 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
 void run_generate(const GenerateArgs& a) {
   if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
   const SamplingParams sp = a.sampling.params();
-  LoadedModel lm = load_model(a.model);
-  const Tokenizer& tok = *lm.tokenizer;
+  LoadedModel lm = load_model(a.model, a.config);
+  const Tokenizer& tok = require_tokenizer(lm, "generate");
   const std::vector<int32_t> prompt_ids = tok.encode(a.prompt, /*add_special=*/true, /*parse_special=*/true);
   if (prompt_ids.empty()) throw Error("empty prompt: nothing to condition on");
   std::unique_ptr<Engine> engine = make_engine(lm, a.config);

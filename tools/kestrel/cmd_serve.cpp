@@ -76,7 +76,8 @@ void run_serve(ServeArgs a) {
   a.server.limits.max_body_bytes = a.max_body_bytes;
 
   const std::string path = resolve_model_path(a.model);
-  LoadedModel lm = load_model(path);
+  LoadedModel lm = load_model(path, a.config);
+  require_tokenizer(lm, "serve");
   if (a.server.served_model_name.empty()) a.server.served_model_name = default_model_name(path);
   const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
   const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);

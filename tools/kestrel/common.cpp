@@ -41,22 +41,45 @@ std::string resolve_model_path(const std::string& flag) {
               " is not in " + looked + "; run scripts/setup.sh to fetch it");
 }
 
-LoadedModel load_model(const std::string& model_flag, bool quiet) {
+namespace {
+// Whether a folder holds any of the files Tokenizer::from_hf_dir reads.
+bool has_tokenizer_files(const std::string& dir) {
+  std::error_code ec;
+  for (const char* f : {"tokenizer.json", "tokenizer.model", "vocab.json", "encoder.json"})
+    if (fs::exists(fs::path(dir) / f, ec)) return true;
+  return false;
+}
+}  // namespace
+
+LoadedModel load_model(const std::string& model_flag, const KestrelConfig& config, bool quiet) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel lm;
   const std::string path = resolve_model_path(model_flag);
-  lm.model = LlamaModel::load(path);
-  lm.tokenizer = load_tokenizer(path, lm.model->format() == ModelFormat::Gguf ? &lm.model->file() : nullptr);
-  if (lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
+  const LoadFormat format = parse_load_format(config.model.load_format);
+  lm.model = LlamaModel::load(path, format);
+  if (format == LoadFormat::Auto || has_tokenizer_files(path))
+    lm.tokenizer = load_tokenizer(path, lm.model->format() == ModelFormat::Gguf ? &lm.model->file() : nullptr);
+  if (lm.tokenizer != nullptr && lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)
     throw Error(path + ": tokenizer has " + std::to_string(lm.tokenizer->n_vocab()) +
                 " tokens but the model's output has " + std::to_string(lm.model->hparams().n_vocab));
   lm.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!quiet) {
     std::cerr << "kestrel: loaded " << path << " in " << lm.load_seconds << " s ("
               << lm.model->hparams().summary() << "; " << (lm.model->weight_bytes() >> 20)
-              << " MiB of weights; SIMD " << simd_level_name(simd_level()) << ")\n";
+              << (lm.model->generated_weights() ? " MiB of random weights (--load-format dummy)" : " MiB of weights")
+              << (lm.tokenizer == nullptr ? ", no tokenizer" : "") << "; SIMD " << simd_level_name(simd_level())
+              << ")\n";
   }
   return lm;
+}
+
+const Tokenizer& require_tokenizer(const LoadedModel& lm, const std::string& command) {
+  if (lm.tokenizer == nullptr)
+    throw Error(lm.model->path() + ": kestrel " + command +
+                " reads and writes text and needs a tokenizer, but this --load-format dummy folder has no "
+                "tokenizer files (tokenizer.json, tokenizer.model, vocab.json); add the model's tokenizer "
+                "files, or measure speed with `kestrel bench`, which runs on token ids");
+  return *lm.tokenizer;
 }
 
 void SamplingFlags::add_to(CLI::App& app) {

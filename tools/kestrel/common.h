@@ -32,8 +32,13 @@ struct LoadedModel {
 };
 // Loads model and tokenizer from a GGUF file or a Hugging Face folder (LlamaModel::load; the
 // tokenizer through load_tokenizer, as `kestrel tokenize` reads it), printing a one-line summary to
-// stderr unless quiet.
-LoadedModel load_model(const std::string& model_flag, bool quiet = false);
+// stderr unless quiet. With --load-format dummy (config.model.load_format) the weights are
+// generated (LlamaModel::load_dummy) and the tokenizer is optional: null when the folder has no
+// tokenizer files.
+LoadedModel load_model(const std::string& model_flag, const KestrelConfig& config, bool quiet = false);
+// The model's tokenizer, for a command that reads or writes text. Throws kestrel::Error naming the
+// command when there is none (a --load-format dummy folder without tokenizer files).
+const Tokenizer& require_tokenizer(const LoadedModel& lm, const std::string& command);
 
 // Sampling flags shared by generate and chat.
 struct SamplingFlags {

@@ -126,6 +126,11 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
         ->capture_default_str();
   }
+  app.add_option("--load-format", model.load_format,
+                 "Where the weights come from: auto (the model's files) or dummy (random bf16 weights in the "
+                 "shapes of the model folder's config.json, made in memory; for speed measurements)")
+      ->check(CLI::IsMember({"auto", "dummy"}))
+      ->capture_default_str();
   app.add_option("--block-size", cache.block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--kv-cache-dtype,--kv-dtype", cache.kv_cache_dtype,
                  "KV cache element type: auto (f32 for f32 weights on the CPU, else f16; bf16 on the GPU), "

@@ -35,6 +35,9 @@ struct KestrelConfig {
     // most 8192; more than the model's context is an error. Single (-c/--ctx-size): capped at the
     // model's context.
     int64_t max_model_len = 0;
+    // --load-format (vLLM's): auto reads the weights from the model's files; dummy makes random
+    // weights in the shapes of the model folder's config.json (LlamaModel::load_dummy).
+    std::string load_format = "auto";
   } model;
   struct Cache {
     int32_t block_size = 16;              // --block-size: tokens per KV block

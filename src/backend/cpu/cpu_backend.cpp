@@ -47,6 +47,7 @@ class CpuBackend final : public ModelRunner {
 std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options) {
   if (options.n_kv_blocks <= 0)
     throw Error("the CPU backend needs a positive number of KV blocks, got " + std::to_string(options.n_kv_blocks));
+  model.ensure_host_weights();  // the kernels read every weight on the host
   return std::make_unique<CpuBackend>(model, options);
 }
 
