@@ -54,14 +54,20 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   const bool f16 = kv_.dtype() == KvDtype::F16;
   const int64_t head_stride = static_cast<int64_t>(kv_.block_size()) * hd;
   // One task per (token, KV head): the group of query heads that share the KV head reads each
-  // key and value once.
-  pool_.parallel_for(n * hp_.n_head_kv, 1, [&](int64_t begin, int64_t end) {
+  // key and value once. With fewer such tasks than threads (decode with MQA or few KV heads),
+  // the group is split into `parts` sub-groups so every thread gets work; a query head's result
+  // does not depend on the other heads of its task, so the split changes no output bit.
+  int64_t parts = 1;
+  while (n * hp_.n_head_kv * parts < pool_.size() && group % (2 * parts) == 0) parts *= 2;
+  const int64_t sub = group / parts;
+  pool_.parallel_for(n * hp_.n_head_kv * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / hp_.n_head_kv;
-      const int64_t kvh = task % hp_.n_head_kv;
+      const int64_t t = task / (hp_.n_head_kv * parts);
+      const int64_t kvh = task / parts % hp_.n_head_kv;
+      const int64_t q0 = kvh * group + task % parts * sub;  // first query head of the task
       const int64_t s = token_seq_[static_cast<size_t>(t)];
       AttentionArgs a{};
-      a.q = q_.data() + t * hp_.q_dim() + kvh * group * hd;
+      a.q = q_.data() + t * hp_.q_dim() + q0 * hd;
       a.k_cache = kc;
       a.v_cache = vc;
       a.kv_f16 = f16;
@@ -73,9 +79,9 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
       // A sliding window of W keys: positions (pos - W, pos], as Mistral's reference attends.
       a.kv_begin = window > 0 ? std::max<int64_t>(0, a.n_ctx - window) : 0;
       a.head_dim = hd;
-      a.group = group;
+      a.group = sub;
       a.scale = scale;
-      a.out = attn_.data() + t * hp_.q_dim() + kvh * group * hd;
+      a.out = attn_.data() + t * hp_.q_dim() + q0 * hd;
       op.attention(a);
     }
   });
@@ -247,15 +253,8 @@ void CpuModelRunner::glu_linear(bool gelu, WeightId proj, Act out) {
     for (int64_t r = r0; r < r1; ++r) {
       float* g = gate_.data() + r * ff;
       const float* u = up_.data() + r * ff;
-      if (!gelu) {
-        op.silu_mul(g, u, g, ff);
-        continue;
-      }
-      // GELU's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
-      for (int64_t i = 0; i < ff; ++i) {
-        const float x = g[i];
-        g[i] = 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
-      }
+      if (gelu) op.gelu_mul(g, u, g, ff);
+      else op.silu_mul(g, u, g, ff);
     }
   });
   float* y = act(out);

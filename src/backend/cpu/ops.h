@@ -46,6 +46,9 @@ struct OpsTable {
   void (*attention)(const AttentionArgs& a);
   // y[i] = x[i] rounded to IEEE half precision, nearest even (bit-identical on every ISA).
   void (*f32_to_f16)(const float* x, uint16_t* y, int64_t n);
+  // out[i] = gelu(gate[i]) * up[i] with GELU's tanh approximation,
+  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GeGLU, Shazeer 2020; Hendrycks & Gimpel 2016).
+  void (*gelu_mul)(const float* gate, const float* up, float* out, int64_t n);
 };
 
 const OpsTable& ops();
