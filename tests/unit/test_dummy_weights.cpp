@@ -217,6 +217,21 @@ TEST(DummyWeights, ValuesArePureFunctionsOfNameAndIndexInTheirRanges) {
   EXPECT_NE(norm, m1->weights().at({1, WeightRole::FfnNorm}).vector);
 }
 
+// The host fill (four elements per hash) gives each element's random_fill_bf16 from any range.
+TEST(DummyWeights, HostFillOfAnyRangeIsElementwise) {
+  const RandomFill f = matrix_fill("model.layers.1.self_attn.v_proj.weight", 100);
+  for (int64_t begin = 0; begin < 6; ++begin)
+    for (int64_t end = begin; end < begin + 11; ++end) {
+      std::vector<uint16_t> out(static_cast<size_t>(end - begin));
+      fill_random_bf16_host(f, out.data(), begin, end);
+      for (int64_t i = begin; i < end; ++i)
+        ASSERT_EQ(out[static_cast<size_t>(i - begin)], random_fill_bf16(f, static_cast<uint64_t>(i))) << begin << " " << i;
+    }
+  // Lanes of one hash: element 4g + j is bits 16 j of the group's 64 bits.
+  const uint64_t z = random_fill_group(f.key, 3);
+  EXPECT_EQ(random_fill_f32(f, 13), static_cast<float>(static_cast<int32_t>((z >> 16) & 0xffff) - 32768) * f.step);
+}
+
 TEST(DummyWeights, NoHostMemoryUntilTheHostCopyIsAsked) {
   // 8 MiB of embedding: its pages stay out of memory until ensure_host_weights.
   json c = llama_config();

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "backend/cpu/matmul.h"
+#include "backend/cuda/fill_ops.h"
 #include "core/dtype.h"
 
 namespace kestrel::cuda {
@@ -21,6 +22,11 @@ DevMem WeightUploader::matrices(std::span<const WeightView* const> ws) {
   auto* dst = d.as<unsigned char>();
   for (const WeightView* w : ws) {
     const size_t row_bytes = static_cast<size_t>(w->n_in) * 2;
+    if (w->random != nullptr) {  // generated weights: made on the device, nothing copied
+      fill_random_bf16(reinterpret_cast<__nv_bfloat16*>(dst), w->n_out * w->n_in, 0, *w->random, stream_);
+      dst += static_cast<size_t>(w->n_out) * row_bytes;
+      continue;
+    }
     const int64_t rows_per_stage = std::max<int64_t>(1, static_cast<int64_t>(kStageBytes / row_bytes));
     if (static_cast<size_t>(rows_per_stage) * row_bytes > kStageBytes)
       throw Error("CUDA upload: a row of " + std::to_string(row_bytes) + " bytes exceeds the staging buffer");

@@ -108,7 +108,8 @@ class WeightUploader {
   WeightUploader(const WeightUploader&) = delete;
   WeightUploader& operator=(const WeightUploader&) = delete;
 
-  // The matrices' rows, in order, as one bf16 device allocation [sum n_out, n_in].
+  // The matrices' rows, in order, as one bf16 device allocation [sum n_out, n_in]. Generated
+  // matrices (WeightView::random) are computed on the device; their host data is not read.
   // Errors: kestrel::Error if the matrices' n_in differ or CUDA fails.
   DevMem matrices(std::span<const WeightView* const> ws);
 
