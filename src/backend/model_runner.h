@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "memory/kv_dtype.h"
 #include "memory/kv_manager.h"
@@ -83,6 +84,8 @@ class ModelRunner {
   virtual int64_t kv_bytes_per_token() const = 0;
   // "cpu (2 threads, avx512)", "cuda (NVIDIA H200)", for logs.
   virtual std::string description() const = 0;
+  // Tokens routed to each expert since start-up, [n_layer * n_expert] row-major (layer-major); empty for a model without MoE layers (dense layers' rows stay 0).
+  virtual std::vector<uint64_t> expert_token_counts() const { return {}; }
 };
 
 // The CPU backend (src/backend/cpu). options.n_kv_blocks must be positive. Errors: kestrel::Error

@@ -100,6 +100,13 @@ struct Engine::Impl {
         manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
         scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager) {
     stats.n_kv_blocks = config.n_kv_blocks;
+    const ModelHparams& hp = m.hparams();
+    if (hp.moe.enabled()) {
+      stats.moe_n_expert = static_cast<int32_t>(hp.moe.routing.n_expert);
+      for (int64_t l = 0; l < hp.n_layer; ++l)
+        if (hp.moe.is_moe_layer(l)) stats.moe_layers.push_back(static_cast<int32_t>(l));
+      stats.expert_tokens = runner->expert_token_counts();  // zeros: counters exist from the start
+    }
     refresh_kv_stats();
   }
 
@@ -402,6 +409,7 @@ std::vector<RequestOutput> Engine::step() {
     logits = m.runner->forward(fb);
   }
   m.scheduler.on_step_done(out);
+  if (!m.stats.moe_layers.empty()) m.stats.expert_tokens = m.runner->expert_token_counts();
   m.prompt_logprobs_from(logits);
 
   // Children of a parent whose prompt is now computed share its blocks from here on; one that

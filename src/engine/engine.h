@@ -104,6 +104,13 @@ struct EngineStats {
   int32_t kv_blocks_used = 0;               // blocks held by sequences now
   int32_t kv_blocks_free = 0;               // blocks free now (unused, or cached and evictable)
   int32_t kv_blocks_cached = 0;             // blocks indexed in the prefix cache now (held or not)
+  // Mixture of experts: the layers that route (ascending; empty for a dense model), the experts
+  // per layer, and the tokens routed to each expert since start-up, [n_layer * moe_n_expert]
+  // layer-major (the runner's expert_token_counts(), refreshed after every forward pass; empty
+  // when the backend does not count them).
+  std::vector<int32_t> moe_layers;
+  int32_t moe_n_expert = 0;
+  std::vector<uint64_t> expert_tokens;
   double prefix_cache_hit_rate() const {
     return prefix_cache_queried_tokens > 0
                ? static_cast<double>(prefix_cache_hit_tokens) / static_cast<double>(prefix_cache_queried_tokens)

@@ -32,6 +32,7 @@ class CpuBackend final : public ModelRunner {
   int32_t block_size() const override { return kv_.block_size(); }
   KvDtype kv_dtype() const override { return kv_.dtype(); }
   int64_t kv_bytes_per_token() const override { return kv_.bytes_per_token(); }
+  std::vector<uint64_t> expert_token_counts() const override { return runner_.expert_token_counts(); }
   std::string description() const override {
     return "cpu (" + std::to_string(pool_.size()) + " threads, " + simd_level_name(simd_level()) + ", KV " +
            std::string(kv_dtype_name(kv_.dtype())) + ")";

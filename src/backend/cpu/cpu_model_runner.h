@@ -29,7 +29,7 @@ class CpuModelRunner final : private ForwardOps {
   const LlamaModel& model() const { return model_; }
   // Tokens each routed expert has run since construction, [n_layer * n_expert] (layer-major;
   // dense layers stay 0); empty for a dense model.
-  const std::vector<uint64_t>& expert_tokens() const { return expert_tokens_; }
+  const std::vector<uint64_t>& expert_token_counts() const { return expert_tokens_; }
 
  private:
   // ForwardOps over the pass's batch (batch_). Act::Qkv is q_, k_ and v_ (three arrays: the

@@ -17,6 +17,22 @@ void header(std::string* out, const char* name, const char* type, const char* he
 }
 
 void sample(std::string* out, const std::string& name, double value) { *out += name + " " + num(value) + "\n"; }
+
+// One counter per (MoE layer, expert); nothing for a dense model or a backend that does not count
+// (expert_tokens empty). Dense layers of a MoE model (DeepSeek's first layers) have no experts.
+void render_expert_tokens(const EngineStats& st, std::string* out) {
+  const auto n_expert = static_cast<size_t>(st.moe_n_expert);
+  if (st.moe_layers.empty() || n_expert == 0 || st.expert_tokens.empty()) return;
+  header(out, "kestrel_moe_expert_tokens_total", "counter",
+         "Tokens routed to each expert of each mixture-of-experts layer (a token counts once per expert it selects).");
+  for (const int32_t layer : st.moe_layers) {
+    const size_t row = static_cast<size_t>(layer) * n_expert;
+    if (row + n_expert > st.expert_tokens.size()) break;
+    for (size_t e = 0; e < n_expert; ++e)
+      *out += "kestrel_moe_expert_tokens_total{layer=\"" + std::to_string(layer) + "\",expert=\"" + std::to_string(e) +
+              "\"} " + std::to_string(st.expert_tokens[row + e]) + "\n";
+  }
+}
 }  // namespace
 
 Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size(), 0) {}
@@ -113,6 +129,7 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_prefix_cache_hit_rate", snap.stats.prefix_cache_hit_rate());
   header(&out, "kestrel_preemptions_total", "counter", "Sequences preempted (to be recomputed) for lack of KV blocks.");
   sample(&out, "kestrel_preemptions_total", static_cast<double>(snap.stats.n_preemptions));
+  render_expert_tokens(snap.stats, &out);
   return out;
 }
 

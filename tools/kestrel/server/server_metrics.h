@@ -1,7 +1,8 @@
 // The server's Prometheus metrics (text exposition format 0.0.4, names prefixed kestrel_): HTTP
 // requests by status, prompt and generation tokens, prompt tokens scored for echo with logprobs,
 // TTFT / TPOT / end-to-end latency histograms, and the engine's gauges (running and waiting
-// requests, KV blocks, prefix-cache hit rate, preemptions) read from the engine thread's snapshot.
+// requests, KV blocks, prefix-cache hit rate, preemptions, tokens per MoE expert) read from the
+// engine thread's snapshot.
 // Thread-safe.
 #pragma once
 
