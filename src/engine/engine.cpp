@@ -25,6 +25,18 @@ double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::d
 
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
 
+}  // namespace
+
+int64_t kv_blocks_per_sequence(const ModelHparams& hp, int64_t max_model_len, int32_t block_size,
+                               int64_t max_num_batched_tokens) {
+  const int64_t whole = (max_model_len + block_size - 1) / block_size;
+  const int64_t lookback = hp.kv_lookback();
+  if (lookback <= 0 || max_num_batched_tokens <= 0) return whole;
+  return std::min(whole, (lookback + max_num_batched_tokens + block_size - 1) / block_size + 1);
+}
+
+namespace {
+
 EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const ModelRunner* runner) {
   EngineConfig c = in;
   if (c.block_size <= 0) throw Error("block_size must be positive, got " + std::to_string(c.block_size));
@@ -34,7 +46,10 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
   if (c.max_model_len > hp.n_ctx_train)
     throw Error("max_model_len " + std::to_string(c.max_model_len) + " exceeds the model's context of " +
                 std::to_string(hp.n_ctx_train));
-  const int64_t blocks_per_seq = (c.max_model_len + c.block_size - 1) / c.block_size;
+  // A windowed model needs its window and a step; one with a layer that reads every key (most
+  // models, Gemma 3's global layers) its whole max_model_len.
+  const int64_t blocks_per_seq = kv_blocks_per_sequence(hp, c.max_model_len, c.block_size, c.max_num_batched_tokens);
+  const int64_t lookback = hp.kv_lookback();
   if (runner != nullptr) {
     if (runner->block_size() != c.block_size)
       throw Error("the backend's KV blocks hold " + std::to_string(runner->block_size()) + " tokens but block_size is " +
@@ -47,10 +62,17 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
     const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
     c.n_kv_blocks = static_cast<int32_t>(std::min<int64_t>(blocks_per_seq * std::max(1, c.max_num_seqs), cap));
   }
-  if (c.n_kv_blocks < blocks_per_seq)
+  if (c.n_kv_blocks < blocks_per_seq) {
+    if (lookback > 0 && blocks_per_seq < (c.max_model_len + c.block_size - 1) / c.block_size)
+      throw Error("a KV pool of " + std::to_string(c.n_kv_blocks) + " blocks of " + std::to_string(c.block_size) +
+                  " tokens cannot hold one sequence's sliding window of " + std::to_string(lookback) +
+                  " tokens plus a step of max_num_batched_tokens " + std::to_string(c.max_num_batched_tokens) +
+                  " (needs " + std::to_string(blocks_per_seq) +
+                  " blocks): raise the blocks or lower max_num_batched_tokens");
     throw Error("a KV pool of " + std::to_string(c.n_kv_blocks) + " blocks of " + std::to_string(c.block_size) +
                 " tokens cannot hold one sequence of max_model_len " + std::to_string(c.max_model_len) +
                 " (needs " + std::to_string(blocks_per_seq) + " blocks): raise the blocks or lower max_model_len");
+  }
   return c;
 }
 
@@ -98,7 +120,8 @@ struct Engine::Impl {
         config(resolve(c, m.hparams(), r.get())),
         runner(r ? std::move(r) : cpu_runner(m, config)),
         manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
-        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens}, manager) {
+        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback()},
+                  manager) {
     stats.n_kv_blocks = config.n_kv_blocks;
     const ModelHparams& hp = m.hparams();
     if (hp.moe.enabled()) {

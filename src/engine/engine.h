@@ -118,13 +118,21 @@ struct EngineStats {
   }
 };
 
+// The KV blocks one sequence holds at most: ceil(max_model_len / block_size), or, when every layer
+// is windowed (ModelHparams::kv_lookback() > 0; the scheduler releases the blocks before the window
+// after each step), at most those of the window plus the largest chunk a step adds and one more
+// for a window that starts inside a block: ceil((window + max_num_batched_tokens) / block_size) + 1.
+// The KV pool must hold this many.
+int64_t kv_blocks_per_sequence(const ModelHparams& hp, int64_t max_model_len, int32_t block_size,
+                               int64_t max_num_batched_tokens);
+
 class Engine {
  public:
   // The model and the tokenizer must outlive the engine; tokenizer may be null (no text, no stop
   // strings). runner: the backend (make_cpu_model_runner, or CUDA's), whose KV pool then sets
   // n_kv_blocks and must use config.block_size; null = a CPU runner made from the config.
   // Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than one
-  // max_model_len sequence).
+  // sequence: kv_blocks_per_sequence).
   Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
          std::unique_ptr<ModelRunner> runner = nullptr);
   ~Engine();

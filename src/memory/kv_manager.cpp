@@ -23,6 +23,24 @@ int64_t KvManager::capacity(SeqId seq) const {
   return static_cast<int64_t>(block_table(seq).size()) * block_size_;
 }
 
+int64_t KvManager::first_held(SeqId seq) const {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: unknown sequence " + std::to_string(seq));
+  return it->second.n_released * block_size_;
+}
+
+int64_t KvManager::hits_before_window(int64_t n_hit, int64_t lookback) const {
+  if (lookback <= 0) return 0;
+  // The first computed token sits at position n_hit * block_size and reads keys from there + 1 - lookback.
+  const int64_t first_needed = std::max<int64_t>(0, n_hit * block_size_ + 1 - lookback);
+  return std::min(n_hit, first_needed / block_size_);
+}
+
+void KvManager::release_held(const SeqBlocks& s, size_t begin, size_t end, std::vector<int32_t>& release) {
+  for (size_t i = end; i-- > begin;)
+    if (s.blocks[i] != kNoBlock) release.push_back(s.blocks[i]);
+}
+
 KvManager::PrefixHit KvManager::find_prefix(std::span<const int32_t> tokens) const {
   PrefixHit hit;
   if (!caching_ || tokens.empty()) return hit;
@@ -44,28 +62,35 @@ int64_t KvManager::cached_prefix_len(std::span<const int32_t> tokens) const {
   return static_cast<int64_t>(find_prefix(tokens).blocks.size()) * block_size_;
 }
 
-bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix) const {
+bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix,
+                             int64_t lookback) const {
   const PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
   const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - n_hit);
-  // A hit on an evictable block takes it out of the free count.
-  const int64_t n_revived = std::count_if(hit.blocks.begin(), hit.blocks.end(),
-                                          [&](int32_t b) { return pool_.ref_count(b) == 0; });
+  // A hit on an evictable block takes it out of the free count (hits before the window are not taken).
+  const int64_t n_revived =
+      std::count_if(hit.blocks.begin() + hits_before_window(n_hit, lookback), hit.blocks.end(),
+                    [&](int32_t b) { return pool_.ref_count(b) == 0; });
   return n_new + n_revived <= pool_.n_free();
 }
 
-int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix) {
+int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix,
+                            int64_t lookback) {
   KESTREL_ASSERT(!has(seq), "KvManager: allocate of an existing sequence " + std::to_string(seq));
-  KESTREL_ASSERT(can_allocate(tokens, n_tokens, reuse_prefix), "KvManager: allocate without enough free blocks");
+  KESTREL_ASSERT(can_allocate(tokens, n_tokens, reuse_prefix, lookback),
+                 "KvManager: allocate without enough free blocks");
   PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
+  const int64_t n_skip = hits_before_window(n_hit, lookback);
+  std::fill(hit.blocks.begin(), hit.blocks.begin() + n_skip, kNoBlock);
   PoolChange change;
-  change.ref = hit.blocks;
+  change.ref.assign(hit.blocks.begin() + n_skip, hit.blocks.end());
   change.n_take = static_cast<int32_t>(std::max<int64_t>(0, blocks_for(n_tokens) - n_hit));
   const std::vector<int32_t> taken = pool_.commit(change);
   SeqBlocks& s = seqs_[seq];
   s.blocks = std::move(hit.blocks);
   s.blocks.insert(s.blocks.end(), taken.begin(), taken.end());
+  s.n_released = n_skip;
   s.hashes = std::move(hit.hashes);
   if (caching_ && reuse_prefix) {
     n_queried_ += static_cast<int64_t>(tokens.size());
@@ -77,7 +102,7 @@ int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t 
 int64_t KvManager::n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64_t n_tokens) const {
   const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
   int64_t n = 0;
-  for (int64_t i = n_computed / block_size_; i < end; ++i)
+  for (int64_t i = std::max(n_computed / block_size_, s.n_released); i < end; ++i)
     if (needs_copy(s.blocks[static_cast<size_t>(i)])) ++n;
   return n;
 }
@@ -102,7 +127,9 @@ void KvManager::plan_publish(SeqBlocks& s, std::span<const int32_t> tokens, int6
     key.hash = block_hash(key.parent_hash, blk);
     key.tokens.assign(blk.begin(), blk.end());
     s.hashes.push_back(key.hash);
-    change.publish.emplace_back(s.blocks[static_cast<size_t>(i)], std::move(key));
+    // A block released unpublished (release_before without tokens) still extends the hash chain.
+    if (s.blocks[static_cast<size_t>(i)] != kNoBlock)
+      change.publish.emplace_back(s.blocks[static_cast<size_t>(i)], std::move(key));
   }
 }
 
@@ -110,6 +137,9 @@ void KvManager::append(SeqId seq, std::span<const int32_t> tokens, int64_t n_com
                        std::vector<BlockCopy>& copies) {
   KESTREL_ASSERT(can_append(seq, n_computed, n_tokens), "KvManager: append without enough free blocks");
   SeqBlocks& s = seqs_.at(seq);
+  KESTREL_ASSERT(n_computed >= s.n_released * block_size_,
+                 "KvManager: append of sequence " + std::to_string(seq) + " writes position " +
+                     std::to_string(n_computed) + ", in a block released before its window");
   PoolChange change;
   plan_publish(s, tokens, n_computed, change);
   const int64_t end = std::min<int64_t>(static_cast<int64_t>(s.blocks.size()), blocks_for(n_tokens));
@@ -137,7 +167,8 @@ void KvManager::fork(SeqId parent, SeqId child) {
   KESTREL_ASSERT(!has(child), "KvManager: fork into an existing sequence " + std::to_string(child));
   SeqBlocks copy = seqs_.at(parent);
   PoolChange change;
-  change.ref = copy.blocks;
+  for (int32_t b : copy.blocks)
+    if (b != kNoBlock) change.ref.push_back(b);
   pool_.commit(change);
   seqs_.emplace(child, std::move(copy));
 }
@@ -151,12 +182,17 @@ void KvManager::truncate(SeqId seq, int64_t n_tokens) {
                  "KvManager: truncate of sequence " + std::to_string(seq) + " to " + std::to_string(n_tokens) +
                      " tokens, outside [0, " + std::to_string(n_held * block_size_) + "]");
   const int64_t n_keep = blocks_for(n_tokens);
+  KESTREL_ASSERT(n_keep == 0 || n_keep > s.n_released,
+                 "KvManager: truncate of sequence " + std::to_string(seq) + " to " + std::to_string(n_tokens) +
+                     " tokens, into blocks released before its window (positions < " +
+                     std::to_string(s.n_released * block_size_) + ")");
   if (n_keep < n_held) {
     PoolChange change;
-    change.release.assign(s.blocks.rbegin(), s.blocks.rbegin() + (n_held - n_keep));
+    release_held(s, static_cast<size_t>(n_keep), static_cast<size_t>(n_held), change.release);
     pool_.commit(change);
     s.blocks.resize(static_cast<size_t>(n_keep));
   }
+  if (n_keep == 0) s.n_released = 0;
   // Only blocks wholly below n_tokens stay published. A cut block keeps its cache entry, which is
   // still right (its K/V are those of its key's tokens): append copies it (needs_copy) before the
   // sequence overwrites positions >= n_tokens. Dropping the entry instead would lose a valid hit,
@@ -171,16 +207,42 @@ void KvManager::free(SeqId seq, std::span<const int32_t> tokens, int64_t n_compu
   SeqBlocks& s = it->second;
   PoolChange change;
   if (!tokens.empty()) plan_publish(s, tokens, n_computed, change);
-  change.release.assign(s.blocks.rbegin(), s.blocks.rend());
+  release_held(s, 0, s.blocks.size(), change.release);
   pool_.commit(change);
   seqs_.erase(it);
+}
+
+int32_t KvManager::release_before(SeqId seq, int64_t first_needed, std::span<const int32_t> tokens,
+                                  int64_t n_computed) {
+  const auto it = seqs_.find(seq);
+  KESTREL_ASSERT(it != seqs_.end(), "KvManager: release_before of unknown sequence " + std::to_string(seq));
+  SeqBlocks& s = it->second;
+  KESTREL_ASSERT(tokens.empty() || first_needed <= n_computed,
+                 "KvManager: release_before position " + std::to_string(first_needed) + " of sequence " +
+                     std::to_string(seq) + " beyond its " + std::to_string(n_computed) + " computed tokens");
+  const int64_t n_drop =
+      std::min<int64_t>(std::max<int64_t>(0, first_needed) / block_size_, static_cast<int64_t>(s.blocks.size()));
+  if (n_drop <= s.n_released) return 0;
+  PoolChange change;
+  if (!tokens.empty()) plan_publish(s, tokens, n_computed, change);
+  release_held(s, static_cast<size_t>(s.n_released), static_cast<size_t>(n_drop), change.release);
+  pool_.commit(change);
+  std::fill(s.blocks.begin() + s.n_released, s.blocks.begin() + n_drop, kNoBlock);
+  const auto n = static_cast<int32_t>(n_drop - s.n_released);
+  s.n_released = n_drop;
+  return n;
 }
 
 void KvManager::check_invariants() const {
   pool_.check_invariants();
   std::vector<int32_t> refs(static_cast<size_t>(pool_.n_blocks()), 0);
   for (const auto& [id, s] : seqs_)
-    for (int32_t b : s.blocks) ++refs[static_cast<size_t>(b)];
+    for (size_t i = 0; i < s.blocks.size(); ++i) {
+      const int32_t b = s.blocks[i];
+      KESTREL_ASSERT((b == kNoBlock) == (static_cast<int64_t>(i) < s.n_released),
+                     "KvManager: sequence " + std::to_string(id) + " has a hole outside its leading released blocks");
+      if (b != kNoBlock) ++refs[static_cast<size_t>(b)];
+    }
   for (int32_t b = 0; b < pool_.n_blocks(); ++b)
     KESTREL_ASSERT(refs[static_cast<size_t>(b)] == pool_.ref_count(b),
                    "KvManager: block " + std::to_string(b) + " has ref count " +

@@ -13,6 +13,12 @@
 // written yet. A block that a step writes is always private to the writing sequence: held by it
 // alone and not in the prefix cache (else append gives it a copy), so K/V that another sequence
 // or a later hit can read never change under it.
+//
+// Sliding-window attention: a sequence whose every layer looks back at most W positions never
+// reads blocks wholly before its window again. release_before() drops them, and allocate() does
+// not take prefix-cache hits that lie wholly before the window (lookback). Their table entries
+// become kNoBlock: a table then starts with such holes, and the kernels must never read them
+// (they start at the window).
 #pragma once
 
 #include <cstdint>
@@ -40,6 +46,10 @@ struct BlockCopy {
 
 class KvManager {
  public:
+  // Block table entry of a block the sequence no longer holds (before its attention window); the
+  // same value as the forward batch's kNoBlock (model/forward_batch.h).
+  static constexpr int32_t kNoBlock = -1;
+
   // Errors: kestrel::Error when n_blocks or block_size is not positive.
   explicit KvManager(const KvManagerConfig& config);
 
@@ -47,15 +57,21 @@ class KvManager {
   // Tokens at the start of `tokens` whose K/V are in the prefix cache: whole blocks, and never
   // all of `tokens` (the last token is always computed, so its logits exist). 0 when caching is off.
   int64_t cached_prefix_len(std::span<const int32_t> tokens) const;
-  // Whether allocate(seq, tokens, n_tokens, reuse_prefix) would find enough blocks.
-  bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true) const;
+  // Whether allocate(seq, tokens, n_tokens, reuse_prefix, lookback) would find enough blocks.
+  bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true,
+                    int64_t lookback = 0) const;
   // Whether append(seq, ..., n_computed, n_tokens) would find enough blocks (growth + copies).
   bool can_append(SeqId seq, int64_t n_computed, int64_t n_tokens) const;
   bool has(SeqId seq) const { return seqs_.count(seq) != 0; }
-  // Slots the sequence holds: block_table(seq).size() * block_size (the most truncate accepts).
+  // Slots the sequence's table spans: block_table(seq).size() * block_size (the most truncate
+  // accepts), released leading blocks included.
   int64_t capacity(SeqId seq) const;
-  // The sequence's block table: physical block of each logical block. [ceil(n_tokens / block_size)]
+  // The sequence's block table: physical block of each logical block, kNoBlock for the leading
+  // blocks it released. [ceil(n_tokens / block_size)]
   const std::vector<int32_t>& block_table(SeqId seq) const;
+  // Positions below this have no block (released by release_before or skipped by allocate's
+  // lookback): a multiple of block_size, 0 when the sequence holds all its blocks.
+  int64_t first_held(SeqId seq) const;
 
   // --- commits ---
   // Starts `seq` (must be new): reuses the cached prefix of `tokens` and takes fresh blocks so
@@ -63,7 +79,11 @@ class KvManager {
   // whose K/V need no computing). With !reuse_prefix nothing is reused (the caller wants every
   // position computed); the sequence's blocks are still published as they fill. KESTREL_ASSERT when
   // !can_allocate.
-  int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true);
+  // lookback > 0: the sequence's attention reads at most that many positions back (every layer
+  // windowed), so prefix-cache hit blocks wholly before position cached + 1 - lookback (the first
+  // key the first computed token reads) are not taken: their entries are kNoBlock.
+  int64_t allocate(SeqId seq, std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true,
+                   int64_t lookback = 0);
   // Grows `seq` so positions [0, n_tokens) have slots. `tokens` holds the sequence's known ids
   // (at least n_computed of them); the first n_computed have K/V written, and its full blocks
   // among them are published to the prefix cache. A block that positions [n_computed, n_tokens)
@@ -82,8 +102,18 @@ class KvManager {
   // prefix cache, its entry stays (its K/V are still right for the old tokens), so the next
   // append that writes it takes a copy.
   // n_tokens == 0 keeps `seq` registered with no blocks; a later append grows it again.
-  // KESTREL_ASSERT unless 0 <= n_tokens <= capacity(seq).
+  // KESTREL_ASSERT unless 0 <= n_tokens <= capacity(seq), and unless n_tokens == 0 or the block of
+  // position n_tokens - 1 is still held (not released before the window).
   void truncate(SeqId seq, int64_t n_tokens);
+  // Sliding window: releases the blocks of `seq` that hold only positions < first_needed (no later
+  // token reads them). Their entries become kNoBlock; their references go as in free() (with
+  // tokens given, computed full blocks are published to the prefix cache first, so they stay
+  // there as evictable hits). A block that holds position first_needed or later is kept, and
+  // released blocks stay released: a repeated or smaller first_needed changes nothing. Returns the
+  // number of blocks released. first_needed is at most the next position the sequence computes
+  // (KESTREL_ASSERT when it exceeds n_computed with tokens given).
+  int32_t release_before(SeqId seq, int64_t first_needed, std::span<const int32_t> tokens = {},
+                         int64_t n_computed = 0);
   // Ends `seq`: publishes its computed full blocks (when tokens are given) and drops its
   // references, last block first so a sequence's tail is evicted before its shared head.
   void free(SeqId seq, std::span<const int32_t> tokens = {}, int64_t n_computed = 0);
@@ -105,6 +135,7 @@ class KvManager {
  private:
   struct SeqBlocks {
     std::vector<int32_t> blocks;
+    int64_t n_released = 0;  // leading entries that are kNoBlock
     // Chain hash of each leading block already offered to the prefix cache (their count is the
     // number published); truncate drops the ones that reach past the new end.
     std::vector<uint64_t> hashes;
@@ -114,6 +145,10 @@ class KvManager {
     std::vector<uint64_t> hashes;
   };
   PrefixHit find_prefix(std::span<const int32_t> tokens) const;
+  // Leading blocks of a hit of n_hit blocks that a sequence with this lookback does not read.
+  int64_t hits_before_window(int64_t n_hit, int64_t lookback) const;
+  // Adds the held (not kNoBlock) entries of s.blocks[begin, end) to `release`, last first.
+  static void release_held(const SeqBlocks& s, size_t begin, size_t end, std::vector<int32_t>& release);
   int64_t blocks_for(int64_t n_tokens) const { return (n_tokens + block_size_ - 1) / block_size_; }
   // Whether a write into `block` needs a private copy first: another sequence holds it, or the
   // prefix cache can hand it out (its K/V belong to the tokens of its key).

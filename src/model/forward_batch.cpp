@@ -1,12 +1,14 @@
 #include "model/forward_batch.h"
 
+#include <algorithm>
 #include <string>
 
 #include "core/error.h"
 
 namespace kestrel {
 
-void validate_forward_batch(const ForwardBatch& b, int64_t n_vocab, int32_t n_blocks, int32_t block_size) {
+void validate_forward_batch(const ForwardBatch& b, int64_t n_vocab, int32_t n_blocks, int32_t block_size,
+                            int64_t lookback) {
   const int64_t n = b.n_tokens();
   if (n == 0) throw Error("forward: empty batch");
   if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slot_mapping.size()) != n)
@@ -26,13 +28,24 @@ void validate_forward_batch(const ForwardBatch& b, int64_t n_vocab, int32_t n_bl
     if (b.query_start[s + 1] < b.query_start[s]) throw Error("forward: query_start not ascending");
     if (b.context_lens[s] > static_cast<int64_t>(b.max_blocks_per_seq) * block_size)
       throw Error("forward: context longer than the block table");
-    for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t)
+    int64_t first_pos = b.context_lens[s];
+    for (int32_t t = b.query_start[s]; t < b.query_start[s + 1]; ++t) {
       if (b.positions[t] < 0 || b.positions[t] >= b.context_lens[s])
         throw Error("forward: position " + std::to_string(b.positions[t]) +
                     " outside the sequence's context");
+      first_pos = std::min<int64_t>(first_pos, b.positions[t]);
+    }
+    // Blocks from the first key read to the end of the context must be held.
+    const int64_t first_key = lookback > 0 ? std::max<int64_t>(0, first_pos + 1 - lookback) : 0;
+    const int32_t* table = b.block_tables.data() + s * b.max_blocks_per_seq;
+    for (int64_t j = first_key / block_size; j * block_size < b.context_lens[s]; ++j)
+      if (table[j] == kNoBlock)
+        throw Error("forward: block " + std::to_string(j) + " of sequence " + std::to_string(s) +
+                    " is released (kNoBlock) but position " + std::to_string(first_pos) + " reads it");
   }
   for (int32_t block : b.block_tables)
-    if (block < 0 || block >= n_blocks) throw Error("forward: block id " + std::to_string(block) + " outside the KV cache");
+    if ((block < 0 && block != kNoBlock) || block >= n_blocks)
+      throw Error("forward: block id " + std::to_string(block) + " outside the KV cache");
   for (int32_t r : b.logits_indices)
     if (r < 0 || r >= n) throw Error("forward: logits index outside the batch");
 }

@@ -1,6 +1,7 @@
 // Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -87,6 +88,17 @@ struct ModelHparams {
   }
   float layer_rope_theta(int64_t layer) const {
     return layer_window(layer) > 0 && rope_theta_swa > 0 ? rope_theta_swa : rope_theta;
+  }
+  // When every layer is windowed (Mistral), the most positions back any layer reads (the largest
+  // window): a token at p reads no key before p + 1 - kv_lookback(). 0 when some layer attends to
+  // every earlier key (most models, Gemma 3's global layers).
+  int64_t kv_lookback() const {
+    int64_t w = 0;
+    for (int64_t l = 0; l < n_layer; ++l) {
+      if (layer_window(l) <= 0) return 0;
+      w = std::max(w, layer_window(l));
+    }
+    return w;
   }
 
   // Reads `<arch>.*` keys (GGUF naming, e.g. llama.embedding_length). Throws kestrel::Error naming

@@ -101,8 +101,8 @@ SchedulerOutput Scheduler::schedule() {
     const int64_t n_cached = reuse ? kv_.cached_prefix_len(s->tokens) : 0;
     int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
     if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
-    if (!kv_.can_allocate(s->tokens, n_cached + n_new, reuse)) break;
-    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new, reuse);
+    if (!kv_.can_allocate(s->tokens, n_cached + n_new, reuse, config_.window)) break;
+    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new, reuse, config_.window);
     KESTREL_ASSERT(n_hit == n_cached, "Scheduler: prefix cache changed between query and commit");
     waiting_.pop_front();
     s->n_computed = n_hit;
@@ -122,8 +122,16 @@ SchedulerOutput Scheduler::schedule() {
 
 void Scheduler::on_step_done(const SchedulerOutput& out) {
   for (const ScheduledSeq& sc : out.scheduled) {
-    KESTREL_ASSERT(sc.seq->n_computed == sc.n_computed, "Scheduler: sequence changed during its step");
-    sc.seq->n_computed += sc.n_new;
+    Sequence& s = *sc.seq;
+    KESTREL_ASSERT(s.n_computed == sc.n_computed, "Scheduler: sequence changed during its step");
+    s.n_computed += sc.n_new;
+    if (config_.window > 0) {
+      // The next token sits at n_computed, or back at n_computed - n_draft if every draft is
+      // rejected; it reads keys from there + 1 - window. Blocks before go (computed full ones stay
+      // in the prefix cache, published under the settled tokens only).
+      const int64_t settled = s.n_computed - s.n_draft;
+      kv_.release_before(s.id, settled + 1 - config_.window, s.tokens, settled);
+    }
   }
 }
 
@@ -132,6 +140,9 @@ void Scheduler::truncate(Sequence* seq, int64_t n_tokens) {
   KESTREL_ASSERT(n_tokens >= 1 && n_tokens <= static_cast<int64_t>(seq->tokens.size()),
                  "Scheduler: truncate to " + std::to_string(n_tokens) + " of " + std::to_string(seq->tokens.size()) +
                      " tokens");
+  KESTREL_ASSERT(config_.window <= 0 ||
+                     kv_.first_held(seq->id) <= std::max<int64_t>(0, std::min(seq->n_computed, n_tokens) + 1 - config_.window),
+                 "Scheduler: truncate to " + std::to_string(n_tokens) + " tokens needs keys released before the window");
   const int64_t n_dropped = static_cast<int64_t>(seq->tokens.size()) - n_tokens;
   seq->n_draft = std::max<int64_t>(0, seq->n_draft - n_dropped);
   seq->tokens.resize(static_cast<size_t>(n_tokens));

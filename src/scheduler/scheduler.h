@@ -11,6 +11,11 @@
 //   3. waiting sequences are admitted first come, first served while budget, sequence slots and
 //      blocks last (none after a preemption in the same step, so the pool can drain).
 // A long prompt therefore never stalls the decodes: it advances one chunk per step beside them.
+//
+// With a window (every layer of the model attends to at most `window` positions back), each
+// sequence gives back after every step the blocks wholly before the first key its next token can
+// read (KvManager::release_before), and admission does not take prefix-cache hits before it: a
+// sequence then holds about (window + its chunk) / block_size + 1 blocks whatever its length.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +31,9 @@ namespace kestrel {
 struct SchedulerConfig {
   int32_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 512;
+  // > 0: a token at position p reads no key before p + 1 - window in any layer
+  // (ModelHparams::kv_lookback()); blocks before that are released. 0: every key is kept.
+  int64_t window = 0;
 };
 
 // One sequence's share of a step: tokens [n_computed, n_computed + n_new) of seq->tokens.
@@ -59,15 +67,18 @@ class Scheduler {
   // Builds the next step and commits its blocks. Afterwards the caller runs the forward pass and
   // then calls on_step_done().
   SchedulerOutput schedule();
-  // Records that the scheduled tokens were computed (n_computed advances). The caller appends
-  // sampled tokens to seq->tokens itself and calls finish() for sequences that ended.
+  // Records that the scheduled tokens were computed (n_computed advances) and, with a window,
+  // releases each one's blocks that no later token reads (kept: those from position
+  // n_computed - n_draft + 1 - window on, so rejected drafts can still be rolled back). The caller
+  // appends sampled tokens to seq->tokens itself and calls finish() for sequences that ended.
   void on_step_done(const SchedulerOutput& out);
   // Removes a waiting or running sequence and frees its blocks (computed full blocks stay in the
   // prefix cache). Status becomes Finished. Safe for any sequence this scheduler holds.
   void finish(Sequence* seq);
   // Rolls `seq` (running) back to its first n_tokens tokens: rejected drafts, or any tail. Its K/V
   // slots beyond go back to the pool (KvManager::truncate), n_computed and n_draft shrink to fit.
-  // Errors: KESTREL_ASSERT when n_tokens is outside [1, tokens.size()].
+  // Errors: KESTREL_ASSERT when n_tokens is outside [1, tokens.size()], or, with a window, when
+  // the rolled-back sequence would need keys whose blocks were released (more than n_draft back).
   void truncate(Sequence* seq, int64_t n_tokens);
   // Starts `child` as a running copy of `parent` (running, its prompt computed): the same tokens
   // and computed count, sharing every KV block copy-on-write (KvManager::fork). For n > 1 choices

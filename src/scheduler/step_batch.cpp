@@ -4,6 +4,8 @@
 
 namespace kestrel {
 
+static_assert(KvManager::kNoBlock == kNoBlock, "the KV manager's released entries are the forward batch's");
+
 void StepBatch::build(const SchedulerOutput& out, const KvManager& kv) {
   token_ids.clear();
   positions.clear();

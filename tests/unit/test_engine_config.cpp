@@ -112,6 +112,29 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
   }
 }
 
+// mistral-swa-tiny: every layer windowed (16), so a pool needs only ceil((16 + 16) / 4) + 1 = 9
+// blocks of 4 for any --max-model-len when a step holds 16 tokens; more per step needs more.
+TEST(EngineConfigFlags, AWindowedModelsPoolHoldsTheWindowAndOneStep) {
+  const std::string folder = data_dir() + "/hf-tiny/mistral-swa-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/config.json");
+  const auto m = LlamaModel::load_hf_dir(folder);
+  const std::vector<std::string> base = {"--max-model-len", "1024", "--block-size", "4"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), base.begin(), base.end());
+    return parse(EngineMode::Serving, more);
+  };
+  EXPECT_EQ(rejection(with({"--num-kv-blocks", "9", "--max-num-batched-tokens", "16"}), *m).first, "");
+  const auto [flag, what] = rejection(with({"--num-kv-blocks", "8", "--max-num-batched-tokens", "16"}), *m);
+  EXPECT_EQ(flag, "--num-kv-blocks");
+  EXPECT_NE(what.find("sliding window of 16 tokens plus a step of 16 (--max-num-batched-tokens; needs 9 blocks)"),
+            std::string::npos)
+      << what;
+  EXPECT_EQ(with({"--num-kv-blocks", "9", "--max-num-batched-tokens", "16"}).engine_config(*m).n_kv_blocks, 9);
+  // generate / chat size their one sequence's pool the same way: ceil((16 + 7) / 16) + 1 blocks.
+  const KestrelConfig single = parse(EngineMode::Single, {"-c", "1000", "--prefill-chunk", "7"});
+  EXPECT_EQ(single.engine_config(*m).n_kv_blocks, 3);
+}
+
 TEST(EngineConfigFlags, OutOfRangeValuesAreRefusedAsTheyAreParsed) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--max-num-seqs", "0"}, {"--block-size", "0"}, {"--kv-cache-dtype", "f12"},

@@ -3,6 +3,7 @@
 // as a wrong token sequence, a budget overrun, or a leaked block.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <random>
@@ -21,8 +22,8 @@ int32_t next_token(const std::vector<int32_t>& tokens) {
 }
 
 struct Sim {
-  Sim(int32_t n_blocks, int32_t block_size, int32_t max_seqs, int64_t budget, bool caching = true)
-      : kv({n_blocks, block_size, caching}), sched({max_seqs, budget}, kv) {}
+  Sim(int32_t n_blocks, int32_t block_size, int32_t max_seqs, int64_t budget, bool caching = true, int64_t window = 0)
+      : kv({n_blocks, block_size, caching}), sched({max_seqs, budget, window}, kv) {}
 
   SeqId submit(std::vector<int32_t> prompt, int64_t n_gen) {
     auto s = std::make_unique<Sequence>();
@@ -210,6 +211,59 @@ TEST(Scheduler, ThousandRandomSubmitAbortFinishOperationsLeakNothing) {
   EXPECT_EQ(sim.kv.n_seqs(), 0u);
   EXPECT_EQ(sim.kv.n_used_blocks(), 0);
   EXPECT_EQ(sim.kv.n_free_blocks(), sim.kv.n_blocks());
+}
+
+}  // namespace
+}  // namespace kestrel
+
+namespace kestrel {
+namespace {
+
+// Window 8, blocks of 4, 8 tokens a step: a sequence needs at most ceil((8 + 8) / 4) + 1 = 5
+// blocks at once, so a 40-token prompt and 30 tokens (18 blocks) run in a pool of 6 without
+// preemption, and after every step the sequence holds no block wholly before the first key its
+// next token reads (position n_computed + 1 - 8).
+TEST(Scheduler, WindowReleasesBlocksSoALongSequenceRunsInASmallPool) {
+  Sim sim(6, 4, 4, 8, true, /*window=*/8);
+  const SeqId a = sim.submit(prompt_of(40, 3), 30);
+  int32_t most_used = 0;
+  while (sim.sched.n_running() + sim.sched.n_waiting() > 0) {
+    sim.step();
+    most_used = std::max(most_used, sim.kv.n_used_blocks());
+    if (!sim.seqs.count(a)) break;
+    const int64_t first_key = std::max<int64_t>(0, sim.seqs.at(a)->n_computed + 1 - 8);
+    EXPECT_EQ(sim.kv.first_held(a), first_key / 4 * 4) << "n_computed " << sim.seqs.at(a)->n_computed;
+  }
+  EXPECT_EQ(sim.finished.at(a)->tokens, Sim::expected(prompt_of(40, 3), 30));
+  EXPECT_EQ(sim.n_preempted, 0);
+  EXPECT_LE(most_used, 5);
+  EXPECT_EQ(sim.kv.n_used_blocks(), 0);
+}
+
+// Without a window the same sequence cannot fit (the engine refuses such a pool): its prompt
+// stalls once the 6 blocks (24 positions) are full.
+TEST(Scheduler, WithoutAWindowTheSameSequenceDoesNotFit) {
+  Sim sim(6, 4, 4, 8, true, /*window=*/0);
+  const SeqId a = sim.submit(prompt_of(40, 3), 30);
+  for (int i = 0; i < 50; ++i) sim.step();
+  EXPECT_EQ(sim.sched.n_waiting() + sim.sched.n_running(), 1u);
+  EXPECT_EQ(sim.seqs.at(a)->n_computed, 24);
+}
+
+// A prompt whose prefix is cached takes only the hit blocks its window reads: the released blocks
+// of the first run were published, and the second run skips hits before position 36 + 1 - 8.
+TEST(Scheduler, WindowAdmissionTakesOnlyTheHitsItsWindowReads) {
+  Sim sim(64, 4, 4, 64, true, /*window=*/8);
+  const SeqId a = sim.submit(prompt_of(40, 5), 4);
+  sim.run_to_end();
+  const SeqId b = sim.submit(prompt_of(40, 5), 4);
+  const SchedulerOutput out = sim.step();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].n_computed, 36);  // 9 whole blocks hit, the last token computed
+  // After the step (n_computed 40) the first key read is 33: blocks 0..7 are not held.
+  EXPECT_EQ(sim.kv.first_held(b), 32);
+  sim.run_to_end();
+  EXPECT_EQ(sim.finished.at(b)->tokens, sim.finished.at(a)->tokens);
 }
 
 }  // namespace

@@ -172,7 +172,16 @@ void KestrelConfig::validate(const LlamaModel& m) const {
     throw CLI::ValidationError("--max-model-len", std::to_string(model.max_model_len) +
                                                       " exceeds the model's context of " + std::to_string(hp.n_ctx_train));
   const int64_t max_model_len = resolved_max_model_len(*this, hp);
-  const int64_t blocks_per_seq = (max_model_len + cache.block_size - 1) / cache.block_size;
+  const int64_t blocks_per_seq =
+      kv_blocks_per_sequence(hp, max_model_len, cache.block_size, scheduler.max_num_batched_tokens);
+  if (cache.num_kv_blocks > 0 && cache.num_kv_blocks < blocks_per_seq && hp.kv_lookback() > 0)
+    throw CLI::ValidationError(
+        "--num-kv-blocks", "a KV pool of " + std::to_string(cache.num_kv_blocks) + " blocks of " +
+                               std::to_string(cache.block_size) + " tokens cannot hold one sequence's sliding window of " +
+                               std::to_string(hp.kv_lookback()) + " tokens plus a step of " +
+                               std::to_string(scheduler.max_num_batched_tokens) +
+                               " (--max-num-batched-tokens; needs " + std::to_string(blocks_per_seq) +
+                               " blocks): raise --num-kv-blocks or lower --max-num-batched-tokens");
   if (cache.num_kv_blocks > 0 && cache.num_kv_blocks < blocks_per_seq)
     throw CLI::ValidationError(
         "--num-kv-blocks", "a KV pool of " + std::to_string(cache.num_kv_blocks) + " blocks of " +
@@ -205,9 +214,12 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.max_num_seqs = scheduler.max_num_seqs;
   c.max_num_batched_tokens = scheduler.max_num_batched_tokens;
   c.n_kv_blocks = cache.num_kv_blocks;
-  // One request at a time: a pool of exactly max_num_seqs sequences of the context, whatever the device.
+  // One request at a time: a pool of exactly max_num_seqs sequences of the context (of the window
+  // and a step when every layer is windowed), whatever the device.
   if (mode == EngineMode::Single && c.n_kv_blocks == 0)
-    c.n_kv_blocks = static_cast<int32_t>(scheduler.max_num_seqs * ((c.max_model_len + c.block_size - 1) / c.block_size));
+    c.n_kv_blocks = static_cast<int32_t>(
+        scheduler.max_num_seqs *
+        kv_blocks_per_sequence(m.hparams(), c.max_model_len, c.block_size, c.max_num_batched_tokens));
   c.enable_prefix_caching = cache.enable_prefix_caching;
   c.kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
   c.n_threads = device.threads;

@@ -37,7 +37,9 @@ CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool&
 }
 
 void CpuModelRunner::check(const ForwardBatch& b) const {
-  validate_forward_batch(b, hp_.n_vocab, kv_.n_blocks(), kv_.block_size());
+  // Attention reads from each layer's window start (attention()), so released blocks before the
+  // widest window may be kNoBlock.
+  validate_forward_batch(b, hp_.n_vocab, kv_.n_blocks(), kv_.block_size(), hp_.kv_lookback());
 }
 
 void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
