@@ -54,7 +54,7 @@ BatchArrays CudaModelRunner::stage(const ForwardBatch& b, std::span<const RowSam
 }
 
 const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample) {
-  validate_forward_batch(b, hp_.n_vocab, n_blocks_, block_size_);
+  validate_forward_batch(b, hp_.n_vocab, n_blocks_, block_size_, hp_.kv_lookback());
   const int64_t n = b.n_tokens(), n_seqs = b.n_seqs(), n_out = static_cast<int64_t>(b.logits_indices.size());
   if (sample && static_cast<int64_t>(rows.size()) != n_out)
     throw Error("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " + std::to_string(n_out) +
