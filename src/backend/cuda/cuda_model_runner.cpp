@@ -52,8 +52,6 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
                 " is not supported (a multiple of 8 from 8 to 256)");
   if (hp_.mla.enabled())
     throw Error("CUDA backend: multi-head latent attention (" + hp_.arch + ") is not supported yet; use --device cpu");
-  if (hp_.moe.enabled())
-    throw Error("CUDA backend: mixture-of-experts layers (" + hp_.arch + ") are not supported yet; use --device cpu");
   if (o.block_size <= 0) throw Error("block size must be positive");
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -138,6 +136,7 @@ void CudaModelRunner::upload_weights() {
       }
       for (WeightRole p : roles) stacked[static_cast<size_t>(p)] = true;
     }
+    if (hp_.moe.is_moe_layer(l)) upload_moe(l, d, up, stacked);
     for (size_t r = 0; r < kWeightRoleCount; ++r) {
       const LayerTensor* t = W.find({l, static_cast<WeightRole>(r)});
       if (t == nullptr || stacked[r]) continue;
@@ -234,6 +233,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     grow(gate_up_, static_cast<size_t>(n * 2 * ff) * 2);
     grow(act_, static_cast<size_t>(n * ff) * 2);
     grow(down_, static_cast<size_t>(n * d) * 2);
+    grew = reserve_moe(n) || grew;
     cap_tokens_ = std::max(cap_tokens_, n);
   }
   if (n_out > cap_out_) {

@@ -118,6 +118,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   int32_t block_size() const override { return block_size_; }
   KvDtype kv_dtype() const override { return KvDtype::BF16; }
   int64_t kv_bytes_per_token() const override;
+  std::vector<uint64_t> expert_token_counts() const override;  // cuda_moe_ffn.cpp (synchronises)
   std::string description() const override {
     return "cuda (" + device_name_ + ", bf16 weights, KV bf16 " + std::to_string(n_blocks_) + " blocks, " +
            (eager_ ? "eager" : "CUDA graphs for decode") + ")";
@@ -125,6 +126,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
 
  private:
   void upload_weights();
+  // Layer l's experts and router (cuda_moe_ffn.cpp); marks their roles in `done`.
+  void upload_moe(int32_t l, Layer& dl, cuda::WeightUploader& up, std::array<bool, kWeightRoleCount>& done);
+  bool reserve_moe(int64_t n_tokens);  // the MoE buffers for n_tokens rows; true when one grew
   void allocate_kv(const RunnerOptions& o);
   // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
   // the device and returns where the tokens are.
@@ -146,6 +150,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void norm(Act a, WeightId w) override;
   void qk_norm(int32_t layer, Act qkv) override;
   void geglu_linear(Act in, WeightId proj, Act out) override;
+  void moe_ffn(int32_t layer, Act in, Act out) override;  // cuda_moe_ffn.cpp
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
   bf16* act(Act a);  // the activation buffer; null for Act::None
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
@@ -237,6 +242,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Activations (grown to the largest batch seen).
   int64_t cap_tokens_ = 0, cap_out_ = 0;
   DevMem residual_, residual_alt_, h_, qkv_, q_, attn_, o_, gate_up_, act_, down_, logits_in_, logits_, workspace_, sample_ws_;
+  // Mixture of experts (cuda_moe_ffn.cpp, moe_ops.h): router logits [n, E (+1)] f32, ids and
+  // weights [n, k], the row tiles and their rows, the experts' SwiGLU rows [padded rows, f] and
+  // outputs [n k, d], the shared expert's gate|up [n, 2 s] and output [n, d]; expert-usage
+  // counters [n_layer, E] u64.
+  DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
+  DevMem moe_counts_;
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
   PinnedMem logits_h_;

@@ -206,8 +206,8 @@ void run_block(Launch& L) {
       if (L.error) std::rethrow_exception(L.error);
     }
   }
-  for (const Fiber& f : L.fibers)
-    if (!f.open.empty() || !f.groups.empty())
+  for (int i = 0; i < L.n_threads; ++i)
+    if (!L.fibers[static_cast<size_t>(i)].open.empty() || !L.fibers[static_cast<size_t>(i)].groups.empty())
       throw Error("CUDA emulation: a thread returned with cp.async copies not waited for");
 }
 
@@ -289,8 +289,9 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()
   L->body = body;
   L->rng.seed(static_cast<unsigned>(std::random_device{}()));
   if (fiber_pool.size() < static_cast<size_t>(n_threads)) fiber_pool.resize(static_cast<size_t>(n_threads));
+  // The pool keeps its extra fibers (threads n_threads and up sit idle): shrinking it would free
+  // their 512 KB stacks, and a later, larger block would allocate and zero them again.
   L->fibers.swap(fiber_pool);
-  L->fibers.resize(static_cast<size_t>(n_threads));
   g_launch = L.get();
   try {
     for (unsigned z = 0; z < grid.z; ++z)
