@@ -9,10 +9,13 @@
 //   Tolerance: relative L2 error <= 4e-3 (q and the rows are exact bf16 values in both; the kernel
 //   rounds the softmax weights and the output to bf16, 2^-9 relative each).
 // - mla_head_gemm: y_h = x_h . w_h^T per head with strided rows, and the rotated RoPE part beside
-//   it; relative L2 <= 4e-3 (one bf16 rounding of y), untouched elements keep their poison.
+//   it, in the decode form (up to 16 tokens) and the tiled one; relative L2 <= 4e-3 (one bf16
+//   rounding of y), untouched elements keep their poison.
 // - mla_kv_write: the latent's RMSNorm and the key's RoPE as one cache row at each slot (a negative
-//   slot writes nothing; every other element keeps its poison), the low-rank query's RMSNorm.
+//   slot writes nothing; every other element keeps its poison), the low-rank query's RMSNorm;
+// - mla_split_kv_b: W_UK^T and W_UV of each head, exact copies of kv_b_proj's elements.
 #include <algorithm>
+#include <array>
 #include <numeric>
 #include <string>
 
@@ -218,6 +221,8 @@ TEST(CudaMlaHeadGemm, MatchesFloat64ReferenceWithTheRopePart) {
       {"absorb q, DeepSeek dims (nope 128 -> r 512, R 64), 3 tokens", 3, 2, 128, 512, 64, false},
       {"up-project, DeepSeek dims (r 512 -> v 128), 1 token", 1, 3, 512, 128, 0, false},
       {"odd sizes (n_in 72, n_out 40), rotate-half RoPE 6", 9, 2, 72, 40, 6, true},
+      {"absorb q, DeepSeek dims, 16 tokens (the decode form's most)", 16, 2, 128, 512, 64, false},
+      {"up-project, DeepSeek dims, 17 tokens (the tiled form)", 17, 2, 512, 128, 0, false},
   };
   if (!kCudaEmulated) cases.push_back({"absorb q, V2-Lite, 300 tokens", 300, 16, 128, 512, 64, false});
   for (const HeadGemmCase& c : cases) {
@@ -379,6 +384,28 @@ TEST(CudaMlaKvWrite, WritesNormedLatentAndRotatedKeyToTheSlotsOnly) {
     if (c.q_lora > 0) EXPECT_LE(rel_error(got_qa, ref_qa), 4e-3);
     for (size_t i = 0; i < cache.size(); ++i)
       if (!written[i]) ASSERT_EQ(cache[i], 0xFFFF) << "stray write at element " << i;
+  }
+}
+
+TEST(CudaMlaSplitKvB, RearrangesEachHeadsRowsExactly) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(35);
+  for (const auto [H, nope, v, r] : {std::array<int64_t, 4>{4, 16, 16, 32}, std::array<int64_t, 4>{3, 128, 128, 512}}) {
+    SCOPED_TRACE("heads " + std::to_string(H) + " r " + std::to_string(r));
+    const auto kvb = random_bf16(static_cast<size_t>(H * (nope + v) * r), rng);
+    DeviceBuffer<uint16_t> d_kvb(kvb), d_uk(static_cast<size_t>(H * r * nope)), d_uv(static_cast<size_t>(H * v * r));
+    d_uk.poison();
+    d_uv.poison();
+    cuda::mla_split_kv_b(d_kvb.bf16(), H, nope, v, r, d_uk.bf16(), d_uv.bf16(), nullptr);
+    const auto uk = d_uk.download(), uv = d_uv.download();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < r; ++j) {
+        for (int64_t i = 0; i < nope; ++i)
+          ASSERT_EQ(uk[static_cast<size_t>((h * r + j) * nope + i)], kvb[static_cast<size_t>((h * (nope + v) + i) * r + j)]);
+        for (int64_t i = 0; i < v; ++i)
+          ASSERT_EQ(uv[static_cast<size_t>((h * v + i) * r + j)],
+                    kvb[static_cast<size_t>((h * (nope + v) + nope + i) * r + j)]);
+      }
   }
 }
 

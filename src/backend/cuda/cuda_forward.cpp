@@ -251,7 +251,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
     return ws;
   };
   tune(h_.as<bf16>(), all_layers(WeightRole::Qkv), qkv_.as<void>(), false, d, qd + 2 * kvd);
-  tune(attn_.as<bf16>(), all_layers(WeightRole::AttnOut), o_.as<void>(), false, qd, d);
+  tune(attn_.as<bf16>(), all_layers(WeightRole::AttnOut), o_.as<void>(), false, hp_.attn_out_dim(), d);
   tune(h_.as<bf16>(), all_layers(WeightRole::GateUp), gate_up_.as<void>(), false, d, 2 * ff);
   tune(act_.as<bf16>(), all_layers(WeightRole::Down), down_.as<void>(), false, ff, d);
   // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).

@@ -50,8 +50,6 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (!cuda::attention_supports_head_dim(static_cast<int32_t>(hp_.head_dim)))
     throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
                 " is not supported (a multiple of 8 from 8 to 256)");
-  if (hp_.mla.enabled())
-    throw Error("CUDA backend: multi-head latent attention (" + hp_.arch + ") is not supported yet; use --device cpu");
   if (o.block_size <= 0) throw Error("block size must be positive");
   KESTREL_CUDA_CHECK(cudaSetDevice(0));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -81,6 +79,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     eager_ = true;  // events between the ops of every pass, no graphs
   }
   upload_weights();
+  if (hp_.mla.enabled()) prepare_mla();
   block_size_ = o.block_size;
   allocate_kv(o);
 }
@@ -157,9 +156,18 @@ void CudaModelRunner::upload_weights() {
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+// The cache tensors (per layer K and V, or with MLA the one latent array, kv_geometry) and the
+// bytes of one block of each.
+static int64_t n_cache_tensors(const ModelHparams& hp) { return kv_geometry(hp).is_mla() ? hp.n_layer : 2 * hp.n_layer; }
+static int64_t cache_block_bytes(const ModelHparams& hp, int32_t block_size) {
+  const KvGeometry g = kv_geometry(hp);
+  return (g.is_mla() ? g.kv_lora_rank + g.rope_dim : g.n_head_kv * g.head_dim) * block_size * 2;
+}
+
 void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
-  const int64_t block_bytes = hp_.n_head_kv * block_size_ * hp_.head_dim * 2;  // one layer's K (or V) block
-  const int64_t bytes_per_block = 2 * hp_.n_layer * block_bytes;
+  const int64_t block_bytes = cache_block_bytes(hp_, block_size_);
+  const bool has_v = !kv_geometry(hp_).is_mla();
+  const int64_t bytes_per_block = n_cache_tensors(hp_) * block_bytes;
   int64_t n = o.n_kv_blocks;
   if (n <= 0) {
     size_t free_b = 0, total_b = 0;
@@ -179,8 +187,9 @@ void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
   std::vector<void*> ptrs;
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
     k_cache_.emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(block_bytes));
-    v_cache_.emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(block_bytes));
     ptrs.push_back(k_cache_.back().as<void>());
+    if (!has_v) continue;
+    v_cache_.emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(block_bytes));
     ptrs.push_back(v_cache_.back().as<void>());
   }
   cache_ptrs_ = upload(ptrs.data(), ptrs.size() * sizeof(void*));
@@ -192,7 +201,8 @@ void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
   for (const BlockCopy& c : copies) idx.push_back(c.src);
   for (const BlockCopy& c : copies) idx.push_back(c.dst);
   DevMem d = upload(idx.data(), idx.size() * sizeof(int32_t));
-  const int64_t block_bytes = hp_.n_head_kv * block_size_ * hp_.head_dim * 2;
+  const int64_t block_bytes = cache_block_bytes(hp_, block_size_);
+  const auto n_caches = static_cast<int32_t>(n_cache_tensors(hp_));
   const int32_t n = static_cast<int32_t>(copies.size());
   // One launch copies every block at once. A step's copies are ordered, though: a block a copy
   // reads may be released by that copy and taken as a later copy's destination (the pool reuses
@@ -202,11 +212,11 @@ void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
   const int32_t* src = d.as<int32_t>();
   const int32_t* dst = src + n;
   if (!ordered) {
-    cuda::copy_blocks(cache_ptrs_.as<void* const>(), static_cast<int32_t>(2 * hp_.n_layer), src, dst, n, block_bytes,
+    cuda::copy_blocks(cache_ptrs_.as<void* const>(), n_caches, src, dst, n, block_bytes,
                       stream_);
   } else {
     for (int32_t i = 0; i < n; ++i)
-      cuda::copy_blocks(cache_ptrs_.as<void* const>(), static_cast<int32_t>(2 * hp_.n_layer), src + i, dst + i, 1,
+      cuda::copy_blocks(cache_ptrs_.as<void* const>(), n_caches, src + i, dst + i, 1,
                         block_bytes, stream_);
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // d is freed on return
@@ -228,11 +238,12 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     grow(h_, static_cast<size_t>(n * d) * 2);
     grow(qkv_, static_cast<size_t>(n * (qd + 2 * kvd)) * 2);
     grow(q_, static_cast<size_t>(n * qd) * 2);
-    grow(attn_, static_cast<size_t>(n * qd) * 2);
+    grow(attn_, static_cast<size_t>(n * std::max(qd, hp_.attn_out_dim())) * 2);
     grow(o_, static_cast<size_t>(n * d) * 2);
     grow(gate_up_, static_cast<size_t>(n * 2 * ff) * 2);
     grow(act_, static_cast<size_t>(n * ff) * 2);
     grow(down_, static_cast<size_t>(n * d) * 2);
+    if (hp_.mla.enabled() && reserve_mla(n)) grew = true;
     grew = reserve_moe(n) || grew;
     cap_tokens_ = std::max(cap_tokens_, n);
   }

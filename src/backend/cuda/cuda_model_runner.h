@@ -152,6 +152,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void geglu_linear(Act in, WeightId proj, Act out) override;
   void moe_ffn(int32_t layer, Act in, Act out) override;  // cuda_moe_ffn.cpp
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
+  void mla_attention(int32_t layer, Act in, Act out) override;  // cuda_mla.cpp
   bf16* act(Act a);  // the activation buffer; null for Act::None
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
   // the stream is in now (the fused norm alternates residual_ and residual_alt_), and whether RoPE
@@ -234,9 +235,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   DevMem embd_, out_norm_, lm_head_, inv_freq_;
   DevMem inv_freq_swa_;  // windowed layers' RoPE table when they have their own base (Gemma 3); else empty
   std::vector<Layer> layers_;
-  // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16.
+  // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16; with MLA per
+  // layer one latent array [n_blocks, block_size, kv_lora_rank + qk_rope] in k_cache_, no V.
   std::vector<DevMem> k_cache_, v_cache_;
-  DevMem cache_ptrs_;  // [2 * n_layer] device pointers, for copy_blocks
+  DevMem cache_ptrs_;  // every cache tensor's device pointer (2 per layer, MLA 1), for copy_blocks
   int32_t n_blocks_ = 0;
   int32_t block_size_ = 16;
   // Activations (grown to the largest batch seen).
@@ -248,6 +250,17 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // counters [n_layer, E] u64.
   DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
   DevMem moe_counts_;
+  // Multi-head latent attention (cuda_mla.cpp), per layer: the stacked input projection [QA | KvA]
+  // or [Q | KvA] (bf16 [in_rows, n_embd]; the parts' own uploads freed), W_UK^T [H, r, nope] and
+  // W_UV [H, v, r] from KvB (bf16; KvB freed).
+  struct MlaLayer {
+    DevMem in, uk_t, uv;
+    int64_t q_rows = 0, in_rows = 0;
+  };
+  std::vector<MlaLayer> mla_;
+  DevMem mla_in_out_, mla_qa_, mla_q_, mla_q_lat_, mla_o_lat_, mla_ws_;
+  void prepare_mla();
+  bool reserve_mla(int64_t n_tokens);  // grows the MLA buffers for n_tokens rows; true if any grew
   DevMem arrays_;      // the eager path's BatchArrays
   PinnedMem staging_;  // their host copy
   PinnedMem logits_h_;

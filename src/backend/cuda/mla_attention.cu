@@ -15,9 +15,9 @@ namespace {
 
 // Splits of a decode context: only while the decode blocks (sequences x head chunks) would fill
 // fewer than half of the device's resident blocks; then up to one wave of blocks, each split at
-// least kMinSplitTiles tiles (128 keys, so its partial result, 16 rows x r f32, stays well under
-// the latent rows it reads), and never more than kMaxSplits.
-constexpr int64_t kMinSplitTiles = 4;
+// least kMinSplitTiles tiles (64 keys: at r 512 a split reads 74 KB of latent rows and writes a
+// 32 KB partial result, 16 rows x r f32), and never more than kMaxSplits.
+constexpr int64_t kMinSplitTiles = 2;
 constexpr int64_t kMaxSplits = 64;
 
 // The kernels for (r, R): calls f.template operator()<r, R>(); false for an unsupported pair.
@@ -124,8 +124,8 @@ Plan make_plan(const MlaAttentionParams& p) {
 
 }  // namespace
 
-bool mla_attention_supports(int32_t kv_lora_rank, int32_t rope_dim) {
-  return dispatch_dims(kv_lora_rank, rope_dim, []<int, int>() {});
+bool mla_attention_supports(int32_t kv_lora_rank, int32_t rope_dim) {  // the pairs dispatch_dims lists
+  return (kv_lora_rank == 512 && rope_dim == 64) || (kv_lora_rank == 32 && rope_dim == 8);
 }
 
 size_t mla_attention_workspace_bytes(const MlaAttentionParams& p) { return make_plan(p).total; }

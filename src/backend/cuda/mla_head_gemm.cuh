@@ -10,7 +10,8 @@
 // the query's RoPE part, rotated, beside the output (rope_dim > 0).
 //
 // Cost: the weights of all heads are read once per 64 tokens; at decode sizes (a few tokens) the
-// GEMMs are memory-bound on them (DeepSeek-V2-Lite: W_UK^T and W_UV, 2 MiB each per layer).
+// GEMMs are memory-bound on them (DeepSeek-V2-Lite: W_UK^T and W_UV, 2 MiB each per layer), and
+// up to 16 tokens take the decode form below.
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
@@ -128,6 +129,82 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_kernel(MlaHeadGemmAr
       const int o = o0 + nt * 8 + c2;
       if (o < a.n_out) *reinterpret_cast<uint32_t*>(y + o) = pack_bf16x2(acc[nt][2 * r], acc[nt][2 * r + 1]);
     }
+  }
+}
+
+// The decode form (at most kHgSkinnyTokens tokens): a block computes 16 outputs of one head for all
+// tokens, the input dims shared out over the 4 warps (k16 steps w, w + 4, ...) and the warps'
+// partial sums added through shared memory; the head's 16 weight rows and the tokens' inputs are
+// loaded whole, once (rows padded to an odd number of 16-byte chunks). So the weights are spread
+// over n_head x n_out / 16 blocks (DeepSeek-V2-Lite's W_UV: 128 blocks of 16 KB; the tiled kernel
+// would use 32 blocks of 64 KB, each a chain of dependent loads).
+constexpr int kHgSkinnyTokens = 16;
+constexpr int kHgSkinnyCols = 16;
+constexpr int kHgSkinnyMaxIn = 1024;
+
+__host__ __device__ constexpr int hg_skinny_stride(int n_in) { return (n_in + 15) / 16 * 16 + 8; }
+constexpr size_t mla_head_gemm_skinny_smem_bytes(int n_in) {
+  return static_cast<size_t>(kHgSkinnyTokens + kHgSkinnyCols) * hg_skinny_stride(n_in) * 2 +
+         static_cast<size_t>(kHgThreads / kWarpSize) * kHgSkinnyTokens * kHgSkinnyCols * 4;
+}
+
+// grid (ceil(n_out / 16), n_head), kHgThreads threads, mla_head_gemm_skinny_smem_bytes(n_in).
+__global__ void __launch_bounds__(kHgThreads) mla_head_gemm_skinny_kernel(MlaHeadGemmArgs a) {
+  KESTREL_PDL_ENTRY();
+  KESTREL_DYNAMIC_SMEM(smem);
+  const int stride = hg_skinny_stride(a.n_in), chunks = stride / 8 - 1;  // data (and zero) chunks per row
+  auto* sx = reinterpret_cast<__nv_bfloat16*>(smem);  // [kHgSkinnyTokens][stride]
+  auto* sw = sx + kHgSkinnyTokens * stride;            // [kHgSkinnyCols][stride]
+  auto* red = reinterpret_cast<float*>(sw + kHgSkinnyCols * stride);  // [warps][tokens][cols]
+  const int h = blockIdx.y, o0 = blockIdx.x * kHgSkinnyCols;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int i = threadIdx.x; i < (kHgSkinnyTokens + kHgSkinnyCols) * chunks; i += kHgThreads) {
+    const int row = i / chunks, c = i % chunks, k = c * 8;
+    if (row < kHgSkinnyTokens) {
+      const bool valid = row < a.n_tokens && k < a.n_in;
+      cp_async16(sx + row * stride + k, valid ? a.x + row * a.x_stride + h * a.x_head_stride + k : a.x, valid);
+    } else {
+      const int o = o0 + row - kHgSkinnyTokens;
+      const bool valid = o < a.n_out && k < a.n_in;
+      cp_async16(sw + (row - kHgSkinnyTokens) * stride + k,
+                 valid ? a.w + (static_cast<int64_t>(h) * a.n_out + o) * a.n_in + k : a.w, valid);
+    }
+  }
+  cp_async_commit();
+  if (a.rope_dim > 0 && blockIdx.x == 0) hg_rope(a, h, 0);
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float acc[2][4] = {};
+  const int k_steps = chunks / 2;
+  for (int kk = warp; kk < k_steps; kk += kHgThreads / kWarpSize) {
+    uint32_t xa[4], b[4];
+    ldmatrix_x4(xa, sx + ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (kk * 2 + (lane >> 4)) * 8);
+    ldmatrix_x4(b, sw + ((lane >> 4) * 8 + (lane & 7)) * stride + (kk * 2 + ((lane >> 3) & 1)) * 8);
+    const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+    mma_bf16_16816(acc[0], xa, b0);
+    mma_bf16_16816(acc[1], xa, b1);
+  }
+  const int g = lane / 4, c2 = (lane % 4) * 2;
+  float* mine = red + warp * kHgSkinnyTokens * kHgSkinnyCols;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    mine[g * kHgSkinnyCols + nt * 8 + c2] = acc[nt][0];
+    mine[g * kHgSkinnyCols + nt * 8 + c2 + 1] = acc[nt][1];
+    mine[(g + 8) * kHgSkinnyCols + nt * 8 + c2] = acc[nt][2];
+    mine[(g + 8) * kHgSkinnyCols + nt * 8 + c2 + 1] = acc[nt][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kHgSkinnyTokens * kHgSkinnyCols / 2; i += kHgThreads) {
+    const int t = i / (kHgSkinnyCols / 2), col = (i % (kHgSkinnyCols / 2)) * 2, o = o0 + col;
+    if (t >= a.n_tokens || o >= a.n_out) continue;
+    float y0 = 0.0f, y1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kHgThreads / kWarpSize; ++w) {
+      y0 += red[(w * kHgSkinnyTokens + t) * kHgSkinnyCols + col];
+      y1 += red[(w * kHgSkinnyTokens + t) * kHgSkinnyCols + col + 1];
+    }
+    *reinterpret_cast<uint32_t*>(a.y + t * a.y_stride + h * a.y_head_stride + o) = pack_bf16x2(y0, y1);
   }
 }
 

@@ -51,6 +51,13 @@ struct MlaKvWriteArgs {
 };
 void mla_kv_write(const MlaKvWriteArgs& a, cudaStream_t stream);
 
+// The absorbed form's per-head weights from kv_b_proj kv_b [H (nope + v), r] bf16 (per head nope
+// rows of W_UK, then v rows of W_UV): uk_t [H, r, nope] (each head's W_UK transposed, the
+// [n_out, n_in] matrices of the query's absorption) and uv [H, v, r] (W_UV). Exact copies.
+// Errors: kestrel::Error for a non-positive size.
+void mla_split_kv_b(const bf16* kv_b, int64_t n_head, int64_t nope, int64_t v, int64_t r, bf16* uk_t, bf16* uv,
+                    cudaStream_t stream);
+
 // One small GEMM per head (a batched, block-diagonal projection): for every head h and token t,
 // y_h[t, o] = sum_i x_h[t, i] * w[h, o, i], with x_h[t, :] at x + t x_stride + h x_head_stride and
 // y_h[t, :] at y + t y_stride + h y_head_stride. bf16 operands on the tensor cores (mma.sync), f32
