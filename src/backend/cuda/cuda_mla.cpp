@@ -174,6 +174,9 @@ void CudaModelRunner::mla_attention(int32_t layer, Act in, Act out) {
   ap.scale = hp_.softmax_scale();
   ap.workspace = mla_ws_.as<void>();
   ap.workspace_bytes = mla_ws_.bytes();
+  // The buffer holds any split plan of as many sequences as tokens (reserve_mla); a batch with more
+  // sequences than tokens (some without a token this pass) runs unsplit instead.
+  if (cuda::mla_attention_workspace_bytes(ap) > ap.workspace_bytes) ap.n_splits = 1;
   cuda::mla_attention(ap, stream_);
   mark("mla attention");
 
