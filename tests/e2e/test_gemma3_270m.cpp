@@ -9,6 +9,9 @@
 #include <string>
 #include <vector>
 
+#if KESTREL_HAS_CUDA
+#include "backend/cuda/cuda_runner.h"
+#endif
 #include "engine/engine.h"
 #include "io/gguf.h"
 #include "model/llama_weights.h"
@@ -232,24 +235,23 @@ TEST(Gemma3_270m, GgufMetadataAndTensors) {
 }
 
 // The model's greedy continuations against transformers' (which dequantizes the same GGUF and runs
-// Gemma3ForCausalLM in float32): kestrel's kernels round activations to 16 bits, so a step whose
-// reference top-1/top-2 margin is a near-tie (< 0.05; the smallest margins of the six cases are
-// 0.0048-0.086) may pick the other token. Each case must match up to its end or up to a step
-// that is such a near-tie, where the comparison stops.
-TEST(Gemma3_270m, GreedyTranscriptsMatchTransformers) {
-  KESTREL_REQUIRE_FILE(gemma_path());
-  KESTREL_REQUIRE_FILE(transcripts_path());
-  const auto model = LlamaModel::load(gemma_path());
-  ASSERT_EQ(model->hparams().arch, "gemma3");
-  EXPECT_EQ(model->hparams().layer_window(0), 512);
-  EXPECT_EQ(model->hparams().layer_window(5), 0);
+// Gemma3ForCausalLM in float32): kestrel's kernels round activations to 16 bits (the CUDA backend
+// keeps them, its weights and its KV cache in bf16), so a step whose reference top-1/top-2 margin
+// is a near-tie (< 0.05; the smallest margins of the six cases are 0.0048-0.086) may pick the other
+// token. Each case must match up to its end or up to a step that is such a near-tie, where the
+// comparison stops.
+void expect_transformers_transcripts(const LlamaModel& model, std::unique_ptr<ModelRunner> runner, KvDtype kv) {
+  ASSERT_EQ(model.hparams().arch, "gemma3");
+  EXPECT_EQ(model.hparams().layer_window(0), 512);
+  EXPECT_EQ(model.hparams().layer_window(5), 0);
   const auto cases = nlohmann::json::parse(test::read_file(transcripts_path())).at("cases");
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& c : cases) prompts.push_back(c.at("prompt_ids").get<std::vector<int32_t>>());
   EngineConfig config;
-  config.kv_dtype = KvDtype::F32;
+  config.kv_dtype = kv;
   config.max_model_len = 256;
-  Engine engine(*model, nullptr, config);
+  if (runner != nullptr) config.block_size = runner->block_size();
+  Engine engine(model, nullptr, config, std::move(runner));
   const auto got = test::greedy_ids(engine, prompts, 32);
   int exact = 0;
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -266,6 +268,32 @@ TEST(Gemma3_270m, GreedyTranscriptsMatchTransformers) {
   }
   std::printf("%d of %zu continuations equal transformers' in all 32 tokens\n", exact, cases.size());
 }
+
+TEST(Gemma3_270m, GreedyTranscriptsMatchTransformers) {
+  KESTREL_REQUIRE_FILE(gemma_path());
+  KESTREL_REQUIRE_FILE(transcripts_path());
+  const auto model = LlamaModel::load(gemma_path());
+  expect_transformers_transcripts(*model, nullptr, KvDtype::F32);
+}
+
+#if KESTREL_HAS_CUDA
+// The same on the CUDA backend (head_dim 256 on the tensor-core attention kernels, windows of 512
+// in five of every six layers), eagerly and through decode graphs. Skipped without a GPU.
+TEST(Gemma3_270m, GreedyTranscriptsMatchTransformersOnCuda) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  KESTREL_REQUIRE_FILE(gemma_path());
+  KESTREL_REQUIRE_FILE(transcripts_path());
+  const auto model = LlamaModel::load(gemma_path());
+  for (const bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "graphs");
+    RunnerOptions o;
+    o.block_size = 16;
+    o.n_kv_blocks = 512;
+    o.enforce_eager = eager;
+    expect_transformers_transcripts(*model, make_cuda_model_runner(*model, o), KvDtype::BF16);
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace kestrel
