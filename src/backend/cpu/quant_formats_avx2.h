@@ -39,8 +39,7 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 // ---- 32-element block formats ----
 // Each gives kBlockBytes, quants(blk) (the block's 32 quants in element order), d(blk), the
 // offset c(blk) with w = d * u + c (kHasOffset: c != 0; the kernel adds c * s, s = dx * sum(Q)),
-// kCOff / kCPerD (c of several blocks at once: the fp16 at byte kCOff of each block, or, for
-// kCOff < 0, kCPerD * d), and prep(): the quants as the dot product's operands. The types with
+// and prep(): the quants as the dot product's operands. The types with
 // an offset multiply the int8 activation planes (pairs(): vpmaddubsw with u unsigned, u < 32, so it
 // cannot saturate: 2 * 31 * 127 < 2^15); Q8_0 multiplies 16-bit activations (kAct16, dot16()).
 
@@ -72,8 +71,6 @@ struct A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_0);
   static constexpr bool kHasOffset = true;
   static constexpr bool kAct16 = false;
-  static constexpr int kCOff = -1;
-  static constexpr float kCPerD = -8.0f;
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
@@ -86,7 +83,6 @@ struct A2Q4_1 : A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_1);
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_1, qs)); }
   static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ4_1, m)); }
-  static constexpr int kCOff = offsetof(BlockQ4_1, m);
 };
 
 struct A2Q5_0 : A2Q4_0 {
@@ -95,7 +91,6 @@ struct A2Q5_0 : A2Q4_0 {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_0, qs)), fifth_bits(blk + offsetof(BlockQ5_0, qh)));
   }
   static float c(const uint8_t* blk) { return -16.0f * load_fp16(blk); }
-  static constexpr float kCPerD = -16.0f;
 };
 
 struct A2Q5_1 : A2Q4_0 {
@@ -104,7 +99,6 @@ struct A2Q5_1 : A2Q4_0 {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_1, qs)), fifth_bits(blk + offsetof(BlockQ5_1, qh)));
   }
   static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ5_1, m)); }
-  static constexpr int kCOff = offsetof(BlockQ5_1, m);
 };
 
 // Q8_0 multiplies 16-bit activations Q directly (vpmaddwd; |w Q| <= 128 * 32385, so a lane's four
@@ -121,8 +115,6 @@ struct A2Q8_0 {
   static __m256i quants(const uint8_t* blk) { return load32(blk + offsetof(BlockQ8_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t*) { return 0.0f; }
-  static constexpr int kCOff = -1;
-  static constexpr float kCPerD = 0.0f;
   static Prepared prep(__m256i q) {
     return {_mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8), _mm256_srai_epi16(q, 8)};
   }
