@@ -22,6 +22,8 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/fill_ops.h"
+#include "backend/cuda/moe_ops.h"
 #if !defined(KESTREL_CUDA_NO_GEMM)
 #include "backend/cuda/gemm.h"
 #endif
@@ -307,6 +309,95 @@ void bench_skinny() {
 }
 #endif
 
+// The grouped expert GEMMs of a mixture-of-experts layer in two real shapes, both kernels, at
+// decode batch sizes: bytes are the weights of the experts the routing touches (each read once)
+// plus the activations. Eight routings (k distinct uniform experts per token) rotate between calls
+// so that a batch-1 call does not find its experts in L2.
+void bench_moe() {
+  struct S {
+    const char* what;
+    int32_t E, k;
+    int64_t d, f;
+  };
+  for (const S& sh : {S{"deepseek-v2-lite", 64, 6, 2048, 1408}, S{"mixtral-8x7b", 8, 2, 4096, 14336}}) {
+    Buf wgu(static_cast<size_t>(sh.E * 2 * sh.f * sh.d) * 2), wd(static_cast<size_t>(sh.E * sh.d * sh.f) * 2);
+    kestrel::cuda::fill_random_bf16(wgu.as<bf16>(), static_cast<int64_t>(wgu.bytes / 2), 0, {1, 1e-5f}, nullptr);
+    kestrel::cuda::fill_random_bf16(wd.as<bf16>(), static_cast<int64_t>(wd.bytes / 2), 0, {2, 1e-5f}, nullptr);
+    for (const int64_t n : {1, 2, 4, 16, 64, 256}) {
+      for (const int32_t tile : {0, 8, 16, 32, 64}) {
+        constexpr int kRoutings = 8;
+        const kestrel::cuda::MoePlan plan = tile == 0 ? kestrel::cuda::moe_plan(n, sh.E, sh.k)
+                                                      : kestrel::cuda::moe_plan_tiles(n, sh.E, sh.k, tile);
+        // The plan's tile size, and for comparison the sizes next to it.
+        if (tile != 0 && (tile == kestrel::cuda::moe_plan(n, sh.E, sh.k).tile_rows || (n <= 4 && tile > 8) ||
+                          (n >= 64 && tile < 16)))
+          continue;
+        Buf x(static_cast<size_t>(n * sh.d) * 2), act(static_cast<size_t>(plan.padded_rows() * sh.f) * 2),
+            y(static_cast<size_t>(n * sh.k * sh.d) * 2);
+        fill_bf16(x);
+        std::vector<std::unique_ptr<Buf>> tiles, perms;
+        double touched = 0;
+        std::mt19937 rng(static_cast<uint32_t>(n));
+        for (int r = 0; r < kRoutings; ++r) {
+          std::vector<int32_t> ids;
+          std::vector<bool> used(static_cast<size_t>(sh.E), false);
+          for (int64_t t = 0; t < n; ++t) {
+            std::vector<int32_t> e(static_cast<size_t>(sh.E));
+            for (int32_t i = 0; i < sh.E; ++i) e[static_cast<size_t>(i)] = i;
+            std::shuffle(e.begin(), e.end(), rng);
+            for (int32_t j = 0; j < sh.k; ++j) ids.push_back(e[static_cast<size_t>(j)]), used[static_cast<size_t>(e[static_cast<size_t>(j)])] = true;
+          }
+          touched += static_cast<double>(std::count(used.begin(), used.end(), true)) / kRoutings;
+          Buf d_ids(ids.size() * 4);
+          d_ids.upload(ids.data());
+          tiles.push_back(std::make_unique<Buf>(static_cast<size_t>(plan.max_tiles) * 4));
+          perms.push_back(std::make_unique<Buf>(static_cast<size_t>(plan.padded_rows()) * 4));
+          kestrel::cuda::moe_sort(d_ids.as<int32_t>(), n * sh.k, sh.E, plan, tiles.back()->as<int32_t>(),
+                                  perms.back()->as<int32_t>(), nullptr, nullptr);
+          KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+        }
+        const double w_bytes = touched * static_cast<double>(sh.f * sh.d) * 2;  // one [f, d] matrix per expert
+        for (const auto kern : {kestrel::cuda::MoeGemmKernel::Tiled, kestrel::cuda::MoeGemmKernel::Skinny}) {
+          if (kern == kestrel::cuda::MoeGemmKernel::Skinny && plan.tile_rows != 8) continue;
+          const std::string kname = kern == kestrel::cuda::MoeGemmKernel::Skinny ? " skinny" : " tiled";
+          const std::string shape = std::string(sh.what) + " n=" + std::to_string(n) + " tile " +
+                                    std::to_string(plan.tile_rows) + (tile == 0 ? " (plan)" : "");
+          kestrel::cuda::MoeGemmArgs a;
+          a.top_k = sh.k;
+          a.n_tokens = n;
+          a.kernel = kern;
+          constexpr int kCalls = 16;
+          for (const bool swiglu : {true, false}) {
+            a.swiglu = swiglu;
+            a.x = swiglu ? x.as<bf16>() : act.as<bf16>();
+            a.w = swiglu ? wgu.as<bf16>() : wd.as<bf16>();
+            a.y = swiglu ? act.as<bf16>() : y.as<bf16>();
+            a.n_in = swiglu ? sh.d : sh.f;
+            a.n_out = swiglu ? sh.f : sh.d;
+            std::vector<std::pair<int, int>> variants = {{0, 0}};
+            if (kern == kestrel::cuda::MoeGemmKernel::Skinny) variants = {{4, 8}, {2, 8}, {4, 4}, {2, 4}};
+            for (const auto& [u, wp] : variants) {
+              a.skinny_unroll = u;
+              a.skinny_warps = wp;
+              int next = 0;
+              const double ms = time_ms([&] {
+                for (int c = 0; c < kCalls; ++c, ++next) {
+                  a.tile_expert = tiles[static_cast<size_t>(next % kRoutings)]->as<int32_t>();
+                  a.perm = perms[static_cast<size_t>(next % kRoutings)]->as<int32_t>();
+                  kestrel::cuda::moe_gemm(a, plan, nullptr);
+                }
+              }) / kCalls;
+              const std::string v = u == 0 ? "" : " u" + std::to_string(u) + "w" + std::to_string(wp);
+              report(std::string(swiglu ? "moe gate_up" : "moe down") + kname + v, shape, ms,
+                     (swiglu ? 2 : 1) * w_bytes, 0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -458,6 +549,7 @@ int main(int argc, char** argv) {
     }
     if (wanted("skinny")) bench_skinny();
 #endif
+    if (wanted("moe")) bench_moe();
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::printf("benchmark failed: %s\n", e.what());

@@ -17,6 +17,8 @@
 #                                              scripts/device/configs/NAME/config.json alone), or
 #                                              HF transformers on random weights of the same
 #                                              config: batch-1 decode and batch 64 at 512 tokens
+#   scripts/device/gpu_new_archs.sh profile NAME  kestrel's per-op GPU times (--cuda-profile-ops,
+#                                              eager) for NAME at batch 1 and batch 64 at 512
 # A stage and a bench share one call: `... stage 1 && ... bench deepseek-v2-lite`.
 set -uo pipefail
 source scripts/device/device_env.sh
@@ -67,7 +69,15 @@ case "${1:-}" in
       while read -r l; do note "$2 $l"; done < "$OUT/$2_hf.txt"
     fi
     cat "$SUMMARY" ;;
+  profile)
+    M=scripts/device/configs/$2
+    echo "== kestrel $2 per-op profile: batch-1 decode -p 128 -n 64"
+    timeout 200 "$K" bench -m "$M" --load-format dummy --device cuda -p 128 -n 64 -r 1 --cuda-profile-ops 2>&1 |
+      tail -45 | tee "$OUT/$2_prof_b1.txt"
+    echo "== kestrel $2 per-op profile: batch 64 at 512"
+    timeout 200 "$K" bench -m "$M" --load-format dummy --device cuda --parallel 64 -p 512 -n 32 -r 1 \
+      --max-num-batched-tokens 8192 --cuda-profile-ops 2>&1 | tail -60 | tee "$OUT/$2_prof_b64.txt" ;;
   *)
-    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf]" >&2
+    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf] | profile NAME" >&2
     exit 2 ;;
 esac

@@ -217,9 +217,11 @@ TEST(CudaMoe, SortGroupsRowsByExpertInTiles) {
 
 TEST(CudaMoe, PlanBoundsTheTilesOfAnyRouting) {
   // max_tiles is reached when every expert's rows spill one row into an extra tile.
-  const MoePlan p = cuda::moe_plan(64, 8, 2);  // 128 rows, mean 16 per expert
-  EXPECT_EQ(p.tile_rows, 16);
-  EXPECT_EQ(p.max_tiles, 8 + 8);
+  const MoePlan p = cuda::moe_plan(64, 8, 2);  // 128 rows, mean 16 per expert: tiles of twice that
+  EXPECT_EQ(p.tile_rows, 32);
+  EXPECT_EQ(p.max_tiles, 4 + 8);
+  EXPECT_EQ(cuda::moe_plan(64, 64, 6).tile_rows, 16);  // mean 6
+  EXPECT_EQ(cuda::moe_plan(64, 64, 6).max_tiles, 24 + 64);
   EXPECT_EQ(cuda::moe_plan(1, 64, 6).max_tiles, 6);
   EXPECT_EQ(cuda::moe_plan(1, 64, 6).tile_rows, 8);
   EXPECT_EQ(cuda::moe_plan(4096, 8, 2).tile_rows, 64);
@@ -248,88 +250,94 @@ TEST(CudaMoe, GroupedGemmsMatchPlainLoopsOnUnevenLoads) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(73);
   // d 72 and f 40: k tails shorter than a 64-wide stage and partial weight-row tiles; tile plans
-  // of 8 (1 and 3 tokens), 16, 32 and 64 rows.
-  std::vector<GemmCase> cases = {{1, 2, 8, 64, 96}, {3, 4, 8, 72, 40}, {24, 2, 4, 128, 64}, {50, 4, 8, 64, 32},
-                                 {90, 2, 4, 72, 136}};
+  // of 8 (1 and 3 tokens), 16 (12 tokens), 32 and 64 rows.
+  std::vector<GemmCase> cases = {{1, 2, 8, 64, 96}, {3, 4, 8, 72, 40}, {12, 4, 8, 72, 40}, {24, 2, 4, 128, 64},
+                                 {50, 4, 8, 64, 32}, {90, 2, 4, 72, 136}};
   if (!kCudaEmulated) {
     cases.push_back({1, 6, 64, 2048, 1408});
     cases.push_back({64, 2, 8, 4096, 1024});
     cases.push_back({512, 6, 64, 2048, 1408});
   }
   for (const GemmCase& c : cases) {
-    SCOPED_TRACE("tokens " + std::to_string(c.n_tok) + " k " + std::to_string(c.k) + " experts " +
-                 std::to_string(c.n_exp) + " d " + std::to_string(c.d) + " f " + std::to_string(c.f));
-    const auto ids = skewed_ids(c.n_tok, c.k, c.n_exp, rng);
-    const MoePlan plan = cuda::moe_plan(c.n_tok, c.n_exp, c.k);
-    const auto x = random_bf16(static_cast<size_t>(c.n_tok * c.d), rng);
-    const auto wgu = random_bf16(static_cast<size_t>(c.n_exp * 2 * c.f * c.d), rng, -0.5f, 0.5f);
-    const auto wd = random_bf16(static_cast<size_t>(c.n_exp * c.d * c.f), rng, -0.5f, 0.5f);
-    DeviceBuffer<int32_t> d_ids(ids), d_tiles(static_cast<size_t>(plan.max_tiles)),
-        d_perm(static_cast<size_t>(plan.padded_rows()));
-    DeviceBuffer<uint16_t> d_x(x), d_wgu(wgu), d_wd(wd), d_act(static_cast<size_t>(plan.padded_rows() * c.f)),
-        d_y(static_cast<size_t>(c.n_tok * c.k * c.d));
-    d_act.poison();
-    d_y.poison();
-    cuda::moe_sort(d_ids.get(), c.n_tok * c.k, c.n_exp, plan, d_tiles.get(), d_perm.get(), nullptr, nullptr);
-    cuda::MoeGemmArgs gu;
-    gu.x = d_x.bf16();
-    gu.w = d_wgu.bf16();
-    gu.y = d_act.bf16();
-    gu.tile_expert = d_tiles.get();
-    gu.perm = d_perm.get();
-    gu.n_in = c.d;
-    gu.n_out = c.f;
-    gu.top_k = c.k;
-    gu.swiglu = true;
-    cuda::moe_gemm(gu, plan, nullptr);
-    cuda::MoeGemmArgs dn = gu;
-    dn.x = d_act.bf16();
-    dn.w = d_wd.bf16();
-    dn.y = d_y.bf16();
-    dn.n_in = c.f;
-    dn.n_out = c.d;
-    dn.swiglu = false;
-    cuda::moe_gemm(dn, plan, nullptr);
-    const auto perm = d_perm.download();
-    const auto act_bits = d_act.download();
-    const auto act = bf16_to_f32(act_bits);
-    const auto y = bf16_to_f32(d_y.download());
+    for (const cuda::MoeGemmKernel kern : {cuda::MoeGemmKernel::Tiled, cuda::MoeGemmKernel::Skinny}) {
+      const MoePlan plan = cuda::moe_plan(c.n_tok, c.n_exp, c.k);
+      if (kern == cuda::MoeGemmKernel::Skinny && plan.tile_rows != 8) continue;
+      SCOPED_TRACE("tokens " + std::to_string(c.n_tok) + " k " + std::to_string(c.k) + " experts " +
+                   std::to_string(c.n_exp) + " d " + std::to_string(c.d) + " f " + std::to_string(c.f) +
+                   (kern == cuda::MoeGemmKernel::Skinny ? " skinny" : " tiled"));
+      const auto ids = skewed_ids(c.n_tok, c.k, c.n_exp, rng);
+      const auto x = random_bf16(static_cast<size_t>(c.n_tok * c.d), rng);
+      const auto wgu = random_bf16(static_cast<size_t>(c.n_exp * 2 * c.f * c.d), rng, -0.5f, 0.5f);
+      const auto wd = random_bf16(static_cast<size_t>(c.n_exp * c.d * c.f), rng, -0.5f, 0.5f);
+      DeviceBuffer<int32_t> d_ids(ids), d_tiles(static_cast<size_t>(plan.max_tiles)),
+          d_perm(static_cast<size_t>(plan.padded_rows()));
+      DeviceBuffer<uint16_t> d_x(x), d_wgu(wgu), d_wd(wd), d_act(static_cast<size_t>(plan.padded_rows() * c.f)),
+          d_y(static_cast<size_t>(c.n_tok * c.k * c.d));
+      d_act.poison();
+      d_y.poison();
+      cuda::moe_sort(d_ids.get(), c.n_tok * c.k, c.n_exp, plan, d_tiles.get(), d_perm.get(), nullptr, nullptr);
+      cuda::MoeGemmArgs gu;
+      gu.x = d_x.bf16();
+      gu.w = d_wgu.bf16();
+      gu.y = d_act.bf16();
+      gu.tile_expert = d_tiles.get();
+      gu.perm = d_perm.get();
+      gu.n_in = c.d;
+      gu.n_out = c.f;
+      gu.top_k = c.k;
+      gu.n_tokens = c.n_tok;
+      gu.swiglu = true;
+      gu.kernel = kern;
+      cuda::moe_gemm(gu, plan, nullptr);
+      cuda::MoeGemmArgs dn = gu;
+      dn.x = d_act.bf16();
+      dn.w = d_wd.bf16();
+      dn.y = d_y.bf16();
+      dn.n_in = c.f;
+      dn.n_out = c.d;
+      dn.swiglu = false;
+      cuda::moe_gemm(dn, plan, nullptr);
+      const auto perm = d_perm.download();
+      const auto act_bits = d_act.download();
+      const auto act = bf16_to_f32(act_bits);
+      const auto y = bf16_to_f32(d_y.download());
 
-    // gate|up: each sorted row against silu(x w_gate^T) * (x w_up^T) of its token and expert.
-    std::vector<float> got_act;
-    std::vector<double> want_act;
-    std::vector<int32_t> expert_of_row(static_cast<size_t>(c.n_tok * c.k), -1);
-    const Sorted want = sort_reference(ids, c.n_exp, plan);
-    for (int64_t p = 0; p < plan.padded_rows(); ++p) {
-      const int32_t r = perm[static_cast<size_t>(p)];
-      if (p >= static_cast<int64_t>(want.perm.size()) || want.perm[static_cast<size_t>(p)] < 0) continue;
-      const int32_t e = want.tile_expert[static_cast<size_t>(p / plan.tile_rows)];
-      expert_of_row[static_cast<size_t>(r)] = e;
-      const int64_t t = r / c.k;
-      for (int64_t col = 0; col < c.f; ++col) {
-        const double g = dot_bf16(x, t, wgu, e * 2 * c.f + col, c.d);
-        const double u = dot_bf16(x, t, wgu, e * 2 * c.f + c.f + col, c.d);
-        want_act.push_back(g / (1.0 + std::exp(-g)) * u);
-        got_act.push_back(act[static_cast<size_t>(p * c.f + col)]);
+      // gate|up: each sorted row against silu(x w_gate^T) * (x w_up^T) of its token and expert.
+      std::vector<float> got_act;
+      std::vector<double> want_act;
+      std::vector<int32_t> expert_of_row(static_cast<size_t>(c.n_tok * c.k), -1);
+      const Sorted want = sort_reference(ids, c.n_exp, plan);
+      for (int64_t p = 0; p < plan.padded_rows(); ++p) {
+        const int32_t r = perm[static_cast<size_t>(p)];
+        if (p >= static_cast<int64_t>(want.perm.size()) || want.perm[static_cast<size_t>(p)] < 0) continue;
+        const int32_t e = want.tile_expert[static_cast<size_t>(p / plan.tile_rows)];
+        expert_of_row[static_cast<size_t>(r)] = e;
+        const int64_t t = r / c.k;
+        for (int64_t col = 0; col < c.f; ++col) {
+          const double g = dot_bf16(x, t, wgu, e * 2 * c.f + col, c.d);
+          const double u = dot_bf16(x, t, wgu, e * 2 * c.f + c.f + col, c.d);
+          want_act.push_back(g / (1.0 + std::exp(-g)) * u);
+          got_act.push_back(act[static_cast<size_t>(p * c.f + col)]);
+        }
       }
-    }
-    EXPECT_LE(rel_error(got_act, want_act), 4e-3);
-    // down: row t * k + j = act row . w_down^T of its expert (from the device's act, so that this
-    // checks the second GEMM alone); rows of padding tokens stay unwritten (NaN).
-    std::vector<float> got_y;
-    std::vector<double> want_y;
-    for (int64_t p = 0; p < plan.padded_rows(); ++p) {
-      if (p >= static_cast<int64_t>(want.perm.size()) || want.perm[static_cast<size_t>(p)] < 0) continue;
-      const int32_t r = perm[static_cast<size_t>(p)];
-      const int32_t e = expert_of_row[static_cast<size_t>(r)];
-      for (int64_t col = 0; col < c.d; ++col) {
-        want_y.push_back(dot_bf16(act_bits, p, wd, e * c.d + col, c.f));
-        got_y.push_back(y[static_cast<size_t>(r * c.d + col)]);
+      EXPECT_LE(rel_error(got_act, want_act), 4e-3);
+      // down: row t * k + j = act row . w_down^T of its expert (from the device's act, so that this
+      // checks the second GEMM alone); rows of padding tokens stay unwritten (NaN).
+      std::vector<float> got_y;
+      std::vector<double> want_y;
+      for (int64_t p = 0; p < plan.padded_rows(); ++p) {
+        if (p >= static_cast<int64_t>(want.perm.size()) || want.perm[static_cast<size_t>(p)] < 0) continue;
+        const int32_t r = perm[static_cast<size_t>(p)];
+        const int32_t e = expert_of_row[static_cast<size_t>(r)];
+        for (int64_t col = 0; col < c.d; ++col) {
+          want_y.push_back(dot_bf16(act_bits, p, wd, e * c.d + col, c.f));
+          got_y.push_back(y[static_cast<size_t>(r * c.d + col)]);
+        }
       }
+      EXPECT_LE(rel_error(got_y, want_y), 4e-3);
+      for (size_t r = 0; r < ids.size(); ++r)
+        if (ids[r] < 0) EXPECT_TRUE(std::isnan(y[r * static_cast<size_t>(c.d)])) << "padding row " << r << " written";
     }
-    EXPECT_LE(rel_error(got_y, want_y), 4e-3);
-    for (size_t r = 0; r < ids.size(); ++r)
-      if (ids[r] < 0) EXPECT_TRUE(std::isnan(y[r * static_cast<size_t>(c.d)])) << "padding row " << r << " written";
   }
 }
 
@@ -367,9 +375,11 @@ Layer random_layer(int64_t n_tok, const MoeRouting& r, int64_t d, int64_t f, std
 
 // route -> sort -> gate|up -> down -> combine over tokens [t0, t0 + n) of L, as the runner chains
 // them; the shared expert with its sigmoid gate when `shared`. Returns out [n, d] as f32.
-std::vector<float> run_chain(const Layer& L, int64_t t0, int64_t n, bool shared) {
+// kern Skinny: tiles of 8 rows whatever n (the skinny kernel's only size).
+std::vector<float> run_chain(const Layer& L, int64_t t0, int64_t n, bool shared, cuda::MoeGemmKernel kern) {
   const int32_t E = L.r.n_expert, k = L.r.n_expert_used;
-  const MoePlan plan = cuda::moe_plan(n, E, k);
+  const MoePlan plan =
+      kern == cuda::MoeGemmKernel::Skinny ? cuda::moe_plan_tiles(n, E, k, 8) : cuda::moe_plan(n, E, k);
   DeviceBuffer<float> d_logits(std::vector<float>(L.logits.begin() + t0 * L.stride, L.logits.begin() + (t0 + n) * L.stride));
   DeviceBuffer<uint16_t> d_x(std::vector<uint16_t>(L.x.begin() + t0 * L.d, L.x.begin() + (t0 + n) * L.d));
   DeviceBuffer<uint16_t> d_sh(std::vector<uint16_t>(L.shared.begin() + t0 * L.d, L.shared.begin() + (t0 + n) * L.d));
@@ -390,7 +400,9 @@ std::vector<float> run_chain(const Layer& L, int64_t t0, int64_t n, bool shared)
   gu.n_in = L.d;
   gu.n_out = L.f;
   gu.top_k = k;
+  gu.n_tokens = n;
   gu.swiglu = true;
+  gu.kernel = kern;
   cuda::moe_gemm(gu, plan, nullptr);
   cuda::MoeGemmArgs dn = gu;
   dn.x = d_act.bf16();
@@ -439,7 +451,7 @@ std::vector<double> chain_reference(const Layer& L, bool shared) {
 }
 
 // The whole chain against float64, and each token's row the same bits whether it runs in the
-// batch (tiles of 32 or 64 rows) or alone (tiles of 8).
+// batch or alone, for each GEMM kernel.
 TEST(CudaMoe, ChainMatchesFloat64AndRowsIgnoreTheBatch) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(74);
@@ -457,11 +469,19 @@ TEST(CudaMoe, ChainMatchesFloat64AndRowsIgnoreTheBatch) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Layer L = random_layer(c.n_tok, c.r, c.d, c.f, rng);
-    const std::vector<float> all = run_chain(L, 0, c.n_tok, c.shared);
-    EXPECT_LE(rel_error(all, chain_reference(L, c.shared)), 1e-2);
-    for (const int64_t t : {int64_t{0}, c.n_tok / 2, c.n_tok - 1}) {
-      const std::vector<float> alone = run_chain(L, t, 1, c.shared);
-      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), all.begin() + t * c.d)) << "token " << t;
+    const std::vector<double> want = chain_reference(L, c.shared);
+    const std::vector<float> all = run_chain(L, 0, c.n_tok, c.shared, cuda::MoeGemmKernel::Auto);
+    EXPECT_LE(rel_error(all, want), 1e-2);
+    // Each kernel fixes its rows' sums: alone and in the batch give the same bits when the same
+    // kernel runs both (the tiled one: tiles of 8 alone, larger in the batch; the skinny one: 8).
+    for (const cuda::MoeGemmKernel kern : {cuda::MoeGemmKernel::Tiled, cuda::MoeGemmKernel::Skinny}) {
+      SCOPED_TRACE(kern == cuda::MoeGemmKernel::Skinny ? "skinny" : "tiled");
+      const std::vector<float> batch = run_chain(L, 0, c.n_tok, c.shared, kern);
+      EXPECT_LE(rel_error(batch, want), 1e-2);
+      for (const int64_t t : {int64_t{0}, c.n_tok / 2, c.n_tok - 1}) {
+        const std::vector<float> alone = run_chain(L, t, 1, c.shared, kern);
+        EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + t * c.d)) << "token " << t;
+      }
     }
   }
 }

@@ -149,6 +149,7 @@ void CudaModelRunner::moe_ffn(int32_t layer, Act in, Act out) {
   g.n_in = d;
   g.n_out = f;
   g.top_k = k;
+  g.n_tokens = n;
   g.swiglu = true;
   cuda::moe_gemm(g, plan, stream_);
   mark("moe gemm gate_up");

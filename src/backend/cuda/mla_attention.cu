@@ -15,9 +15,10 @@ namespace {
 
 // Splits of a decode context: only while the decode blocks (sequences x head chunks) would fill
 // fewer than half of the device's resident blocks; then up to one wave of blocks, each split at
-// least kMinSplitTiles tiles (64 keys: at r 512 a split reads 74 KB of latent rows and writes a
-// 32 KB partial result, 16 rows x r f32), and never more than kMaxSplits.
-constexpr int64_t kMinSplitTiles = 2;
+// least kMinSplitTiles tiles (32 keys: at r 512 a split reads 37 KB of latent rows and writes a
+// 32 KB partial result, 16 rows x r f32; a block's tiles run one after another, so at batch 1 the
+// time is about one tile's when every tile has its own block), and never more than kMaxSplits.
+constexpr int64_t kMinSplitTiles = 1;
 constexpr int64_t kMaxSplits = 64;
 
 // The kernels for (r, R): calls f.template operator()<r, R>(); false for an unsupported pair.

@@ -56,15 +56,18 @@ struct MoeRouteArgs {
 void moe_route(const float* logits, int64_t logits_stride, const int64_t* slots, int64_t n_tokens,
                const MoeRouteArgs& r, int32_t* ids, float* weights, cudaStream_t stream);
 
-// The row tiling of one layer's grouped GEMMs for n_tokens tokens: tile_rows (8, 16, 32 or 64) by
-// the mean rows per expert, and max_tiles, an upper bound on the tiles the rows of any routing
-// fill: min(n k, ceil(n k / tile_rows) + min(E, n k)).
+// The row tiling of one layer's grouped GEMMs for n_tokens tokens: tile_rows (8, 16, 32 or 64), the
+// smallest that holds twice the mean rows per expert (an expert with more rows than a tile reads
+// its weights once per tile, and a random routing gives many experts more than the mean), and
+// max_tiles, an upper bound on the tiles the rows of any routing fill: min(n k, ceil(n k /
+// tile_rows) + min(E, n k)). moe_plan_tiles takes tile_rows as given (benchmarks, tests).
 struct MoePlan {
   int32_t tile_rows = 8;
   int64_t max_tiles = 0;
   int64_t padded_rows() const { return max_tiles * tile_rows; }
 };
 MoePlan moe_plan(int64_t n_tokens, int32_t n_expert, int32_t top_k);
+MoePlan moe_plan_tiles(int64_t n_tokens, int32_t n_expert, int32_t top_k, int32_t tile_rows);
 
 // Groups the rows r = t * k + j of ids [n_rows] (n_rows = n_tokens * k; ids -1 are skipped) by
 // expert: expert e's rows, in increasing r, fill whole tiles of plan.tile_rows from tile
@@ -86,7 +89,18 @@ void moe_sort(const int32_t* ids, int64_t n_rows, int32_t n_expert, const MoePla
 //   then); padding rows are not written.
 // - else (down): w [E, n_out, n_in]; row p reads x row p (x [padded_rows, n_in], the gate|up
 //   GEMM's output) and writes y [n_tokens * top_k, n_out] row perm[p].
-// n_in a multiple of 8, x, w 16-byte aligned. Errors: kestrel::Error for a bad shape or alignment.
+// Two kernels compute it (moe_gemm.cuh): the tiled one (weights through shared memory, 128
+// weight rows per block), and the skinny one (16 weight rows per block, straight into registers,
+// the warps splitting k) for steps of at most kMoeSkinnyMaxRows (token, expert) rows (small decode
+// batches), where the few rows per expert leave the tiled kernel too few blocks to keep enough
+// loads in flight (H200, kestrel_cuda_bench moe: DeepSeek-V2-Lite shape at batch 1, gate|up 22 us
+// against 42 us, down 11 us against 23 us; Mixtral-8x7B's down 64 us against 229 us; at 4 tokens
+// still ahead, 106 us against 116 us for DeepSeek). Each kernel fixes the order of a row's sums
+// whatever its tile holds: a row's bits depend on the kernel, never on the other rows.
+// n_in a multiple of 8, x, w 16-byte aligned. Errors: kestrel::Error for a bad shape or alignment,
+// or the skinny kernel asked for a plan with tiles of more than 8 rows (or a variant not built).
+enum class MoeGemmKernel { Auto, Tiled, Skinny };
+constexpr int64_t kMoeSkinnyMaxRows = 24;
 struct MoeGemmArgs {
   const __nv_bfloat16* x = nullptr;
   const __nv_bfloat16* w = nullptr;
@@ -96,7 +110,11 @@ struct MoeGemmArgs {
   int64_t n_in = 0, n_out = 0;
   int32_t top_k = 1;
   bool swiglu = false;
+  MoeGemmKernel kernel = MoeGemmKernel::Auto;  // Auto: skinny for n_tokens * top_k <= kMoeSkinnyMaxRows
+  int64_t n_tokens = 0;                        // for the Auto choice
+  int32_t skinny_unroll = 0, skinny_warps = 0;  // the skinny kernel's k-steps per load and warps (0: tuned)
 };
+bool moe_gemm_uses_skinny(const MoeGemmArgs& a, const MoePlan& plan);
 void moe_gemm(const MoeGemmArgs& a, const MoePlan& plan, cudaStream_t stream);
 
 // out[t] = sum over j = 0..k-1 (in order, skipping ids -1) of weights[t, j] * y[t * k + j], plus,

@@ -31,13 +31,17 @@ void moe_route(const float* logits, int64_t logits_stride, const int64_t* slots,
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
-MoePlan moe_plan(int64_t n_tokens, int32_t n_expert, int32_t top_k) {
+MoePlan moe_plan_tiles(int64_t n_tokens, int32_t n_expert, int32_t top_k, int32_t tile_rows) {
   MoePlan p;
   const int64_t rows = n_tokens * top_k;
-  const int64_t mean = ceil_div(rows, std::max(1, n_expert));
-  p.tile_rows = mean <= 8 ? 8 : mean <= 16 ? 16 : mean <= 32 ? 32 : 64;
+  p.tile_rows = tile_rows;
   p.max_tiles = std::min(rows, ceil_div(rows, p.tile_rows) + std::min<int64_t>(n_expert, rows));
   return p;
+}
+
+MoePlan moe_plan(int64_t n_tokens, int32_t n_expert, int32_t top_k) {
+  const int64_t mean = ceil_div(n_tokens * top_k, std::max(1, n_expert));
+  return moe_plan_tiles(n_tokens, n_expert, top_k, mean <= 4 ? 8 : mean <= 8 ? 16 : mean <= 16 ? 32 : 64);
 }
 
 void moe_sort(const int32_t* ids, int64_t n_rows, int32_t n_expert, const MoePlan& plan, int32_t* tile_expert,

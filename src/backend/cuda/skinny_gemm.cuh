@@ -39,33 +39,19 @@ struct SkinnyFrag {
   uint4 up[kSwiGLU ? kNT : 1][kSwiGLU ? kU : 1];
 };
 
-// x: [n_tokens, *] rows x_stride elements apart (16-byte aligned). In kSwiGLU mode row t's gate is
-// x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in]; y [n_tokens, n_out], f32 when
-// kF32Out else bf16. n_in % 8 == 0. grid: ceil(n_out / 16) blocks of kWarps warps.
-// PDL: the first weight tiles are requested before griddepcontrol.wait (weights are written by no
-// kernel), so they stream while the previous kernel drains; x is read after it, with coherent loads
-// (ld_dependent16).
-template <int kNT, int kU, int kWarps, bool kSwiGLU, bool kF32Out>
-__global__ void __launch_bounds__(kWarps * 32)
-    skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
-                       void* __restrict__ y, int n_tokens, int n_in, int n_out) {
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+// One warp's part of a skinny block: the dot products of the lane's rows of W (w_row0: row g,
+// w_row1: row g + 8 of the block's 16) with the kNT token tiles (x_row[j]: token 8 j + g's row, read
+// only when x_live[j]) over the k-steps warp, warp + kWarps, ... of n_in, accumulated into acc in
+// the mma C layout (acc[j][e]: row g + 8 (e >= 2), token 8 j + 2 t + (e & 1)). In kSwiGLU mode
+// x_row[j] is [gate | up], each n_in wide. kPdlInside: the first weight loads are issued, then
+// griddepcontrol.wait, then the first x loads (the caller has not waited yet); otherwise the caller
+// has already waited.
+template <int kNT, int kU, int kWarps, bool kSwiGLU, bool kPdlInside>
+__device__ __forceinline__ void skinny_warp_sums(const __nv_bfloat16* w_row0, const __nv_bfloat16* w_row1,
+                                                 const __nv_bfloat16* const (&x_row)[kNT], const bool (&x_live)[kNT],
+                                                 int n_in, int warp, float (&acc)[kNT][4]) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int g = lane / 4, t = lane % 4;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSkinnyRows;
-  // Rows past n_out load the last row; their sums are never stored.
-  const int64_t last = n_out - 1;
-  const __nv_bfloat16* w_row0 = w + (row0 + g < last ? row0 + g : last) * n_in;
-  const __nv_bfloat16* w_row1 = w + (row0 + g + 8 < last ? row0 + g + 8 : last) * n_in;
-  const __nv_bfloat16* x_row[kNT];
-  bool x_live[kNT];
-#pragma unroll
-  for (int j = 0; j < kNT; ++j) {
-    const int tok = 8 * j + g;
-    x_live[j] = tok < n_tokens;
-    x_row[j] = x + static_cast<int64_t>(x_live[j] ? tok : 0) * x_stride;
-  }
-
+  const int t = lane % 4;
   constexpr int kStep = 32 * kU;  // k per warp iteration
   const int n_iter_total = (n_in + kStep - 1) / kStep;
   using Frag = SkinnyFrag<kNT, kU, kSwiGLU>;
@@ -106,12 +92,13 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   };
 
-  float acc[kNT][4] = {};
   Frag cur, nxt;
   int it = warp;
   if (it < n_iter_total) load_w(it, cur);
-  pdl_wait();
-  pdl_launch_next();
+  if constexpr (kPdlInside) {
+    pdl_wait();
+    pdl_launch_next();
+  }
   if (it < n_iter_total) load_x(it, cur);
   for (; it < n_iter_total; it += kWarps) {
     if (it + kWarps < n_iter_total) {
@@ -133,19 +120,59 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     cur = nxt;
   }
+}
+
+// The warps' partial sums of a skinny block, summed in warp order (a fixed order) by the caller.
+template <int kNT, int kWarps>
+struct SkinnyPartials {
+  float v[kWarps][kNT][kWarpSize][4];
+  __device__ __forceinline__ float sum(int j, int l, int e) const {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += v[w][j][l][e];
+    return s;
+  }
+};
+
+// x: [n_tokens, *] rows x_stride elements apart (16-byte aligned). In kSwiGLU mode row t's gate is
+// x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in]; y [n_tokens, n_out], f32 when
+// kF32Out else bf16. n_in % 8 == 0. grid: ceil(n_out / 16) blocks of kWarps warps.
+// PDL: the first weight tiles are requested before griddepcontrol.wait (weights are written by no
+// kernel), so they stream while the previous kernel drains; x is read after it, with coherent loads
+// (ld_dependent16).
+template <int kNT, int kU, int kWarps, bool kSwiGLU, bool kF32Out>
+__global__ void __launch_bounds__(kWarps * 32)
+    skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
+                       void* __restrict__ y, int n_tokens, int n_in, int n_out) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int g = lane / 4;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSkinnyRows;
+  // Rows past n_out load the last row; their sums are never stored.
+  const int64_t last = n_out - 1;
+  const __nv_bfloat16* w_row0 = w + (row0 + g < last ? row0 + g : last) * n_in;
+  const __nv_bfloat16* w_row1 = w + (row0 + g + 8 < last ? row0 + g + 8 : last) * n_in;
+  const __nv_bfloat16* x_row[kNT];
+  bool x_live[kNT];
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+    const int tok = 8 * j + g;
+    x_live[j] = tok < n_tokens;
+    x_row[j] = x + static_cast<int64_t>(x_live[j] ? tok : 0) * x_stride;
+  }
+  float acc[kNT][4] = {};
+  skinny_warp_sums<kNT, kU, kWarps, kSwiGLU, true>(w_row0, w_row1, x_row, x_live, n_in, warp, acc);
 
   // acc[j][e]: row g + 8 (e >= 2), token 8 j + 2 t + (e & 1). Sum over the warps.
-  __shared__ float partial[kWarps][kNT][kWarpSize][4];
+  __shared__ SkinnyPartials<kNT, kWarps> partial;
 #pragma unroll
   for (int j = 0; j < kNT; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][j][lane][e] = acc[j][e];
+    for (int e = 0; e < 4; ++e) partial.v[warp][j][lane][e] = acc[j][e];
   __syncthreads();
   for (int i = static_cast<int>(threadIdx.x); i < kNT * kWarpSize * 4; i += kWarps * kWarpSize) {
     const int j = i / (kWarpSize * 4), l = (i / 4) % kWarpSize, e = i % 4;
-    float s = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kWarps; ++v) s += partial[v][j][l][e];
+    const float s = partial.sum(j, l, e);
     const int64_t row = row0 + l / 4 + (e >= 2 ? 8 : 0);
     const int tok = 8 * j + 2 * (l % 4) + (e & 1);
     if (row >= n_out || tok >= n_tokens) continue;
