@@ -21,6 +21,58 @@ float ModelHparams::softmax_scale() const {
   return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
 }
 
+namespace {
+
+// DeepSeek-V2's keys as llama.cpp's converter writes them: the MLA ranks (attention.q_lora_rank,
+// absent or 0 without the query's low rank; attention.kv_lora_rank); the heads' dims (files written
+// since llama.cpp's MLA rework carry attention.key_length_mla / value_length_mla and give
+// key_length / value_length the latent's widths; older files carry the heads' dims in key_length /
+// value_length); rope.dimension_count = qk_rope_head_dim; the MoE fields leading_dense_block_count,
+// expert_shared_count (shared experts of expert_feed_forward_length each), expert_weights_norm
+// (absent: no renormalisation, as V2's router), expert_gating_func (1 = softmax; 2, sigmoid, is
+// DeepSeek-V3's) and expert_group_count / expert_group_used_count (group-limited greedy); and
+// YaRN's rope.scaling.yarn_log_multiplier = 0.1 mscale_all_dim, which makes the softmax scale
+// mscale^2 / sqrt(head_dim) with mscale = 1 + yarn_log_multiplier ln(factor), as the HF config's
+// mscale_all_dim does (read_yarn in hf_config.cpp).
+void read_deepseek2_gguf(const GgufFile& f, ModelHparams& hp) {
+  const std::string a = "deepseek2.";
+  MlaHparams& mla = hp.mla;
+  mla.q_lora_rank = f.get_int_or(a + "attention.q_lora_rank", 0);
+  mla.kv_lora_rank = f.get_int(a + "attention.kv_lora_rank");
+  mla.qk_rope = hp.rope_dim;
+  const std::string key = f.has(a + "attention.key_length_mla") ? "attention.key_length_mla" : "attention.key_length";
+  const std::string value =
+      f.has(a + "attention.value_length_mla") ? "attention.value_length_mla" : "attention.value_length";
+  hp.head_dim = f.get_int(a + key);
+  mla.qk_nope = hp.head_dim - mla.qk_rope;
+  mla.v_head_dim = f.get_int(a + value);
+  hp.n_head_kv = hp.n_head;  // every head reads the one cached latent (files may say 1)
+  hp.rope_style = RopeStyle::AdjacentPairs;
+  MoeHparams& moe = hp.moe;
+  if (moe.enabled()) {
+    moe.first_dense = f.get_int_or(a + "leading_dense_block_count", 0);
+    moe.n_ff_shared = f.get_int_or(a + "expert_shared_count", 0) * moe.n_ff_expert;
+    moe.routing.norm_topk = f.get_bool_or(a + "expert_weights_norm", false);
+    if (const int64_t gating = f.get_int_or(a + "expert_gating_func", 1); gating != 1)
+      throw Error(f.path() + ": " + a + "expert_gating_func " + std::to_string(gating) +
+                  " is not supported (1, softmax; sigmoid gating is DeepSeek-V3's)");
+    if (const int64_t groups = f.get_int_or(a + "expert_group_count", 1); groups > 1) {
+      moe.routing.select = MoeRouting::Select::GroupLimited;
+      moe.routing.n_group = static_cast<int32_t>(std::min<int64_t>(groups, 1 << 20));
+      moe.routing.topk_group = static_cast<int32_t>(f.get_int_in(a + "expert_group_used_count", 1, groups));
+    }
+  }
+  if (hp.yarn_factor > 0) {
+    const double log_mul = f.get_float_or(a + "rope.scaling.yarn_log_multiplier", 0.0);
+    if (log_mul != 0 && hp.head_dim > 0) {
+      const double m = 1.0 + log_mul * std::log(hp.yarn_factor);
+      hp.attn_scale = static_cast<float>(m * m / std::sqrt(static_cast<double>(hp.head_dim)));
+    }
+  }
+}
+
+}  // namespace
+
 ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   ModelHparams hp;
   hp.arch = f.get_string("general.architecture");
@@ -45,8 +97,15 @@ ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
   const std::string scaling = f.get_string_or(a + "rope.scaling.type", "none");
   if (scaling == "linear") {
     hp.rope_linear_scale = static_cast<float>(f.get_float_or(a + "rope.scaling.factor", 1.0));
+  } else if (scaling == "yarn" && hp.arch == "deepseek2") {
+    hp.yarn_factor = f.get_float_or(a + "rope.scaling.factor", 0.0);
+    hp.yarn_original_ctx = f.get_float_or(a + "rope.scaling.original_context_length", 0.0);
+    if (!(hp.yarn_factor > 0) || !(hp.yarn_original_ctx > 0))
+      throw Error(f.path() + ": yarn rope scaling needs a positive " + a + "rope.scaling.factor and " + a +
+                  "rope.scaling.original_context_length");
   } else if (scaling != "none") {
-    throw Error(f.path() + ": unsupported " + a + "rope.scaling.type '" + scaling + "'");
+    throw Error(f.path() + ": unsupported " + a + "rope.scaling.type '" + scaling + "'" +
+                (scaling == "yarn" ? " for " + hp.arch + " (yarn is read for deepseek2)" : ""));
   }
   hp.rope_style = hp.arch == "qwen2" || hp.arch == "qwen2moe" || hp.arch == "gemma3" ? RopeStyle::RotateHalf
                                                                                     : RopeStyle::AdjacentPairs;
@@ -74,6 +133,7 @@ ModelHparams ModelHparams::from_gguf(const GgufFile& f) {
     moe.routing.norm_topk = f.get_bool_or(a + "expert_weights_norm", hp.arch != "qwen2moe");
     moe.routing.routed_scale = static_cast<float>(f.get_float_or(a + "expert_weights_scale", 1.0));
   }
+  if (hp.arch == "deepseek2") read_deepseek2_gguf(f, hp);
   if (const auto* tokens = f.find("tokenizer.ggml.tokens"); tokens != nullptr)
     hp.n_vocab = static_cast<int64_t>(tokens->array_size());
   hp.n_vocab = f.get_int_or(a + "vocab_size", hp.n_vocab);

@@ -76,6 +76,11 @@ struct ModelHparams {
   MoeHparams moe;
   MlaHparams mla;               // MLA: head_dim = qk_nope + qk_rope, rope_dim = qk_rope
   float attn_scale = 0;         // softmax scale; 0 = 1 / sqrt(head_dim) (YaRN's mscale changes it)
+  // YaRN RoPE scaling (Peng et al. 2023) as a GGUF file states it (rope.scaling.type "yarn",
+  // DeepSeek-V2): the loader turns it into per-pair frequency factors (yarn_rope_freq_factors).
+  // yarn_factor 0: none (a Hugging Face folder's YaRN arrives as factors directly).
+  double yarn_factor = 0;
+  double yarn_original_ctx = 0;  // the context the model was trained at before the extension
 
   int64_t q_dim() const { return n_head * head_dim; }
   int64_t kv_dim() const { return n_head_kv * head_dim; }

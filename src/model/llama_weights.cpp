@@ -2,9 +2,11 @@
 
 #include <filesystem>
 
+#include "backend/cpu/matmul.h"
 #include "core/error.h"
 #include "model/dummy_weights.h"
 #include "model/forward_ops.h"
+#include "model/hf_config.h"
 #include "io/safetensors_checkpoint.h"
 
 namespace kestrel {
@@ -95,6 +97,38 @@ class Loader {
     return t == nullptr ? std::vector<float>{} : vector(*t, n);
   }
 
+  // DeepSeek-V2's kv_b [H (nope + v), r] (rows of head h: its nope key rows, then its v value rows)
+  // from the two tensors llama.cpp's converter writes since its MLA rework in its place: attn_k_b
+  // ne {nope, r, H} (head h's key block transposed, [r, nope]) and attn_v_b ne {r, v, H}. Values
+  // dequantized to f32 into `out`, which the returned view points into.
+  WeightView kv_b_from_split(const GgufTensorInfo& k_b, const GgufTensorInfo& v_b, int64_t H, int64_t nope,
+                             int64_t v, int64_t r, std::vector<float>& out) {
+    for (const auto& [t, want] : {std::pair{&k_b, std::vector<int64_t>{nope, r, H}},
+                                  std::pair{&v_b, std::vector<int64_t>{r, v, H}}})
+      if (t->ne != want)
+        throw Error(f_.path() + ": tensor '" + t->name + "' has shape " + shape(*t) + ", expected [" +
+                    std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " + std::to_string(want[2]) + "]");
+    for (const GgufTensorInfo* t : {&k_b, &v_b})
+      if (!cpu::matmul_supports(t->type) || t->ne[0] % type_traits(t->type).block_size != 0)
+        throw Error(f_.path() + ": tensor '" + t->name + "' has type " + std::string(type_name(t->type)) +
+                    ", which kv_b cannot be assembled from");
+    out.assign(static_cast<size_t>(H * (nope + v) * r), 0.0f);
+    std::vector<float> row(static_cast<size_t>(std::max(nope, r)));
+    const size_t k_row = static_cast<size_t>(k_b.n_bytes / static_cast<uint64_t>(H * r));
+    const size_t v_row = static_cast<size_t>(v_b.n_bytes / static_cast<uint64_t>(H * v));
+    for (int64_t h = 0; h < H; ++h) {
+      float* head = out.data() + h * (nope + v) * r;
+      for (int64_t c = 0; c < r; ++c) {  // k_b row (h, c) holds kv_b[h nope + i][c] for i < nope
+        cpu::dequantize_row(k_b.type, k_b.data + static_cast<size_t>(h * r + c) * k_row, row.data(), nope);
+        for (int64_t i = 0; i < nope; ++i) head[i * r + c] = row[static_cast<size_t>(i)];
+      }
+      for (int64_t j = 0; j < v; ++j)
+        cpu::dequantize_row(v_b.type, v_b.data + static_cast<size_t>(h * v + j) * v_row, head + (nope + j) * r, r);
+    }
+    bytes_ += k_b.n_bytes + v_b.n_bytes;
+    return WeightView{GgmlType::F32, r, H * (nope + v), reinterpret_cast<const uint8_t*>(out.data())};
+  }
+
  private:
   static std::string shape(const GgufTensorInfo& t) {
     std::string s = "[";
@@ -159,6 +193,21 @@ std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
         w.tied_output = true;
         continue;
       }
+      if (t == nullptr && spec.role == WeightRole::KvB) {
+        // kv_b split by head into attn_k_b and attn_v_b (llama.cpp files since its MLA rework).
+        const std::string b = "blk." + std::to_string(l) + ".";
+        const GgufTensorInfo* k_b = ld.find(b + "attn_k_b.weight");
+        const GgufTensorInfo* v_b = ld.find(b + "attn_v_b.weight");
+        if (k_b != nullptr && v_b != nullptr) {
+          const MlaHparams& mla = hp.mla;
+          m->assembled_.emplace_back();
+          LayerTensor lt;
+          lt.matrix = ld.kv_b_from_split(*k_b, *v_b, hp.n_head, mla.qk_nope, mla.v_head_dim, mla.kv_lora_rank,
+                                         m->assembled_.back());
+          w.put({l, spec.role}, std::move(lt));
+          continue;
+        }
+      }
       if (t == nullptr) t = &ld.require(spec.gguf + ".weight");
       LayerTensor lt;
       if (spec.n_expert > 0) {
@@ -171,8 +220,12 @@ std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
       if (spec.may_have_bias) lt.bias = ld.optional_vector(spec.gguf + ".bias", spec.n_out);
       w.put({l, spec.role}, std::move(lt));
     }
-  if (const auto* rf = ld.find("rope_freqs.weight"); rf != nullptr)
+  if (const auto* rf = ld.find("rope_freqs.weight"); rf != nullptr) {
     w.rope_freq_factors = ld.vector(*rf, hp.rope_dim / 2);
+  } else if (hp.yarn_factor > 0) {  // YaRN with transformers' defaults: beta_fast 32, beta_slow 1, truncated bounds
+    w.rope_freq_factors =
+        yarn_rope_freq_factors(hp.rope_dim, hp.rope_theta, hp.yarn_factor, hp.yarn_original_ctx, 32, 1, true);
+  }
   return m;
 }
 

@@ -96,6 +96,9 @@ class LlamaModel {
   std::unique_ptr<GgufFile> gguf_;
   std::unique_ptr<SafetensorsCheckpoint> safetensors_;
   std::unique_ptr<GeneratedWeights> generated_;  // load_dummy's memory and generators
+  // Matrices the GGUF loader assembles (f32) from tensors the file lays out otherwise: DeepSeek-V2's
+  // kv_b from attn_k_b and attn_v_b.
+  std::vector<std::vector<float>> assembled_;
   std::string chat_template_;
   ModelHparams hparams_;
   ModelWeights weights_;
