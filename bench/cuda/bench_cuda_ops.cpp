@@ -23,6 +23,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fill_ops.h"
+#include "backend/cuda/mla_ops.h"
 #include "backend/cuda/moe_ops.h"
 #if !defined(KESTREL_CUDA_NO_GEMM)
 #include "backend/cuda/gemm.h"
@@ -398,6 +399,94 @@ void bench_moe() {
   }
 }
 
+// DeepSeek-V2-Lite's latent attention at decode (16 heads, r 512, rope 64, blocks of 16): one
+// sequence at the batch-1 benchmark's contexts, 64 at 576; each split count the planner may pick
+// (0: its own choice). Bytes: the latent rows read once.
+void bench_mla_decode() {
+  constexpr int32_t H = 16, r = 512, R = 64, bs = 16;
+  struct C {
+    int64_t seqs;
+    int32_t ctx;
+  };
+  for (const C c : {C{1, 200}, C{1, 2048}, C{64, 576}}) {
+    const int32_t width = (c.ctx + bs - 1) / bs;
+    Buf q(static_cast<size_t>(c.seqs * H * (r + R)) * 2), cache(static_cast<size_t>(c.seqs * width * bs * (r + R)) * 2),
+        out(static_cast<size_t>(c.seqs * H * r) * 2), tables(static_cast<size_t>(c.seqs * width) * 4),
+        qs(static_cast<size_t>(c.seqs + 1) * 4), pos(static_cast<size_t>(c.seqs) * 4);
+    fill_bf16(q);
+    fill_bf16(cache);
+    std::vector<int32_t> t(static_cast<size_t>(c.seqs * width)), s(static_cast<size_t>(c.seqs + 1)),
+        p(static_cast<size_t>(c.seqs), c.ctx - 1);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(i);
+    for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<int32_t>(i);
+    fill(tables, t);
+    fill(qs, s);
+    fill(pos, p);
+    kestrel::cuda::MlaAttentionParams a;
+    a.q = q.as<bf16>();
+    a.cache = cache.as<bf16>();
+    a.block_tables = tables.as<int32_t>();
+    a.query_start = qs.as<int32_t>();
+    a.positions = pos.as<int32_t>();
+    a.out = out.as<bf16>();
+    a.n_tokens = c.seqs;
+    a.n_seqs = c.seqs;
+    a.max_blocks_per_seq = width;
+    a.max_context = c.ctx;
+    a.max_query_len = 1;
+    a.n_head = H;
+    a.kv_lora_rank = r;
+    a.rope_dim = R;
+    a.block_size = bs;
+    a.scale = 0.07f;
+    Buf ws(kestrel::cuda::mla_attention_workspace_bound(c.seqs, H, r, R));
+    a.workspace = ws.p;
+    a.workspace_bytes = ws.bytes;
+    for (const int32_t splits : {0, 1, 2, 4, 8, 16}) {
+      if (splits > (c.ctx + 31) / 32) continue;
+      a.n_splits = splits;
+      if (kestrel::cuda::mla_attention_workspace_bytes(a) > ws.bytes) continue;
+      const double ms = time_ms([&] { kestrel::cuda::mla_attention(a, nullptr); });
+      report("mla decode", std::to_string(c.seqs) + " x ctx " + std::to_string(c.ctx) + ", splits " +
+                               (splits == 0 ? "auto" : std::to_string(splits)),
+             ms, static_cast<double>(c.seqs) * c.ctx * (r + R) * 2, 0);
+    }
+  }
+}
+
+// The small kernels of a MoE layer at decode batch sizes (DeepSeek-V2-Lite: 64 experts, top 6,
+// d 2048): routing, sorting, and the combine with the shared expert.
+void bench_moe_small_ops() {
+  constexpr int32_t E = 64, k = 6;
+  constexpr int64_t d = 2048;
+  for (const int64_t n : {1, 64}) {
+    const kestrel::cuda::MoePlan plan = kestrel::cuda::moe_plan(n, E, k);
+    Buf logits(static_cast<size_t>(n * (E + 1)) * 4), ids(static_cast<size_t>(n * k) * 4),
+        w(static_cast<size_t>(n * k) * 4), tiles(static_cast<size_t>(plan.max_tiles) * 4),
+        perm(static_cast<size_t>(plan.padded_rows()) * 4), y(static_cast<size_t>(n * k * d) * 2),
+        sh(static_cast<size_t>(n * d) * 2), out(static_cast<size_t>(n * d) * 2);
+    fill_f32(logits);
+    fill_bf16(y);
+    fill_bf16(sh);
+    kestrel::cuda::MoeRouteArgs r;
+    r.n_expert = E;
+    r.top_k = k;
+    r.routed_scale = 1.0f;
+    const std::string shape = std::to_string(n) + " tokens, 64 experts top 6";
+    report("moe route", shape, time_ms([&] {
+             kestrel::cuda::moe_route(logits.as<float>(), E + 1, nullptr, n, r, ids.as<int32_t>(), w.as<float>(), nullptr);
+           }), 0, 0);
+    report("moe sort", shape, time_ms([&] {
+             kestrel::cuda::moe_sort(ids.as<int32_t>(), n * k, E, plan, tiles.as<int32_t>(), perm.as<int32_t>(), nullptr,
+                                     nullptr);
+           }), 0, 0);
+    report("moe combine", shape + ", d 2048", time_ms([&] {
+             kestrel::cuda::moe_combine(y.as<bf16>(), ids.as<int32_t>(), w.as<float>(), sh.as<bf16>(), nullptr, E + 1, n,
+                                        k, d, out.as<bf16>(), nullptr);
+           }), static_cast<double>(y.bytes + sh.bytes + out.bytes), 0);
+  }
+}
+
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -550,6 +639,8 @@ int main(int argc, char** argv) {
     if (wanted("skinny")) bench_skinny();
 #endif
     if (wanted("moe")) bench_moe();
+    if (wanted("mla")) bench_mla_decode();
+    if (wanted("moe small")) bench_moe_small_ops();
     KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     std::printf("benchmark failed: %s\n", e.what());
