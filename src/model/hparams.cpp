@@ -38,7 +38,7 @@ void read_deepseek2_gguf(const GgufFile& f, ModelHparams& hp) {
   const std::string a = "deepseek2.";
   MlaHparams& mla = hp.mla;
   mla.q_lora_rank = f.get_int_or(a + "attention.q_lora_rank", 0);
-  mla.kv_lora_rank = f.get_int(a + "attention.kv_lora_rank");
+  mla.kv_lora_rank = f.get_int_in(a + "attention.kv_lora_rank", 1, 8192);
   mla.qk_rope = hp.rope_dim;
   const std::string key = f.has(a + "attention.key_length_mla") ? "attention.key_length_mla" : "attention.key_length";
   const std::string value =
@@ -51,7 +51,9 @@ void read_deepseek2_gguf(const GgufFile& f, ModelHparams& hp) {
   MoeHparams& moe = hp.moe;
   if (moe.enabled()) {
     moe.first_dense = f.get_int_or(a + "leading_dense_block_count", 0);
-    moe.n_ff_shared = f.get_int_or(a + "expert_shared_count", 0) * moe.n_ff_expert;
+    const int64_t shared = f.has(a + "expert_shared_count") ? f.get_int_in(a + "expert_shared_count", 0, 1024) : 0;
+    // An expert width out of range fails validate() by name; no product of it is formed.
+    moe.n_ff_shared = moe.n_ff_expert > 0 && moe.n_ff_expert <= (1 << 20) ? shared * moe.n_ff_expert : 0;
     moe.routing.norm_topk = f.get_bool_or(a + "expert_weights_norm", false);
     if (const int64_t gating = f.get_int_or(a + "expert_gating_func", 1); gating != 1)
       throw Error(f.path() + ": " + a + "expert_gating_func " + std::to_string(gating) +
