@@ -19,6 +19,9 @@
 #                                              config: batch-1 decode and batch 64 at 512 tokens
 #   scripts/device/gpu_new_archs.sh profile NAME  kestrel's per-op GPU times (--cuda-profile-ops,
 #                                              eager) for NAME at batch 1 and batch 64 at 512
+#   scripts/device/gpu_new_archs.sh kernels    kestrel_cuda_bench (in devbin, built with
+#                                              -DKESTREL_BENCH=ON): the grouped expert GEMMs, MLA
+#                                              decode per split count, the MoE routing kernels
 # A stage and a bench share one call: `... stage 1 && ... bench deepseek-v2-lite`.
 set -uo pipefail
 source scripts/device/device_env.sh
@@ -77,7 +80,10 @@ case "${1:-}" in
     echo "== kestrel $2 per-op profile: batch 64 at 512"
     timeout 200 "$K" bench -m "$M" --load-format dummy --device cuda --parallel 64 -p 512 -n 32 -r 1 \
       --max-num-batched-tokens 8192 --cuda-profile-ops 2>&1 | tail -60 | tee "$OUT/$2_prof_b64.txt" ;;
+  kernels)
+    chmod +x $BIN/kestrel_cuda_bench
+    for f in moe mla; do timeout 200 $BIN/kestrel_cuda_bench "$f" 2>&1 | tee "$OUT/kernels_$f.txt"; done ;;
   *)
-    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf] | profile NAME" >&2
+    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf] | profile NAME | kernels" >&2
     exit 2 ;;
 esac
