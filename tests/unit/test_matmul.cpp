@@ -474,6 +474,30 @@ TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
   }
 }
 
+// Q5_0 rows of whole 4-block groups have a GEMV of their own on AVX-512 CPUs with VBMI (full
+// chunks of 16 blocks, a tail chunk of 1 or 3 groups, two chunks plus a tail); single tokens must
+// still give bitwise the GEMM's outputs.
+TEST(KernelMatmul, Q5_0GemvOfWholeGroupsMatchesGemm) {
+  PathGuard guard;
+  ThreadPool pool2(2);
+  std::mt19937 rng(17);
+  for (int64_t n_in : {512, 640, 896, 1152}) {
+    const int64_t n_out = 70, n_tokens = 3;
+    const auto wdata = random_weights(GgmlType::Q5_0, n_in, n_out, rng);
+    const auto x = random_activations(n_in * n_tokens, rng);
+    for (const KernelPath& path : available_paths()) {
+      path.select();
+      const auto y_batch = run_matmul(GgmlType::Q5_0, wdata, n_in, n_out, x, n_tokens, pool2);
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        const std::vector<float> xt(x.begin() + t * n_in, x.begin() + (t + 1) * n_in);
+        const auto y_alone = run_matmul(GgmlType::Q5_0, wdata, n_in, n_out, xt, 1, pool2);
+        EXPECT_EQ(std::memcmp(y_alone.data(), y_batch.data() + t * n_out, n_out * 4), 0)
+            << "n_in " << n_in << " " << path.name() << " token " << t;
+      }
+    }
+  }
+}
+
 // matmul_multi (shared input, one quantization per type, one fork-join) gives each matrix
 // bitwise what a separate matmul gives, on every path, for decode and prefill, with matrices of
 // mixed types and sizes (q / k / v-like, one of them empty).

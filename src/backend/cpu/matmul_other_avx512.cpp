@@ -3,7 +3,7 @@
 //
 // K-quants: the 2- to 6-bit quants (made unsigned, below 64) times the int8 activation planes (q1, q2; see
 // quantize_block_q16) go through vpmaddubsw (pairs -> s16, no saturation: 2 * 63 * 127 < 2^15)
-// and vpmaddwd with the sub-block scales (-> s32), so a whole super-block is summed in integers
+// and vpdpwssd with the sub-block scales (-> s32), so a whole super-block is summed in integers
 // per plane; the planes combine in f32 (255 * s1 + s2 could overflow int32). The min / offset
 // terms use each plane's 16-element sums (bsums). Activations are in natural order (ActLayoutK).
 //
@@ -66,7 +66,7 @@ struct KScaleMin {
   static __m512i isum(const Unpacked& u, const int8_t* aq) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
-      iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
+      iacc = _mm512_dpwssd_epi32(iacc, _mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]);
     return iacc;
   }
   static __m256i imin(const Unpacked& u, const int16_t* bsums) {
@@ -165,7 +165,7 @@ struct KSigned16 {
   static __m512i isum(const Unpacked& u, const int8_t* aq, const int16_t* bsums) {
     __m512i iacc = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k)
-      iacc = _mm512_add_epi32(iacc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]));
+      iacc = _mm512_dpwssd_epi32(iacc, _mm512_maddubs_epi16(u.q[k], _mm512_loadu_si512(aq + 64 * k)), u.sc[k]);
     // The unpacked quants are value + 2^kShift: subtract 2^kShift * sum_j scale_j * bsum_j.
     const __m256i ioff = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums)), u.sc16);
     return _mm512_sub_epi32(iacc, _mm512_slli_epi32(_mm512_zextsi256_si512(ioff), kShift));
