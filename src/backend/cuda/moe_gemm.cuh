@@ -224,10 +224,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) moe_skinny_kernel(MoeGemmParam
 
   // acc[j][e]: weight row g + 8 (e >= 2) of the block, tile row 8 j + 2 t + (e & 1).
   __shared__ SkinnyPartials<kNT, kWarps> partial;
-#pragma unroll
-  for (int j = 0; j < kNT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) partial.v[warp][j][lane][e] = acc[j][e];
+  partial.put(warp, lane, acc);
   __syncthreads();
   for (int i = static_cast<int>(threadIdx.x); i < kNT * kWarpSize * 4; i += kWarps * kWarpSize) {
     const int j = i / (kWarpSize * 4), l = (i / 4) % kWarpSize, e = i % 4;

@@ -126,6 +126,13 @@ __device__ __forceinline__ void skinny_warp_sums(const __nv_bfloat16* w_row0, co
 template <int kNT, int kWarps>
 struct SkinnyPartials {
   float v[kWarps][kNT][kWarpSize][4];
+  // A warp's accumulators (skinny_warp_sums' acc) into its slot; a barrier must follow before sum().
+  __device__ __forceinline__ void put(int warp, int lane, const float (&acc)[kNT][4]) {
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[warp][j][lane][e] = acc[j][e];
+  }
   __device__ __forceinline__ float sum(int j, int l, int e) const {
     float s = 0.0f;
 #pragma unroll
@@ -165,10 +172,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   // acc[j][e]: row g + 8 (e >= 2), token 8 j + 2 t + (e & 1). Sum over the warps.
   __shared__ SkinnyPartials<kNT, kWarps> partial;
-#pragma unroll
-  for (int j = 0; j < kNT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) partial.v[warp][j][lane][e] = acc[j][e];
+  partial.put(warp, lane, acc);
   __syncthreads();
   for (int i = static_cast<int>(threadIdx.x); i < kNT * kWarpSize * 4; i += kWarps * kWarpSize) {
     const int j = i / (kWarpSize * 4), l = (i / 4) % kWarpSize, e = i % 4;
