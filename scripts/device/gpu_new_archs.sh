@@ -19,6 +19,10 @@
 #                                              config: batch-1 decode and batch 64 at 512 tokens
 #   scripts/device/gpu_new_archs.sh profile NAME  kestrel's per-op GPU times (--cuda-profile-ops,
 #                                              eager) for NAME at batch 1 and batch 64 at 512
+#   scripts/device/gpu_new_archs.sh trace NAME [ARGS]  Nsight Compute's duration of every kernel of
+#                                              a short batch-1 run (default -p 128 -n 8; graphs
+#                                              profiled node by node, caches and clocks left
+#                                              alone): $OUT/NAME_trace.csv for ncu_steps.py
 #   scripts/device/gpu_new_archs.sh kernels    kestrel_cuda_bench (in devbin, built with
 #                                              -DKESTREL_BENCH=ON): the grouped expert GEMMs, MLA
 #                                              decode per split count, the MoE routing kernels
@@ -80,10 +84,17 @@ case "${1:-}" in
     echo "== kestrel $2 per-op profile: batch 64 at 512"
     timeout 200 "$K" bench -m "$M" --load-format dummy --device cuda --parallel 64 -p 512 -n 32 -r 1 \
       --max-num-batched-tokens 8192 --cuda-profile-ops 2>&1 | tail -60 | tee "$OUT/$2_prof_b64.txt" ;;
+  trace)
+    M=scripts/device/configs/$2
+    shift 2
+    timeout 500 ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+      "$K" bench -m "$M" --load-format dummy --device cuda -r 1 ${@:--p 128 -n 8} > "$OUT/trace.csv" 2>"$OUT/trace.err"
+    echo "rc $?; $(grep -c gpu__time_duration "$OUT/trace.csv") kernels"; tail -3 "$OUT/trace.err"
+    python3 scripts/device/ncu_steps.py "$OUT/trace.csv" | tail -50 ;;
   kernels)
     chmod +x $BIN/kestrel_cuda_bench
     for f in moe mla; do timeout 200 $BIN/kestrel_cuda_bench "$f" 2>&1 | tee "$OUT/kernels_$f.txt"; done ;;
   *)
-    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf] | profile NAME | kernels" >&2
+    echo "usage: $0 tests | stage N | gemma | bench NAME [kestrel|hf] | profile NAME | trace NAME [ARGS] | kernels" >&2
     exit 2 ;;
 esac

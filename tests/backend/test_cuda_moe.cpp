@@ -215,6 +215,61 @@ TEST(CudaMoe, SortGroupsRowsByExpertInTiles) {
   }
 }
 
+// The fused routing and grouping of small steps gives moe_route's and moe_sort's outputs bit for
+// bit (and the same unfused beyond its bound), padding tokens included.
+TEST(CudaMoe, RouteSortMatchesRouteThenSort) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(74);
+  const std::vector<MoeRouting> rules = {routing(8, 2, true), routing(60, 4, false), routing(64, 6, false),
+                                         routing(160, 6, false, 16.0f, 8, 3), routing(256, 8, true, 2.5f, 8, 4)};
+  for (const MoeRouting& rule : rules)
+    for (int64_t n_tok : {1, 3, 16, 17}) {
+      SCOPED_TRACE(std::to_string(rule.n_expert) + " experts top-" + std::to_string(rule.n_expert_used) + ", " +
+                   std::to_string(n_tok) + " tokens");
+      const MoeRouteArgs a = route_args(rule);
+      EXPECT_EQ(cuda::moe_route_sort_fused(n_tok, a), n_tok <= 16);
+      const int32_t n_exp = rule.n_expert, k = rule.n_expert_used;
+      const int64_t stride = n_exp + 1;
+      std::vector<float> logits(static_cast<size_t>(n_tok * stride));
+      for (size_t i = 0; i < logits.size(); ++i)
+        logits[i] = i % 5 == 0 ? 0.5f : std::uniform_real_distribution<float>(-3.0f, 3.0f)(rng);  // with ties
+      std::vector<int64_t> slots(static_cast<size_t>(n_tok));
+      for (int64_t t = 0; t < n_tok; ++t) slots[static_cast<size_t>(t)] = t % 4 == 2 ? -1 : t;
+      const MoePlan plan = cuda::moe_plan(n_tok, n_exp, k);
+      DeviceBuffer<float> d_logits(logits);
+      DeviceBuffer<int64_t> d_slots(slots);
+      struct Out {
+        std::vector<int32_t> ids, tiles, perm;
+        std::vector<float> w;
+        std::vector<unsigned long long> counts;
+      };
+      auto run = [&](bool fused) {
+        DeviceBuffer<int32_t> ids(static_cast<size_t>(n_tok * k)), tiles(static_cast<size_t>(plan.max_tiles));
+        DeviceBuffer<int32_t> perm(std::vector<int32_t>(static_cast<size_t>(plan.padded_rows()), -2));
+        DeviceBuffer<float> w(static_cast<size_t>(n_tok * k));
+        DeviceBuffer<unsigned long long> counts(std::vector<unsigned long long>(static_cast<size_t>(n_exp), 7));
+        ids.poison();
+        tiles.poison();
+        w.poison();
+        if (fused) {
+          cuda::moe_route_sort(d_logits.get(), stride, d_slots.get(), n_tok, a, plan, ids.get(), w.get(), tiles.get(),
+                               perm.get(), counts.get(), nullptr);
+        } else {
+          cuda::moe_route(d_logits.get(), stride, d_slots.get(), n_tok, a, ids.get(), w.get(), nullptr);
+          cuda::moe_sort(ids.get(), n_tok * k, n_exp, plan, tiles.get(), perm.get(), counts.get(), nullptr);
+        }
+        return Out{ids.download(), tiles.download(), perm.download(), w.download(), counts.download()};
+      };
+      const Out want = run(false), got = run(true);
+      EXPECT_EQ(got.ids, want.ids);
+      EXPECT_EQ(got.w, want.w);
+      EXPECT_EQ(got.tiles, want.tiles);
+      EXPECT_EQ(got.perm, want.perm);
+      EXPECT_EQ(got.counts, want.counts);
+      EXPECT_EQ(got.tiles, sort_reference(want.ids, n_exp, plan).tile_expert);
+    }
+}
+
 TEST(CudaMoe, PlanBoundsTheTilesOfAnyRouting) {
   // max_tiles is reached when every expert's rows spill one row into an extra tile.
   const MoePlan p = cuda::moe_plan(64, 8, 2);  // 128 rows, mean 16 per expert: tiles of twice that

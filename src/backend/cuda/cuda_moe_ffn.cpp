@@ -135,10 +135,10 @@ void CudaModelRunner::moe_ffn(int32_t layer, Act in, Act out) {
   mark("gemm router");
   int32_t* ids = moe_ids_.as<int32_t>();
   float* weights = moe_weights_.as<float>();
-  cuda::moe_route(logits, R.n_out, pass_arrays_->slots, n, route_args(moe.routing), ids, weights, stream_);
   const cuda::MoePlan plan = cuda::moe_plan(n, n_exp, k);
-  cuda::moe_sort(ids, n * k, n_exp, plan, moe_tiles_.as<int32_t>(), moe_perm_.as<int32_t>(),
-                 moe_counts_.as<unsigned long long>() + static_cast<int64_t>(layer) * n_exp, stream_);
+  cuda::moe_route_sort(logits, R.n_out, pass_arrays_->slots, n, route_args(moe.routing), plan, ids, weights,
+                       moe_tiles_.as<int32_t>(), moe_perm_.as<int32_t>(),
+                       moe_counts_.as<unsigned long long>() + static_cast<int64_t>(layer) * n_exp, stream_);
   mark("moe route");
   cuda::MoeGemmArgs g;
   g.x = x;

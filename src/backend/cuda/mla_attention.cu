@@ -19,7 +19,7 @@ namespace {
 // 32 KB partial result, 16 rows x r f32; a block's tiles run one after another, so at batch 1 the
 // time is about one tile's when every tile has its own block), and never more than kMaxSplits.
 constexpr int64_t kMinSplitTiles = 1;
-constexpr int64_t kMaxSplits = 64;
+constexpr int64_t kMaxSplits = kMlaMaxSplits;
 
 // The kernels for (r, R): calls f.template operator()<r, R>(); false for an unsupported pair.
 template <class F>

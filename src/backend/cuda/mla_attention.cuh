@@ -365,34 +365,57 @@ __global__ void __launch_bounds__(kMlaThreads) mla_attention_kernel(MlaKernelArg
   }
 }
 
-// Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
-// with w_s = 2^(lse_s - max lse), over the splits that mla_split_range gives keys. grid (n_seqs,
-// n_head), kMlaThreads threads.
+// Combines the split-KV partial results of each decode sequence: out = sum_s (w_s / sum_t w_t) O_s
+// with w_s = 2^(lse_s - max lse), over the splits that mla_split_range gives keys (at most
+// kMlaMaxSplits: warp 0 weighs them, two per lane, once per block; then each thread sums whole
+// 4-float chunks of the rows). grid (n_seqs, n_head), kMlaThreads threads.
+constexpr int kMlaMaxSplits = 2 * kWarpSize;
 template <int kDv>
 __global__ void __launch_bounds__(kMlaThreads) mla_reduce_kernel(MlaKernelArgs a) {
   KESTREL_PDL_ENTRY();
-  const int seq = blockIdx.x, head = blockIdx.y;
+  __shared__ float s_w[kMlaMaxSplits];
+  const int seq = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
   const int token = a.query_start[seq];
   if (a.query_start[seq + 1] - token != 1) return;
   const int n_keys = a.positions[token] + 1;
   const int64_t stride = a.n_seqs * a.n_head;  // between splits
   const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
-  float m = -INFINITY;
-  for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = mla_split_range(n_keys, s, a.n_splits);
-    if (keys.x < keys.y) m = fmaxf(m, a.part_lse[first + s * stride]);
-  }
-  for (int d = threadIdx.x; d < kDv; d += kMlaThreads) {
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < a.n_splits; ++s) {
-      const int2 keys = mla_split_range(n_keys, s, a.n_splits);
-      if (keys.x >= keys.y) continue;
-      const float lse = a.part_lse[first + s * stride];
-      const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);
-      num += w * a.part_out[(first + s * stride) * kDv + d];
-      den += w;
+  if (tid < kWarpSize) {
+    float lse[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = tid + i * kWarpSize;
+      lse[i] = -INFINITY;
+      if (s < a.n_splits) {
+        const int2 keys = mla_split_range(n_keys, s, a.n_splits);
+        if (keys.x < keys.y) lse[i] = a.part_lse[first + s * stride];
+      }
     }
-    a.out[(static_cast<int64_t>(token) * a.n_head + head) * kDv + d] = __float2bfloat16_rn(den > 0.0f ? num / den : 0.0f);
+    const float m = mla_warp_max(fmaxf(lse[0], lse[1]));
+    float w[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) w[i] = lse[i] == -INFINITY ? 0.0f : exp2f(lse[i] - m);
+    const float den = warp_reduce_sum(w[0] + w[1]);
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s_w[tid + i * kWarpSize] = w[i] * inv;
+  }
+  __syncthreads();
+  const int n_splits = min(a.n_splits, kMlaMaxSplits);
+  for (int c = tid; c < kDv / 4; c += kMlaThreads) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = 0; s < n_splits; ++s) {
+      const float w = s_w[s];
+      if (w == 0.0f) continue;
+      const float4 v = reinterpret_cast<const float4*>(a.part_out + (first + s * stride) * kDv)[c];
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    __nv_bfloat16* y = a.out + (static_cast<int64_t>(token) * a.n_head + head) * kDv + c * 4;
+    reinterpret_cast<uint32_t*>(y)[0] = pack_bf16x2(acc.x, acc.y);
+    reinterpret_cast<uint32_t*>(y)[1] = pack_bf16x2(acc.z, acc.w);
   }
 }
 

@@ -11,23 +11,26 @@ namespace kestrel::cuda {
 
 constexpr int kMlaKvWriteThreads = 128;
 
-// out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i] for i < dim, f32 arithmetic on bf16 storage.
-// Called by every thread of the block (it contains barriers).
-__device__ __forceinline__ void mla_rms_norm_row(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* out,
-                                                 int dim, float eps, float* scratch) {
+// Sum of x[i]^2 over this thread's i (i = threadIdx.x + j blockDim.x, i < dim), f32.
+__device__ __forceinline__ float mla_sum_squares(const __nv_bfloat16* x, int dim) {
   float ss = 0.0f;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
     const float v = __bfloat162float(x[i]);
     ss += v * v;
   }
-  ss = block_reduce_sum(ss, scratch);
-  const float inv = rsqrtf(ss / static_cast<float>(dim) + eps);
-  if (out == nullptr) return;
+  return ss;
+}
+
+// out[i] = x[i] * inv * w[i] for this thread's i, inv = rsqrt(mean(x^2) + eps) from the block's sum.
+__device__ __forceinline__ void mla_scale_row(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* out,
+                                              int dim, float inv) {
   for (int i = threadIdx.x; i < dim; i += blockDim.x)
     out[i] = __float2bfloat16_rn(__bfloat162float(x[i]) * inv * __bfloat162float(w[i]));
 }
 
-// grid (n_tokens), kMlaKvWriteThreads threads, dynamic shared memory rope_dim floats.
+// grid (n_tokens), kMlaKvWriteThreads threads, dynamic shared memory rope_dim floats. The rows'
+// loads and sums of squares are issued before the position's cos / sin (double precision, the
+// longest step of a decode token's block), and the block reductions' barriers publish the table.
 __global__ void __launch_bounds__(kMlaKvWriteThreads) mla_kv_write_kernel(MlaKvWriteArgs a) {
   KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
@@ -37,18 +40,21 @@ __global__ void __launch_bounds__(kMlaKvWriteThreads) mla_kv_write_kernel(MlaKvW
   float* cs = reinterpret_cast<float*>(smem);
   float* sn = cs + half;
   const int32_t pos = a.positions[t];
-  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(pos, a.position_scale, a.inv_freq[i], cs[i], sn[i]);
-  __syncthreads();
-
-  if (a.qa != nullptr)
-    mla_rms_norm_row(a.qa + t * a.qa_stride, a.qa_norm, a.qa_out + t * a.q_lora_rank, a.q_lora_rank, a.eps, scratch);
-
   const int64_t slot = a.slot_mapping[t];
   const __nv_bfloat16* x = a.kv + t * a.kv_stride;
+  const __nv_bfloat16* qa = a.qa != nullptr ? a.qa + t * a.qa_stride : nullptr;
+  const float ss_kv = mla_sum_squares(x, r);
+  const float ss_qa = qa != nullptr ? mla_sum_squares(qa, a.q_lora_rank) : 0.0f;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(pos, a.position_scale, a.inv_freq[i], cs[i], sn[i]);
+  const float inv_kv = rsqrtf(block_reduce_sum(ss_kv, scratch) / static_cast<float>(r) + a.eps);
+  if (qa != nullptr) {
+    const float inv_qa = rsqrtf(block_reduce_sum(ss_qa, scratch) / static_cast<float>(a.q_lora_rank) + a.eps);
+    mla_scale_row(qa, a.qa_norm, a.qa_out + t * a.q_lora_rank, a.q_lora_rank, inv_qa);
+  }
+  if (slot < 0) return;
   // Row offset of the slot in [n_blocks, block_size, r + R] (one KV head).
-  __nv_bfloat16* row = slot >= 0 ? a.cache + kv_slot_offset(slot, 0, 1, a.block_size, r + a.rope_dim) : nullptr;
-  mla_rms_norm_row(x, a.kv_norm, row, r, a.eps, scratch);
-  if (row == nullptr) return;
+  __nv_bfloat16* row = a.cache + kv_slot_offset(slot, 0, 1, a.block_size, r + a.rope_dim);
+  mla_scale_row(x, a.kv_norm, row, r, inv_kv);
   for (int p = threadIdx.x; p < half; p += blockDim.x) {
     const int e0 = a.rotate_half ? p : 2 * p, e1 = a.rotate_half ? p + half : 2 * p + 1;
     float y0, y1;

@@ -7,8 +7,9 @@
 
 namespace kestrel::cuda {
 
-void moe_route(const float* logits, int64_t logits_stride, const int64_t* slots, int64_t n_tokens,
-               const MoeRouteArgs& r, int32_t* ids, float* weights, cudaStream_t stream) {
+namespace {
+
+void check_route(const MoeRouteArgs& r, int64_t logits_stride) {
   if (r.n_expert < 1 || r.n_expert > kMoeMaxExperts)
     throw Error("moe_route: n_expert " + std::to_string(r.n_expert) + " outside [1, " +
                 std::to_string(kMoeMaxExperts) + "]");
@@ -24,6 +25,30 @@ void moe_route(const float* logits, int64_t logits_stride, const int64_t* slots,
       throw Error("moe_route: topk_group " + std::to_string(r.topk_group) + " groups of " +
                   std::to_string(r.n_expert / r.n_group) + " experts hold fewer than top_k " + std::to_string(r.top_k));
   }
+}
+
+void check_sort(int64_t n_rows, int32_t n_expert) {
+  if (n_expert < 1 || n_expert > kMoeMaxExperts)
+    throw Error("moe_sort: n_expert " + std::to_string(n_expert) + " outside [1, " + std::to_string(kMoeMaxExperts) +
+                "]");
+  if (n_rows > 0x7fffffff) throw Error("moe_sort: more than 2^31 rows");
+}
+
+// Warps of the fused kernel for n_tokens tokens: one per token up to 16; 0 when the step is too
+// large for one block (its shared memory past 48 KB, or more tokens than warps).
+int route_sort_warps(int64_t n_tokens, const MoeRouteArgs& r) {
+  constexpr int64_t kMaxWarps = 16;
+  if (n_tokens < 1 || n_tokens > kMaxWarps) return 0;
+  const int warps = static_cast<int>(n_tokens);
+  const size_t smem = moe_route_sort_smem(warps, r.n_expert, r.top_k, static_cast<int>(n_tokens) * r.top_k);
+  return smem <= 48 * 1024 ? warps : 0;
+}
+
+}  // namespace
+
+void moe_route(const float* logits, int64_t logits_stride, const int64_t* slots, int64_t n_tokens,
+               const MoeRouteArgs& r, int32_t* ids, float* weights, cudaStream_t stream) {
+  check_route(r, logits_stride);
   if (n_tokens <= 0) return;
   const dim3 grid(static_cast<unsigned>(ceil_div(n_tokens, kMoeRouteWarps)));
   KESTREL_LAUNCH(moe_route_kernel, grid, dim3(kMoeRouteWarps * kWarpSize), 0, stream, logits, logits_stride, slots,
@@ -46,13 +71,32 @@ MoePlan moe_plan(int64_t n_tokens, int32_t n_expert, int32_t top_k) {
 
 void moe_sort(const int32_t* ids, int64_t n_rows, int32_t n_expert, const MoePlan& plan, int32_t* tile_expert,
               int32_t* perm, unsigned long long* counts, cudaStream_t stream) {
-  if (n_expert < 1 || n_expert > kMoeMaxExperts)
-    throw Error("moe_sort: n_expert " + std::to_string(n_expert) + " outside [1, " + std::to_string(kMoeMaxExperts) +
-                "]");
+  check_sort(n_rows, n_expert);
   if (n_rows <= 0 || plan.max_tiles <= 0) return;
-  if (n_rows > 0x7fffffff) throw Error("moe_sort: more than 2^31 rows");
   KESTREL_LAUNCH(moe_sort_kernel, dim3(static_cast<unsigned>(n_expert)), dim3(kMoeSortThreads), 0, stream, ids,
                  n_rows, n_expert, plan.tile_rows, plan.max_tiles, tile_expert, perm, counts);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+bool moe_route_sort_fused(int64_t n_tokens, const MoeRouteArgs& r) { return route_sort_warps(n_tokens, r) > 0; }
+
+void moe_route_sort(const float* logits, int64_t logits_stride, const int64_t* slots, int64_t n_tokens,
+                    const MoeRouteArgs& r, const MoePlan& plan, int32_t* ids, float* weights, int32_t* tile_expert,
+                    int32_t* perm, unsigned long long* counts, cudaStream_t stream) {
+  check_route(r, logits_stride);
+  check_sort(n_tokens * r.top_k, r.n_expert);
+  if (n_tokens <= 0 || plan.max_tiles <= 0) return;
+  const int warps = route_sort_warps(n_tokens, r);
+  if (warps == 0) {
+    moe_route(logits, logits_stride, slots, n_tokens, r, ids, weights, stream);
+    moe_sort(ids, n_tokens * r.top_k, r.n_expert, plan, tile_expert, perm, counts, stream);
+    return;
+  }
+  const int n_rows = static_cast<int>(n_tokens) * r.top_k;
+  KESTREL_LAUNCH(moe_route_sort_kernel, dim3(1), dim3(static_cast<unsigned>(warps * kWarpSize)),
+                 moe_route_sort_smem(warps, r.n_expert, r.top_k, n_rows), stream, logits, logits_stride, slots,
+                 static_cast<int32_t>(n_tokens), r, plan.tile_rows, plan.max_tiles, ids, weights, tile_expert, perm,
+                 counts);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

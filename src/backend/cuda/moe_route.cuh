@@ -15,6 +15,38 @@ constexpr int kMoeRouteWarps = 4;   // tokens per routing block (one warp each)
 constexpr int kMoeSortThreads = 256;
 constexpr int kMoeMaxGroups = 32;   // group-limited routing: one group score per lane
 
+// The fused routing and grouping kernel's dynamic shared memory, in this order: per warp the
+// probabilities (double [n_expert]), the eligibility flags (bytes [n_expert]) and the chosen ids
+// (int32 [top_k]); then the rows' ids [n_rows], the expert histogram [n_expert] and each expert's
+// first tile [n_expert + 1] (the last: the tiles in use), int32.
+struct MoeRouteSortSmem {
+  double* p;
+  unsigned char* ok;
+  int32_t *sel, *ids, *count, *tile0;
+};
+__host__ __device__ constexpr size_t moe_align8(size_t b) { return (b + 7) / 8 * 8; }
+__host__ __device__ inline MoeRouteSortSmem moe_route_sort_layout(unsigned char* base, int warps, int n_expert,
+                                                                  int top_k, int n_rows) {
+  MoeRouteSortSmem s;
+  size_t at = 0;
+  s.p = reinterpret_cast<double*>(base);
+  at += static_cast<size_t>(warps) * n_expert * sizeof(double);
+  s.ok = base + at;
+  at = moe_align8(at + static_cast<size_t>(warps) * n_expert);
+  s.sel = reinterpret_cast<int32_t*>(base + at);
+  at += static_cast<size_t>(warps) * top_k * 4;
+  s.ids = reinterpret_cast<int32_t*>(base + at);
+  at += static_cast<size_t>(n_rows) * 4;
+  s.count = reinterpret_cast<int32_t*>(base + at);
+  at += static_cast<size_t>(n_expert) * 4;
+  s.tile0 = reinterpret_cast<int32_t*>(base + at);
+  return s;
+}
+__host__ __device__ constexpr size_t moe_route_sort_smem(int warps, int n_expert, int top_k, int n_rows) {
+  return moe_align8(static_cast<size_t>(warps) * n_expert * (sizeof(double) + 1)) +
+         static_cast<size_t>(warps) * top_k * 4 + static_cast<size_t>(n_rows) * 4 + static_cast<size_t>(2 * n_expert + 1) * 4;
+}
+
 // Largest (v, id) over the warp, larger v first and the lower id on ties, in every lane.
 __device__ __forceinline__ void moe_warp_argmax(double& v, int& id) {
 #pragma unroll
@@ -28,20 +60,15 @@ __device__ __forceinline__ void moe_warp_argmax(double& v, int& id) {
   }
 }
 
-// One warp per token (moe_select, model/moe_router.cpp, step by step in the same arithmetic: the
-// exponentials in double summed by one lane in expert order, selections as repeated arg-maxes,
-// which pick what a stable descending sort puts first). grid ceil(n_tokens / kMoeRouteWarps),
-// block kMoeRouteWarps warps. Uses warp barriers only, so a warp past the last token may return.
-__global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
-    moe_route_kernel(const float* __restrict__ logits, int64_t logits_stride, const int64_t* __restrict__ slots,
-                     int64_t n_tokens, MoeRouteArgs r, int32_t* __restrict__ ids, float* __restrict__ weights) {
-  KESTREL_PDL_ENTRY();
-  __shared__ double s_p[kMoeRouteWarps][kMoeMaxExperts];
-  __shared__ unsigned char s_ok[kMoeRouteWarps][kMoeMaxExperts];  // eligible and not chosen yet
-  __shared__ int32_t s_sel[kMoeRouteWarps][kMoeMaxTopK];
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kMoeRouteWarps + warp;
-  if (t >= n_tokens) return;
+// Routes token t with one warp (moe_select, model/moe_router.cpp, step by step in the same
+// arithmetic: the exponentials in double summed by one lane in expert order, selections as repeated
+// arg-maxes, which pick what a stable descending sort puts first). p [n_expert] and ok [n_expert]
+// are the warp's shared-memory scratch, sel [top_k] too. Warp barriers only.
+__device__ __forceinline__ void moe_route_token(const float* __restrict__ logits, int64_t logits_stride,
+                                                const int64_t* __restrict__ slots, int64_t t, const MoeRouteArgs& r,
+                                                int32_t* __restrict__ ids, float* __restrict__ weights, double* p,
+                                                unsigned char* ok, int32_t* sel) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int n = r.n_expert, k = r.top_k;
   int32_t* out_ids = ids + t * k;
   float* out_w = weights + t * k;
@@ -53,8 +80,6 @@ __global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
     return;
   }
   const float* row = logits + t * logits_stride;
-  double* p = s_p[warp];
-  unsigned char* ok = s_ok[warp];
 
   double mx = -INFINITY;
   for (int e = lane; e < n; e += kWarpSize) mx = fmax(mx, static_cast<double>(row[e]));
@@ -98,22 +123,106 @@ __global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
         best = e;
       }
     moe_warp_argmax(v, best);
+    if (best == INT_MAX)  // no probability above -inf (NaN logits): the lowest eligible id
+      for (int e = 0; e < n; ++e)
+        if (ok[e] != 0) {
+          best = e;
+          break;
+        }
     if (lane == 0) {
-      s_sel[warp][i] = best;
+      sel[i] = best;
       ok[best] = 0;
     }
     __syncwarp();
   }
   if (lane == 0) {
     double chosen = 0.0;
-    for (int i = 0; i < k; ++i) chosen += p[s_sel[warp][i]];
+    for (int i = 0; i < k; ++i) chosen += p[sel[i]];
     for (int i = 0; i < k; ++i) {
-      const int e = s_sel[warp][i];
+      const int e = sel[i];
       double w = p[e];
       if (r.norm_topk) w /= chosen;
       out_ids[i] = e;
       out_w[i] = static_cast<float>(w * static_cast<double>(r.routed_scale));
     }
+  }
+  __syncwarp();
+}
+
+// One warp per token. grid ceil(n_tokens / kMoeRouteWarps), block kMoeRouteWarps warps. Uses
+// warp barriers only, so a warp past the last token may return.
+__global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
+    moe_route_kernel(const float* __restrict__ logits, int64_t logits_stride, const int64_t* __restrict__ slots,
+                     int64_t n_tokens, MoeRouteArgs r, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  KESTREL_PDL_ENTRY();
+  __shared__ double s_p[kMoeRouteWarps][kMoeMaxExperts];
+  __shared__ unsigned char s_ok[kMoeRouteWarps][kMoeMaxExperts];  // eligible and not chosen yet
+  __shared__ int32_t s_sel[kMoeRouteWarps][kMoeMaxTopK];
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kMoeRouteWarps + warp;
+  if (t >= n_tokens) return;
+  moe_route_token(logits, logits_stride, slots, t, r, ids, weights, s_p[warp], s_ok[warp], s_sel[warp]);
+}
+
+// Routing and grouping in one block for small steps (moe_route_sort in moe_ops.h): warp w routes
+// tokens w, w + warps, ...; then the block groups the rows as moe_sort_kernel does: an expert
+// histogram, each expert's first tile (warp 0 scans the experts' tile counts, a chunk per lane),
+// and row i's place in its expert's tiles = the rows of that expert before i (n_rows is small).
+// grid 1, block 32 x warps; dynamic shared memory moe_route_sort_smem(n_tokens, n_expert, top_k).
+__global__ void moe_route_sort_kernel(const float* __restrict__ logits, int64_t logits_stride,
+                                      const int64_t* __restrict__ slots, int32_t n_tokens, MoeRouteArgs r,
+                                      int32_t tile_rows, int64_t max_tiles, int32_t* __restrict__ ids,
+                                      float* __restrict__ weights, int32_t* __restrict__ tile_expert,
+                                      int32_t* __restrict__ perm, unsigned long long* __restrict__ counts) {
+  KESTREL_PDL_ENTRY();
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int warps = static_cast<int>(blockDim.x) / kWarpSize, threads = static_cast<int>(blockDim.x);
+  const int n = r.n_expert, k = r.top_k, n_rows = n_tokens * k;
+  KESTREL_DYNAMIC_SMEM(smem);
+  MoeRouteSortSmem sm = moe_route_sort_layout(smem, warps, n, k, n_rows);
+  for (int t = warp; t < n_tokens; t += warps)
+    moe_route_token(logits, logits_stride, slots, t, r, ids, weights, sm.p + warp * n, sm.ok + warp * n,
+                    sm.sel + warp * k);
+  for (int e = tid; e < n; e += threads) sm.count[e] = 0;
+  __syncthreads();  // the ids in global memory are visible to the whole block from here
+  for (int i = tid; i < n_rows; i += threads) {
+    const int32_t e = ids[i];
+    sm.ids[i] = e;
+    if (e >= 0) atomicAdd(&sm.count[e], 1);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int per = (n + kWarpSize - 1) / kWarpSize;
+    const int e0 = min(lane * per, n), e1 = min(e0 + per, n);
+    int32_t mine = 0;
+    for (int e = e0; e < e1; ++e) mine += (sm.count[e] + tile_rows - 1) / tile_rows;
+    int32_t incl = mine;  // inclusive scan over the lanes
+#pragma unroll
+    for (int o = 1; o < kWarpSize; o <<= 1) {
+      const int32_t v = __shfl_sync(0xffffffffu, incl, max(lane - o, 0));
+      if (lane >= o) incl += v;
+    }
+    int32_t at = incl - mine;
+    for (int e = e0; e < e1; ++e) {
+      sm.tile0[e] = at;
+      at += (sm.count[e] + tile_rows - 1) / tile_rows;
+    }
+    if (lane == kWarpSize - 1) sm.tile0[n] = incl;
+  }
+  __syncthreads();
+  for (int e = tid; e < n; e += threads) {
+    const int32_t c = sm.count[e], t0 = sm.tile0[e], tiles = (c + tile_rows - 1) / tile_rows;
+    if (counts != nullptr) counts[e] += static_cast<unsigned long long>(c);
+    for (int i = 0; i < tiles; ++i) tile_expert[t0 + i] = e;
+    for (int i = c; i < tiles * tile_rows; ++i) perm[static_cast<int64_t>(t0) * tile_rows + i] = -1;
+  }
+  for (int64_t i = sm.tile0[n] + tid; i < max_tiles; i += threads) tile_expert[i] = -1;
+  for (int i = tid; i < n_rows; i += threads) {
+    const int32_t e = sm.ids[i];
+    if (e < 0) continue;
+    int32_t rank = 0;
+    for (int j = 0; j < i; ++j) rank += sm.ids[j] == e ? 1 : 0;
+    perm[static_cast<int64_t>(sm.tile0[e]) * tile_rows + rank] = i;
   }
 }
 
