@@ -459,7 +459,7 @@ void bench_mla_decode() {
 void bench_moe_small_ops() {
   constexpr int32_t E = 64, k = 6;
   constexpr int64_t d = 2048;
-  for (const int64_t n : {1, 64}) {
+  for (const int64_t n : {1, 16, 64}) {
     const kestrel::cuda::MoePlan plan = kestrel::cuda::moe_plan(n, E, k);
     Buf logits(static_cast<size_t>(n * (E + 1)) * 4), ids(static_cast<size_t>(n * k) * 4),
         w(static_cast<size_t>(n * k) * 4), tiles(static_cast<size_t>(plan.max_tiles) * 4),
@@ -479,6 +479,11 @@ void bench_moe_small_ops() {
     report("moe sort", shape, time_ms([&] {
              kestrel::cuda::moe_sort(ids.as<int32_t>(), n * k, E, plan, tiles.as<int32_t>(), perm.as<int32_t>(), nullptr,
                                      nullptr);
+           }), 0, 0);
+    report(kestrel::cuda::moe_route_sort_fused(n, r) ? "moe route+sort (one kernel)" : "moe route+sort (two)", shape,
+           time_ms([&] {
+             kestrel::cuda::moe_route_sort(logits.as<float>(), E + 1, nullptr, n, r, plan, ids.as<int32_t>(),
+                                           w.as<float>(), tiles.as<int32_t>(), perm.as<int32_t>(), nullptr, nullptr);
            }), 0, 0);
     report("moe combine", shape + ", d 2048", time_ms([&] {
              kestrel::cuda::moe_combine(y.as<bf16>(), ids.as<int32_t>(), w.as<float>(), sh.as<bf16>(), nullptr, E + 1, n,

@@ -260,18 +260,20 @@ void CudaModelRunner::tune_gemms(int64_t n) {
 }
 
 void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
-                              int64_t n_out, bool swiglu) {
+                              int64_t n_out, bool swiglu, cudaStream_t stream) {
   const cuda::ProjectionOperands ops{x, swiglu ? 2 * n_in : n_in, w, y, n, n_in, n_out, swiglu, f32_out};
+  if (stream == nullptr) stream = stream_;
   if (uses_stream_gemv(n, n_in, n_out)) {
     cuda::StreamGemvArgs a{ops};
     a.stages = stream_gemv_stages_;
-    cuda::stream_gemv(a, stream_);
+    cuda::stream_gemv(a, stream);
     return;
   }
   if (uses_skinny(n, n_in, n_out)) {
-    cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream_);
+    cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream);
     return;
   }
+  KESTREL_ASSERT(stream == stream_, "CUDA project: cuBLASLt and act_ run on the runner's stream only");
   if (swiglu) {
     cuda::silu_mul(x, act_.as<bf16>(), n, n_in, stream_);
     x = act_.as<bf16>();

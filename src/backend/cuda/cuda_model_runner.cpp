@@ -86,6 +86,12 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
 
 CudaModelRunner::~CudaModelRunner() {
   graphs_.clear();
+  if (side_stream_ != nullptr) {
+    cudaStreamSynchronize(side_stream_);
+    cudaStreamDestroy(side_stream_);
+  }
+  for (cudaEvent_t e : {moe_fork_, moe_join_})
+    if (e != nullptr) cudaEventDestroy(e);
   if (stream_ != nullptr) {
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);

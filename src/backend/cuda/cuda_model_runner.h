@@ -128,6 +128,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void upload_weights();
   // Layer l's experts and router (cuda_moe_ffn.cpp); marks their roles in `done`.
   void upload_moe(int32_t l, Layer& dl, cuda::WeightUploader& up, std::array<bool, kWeightRoleCount>& done);
+  void shared_expert(const Layer& L, const bf16* x, int64_t n, cudaStream_t stream);
   bool reserve_moe(int64_t n_tokens);  // the MoE buffers for n_tokens rows; true when one grew
   void allocate_kv(const RunnerOptions& o);
   // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
@@ -166,8 +167,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // project: y [n, n_out] = a(x) . W^T: the streaming GEMV where it applies (uses_stream_gemv), else the
   // skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt (after silu_mul into act_ when
   // swiglu: x then holds [gate | up] rows of 2 n_in).
+  // `stream` (null: stream_) may be another stream only where the call takes the streaming GEMV or
+  // the skinny GEMM (cuBLASLt's workspace and act_ belong to stream_).
   void project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
-               bool swiglu = false);
+               bool swiglu = false, cudaStream_t stream = nullptr);
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -250,6 +253,11 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // counters [n_layer, E] u64.
   DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
   DevMem moe_counts_;
+  // The shared experts of a small decode step run on side_stream_, beside the router, the routing
+  // and the routed experts on stream_ (fork at moe_fork_, join at moe_join_): at batch 1 the
+  // routing kernels leave the GPU's bandwidth idle (created with the first shared expert).
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t moe_fork_ = nullptr, moe_join_ = nullptr;
   // Multi-head latent attention (cuda_mla.cpp), per layer: the stacked input projection [QA | KvA]
   // or [Q | KvA] (bf16 [in_rows, n_embd]; the parts' own uploads freed), W_UK^T [H, r, nope] and
   // W_UV [H, v, r] from KvB (bf16; KvB freed).

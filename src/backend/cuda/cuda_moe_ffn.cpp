@@ -130,6 +130,20 @@ void CudaModelRunner::moe_ffn(int32_t layer, Act in, Act out) {
   bf16* y = act(out);
   KESTREL_ASSERT(x != nullptr && y != nullptr && x != y, "CUDA moe_ffn: in and out are different activations");
   const DeviceWeight& R = L[WeightRole::Router];
+  // Small steps: the shared experts on the side stream, from the same input, beside the routed ones.
+  const bool side = s > 0 && prof_ == nullptr && (uses_skinny(n, d, 2 * s) || uses_stream_gemv(n, d, 2 * s)) &&
+                    (uses_skinny(n, s, d) || uses_stream_gemv(n, s, d));
+  if (side) {
+    if (side_stream_ == nullptr) {
+      KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+      KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&moe_fork_, cudaEventDisableTiming));
+      KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&moe_join_, cudaEventDisableTiming));
+    }
+    KESTREL_CUDA_CHECK(cudaEventRecord(moe_fork_, stream_));
+    KESTREL_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, moe_fork_, 0));
+    shared_expert(L, x, n, side_stream_);
+    KESTREL_CUDA_CHECK(cudaEventRecord(moe_join_, side_stream_));
+  }
   float* logits = moe_logits_.as<float>();
   project(x, R.w.as<bf16>(), logits, true, n, d, R.n_out);
   mark("gemm router");
@@ -163,15 +177,25 @@ void CudaModelRunner::moe_ffn(int32_t layer, Act in, Act out) {
   mark("moe gemm down");
   const bf16* shared = nullptr;
   if (s > 0) {
-    project(x, L[WeightRole::ShGateUp].w.as<bf16>(), moe_sh_gate_up_.as<bf16>(), false, n, d, 2 * s);
-    project(moe_sh_gate_up_.as<bf16>(), L[WeightRole::ShDown].w.as<bf16>(), moe_sh_y_.as<bf16>(), false, n, s, d,
-            /*swiglu=*/true);
+    if (side) {
+      KESTREL_CUDA_CHECK(cudaStreamWaitEvent(stream_, moe_join_, 0));
+    } else {
+      shared_expert(L, x, n, stream_);
+      mark("gemm shared expert");
+    }
     shared = moe_sh_y_.as<bf16>();
-    mark("gemm shared expert");
   }
   cuda::moe_combine(moe_y_.as<bf16>(), ids, weights, shared, moe.shared_gate ? logits + n_exp : nullptr, R.n_out, n,
                     k, d, y, stream_);
   mark("moe combine");
+}
+
+// moe_sh_y_ [n, d] = the shared experts' SwiGLU FFN of x, enqueued on `stream`.
+void CudaModelRunner::shared_expert(const Layer& L, const bf16* x, int64_t n, cudaStream_t stream) {
+  const int64_t d = hp_.n_embd, s = hp_.moe.n_ff_shared;
+  project(x, L[WeightRole::ShGateUp].w.as<bf16>(), moe_sh_gate_up_.as<bf16>(), false, n, d, 2 * s, false, stream);
+  project(moe_sh_gate_up_.as<bf16>(), L[WeightRole::ShDown].w.as<bf16>(), moe_sh_y_.as<bf16>(), false, n, s, d,
+          /*swiglu=*/true, stream);
 }
 
 std::vector<uint64_t> CudaModelRunner::expert_token_counts() const {

@@ -94,6 +94,25 @@ inline unsigned __ballot_sync(unsigned, T predicate) {
   for (int l = 0; l < 32; ++l) bits |= all[l] ? 1u << l : 0u;
   return bits;
 }
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  ::kestrel::cuda::emu::warp_exchange(&v, sizeof v, all);
+  unsigned m = all[0];
+  for (int l = 1; l < 32; ++l) m = all[l] > m ? all[l] : m;
+  return m;
+}
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  ::kestrel::cuda::emu::warp_exchange(&v, sizeof v, all);
+  unsigned m = all[0];
+  for (int l = 1; l < 32; ++l) m = all[l] < m ? all[l] : m;
+  return m;
+}
+inline long long __double_as_longlong(double d) {
+  long long b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
 // Fibers switch only at barriers and warp collectives and blocks run one after another, so no other
 // thread can run between this read and this write.
 template <class T>
@@ -104,6 +123,7 @@ inline T atomicAdd(T* address, T value) {
 }
 inline void __threadfence() {}  // blocks run one after another: every write is already visible
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline float __uint_as_float(unsigned u) {
   float f;
   std::memcpy(&f, &u, sizeof f);

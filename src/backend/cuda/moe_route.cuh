@@ -16,23 +16,18 @@ constexpr int kMoeSortThreads = 256;
 constexpr int kMoeMaxGroups = 32;   // group-limited routing: one group score per lane
 
 // The fused routing and grouping kernel's dynamic shared memory, in this order: per warp the
-// probabilities (double [n_expert]), the eligibility flags (bytes [n_expert]) and the chosen ids
-// (int32 [top_k]); then the rows' ids [n_rows], the expert histogram [n_expert] and each expert's
+// probabilities (double [n_expert]) and the chosen ids (int32 [top_k]); then the rows' ids [n_rows], the expert histogram [n_expert] and each expert's
 // first tile [n_expert + 1] (the last: the tiles in use), int32.
 struct MoeRouteSortSmem {
   double* p;
-  unsigned char* ok;
   int32_t *sel, *ids, *count, *tile0;
 };
-__host__ __device__ constexpr size_t moe_align8(size_t b) { return (b + 7) / 8 * 8; }
 __host__ __device__ inline MoeRouteSortSmem moe_route_sort_layout(unsigned char* base, int warps, int n_expert,
                                                                   int top_k, int n_rows) {
   MoeRouteSortSmem s;
   size_t at = 0;
   s.p = reinterpret_cast<double*>(base);
   at += static_cast<size_t>(warps) * n_expert * sizeof(double);
-  s.ok = base + at;
-  at = moe_align8(at + static_cast<size_t>(warps) * n_expert);
   s.sel = reinterpret_cast<int32_t*>(base + at);
   at += static_cast<size_t>(warps) * top_k * 4;
   s.ids = reinterpret_cast<int32_t*>(base + at);
@@ -43,31 +38,32 @@ __host__ __device__ inline MoeRouteSortSmem moe_route_sort_layout(unsigned char*
   return s;
 }
 __host__ __device__ constexpr size_t moe_route_sort_smem(int warps, int n_expert, int top_k, int n_rows) {
-  return moe_align8(static_cast<size_t>(warps) * n_expert * (sizeof(double) + 1)) +
+  return static_cast<size_t>(warps) * n_expert * sizeof(double) +
          static_cast<size_t>(warps) * top_k * 4 + static_cast<size_t>(n_rows) * 4 + static_cast<size_t>(2 * n_expert + 1) * 4;
 }
 
-// Largest (v, id) over the warp, larger v first and the lower id on ties, in every lane.
-__device__ __forceinline__ void moe_warp_argmax(double& v, int& id) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const double ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, id, o);
-    if (ov > v || (ov == v && oi < id)) {
-      v = ov;
-      id = oi;
-    }
-  }
+// The lowest id among the lanes holding the largest v, over the lanes with `has` (v a
+// non-negative double, not NaN: its bits order as the values do, so three warp reductions of 32
+// bits replace a shuffle tree of doubles); 0xffffffff when no lane has one.
+__device__ __forceinline__ unsigned moe_warp_argmax(bool has, double v, int id) {
+  const unsigned long long b = static_cast<unsigned long long>(__double_as_longlong(v));
+  const unsigned hi = has ? static_cast<unsigned>(b >> 32) : 0u, lo = static_cast<unsigned>(b);
+  const unsigned m_hi = __reduce_max_sync(0xffffffffu, hi);
+  const bool eq_hi = has && hi == m_hi;
+  const unsigned m_lo = __reduce_max_sync(0xffffffffu, eq_hi ? lo : 0u);
+  const bool eq = eq_hi && lo == m_lo;
+  return __reduce_min_sync(0xffffffffu, eq ? static_cast<unsigned>(id) : 0xffffffffu);
 }
 
 // Routes token t with one warp (moe_select, model/moe_router.cpp, step by step in the same
 // arithmetic: the exponentials in double summed by one lane in expert order, selections as repeated
-// arg-maxes, which pick what a stable descending sort puts first). p [n_expert] and ok [n_expert]
-// are the warp's shared-memory scratch, sel [top_k] too. Warp barriers only.
+// arg-maxes, which pick what a stable descending sort puts first). Lane l owns experts l, l + 32, ...
+// (at most kMoeMaxExperts / 32) and keeps their eligibility as bits; p [n_expert] is the warp's
+// shared-memory scratch for the probabilities, sel [top_k] for the chosen ids. Warp barriers only.
 __device__ __forceinline__ void moe_route_token(const float* __restrict__ logits, int64_t logits_stride,
                                                 const int64_t* __restrict__ slots, int64_t t, const MoeRouteArgs& r,
                                                 int32_t* __restrict__ ids, float* __restrict__ weights, double* p,
-                                                unsigned char* ok, int32_t* sel) {
+                                                int32_t* sel) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int n = r.n_expert, k = r.top_k;
   int32_t* out_ids = ids + t * k;
@@ -88,53 +84,66 @@ __device__ __forceinline__ void moe_route_token(const float* __restrict__ logits
   for (int e = lane; e < n; e += kWarpSize) p[e] = exp(static_cast<double>(row[e]) - mx);
   __syncwarp();
   double sum = 0.0;
-  if (lane == 0)
-    for (int e = 0; e < n; ++e) sum += p[e];
-  sum = __shfl_sync(0xffffffffu, sum, 0);
-  for (int e = lane; e < n; e += kWarpSize) {
-    p[e] /= sum;
-    ok[e] = r.group_limited ? 0 : 1;
+  if (lane == 0) {
+    int e = 0;
+    for (; e + 8 <= n; e += 8) {  // the loads of 8 ahead of the dependent adds
+      double v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = p[e + i];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += v[i];
+    }
+    for (; e < n; ++e) sum += p[e];
   }
+  sum = __shfl_sync(0xffffffffu, sum, 0);
+  for (int e = lane; e < n; e += kWarpSize) p[e] /= sum;
   __syncwarp();
 
+  // ok bit i: expert lane + 32 i is eligible and not chosen yet.
+  const int mine = n > lane ? (n - lane + kWarpSize - 1) / kWarpSize : 0;
+  unsigned ok = mine >= 32 ? 0xffffffffu : (1u << mine) - 1u;
   if (r.group_limited) {
     // Group g's score is its best probability; the topk_group best groups become eligible.
     const int per = n / r.n_group;
-    double score = -1.0;
+    double score = 0.0;
     if (lane < r.n_group)
       for (int e = lane * per; e < (lane + 1) * per; ++e) score = fmax(score, p[e]);
-    bool taken = lane >= r.n_group;
+    unsigned groups = 0;
+    bool taken = false;
     for (int i = 0; i < r.topk_group; ++i) {
-      double v = taken ? -INFINITY : score;
-      int g = taken ? INT_MAX : lane;
-      moe_warp_argmax(v, g);
-      if (lane == g) taken = true;
-      for (int e = g * per + lane; e < (g + 1) * per; e += kWarpSize) ok[e] = 1;
+      const unsigned g = moe_warp_argmax(lane < r.n_group && !taken, score, lane);
+      if (g == 0xffffffffu) break;
+      if (lane == static_cast<int>(g)) taken = true;
+      groups |= 1u << g;
     }
-    __syncwarp();
+    unsigned keep = 0;
+    for (int i = 0; i < mine; ++i) keep |= ((groups >> ((lane + i * kWarpSize) / per)) & 1u) << i;
+    ok &= keep;
   }
 
   for (int i = 0; i < k; ++i) {
-    double v = -INFINITY;
+    double v = 0.0;
     int best = INT_MAX;
-    for (int e = lane; e < n; e += kWarpSize)
-      if (ok[e] != 0 && p[e] > v) {  // strict: a lane's lower id wins its ties
-        v = p[e];
-        best = e;
+    for (int j = 0; j < mine; ++j) {
+      const double pj = p[lane + j * kWarpSize];
+      if (((ok >> j) & 1u) != 0 && !(pj != pj) && (best == INT_MAX || pj > v)) {  // strict: lower ids win ties
+        v = pj;
+        best = lane + j * kWarpSize;
       }
-    moe_warp_argmax(v, best);
-    if (best == INT_MAX)  // no probability above -inf (NaN logits): the lowest eligible id
-      for (int e = 0; e < n; ++e)
-        if (ok[e] != 0) {
-          best = e;
-          break;
-        }
-    if (lane == 0) {
-      sel[i] = best;
-      ok[best] = 0;
     }
-    __syncwarp();
+    unsigned id = moe_warp_argmax(best != INT_MAX, v, best);
+    if (id == 0xffffffffu) {  // nothing eligible left but NaN probabilities: the lowest eligible id
+      const unsigned any = __ballot_sync(0xffffffffu, ok != 0);
+      const int src = any != 0 ? __ffs(any) - 1 : 0;
+      const int low = ok != 0 ? lane + (__ffs(ok) - 1) * kWarpSize : INT_MAX;
+      id = static_cast<unsigned>(__shfl_sync(0xffffffffu, low, src));
+      // With nothing eligible at all (group rules leave fewer than top_k): expert 0.
+      if (id == static_cast<unsigned>(INT_MAX)) id = 0;
+    }
+    if (lane == static_cast<int>(id) % kWarpSize) ok &= ~(1u << (static_cast<int>(id) / kWarpSize));
+    if (lane == 0) sel[i] = static_cast<int32_t>(id);
   }
+  __syncwarp();
   if (lane == 0) {
     double chosen = 0.0;
     for (int i = 0; i < k; ++i) chosen += p[sel[i]];
@@ -156,12 +165,11 @@ __global__ void __launch_bounds__(kMoeRouteWarps * kWarpSize)
                      int64_t n_tokens, MoeRouteArgs r, int32_t* __restrict__ ids, float* __restrict__ weights) {
   KESTREL_PDL_ENTRY();
   __shared__ double s_p[kMoeRouteWarps][kMoeMaxExperts];
-  __shared__ unsigned char s_ok[kMoeRouteWarps][kMoeMaxExperts];  // eligible and not chosen yet
   __shared__ int32_t s_sel[kMoeRouteWarps][kMoeMaxTopK];
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kMoeRouteWarps + warp;
   if (t >= n_tokens) return;
-  moe_route_token(logits, logits_stride, slots, t, r, ids, weights, s_p[warp], s_ok[warp], s_sel[warp]);
+  moe_route_token(logits, logits_stride, slots, t, r, ids, weights, s_p[warp], s_sel[warp]);
 }
 
 // Routing and grouping in one block for small steps (moe_route_sort in moe_ops.h): warp w routes
@@ -181,8 +189,7 @@ __global__ void moe_route_sort_kernel(const float* __restrict__ logits, int64_t 
   KESTREL_DYNAMIC_SMEM(smem);
   MoeRouteSortSmem sm = moe_route_sort_layout(smem, warps, n, k, n_rows);
   for (int t = warp; t < n_tokens; t += warps)
-    moe_route_token(logits, logits_stride, slots, t, r, ids, weights, sm.p + warp * n, sm.ok + warp * n,
-                    sm.sel + warp * k);
+    moe_route_token(logits, logits_stride, slots, t, r, ids, weights, sm.p + warp * n, sm.sel + warp * k);
   for (int e = tid; e < n; e += threads) sm.count[e] = 0;
   __syncthreads();  // the ids in global memory are visible to the whole block from here
   for (int i = tid; i < n_rows; i += threads) {
