@@ -9,7 +9,7 @@
 //   Tolerance: relative L2 error <= 4e-3 (q and the rows are exact bf16 values in both; the kernel
 //   rounds the softmax weights and the output to bf16, 2^-9 relative each).
 // - mla_head_gemm: y_h = x_h . w_h^T per head with strided rows, and the rotated RoPE part beside
-//   it, in the decode form (up to 16 tokens) and the tiled one; relative L2 <= 4e-3 (one bf16
+//   it, in the decode form (up to 64 tokens, in groups of 16) and the tiled one; relative L2 <= 4e-3 (one bf16
 //   rounding of y), untouched elements keep their poison.
 // - mla_kv_write: the latent's RMSNorm and the key's RoPE as one cache row at each slot (a negative
 //   slot writes nothing; every other element keeps its poison), the low-rank query's RMSNorm;
@@ -221,8 +221,10 @@ TEST(CudaMlaHeadGemm, MatchesFloat64ReferenceWithTheRopePart) {
       {"absorb q, DeepSeek dims (nope 128 -> r 512, R 64), 3 tokens", 3, 2, 128, 512, 64, false},
       {"up-project, DeepSeek dims (r 512 -> v 128), 1 token", 1, 3, 512, 128, 0, false},
       {"odd sizes (n_in 72, n_out 40), rotate-half RoPE 6", 9, 2, 72, 40, 6, true},
-      {"absorb q, DeepSeek dims, 16 tokens (the decode form's most)", 16, 2, 128, 512, 64, false},
-      {"up-project, DeepSeek dims, 17 tokens (the tiled form)", 17, 2, 512, 128, 0, false},
+      {"absorb q, DeepSeek dims, 16 tokens (one group of the decode form)", 16, 2, 128, 512, 64, false},
+      {"up-project, DeepSeek dims, 17 tokens (two groups, the second of one token)", 17, 2, 512, 128, 0, false},
+      {"absorb q, DeepSeek dims, 64 tokens (the decode form's most)", 64, 2, 128, 512, 64, false},
+      {"up-project, DeepSeek dims, 65 tokens (the tiled form)", 65, 2, 512, 128, 0, false},
   };
   if (!kCudaEmulated) cases.push_back({"absorb q, V2-Lite, 300 tokens", 300, 16, 128, 512, 64, false});
   for (const HeadGemmCase& c : cases) {

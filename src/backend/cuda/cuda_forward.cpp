@@ -273,12 +273,17 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
     cuda::skinny_gemm(cuda::SkinnyGemmArgs{ops}, stream);
     return;
   }
-  KESTREL_ASSERT(stream == stream_, "CUDA project: cuBLASLt and act_ run on the runner's stream only");
+  // cuBLASLt's workspace and the SwiGLU buffer belong to one stream each.
+  const bool side = stream != stream_;
+  KESTREL_ASSERT(!side || (stream == side_stream_ && side_gemm_ != nullptr),
+                 "CUDA project: another stream than the runner's is the side stream");
   if (swiglu) {
-    cuda::silu_mul(x, act_.as<bf16>(), n, n_in, stream_);
-    x = act_.as<bf16>();
+    bf16* buf = side ? side_act_.as<bf16>() : act_.as<bf16>();
+    cuda::silu_mul(x, buf, n, n_in, stream);
+    x = buf;
   }
-  gemm_->run(x, w, y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out, stream_);
+  (side ? side_gemm_ : gemm_)->run(x, w, y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
+                                   stream);
 }
 
 }  // namespace kestrel::cuda_runner

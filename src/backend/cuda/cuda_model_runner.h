@@ -167,8 +167,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // project: y [n, n_out] = a(x) . W^T: the streaming GEMV where it applies (uses_stream_gemv), else the
   // skinny GEMM for at most skinny_max_tokens_ rows, else cuBLASLt (after silu_mul into act_ when
   // swiglu: x then holds [gate | up] rows of 2 n_in).
-  // `stream` (null: stream_) may be another stream only where the call takes the streaming GEMV or
-  // the skinny GEMM (cuBLASLt's workspace and act_ belong to stream_).
+  // `stream`: null (stream_) or side_stream_ (cuBLASLt through side_gemm_, SwiGLU into side_act_).
   void project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
                bool swiglu = false, cudaStream_t stream = nullptr);
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
@@ -253,11 +252,14 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // counters [n_layer, E] u64.
   DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
   DevMem moe_counts_;
-  // The shared experts of a small decode step run on side_stream_, beside the router, the routing
-  // and the routed experts on stream_ (fork at moe_fork_, join at moe_join_): at batch 1 the
-  // routing kernels leave the GPU's bandwidth idle (created with the first shared expert).
+  // The shared experts run on side_stream_, beside the router, the routing and the routed experts
+  // on stream_ (fork at moe_fork_, join at moe_join_): at decode sizes the routing kernels leave
+  // the GPU's bandwidth idle. Created with the first shared expert; the side stream's cuBLASLt
+  // workspace and SwiGLU buffer are its own.
   cudaStream_t side_stream_ = nullptr;
   cudaEvent_t moe_fork_ = nullptr, moe_join_ = nullptr;
+  std::unique_ptr<cuda::Gemm> side_gemm_;
+  DevMem side_act_;
   // Multi-head latent attention (cuda_mla.cpp), per layer: the stacked input projection [QA | KvA]
   // or [Q | KvA] (bf16 [in_rows, n_embd]; the parts' own uploads freed), W_UK^T [H, r, nope] and
   // W_UV [H, v, r] from KvB (bf16; KvB freed).

@@ -116,7 +116,8 @@ bool CudaModelRunner::reserve_moe(int64_t n) {
   if (s > 0) {
     grow(moe_sh_gate_up_, n * 2 * s * 2);
     grow(moe_sh_y_, n * d * 2);
-    grow(act_, n * s * 2);  // project()'s SwiGLU input on the cuBLASLt path
+    grow(side_act_, n * s * 2);  // project()'s SwiGLU input on the side stream's cuBLASLt path
+    grow(act_, n * s * 2);       // and on stream_'s (under the per-op profiler)
   }
   return grew;
 }
@@ -130,14 +131,15 @@ void CudaModelRunner::moe_ffn(int32_t layer, Act in, Act out) {
   bf16* y = act(out);
   KESTREL_ASSERT(x != nullptr && y != nullptr && x != y, "CUDA moe_ffn: in and out are different activations");
   const DeviceWeight& R = L[WeightRole::Router];
-  // Small steps: the shared experts on the side stream, from the same input, beside the routed ones.
-  const bool side = s > 0 && prof_ == nullptr && (uses_skinny(n, d, 2 * s) || uses_stream_gemv(n, d, 2 * s)) &&
-                    (uses_skinny(n, s, d) || uses_stream_gemv(n, s, d));
+  // The shared experts on the side stream, from the same input, beside the routed ones (not while
+  // the per-op profiler times the ops on stream_ one by one).
+  const bool side = s > 0 && prof_ == nullptr;
   if (side) {
     if (side_stream_ == nullptr) {
       KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
       KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&moe_fork_, cudaEventDisableTiming));
       KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&moe_join_, cudaEventDisableTiming));
+      side_gemm_ = std::make_unique<cuda::Gemm>();
     }
     KESTREL_CUDA_CHECK(cudaEventRecord(moe_fork_, stream_));
     KESTREL_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, moe_fork_, 0));

@@ -15,12 +15,14 @@ void mla_head_gemm(const MlaHeadGemmArgs& a, cudaStream_t stream) {
     throw Error("mla_head_gemm: strides must be multiples of 8 elements and x, w, y 16-byte aligned");
   if (a.rope_dim < 0 || a.rope_dim % 2 != 0 || (a.rope_dim > 0 && (a.positions == nullptr || a.inv_freq == nullptr)))
     throw Error("mla_head_gemm: the RoPE part needs an even rope_dim, positions and inv_freq");
-  if (a.n_tokens <= kHgSkinnyTokens && a.n_in <= kHgSkinnyMaxIn) {
+  if (a.n_tokens <= kHgSkinnyMaxTokens && a.n_in <= kHgSkinnyMaxIn) {
     if (a.n_head > 65535) throw Error("mla_head_gemm: too many heads for the launch grid");
     const size_t smem = mla_head_gemm_skinny_smem_bytes(a.n_in);
     auto* kern = &mla_head_gemm_skinny_kernel;
     set_max_dynamic_smem(kern, smem);
-    KESTREL_LAUNCH(kern, dim3(static_cast<unsigned>(ceil_div(a.n_out, kHgSkinnyCols)), static_cast<unsigned>(a.n_head)),
+    KESTREL_LAUNCH(kern,
+                   dim3(static_cast<unsigned>(ceil_div(a.n_out, kHgSkinnyCols)), static_cast<unsigned>(a.n_head),
+                        static_cast<unsigned>(ceil_div(a.n_tokens, kHgSkinnyTokens))),
                    dim3(kHgThreads), smem, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
     return;

@@ -11,7 +11,7 @@
 //
 // Cost: the weights of all heads are read once per 64 tokens; at decode sizes (a few tokens) the
 // GEMMs are memory-bound on them (DeepSeek-V2-Lite: W_UK^T and W_UV, 2 MiB each per layer), and
-// up to 16 tokens take the decode form below.
+// up to 64 tokens take the decode form below.
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
@@ -51,9 +51,9 @@ __device__ __forceinline__ void hg_load_stage(__nv_bfloat16* sx, __nv_bfloat16* 
 }
 
 // The query's RoPE part of the block's tokens and head: y_h[t, n_out + e] from x_h[t, n_in + e].
-__device__ __forceinline__ void hg_rope(const MlaHeadGemmArgs& a, int h, int64_t t0) {
+__device__ __forceinline__ void hg_rope(const MlaHeadGemmArgs& a, int h, int64_t t0, int rows) {
   const int half = a.rope_dim / 2;
-  for (int i = threadIdx.x; i < kHgRows * half; i += kHgThreads) {
+  for (int i = threadIdx.x; i < rows * half; i += kHgThreads) {
     const int64_t t = t0 + i / half;
     if (t >= a.n_tokens) break;
     const int p = i % half;
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_kernel(MlaHeadGemmAr
   const int n_steps = (a.n_in + kHgK - 1) / kHgK;
   hg_load_stage(sx, sw, a, h, t0, o0, 0);
   cp_async_commit();
-  if (a.rope_dim > 0 && blockIdx.x == 0) hg_rope(a, h, t0);
+  if (a.rope_dim > 0 && blockIdx.x == 0) hg_rope(a, h, t0, kHgRows);
 
   float acc[kHgCols / 8][4];
 #pragma unroll
@@ -132,13 +132,14 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_kernel(MlaHeadGemmAr
   }
 }
 
-// The decode form (at most kHgSkinnyTokens tokens): a block computes 16 outputs of one head for all
-// tokens, the input dims shared out over the 4 warps (k16 steps w, w + 4, ...) and the warps'
+// The decode form (at most kHgSkinnyMaxTokens tokens): a block computes 16 outputs of one head for
+// kHgSkinnyTokens tokens (grid z: the token groups, each rereading the head's rows from L2), the input dims shared out over the 4 warps (k16 steps w, w + 4, ...) and the warps'
 // partial sums added through shared memory; the head's 16 weight rows and the tokens' inputs are
 // loaded whole, once (rows padded to an odd number of 16-byte chunks). So the weights are spread
 // over n_head x n_out / 16 blocks (DeepSeek-V2-Lite's W_UV: 128 blocks of 16 KB; the tiled kernel
 // would use 32 blocks of 64 KB, each a chain of dependent loads).
-constexpr int kHgSkinnyTokens = 16;
+constexpr int kHgSkinnyTokens = 16;      // tokens per block
+constexpr int kHgSkinnyMaxTokens = 64;   // beyond: the tiled kernel, which reads the weights once per 64
 constexpr int kHgSkinnyCols = 16;
 constexpr int kHgSkinnyMaxIn = 1024;
 
@@ -148,7 +149,8 @@ constexpr size_t mla_head_gemm_skinny_smem_bytes(int n_in) {
          static_cast<size_t>(kHgThreads / kWarpSize) * kHgSkinnyTokens * kHgSkinnyCols * 4;
 }
 
-// grid (ceil(n_out / 16), n_head), kHgThreads threads, mla_head_gemm_skinny_smem_bytes(n_in).
+// grid (ceil(n_out / 16), n_head, ceil(n_tokens / 16)), kHgThreads threads,
+// mla_head_gemm_skinny_smem_bytes(n_in).
 __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_skinny_kernel(MlaHeadGemmArgs a) {
   KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
@@ -157,12 +159,13 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_skinny_kernel(MlaHea
   auto* sw = sx + kHgSkinnyTokens * stride;            // [kHgSkinnyCols][stride]
   auto* red = reinterpret_cast<float*>(sw + kHgSkinnyCols * stride);  // [warps][tokens][cols]
   const int h = blockIdx.y, o0 = blockIdx.x * kHgSkinnyCols;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.z) * kHgSkinnyTokens;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   for (int i = threadIdx.x; i < (kHgSkinnyTokens + kHgSkinnyCols) * chunks; i += kHgThreads) {
     const int row = i / chunks, c = i % chunks, k = c * 8;
     if (row < kHgSkinnyTokens) {
-      const bool valid = row < a.n_tokens && k < a.n_in;
-      cp_async16(sx + row * stride + k, valid ? a.x + row * a.x_stride + h * a.x_head_stride + k : a.x, valid);
+      const bool valid = t0 + row < a.n_tokens && k < a.n_in;
+      cp_async16(sx + row * stride + k, valid ? a.x + (t0 + row) * a.x_stride + h * a.x_head_stride + k : a.x, valid);
     } else {
       const int o = o0 + row - kHgSkinnyTokens;
       const bool valid = o < a.n_out && k < a.n_in;
@@ -171,7 +174,7 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_skinny_kernel(MlaHea
     }
   }
   cp_async_commit();
-  if (a.rope_dim > 0 && blockIdx.x == 0) hg_rope(a, h, 0);
+  if (a.rope_dim > 0 && blockIdx.x == 0) hg_rope(a, h, t0, kHgSkinnyTokens);
   cp_async_wait<0>();
   __syncthreads();
 
@@ -197,14 +200,14 @@ __global__ void __launch_bounds__(kHgThreads) mla_head_gemm_skinny_kernel(MlaHea
   __syncthreads();
   for (int i = threadIdx.x; i < kHgSkinnyTokens * kHgSkinnyCols / 2; i += kHgThreads) {
     const int t = i / (kHgSkinnyCols / 2), col = (i % (kHgSkinnyCols / 2)) * 2, o = o0 + col;
-    if (t >= a.n_tokens || o >= a.n_out) continue;
+    if (t0 + t >= a.n_tokens || o >= a.n_out) continue;
     float y0 = 0.0f, y1 = 0.0f;
 #pragma unroll
     for (int w = 0; w < kHgThreads / kWarpSize; ++w) {
       y0 += red[(w * kHgSkinnyTokens + t) * kHgSkinnyCols + col];
       y1 += red[(w * kHgSkinnyTokens + t) * kHgSkinnyCols + col + 1];
     }
-    *reinterpret_cast<uint32_t*>(a.y + t * a.y_stride + h * a.y_head_stride + o) = pack_bf16x2(y0, y1);
+    *reinterpret_cast<uint32_t*>(a.y + (t0 + t) * a.y_stride + h * a.y_head_stride + o) = pack_bf16x2(y0, y1);
   }
 }
 
