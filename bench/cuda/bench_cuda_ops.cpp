@@ -23,6 +23,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fill_ops.h"
+#include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/mla_ops.h"
 #include "backend/cuda/moe_ops.h"
 #if !defined(KESTREL_CUDA_NO_GEMM)
@@ -304,6 +305,80 @@ void bench_skinny() {
           }
         }) / kCalls;
         report("stream s" + std::to_string(stages), shape, ms, bytes, 0);
+      }
+    }
+  }
+}
+#endif
+
+#if !defined(KESTREL_CUDA_NO_GEMM)
+// FP8 E4M3 weights (per-channel scales) in the Llama-3.1-8B projection shapes: the FP8 skinny GEMM
+// (W8A16) at up to 16 tokens with its variants, and from 16 tokens the W8A8 path (per-token
+// activation quantization + cuBLASLt's FP8 GEMM with outer-vector scales), beside cuBLASLt's bf16
+// GEMM. Weights rotate over copies of at least 400 MB as in bench_skinny; GB/s counts W (one byte
+// per weight), x and y; TFLOP/s 2 m n_in n_out.
+void bench_fp8() {
+  kestrel::cuda::Gemm gemm;
+  struct S {
+    int64_t in, out;
+    const char* what;
+  };
+  for (const S& sh : {S{4096, 6144, "qkv 4096->6144"}, S{4096, 4096, "o 4096->4096"},
+                      S{4096, 28672, "gate_up 4096->28672"}, S{14336, 4096, "down 14336->4096"}}) {
+    const size_t w8_bytes = static_cast<size_t>(sh.in * sh.out);
+    const size_t n_copies = std::min<size_t>(16, std::max<size_t>(2, (size_t{400} << 20) / w8_bytes + 1));
+    std::vector<std::unique_ptr<Buf>> ws, ws16;
+    for (size_t i = 0; i < n_copies; ++i) {
+      ws.push_back(std::make_unique<Buf>(w8_bytes));
+      fill_bf16(*ws.back());
+      ws16.push_back(std::make_unique<Buf>(2 * w8_bytes));
+      fill_bf16(*ws16.back());
+    }
+    Buf w_scale(static_cast<size_t>(sh.out) * 4);
+    fill(w_scale, std::vector<float>(static_cast<size_t>(sh.out), 1e-3f));
+    for (const int64_t m : {1, 4, 8, 16, 64, 512, 4096}) {
+      Buf x(static_cast<size_t>(m * sh.in) * 2), y(static_cast<size_t>(m * sh.out) * 2),
+          xq(static_cast<size_t>(m * sh.in)), xs(static_cast<size_t>(m) * 4);
+      fill_bf16(x);
+      const std::string shape = std::string(sh.what) + " M=" + std::to_string(m);
+      const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(sh.in) * static_cast<double>(sh.out);
+      size_t next = 0;
+      constexpr int kCalls = 16;
+      const double ms16 = time_ms([&] {
+        for (int c = 0; c < kCalls; ++c)
+          gemm.run(x.as<bf16>(), ws16[next++ % n_copies]->as<bf16>(), y.p, kestrel::cuda::GemmOutput::Bf16, m, sh.in,
+                   sh.out, nullptr);
+      }) / kCalls;
+      report("cublaslt bf16", shape, ms16, static_cast<double>(2 * w8_bytes + x.bytes + y.bytes), flops);
+      if (m <= kestrel::cuda::kSkinnyFp8MaxTokens) {
+        std::vector<std::pair<int, int>> variants = {{2, 8}, {1, 8}};
+        if (m <= 8) variants = {{2, 8}, {4, 8}, {1, 8}, {2, 4}, {4, 4}};
+        for (const auto& [u, wp] : variants) {
+          kestrel::cuda::SkinnyFp8Args a;
+          static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,
+                                                                 sh.in,        sh.out, false, false};
+          a.w_scale = w_scale.as<float>();
+          a.unroll = u;
+          a.warps = wp;
+          const double ms = time_ms([&] {
+            for (int c = 0; c < kCalls; ++c) {
+              a.w8 = ws[next++ % n_copies]->as<uint8_t>();
+              kestrel::cuda::skinny_gemm_fp8(a, nullptr);
+            }
+          }) / kCalls;
+          report("fp8 skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms,
+                 static_cast<double>(w8_bytes + x.bytes + y.bytes), flops);
+        }
+      }
+      if (m >= kestrel::cuda::kSkinnyFp8MaxTokens) {
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            kestrel::cuda::quantize_rows_fp8(x.as<bf16>(), sh.in, m, sh.in, xq.as<uint8_t>(), xs.as<float>(), nullptr);
+            gemm.run_fp8(xq.as<uint8_t>(), xs.as<float>(), ws[next++ % n_copies]->as<uint8_t>(), w_scale.as<float>(),
+                         y.as<bf16>(), m, sh.in, sh.out, nullptr);
+          }
+        }) / kCalls;
+        report("fp8 w8a8", shape, ms, static_cast<double>(w8_bytes + x.bytes + y.bytes), flops);
       }
     }
   }
@@ -642,6 +717,7 @@ int main(int argc, char** argv) {
       }
     }
     if (wanted("skinny")) bench_skinny();
+    if (wanted("fp8")) bench_fp8();
 #endif
     if (wanted("moe")) bench_moe();
     if (wanted("mla")) bench_mla_decode();

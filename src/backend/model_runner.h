@@ -44,6 +44,7 @@ struct RunnerOptions {
   double gpu_memory_utilization = 0.9;  // CUDA: fraction of the device's memory weights + KV may use
   bool enforce_eager = false;       // CUDA: never replay decode steps from captured CUDA graphs
   bool populate_kv = false;         // CPU: make the whole KV pool resident at start (KvCache's populate)
+  bool quantize_fp8 = false;        // CUDA: dense projections as FP8 E4M3, per-channel scales (--quantization fp8)
   CudaTuning cuda;                  // CUDA: kernel choices
 };
 

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_model_runner.h"
+#include "backend/cuda/fp8_ops.h"
 #include "core/error.h"
 
 namespace kestrel::cuda_runner {
@@ -103,10 +104,10 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   const int64_t n_out = W.n_out;
   const char* what = gemm_label(proj.role);
   bf16* y = act(out);
-  if (!fused_norm_ || !uses_stream_gemv(n, d, n_out)) {
+  if (!fused_norm_ || W.fp8 || !uses_stream_gemv(n, d, n_out)) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
-    project(h_.as<bf16>(), w.as<bf16>(), y, false, n, d, n_out);
+    project_weight(h_.as<bf16>(), W, y, n);
     mark(what);
   } else {
     if (residual_alt_.bytes() < static_cast<size_t>(n * d) * 4)
@@ -185,14 +186,14 @@ void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   const int64_t n = pass_.n_tokens;
   bf16* y = act(out);
-  project(act(in), W.w.as<bf16>(), y, false, n, W.n_in, W.n_out);
+  project_weight(act(in), W, y, n);
   mark(gemm_label(proj.role));
   if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, W.n_out, stream_);
 }
 
 void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
-  project(act(in), W.w.as<bf16>(), act(out), false, pass_.n_tokens, W.n_in, W.n_out, /*swiglu=*/true);
+  project_weight(act(in), W, act(out), pass_.n_tokens, /*swiglu=*/true);
   mark("gemm down (+silu)");
 }
 
@@ -202,7 +203,7 @@ void CudaModelRunner::geglu_linear(Act in, WeightId proj, Act out) {
   // The projection kernels fuse SwiGLU only: the GeGLU product goes through act_ first.
   cuda::gelu_tanh_mul(act(in), act_.as<bf16>(), n, W.n_in, stream_);
   mark("gelu_mul");
-  project(act_.as<bf16>(), W.w.as<bf16>(), act(out), false, n, W.n_in, W.n_out);
+  project_weight(act_.as<bf16>(), W, act(out), n);
   mark("gemm down");
 }
 
@@ -245,7 +246,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   auto all_layers = [&](WeightRole role) {
     std::vector<const bf16*> ws;
     for (const Layer& L : layers_) {
-      if (L[role].w.bytes() == 0) return std::vector<const bf16*>{};
+      if (L[role].w.bytes() == 0 || L[role].fp8) return std::vector<const bf16*>{};  // FP8: not cuBLASLt's bf16 GEMM
       ws.push_back(L[role].w.as<bf16>());
     }
     return ws;
@@ -284,6 +285,29 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
   }
   (side ? side_gemm_ : gemm_)->run(x, w, y, f32_out ? cuda::GemmOutput::F32 : cuda::GemmOutput::Bf16, n, n_in, n_out,
                                    stream);
+}
+
+void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu) {
+  if (!W.fp8) {
+    project(x, W.w.as<bf16>(), y, false, n, W.n_in, W.n_out, swiglu);
+    return;
+  }
+  const int64_t x_stride = swiglu ? 2 * W.n_in : W.n_in;
+  if (cuda::skinny_gemm_fp8_supports(n, W.n_in, W.n_out)) {
+    cuda::SkinnyFp8Args a;
+    static_cast<cuda::ProjectionOperands&>(a) = {x, x_stride, nullptr, y, n, W.n_in, W.n_out, swiglu, false};
+    a.w8 = W.w.as<uint8_t>();
+    a.w_scale = W.scale.as<float>();
+    cuda::skinny_gemm_fp8(a, stream_);
+    return;
+  }
+  if (swiglu) {
+    cuda::silu_mul(x, act_.as<bf16>(), n, W.n_in, stream_);
+    x = act_.as<bf16>();
+  }
+  cuda::quantize_rows_fp8(x, W.n_in, n, W.n_in, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), stream_);
+  gemm_->run_fp8(fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), W.w.as<uint8_t>(), W.scale.as<float>(), y, n,
+                 W.n_in, W.n_out, stream_);
 }
 
 }  // namespace kestrel::cuda_runner

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_model_runner.h"
+#include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
 #include "backend/kv_geometry.h"
@@ -80,6 +81,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   }
   upload_weights();
   if (hp_.mla.enabled()) prepare_mla();
+  if (o.quantize_fp8) quantize_fp8_weights();
   block_size_ = o.block_size;
   allocate_kv(o);
 }
@@ -160,6 +162,23 @@ void CudaModelRunner::upload_weights() {
   inv_freq_ = upload_f32(rope_inv_freq(hp_, W.rope_freq_factors));
   if (hp_.rope_theta_swa > 0) inv_freq_swa_ = upload_f32(rope_inv_freq(hp_, hp_.rope_theta_swa, {}));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaModelRunner::quantize_fp8_weights() {
+  for (Layer& L : layers_)
+    for (const WeightRole r : {WeightRole::Qkv, WeightRole::Q, WeightRole::K, WeightRole::V, WeightRole::AttnOut,
+                               WeightRole::GateUp, WeightRole::Gate, WeightRole::Up, WeightRole::Down}) {
+      DeviceWeight& dw = L[r];
+      if (dw.w.bytes() == 0 || dw.n_in % 16 != 0) continue;  // absent, or not a shape the FP8 kernels take
+      DevMem q(static_cast<size_t>(dw.n_out * dw.n_in));
+      dw.scale.reset(static_cast<size_t>(dw.n_out) * 4);
+      cuda::quantize_rows_fp8(dw.w.as<bf16>(), dw.n_in, dw.n_out, dw.n_in, q.as<uint8_t>(), dw.scale.as<float>(),
+                              stream_);
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the bf16 copy is freed
+      dw.w = std::move(q);
+      dw.fp8 = true;
+      fp8_weights_ = true;
+    }
 }
 
 // The cache tensors (per layer K and V, or with MLA the one latent array, kv_geometry) and the
@@ -249,6 +268,10 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     grow(gate_up_, static_cast<size_t>(n * 2 * ff) * 2);
     grow(act_, static_cast<size_t>(n * ff) * 2);
     grow(down_, static_cast<size_t>(n * d) * 2);
+    if (fp8_weights_) {
+      grow(fp8_x_, static_cast<size_t>(n * std::max({d, qd, hp_.attn_out_dim(), ff})));
+      grow(fp8_x_scale_, static_cast<size_t>(n) * 4);
+    }
     if (hp_.mla.enabled() && reserve_mla(n)) grew = true;
     grew = reserve_moe(n) || grew;
     cap_tokens_ = std::max(cap_tokens_, n);

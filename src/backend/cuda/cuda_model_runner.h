@@ -32,9 +32,12 @@ using cuda::PinnedMem;
 // One layer's weights on the device, by role (ModelWeights): a norm as bf16 [d]; a projection as
 // bf16 [n_out, n_in], a group's parts stacked under the group's role (q|k|v, gate|up) and not kept
 // apart; f32 biases (a group's stacked, zeros for a part without one) or empty.
+// A projection's weight on the device: bf16 [n_out, n_in], or with fp8 E4M3 codes [n_out, n_in]
+// and one f32 scale per output row (scale); bias b [n_out] f32 or empty.
 struct DeviceWeight {
-  DevMem w, b;
+  DevMem w, b, scale;
   int64_t n_in = 0, n_out = 0;
+  bool fp8 = false;
 };
 struct Layer {
   std::array<DeviceWeight, kWeightRoleCount> by_role;
@@ -170,6 +173,13 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // `stream`: null (stream_) or side_stream_ (cuBLASLt through side_gemm_, SwiGLU into side_act_).
   void project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
                bool swiglu = false, cudaStream_t stream = nullptr);
+  // project() for a dense projection's weight, by its storage: bf16 as project(); FP8 through the
+  // FP8 skinny GEMM for at most kSkinnyFp8MaxTokens rows (W8A16), else the activations quantized
+  // per token and cuBLASLt's FP8 GEMM with per-token and per-channel scales (W8A8).
+  void project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu = false);
+  // Dense projections (QKV, o, gate/up, down) as FP8 E4M3 with per-channel scales, quantized on
+  // the device after upload (RunnerOptions::quantize_fp8).
+  void quantize_fp8_weights();
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -205,6 +215,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
   bool fused_norm_ = true;
+  bool fp8_weights_ = false;  // the dense projections are FP8 (quantize_fp8_weights)
   // 0: the kernel's default, 4 (CudaTuning::stream_gemv_stages 3, 4 or 6; 3: 196.8 against 227.4
   // tok/s). Six stages for gate/up and down alone were faster back to back (54.6 against 56.6 us,
   // 27.6 against 28.1) but not in decode: H200, the 8B at batch 1, 232.8 tok/s against 235.0 with
@@ -252,6 +263,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // counters [n_layer, E] u64.
   DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
   DevMem moe_counts_;
+  DevMem fp8_x_, fp8_x_scale_;  // W8A8 GEMMs: the activations as E4M3 [n, n_in] and their per-token scales
   // The shared experts run on side_stream_, beside the router, the routing and the routed experts
   // on stream_ (fork at moe_fork_, join at moe_join_): at decode sizes the routing kernels leave
   // the GPU's bandwidth idle. Created with the first shared expert; the side stream's cuBLASLt

@@ -123,6 +123,13 @@ inline T atomicAdd(T* address, T value) {
 }
 inline void __threadfence() {}  // blocks run one after another: every write is already visible
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// PTX prmt (default mode): byte i of the result is byte (s >> 4 i) & 7 of {y:x} (x bytes 0-3).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long xy = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<unsigned>((xy >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+}
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline float __uint_as_float(unsigned u) {
   float f;

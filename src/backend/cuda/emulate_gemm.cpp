@@ -7,6 +7,7 @@
 
 #include "backend/cuda/gemm.h"
 #include "core/error.h"
+#include "core/fp8.h"
 
 namespace kestrel::cuda {
 
@@ -48,6 +49,20 @@ void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_
         const uint16_t b = f32_to_bf16_bits(acc);
         std::memcpy(static_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
       }
+    }
+}
+
+void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
+                   int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0)
+    throw Error("gemm fp8: sizes must be positive and n_in a multiple of 16");
+  if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n_in; ++i) acc += e4m3_to_float(xq[t * n_in + i]) * e4m3_to_float(wq[o * n_in + i]);
+      const uint16_t b = f32_to_bf16_bits(acc * (x_scale[t] * w_scale[o]));
+      std::memcpy(reinterpret_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
     }
 }
 

@@ -83,8 +83,10 @@ struct Gemm::Impl {
   size_t workspace_bytes = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<GemmPlan>> plans;
 
-  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out) {
-    const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out));
+  // fp8: E4M3 operands with one f32 scale per row of W (A) and per token (B), applied to the
+  // product (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F), bf16 output.
+  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out, bool fp8 = false) {
+    const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out) + (fp8 ? 2 : 0));
     auto it = plans.find(key);
     if (it != plans.end()) return *it->second;
     auto p = std::make_unique<GemmPlan>();
@@ -94,11 +96,17 @@ struct Gemm::Impl {
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof trans_w));
     KESTREL_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof trans_x));
+    if (fp8) {
+      const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      for (const auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
+        KESTREL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attr, &mode, sizeof mode));
+    }
+    const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     // Column-major views of the row-major tensors: W is [n_in, n_out] (ld n_in), x is
     // [n_in, n_tokens] (ld n_in), y is [n_out, n_tokens] (ld n_out).
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->w, CUDA_R_16BF, static_cast<uint64_t>(n_in),
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->w, in_type, static_cast<uint64_t>(n_in),
                                                     static_cast<uint64_t>(n_out), n_in));
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->x, CUDA_R_16BF, static_cast<uint64_t>(n_in),
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->x, in_type, static_cast<uint64_t>(n_in),
                                                     static_cast<uint64_t>(n_tokens), n_in));
     KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->y, out == GemmOutput::F32 ? CUDA_R_32F : CUDA_R_16BF,
                                                     static_cast<uint64_t>(n_out), static_cast<uint64_t>(n_tokens),
@@ -253,6 +261,24 @@ void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_
   const GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
   const float alpha = 1.0f, beta = 0.0f;
   KESTREL_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo,
+                                      impl_->workspace, impl_->workspace_bytes, stream));
+}
+
+void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
+                   int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0)
+    throw Error("gemm fp8: sizes must be positive and n_in a multiple of 16 (n_tokens " + std::to_string(n_tokens) +
+                ", n_in " + std::to_string(n_in) + ", n_out " + std::to_string(n_out) + ")");
+  for (const void* ptr : {static_cast<const void*>(xq), static_cast<const void*>(wq), static_cast<const void*>(y)})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
+  if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
+  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, /*fp8=*/true);
+  KESTREL_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
+  KESTREL_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
+  const float alpha = 1.0f, beta = 0.0f;
+  KESTREL_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y, &p.algo,
                                       impl_->workspace, impl_->workspace_bytes, stream));
 }
 

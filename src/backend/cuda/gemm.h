@@ -36,6 +36,13 @@ class Gemm {
   void run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out,
            cudaStream_t stream);
 
+  // W8A8: y [n_tokens, n_out] bf16 = (x_scale[t] * w_scale[o]) * sum_k e4m3(xq[t, k]) * e4m3(wq[o, k]),
+  // f32 accumulation on the FP8 tensor cores. xq [n_tokens, n_in], wq [n_out, n_in] E4M3 codes
+  // (16-byte aligned, n_in % 16 == 0), x_scale [n_tokens], w_scale [n_out] f32 (device).
+  // Errors: as run(), and for missing scales.
+  void run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
+               int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream);
+
   // Times up to kTuneCandidates of cuBLASLt's heuristic algorithms for this shape, each over every
   // matrix of `ws` in turn (all [n_out, n_in]; pass a model's layers, so the weights stream from
   // device memory as in a forward pass instead of sitting in L2), and makes the fastest the one

@@ -1,0 +1,37 @@
+// FP8 E4M3 weights on the GPU (W8A16 decode, W8A8 prefill): row-wise quantization and the
+// projections that read E4M3 weight rows with one f32 scale per output row (per-channel
+// scaling, as compressed-tensors' "channel" strategy and vLLM's dynamic FP8 store them).
+// Internal to src/backend/cuda.
+#pragma once
+
+#include "backend/cuda/cuda_ops.h"
+
+namespace kestrel::cuda {
+
+// Per-row quantization: scale[r] = max_c |x[r, c]| / 448 (1 for an all-zero row) and
+// q[r, c] = e4m3(x[r, c] / scale[r]) (core/fp8.h: round to nearest even, saturating). x [rows, *]
+// bf16 rows x_stride elements apart, 16-byte aligned; q [rows, cols] E4M3 codes, 8-byte aligned;
+// scale [rows] f32. cols and x_stride multiples of 8. For weights at load ([n_out, n_in]: one scale
+// per output channel) and activations per token (W8A8 GEMMs). Errors: kestrel::Error for a bad
+// shape or alignment.
+void quantize_rows_fp8(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, float* scale,
+                       cudaStream_t stream);
+
+// Skinny GEMM over E4M3 weights for decode steps (skinny_gemm_fp8.cu): y[t, o] = w_scale[o] *
+// sum_k a(x)[t, k] * e4m3(w[o, k]), the codes widened to bf16 exactly in registers, bf16 x f32
+// accumulation on the tensor cores (mma.sync), one rounding of the output. x and a(x) as for
+// skinny_gemm (ProjectionOperands; `w` unused); w [n_out, n_in] codes, 16-byte aligned;
+// w_scale [n_out] f32. n_in % 16 == 0, at most kSkinnyFp8MaxTokens tokens (more go to the W8A8 GEMM). unroll (1, 2, 4) and
+// warps (4, 8) pick a variant for benchmarks (0 = the default).
+// Errors: kestrel::Error for an unsupported shape, stride or alignment, or an unbuilt variant.
+constexpr int64_t kSkinnyFp8MaxTokens = 16;
+struct SkinnyFp8Args : ProjectionOperands {
+  const uint8_t* w8 = nullptr;
+  const float* w_scale = nullptr;
+  int unroll = 0;
+  int warps = 0;
+};
+bool skinny_gemm_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
+void skinny_gemm_fp8(const SkinnyFp8Args& args, cudaStream_t stream);
+
+}  // namespace kestrel::cuda

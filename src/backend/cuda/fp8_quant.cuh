@@ -1,0 +1,55 @@
+// Row-wise FP8 E4M3 quantization kernel (fp8_ops.h, quantize_rows_fp8): one block per row finds
+// the row's largest |x|, then writes q = e4m3(x / scale) with scale = amax / 448.
+#pragma once
+
+#include "backend/cuda/fp8.cuh"
+
+namespace kestrel::cuda {
+
+
+constexpr int kQuantThreads = 256;
+
+__device__ __forceinline__ float block_reduce_max(float v, float* scratch) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < kQuantThreads / kWarpSize ? scratch[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// x [rows, *] bf16 rows x_stride apart; q [rows, cols] codes; scale [rows]. cols % 8 == 0.
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_rows_fp8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, int64_t cols,
+                             uint8_t* __restrict__ q, float* __restrict__ scale) {
+  KESTREL_PDL_ENTRY();
+  __shared__ float scratch[kWarpSize];
+  const int64_t row = blockIdx.x;
+  const __nv_bfloat16* xr = x + row * x_stride;
+  float amax = 0.0f;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * 8; c < cols; c += kQuantThreads * 8) {
+    float f[8];
+    unpack_bf16x8(ld_dependent16(xr + c), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+  }
+  amax = block_reduce_max(amax, scratch);
+  const float s = amax > 0.0f ? amax / kFp8E4m3Max : 1.0f;
+  if (threadIdx.x == 0) scale[row] = s;
+  uint8_t* qr = q + row * cols;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * 8; c < cols; c += kQuantThreads * 8) {
+    float f[8];
+    unpack_bf16x8(ld_dependent16(xr + c), f);
+    uint32_t w[2] = {0, 0};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) w[e / 4] |= static_cast<uint32_t>(float_to_e4m3(f[e] / s)) << (8 * (e % 4));
+    *reinterpret_cast<uint2*>(qr + c) = make_uint2(w[0], w[1]);
+  }
+}
+
+
+}  // namespace kestrel::cuda

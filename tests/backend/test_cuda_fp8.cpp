@@ -1,0 +1,199 @@
+// FP8 E4M3 weights on the GPU: the row quantizer against core/fp8.h's rounding (exact), the FP8
+// skinny GEMM (W8A16 decode) and the W8A8 GEMM (cuBLASLt with per-token and per-channel scales;
+// a plain loop in the emulation) against float64 references over the same codes (the whole model
+// in FP8: test_cuda_model_runner.cpp).
+// Tolerances: bf16 output, one rounding of an f32 sum: relative L2 error <= 4e-3 (half a bf16 ulp
+// is 2e-3 relative); f32 output 1e-5.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/fp8_ops.h"
+#include "backend/cuda/gemm.h"
+#include "core/fp8.h"
+#include "cuda_test_util.h"
+
+namespace kestrel::test {
+namespace {
+
+// Random finite E4M3 codes (every code but the two NaNs can occur).
+std::vector<uint8_t> random_codes(size_t n, std::mt19937& rng) {
+  std::vector<uint8_t> c(n);
+  std::uniform_int_distribution<int> d(0, 253);
+  for (uint8_t& b : c) {
+    const int v = d(rng);
+    b = static_cast<uint8_t>(v >= 0x7F ? v + 1 : v);  // skip 0x7F; 254 values, 0xFF never drawn
+  }
+  return c;
+}
+
+// y[t, o] = scale[o] * sum_k a[t, k] * e4m3(w[o, k]) in float64; a [n_tokens, *] rows a_stride apart.
+std::vector<double> fp8_reference(const std::vector<float>& a, int64_t a_stride, const std::vector<uint8_t>& w,
+                                  const std::vector<float>& scale, int64_t n_tokens, int64_t n_in, int64_t n_out) {
+  std::vector<double> ref(static_cast<size_t>(n_tokens * n_out));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      double s = 0.0;
+      for (int64_t k = 0; k < n_in; ++k)
+        s += static_cast<double>(a[static_cast<size_t>(t * a_stride + k)]) *
+             e4m3_to_float(w[static_cast<size_t>(o * n_in + k)]);
+      ref[static_cast<size_t>(t * n_out + o)] = s * scale[static_cast<size_t>(o)];
+    }
+  return ref;
+}
+
+TEST(CudaFp8, E4m3RoundingIsNearestEvenAndEveryCodeRoundTrips) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7F) == 0x7F) continue;
+    EXPECT_EQ(float_to_e4m3(e4m3_to_float(static_cast<uint8_t>(c))), c == 0x80 ? 0x80 : c) << c;
+  }
+  EXPECT_EQ(e4m3_to_float(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(e4m3_to_float(0x7E), 448.0f);
+  EXPECT_EQ(float_to_e4m3(1000.0f), 0x7E);                // saturates
+  EXPECT_EQ(float_to_e4m3(-1000.0f), 0xFE);
+  EXPECT_EQ(float_to_e4m3(1.0625f), 0x38);                // tie between 1 and 1.125: even (1)
+  EXPECT_EQ(float_to_e4m3(1.1875f), 0x3A);                // tie between 1.125 and 1.25: even (1.25)
+  EXPECT_EQ(float_to_e4m3(std::ldexp(1.5f, -9)), 0x02);   // subnormal tie 1.5 -> 2
+  EXPECT_EQ(float_to_e4m3(std::nanf("")), 0x7F);
+}
+
+TEST(CudaFp8, QuantizeRowsMatchesTheHostRounding) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(21);
+  const int64_t rows = 5, cols = 136, stride = 144;
+  auto x = random_bf16(static_cast<size_t>(rows * stride), rng, -3.0f, 3.0f);
+  for (int64_t c = 0; c < stride; ++c) x[static_cast<size_t>(2 * stride + c)] = 0;  // an all-zero row
+  for (int64_t c = 0; c < cols; ++c) x[static_cast<size_t>(3 * stride + c)] = to_bf16(1e-4f * static_cast<float>(c));
+  DeviceBuffer<uint16_t> d_x(x);
+  DeviceBuffer<uint8_t> d_q(static_cast<size_t>(rows * cols));
+  DeviceBuffer<float> d_s(static_cast<size_t>(rows));
+  d_q.poison();
+  d_s.poison();
+  cuda::quantize_rows_fp8(d_x.bf16(), stride, rows, cols, d_q.get(), d_s.get(), nullptr);
+  const auto q = d_q.download();
+  const auto s = d_s.download();
+  for (int64_t r = 0; r < rows; ++r) {
+    float amax = 0;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(from_bf16(x[static_cast<size_t>(r * stride + c)])));
+    const float want_s = amax > 0 ? amax / kFp8E4m3Max : 1.0f;
+    EXPECT_EQ(s[static_cast<size_t>(r)], want_s) << "row " << r;
+    for (int64_t c = 0; c < cols; ++c)
+      ASSERT_EQ(q[static_cast<size_t>(r * cols + c)],
+                float_to_e4m3(from_bf16(x[static_cast<size_t>(r * stride + c)]) / want_s))
+          << "row " << r << " col " << c;
+  }
+  EXPECT_THROW(cuda::quantize_rows_fp8(d_x.bf16(), stride, rows, 12, d_q.get(), d_s.get(), nullptr), Error);
+}
+
+TEST(CudaFp8, SkinnyGemmMatchesFloat64ReferenceForEveryVariant) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(22);
+  struct Case {
+    int64_t n_tokens, n_in, n_out;
+  };
+  std::vector<Case> cases = {{1, 576, 40}, {3, 48, 17}, {8, 16, 1}, {9, 272, 33}, {16, 320, 20}};
+  if (!kCudaEmulated) {
+    cases.push_back({1, 4096, 6144});
+    cases.push_back({4, 14336, 4096});
+  }
+  for (const Case& c : cases) {
+    const std::vector<std::pair<int, int>> variants =
+        c.n_tokens <= 8 ? std::vector<std::pair<int, int>>{{0, 0}, {4, 8}, {1, 8}, {2, 4}, {4, 4}}
+                        : std::vector<std::pair<int, int>>{{0, 0}, {1, 8}};
+    const int64_t x_stride = c.n_in + 8;
+    const auto x = random_bf16(static_cast<size_t>(c.n_tokens * x_stride), rng);
+    const auto w = random_codes(static_cast<size_t>(c.n_out * c.n_in), rng);
+    const auto scale = random_f32(static_cast<size_t>(c.n_out), rng, 1e-3f, 1e-2f);
+    const auto ref = fp8_reference(bf16_to_f32(x), x_stride, w, scale, c.n_tokens, c.n_in, c.n_out);
+    DeviceBuffer<uint16_t> d_x(x);
+    DeviceBuffer<uint8_t> d_w(w);
+    DeviceBuffer<float> d_s(scale);
+    for (const bool f32_out : {false, true})
+      for (const auto& [unroll, warps] : variants) {
+        SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in) + " n_out " +
+                     std::to_string(c.n_out) + (f32_out ? " f32" : " bf16") + " unroll " + std::to_string(unroll) +
+                     " warps " + std::to_string(warps));
+        cuda::SkinnyFp8Args a;
+        a.x = d_x.bf16();
+        a.x_stride = x_stride;
+        a.n_tokens = c.n_tokens;
+        a.n_in = c.n_in;
+        a.n_out = c.n_out;
+        a.f32_out = f32_out;
+        a.w8 = d_w.get();
+        a.w_scale = d_s.get();
+        a.unroll = unroll;
+        a.warps = warps;
+        const auto out = run_to_f32(static_cast<size_t>(c.n_tokens * c.n_out), f32_out, [&](void* y) {
+          a.y = y;
+          cuda::skinny_gemm_fp8(a, nullptr);
+        });
+        EXPECT_LE(rel_error(out, ref), f32_out ? 1e-5 : 4e-3);
+      }
+  }
+}
+
+TEST(CudaFp8, SkinnyGemmSwigluInputIsBitIdenticalToSiluMulFirst) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(23);
+  const int64_t n = 5, f = 96, n_out = 24;
+  const auto gate_up = random_bf16(static_cast<size_t>(n * 2 * f), rng, -6.0f, 6.0f);
+  const auto w = random_codes(static_cast<size_t>(n_out * f), rng);
+  const auto scale = random_f32(static_cast<size_t>(n_out), rng, 1e-3f, 1e-2f);
+  DeviceBuffer<uint16_t> d_gu(gate_up), d_act(static_cast<size_t>(n * f));
+  DeviceBuffer<uint16_t> d_fused(static_cast<size_t>(n * n_out)), d_plain(static_cast<size_t>(n * n_out));
+  DeviceBuffer<uint8_t> d_w(w);
+  DeviceBuffer<float> d_s(scale);
+  cuda::silu_mul(d_gu.bf16(), d_act.bf16(), n, f, nullptr);
+  cuda::SkinnyFp8Args a;
+  a.x = d_act.bf16();
+  a.x_stride = f;
+  a.n_tokens = n;
+  a.n_in = f;
+  a.n_out = n_out;
+  a.w8 = d_w.get();
+  a.w_scale = d_s.get();
+  a.y = d_plain.get();
+  cuda::skinny_gemm_fp8(a, nullptr);
+  a.x = d_gu.bf16();
+  a.x_stride = 2 * f;
+  a.swiglu = true;
+  a.y = d_fused.get();
+  cuda::skinny_gemm_fp8(a, nullptr);
+  EXPECT_EQ(d_fused.download(), d_plain.download());
+}
+
+// Activations quantized per token by quantize_rows_fp8, then the W8A8 GEMM, against float64 over
+// the same codes and scales.
+TEST(CudaFp8, W8A8GemmMatchesFloat64ReferenceOverTheSameCodes) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(24);
+  struct Case {
+    int64_t n_tokens, n_in, n_out;
+  };
+  std::vector<Case> cases = {{17, 64, 48}, {40, 256, 96}};
+  if (!kCudaEmulated) cases.push_back({512, 4096, 6144});
+  cuda::Gemm gemm;
+  for (const Case& c : cases) {
+    SCOPED_TRACE("tokens " + std::to_string(c.n_tokens) + " n_in " + std::to_string(c.n_in));
+    const auto x = random_bf16(static_cast<size_t>(c.n_tokens * c.n_in), rng, -4.0f, 4.0f);
+    const auto w = random_codes(static_cast<size_t>(c.n_out * c.n_in), rng);
+    const auto w_scale = random_f32(static_cast<size_t>(c.n_out), rng, 1e-3f, 1e-2f);
+    DeviceBuffer<uint16_t> d_x(x), d_y(static_cast<size_t>(c.n_tokens * c.n_out));
+    DeviceBuffer<uint8_t> d_xq(static_cast<size_t>(c.n_tokens * c.n_in)), d_w(w);
+    DeviceBuffer<float> d_xs(static_cast<size_t>(c.n_tokens)), d_ws(w_scale);
+    d_y.poison();
+    cuda::quantize_rows_fp8(d_x.bf16(), c.n_in, c.n_tokens, c.n_in, d_xq.get(), d_xs.get(), nullptr);
+    gemm.run_fp8(d_xq.get(), d_xs.get(), d_w.get(), d_ws.get(), d_y.bf16(), c.n_tokens, c.n_in, c.n_out, nullptr);
+    const auto xq = d_xq.download();
+    const auto xs = d_xs.download();
+    std::vector<float> a(xq.size());
+    for (size_t i = 0; i < xq.size(); ++i) a[i] = e4m3_to_float(xq[i]) * xs[i / static_cast<size_t>(c.n_in)];
+    EXPECT_LE(rel_error(bf16_to_f32(d_y.download()), fp8_reference(a, c.n_in, w, w_scale, c.n_tokens, c.n_in, c.n_out)),
+              4e-3);
+  }
+}
+
+}  // namespace
+}  // namespace kestrel::test
