@@ -222,6 +222,7 @@ struct QuantFolder {
   QuantFormat format;
   int32_t bits;
 };
+void PrintTo(const QuantFolder& q, std::ostream* os) { *os << q.folder; }
 
 class HfTinyQuantized : public ::testing::TestWithParam<QuantFolder> {};
 
