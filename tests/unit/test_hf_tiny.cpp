@@ -313,5 +313,42 @@ TEST(HfTinyQuantizedFlag, DisagreementIsAnError) {
                                  [&] { LlamaModel::load(gptq, LoadFormat::Dummy, Quantization::Gptq); }));
 }
 
+// A module the config's ignore list names stays in float: llama-fp8-tiny with layer 1's q_proj
+// stored as f32 (its dequantized values) and listed in "ignore" gives the same logits bit for bit;
+// unlisted, the same float tensor is an error naming it.
+TEST(HfTinyQuantizedIgnore, ListedModulesStayFloat) {
+  const std::string folder = test::data_dir() + "/hf-tiny/llama-fp8-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  const auto original = LlamaModel::load_hf_dir(folder);
+  original->ensure_host_weights();
+  const WeightView& q1 = original->weights().at({1, WeightRole::Q}).matrix;
+  const auto* values = reinterpret_cast<const float*>(q1.data);
+  const std::string module = "model.layers.1.self_attn.q_proj";
+  const SafetensorsFile whole = SafetensorsFile::open(folder + "/model.safetensors");
+  test::SafetensorsBuilder b;
+  b.f32(module + ".weight", {q1.n_out, q1.n_in}, std::vector<float>(values, values + q1.n_out * q1.n_in));
+  for (const SafetensorsTensor& t : whole.tensors())
+    if (!t.name.starts_with(module + "."))
+      b.tensor(t.name, std::string(safetensors_dtype_name(t.dtype)), t.shape,
+               std::vector<uint8_t>(t.data, t.data + t.n_bytes()));
+  test::TempDir dir;
+  test::write_file(dir.path() + "/model.safetensors", b.build());
+  json config = json::parse(test::read_file(folder + "/config.json"));
+  const std::string unlisted = config.dump();
+  test::write_file(dir.path() + "/config.json", std::vector<uint8_t>(unlisted.begin(), unlisted.end()));
+  EXPECT_TRUE(test::fails_naming(dir.path() + "/model.safetensors",
+                                 "tensor '" + module + ".weight' has dtype F32, expected F8_E4M3",
+                                 [&] { LlamaModel::load_hf_dir(dir.path()); }));
+  config["quantization_config"]["ignore"].push_back(module);
+  const std::string listed = config.dump();
+  test::write_file(dir.path() + "/config.json", std::vector<uint8_t>(listed.begin(), listed.end()));
+  const auto model = LlamaModel::load_hf_dir(dir.path());
+  EXPECT_EQ(model->weights().at({1, WeightRole::Q}).matrix.quant, nullptr);
+  EXPECT_NE(model->weights().at({1, WeightRole::K}).matrix.quant, nullptr);
+  EXPECT_NE(model->weights().at({0, WeightRole::Q}).matrix.quant, nullptr);
+  const std::vector<int32_t> ids = read_reference(folder)[1].ids;
+  EXPECT_EQ(test::prompt_logits(*model, ids, f32_config()), test::prompt_logits(*original, ids, f32_config()));
+}
+
 }  // namespace
 }  // namespace kestrel
