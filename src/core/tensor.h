@@ -8,13 +8,14 @@
 namespace kestrel {
 
 struct RandomFill;
+struct QuantizedMatrix;
 
 // How a weight tensor's elements are stored: the data's encoding plus, for quantized data, where
 // its scales are. The schemes read today keep the scales inside the data: plain floats (F32, F16,
 // BF16) and GGUF's block formats (Q4_0 ... Q8_0, the k-quants: every block of block_size elements
 // carries its own scales). Schemes with scales stored apart (AWQ/GPTQ INT4 groups, FP8 with
-// per-channel scales) are named here so a loader can describe them and a backend can refuse what it
-// lacks; no loader produces them yet.
+// per-channel scales) are named here so a backend can refuse what it lacks; a quantized Hugging
+// Face checkpoint's matrices are described by WeightView::quant instead (model/quantized_matrix.h).
 enum class QuantScheme : uint8_t {
   None,        // floats
   GgmlBlocks,  // GGUF block quantization, scales inside each block
@@ -53,6 +54,11 @@ struct WeightView {
   // holds the same values on the host only once the model's host copy is made
   // (LlamaModel::ensure_host_weights). Null for weights read from a file.
   const RandomFill* random = nullptr;
+  // A matrix of a quantized Hugging Face checkpoint (GPTQ, AWQ, FP8; model/quantized_matrix.h): its
+  // stored tensors in the mapped files. `type` and `data` are then its F32 host copy, whose values
+  // are there only once the model's host copy is made (LlamaModel::ensure_host_weights); a GPU
+  // upload dequantizes from `quant`. Null for other weights.
+  const QuantizedMatrix* quant = nullptr;
 
   bool empty() const { return data == nullptr; }
   size_t row_size() const { return row_bytes(type.storage, n_in); }

@@ -16,6 +16,7 @@
 #include "model/forward_ops.h"
 #include "model/hf_config.h"
 #include "model/llama_weights.h"
+#include "model/quantized_matrix.h"
 
 namespace kestrel {
 
@@ -129,6 +130,7 @@ void GeneratedWeights::make_all_host() {
 
 void LlamaModel::ensure_host_weights() const {
   if (generated_ != nullptr) generated_->make_all_host();
+  if (quantized_ != nullptr) quantized_->make_host();
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load_dummy(const std::string& dir) {

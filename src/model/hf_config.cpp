@@ -326,6 +326,7 @@ HfModelConfig HfModelConfig::from_json(const json& config, const std::string& wh
   }
   cfg.tie_word_embeddings = c.flag_or("tie_word_embeddings", hp.arch == "gemma3");  // Gemma3TextConfig ties by default
   cfg.torch_dtype = c.string_or("torch_dtype", "");
+  cfg.quant = QuantConfig::from_json(config, where);
   if (hp.arch == "qwen2" || hp.arch == "qwen2moe") {
     cfg.qkv_bias = true;  // Qwen2Attention, Qwen2MoeAttention: q/k/v_proj with bias, o_proj without
   } else if (hp.arch == "llama") {

@@ -13,6 +13,7 @@
 
 #include "model/hparams.h"
 #include "model/model_weights.h"
+#include "model/quant_config.h"
 
 namespace kestrel {
 
@@ -31,6 +32,8 @@ struct HfModelConfig {
   // [rope_dim / 2] divisors of the RoPE frequencies (rope_scaling type llama3), or empty; the same
   // values a GGUF carries as rope_freqs.weight.
   std::vector<float> rope_freq_factors;
+  // quantization_config (QuantConfig::from_json); method None for a float checkpoint.
+  QuantConfig quant;
 
   // Reads the fields: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads and
   // vocab_size (required); num_key_value_heads (default num_attention_heads), head_dim (default

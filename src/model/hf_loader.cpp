@@ -16,6 +16,8 @@
 #include "model/forward_ops.h"
 #include "model/hf_config.h"
 #include "model/llama_weights.h"
+#include "model/quant_config.h"
+#include "model/quantized_matrix.h"
 
 namespace kestrel {
 namespace {
@@ -35,6 +37,20 @@ class HfTensorLoader {
   HfTensorLoader(const SafetensorsCheckpoint& ckpt, uint64_t& bytes) : ckpt_(ckpt), bytes_(bytes) {}
 
   bool has(const std::string& name) const { return ckpt_.find(name) != nullptr; }
+  bool has_module(const std::string& prefix) const {
+    return has(prefix + ".weight") || has(prefix + ".qweight");
+  }
+
+  // The [n_out, n_in] matrix of HF module `prefix`: prefix.weight in float viewed in place, or the
+  // quantized tensors `quant` describes (kept in `store`, viewed through their f32 host copy).
+  WeightView module_matrix(const std::string& prefix, int64_t n_in, int64_t n_out, const QuantConfig* quant,
+                           QuantizedWeights* store) {
+    if (quant == nullptr) return matrix(prefix + ".weight", n_in, n_out);
+    std::vector<std::string> names;
+    QuantizedMatrix m = read_quantized_matrix(ckpt_, prefix, *quant, n_in, n_out, names, bytes_);
+    used_.insert(names.begin(), names.end());
+    return store->add(std::move(m));
+  }
 
   const SafetensorsTensor& require(const std::string& name) {
     const SafetensorsTensor* t = ckpt_.find(name);
@@ -143,13 +159,32 @@ std::string read_chat_template(const fs::path& dir) {
   return "";
 }
 
+// Whether the checkpoint stores the matrix of `spec` quantized: every linear layer of the decoder
+// except the routers (vLLM keeps MoE gates in float), the embedding, and the LM head unless GPTQ's
+// lm_head says so; minus the modules the config leaves in float.
+bool is_quantized(const QuantConfig& q, const TensorSpec& spec) {
+  if (!q.quantized() || spec.n_in == 0) return false;
+  switch (spec.role) {
+    case WeightRole::TokenEmbd:
+    case WeightRole::Router:
+    case WeightRole::ShRouter: return false;
+    case WeightRole::Output:
+      if (!(q.method == QuantMethod::Gptq && q.lm_head)) return false;
+      break;
+    default: break;
+  }
+  return !q.is_not_converted(spec.hf);
+}
+
 }  // namespace
 
 std::string LlamaModel::hf_chat_template(const std::string& dir) { return read_chat_template(dir); }
 
-std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
+std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir, Quantization quantization) {
   const fs::path root(dir);
-  const HfModelConfig cfg = HfModelConfig::from_file((root / "config.json").string());
+  const std::string config_path = (root / "config.json").string();
+  HfModelConfig cfg = HfModelConfig::from_file(config_path);
+  cfg.quant = resolve_quantization(quantization, cfg.quant, config_path);
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   m->format_ = ModelFormat::HfFolder;
   m->path_ = dir;
@@ -162,6 +197,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
   m->chat_template_ = read_chat_template(root);
 
   HfTensorLoader ld(*m->safetensors_, m->weight_bytes_);
+  if (cfg.quant.quantized()) m->quantized_ = std::make_unique<QuantizedWeights>();
   ModelWeights& w = m->weights_;
   const Architecture& arch = architecture(hp.arch);
   w.resize(hp.n_layer);
@@ -173,6 +209,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
         w.tied_output = true;
         continue;
       }
+      const QuantConfig* quant = is_quantized(cfg.quant, spec) ? &cfg.quant : nullptr;
       if (spec.n_expert > 0) {
         LayerTensor lt;
         const size_t at = spec.hf.find("{e}");
@@ -180,20 +217,20 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir) {
         for (int64_t e = 0; e < spec.n_expert; ++e) {
           std::string name = spec.hf;
           name.replace(at, 3, std::to_string(e));
-          lt.experts.push_back(ld.matrix(name + ".weight", spec.n_in, spec.n_out));
+          lt.experts.push_back(ld.module_matrix(name, spec.n_in, spec.n_out, quant, m->quantized_.get()));
         }
         w.put({l, spec.role}, std::move(lt));
         continue;
       }
       const std::string name = spec.hf + ".weight";
-      if (spec.role == WeightRole::Output && !ld.has(name))
+      if (spec.role == WeightRole::Output && !ld.has_module(spec.hf))
         throw Error(dir + ": missing tensor '" + name + "' (config.json has tie_word_embeddings false)");
       LayerTensor lt;
       if (spec.n_in == 0) {
         lt.vector = ld.vector(name, spec.n_out);
         for (float& v : lt.vector) v += spec.hf_add;
       } else {
-        lt.matrix = ld.matrix(name, spec.n_in, spec.n_out);
+        lt.matrix = ld.module_matrix(spec.hf, spec.n_in, spec.n_out, quant, m->quantized_.get());
       }
       if (spec.may_have_bias && cfg.has_bias(spec.role)) lt.bias = ld.vector(spec.hf + ".bias", spec.n_out);
       w.put({l, spec.role}, std::move(lt));

@@ -7,6 +7,7 @@
 #include "model/dummy_weights.h"
 #include "model/forward_ops.h"
 #include "model/hf_config.h"
+#include "model/quantized_matrix.h"
 #include "io/safetensors_checkpoint.h"
 
 namespace kestrel {
@@ -156,8 +157,18 @@ LoadFormat parse_load_format(std::string_view name) {
   throw Error("unknown load format '" + std::string(name) + "' (supported: auto, dummy)");
 }
 
-std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat format) {
-  return format == LoadFormat::Dummy ? load_dummy(path) : load(path);
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat format, Quantization quantization) {
+  const bool asked = quantization != Quantization::Auto && quantization != Quantization::None;
+  if (format == LoadFormat::Dummy) {
+    if (asked) throw Error(path + ": --quantization is not supported with --load-format dummy (generated weights are bf16)");
+    return load_dummy(path);
+  }
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return load_hf_dir(path, quantization);
+  if (asked)
+    throw Error(path + ": --quantization applies to Hugging Face checkpoints; a GGUF file's block types are its own "
+                       "(use --quantization auto)");
+  return load(path);
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path) {

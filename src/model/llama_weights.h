@@ -14,11 +14,13 @@
 #include "io/gguf.h"
 #include "model/hparams.h"
 #include "model/model_weights.h"
+#include "model/quant_config.h"
 
 namespace kestrel {
 
 class SafetensorsCheckpoint;
 class GeneratedWeights;
+class QuantizedWeights;
 
 enum class ModelFormat {
   Gguf,      // one .gguf file
@@ -44,18 +46,25 @@ class LlamaModel {
   // weights in model.safetensors or the shards of model.safetensors.index.json
   // (SafetensorsCheckpoint), and the chat template of tokenizer_config.json (or
   // chat_template.jinja / chat_template.json). Matrices must be F32, F16 or BF16 [out, in] and are
-  // viewed in place; norms and biases are converted to f32. Throws kestrel::Error naming the file
-  // and the tensor for a missing tensor, a wrong shape, an unsupported dtype or misaligned data,
-  // and the config's or the reader's errors.
-  static std::unique_ptr<LlamaModel> load_hf_dir(const std::string& dir);
+  // viewed in place; norms and biases are converted to f32. A quantized checkpoint
+  // (config.json quantization_config: GPTQ, AWQ, FP8; model/quant_config.h) keeps its quantized
+  // matrices in the mapped files (WeightView::quant) beside f32 host copies made by
+  // ensure_host_weights(). `quantization` (--quantization) must agree with the checkpoint. Throws
+  // kestrel::Error naming the file and the tensor for a missing tensor, a wrong shape, an
+  // unsupported dtype or misaligned data, inconsistent quantization metadata, and the config's or
+  // the reader's errors.
+  static std::unique_ptr<LlamaModel> load_hf_dir(const std::string& dir, Quantization quantization = Quantization::Auto);
   // The chat template of a Hugging Face folder, as load_hf_dir reads it; "" when none.
   static std::string hf_chat_template(const std::string& dir);
 
   // load_hf_dir for a directory, load_gguf for anything else. Throws kestrel::Error pointing at the
   // folder when given a *.safetensors, config.json or index file of one.
   static std::unique_ptr<LlamaModel> load(const std::string& path);
-  // load() for LoadFormat::Auto, load_dummy() for Dummy.
-  static std::unique_ptr<LlamaModel> load(const std::string& path, LoadFormat format);
+  // load() for LoadFormat::Auto, load_dummy() for Dummy; `quantization` is load_hf_dir's. Throws
+  // kestrel::Error for a --quantization other than auto or none with a GGUF file (its block
+  // types are its own) or with generated weights.
+  static std::unique_ptr<LlamaModel> load(const std::string& path, LoadFormat format,
+                                          Quantization quantization = Quantization::Auto);
 
   // A model with random weights (model/dummy_weights.cpp): the shapes of the Hugging Face folder
   // `dir`'s config.json (no weight files are read; tokenizer files and a chat template are used
@@ -84,8 +93,8 @@ class LlamaModel {
   // Whether the weights are generated (load_dummy).
   bool generated_weights() const { return generated_ != nullptr; }
   // Makes every weight's values readable through its WeightView::data on the host: generates the
-  // matrices of a load_dummy model there (once; the CPU backend calls it), nothing for a model
-  // read from files. Thread-safe. Throws kestrel::Error when the host memory cannot be had.
+  // matrices of a load_dummy model there and dequantizes a quantized checkpoint's into f32 (once;
+  // the CPU backend calls it), nothing for other models read from files. Thread-safe. Throws kestrel::Error when the host memory cannot be had.
   void ensure_host_weights() const;
 
  private:
@@ -96,6 +105,7 @@ class LlamaModel {
   std::unique_ptr<GgufFile> gguf_;
   std::unique_ptr<SafetensorsCheckpoint> safetensors_;
   std::unique_ptr<GeneratedWeights> generated_;  // load_dummy's memory and generators
+  std::unique_ptr<QuantizedWeights> quantized_;  // a quantized checkpoint's matrices and f32 host copies
   // Matrices the GGUF loader assembles (f32) from tensors the file lays out otherwise: DeepSeek-V2's
   // kv_b from attn_k_b and attn_v_b.
   std::vector<std::vector<float>> assembled_;

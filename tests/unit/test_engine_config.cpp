@@ -138,7 +138,8 @@ TEST(EngineConfigFlags, AWindowedModelsPoolHoldsTheWindowAndOneStep) {
 TEST(EngineConfigFlags, OutOfRangeValuesAreRefusedAsTheyAreParsed) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--max-num-seqs", "0"}, {"--block-size", "0"}, {"--kv-cache-dtype", "f12"},
-        {"--gpu-memory-utilization", "1.5"}, {"--tensor-parallel-size", "0"}, {"--device", "tpu"}}) {
+        {"--gpu-memory-utilization", "1.5"}, {"--tensor-parallel-size", "0"}, {"--device", "tpu"},
+        {"--quantization", "int4"}}) {
     EXPECT_THROW(parse(EngineMode::Serving, args), CLI::ValidationError) << args[0];
   }
   // Each mode offers its own flags only.

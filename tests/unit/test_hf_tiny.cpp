@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -17,8 +18,12 @@
 #include "engine/engine.h"
 #include "memory/kv_planner.h"
 #include "model/model_footprint.h"
+#include "hf_configs.h"
 #include "hf_tiny_reference.h"
+#include "io/safetensors.h"
+#include "model/quantized_matrix.h"
 #include "npy.h"
+#include "safetensors_builder.h"
 #include "test_util.h"
 
 namespace kestrel {
@@ -67,10 +72,23 @@ double check_prompt(const LlamaModel& m, const std::string& folder, const Refere
   return worst;
 }
 
+// A greedy continuation against the reference's: equal, except that from a step whose reference
+// top-1 / top-2 margin is below `tie` on (a near-tie kestrel's f32 sums in another order may break
+// the other way) the rest is not compared. tie 0: exactly equal.
+void expect_greedy(const std::vector<int32_t>& got, const ReferencePrompt& p, double tie) {
+  ASSERT_EQ(got.size(), p.greedy.size()) << p.name;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] == p.greedy[i]) continue;
+    EXPECT_LT(p.greedy_margins[i], tie) << p.name << " step " << i << ": " << got[i] << " instead of " << p.greedy[i];
+    return;
+  }
+}
+
 // All checks of one folder: every prompt's logits against the reference (returns the worst
 // difference, printed for the bound's comment), a prefill in 7-token chunks giving the same bits
-// as one pass, and the greedy continuations of the three prompts run together.
-double check_folder(const LlamaModel& model, const std::string& folder) {
+// as one pass, and the greedy continuations of the three prompts run together (near-ties below
+// `tie` as expect_greedy allows). `folder` holds the references; `model` may be loaded from elsewhere.
+double check_folder(const LlamaModel& model, const std::string& folder, double tie = 0) {
   const std::vector<ReferencePrompt> prompts = read_reference(folder);
   EXPECT_EQ(prompts.size(), 3u);
   double worst = 0;
@@ -88,7 +106,7 @@ double check_folder(const LlamaModel& model, const std::string& folder) {
   std::vector<std::vector<int32_t>> ids;
   for (const ReferencePrompt& p : prompts) ids.push_back(p.ids);
   const auto got = test::greedy_ids(engine, ids, 32);
-  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], prompts[i].greedy) << prompts[i].name;
+  for (size_t i = 0; i < prompts.size(); ++i) expect_greedy(got[i], prompts[i], tie);
   return worst;
 }
 
@@ -189,6 +207,147 @@ TEST(HfTiny, MlaKvPoolBytesEqualThePlan) {
     EXPECT_EQ(runner->kv_bytes_per_token(), kv_bytes_per_token(g, dtype));
     EXPECT_EQ(runner->kv_bytes_per_token(), dtype == KvDtype::F32 ? 480 : 240);
   }
+}
+
+// The quantized Llama folders (GPTQ v1, GPTQ act order, AWQ GEMM, compressed-tensors FP8 per
+// channel, block FP8): the reference is the float Llama with the exactly dequantized weights and
+// float32 activations, which the CPU backend runs on its f32 host copies. Measured worst
+// |kestrel - transformers| over the 7-, 40- and 100-token prompts (AVX2): gptq 2.6e-6, 5.7e-6,
+// 6.2e-6; gptq act order 3.6e-6, 4.9e-6, 7.4e-6; awq 3.6e-6, 5.0e-6, 6.4e-6; fp8 per channel
+// 3.8e-6, 4.8e-6, 6.2e-6; block fp8 3.1e-6, 4.5e-6, 6.4e-6. The bound, 2e-5, is about three times
+// the worst, as for the float folders above. Greedy continuations equal, near-ties (a
+// reference margin below 1e-4, none in these folders: the smallest is 3.4e-4) excepted.
+struct QuantFolder {
+  const char* folder;
+  QuantFormat format;
+  int32_t bits;
+};
+void PrintTo(const QuantFolder& q, std::ostream* os) { *os << q.folder; }
+
+class HfTinyQuantized : public ::testing::TestWithParam<QuantFolder> {};
+
+TEST_P(HfTinyQuantized, MatchesTransformers) {
+  const QuantFolder q = GetParam();
+  const std::string folder = test::data_dir() + "/hf-tiny/" + q.folder;
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  const auto model = LlamaModel::load_hf_dir(folder);
+  // Every linear layer keeps its checkpoint form; the tied embedding stays float.
+  for (WeightRole role : {WeightRole::Q, WeightRole::K, WeightRole::V, WeightRole::AttnOut, WeightRole::Gate,
+                          WeightRole::Up, WeightRole::Down}) {
+    const WeightView& w = model->weights().at({2, role}).matrix;
+    ASSERT_NE(w.quant, nullptr) << weight_role_name(role);
+    EXPECT_EQ(w.quant->format, q.format);
+    EXPECT_EQ(w.quant->bits, q.bits);
+    EXPECT_EQ(w.type.storage, GgmlType::F32);
+  }
+  EXPECT_EQ(model->weights().at({-1, WeightRole::TokenEmbd}).matrix.quant, nullptr);
+  EXPECT_LT(check_folder(*model, folder, 1e-4), 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Folders, HfTinyQuantized,
+                         ::testing::Values(QuantFolder{"llama-gptq-tiny", QuantFormat::GptqV1, 4},
+                                           QuantFolder{"llama-gptq-actorder-tiny", QuantFormat::GptqV1, 4},
+                                           QuantFolder{"llama-awq-tiny", QuantFormat::AwqGemm, 4},
+                                           QuantFolder{"llama-fp8-tiny", QuantFormat::Fp8, 0},
+                                           QuantFolder{"llama-fp8-block-tiny", QuantFormat::Fp8, 0}),
+                         [](const auto& info) {
+                           std::string n = info.param.folder;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
+
+// A quantized checkpoint split into shards (model.safetensors.index.json, tensors alternating
+// between two files) loads to the same logits as the single file.
+TEST(HfTinyQuantizedShards, ShardedGptqMatchesTheSingleFile) {
+  const std::string folder = test::data_dir() + "/hf-tiny/llama-gptq-actorder-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  test::TempDir dir;
+  std::filesystem::copy_file(folder + "/config.json", dir.path() + "/config.json");
+  const SafetensorsFile whole = SafetensorsFile::open(folder + "/model.safetensors");
+  test::SafetensorsBuilder shard[2];
+  json index = {{"metadata", json::object()}, {"weight_map", json::object()}};
+  size_t i = 0;
+  for (const SafetensorsTensor& t : whole.tensors()) {
+    const size_t s = i++ % 2;
+    shard[s].tensor(t.name, std::string(safetensors_dtype_name(t.dtype)), t.shape,
+                    std::vector<uint8_t>(t.data, t.data + t.n_bytes()));
+    index["weight_map"][t.name] = "model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
+  }
+  for (size_t s = 0; s < 2; ++s)
+    test::write_file(dir.path() + "/model-0000" + std::to_string(s + 1) + "-of-00002.safetensors", shard[s].build());
+  const std::string text = index.dump();
+  test::write_file(dir.path() + "/model.safetensors.index.json", std::vector<uint8_t>(text.begin(), text.end()));
+  const auto sharded = LlamaModel::load_hf_dir(dir.path());
+  const auto single = LlamaModel::load_hf_dir(folder);
+  const std::vector<int32_t> ids = read_reference(folder)[1].ids;
+  EXPECT_EQ(test::prompt_logits(*sharded, ids, f32_config()), test::prompt_logits(*single, ids, f32_config()));
+  EXPECT_LT(check_folder(*sharded, folder, 1e-4), 2e-5);
+}
+
+// --quantization must agree with the checkpoint: auto takes it, the same method is accepted, any
+// other is an error naming the flag and both methods; fp8 on a float checkpoint is not supported yet.
+TEST(HfTinyQuantizedFlag, DisagreementIsAnError) {
+  const std::string gptq = test::data_dir() + "/hf-tiny/llama-gptq-tiny";
+  const std::string fp8 = test::data_dir() + "/hf-tiny/llama-fp8-tiny";
+  const std::string plain = test::data_dir() + "/hf-tiny/mistral-swa-tiny";
+  KESTREL_REQUIRE_FILE(gptq + "/config.json");
+  KESTREL_REQUIRE_FILE(fp8 + "/config.json");
+  KESTREL_REQUIRE_FILE(plain + "/config.json");
+  EXPECT_NE(LlamaModel::load(gptq, LoadFormat::Auto, Quantization::Gptq)->weights().at({0, WeightRole::Q}).matrix.quant,
+            nullptr);
+  EXPECT_NE(LlamaModel::load(fp8, LoadFormat::Auto, Quantization::Fp8)->weights().at({0, WeightRole::Q}).matrix.quant,
+            nullptr);
+  EXPECT_EQ(LlamaModel::load(plain, LoadFormat::Auto, Quantization::None)->weights().at({0, WeightRole::Q}).matrix.quant,
+            nullptr);
+  EXPECT_TRUE(test::fails_naming(gptq + "/config.json", "--quantization awq disagrees with the checkpoint, which is quantized with gptq",
+                                 [&] { LlamaModel::load(gptq, LoadFormat::Auto, Quantization::Awq); }));
+  EXPECT_TRUE(test::fails_naming(gptq + "/config.json", "--quantization none disagrees",
+                                 [&] { LlamaModel::load(gptq, LoadFormat::Auto, Quantization::None); }));
+  EXPECT_TRUE(test::fails_naming(fp8 + "/config.json", "quant_method 'compressed-tensors'",
+                                 [&] { LlamaModel::load(fp8, LoadFormat::Auto, Quantization::Gptq); }));
+  EXPECT_TRUE(test::fails_naming(plain + "/config.json", "--quantization gptq disagrees with the checkpoint, which is not quantized",
+                                 [&] { LlamaModel::load(plain, LoadFormat::Auto, Quantization::Gptq); }));
+  EXPECT_TRUE(test::fails_naming(plain + "/config.json", "--quantization fp8 is not supported yet for unquantized checkpoints",
+                                 [&] { LlamaModel::load(plain, LoadFormat::Auto, Quantization::Fp8); }));
+  EXPECT_TRUE(test::fails_naming(gptq, "--quantization is not supported with --load-format dummy",
+                                 [&] { LlamaModel::load(gptq, LoadFormat::Dummy, Quantization::Gptq); }));
+}
+
+// A module the config's ignore list names stays in float: llama-fp8-tiny with layer 1's q_proj
+// stored as f32 (its dequantized values) and listed in "ignore" gives the same logits bit for bit;
+// unlisted, the same float tensor is an error naming it.
+TEST(HfTinyQuantizedIgnore, ListedModulesStayFloat) {
+  const std::string folder = test::data_dir() + "/hf-tiny/llama-fp8-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/reference.json");
+  const auto original = LlamaModel::load_hf_dir(folder);
+  original->ensure_host_weights();
+  const WeightView& q1 = original->weights().at({1, WeightRole::Q}).matrix;
+  const auto* values = reinterpret_cast<const float*>(q1.data);
+  const std::string module = "model.layers.1.self_attn.q_proj";
+  const SafetensorsFile whole = SafetensorsFile::open(folder + "/model.safetensors");
+  test::SafetensorsBuilder b;
+  b.f32(module + ".weight", {q1.n_out, q1.n_in}, std::vector<float>(values, values + q1.n_out * q1.n_in));
+  for (const SafetensorsTensor& t : whole.tensors())
+    if (!t.name.starts_with(module + "."))
+      b.tensor(t.name, std::string(safetensors_dtype_name(t.dtype)), t.shape,
+               std::vector<uint8_t>(t.data, t.data + t.n_bytes()));
+  test::TempDir dir;
+  test::write_file(dir.path() + "/model.safetensors", b.build());
+  json config = json::parse(test::read_file(folder + "/config.json"));
+  const std::string unlisted = config.dump();
+  test::write_file(dir.path() + "/config.json", std::vector<uint8_t>(unlisted.begin(), unlisted.end()));
+  EXPECT_TRUE(test::fails_naming(dir.path() + "/model.safetensors",
+                                 "tensor '" + module + ".weight' has dtype F32, expected F8_E4M3",
+                                 [&] { LlamaModel::load_hf_dir(dir.path()); }));
+  config["quantization_config"]["ignore"].push_back(module);
+  const std::string listed = config.dump();
+  test::write_file(dir.path() + "/config.json", std::vector<uint8_t>(listed.begin(), listed.end()));
+  const auto model = LlamaModel::load_hf_dir(dir.path());
+  EXPECT_EQ(model->weights().at({1, WeightRole::Q}).matrix.quant, nullptr);
+  EXPECT_NE(model->weights().at({1, WeightRole::K}).matrix.quant, nullptr);
+  EXPECT_NE(model->weights().at({0, WeightRole::Q}).matrix.quant, nullptr);
+  const std::vector<int32_t> ids = read_reference(folder)[1].ids;
+  EXPECT_EQ(test::prompt_logits(*model, ids, f32_config()), test::prompt_logits(*original, ids, f32_config()));
 }
 
 }  // namespace

@@ -56,7 +56,7 @@ LoadedModel load_model(const std::string& model_flag, const KestrelConfig& confi
   LoadedModel lm;
   const std::string path = resolve_model_path(model_flag);
   const LoadFormat format = parse_load_format(config.model.load_format);
-  lm.model = LlamaModel::load(path, format);
+  lm.model = LlamaModel::load(path, format, parse_quantization(config.model.quantization));
   if (format == LoadFormat::Auto || has_tokenizer_files(path))
     lm.tokenizer = load_tokenizer(path, lm.model->format() == ModelFormat::Gguf ? &lm.model->file() : nullptr);
   if (lm.tokenizer != nullptr && lm.tokenizer->n_vocab() > lm.model->hparams().n_vocab)

@@ -131,6 +131,12 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
                  "shapes of the model folder's config.json, made in memory; for speed measurements)")
       ->check(CLI::IsMember({"auto", "dummy"}))
       ->capture_default_str();
+  app.add_option("--quantization,-q", model.quantization,
+                 "Weight quantization of a Hugging Face checkpoint: auto (what config.json's quantization_config "
+                 "says), none, fp8 (compressed-tensors or block fp8), awq (AutoAWQ GEMM) or gptq (v1 layout, 4 or 8 "
+                 "bits); a value other than auto must agree with the checkpoint")
+      ->check(CLI::IsMember({"auto", "none", "fp8", "compressed-tensors", "awq", "gptq"}))
+      ->capture_default_str();
   app.add_option("--block-size", cache.block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--kv-cache-dtype,--kv-dtype", cache.kv_cache_dtype,
                  "KV cache element type: auto (f32 for f32 weights on the CPU, else f16; bf16 on the GPU), "

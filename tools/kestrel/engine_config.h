@@ -38,6 +38,9 @@ struct KestrelConfig {
     // --load-format (vLLM's): auto reads the weights from the model's files; dummy makes random
     // weights in the shapes of the model folder's config.json (LlamaModel::load_dummy).
     std::string load_format = "auto";
+    // --quantization (vLLM's): auto takes the checkpoint's config.json quantization_config; none,
+    // fp8, awq or gptq must agree with it (LlamaModel::load_hf_dir).
+    std::string quantization = "auto";
   } model;
   struct Cache {
     int32_t block_size = 16;              // --block-size: tokens per KV block

@@ -6,6 +6,7 @@
 #include "backend/cpu/matmul.h"
 #include "backend/cuda/fill_ops.h"
 #include "core/dtype.h"
+#include "model/quantized_matrix.h"
 
 namespace kestrel::cuda {
 
@@ -13,7 +14,7 @@ DevMem WeightUploader::matrices(std::span<const WeightView* const> ws) {
   size_t total = 0;
   for (const WeightView* w : ws) {
     if (w->n_in != ws.front()->n_in) throw Error("CUDA upload: stacked matrices differ in width");
-    if (!w->type.self_contained())
+    if (w->quant == nullptr && !w->type.self_contained())
       throw Error("CUDA upload: a " + std::string(type_name(w->type.storage)) +
                   " matrix with scales stored apart is not supported");
     total += static_cast<size_t>(w->n_out * w->n_in) * 2;
@@ -36,13 +37,18 @@ DevMem WeightUploader::matrices(std::span<const WeightView* const> ws) {
       KESTREL_CUDA_CHECK(cudaEventSynchronize(s.done));  // its previous copy has finished
       auto* out = static_cast<uint16_t*>(s.host);
       pool_.parallel_for(n_rows, 16, [&](int64_t begin, int64_t end) {
-        if (w->type.storage == GgmlType::BF16) {
+        if (w->quant == nullptr && w->type.storage == GgmlType::BF16) {
           std::memcpy(out + begin * w->n_in, w->row(r0 + begin), static_cast<size_t>(end - begin) * row_bytes);
           return;
         }
         std::vector<float> row(static_cast<size_t>(w->n_in));
         for (int64_t r = begin; r < end; ++r) {
-          cpu::dequantize_row(w->type.storage, w->row(r0 + r), row.data(), w->n_in);
+          // A quantized checkpoint's matrix: from its stored tensors, never its host copy.
+          if (w->quant != nullptr) {
+            dequantize_rows(*w->quant, r0 + r, 1, row.data());
+          } else {
+            cpu::dequantize_row(w->type.storage, w->row(r0 + r), row.data(), w->n_in);
+          }
           uint16_t* o = out + r * w->n_in;
           for (int64_t i = 0; i < w->n_in; ++i) o[i] = fp32_to_bf16(row[static_cast<size_t>(i)]);
         }

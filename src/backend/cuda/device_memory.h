@@ -86,7 +86,8 @@ class PinnedMem {
 };
 
 // Streams weights to the device as bf16: worker threads convert rows (a plain copy for bf16
-// checkpoints, dequantization through f32 for GGUF types) into one of three pinned staging buffers
+// checkpoints, dequantization through f32 for GGUF types and for a quantized checkpoint's GPTQ /
+// AWQ / FP8 matrices, read from WeightView::quant) into one of three pinned staging buffers
 // while the copies of the others run, so reading the checkpoint, converting and the PCIe transfer
 // overlap. (The first version built each matrix in a pageable std::vector and copied it
 // synchronously: 13.8 s for 16 GB with a warm page cache.)

@@ -1,0 +1,206 @@
+#include "model/quant_config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "core/error.h"
+#include "io/hf_fields.h"
+
+namespace kestrel {
+namespace {
+
+using nlohmann::json;
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+// A list of module names (null or absent: empty).
+void read_names(const HfFields& q, const char* key, std::vector<std::string>& out) {
+  if (!q.has(key)) return;
+  const json& v = q.at(key);
+  if (!v.is_array()) q.fail("field '" + std::string(key) + "' must be a list of module names, got " + v.dump());
+  for (const json& e : v) {
+    if (!e.is_string()) q.fail("field '" + std::string(key) + "' holds " + e.dump() + ", not a module name");
+    out.push_back(e.get<std::string>());
+  }
+}
+
+int64_t group_size(const HfFields& q, const char* key) {
+  const int64_t g = q.get_or(key, -1, -1);
+  if (g == 0) q.fail("field '" + std::string(key) + "' must be positive or -1, got 0");
+  return g;
+}
+
+void read_gptq(const HfFields& q, QuantConfig& c) {
+  // GPTQModel writes "checkpoint_format"; AutoGPTQ's older "is_marlin_format" marks Marlin repacking.
+  const std::string format = q.string_or("checkpoint_format", "gptq");
+  if (format != "gptq")
+    q.fail("checkpoint_format '" + format + "' is not supported (only gptq: the v1 layout with zeros stored minus one)");
+  if (q.flag_or("is_marlin_format", false)) q.fail("is_marlin_format true is not supported (only the gptq v1 layout)");
+  c.bits = static_cast<int32_t>(q.get("bits"));
+  if (c.bits != 4 && c.bits != 8) q.fail("bits " + std::to_string(c.bits) + " is not supported (4 or 8)");
+  c.group_size = group_size(q, "group_size");
+  c.desc_act = q.flag_or("desc_act", false);
+  c.sym = q.flag_or("sym", true);
+  c.lm_head = q.flag_or("lm_head", false);
+  read_names(q, "modules_to_not_convert", c.not_converted);
+}
+
+void read_awq(const HfFields& q, QuantConfig& c) {
+  const std::string version = lower(q.string_or("version", "gemm"));
+  if (version != "gemm") q.fail("AWQ version '" + version + "' is not supported (only gemm: AutoAWQ WQLinear_GEMM)");
+  c.bits = static_cast<int32_t>(q.has("bits") ? q.get("bits") : q.get("w_bit"));
+  if (c.bits != 4) q.fail("bits " + std::to_string(c.bits) + " is not supported (AWQ GEMM packs 4-bit values)");
+  c.group_size = group_size(q, q.has("group_size") ? "group_size" : "q_group_size");
+  if (!q.flag_or("zero_point", true)) q.fail("zero_point false is not supported (AWQ GEMM stores zeros)");
+  read_names(q, "modules_to_not_convert", c.not_converted);
+}
+
+void read_block(const HfFields& q, const char* key, QuantConfig& c) {
+  const json& b = q.at(key);
+  if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
+      b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0)
+    q.fail("field '" + std::string(key) + "' must be [rows, columns] of two positive integers, got " + b.dump());
+  c.block_n = b[0].get<int64_t>();
+  c.block_k = b[1].get<int64_t>();
+}
+
+void read_fp8(const HfFields& q, QuantConfig& c) {
+  const std::string fmt = q.string_or("fmt", "e4m3");
+  if (fmt != "e4m3") q.fail("fmt '" + fmt + "' is not supported (only e4m3: float8_e4m3fn weights)");
+  const std::string act = q.string_or("activation_scheme", "dynamic");
+  if (act != "dynamic") q.fail("activation_scheme '" + act + "' is not supported (only dynamic: no input scales)");
+  if (q.has("weight_block_size")) {
+    read_block(q, "weight_block_size", c);
+    c.block_scale_inv = true;
+  }
+  read_names(q, "modules_to_not_convert", c.not_converted);
+  read_names(q, "ignored_layers", c.not_converted);
+}
+
+void read_compressed_tensors(const HfFields& q, QuantConfig& c) {
+  const std::string format = q.string_or("format", "");
+  if (format != "float-quantized")
+    q.fail("compressed-tensors format '" + format + "' is not supported (only float-quantized: FP8 weights)");
+  if (!q.has("config_groups") || !q.at("config_groups").is_object() || q.at("config_groups").empty())
+    q.fail("field 'config_groups' must be an object of quantization schemes");
+  bool first = true;
+  for (const auto& [name, group] : q.at("config_groups").items()) {
+    const HfFields g(group, q.where() + ": config_groups." + name);
+    if (!g.has("weights") || !g.at("weights").is_object()) g.fail("missing object 'weights'");
+    const HfFields w(g.at("weights"), g.where() + ".weights");
+    const std::string type = w.string_or("type", "");
+    if (type != "float" || w.get("num_bits") != 8)
+      w.fail("weights of type '" + type + "' and num_bits " + std::to_string(w.get_or("num_bits", 0, 0)) +
+             " are not supported (only type float, num_bits 8: float8_e4m3fn)");
+    if (!w.flag_or("symmetric", true)) w.fail("symmetric false is not supported");
+    if (w.flag_or("dynamic", false)) w.fail("dynamic weight scales are not supported");
+    const std::string strategy = w.string_or("strategy", "tensor");
+    QuantConfig s;
+    if (strategy == "block") {
+      if (!w.has("block_structure")) w.fail("strategy block without block_structure");
+      read_block(w, "block_structure", s);
+    } else if (strategy != "tensor" && strategy != "channel") {
+      w.fail("strategy '" + strategy + "' is not supported (tensor, channel or block)");
+    }
+    if (!first && (s.block_n != c.block_n || s.block_k != c.block_k))
+      g.fail("weight schemes of the config groups differ (one scheme for all is supported)");
+    c.block_n = s.block_n, c.block_k = s.block_k, first = false;
+    if (g.has("input_activations") && g.at("input_activations").is_object()) {
+      const HfFields a(g.at("input_activations"), g.where() + ".input_activations");
+      if (!a.flag_or("dynamic", false))
+        a.fail("static input activation scales are not supported (only dynamic: per-token scales made at run time)");
+    }
+  }
+  read_names(q, "ignore", c.not_converted);
+}
+
+}  // namespace
+
+std::string_view quant_method_name(QuantMethod m) {
+  switch (m) {
+    case QuantMethod::None: return "none";
+    case QuantMethod::Gptq: return "gptq";
+    case QuantMethod::Awq: return "awq";
+    case QuantMethod::Fp8: return "fp8";
+  }
+  return "?";
+}
+
+Quantization parse_quantization(std::string_view name) {
+  if (name == "auto") return Quantization::Auto;
+  if (name == "none") return Quantization::None;
+  if (name == "fp8" || name == "compressed-tensors") return Quantization::Fp8;
+  if (name == "awq") return Quantization::Awq;
+  if (name == "gptq") return Quantization::Gptq;
+  throw Error("unknown quantization '" + std::string(name) + "' (supported: auto, none, fp8, awq, gptq)");
+}
+
+bool QuantConfig::is_not_converted(const std::string& prefix) const {
+  for (const std::string& e : not_converted) {
+    if (e.starts_with("re:")) {
+      if (std::regex_match(prefix, std::regex(e.substr(3)))) return true;
+    } else if (!e.empty()) {
+      // Whole dotted components: "mlp.gate" names model.layers.0.mlp.gate, not mlp.gate_proj.
+      const std::string dotted = "." + prefix + ".";
+      if (dotted.find("." + e + ".") != std::string::npos) return true;
+    }
+  }
+  return false;
+}
+
+QuantConfig QuantConfig::from_json(const json& config, const std::string& where) {
+  QuantConfig c;
+  if (!config.is_object() || !config.contains("quantization_config") || config["quantization_config"].is_null())
+    return c;
+  const json& qc = config["quantization_config"];
+  const HfFields q(qc, where + ": quantization_config");
+  if (!qc.is_object()) q.fail("must be an object, got " + qc.dump());
+  c.quant_method = q.string_or("quant_method", "");
+  if (c.quant_method == "gptq") {
+    c.method = QuantMethod::Gptq;
+    read_gptq(q, c);
+  } else if (c.quant_method == "awq") {
+    c.method = QuantMethod::Awq;
+    read_awq(q, c);
+  } else if (c.quant_method == "fp8") {
+    c.method = QuantMethod::Fp8;
+    read_fp8(q, c);
+  } else if (c.quant_method == "compressed-tensors") {
+    c.method = QuantMethod::Fp8;
+    read_compressed_tensors(q, c);
+  } else {
+    q.fail("quant_method '" + c.quant_method + "' is not supported (supported: gptq, awq, fp8, compressed-tensors)");
+  }
+  try {
+    for (const std::string& e : c.not_converted)
+      if (e.starts_with("re:")) (void)std::regex(e.substr(3));
+  } catch (const std::regex_error& e) {
+    q.fail(std::string("a 're:' entry of the ignore list is not a valid regular expression: ") + e.what());
+  }
+  return c;
+}
+
+QuantConfig resolve_quantization(Quantization requested, const QuantConfig& checkpoint, const std::string& where) {
+  if (requested == Quantization::Auto) return checkpoint;
+  const QuantMethod want = requested == Quantization::None ? QuantMethod::None
+                           : requested == Quantization::Fp8 ? QuantMethod::Fp8
+                           : requested == Quantization::Awq ? QuantMethod::Awq
+                                                            : QuantMethod::Gptq;
+  if (want == checkpoint.method) return checkpoint;
+  if (!checkpoint.quantized() && want == QuantMethod::Fp8)
+    throw Error(where + ": --quantization fp8 is not supported yet for unquantized checkpoints (quantizing float "
+                        "weights at load); use a checkpoint quantized to fp8, or --quantization auto");
+  const std::string has = checkpoint.quantized()
+                              ? "is quantized with " + std::string(quant_method_name(checkpoint.method)) +
+                                    " (config.json quantization_config.quant_method '" + checkpoint.quant_method + "')"
+                              : "is not quantized (config.json has no quantization_config)";
+  throw Error(where + ": --quantization " + std::string(quant_method_name(want)) + " disagrees with the checkpoint, which " +
+              has + "; use --quantization auto");
+}
+
+}  // namespace kestrel

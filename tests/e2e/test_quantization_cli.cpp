@@ -1,0 +1,40 @@
+// `--quantization` on the kestrel binary with the hf-tiny quantized folders: auto and the
+// checkpoint's own method generate; a disagreeing method, fp8 on a float checkpoint and an
+// unknown value are refused naming the flag.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "test_util.h"
+
+using kestrel::test::data_dir;
+using kestrel::test::kestrel_binary;
+using kestrel::test::run_command;
+
+namespace {
+
+// stdout and stderr of `kestrel ARGS`, and its exit status.
+int run_kestrel(const std::string& args, std::string* out) {
+  return run_command(kestrel_binary() + " " + args + " 2>&1", out);
+}
+
+TEST(QuantizationCli, CheckpointMethodRunsOthersAreRefused) {
+  const std::string awq = data_dir() + "/hf-tiny/llama-awq-tiny";
+  const std::string plain = data_dir() + "/hf-tiny/mistral-swa-tiny";
+  KESTREL_REQUIRE_FILE(awq + "/model.safetensors");
+  KESTREL_REQUIRE_FILE(plain + "/model.safetensors");
+  std::string out;
+  for (const char* q : {"auto", "awq"}) {
+    EXPECT_EQ(run_kestrel("generate -m " + awq + " -p hello -n 4 --temp 0 -t 2 --quantization " + q, &out), 0) << out;
+    EXPECT_NE(out.find("generated 4 tokens"), std::string::npos) << out;
+  }
+  EXPECT_NE(run_kestrel("generate -m " + awq + " -p hello -n 4 -q gptq", &out), 0);
+  EXPECT_NE(out.find("--quantization gptq disagrees with the checkpoint, which is quantized with awq"), std::string::npos)
+      << out;
+  EXPECT_NE(run_kestrel("generate -m " + plain + " -p hello -n 4 --quantization fp8", &out), 0);
+  EXPECT_NE(out.find("--quantization fp8 is not supported yet for unquantized checkpoints"), std::string::npos) << out;
+  EXPECT_NE(run_kestrel("generate -m " + awq + " -p hello -n 4 --quantization int4", &out), 0);
+  EXPECT_NE(out.find("--quantization"), std::string::npos) << out;
+}
+
+}  // namespace
