@@ -186,6 +186,8 @@ std::unique_ptr<LlamaModel> LlamaModel::load_hf_dir(const std::string& dir, Quan
   HfModelConfig cfg = HfModelConfig::from_file(config_path);
   cfg.quant = resolve_quantization(quantization, cfg.quant, config_path);
   std::unique_ptr<LlamaModel> m(new LlamaModel());
+  m->quant_method_ = cfg.quant.method;
+  m->online_fp8_ = quantization == Quantization::Fp8 && !cfg.quant.quantized();
   m->format_ = ModelFormat::HfFolder;
   m->path_ = dir;
   m->safetensors_ = std::make_unique<SafetensorsCheckpoint>(SafetensorsCheckpoint::open_dir(dir));

@@ -160,8 +160,12 @@ LoadFormat parse_load_format(std::string_view name) {
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat format, Quantization quantization) {
   const bool asked = quantization != Quantization::Auto && quantization != Quantization::None;
   if (format == LoadFormat::Dummy) {
-    if (asked) throw Error(path + ": --quantization is not supported with --load-format dummy (generated weights are bf16)");
-    return load_dummy(path);
+    if (asked && quantization != Quantization::Fp8)
+      throw Error(path + ": --load-format dummy makes bf16 weights; of --quantization only fp8 (quantized at load on "
+                         "the GPU) applies to them");
+    auto m = load_dummy(path);
+    m->online_fp8_ = quantization == Quantization::Fp8;
+    return m;
   }
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return load_hf_dir(path, quantization);
@@ -239,5 +243,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load_gguf(const std::string& path) {
   }
   return m;
 }
+
+bool LlamaModel::fp8_weights() const { return online_fp8_ || quant_method_ == QuantMethod::Fp8; }
 
 }  // namespace kestrel

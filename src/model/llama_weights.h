@@ -92,6 +92,12 @@ class LlamaModel {
   uint64_t weight_bytes() const { return weight_bytes_; }
   // Whether the weights are generated (load_dummy).
   bool generated_weights() const { return generated_ != nullptr; }
+  // --quantization fp8 on float weights (a float checkpoint or --load-format dummy): the GPU backend
+  // quantizes the dense projections to FP8 E4M3 at load; the CPU backend refuses it.
+  bool online_fp8() const { return online_fp8_; }
+  // The checkpoint's weights are FP8 (quantization_config), or online_fp8(): what the GPU backend
+  // runs as FP8.
+  bool fp8_weights() const;
   // Makes every weight's values readable through its WeightView::data on the host: generates the
   // matrices of a load_dummy model there and dequantizes a quantized checkpoint's into f32 (once;
   // the CPU backend calls it), nothing for other models read from files. Thread-safe. Throws kestrel::Error when the host memory cannot be had.
@@ -113,6 +119,8 @@ class LlamaModel {
   ModelHparams hparams_;
   ModelWeights weights_;
   uint64_t weight_bytes_ = 0;
+  bool online_fp8_ = false;
+  QuantMethod quant_method_ = QuantMethod::None;  // the checkpoint's (quantization_config)
 };
 
 }  // namespace kestrel

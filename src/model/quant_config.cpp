@@ -192,9 +192,9 @@ QuantConfig resolve_quantization(Quantization requested, const QuantConfig& chec
                            : requested == Quantization::Awq ? QuantMethod::Awq
                                                             : QuantMethod::Gptq;
   if (want == checkpoint.method) return checkpoint;
-  if (!checkpoint.quantized() && want == QuantMethod::Fp8)
-    throw Error(where + ": --quantization fp8 is not supported yet for unquantized checkpoints (quantizing float "
-                        "weights at load); use a checkpoint quantized to fp8, or --quantization auto");
+  // Float weights quantized to FP8 at load, by the backend (LlamaModel::online_fp8): the
+  // checkpoint itself is read as it is.
+  if (!checkpoint.quantized() && want == QuantMethod::Fp8) return checkpoint;
   const std::string has = checkpoint.quantized()
                               ? "is quantized with " + std::string(quant_method_name(checkpoint.method)) +
                                     " (config.json quantization_config.quant_method '" + checkpoint.quant_method + "')"

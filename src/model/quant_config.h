@@ -66,9 +66,9 @@ struct QuantConfig {
   static QuantConfig from_json(const nlohmann::json& config, const std::string& where);
 };
 
-// The checkpoint's config when `requested` agrees with it. Throws kestrel::Error naming
-// --quantization and both values when they disagree, and for fp8 on a float checkpoint (quantizing
-// at load is not supported yet).
+// The checkpoint's config when `requested` agrees with it, or fp8 is requested for a float
+// checkpoint (which the GPU backend then quantizes at load: LlamaModel::online_fp8). Throws
+// kestrel::Error naming --quantization and both values when they disagree.
 QuantConfig resolve_quantization(Quantization requested, const QuantConfig& checkpoint, const std::string& where);
 
 }  // namespace kestrel

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/thread_pool.h"
 #include "io/quoted.h"
 #include "io/safetensors_checkpoint.h"
@@ -18,16 +19,6 @@ uint32_t word(const uint8_t* base, int64_t i) {
   return w;
 }
 
-float scale_at(const QuantizedMatrix& m, int64_t i) {
-  if (m.scale_type == GgmlType::F32) {
-    float f;
-    std::memcpy(&f, m.scales + 4 * i, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, m.scales + 2 * i, 2);
-  return m.scale_type == GgmlType::F16 ? fp16_to_fp32(h) : bf16_to_fp32(h);
-}
 
 int32_t group_of(const QuantizedMatrix& m, int64_t k) {
   if (m.g_idx == nullptr) return static_cast<int32_t>(k / m.group_size);
@@ -168,12 +159,16 @@ QuantizedMatrix read_fp8(Reader& rd, const std::string& prefix, const QuantConfi
 
 }  // namespace
 
-float fp8_e4m3fn_to_fp32(uint8_t v) {
-  const int exp = (v >> 3) & 0xF, mant = v & 0x7;
-  const float sign = (v & 0x80) != 0 ? -1.0f : 1.0f;
-  if (exp == 0xF && mant == 0x7) return std::nanf("");
-  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant / 8 * 2^-6
-  return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);      // (1 + mant / 8) * 2^(exp - 7)
+
+float scale_at(const QuantizedMatrix& m, int64_t i) {
+  if (m.scale_type == GgmlType::F32) {
+    float f;
+    std::memcpy(&f, m.scales + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, m.scales + 2 * i, 2);
+  return m.scale_type == GgmlType::F16 ? fp16_to_fp32(h) : bf16_to_fp32(h);
 }
 
 void dequantize_rows(const QuantizedMatrix& m, int64_t row0, int64_t n_rows, float* out) {
@@ -184,7 +179,7 @@ void dequantize_rows(const QuantizedMatrix& m, int64_t row0, int64_t n_rows, flo
       const int64_t n = row0 + r;
       const uint8_t* w = m.weight + n * K;
       float* o = out + r * K;
-      for (int64_t k = 0; k < K; ++k) o[k] = fp8_e4m3fn_to_fp32(w[k]) * scale_at(m, (n / m.block_n) * cols + k / m.block_k);
+      for (int64_t k = 0; k < K; ++k) o[k] = e4m3_to_float(w[k]) * scale_at(m, (n / m.block_n) * cols + k / m.block_k);
     }
     return;
   }

@@ -56,9 +56,8 @@ struct QuantizedMatrix {
   int64_t scale_cols() const { return format == QuantFormat::Fp8 ? (n_in + block_k - 1) / block_k : n_out; }
 };
 
-// float8_e4m3fn (OCP FP8: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no infinities,
-// S.1111.111 NaN) to float32, exactly.
-float fp8_e4m3fn_to_fp32(uint8_t v);
+// Element i of the scales tensor (row-major over scale_cols() columns) as float32, exactly.
+float scale_at(const QuantizedMatrix& m, int64_t i);
 
 // Rows [row0, row0 + n_rows) of W as float32, written to out [n_rows, K]. The matrix must have
 // passed read_quantized_matrix's checks (reads stay inside the tensors it checked).

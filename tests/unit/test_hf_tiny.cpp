@@ -307,9 +307,16 @@ TEST(HfTinyQuantizedFlag, DisagreementIsAnError) {
                                  [&] { LlamaModel::load(fp8, LoadFormat::Auto, Quantization::Gptq); }));
   EXPECT_TRUE(test::fails_naming(plain + "/config.json", "--quantization gptq disagrees with the checkpoint, which is not quantized",
                                  [&] { LlamaModel::load(plain, LoadFormat::Auto, Quantization::Gptq); }));
-  EXPECT_TRUE(test::fails_naming(plain + "/config.json", "--quantization fp8 is not supported yet for unquantized checkpoints",
-                                 [&] { LlamaModel::load(plain, LoadFormat::Auto, Quantization::Fp8); }));
-  EXPECT_TRUE(test::fails_naming(gptq, "--quantization is not supported with --load-format dummy",
+  // fp8 on float weights: read as they are, marked for the GPU backend to quantize at load.
+  const auto online = LlamaModel::load(plain, LoadFormat::Auto, Quantization::Fp8);
+  EXPECT_TRUE(online->online_fp8());
+  EXPECT_TRUE(online->fp8_weights());
+  EXPECT_EQ(online->weights().at({0, WeightRole::Q}).matrix.quant, nullptr);
+  EXPECT_FALSE(LlamaModel::load(plain, LoadFormat::Auto, Quantization::Auto)->fp8_weights());
+  const auto fp8_ckpt = LlamaModel::load(fp8, LoadFormat::Auto, Quantization::Auto);
+  EXPECT_TRUE(fp8_ckpt->fp8_weights());
+  EXPECT_FALSE(fp8_ckpt->online_fp8());
+  EXPECT_TRUE(test::fails_naming(gptq, "of --quantization only fp8",
                                  [&] { LlamaModel::load(gptq, LoadFormat::Dummy, Quantization::Gptq); }));
 }
 

@@ -12,9 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "core/fp8.h"
 #include "hf_configs.h"
 #include "io/safetensors_checkpoint.h"
 #include "model/quant_config.h"
+#include "core/fp8.h"
 #include "model/quantized_matrix.h"
 #include "safetensors_builder.h"
 #include "test_util.h"
@@ -128,18 +130,18 @@ std::vector<int32_t> consecutive_groups(int64_t K, int64_t G) {
 }
 
 TEST(QuantizedMatrix, Fp8E4m3fnValues) {
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x38), 1.0f);    // exponent 7 = bias
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x3C), 1.5f);    // mantissa 4 / 8
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0xC0), -2.0f);
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x7E), 448.0f);  // the largest finite value
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x08), 0.015625f);                  // the smallest normal, 2^-6
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x01), 0.001953125f);               // the smallest subnormal, 2^-9
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x07), 7 * 0.001953125f);
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x00), 0.0f);
-  EXPECT_TRUE(std::signbit(fp8_e4m3fn_to_fp32(0x80)));
-  EXPECT_TRUE(std::isnan(fp8_e4m3fn_to_fp32(0x7F)));
-  EXPECT_TRUE(std::isnan(fp8_e4m3fn_to_fp32(0xFF)));
-  EXPECT_EQ(fp8_e4m3fn_to_fp32(0x77), 240.0f);  // no infinities: exponent 15 is a normal binade
+  EXPECT_EQ(e4m3_to_float(0x38), 1.0f);    // exponent 7 = bias
+  EXPECT_EQ(e4m3_to_float(0x3C), 1.5f);    // mantissa 4 / 8
+  EXPECT_EQ(e4m3_to_float(0xC0), -2.0f);
+  EXPECT_EQ(e4m3_to_float(0x7E), 448.0f);  // the largest finite value
+  EXPECT_EQ(e4m3_to_float(0x08), 0.015625f);                  // the smallest normal, 2^-6
+  EXPECT_EQ(e4m3_to_float(0x01), 0.001953125f);               // the smallest subnormal, 2^-9
+  EXPECT_EQ(e4m3_to_float(0x07), 7 * 0.001953125f);
+  EXPECT_EQ(e4m3_to_float(0x00), 0.0f);
+  EXPECT_TRUE(std::signbit(e4m3_to_float(0x80)));
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(e4m3_to_float(0xFF)));
+  EXPECT_EQ(e4m3_to_float(0x77), 240.0f);  // no infinities: exponent 15 is a normal binade
 }
 
 TEST(QuantizedMatrix, Gptq4BitAsymmetricZeros) {

@@ -13,6 +13,7 @@
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
 #include "backend/kv_geometry.h"
+#include "model/quantized_matrix.h"
 
 namespace kestrel {
 
@@ -79,9 +80,10 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     prof_ = std::make_unique<cuda::OpProfiler>(stream_);
     eager_ = true;  // events between the ops of every pass, no graphs
   }
+  fp8_weights_ = o.quantize_fp8;
   upload_weights();
   if (hp_.mla.enabled()) prepare_mla();
-  if (o.quantize_fp8) quantize_fp8_weights();
+  if (fp8_weights_) quantize_fp8_weights();
   block_size_ = o.block_size;
   allocate_kv(o);
 }
@@ -131,7 +133,7 @@ void CudaModelRunner::upload_weights() {
         dw.n_out += t->matrix.n_out;
         any_bias = any_bias || !t->bias.empty();
       }
-      dw.w = up.matrices(views);
+      if (!upload_fp8_codes(group, views, dw)) dw.w = up.matrices(views);
       if (any_bias) {
         std::vector<float> b(static_cast<size_t>(dw.n_out), 0.0f);
         int64_t at = 0;
@@ -153,7 +155,8 @@ void CudaModelRunner::upload_weights() {
         dw.n_out = static_cast<int64_t>(t->vector.size());
         continue;
       }
-      dw.w = matrix(t->matrix);
+      const WeightView* one[1] = {&t->matrix};
+      if (!upload_fp8_codes(static_cast<WeightRole>(r), one, dw)) dw.w = matrix(t->matrix);
       dw.n_in = t->matrix.n_in;
       dw.n_out = t->matrix.n_out;
       if (!t->bias.empty()) dw.b = upload_f32(t->bias);
@@ -164,12 +167,48 @@ void CudaModelRunner::upload_weights() {
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
+// The dense projections quantize_fp8_weights covers.
+static bool fp8_role(WeightRole r) {
+  switch (r) {
+    case WeightRole::Qkv: case WeightRole::Q: case WeightRole::K: case WeightRole::V: case WeightRole::AttnOut:
+    case WeightRole::GateUp: case WeightRole::Gate: case WeightRole::Up: case WeightRole::Down: return true;
+    default: return false;
+  }
+}
+
+bool CudaModelRunner::upload_fp8_codes(WeightRole role, std::span<const WeightView* const> views, DeviceWeight& dw) {
+  if (!fp8_weights_ || !fp8_role(role) || views.empty()) return false;
+  const int64_t n_in = views[0]->n_in;
+  int64_t rows = 0;
+  for (const WeightView* v : views) {
+    const QuantizedMatrix* q = v->quant;
+    if (q == nullptr || q->format != QuantFormat::Fp8 || q->block_k < n_in || v->n_in != n_in || n_in % 16 != 0)
+      return false;  // not FP8 with one scale per row (block scales are dequantized and requantized per row)
+    rows += v->n_out;
+  }
+  DevMem codes(static_cast<size_t>(rows * n_in));
+  std::vector<float> scale(static_cast<size_t>(rows));
+  int64_t at = 0;
+  for (const WeightView* v : views) {
+    const QuantizedMatrix& q = *v->quant;
+    KESTREL_CUDA_CHECK(cudaMemcpy(codes.as<uint8_t>() + at * n_in, q.weight, static_cast<size_t>(v->n_out * n_in),
+                                  cudaMemcpyHostToDevice));
+    for (int64_t r = 0; r < v->n_out; ++r) scale[static_cast<size_t>(at + r)] = scale_at(q, (r / q.block_n) * q.scale_cols());
+    at += v->n_out;
+  }
+  dw.w = std::move(codes);
+  dw.scale = upload_f32(scale);
+  dw.fp8 = true;
+  return true;
+}
+
 void CudaModelRunner::quantize_fp8_weights() {
   for (Layer& L : layers_)
     for (const WeightRole r : {WeightRole::Qkv, WeightRole::Q, WeightRole::K, WeightRole::V, WeightRole::AttnOut,
                                WeightRole::GateUp, WeightRole::Gate, WeightRole::Up, WeightRole::Down}) {
       DeviceWeight& dw = L[r];
-      if (dw.w.bytes() == 0 || dw.n_in % 16 != 0) continue;  // absent, or not a shape the FP8 kernels take
+      // Absent, already FP8 (upload_fp8_codes), or not a shape the FP8 kernels take.
+      if (dw.w.bytes() == 0 || dw.fp8 || dw.n_in % 16 != 0) continue;
       DevMem q(static_cast<size_t>(dw.n_out * dw.n_in));
       dw.scale.reset(static_cast<size_t>(dw.n_out) * 4);
       cuda::quantize_rows_fp8(dw.w.as<bf16>(), dw.n_in, dw.n_out, dw.n_in, q.as<uint8_t>(), dw.scale.as<float>(),
@@ -177,7 +216,6 @@ void CudaModelRunner::quantize_fp8_weights() {
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // before the bf16 copy is freed
       dw.w = std::move(q);
       dw.fp8 = true;
-      fp8_weights_ = true;
     }
 }
 

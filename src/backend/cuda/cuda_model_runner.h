@@ -180,6 +180,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Dense projections (QKV, o, gate/up, down) as FP8 E4M3 with per-channel scales, quantized on
   // the device after upload (RunnerOptions::quantize_fp8).
   void quantize_fp8_weights();
+  // With fp8_weights_, a dense projection whose stored parts are all FP8 checkpoint matrices with
+  // one scale per row (per channel or per tensor) is uploaded as its codes and row scales, exactly;
+  // false (nothing uploaded) otherwise.
+  bool upload_fp8_codes(WeightRole role, std::span<const WeightView* const> views, DeviceWeight& dw);
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -215,7 +219,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).
   bool fused_norm_ = true;
-  bool fp8_weights_ = false;  // the dense projections are FP8 (quantize_fp8_weights)
+  bool fp8_weights_ = false;  // RunnerOptions::quantize_fp8: the dense projections are FP8
   // 0: the kernel's default, 4 (CudaTuning::stream_gemv_stages 3, 4 or 6; 3: 196.8 against 227.4
   // tok/s). Six stages for gate/up and down alone were faster back to back (54.6 against 56.6 us,
   // 27.6 against 28.1) but not in decode: H200, the 8B at batch 1, 232.8 tok/s against 235.0 with
