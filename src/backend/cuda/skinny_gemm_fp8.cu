@@ -42,15 +42,21 @@ void skinny_gemm_fp8(const SkinnyFp8Args& a, cudaStream_t stream) {
   check_gemv_operands("skinny_gemm_fp8", checked);
   if (a.w_scale == nullptr) throw Error("skinny_gemm_fp8: no weight scales");
   const int u = a.unroll, wp = a.warps;
+  // Defaults: the fastest variant measured on the H200 per Llama-3.1-8B shape (kestrel_cuda_bench
+  // fp8, docs/performance.md): 4 warps of 4 k-steps for the wide projections of n_in 4096 (QKV,
+  // gate/up: 9.4 and 35.9 us at one token), 8 warps of 2 for the others (o, down: 7.2 and 19.7 us).
+  // Chosen by shape only, so a projection's sums do not depend on the batch.
+  const bool wide = a.n_out >= 6144 && a.n_in <= 4096;
   if (a.n_tokens <= 8) {
-    if ((u == 0 || u == 2) && (wp == 0 || wp == 8)) return launch_fp8<1, 2, 8>(a, stream);
+    if ((u == 0 && wide) || (u == 4 && wp == 4)) return launch_fp8<1, 4, 4>(a, stream);
+    if ((u == 0 && !wide) || (u == 2 && wp == 8)) return launch_fp8<1, 2, 8>(a, stream);
     if (u == 4 && wp == 8) return launch_fp8<1, 4, 8>(a, stream);
     if (u == 1 && wp == 8) return launch_fp8<1, 1, 8>(a, stream);
     if (u == 2 && wp == 4) return launch_fp8<1, 2, 4>(a, stream);
-    if (u == 4 && wp == 4) return launch_fp8<1, 4, 4>(a, stream);
   } else if (a.n_tokens <= 16) {
     if ((u == 0 || u == 2) && (wp == 0 || wp == 8)) return launch_fp8<2, 2, 8>(a, stream);
     if (u == 1 && wp == 8) return launch_fp8<2, 1, 8>(a, stream);
+    if (u == 2 && wp == 4) return launch_fp8<2, 2, 4>(a, stream);
   }
   throw Error("skinny_gemm_fp8: no kernel built for unroll " + std::to_string(u) + ", warps " + std::to_string(wp) +
               " at " + std::to_string(a.n_tokens) + " tokens");
