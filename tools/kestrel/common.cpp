@@ -107,8 +107,14 @@ SamplingParams SamplingFlags::params() const {
 std::unique_ptr<Engine> make_engine(const LoadedModel& lm, const KestrelConfig& config) {
   const EngineConfig engine_config = config.engine_config(*lm.model);
   std::unique_ptr<ModelRunner> runner;
-  if (config.device.device != "cpu")
-    runner = make_runner(config.device.device, *lm.model, config.runner_options(engine_config));
+  if (config.device.device == "cpu" && lm.model->online_fp8())
+    throw CLI::ValidationError("--quantization", "fp8 on float weights quantizes them at load on the GPU (--device "
+                                                 "cuda); the CPU backend runs FP8 checkpoints dequantized");
+  if (config.device.device != "cpu") {
+    RunnerOptions o = config.runner_options(engine_config);
+    o.quantize_fp8 = lm.model->fp8_weights();
+    runner = make_runner(config.device.device, *lm.model, o);
+  }
   try {
     return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), engine_config, std::move(runner));
   } catch (const Error& e) {
