@@ -42,14 +42,13 @@ void skinny_gemm_fp8(const SkinnyFp8Args& a, cudaStream_t stream) {
   check_gemv_operands("skinny_gemm_fp8", checked);
   if (a.w_scale == nullptr) throw Error("skinny_gemm_fp8: no weight scales");
   const int u = a.unroll, wp = a.warps;
-  // Defaults: the fastest variant measured on the H200 per Llama-3.1-8B shape (kestrel_cuda_bench
-  // fp8, docs/performance.md): 4 warps of 4 k-steps for the wide projections of n_in 4096 (QKV,
-  // gate/up: 9.4 and 35.9 us at one token), 8 warps of 2 for the others (o, down: 7.2 and 19.7 us).
-  // Chosen by shape only, so a projection's sums do not depend on the batch.
-  const bool wide = a.n_out >= 6144 && a.n_in <= 4096;
+  // Defaults: at up to 8 tokens 4 warps of 4 k-steps, the fastest in the Llama-3.1-8B-shaped model
+  // on the H200 (batch-1 decode 294.8 tok/s; 280.0 with 8 warps of 2 for o and down, although
+  // those are faster alone: 7.2 against 8.8 us and 19.7 against 24.1 us in kestrel_cuda_bench fp8,
+  // where no kernel overlaps the next one's start).
   if (a.n_tokens <= 8) {
-    if ((u == 0 && wide) || (u == 4 && wp == 4)) return launch_fp8<1, 4, 4>(a, stream);
-    if ((u == 0 && !wide) || (u == 2 && wp == 8)) return launch_fp8<1, 2, 8>(a, stream);
+    if ((u == 0 || u == 4) && (wp == 0 || wp == 4)) return launch_fp8<1, 4, 4>(a, stream);
+    if (u == 2 && wp == 8) return launch_fp8<1, 2, 8>(a, stream);
     if (u == 4 && wp == 8) return launch_fp8<1, 4, 8>(a, stream);
     if (u == 1 && wp == 8) return launch_fp8<1, 1, 8>(a, stream);
     if (u == 2 && wp == 4) return launch_fp8<1, 2, 4>(a, stream);
