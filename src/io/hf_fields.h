@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "io/json_text.h"
 
 namespace kestrel {
 
@@ -40,20 +41,20 @@ class HfFields {
     if (!has(key)) fail("missing required field '" + std::string(key) + "'");
     const nlohmann::json& v = j_.at(key);
     if (!v.is_number() || !std::isfinite(v.get<double>()))
-      fail("field '" + std::string(key) + "' must be a finite number, got " + v.dump());
+      fail("field '" + std::string(key) + "' must be a finite number, got " + json_shown(v));
     return v.get<double>();
   }
   double number_or(const char* key, double fallback) const { return has(key) ? number(key) : fallback; }
   bool flag_or(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
     if (!j_.at(key).is_boolean())
-      fail("field '" + std::string(key) + "' must be true or false, got " + j_.at(key).dump());
+      fail("field '" + std::string(key) + "' must be true or false, got " + json_shown(j_.at(key)));
     return j_.at(key).get<bool>();
   }
   std::string string_or(const char* key, std::string fallback) const {
     if (!has(key)) return fallback;
     if (!j_.at(key).is_string())
-      fail("field '" + std::string(key) + "' must be a string, got " + j_.at(key).dump());
+      fail("field '" + std::string(key) + "' must be a string, got " + json_shown(j_.at(key)));
     return j_.at(key).get<std::string>();
   }
   [[noreturn]] void fail(const std::string& msg) const { throw Error(where_ + ": " + msg); }
@@ -69,7 +70,7 @@ class HfFields {
                std::trunc(v.get<double>()) == v.get<double>() && std::fabs(v.get<double>()) < 9e18) {
       x = static_cast<int64_t>(v.get<double>());
     }
-    if (!x) fail("field '" + std::string(key) + "' must be an integer, got " + v.dump());
+    if (!x) fail("field '" + std::string(key) + "' must be an integer, got " + json_shown(v));
     if (*x < lo || *x > kMaxDim)
       fail("field '" + std::string(key) + "' must be in [" + std::to_string(lo) + ", " +
            std::to_string(kMaxDim) + "], got " + std::to_string(*x));

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "io/mapped_file.h"
 #include "io/quoted.h"
+#include "io/json_text.h"
 
 namespace kestrel {
 namespace {
@@ -48,19 +49,7 @@ std::string known_dtypes() {
   return s;
 }
 
-// A JSON value for an error message, cut short. Arrays and objects are only described: dumping
-// them would recurse as deep as a hostile header nests them.
-std::string shown(const json& j) {
-  if (j.is_array() || j.is_object()) {
-    bool flat = true;
-    for (const json& e : j) flat = flat && e.is_primitive();
-    if (!flat || j.size() > 8)
-      return std::string(j.is_array() ? "an array" : "an object") + " of " + std::to_string(j.size()) +
-             " elements";
-  }
-  std::string s = j.dump(-1, ' ', true, json::error_handler_t::replace);
-  return s.size() > 64 ? s.substr(0, 64) + "..." : s;
-}
+std::string shown(const json& j) { return json_shown(j); }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "io/hf_fields.h"
+#include "io/json_text.h"
 
 namespace kestrel {
 namespace {
@@ -35,7 +36,7 @@ const ArchInfo& find_arch(const HfFields& c) {
   if (c.has("architectures")) {
     const json& a = c.at("architectures");
     if (!a.is_array() || a.empty() || !a[0].is_string())
-      c.fail("field 'architectures' must be a non-empty array of strings, got " + a.dump());
+      c.fail("field 'architectures' must be a non-empty array of strings, got " + json_shown(a));
     name = a[0].get<std::string>();
     for (const ArchInfo& i : kArchs)
       if (name == i.hf_name) return i;
@@ -74,7 +75,7 @@ void read_rope_scaling(const HfFields& c, HfModelConfig& cfg) {
   const char* key = c.has("rope_scaling") ? "rope_scaling" : "rope_parameters";
   if (!c.has(key)) return;
   const json& rs = c.at(key);
-  if (!rs.is_object()) c.fail("field '" + std::string(key) + "' must be an object or null, got " + rs.dump());
+  if (!rs.is_object()) c.fail("field '" + std::string(key) + "' must be an object or null, got " + json_shown(rs));
   const HfFields s(rs, c.where() + ": " + key);
   if (!s.has("rope_type") && !s.has("type")) return;
   // transformers renamed "type" to "rope_type"; configs carry either.
@@ -115,10 +116,10 @@ void read_moe(const HfFields& c, HfModelConfig& cfg) {
     moe.sparse_step = c.get_or("decoder_sparse_step", 1);
     if (c.has("mlp_only_layers")) {
       const json& m = c.at("mlp_only_layers");
-      if (!m.is_array()) c.fail("field 'mlp_only_layers' must be an array of layer indices, got " + m.dump());
+      if (!m.is_array()) c.fail("field 'mlp_only_layers' must be an array of layer indices, got " + json_shown(m));
       for (const json& v : m) {
         if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= hp.n_layer)
-          c.fail("field 'mlp_only_layers' holds " + v.dump() + ", not a layer index in [0, " +
+          c.fail("field 'mlp_only_layers' holds " + json_shown(v) + ", not a layer index in [0, " +
                  std::to_string(hp.n_layer) + ")");
         moe.dense_layers.push_back(v.get<int64_t>());
       }
@@ -177,7 +178,7 @@ void read_gemma3(const HfFields& c, HfModelConfig& cfg) {
   if (c.has("layer_types")) {
     const json& t = c.at("layer_types");
     if (!t.is_array() || static_cast<int64_t>(t.size()) != hp.n_layer)
-      c.fail("field 'layer_types' must list the " + std::to_string(hp.n_layer) + " layers, got " + t.dump());
+      c.fail("field 'layer_types' must list the " + std::to_string(hp.n_layer) + " layers, got " + json_shown(t));
     int64_t pattern = 0;
     for (int64_t l = 0; l < hp.n_layer && pattern == 0; ++l)
       if (t[static_cast<size_t>(l)] == "full_attention") pattern = l + 1;

@@ -1,12 +1,15 @@
 #include "model/quant_config.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
 #include <algorithm>
 #include <cctype>
 #include <nlohmann/json.hpp>
-#include <regex>
 
 #include "core/error.h"
 #include "io/hf_fields.h"
+#include "io/json_text.h"
 
 namespace kestrel {
 namespace {
@@ -22,9 +25,9 @@ std::string lower(std::string s) {
 void read_names(const HfFields& q, const char* key, std::vector<std::string>& out) {
   if (!q.has(key)) return;
   const json& v = q.at(key);
-  if (!v.is_array()) q.fail("field '" + std::string(key) + "' must be a list of module names, got " + v.dump());
+  if (!v.is_array()) q.fail("field '" + std::string(key) + "' must be a list of module names, got " + json_shown(v));
   for (const json& e : v) {
-    if (!e.is_string()) q.fail("field '" + std::string(key) + "' holds " + e.dump() + ", not a module name");
+    if (!e.is_string()) q.fail("field '" + std::string(key) + "' holds " + json_shown(e) + ", not a module name");
     out.push_back(e.get<std::string>());
   }
 }
@@ -62,9 +65,12 @@ void read_awq(const HfFields& q, QuantConfig& c) {
 
 void read_block(const HfFields& q, const char* key, QuantConfig& c) {
   const json& b = q.at(key);
+  // At most HfFields::kMaxDim each, so that ceil(N / block) cannot overflow.
   if (!b.is_array() || b.size() != 2 || !b[0].is_number_integer() || !b[1].is_number_integer() ||
-      b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0)
-    q.fail("field '" + std::string(key) + "' must be [rows, columns] of two positive integers, got " + b.dump());
+      b[0].get<int64_t>() <= 0 || b[1].get<int64_t>() <= 0 || b[0].get<int64_t>() > HfFields::kMaxDim ||
+      b[1].get<int64_t>() > HfFields::kMaxDim)
+    q.fail("field '" + std::string(key) + "' must be [rows, columns] of two integers in [1, " +
+           std::to_string(HfFields::kMaxDim) + "], got " + json_shown(b));
   c.block_n = b[0].get<int64_t>();
   c.block_k = b[1].get<int64_t>();
 }
@@ -140,10 +146,62 @@ Quantization parse_quantization(std::string_view name) {
   throw Error("unknown quantization '" + std::string(name) + "' (supported: auto, none, fp8, awq, gptq)");
 }
 
+struct QuantConfig::Pattern {
+  pcre2_code* code = nullptr;
+  std::string text;
+  ~Pattern() { pcre2_code_free(code); }
+};
+
+namespace {
+
+// A "re:" entry's expression, compiled to match a whole module name. Throws kestrel::Error with
+// PCRE2's message (which also refuses nesting past its parenthesis limit of 250).
+std::shared_ptr<const QuantConfig::Pattern> compile_pattern(const std::string& expr) {
+  int err = 0;
+  PCRE2_SIZE off = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(expr.data()), expr.size(),
+                                   PCRE2_ANCHORED | PCRE2_ENDANCHORED, &err, &off, nullptr);
+  if (code == nullptr) {
+    PCRE2_UCHAR msg[256];
+    pcre2_get_error_message(err, msg, sizeof msg);
+    throw Error("a 're:' entry of the ignore list is not a valid regular expression (at offset " +
+                std::to_string(off) + ": " + reinterpret_cast<const char*>(msg) + ")");
+  }
+  auto p = std::make_shared<QuantConfig::Pattern>();
+  p->code = code;
+  p->text = expr.size() > 64 ? expr.substr(0, 64) + "..." : expr;
+  return p;
+}
+
+// Whether `p` matches all of `subject`, within PCRE2 match and depth limits (a module name is
+// short: a pattern that needs more steps backtracks catastrophically).
+bool pattern_matches(const QuantConfig::Pattern& p, const std::string& subject) {
+  pcre2_match_context* ctx = pcre2_match_context_create(nullptr);
+  pcre2_match_data* md = pcre2_match_data_create_from_pattern(p.code, nullptr);
+  if (ctx == nullptr || md == nullptr) {
+    pcre2_match_context_free(ctx);
+    pcre2_match_data_free(md);
+    throw Error("out of memory matching an ignore pattern");
+  }
+  pcre2_set_match_limit(ctx, 100000);
+  pcre2_set_depth_limit(ctx, 1000);
+  const int rc = pcre2_match(p.code, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(), 0, 0, md, ctx);
+  pcre2_match_data_free(md);
+  pcre2_match_context_free(ctx);
+  if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT)
+    throw Error("the ignore pattern 're:" + p.text + "' backtracks past PCRE2's limits matching '" + subject +
+                "'; simplify it");
+  return rc >= 0;
+}
+
+}  // namespace
+
 bool QuantConfig::is_not_converted(const std::string& prefix) const {
-  for (const std::string& e : not_converted) {
+  for (size_t i = 0; i < not_converted.size(); ++i) {
+    const std::string& e = not_converted[i];
     if (e.starts_with("re:")) {
-      if (std::regex_match(prefix, std::regex(e.substr(3)))) return true;
+      const bool compiled = i < not_converted_re.size() && not_converted_re[i] != nullptr;
+      if (pattern_matches(compiled ? *not_converted_re[i] : *compile_pattern(e.substr(3)), prefix)) return true;
     } else if (!e.empty()) {
       // Whole dotted components: "mlp.gate" names model.layers.0.mlp.gate, not mlp.gate_proj.
       const std::string dotted = "." + prefix + ".";
@@ -159,7 +217,7 @@ QuantConfig QuantConfig::from_json(const json& config, const std::string& where)
     return c;
   const json& qc = config["quantization_config"];
   const HfFields q(qc, where + ": quantization_config");
-  if (!qc.is_object()) q.fail("must be an object, got " + qc.dump());
+  if (!qc.is_object()) q.fail("must be an object, got " + json_shown(qc));
   c.quant_method = q.string_or("quant_method", "");
   if (c.quant_method == "gptq") {
     c.method = QuantMethod::Gptq;
@@ -178,9 +236,9 @@ QuantConfig QuantConfig::from_json(const json& config, const std::string& where)
   }
   try {
     for (const std::string& e : c.not_converted)
-      if (e.starts_with("re:")) (void)std::regex(e.substr(3));
-  } catch (const std::regex_error& e) {
-    q.fail(std::string("a 're:' entry of the ignore list is not a valid regular expression: ") + e.what());
+      c.not_converted_re.push_back(e.starts_with("re:") ? compile_pattern(e.substr(3)) : nullptr);
+  } catch (const Error& e) {
+    q.fail(e.what());
   }
   return c;
 }

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
@@ -49,13 +50,18 @@ struct QuantConfig {
   bool block_scale_inv = false;  // the scale is called weight_scale_inv (quant_method fp8 with blocks)
   // Modules left in float: modules_to_not_convert / ignored_layers / ignore entries.
   std::vector<std::string> not_converted;
+  // The "re:" entries of not_converted compiled (PCRE2, anchored at both ends), by from_json;
+  // null for the other entries.
+  struct Pattern;
+  std::vector<std::shared_ptr<const Pattern>> not_converted_re;
 
   bool quantized() const { return method != QuantMethod::None; }
   // Whether the HF module `prefix` ("model.layers.0.self_attn.q_proj") is listed as left in
   // float: an entry that is a run of its dotted components ("lm_head", "mlp.gate",
   // "model.layers.0"; vLLM's modules_to_not_convert matches substrings, this matches whole
   // components so "mlp.gate" does not take mlp.gate_proj), or a "re:" entry whose regular
-  // expression matches all of it (compressed-tensors).
+  // expression matches all of it (compressed-tensors). Throws kestrel::Error naming the entry when
+  // its match exceeds PCRE2's match or depth limit (a catastrophically backtracking pattern).
   bool is_not_converted(const std::string& prefix) const;
 
   // Reads config["quantization_config"] (absent or null: None). Throws kestrel::Error("<where>:

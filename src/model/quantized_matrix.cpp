@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <new>
 
 #include "core/error.h"
 #include "core/fp8.h"
@@ -221,7 +222,13 @@ WeightView QuantizedWeights::add(QuantizedMatrix m) {
   auto e = std::make_unique<Entry>();
   e->m = std::move(m);
   // Default-initialised: the pages are not touched until make_host() writes them.
-  e->host.reset(new float[static_cast<size_t>(e->m.n_in * e->m.n_out)]);
+  const size_t n = static_cast<size_t>(e->m.n_in * e->m.n_out);
+  try {
+    e->host.reset(new float[n]);
+  } catch (const std::bad_alloc&) {
+    throw Error(e->m.name + ": cannot reserve " + std::to_string((n * sizeof(float)) >> 20) +
+                " MiB of address space for the matrix's f32 host copy");
+  }
   WeightView v{GgmlType::F32, e->m.n_in, e->m.n_out, reinterpret_cast<const uint8_t*>(e->host.get())};
   v.quant = &e->m;
   m_.push_back(std::move(e));

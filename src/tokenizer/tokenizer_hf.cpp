@@ -10,6 +10,7 @@
 #include "tokenizer/pre_tokenizer.h"
 #include "tokenizer/spec_loaders.h"
 #include "tokenizer/tokenizer.h"
+#include "io/json_text.h"
 
 namespace kestrel {
 
@@ -237,7 +238,7 @@ TokenizerSpec spec_from_tokenizer_json(const std::string& path, VocabBuilder* vb
       } else if (m.is_array() && m.size() == 2) {
         spec.merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
       } else {
-        throw Error(path + ": a merge is neither \"a b\" nor [a, b]: " + m.dump());
+        throw Error(path + ": a merge is neither \"a b\" nor [a, b]: " + json_shown(m));
       }
     }
     spec.ignore_merges = model.value("ignore_merges", false);

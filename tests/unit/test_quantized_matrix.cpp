@@ -382,5 +382,30 @@ TEST(QuantConfig, ReadsMethodsAndIgnoreLists) {
             "unknown quantization 'int4' (supported: auto, none, fp8, awq, gptq)");
 }
 
+// Hostile metadata fails with an error, never a crash or a hang: block sizes whose ceil division
+// would overflow, values nested deeper than a recursive dump survives, ignore patterns nested past
+// PCRE2's parenthesis limit, and a catastrophically backtracking ignore pattern.
+TEST(QuantConfigErrors, HostileMetadataIsAnErrorNotACrash) {
+  const int64_t big = INT64_MAX;
+  EXPECT_NE(config_error({{"quant_method", "fp8"}, {"weight_block_size", {big, big}}})
+                .find("field 'weight_block_size' must be [rows, columns] of two integers in [1, 1073741824]"),
+            std::string::npos);
+  // Parsed in place (nlohmann's parser and destructor do not recurse; copying the value would).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string text = R"({"quantization_config": {"quant_method": "gptq", "group_size": 128, "bits": )" + deep + "}}";
+  EXPECT_NE(test::error_of([&] { QuantConfig::from_json(json::parse(text), "config.json"); }).find("an array of 1 elements"),
+            std::string::npos);
+  const json nested = {{"quant_method", "fp8"}, {"modules_to_not_convert", {"re:" + std::string(20000, '(') + std::string(20000, ')')}}};
+  EXPECT_NE(config_error(nested).find("not a valid regular expression"), std::string::npos);
+  // (a|a)+ before a failing tail tries 2^32 splits of the a's (the subject holds every code unit
+  // the pattern requires, so PCRE2's quick rejections do not apply).
+  const QuantConfig f =
+      config_of({{"quant_method", "fp8"}, {"modules_to_not_convert", {"lm_head", "re:(a|a)+bc", "re:(.*)*x"}}});
+  EXPECT_NE(test::error_of([&] { (void)f.is_not_converted(std::string(32, 'a') + "cbc"); })
+                .find("backtracks past PCRE2's limits"),
+            std::string::npos);
+  EXPECT_TRUE(f.is_not_converted("lm_head"));
+}
+
 }  // namespace
 }  // namespace kestrel
