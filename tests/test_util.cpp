@@ -67,10 +67,7 @@ int run_command(const std::string& cmd, std::string* out) {
 
 namespace kestrel::test {
 
-std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config) {
-  if (config.max_model_len == 0) config.max_model_len = static_cast<int64_t>(ids.size()) + 1;
-  config.max_num_seqs = 1;
-  Engine engine(model, nullptr, config);
+std::vector<float> prompt_logits(Engine& engine, const std::vector<int32_t>& ids) {
   Request r;
   r.prompt = ids;
   r.max_tokens = 1;
@@ -84,6 +81,13 @@ std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int3
       if (o.finished && o.finish_reason == "error") throw Error(o.error);
     }
   return out;
+}
+
+std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config) {
+  if (config.max_model_len == 0) config.max_model_len = static_cast<int64_t>(ids.size()) + 1;
+  config.max_num_seqs = 1;
+  Engine engine(model, nullptr, config);
+  return prompt_logits(engine, ids);
 }
 
 std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,

@@ -65,6 +65,8 @@ int run_command(const std::string& cmd, std::string* out);
 // (Request::prompt_logits), the prompt in chunks of config.max_num_batched_tokens tokens:
 // [ids.size(), n_vocab], f32. config.max_model_len 0 = ids.size() + 1.
 std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int32_t>& ids, EngineConfig config = {});
+// The same on an existing engine (any backend), as one request.
+std::vector<float> prompt_logits(Engine& engine, const std::vector<int32_t>& ids);
 
 // Submits every prompt at once (greedy, max_tokens new tokens, no stop ids) and steps the engine to
 // the end: each prompt's ids. An output that ends with an error fails the calling test.

@@ -92,20 +92,6 @@ double expect_logits_close(const std::vector<float>& got, const std::vector<floa
   return worst;
 }
 
-// Prompt logits (every position) of one prompt on an engine over `runner`.
-std::vector<float> prompt_logits(Engine& e, const std::vector<int32_t>& ids) {
-  Request r;
-  r.prompt = ids;
-  r.max_tokens = 1;
-  r.sampling.temperature = 0;
-  r.prompt_logits = true;
-  e.add_request(r);
-  std::vector<float> got;
-  while (e.has_unfinished())
-    for (RequestOutput& o : e.step())
-      if (!o.prompt_logits.empty()) got = std::move(o.prompt_logits);
-  return got;
-}
 
 // Equal up to the first differing token, which must come at a step whose margin is a near-tie.
 // Returns whether the whole continuation is equal.
@@ -149,11 +135,11 @@ void expect_cuda_matches(const LlamaModel& model, const std::vector<std::vector<
     for (size_t i = 0; i < prompts.size(); ++i) {
       std::vector<int32_t> forced = prompts[i];
       forced.insert(forced.end(), want[i].begin(), want[i].end() - 1);
-      margins.push_back(margins_from(prompt_logits(cpu, forced), n_vocab, prompts[i].size() - 1));
+      margins.push_back(margins_from(test::prompt_logits(cpu, forced), n_vocab, prompts[i].size() - 1));
     }
   }
   std::vector<std::vector<float>> cpu_logits;
-  for (const auto& p : prompts) cpu_logits.push_back(prompt_logits(cpu, p));
+  for (const auto& p : prompts) cpu_logits.push_back(test::prompt_logits(cpu, p));
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
     Engine gpu(model, nullptr, cpu_config(model), cuda_runner(model, eager));
@@ -165,7 +151,7 @@ void expect_cuda_matches(const LlamaModel& model, const std::vector<std::vector<
     if (!eager) continue;  // prompts are prefills, never graphed: the eager run covers their logits
     double worst = 0;
     for (size_t i = 0; i < prompts.size(); ++i)
-      worst = std::max(worst, expect_logits_close(prompt_logits(gpu, prompts[i]), cpu_logits[i], n_vocab));
+      worst = std::max(worst, expect_logits_close(test::prompt_logits(gpu, prompts[i]), cpu_logits[i], n_vocab));
     std::printf("  worst |cuda - cpu| prompt logit %.4f (%.4f of its row's largest magnitude)\n", worst, g_worst_rel);
   }
 }

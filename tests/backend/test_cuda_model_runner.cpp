@@ -68,16 +68,7 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
     Engine gpu(*model, tok.get(), config(), cuda_runner(*model, eager));
     EXPECT_EQ(greedy_ids(gpu, prompts, 32), want);
 
-    Request r;
-    r.prompt = prompts[0];
-    r.max_tokens = 1;
-    r.sampling.temperature = 0;
-    r.prompt_logits = true;
-    gpu.add_request(r);
-    std::vector<float> got;
-    while (gpu.has_unfinished())
-      for (RequestOutput& o : gpu.step())
-        if (!o.prompt_logits.empty()) got = std::move(o.prompt_logits);
+    const std::vector<float> got = test::prompt_logits(gpu, prompts[0]);
     ASSERT_EQ(got.size(), want_logits.size());
     for (size_t row = 0; row < prompts[0].size(); ++row) {
       const float* g = got.data() + row * n_vocab;
@@ -132,16 +123,7 @@ TEST(CudaModelRunner, Fp8WeightsStayCloseToTheCpuBackendOnStories260K) {
   const int64_t n_vocab = model->hparams().n_vocab;
   const std::vector<float> want = test::prompt_logits(*model, prompt, config());
   Engine gpu(*model, tok.get(), config(), cuda_runner(*model, false, /*fp8=*/true));
-  Request r;
-  r.prompt = prompt;
-  r.max_tokens = 1;
-  r.sampling.temperature = 0;
-  r.prompt_logits = true;
-  gpu.add_request(r);
-  std::vector<float> got;
-  while (gpu.has_unfinished())
-    for (RequestOutput& o : gpu.step())
-      if (!o.prompt_logits.empty()) got = std::move(o.prompt_logits);
+  const std::vector<float> got = test::prompt_logits(gpu, prompt);
   ASSERT_EQ(got.size(), want.size());
   float worst_rel = 0;
   for (size_t row = 0; row < prompt.size(); ++row) {
