@@ -29,6 +29,10 @@ int64_t kv_dtype_bytes(KvDtype t) {
   return 0;
 }
 
+bool kv_dtype_is_quantized(KvDtype t) { return t == KvDtype::FP8 || t == KvDtype::INT8; }
+
+int64_t kv_scale_bytes(KvDtype t) { return kv_dtype_is_quantized(t) ? 4 : 0; }
+
 KvDtype parse_kv_dtype(std::string_view text, std::string_view what) {
   std::string s(text);
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

@@ -29,11 +29,14 @@ int64_t kv_bytes_per_token(const KvGeometry& g, KvDtype dtype) {
   g.validate();
   const std::string what = "KV bytes per token";
   const int64_t elem = kv_dtype_bytes(dtype);
+  const int64_t scale = kv_scale_bytes(dtype);
   if (g.is_mla()) {
     const int64_t width = checked_add(g.kv_lora_rank, g.rope_dim, what);
-    return checked_mul(checked_mul(g.n_layer, width, what), elem, what);
+    const int64_t row = checked_add(checked_mul(width, elem, what), 2 * scale, what);
+    return checked_mul(g.n_layer, row, what);
   }
-  const int64_t per_layer = checked_mul(checked_mul(g.n_head_kv, g.head_dim, what), elem, what);
+  const int64_t row = checked_add(checked_mul(g.head_dim, elem, what), scale, what);
+  const int64_t per_layer = checked_mul(g.n_head_kv, row, what);
   return checked_mul(checked_mul(2, g.n_layer, what), per_layer, what);
 }
 

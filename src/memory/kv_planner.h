@@ -27,9 +27,11 @@ struct KvGeometry {
 };
 
 // Bytes of KV cache per token over all layers:
-//   standard: 2 x n_layer x n_head_kv x head_dim x bytes(dtype)   (K and V)
-//   MLA:      n_layer x (kv_lora_rank + rope_dim) x bytes(dtype)  (one latent, no factor 2)
-// LLaMA-2-70B (80, 8, 128) in f16: 327,680. Throws kestrel::Error on invalid geometry or overflow.
+//   standard: 2 x n_layer x n_head_kv x (head_dim x bytes(dtype) + scale)     (K and V)
+//   MLA:      n_layer x ((kv_lora_rank + rope_dim) x bytes(dtype) + 2 scale)  (one latent, no factor 2)
+// where scale = kv_scale_bytes(dtype) (4 for fp8 / int8 rows, 0 for float types).
+// LLaMA-2-70B (80, 8, 128) in f16: 327,680; in fp8: 163,840 + 5,120 of scales.
+// Throws kestrel::Error on invalid geometry or overflow.
 int64_t kv_bytes_per_token(const KvGeometry& g, KvDtype dtype);
 
 struct KvPlanRequest {

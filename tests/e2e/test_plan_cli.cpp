@@ -102,7 +102,8 @@ TEST(PlanCli, UnitsAndDtypesReachThePlan) {
       plan_json("--config " + config + " --memory 64GiB --bandwidth 3.35e12 --kv-dtype fp8 --context 100");
   EXPECT_EQ(j["memory_bytes"], 68'719'476'736);
   EXPECT_DOUBLE_EQ(j["bandwidth_bytes_per_s"].get<double>(), 3.35e12);
-  EXPECT_EQ(j["kv_bytes_per_token"], 262144);  // 2 x 32 x 32 x 128 x 1
+  EXPECT_EQ(j["kv_bytes_per_token"], 270336);  // 2 x 32 x 32 x (128 x 1 + 4 B row scale)
+  EXPECT_EQ(j["kv_scale_bytes"], 4);
 }
 
 TEST(PlanCli, DefaultModelJson) {

@@ -36,7 +36,9 @@ TEST(KvPlanner, Llama2_70bBytesPerToken) {
   // 2 x 80 layers x 8 KV heads x 128 x 2 bytes = 327,680.
   EXPECT_EQ(kv_bytes_per_token(kLlama2_70b, KvDtype::F16), 327680);
   EXPECT_EQ(kv_bytes_per_token(kLlama2_70b, KvDtype::F32), 655360);
-  EXPECT_EQ(kv_bytes_per_token(kLlama2_70b, KvDtype::FP8), 163840);
+  // fp8: 2 x 80 x 8 x (128 x 1 + 4 bytes of row scale) = 168,960.
+  EXPECT_EQ(kv_bytes_per_token(kLlama2_70b, KvDtype::FP8), 168960);
+  EXPECT_EQ(kv_bytes_per_token(kLlama2_70b, KvDtype::INT8), 168960);
 }
 
 TEST(KvPlanner, Llama2_7bBytesPerSequenceAt4096) {
@@ -50,7 +52,8 @@ TEST(KvPlanner, DeepSeekV2MlaHasNoFactorTwo) {
   // 60 layers x (512 + 64) x 2 bytes (bf16) = 69,120: one latent shared by K and V.
   EXPECT_TRUE(kDeepSeekV2.is_mla());
   EXPECT_EQ(kv_bytes_per_token(kDeepSeekV2, KvDtype::BF16), 69120);
-  EXPECT_EQ(kv_bytes_per_token(kDeepSeekV2, KvDtype::INT8), 34560);
+  // int8: 60 x ((512 + 64) x 1 + 2 x 4 bytes of scales: latent and RoPE key) = 35,040.
+  EXPECT_EQ(kv_bytes_per_token(kDeepSeekV2, KvDtype::INT8), 35040);
 }
 
 TEST(KvPlanner, FitsAndCeilingArithmetic) {

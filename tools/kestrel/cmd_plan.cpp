@@ -82,6 +82,7 @@ nlohmann::ordered_json to_json(const ModelFootprint& fp, const KvPlanRequest& r,
   }
   j["kv_dtype"] = kv_dtype_name(r.kv_dtype);
   j["kv_dtype_bytes"] = kv_dtype_bytes(r.kv_dtype);
+  j["kv_scale_bytes"] = kv_scale_bytes(r.kv_dtype);
   j["kv_bytes_per_token"] = p.kv_bytes_per_token;
   j["context"] = r.context;
   j["kv_bytes_per_seq"] = p.kv_bytes_per_seq;
@@ -106,12 +107,15 @@ void print_table(const ModelFootprint& fp, const KvPlanRequest& r, const KvPlan&
   const KvGeometry& g = r.geometry;
   const std::string elem =
       std::to_string(kv_dtype_bytes(r.kv_dtype)) + " B (" + std::string(kv_dtype_name(r.kv_dtype)) + ")";
+  const int64_t scale = kv_scale_bytes(r.kv_dtype);
   const std::string per_token_formula =
       g.is_mla()
           ? "= " + std::to_string(g.n_layer) + " layers x (kv_lora_rank " + std::to_string(g.kv_lora_rank) +
-                " + rope_dim " + std::to_string(g.rope_dim) + ") x " + elem + ", MLA latent"
+                " + rope_dim " + std::to_string(g.rope_dim) + ") x " + elem +
+                (scale > 0 ? " + 2 x " + std::to_string(scale) + " B row scales" : "") + ", MLA latent"
           : "= 2 (K,V) x " + std::to_string(g.n_layer) + " layers x " + std::to_string(g.n_head_kv) +
-                " KV heads x head_dim " + std::to_string(g.head_dim) + " x " + elem;
+                " KV heads x " + (scale > 0 ? "(" : "") + "head_dim " + std::to_string(g.head_dim) + " x " + elem +
+                (scale > 0 ? " + " + std::to_string(scale) + " B row scale)" : "");
   std::vector<std::array<std::string, 3>> rows = {
       {"KV per token", bytes_cell(p.kv_bytes_per_token), per_token_formula},
       {"context", format_thousands(r.context) + " tokens",
