@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "io/gguf.h"
 #include "io/hf_fields.h"
+#include "model/quant_config.h"
 
 namespace kestrel {
 namespace {
@@ -136,6 +137,30 @@ ModelFootprint ModelFootprint::from_hf_config(const std::string& path) {
   if (!bytes) c.fail("unknown " + std::string(dtype_key) + " '" + fp.weight_dtype + "'");
   fp.n_params = hf_parameter_count(j, config_path);
   fp.weight_bytes = checked_mul(fp.n_params, *bytes, config_path + ": weight bytes");
+  const QuantConfig quant = QuantConfig::from_json(j, config_path);
+  if (quant.quantized()) {
+    // The projections are stored quantized; embeddings, the output head (unless GPTQ's lm_head),
+    // norms and biases stay in torch_dtype. Per quantized weight: bits / 8 bytes of code, plus per
+    // group (GPTQ / AWQ) an f16 scale and a packed zero of `bits`; FP8: one byte (its per-channel
+    // or per-block scales are below a thousandth of that and left out).
+    const int64_t hidden = HfFields(j, config_path).get("hidden_size");
+    const int64_t vocab = HfFields(j, config_path).get("vocab_size");
+    const int64_t n_matrices = HfFields(j, config_path).flag_or("tie_word_embeddings", false) ? 1 : 2;
+    const int64_t float_params = std::min(fp.n_params, vocab * hidden * (quant.lm_head ? 1 : n_matrices) +
+                                                           hidden * (2 * fp.n_layer + 1));
+    const int64_t quant_params = fp.n_params - float_params;
+    double per_weight = 1.0;
+    if (quant.method != QuantMethod::Fp8) {
+      per_weight = quant.bits / 8.0;
+      if (quant.group_size > 0) per_weight += (2.0 + quant.bits / 8.0) / static_cast<double>(quant.group_size);
+    }
+    fp.weight_bytes = checked_add(checked_mul(float_params, *bytes, config_path + ": weight bytes"),
+                                  static_cast<int64_t>(std::ceil(static_cast<double>(quant_params) * per_weight)),
+                                  config_path + ": weight bytes");
+    fp.weight_dtype = std::string(quant_method_name(quant.method)) + " " +
+                      (quant.method == QuantMethod::Fp8 ? "8" : std::to_string(quant.bits)) + "-bit projections, " +
+                      fp.weight_dtype + " embeddings";
+  }
   return fp;
 }
 

@@ -73,6 +73,23 @@ TEST(KvPlannerHfConfig, Llama2_70bThroughAConfigFile) {
   EXPECT_EQ(ModelFootprint::from_hf_config(dir.path()).path, dir.path() + "/config.json");
 }
 
+TEST(KvPlannerHfConfig, QuantizedCheckpointsCountTheirCodeBytes) {
+  // LLaMA-2-7B: 6,738,415,616 parameters, of which 2 x 32,000 x 4,096 embeddings + head and
+  // (2 x 32 + 1) x 4,096 norm weights stay f16: 262,410,240 -> 524,820,480 bytes.
+  // The other 6,476,005,376 (the projections) in GPTQ 4-bit, group 128: 0.5 + (2 + 0.5) / 128 =
+  // 0.51953125 B each -> 3,364,487,168; in FP8 1 B each.
+  TempDir dir;
+  nlohmann::json c = test::llama2_7b_config();
+  c["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}, {"desc_act", false}};
+  ModelFootprint fp = ModelFootprint::from_hf_config(dir.write_config(c));
+  EXPECT_EQ(fp.n_params, 6'738'415'616);
+  EXPECT_EQ(fp.weight_bytes, 524'820'480 + 3'364'487'168);
+  EXPECT_EQ(fp.weight_dtype, "gptq 4-bit projections, float16 embeddings");
+  c["quantization_config"] = {{"quant_method", "fp8"}, {"activation_scheme", "dynamic"}};
+  fp = ModelFootprint::from_hf_config(dir.write_config(c));
+  EXPECT_EQ(fp.weight_bytes, 524'820'480 + 6'476'005'376);
+}
+
 TEST(KvPlannerHfConfig, DefaultsAndHeadDimField) {
   TempDir dir;
   nlohmann::json c = test::llama2_7b_config();

@@ -50,6 +50,8 @@ std::string weight_note(const ModelFootprint& fp) {
     case WeightSource::SafetensorsFiles:
       return "sum of the sizes of the " + std::to_string(fp.n_weight_items) + " *.safetensors file(s)";
     case WeightSource::ConfigEstimate:
+      if (fp.weight_dtype.find(' ') != std::string::npos)  // a quantized checkpoint's mix
+        return "estimate: " + format_thousands(fp.n_params) + " parameters (from config.json), " + fp.weight_dtype;
       return "estimate: " + format_thousands(fp.n_params) + " parameters (from config.json) x " +
              std::to_string(fp.weight_bytes / fp.n_params) + " B (" + fp.weight_dtype + ")";
   }
