@@ -54,7 +54,15 @@ class HfTensorLoader {
 
   const SafetensorsTensor& require(const std::string& name) {
     const SafetensorsTensor* t = ckpt_.find(name);
-    if (t == nullptr) throw Error(ckpt_.dir() + ": missing tensor " + quoted_name(name));
+    if (t == nullptr) {
+      // A quantized checkpoint whose config.json lost its quantization_config: say so.
+      const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : std::string();
+      if (!stem.empty() && (has(stem + ".qweight") || has(stem + ".weight_packed")))
+        throw Error(ckpt_.dir() + ": missing tensor " + quoted_name(name) + "; the checkpoint holds " +
+                    quoted_name(stem + (has(stem + ".qweight") ? ".qweight" : ".weight_packed")) +
+                    ", a quantized layout, but config.json has no quantization_config to read it by");
+      throw Error(ckpt_.dir() + ": missing tensor " + quoted_name(name));
+    }
     used_.insert(name);
     return *t;
   }

@@ -169,7 +169,11 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat
   }
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) return load_hf_dir(path, quantization);
-  if (asked)
+  // A file of an HF folder gets load()'s "pass the folder" error, not the GGUF one.
+  const std::filesystem::path p(path);
+  const bool hf_file = p.extension() == ".safetensors" || p.filename() == "config.json" ||
+                       p.filename() == "model.safetensors.index.json";
+  if (asked && !hf_file)
     throw Error(path + ": --quantization applies to Hugging Face checkpoints; a GGUF file's block types are its own "
                        "(use --quantization auto)");
   return load(path);

@@ -32,7 +32,9 @@ void read_names(const HfFields& q, const char* key, std::vector<std::string>& ou
   }
 }
 
+// Required, as vLLM requires it: a default would guess the layout the scale and zero shapes depend on.
 int64_t group_size(const HfFields& q, const char* key) {
+  if (!q.has(key)) q.fail("missing field '" + std::string(key) + "' (inputs per scale group, or -1 for one group per row)");
   const int64_t g = q.get_or(key, -1, -1);
   if (g == 0) q.fail("field '" + std::string(key) + "' must be positive or -1, got 0");
   return g;

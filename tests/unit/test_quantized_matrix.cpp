@@ -338,6 +338,11 @@ TEST(QuantConfigErrors, UnsupportedMetadataIsNamed) {
     g["checkpoint_format"] = format;
     EXPECT_NE(config_error(g).find("checkpoint_format '" + std::string(format) + "' is not supported"), std::string::npos);
   }
+  g = gptq_config(4, 128, false);
+  g.erase("group_size");
+  EXPECT_NE(config_error(g).find("missing field 'group_size'"), std::string::npos);
+  EXPECT_NE(config_error({{"quant_method", "awq"}, {"bits", 4}, {"version", "gemm"}}).find("missing field 'q_group_size'"),
+            std::string::npos);
   g = gptq_config(4, 0, false);
   EXPECT_NE(config_error(g).find("field 'group_size' must be positive or -1, got 0"), std::string::npos);
   EXPECT_NE(config_error({{"quant_method", "awq"}, {"bits", 4}, {"group_size", 128}, {"version", "gemv"}})
