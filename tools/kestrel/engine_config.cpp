@@ -195,9 +195,12 @@ void KestrelConfig::validate(const LlamaModel& m) const {
                                std::to_string(max_model_len) + " tokens (--max-model-len; needs " +
                                std::to_string(blocks_per_seq) + " blocks): raise --num-kv-blocks or lower --max-model-len");
   const KvDtype kv = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
-  if (device.device == "cuda" && kv != KvDtype::BF16)
+  if (device.device == "cuda" && kv != KvDtype::BF16 && kv != KvDtype::FP8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
-                                                 ": the CUDA backend's KV cache stores bf16 (or auto)");
+                                                 ": the CUDA backend's KV cache stores bf16 or fp8 (or auto)");
+  if (device.device == "cuda" && kv == KvDtype::FP8 && hp.mla.enabled())
+    throw CLI::ValidationError(kKvDtypeFlag, "fp8: the CUDA backend keeps an MLA model's latent cache in bf16 (use "
+                                             "bf16 or auto)");
   if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
                                                  ": the CPU backend's KV cache stores f16 or f32 (or auto)");
