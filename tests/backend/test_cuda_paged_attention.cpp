@@ -8,11 +8,16 @@
 // Tolerance: relative L2 error <= 4e-3. q, K and V are exact bf16 values in both; the tensor-core
 // kernels round the softmax weights to bf16 and all kernels round the output to bf16 (2^-9
 // relative each, ~1.5e-3 measured on the emulation).
+// FP8 caches (AttentionParams::k_scale / v_scale): the random bf16 cache quantized per row on the
+// host (kv_fp8_reference.h); the reference attends the dequantized values (code x scale, exact in
+// double) and the bound stays 4e-3: the codes widen to bf16 exactly, and the kernels add only f32
+// products by the scales and the bf16 rounding of the V-scaled weights (2^-9 relative).
 #include <algorithm>
 #include <numeric>
 #include <string>
 
 #include "cuda_test_util.h"
+#include "kv_fp8_reference.h"
 
 namespace kestrel::test {
 namespace {
@@ -32,6 +37,7 @@ struct AttnCase {
                                      // bound) instead of the true one
   int32_t decode_stages = 0;         // AttentionParams::decode_stages
   int32_t window = 0;                // AttentionParams::window (0: none)
+  bool fp8 = false;                  // an FP8 cache
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -69,13 +75,27 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   const auto k_cache = random_bf16(cache_n, rng), v_cache = random_bf16(cache_n, rng);
   const auto q = random_bf16(static_cast<size_t>(n_tokens * c.n_head * D), rng, -c.q_range, c.q_range);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // The values the kernels attend (the reference's K and V): the bf16 cache, or its FP8 rows.
+  const Fp8Rows kq = c.fp8 ? quantize_rows_e4m3(k_cache, D) : Fp8Rows{};
+  const Fp8Rows vq = c.fp8 ? quantize_rows_e4m3(v_cache, D) : Fp8Rows{};
+  std::vector<double> k_val(cache_n), v_val(cache_n);
+  if (c.fp8) {
+    k_val = dequantize_rows(kq, D);
+    v_val = dequantize_rows(vq, D);
+  } else {
+    for (size_t i = 0; i < cache_n; ++i) k_val[i] = from_bf16(k_cache[i]), v_val[i] = from_bf16(v_cache[i]);
+  }
 
   DeviceBuffer<uint16_t> d_q(q), d_k(k_cache), d_v(v_cache), d_out(q.size());
+  DeviceBuffer<uint8_t> d_kq(kq.codes), d_vq(vq.codes);
+  DeviceBuffer<float> d_ks(kq.scales), d_vs(vq.scales);
   DeviceBuffer<int32_t> d_tables(tables), d_ctx(context_lens), d_qs(query_start), d_pos(positions), d_seq(token_seq);
   cuda::AttentionParams p{};
   p.q = d_q.bf16();
-  p.k_cache = d_k.bf16();
-  p.v_cache = d_v.bf16();
+  p.k_cache = c.fp8 ? static_cast<const void*>(d_kq.get()) : d_k.bf16();
+  p.v_cache = c.fp8 ? static_cast<const void*>(d_vq.get()) : d_v.bf16();
+  p.k_scale = c.fp8 ? d_ks.get() : nullptr;
+  p.v_scale = c.fp8 ? d_vs.get() : nullptr;
   p.block_tables = d_tables.get();
   p.context_lens = d_ctx.get();
   p.query_start = d_qs.get();
@@ -110,7 +130,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
     for (int32_t h = 0; h < c.n_head; ++h) {
       const int32_t kvh = h / group;
       const uint16_t* qh = q.data() + (t * c.n_head + h) * D;
-      auto key_row = [&](const std::vector<uint16_t>& cache, int32_t j) {
+      auto key_row = [&](const std::vector<double>& cache, int32_t j) {
         const int64_t blk = tables[static_cast<size_t>(s * max_blocks + j / c.block_size)];
         return cache.data() + ((blk * c.n_head_kv + kvh) * c.block_size + j % c.block_size) * D;
       };
@@ -119,9 +139,9 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
       w.assign(static_cast<size_t>(pos + 1), 0.0);
       double mx = -INFINITY;
       for (int32_t j = lo; j <= pos; ++j) {
-        const uint16_t* kj = key_row(k_cache, j);
+        const double* kj = key_row(k_val, j);
         double dot = 0.0;
-        for (int32_t d = 0; d < D; ++d) dot += static_cast<double>(from_bf16(qh[d])) * from_bf16(kj[d]);
+        for (int32_t d = 0; d < D; ++d) dot += static_cast<double>(from_bf16(qh[d])) * kj[d];
         w[static_cast<size_t>(j)] = dot * scale;
         mx = std::max(mx, w[static_cast<size_t>(j)]);
       }
@@ -129,14 +149,49 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
       for (int32_t j = lo; j <= pos; ++j) sum += (w[static_cast<size_t>(j)] = std::exp(w[static_cast<size_t>(j)] - mx));
       double* o = ref.data() + (t * c.n_head + h) * D;
       for (int32_t j = lo; j <= pos; ++j) {
-        const uint16_t* vj = key_row(v_cache, j);
-        for (int32_t d = 0; d < D; ++d) o[d] += w[static_cast<size_t>(j)] / sum * from_bf16(vj[d]);
+        const double* vj = key_row(v_val, j);
+        for (int32_t d = 0; d < D; ++d) o[d] += w[static_cast<size_t>(j)] / sum * vj[d];
       }
     }
   }
   const double err = rel_error(out, ref);
   EXPECT_LE(err, 4e-3);
-  std::printf("  %-44s n_tokens %4lld  rel error %.2e\n", c.name, static_cast<long long>(n_tokens), err);
+  std::printf("  %-44s %s n_tokens %4lld  rel error %.2e\n", c.name, c.fp8 ? "fp8 " : "bf16",
+              static_cast<long long>(n_tokens), err);
+}
+
+// An FP8 cache on every kernel: prefill, chunked prefill over a cached prefix, decode with split-KV
+// (and a graph's max_context bound), GQA and MQA groups with several head chunks, sliding windows,
+// both decode stage counts, block sizes that are not powers of two, the tensor-core head dims and
+// the SIMT kernel's (8, 40).
+TEST(CudaPagedAttention, Fp8CacheMatchesFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(21);
+  std::vector<AttnCase> cases = {
+      {"8B shape d128 group 4, prefill + decodes", 32, 8, 128, 16, {{130, 130}, {513, 1}, {64, 1}}, 3.0f, true},
+      {"d64 group 3, chunks over cached prefixes", 9, 3, 64, 16, {{37, 37}, {100, 1}, {1, 1}, {70, 13}}, 1.0f, true},
+      {"d128, chunk + decode at 2000 / 2500 (split-KV)", 8, 2, 128, 16, {{2000, 5}, {2500, 1}}, 1.0f, true},
+      {"d128 decode 3001 keys, graph bound 4096", 8, 2, 128, 16, {{3001, 1}, {65, 1}}, 2.0f, true, 4096},
+      {"d128 decode, 3 stages, block size 7", 8, 2, 128, 7, {{700, 1}, {33, 1}}, 2.0f, true, 0, 3},
+      {"d128 decode, 2 stages", 8, 2, 128, 16, {{1500, 1}, {150, 1}}, 2.0f, true, 0, 2},
+      {"MQA group 32 d64: two decode head chunks", 32, 1, 64, 16, {{40, 9}, {90, 1}}, 1.0f, true},
+      {"group 72 d64: two prefill head chunks", 72, 1, 64, 16, {{20, 3}, {33, 1}}, 1.0f, false},
+      {"d80 (padded tiles, odd k-steps)", 8, 4, 80, 16, {{90, 40}, {500, 1}}, 1.0f, true},
+      {"d96", 8, 2, 96, 16, {{70, 70}, {300, 1}}, 1.0f, true},
+      {"d32", 4, 2, 32, 16, {{64, 33}, {190, 1}}, 1.0f, true},
+      {"d256 group 4 (Q in shared memory, 32-key prefill tiles)", 4, 1, 256, 16, {{150, 150}, {700, 1}}, 2.0f, true},
+      {"stories260K shape d8 (SIMT), mixed", 8, 4, 8, 16, {{40, 40}, {70, 1}, {25, 6}, {1, 1}}, 1.0f, true},
+      {"d40 (SIMT) group 3, long decode", 6, 2, 40, 16, {{2049, 1}, {90, 25}}, 2.0f, false},
+      {"d64 window 70, decodes split over the window", 8, 2, 64, 8, {{3001, 1}, {130, 1}, {71, 1}}, 2.0f, true},
+      {"d128 window 100, prefill 300 in one chunk", 8, 2, 128, 16, {{300, 300}, {513, 1}}, 2.0f, true},
+      {"d16 SIMT, window 16, block 4", 4, 2, 16, 4, {{100, 100}, {40, 1}, {60, 7}}, 2.0f, true},
+  };
+  for (AttnCase& c : cases) {
+    c.fp8 = true;
+    if (std::string(c.name).find("window") != std::string::npos)
+      c.window = c.head_dim == 128 ? 100 : c.head_dim == 64 ? 70 : 16;
+    run_case(c, rng);
+  }
 }
 
 TEST(CudaPagedAttention, MixedBatchesMatchFloat64Reference) {
@@ -330,6 +385,7 @@ struct FusedRopeCase {
   int32_t max_context;  // passed as the bound (>= the largest context)
   int padding_seq;      // this sequence's token has slot -1 (-1: none)
   int32_t decode_stages = 0;
+  bool fp8 = false;  // an FP8 cache: rope_write_kv_fused_fp8 then attention, against the fused form
 };
 
 void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
@@ -369,6 +425,9 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
 
   DeviceBuffer<uint16_t> d_qkv(qkv), d_q(static_cast<size_t>(n_seqs * c.n_head * D));
   DeviceBuffer<uint16_t> k_a(k_cache), v_a(v_cache), k_b(k_cache), v_b(v_cache);
+  const Fp8Rows kq = quantize_rows_e4m3(k_cache, D), vq = quantize_rows_e4m3(v_cache, D);
+  DeviceBuffer<uint8_t> kq_a(kq.codes), vq_a(vq.codes), kq_b(kq.codes), vq_b(vq.codes);
+  DeviceBuffer<float> ks_a(kq.scales), vs_a(vq.scales), ks_b(kq.scales), vs_b(vq.scales);
   DeviceBuffer<uint16_t> out_a(static_cast<size_t>(n_seqs * c.n_head * D)), out_b(out_a.size());
   DeviceBuffer<int32_t> d_tables(tables), d_qs(query_start), d_pos(positions);
   DeviceBuffer<int64_t> d_slots(slots);
@@ -394,33 +453,63 @@ void run_fused_rope_case(const FusedRopeCase& c, std::mt19937& rng) {
   p.workspace = d_ws.get();
   p.workspace_bytes = ws_bytes;
   // A: the separate RoPE kernel, then attention.
-  cuda::rope_write_kv_fused(d_qkv.bf16(), stride, d_q.bf16(), d_pos.get(), d_slots.get(), d_freq.get(),
-                            c.position_scale, n_seqs, c.n_head, c.n_head_kv, D, c.rope_dim, c.rotate_half, k_a.bf16(),
-                            v_a.bf16(), c.block_size, nullptr);
+  if (c.fp8) {
+    cuda::rope_write_kv_fused_fp8(d_qkv.bf16(), stride, d_q.bf16(), d_pos.get(), d_slots.get(), d_freq.get(),
+                                  c.position_scale, n_seqs, c.n_head, c.n_head_kv, D, c.rope_dim, c.rotate_half,
+                                  {kq_a.get(), vq_a.get(), ks_a.get(), vs_a.get()}, c.block_size, nullptr);
+    p.k_cache = kq_a.get();
+    p.v_cache = vq_a.get();
+    p.k_scale = ks_a.get();
+    p.v_scale = vs_a.get();
+  } else {
+    cuda::rope_write_kv_fused(d_qkv.bf16(), stride, d_q.bf16(), d_pos.get(), d_slots.get(), d_freq.get(),
+                              c.position_scale, n_seqs, c.n_head, c.n_head_kv, D, c.rope_dim, c.rotate_half,
+                              k_a.bf16(), v_a.bf16(), c.block_size, nullptr);
+    p.k_cache = k_a.bf16();
+    p.v_cache = v_a.bf16();
+  }
   p.q = d_q.bf16();
-  p.k_cache = k_a.bf16();
-  p.v_cache = v_a.bf16();
   p.out = out_a.bf16();
   out_a.poison();
   cuda::paged_attention(p, nullptr);
   const auto want = out_a.download();
   const auto want_k = k_a.download(), want_v = v_a.download();
-  ASSERT_NE(want_k, k_cache);  // the step's keys were written
+  const auto want_kq = kq_a.download(), want_vq = vq_a.download();
+  const auto want_ks = ks_a.download(), want_vs = vs_a.download();
+  if (c.fp8) {
+    ASSERT_NE(want_kq, kq.codes);  // the step's keys were written
+  } else {
+    ASSERT_NE(want_k, k_cache);
+  }
   // B: fused, on fresh copies of the caches.
   {
-    k_b.upload(k_cache);
-    v_b.upload(v_cache);
+    if (c.fp8) {
+      p.k_cache = kq_b.get();
+      p.v_cache = vq_b.get();
+      p.k_scale = ks_b.get();
+      p.v_scale = vs_b.get();
+    } else {
+      k_b.upload(k_cache);
+      v_b.upload(v_cache);
+      p.k_cache = k_b.bf16();
+      p.v_cache = v_b.bf16();
+    }
     p.q = nullptr;
-    p.k_cache = k_b.bf16();
-    p.v_cache = v_b.bf16();
     p.out = out_b.bf16();
     p.rope = {d_qkv.bf16(), stride, d_slots.get(), d_freq.get(), c.position_scale, c.rope_dim, c.rotate_half};
     out_b.poison();
     d_ws.poison();
     cuda::paged_attention(p, nullptr);
     EXPECT_EQ(out_b.download(), want);
-    EXPECT_EQ(k_b.download(), want_k);
-    EXPECT_EQ(v_b.download(), want_v);
+    if (c.fp8) {
+      EXPECT_EQ(kq_b.download(), want_kq);
+      EXPECT_EQ(vq_b.download(), want_vq);
+      EXPECT_EQ(ks_b.download(), want_ks);  // no NaN: every scale is a positive number
+      EXPECT_EQ(vs_b.download(), want_vs);
+    } else {
+      EXPECT_EQ(k_b.download(), want_k);
+      EXPECT_EQ(v_b.download(), want_v);
+    }
   }
   // Refused before any launch: an odd or too large rope_dim, a pass that may hold prefill tokens,
   // qkv rows too short for q, k and v.
@@ -456,12 +545,16 @@ TEST(CudaPagedAttention, FusedRopeIsRopeThenAttention) {
       {"d256, rotate-half", 8, 1, 256, 16, 256, true, 1.0f, {3, 700}, 2048, -1},
       {"d32, interleaved", 4, 2, 32, 16, 32, false, 1.0f, {17, 64, 190}, 256, 1},
   };
-  // Both K/V stage counts of the decode kernel for each (the item count alone would pick three).
+  // Both K/V stage counts of the decode kernel for each (the item count alone would pick three),
+  // with a bf16 and an FP8 cache.
   for (FusedRopeCase c : cases) {
     for (const int32_t stages : {2, 3}) {
-      SCOPED_TRACE("decode_stages " + std::to_string(stages));
-      c.decode_stages = stages;
-      run_fused_rope_case(c, rng);
+      for (const bool fp8 : {false, true}) {
+        SCOPED_TRACE("decode_stages " + std::to_string(stages) + (fp8 ? ", fp8 cache" : ", bf16 cache"));
+        c.decode_stages = stages;
+        c.fp8 = fp8;
+        run_fused_rope_case(c, rng);
+      }
     }
   }
   EXPECT_FALSE(cuda::attention_supports_fused_rope(40));

@@ -2,10 +2,15 @@
 // Tolerance: q and k are rounded to bf16 after an f32 rotation: relative L2 error <= 4e-3.
 // The cache must hold exactly the rotated k and the given v at each token's slot, and every other
 // element must keep its poison (no stray writes; a negative slot writes nothing).
+// The FP8 form (rope_write_kv_fused_fp8) must write, at the same slots, the codes and scales of those
+// bf16 rows quantized on the host with core/fp8.h (scale = amax / 448, code = e4m3(x / scale)),
+// exactly, and nothing elsewhere.
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "cuda_test_util.h"
+#include "kv_fp8_reference.h"
 
 namespace kestrel::test {
 namespace {
@@ -31,6 +36,13 @@ void rope_reference(std::vector<double>& x, const std::vector<int32_t>& pos, con
         hp[i0] = x0 * std::cos(angle) - x1 * std::sin(angle);
         hp[i1] = x0 * std::sin(angle) + x1 * std::cos(angle);
       }
+}
+
+// One cache row of n bf16 values as E4M3 codes and its scale's bits.
+void quantize_row(const uint16_t* x, int64_t n, uint8_t* codes, uint32_t* scale_bits) {
+  float s = 0.0f;
+  quantize_row_e4m3(x, n, codes, &s);
+  std::memcpy(scale_bits, &s, 4);
 }
 
 TEST(CudaRopeWriteKv, MatchesFloat64ReferenceAndWritesOnlyItsSlots) {
@@ -127,6 +139,36 @@ TEST(CudaRopeWriteKv, MatchesFloat64ReferenceAndWritesOnlyItsSlots) {
     EXPECT_TRUE(d_kc2.download() == kc) << "fused form: K cache differs";
     EXPECT_TRUE(d_vc2.download() == vc) << "fused form: V cache differs";
     EXPECT_TRUE(d_qkv.download() == qkv) << "fused form: the qkv input was modified";
+
+    // The FP8 cache: q as above; each written row the bf16 row above quantized on the host.
+    const size_t scales_n = static_cast<size_t>(n_slots * c.n_head_kv);
+    DeviceBuffer<uint8_t> d_kq(cache_n), d_vq(cache_n);
+    DeviceBuffer<uint32_t> d_ks(scales_n), d_vs(scales_n);
+    for (auto* b : {&d_kq, &d_vq}) b->poison();
+    for (auto* b : {&d_ks, &d_vs}) b->poison();
+    d_qf.poison();
+    const cuda::Fp8KvCache fp8{d_kq.get(), d_vq.get(), reinterpret_cast<float*>(d_ks.get()),
+                               reinterpret_cast<float*>(d_vs.get())};
+    cuda::rope_write_kv_fused_fp8(d_qkv.bf16(), stride, d_qf.bf16(), d_pos.get(), d_slots.get(), d_inv.get(),
+                                  c.position_scale, c.n_tokens, c.n_head, c.n_head_kv, c.head_dim, c.rope_dim,
+                                  c.rotate_half, fp8, c.block_size, nullptr);
+    EXPECT_TRUE(d_qf.download() == q_out) << "FP8 form: q differs from the in-place form";
+    std::vector<uint8_t> kq_want(cache_n, 0xFF), vq_want(cache_n, 0xFF);
+    std::vector<uint32_t> ks_want(scales_n, 0xFFFFFFFFu), vs_want(scales_n, 0xFFFFFFFFu);
+    for (int64_t t = 0; t < c.n_tokens; ++t) {
+      const int64_t slot = slots[static_cast<size_t>(t)];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < c.n_head_kv; ++h) {
+        const auto row = static_cast<size_t>((slot / c.block_size * c.n_head_kv + h) * c.block_size + slot % c.block_size);
+        const size_t off = row * static_cast<size_t>(c.head_dim);
+        quantize_row(kc_want.data() + off, c.head_dim, kq_want.data() + off, &ks_want[row]);
+        quantize_row(vc_want.data() + off, c.head_dim, vq_want.data() + off, &vs_want[row]);
+      }
+    }
+    EXPECT_TRUE(d_kq.download() == kq_want) << "FP8 form: K codes differ from the host quantization";
+    EXPECT_TRUE(d_vq.download() == vq_want) << "FP8 form: V codes differ from the host quantization";
+    EXPECT_TRUE(d_ks.download() == ks_want) << "FP8 form: K scales differ from the host quantization";
+    EXPECT_TRUE(d_vs.download() == vs_want) << "FP8 form: V scales differ from the host quantization";
   }
 }
 

@@ -101,6 +101,8 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--kv-cache-dtype", "bf16"}, "--kv-cache-dtype", "CPU backend's KV cache stores f16 or f32"},
       {EngineMode::Single, {"--device", "cuda", "--kv-dtype", "f16"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16"},
       {EngineMode::Single, {"--device", "cuda"}, "", ""},
+      {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "fp8"}, "", ""},
+      {EngineMode::Single, {"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype", "CPU backend's KV cache stores f16 or f32"},
       {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "--tensor-parallel-size", "one device"},
       {EngineMode::Single, {"--pipeline-parallel-size", "4"}, "--pipeline-parallel-size", "one device"},
       {EngineMode::Serving, {"--num-speculative-tokens", "3"}, "--num-speculative-tokens", "without a draft"},
@@ -110,6 +112,19 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
     EXPECT_EQ(flag, k.flag) << what;
     EXPECT_NE(what.find(k.phrase), std::string::npos) << what;
   }
+}
+
+// --kv-cache-dtype fp8 on the GPU reaches the runner; an MLA model's latent cache stays bf16 there,
+// so fp8 is refused for it by name.
+TEST_F(EngineConfigTest, Fp8KvOnTheGpuReachesTheRunner) {
+  const KestrelConfig c = parse(EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "FP8"});
+  EXPECT_EQ(c.runner_options(c.engine_config(*model_)).kv_dtype, KvDtype::FP8);
+  const std::string folder = data_dir() + "/hf-tiny/deepseek-v2-tiny";
+  KESTREL_REQUIRE_FILE(folder + "/config.json");
+  const auto mla = LlamaModel::load_hf_dir(folder);
+  const auto [flag, what] = rejection(c, *mla);
+  EXPECT_EQ(flag, "--kv-cache-dtype");
+  EXPECT_NE(what.find("MLA"), std::string::npos) << what;
 }
 
 // mistral-swa-tiny: every layer windowed (16), so a pool needs only ceil((16 + 16) / 4) + 1 = 9

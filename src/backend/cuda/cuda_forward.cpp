@@ -164,18 +164,27 @@ void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
                      static_cast<int32_t>(hp_.rope_dim), rotate_half};
     return;
   }
-  cuda::rope_write_kv_fused(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots,
-                            inv_freq, hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv,
-                            hp_.head_dim, hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
-                            v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
+  if (kv_dtype_ == KvDtype::FP8) {
+    cuda::rope_write_kv_fused_fp8(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+                                  hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
+                                  hp_.rope_dim, rotate_half, fp8_cache(layer), block_size_, stream_);
+  } else {
+    cuda::rope_write_kv_fused(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+                              hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
+                              hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
+                              v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
+  }
   mark("rope_write_kv");
 }
 
 void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   KESTREL_ASSERT(qkv == Act::Qkv, "CUDA attention reads Act::Qkv");
   pass_ap_.q = q_.as<bf16>();
-  pass_ap_.k_cache = k_cache_[static_cast<size_t>(layer)].as<bf16>();
-  pass_ap_.v_cache = v_cache_[static_cast<size_t>(layer)].as<bf16>();
+  pass_ap_.k_cache = k_cache_[static_cast<size_t>(layer)].as<void>();
+  pass_ap_.v_cache = v_cache_[static_cast<size_t>(layer)].as<void>();
+  const bool fp8 = kv_dtype_ == KvDtype::FP8;
+  pass_ap_.k_scale = fp8 ? k_scale_[static_cast<size_t>(layer)].as<float>() : nullptr;
+  pass_ap_.v_scale = fp8 ? v_scale_[static_cast<size_t>(layer)].as<float>() : nullptr;
   pass_ap_.out = act(out);
   pass_ap_.window = static_cast<int32_t>(hp_.layer_window(layer));
   cuda::paged_attention(pass_ap_, stream_);

@@ -81,6 +81,12 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     eager_ = true;  // events between the ops of every pass, no graphs
   }
   fp8_weights_ = o.quantize_fp8;
+  // The float types all mean the bf16 cache (the engine asks for bf16; a default RunnerOptions says f16).
+  if (o.kv_dtype == KvDtype::INT8)
+    throw Error("--kv-cache-dtype int8: the CUDA backend's KV cache stores bf16 or fp8");
+  kv_dtype_ = o.kv_dtype == KvDtype::FP8 ? KvDtype::FP8 : KvDtype::BF16;
+  if (kv_dtype_ == KvDtype::FP8 && hp_.mla.enabled())
+    throw Error("--kv-cache-dtype fp8: the CUDA backend keeps an MLA model's latent cache in bf16 (use bf16)");
   upload_weights();
   if (hp_.mla.enabled()) prepare_mla();
   if (fp8_weights_) quantize_fp8_weights();
@@ -220,17 +226,21 @@ void CudaModelRunner::quantize_fp8_weights() {
 }
 
 // The cache tensors (per layer K and V, or with MLA the one latent array, kv_geometry) and the
-// bytes of one block of each.
+// bytes of one block of each (of the codes, for FP8), and of one block of an FP8 scale tensor.
 static int64_t n_cache_tensors(const ModelHparams& hp) { return kv_geometry(hp).is_mla() ? hp.n_layer : 2 * hp.n_layer; }
-static int64_t cache_block_bytes(const ModelHparams& hp, int32_t block_size) {
+static int64_t cache_block_bytes(const ModelHparams& hp, int32_t block_size, KvDtype dtype) {
   const KvGeometry g = kv_geometry(hp);
-  return (g.is_mla() ? g.kv_lora_rank + g.rope_dim : g.n_head_kv * g.head_dim) * block_size * 2;
+  return (g.is_mla() ? g.kv_lora_rank + g.rope_dim : g.n_head_kv * g.head_dim) * block_size * kv_dtype_bytes(dtype);
+}
+static int64_t scale_block_bytes(const ModelHparams& hp, int32_t block_size, KvDtype dtype) {
+  return kv_geometry(hp).n_head_kv * block_size * kv_scale_bytes(dtype);
 }
 
 void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
-  const int64_t block_bytes = cache_block_bytes(hp_, block_size_);
+  const int64_t block_bytes = cache_block_bytes(hp_, block_size_, kv_dtype_);
+  const int64_t scale_bytes = scale_block_bytes(hp_, block_size_, kv_dtype_);  // 0 for bf16
   const bool has_v = !kv_geometry(hp_).is_mla();
-  const int64_t bytes_per_block = n_cache_tensors(hp_) * block_bytes;
+  const int64_t bytes_per_block = n_cache_tensors(hp_) * (block_bytes + scale_bytes);
   int64_t n = o.n_kv_blocks;
   if (n <= 0) {
     size_t free_b = 0, total_b = 0;
@@ -247,15 +257,21 @@ void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
                   std::to_string(o.gpu_memory_utilization) + ")");
   }
   n_blocks_ = static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX / std::max(1, block_size_)));
-  std::vector<void*> ptrs;
+  std::vector<void*> ptrs, scale_ptrs;
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
     k_cache_.emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(block_bytes));
     ptrs.push_back(k_cache_.back().as<void>());
     if (!has_v) continue;
     v_cache_.emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(block_bytes));
     ptrs.push_back(v_cache_.back().as<void>());
+    if (scale_bytes == 0) continue;
+    for (auto* scales : {&k_scale_, &v_scale_}) {
+      scales->emplace_back(static_cast<size_t>(n_blocks_) * static_cast<size_t>(scale_bytes));
+      scale_ptrs.push_back(scales->back().as<void>());
+    }
   }
   cache_ptrs_ = upload(ptrs.data(), ptrs.size() * sizeof(void*));
+  if (!scale_ptrs.empty()) scale_ptrs_ = upload(scale_ptrs.data(), scale_ptrs.size() * sizeof(void*));
 }
 
 void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
@@ -264,7 +280,8 @@ void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
   for (const BlockCopy& c : copies) idx.push_back(c.src);
   for (const BlockCopy& c : copies) idx.push_back(c.dst);
   DevMem d = upload(idx.data(), idx.size() * sizeof(int32_t));
-  const int64_t block_bytes = cache_block_bytes(hp_, block_size_);
+  const int64_t block_bytes = cache_block_bytes(hp_, block_size_, kv_dtype_);
+  const int64_t scale_bytes = scale_block_bytes(hp_, block_size_, kv_dtype_);
   const auto n_caches = static_cast<int32_t>(n_cache_tensors(hp_));
   const int32_t n = static_cast<int32_t>(copies.size());
   // One launch copies every block at once. A step's copies are ordered, though: a block a copy
@@ -274,13 +291,16 @@ void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
   const bool ordered = std::any_of(copies.begin(), copies.end(), [&](const BlockCopy& c) { return sources.count(c.dst) != 0; });
   const int32_t* src = d.as<int32_t>();
   const int32_t* dst = src + n;
+  // Copies i .. i + count - 1, codes and (FP8) their scales.
+  auto copy = [&](int32_t i, int32_t count) {
+    cuda::copy_blocks(cache_ptrs_.as<void* const>(), n_caches, src + i, dst + i, count, block_bytes, stream_);
+    if (scale_bytes > 0)
+      cuda::copy_blocks(scale_ptrs_.as<void* const>(), n_caches, src + i, dst + i, count, scale_bytes, stream_);
+  };
   if (!ordered) {
-    cuda::copy_blocks(cache_ptrs_.as<void* const>(), n_caches, src, dst, n, block_bytes,
-                      stream_);
+    copy(0, n);
   } else {
-    for (int32_t i = 0; i < n; ++i)
-      cuda::copy_blocks(cache_ptrs_.as<void* const>(), n_caches, src + i, dst + i, 1,
-                        block_bytes, stream_);
+    for (int32_t i = 0; i < n; ++i) copy(i, 1);
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));  // d is freed on return
 }
@@ -325,7 +345,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
 }
 
 int64_t CudaModelRunner::kv_bytes_per_token() const {
-  return kestrel::kv_bytes_per_token(kv_geometry(hp_), KvDtype::BF16);
+  return kestrel::kv_bytes_per_token(kv_geometry(hp_), kv_dtype_);
 }
 
 }  // namespace cuda_runner

@@ -119,11 +119,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void copy_blocks(std::span<const BlockCopy> copies) override;
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
-  KvDtype kv_dtype() const override { return KvDtype::BF16; }
+  KvDtype kv_dtype() const override { return kv_dtype_; }
   int64_t kv_bytes_per_token() const override;
   std::vector<uint64_t> expert_token_counts() const override;  // cuda_moe_ffn.cpp (synchronises)
   std::string description() const override {
-    return "cuda (" + device_name_ + ", bf16 weights, KV bf16 " + std::to_string(n_blocks_) + " blocks, " +
+    return "cuda (" + device_name_ + ", bf16 weights, KV " + std::string(kv_dtype_name(kv_dtype_)) + " " +
+           std::to_string(n_blocks_) + " blocks, " +
            (eager_ ? "eager" : "CUDA graphs for decode") + ")";
   }
 
@@ -252,10 +253,19 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   DevMem embd_, out_norm_, lm_head_, inv_freq_;
   DevMem inv_freq_swa_;  // windowed layers' RoPE table when they have their own base (Gemma 3); else empty
   std::vector<Layer> layers_;
-  // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16; with MLA per
-  // layer one latent array [n_blocks, block_size, kv_lora_rank + qk_rope] in k_cache_, no V.
-  std::vector<DevMem> k_cache_, v_cache_;
+  // KV cache: per layer K and V, [n_blocks, n_head_kv, block_size, head_dim] bf16, or with
+  // kv_dtype_ FP8 E4M3 codes of that layout and their scales [n_blocks, n_head_kv, block_size] f32
+  // in k_scale_, v_scale_ (cuda::Fp8KvCache); with MLA per layer one latent array
+  // [n_blocks, block_size, kv_lora_rank + qk_rope] bf16 in k_cache_, no V.
+  KvDtype kv_dtype_ = KvDtype::BF16;  // BF16 or FP8 (RunnerOptions::kv_dtype)
+  std::vector<DevMem> k_cache_, v_cache_, k_scale_, v_scale_;
   DevMem cache_ptrs_;  // every cache tensor's device pointer (2 per layer, MLA 1), for copy_blocks
+  DevMem scale_ptrs_;  // FP8: every scale tensor's device pointer (2 per layer)
+  // Layer l's FP8 cache (kv_dtype_ FP8).
+  cuda::Fp8KvCache fp8_cache(int32_t layer) {
+    const auto l = static_cast<size_t>(layer);
+    return {k_cache_[l].as<uint8_t>(), v_cache_[l].as<uint8_t>(), k_scale_[l].as<float>(), v_scale_[l].as<float>()};
+  }
   int32_t n_blocks_ = 0;
   int32_t block_size_ = 16;
   // Activations (grown to the largest batch seen).

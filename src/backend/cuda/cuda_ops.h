@@ -71,6 +71,24 @@ void rope_write_kv_fused(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const
                          int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim, bool rotate_half,
                          bf16* k_cache, bf16* v_cache, int32_t block_size, cudaStream_t stream);
 
+// One layer of an FP8 (E4M3) KV cache (kv_fp8.cuh has the format): codes k, v
+// [n_blocks, n_head_kv, block_size, head_dim] u8 and one f32 scale per row (a token's k or v of
+// one KV head), k_scale, v_scale [n_blocks, n_head_kv, block_size]; value = code x scale.
+struct Fp8KvCache {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+  float* k_scale = nullptr;
+  float* v_scale = nullptr;
+};
+// rope_write_kv_fused into an FP8 cache: q as there; each token's rotated k and its v, rounded to
+// bf16 as the bf16 cache would hold them, quantized per row: scale = amax / 448 (1 for a zero
+// row), code = e4m3(x / scale) with round-to-nearest-even and saturation (core/fp8.h). Errors:
+// those of rope_write_kv_fused.
+void rope_write_kv_fused_fp8(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const int32_t* positions,
+                             const int64_t* slot_mapping, const float* inv_freq, float position_scale,
+                             int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
+                             bool rotate_half, const Fp8KvCache& cache, int32_t block_size, cudaStream_t stream);
+
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, n_ff + i]  (SwiGLU; gate and up side by side as
 // one fused GEMM writes them). gate_up [n_tokens, 2 * n_ff] bf16; out [n_tokens, n_ff] bf16.
 void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
@@ -98,8 +116,8 @@ void gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_f
 // n_seqs, n_head_kv and max_context.
 struct AttentionParams {
   const bf16* q;
-  const bf16* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim]
-  const bf16* v_cache;
+  const void* k_cache;          // one layer, [n_blocks, n_head_kv, block_size, head_dim] bf16, or
+  const void* v_cache;          // E4M3 codes (u8) with k_scale / v_scale
   const int32_t* block_tables;  // [n_seqs, max_blocks_per_seq]
   const int32_t* context_lens;  // [n_seqs]; not read by the kernels (see above), may be null
   const int32_t* query_start;   // [n_seqs + 1]
@@ -125,11 +143,18 @@ struct AttentionParams {
                               // decode items (paged_attention.cu)
   int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
   int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
+  // An FP8 cache (Fp8KvCache, kv_fp8.cuh): k_cache / v_cache hold E4M3 codes and these their
+  // scales [n_blocks, n_head_kv, block_size] f32; null: a bf16 cache. Both or neither.
+  // The kernels widen the codes to bf16 exactly, scale each key's score column by its K scale and
+  // each key's softmax weight by its V scale before P V, f32 accumulation.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   // Fused RoPE + KV write (attention_supports_fused_rope(head_dim), decode-only passes:
   // max_query_len == 1): instead of rope_write_kv_fused before the call, q is read un-rotated from
   // rope.qkv (ignoring q) and rotated in the kernel, and each token's k (rotated) and v are
   // written to its slot of k_cache / v_cache (through const_cast: the caches must be writable)
-  // before they are read. The same bits as rope_write_kv_fused followed by paged_attention.
+  // before they are read. The same bits as rope_write_kv_fused followed by paged_attention (with an
+  // FP8 cache: as rope_write_kv_fused_fp8, the scales written too).
   struct FusedRope {
     const bf16* qkv = nullptr;        // [n_tokens, *] rows `stride` apart: q, then k, then v heads
     int64_t stride = 0;

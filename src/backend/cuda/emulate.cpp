@@ -60,6 +60,7 @@ enum class State { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
 struct PendingCopy {
   void* dst;
   unsigned char data[16];
+  size_t size = 16;  // bytes landing at dst
 };
 
 struct Fiber {
@@ -132,7 +133,7 @@ void init_fiber(Fiber& f) {
   f.open.clear();
 }
 
-void land(const PendingCopy& c) { std::memcpy(c.dst, c.data, 16); }
+void land(const PendingCopy& c) { std::memcpy(c.dst, c.data, c.size); }
 
 // Releases the block barrier when every live thread waits at it; else one warp barrier whose lanes
 // all wait. Which warp goes next is random, mostly in an order drawn per block, so that one warp
@@ -251,8 +252,16 @@ void warp_exchange(const void* mine, size_t bytes, void* all) {
     std::memcpy(out + static_cast<size_t>(l) * bytes, g_launch->slots[f.warp][buffer][l], bytes);
 }
 
-void async_copy16(void* dst, const void* src, int src_bytes) {
-  PendingCopy c{dst, {}};
+void async_copy16(void* dst, const void* src, int src_bytes) { async_copy(dst, src, 16, src_bytes); }
+
+void async_copy(void* dst, const void* src, int size, int src_bytes) {
+  if ((size != 4 && size != 8 && size != 16) || src_bytes < 0 || src_bytes > size)
+    throw Error("CUDA emulation: cp.async of " + std::to_string(size) + " bytes, " + std::to_string(src_bytes) +
+                " from the source");
+  if (reinterpret_cast<uintptr_t>(dst) % static_cast<uintptr_t>(size) != 0 ||
+      (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % static_cast<uintptr_t>(size) != 0))
+    throw Error("CUDA emulation: cp.async of " + std::to_string(size) + " bytes at a misaligned address");
+  PendingCopy c{dst, {}, static_cast<size_t>(size)};
   if (src_bytes > 0) std::memcpy(c.data, src, static_cast<size_t>(src_bytes));
   // Lands now or at its wait, at random: either order is legal, and each catches a different bug.
   if (g_launch->rng() & 1) {

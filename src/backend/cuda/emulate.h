@@ -44,6 +44,8 @@ unsigned char* dynamic_smem();
 
 // cp.async: copies `src_bytes` (0..16) from src and zero-fills the rest of the 16 bytes at dst.
 void async_copy16(void* dst, const void* src, int src_bytes);
+// cp.async of `size` bytes (4, 8 or 16): `src_bytes` (0..size) from src, the rest of the size zero-filled.
+void async_copy(void* dst, const void* src, int size, int src_bytes);
 void async_commit();
 void async_wait(int n_pending);  // cp.async.wait_group n_pending
 

@@ -101,6 +101,8 @@ void dispatch_simt(int32_t d, F&& f) {
   }
 }
 
+// Of the bf16 kernels; the FP8 ones fit as many blocks on an SM (H200, d128: 2 and 3 blocks of the
+// 3- and 2-stage kernels either way), so one plan serves both.
 int64_t decode_resident_blocks(int32_t d, int32_t stages) {
   int64_t n = 1;
   if (!MmaHeadDims::dispatch(d, [&]<int D>() {
@@ -218,21 +220,21 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
   }
 }
 
-// The tensor-core kernels for head_dim D.
-template <int D>
+// The tensor-core kernels for head_dim D (kFp8: for an FP8 cache).
+template <int D, bool kFp8>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  launch_kernels(p, plan, base, &attention_prefill_kernel<D>, attn_prefill_smem_bytes<D>(),
-                 plan.decode_stages == 3 ? &attention_decode_kernel<D, 3> : &attention_decode_kernel<D, 2>,
-                 plan.decode_stages == 3 ? attn_decode_smem_bytes<D, 3>() : attn_decode_smem_bytes<D, 2>(),
+  launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(),
+                 plan.decode_stages == 3 ? &attention_decode_kernel<D, 3, kFp8> : &attention_decode_kernel<D, 2, kFp8>,
+                 plan.decode_stages == 3 ? attn_decode_smem_bytes<D, 3, kFp8>() : attn_decode_smem_bytes<D, 2, kFp8>(),
                  &attention_reduce_kernel<D>, stream);
 }
 
 // The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.
-template <int kSlots>
+template <int kSlots, bool kFp8>
 void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   const size_t smem = attn_simt_smem_bytes(p.head_dim);
-  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false>, smem, &attention_simt_kernel<kSlots, true>,
-                 smem, &attention_reduce_kernel<0>, stream);
+  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false, kFp8>, smem,
+                 &attention_simt_kernel<kSlots, true, kFp8>, smem, &attention_reduce_kernel<0>, stream);
 }
 
 }  // namespace
@@ -254,11 +256,15 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
       plan.n_splits > 65535 || p.n_head > 65535)
     throw Error("paged_attention: batch too large for the launch grid");
 
+  const bool fp8 = p.k_scale != nullptr;
+  if (fp8 != (p.v_scale != nullptr)) throw Error("paged_attention: an FP8 cache needs both k_scale and v_scale");
   auto* ws = static_cast<unsigned char*>(p.workspace);
   AttnKernelArgs a{};
   a.q = p.q;
   a.k_cache = p.k_cache;
   a.v_cache = p.v_cache;
+  a.k_scale = p.k_scale;
+  a.v_scale = p.v_scale;
   a.block_tables = p.block_tables;
   a.query_start = p.query_start;
   a.positions = p.positions;
@@ -296,13 +302,27 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
     a.rope_position_scale = r.position_scale;
     a.rope_dim = r.rope_dim;
     a.rope_rotate_half = r.rotate_half;
-    a.k_cache_out = const_cast<__nv_bfloat16*>(p.k_cache);
-    a.v_cache_out = const_cast<__nv_bfloat16*>(p.v_cache);
+    a.k_cache_out = const_cast<void*>(p.k_cache);
+    a.v_cache_out = const_cast<void*>(p.v_cache);
+    a.k_scale_out = const_cast<float*>(p.k_scale);
+    a.v_scale_out = const_cast<float*>(p.v_scale);
   }
   if (plan.mma) {
-    MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { launch_all<D>(p, plan, a, stream); });
+    MmaHeadDims::dispatch(p.head_dim, [&]<int D>() {
+      if (fp8) {
+        launch_all<D, true>(p, plan, a, stream);
+      } else {
+        launch_all<D, false>(p, plan, a, stream);
+      }
+    });
   } else {
-    dispatch_simt(p.head_dim, [&]<int kSlots>() { launch_simt<kSlots>(p, plan, a, stream); });
+    dispatch_simt(p.head_dim, [&]<int kSlots>() {
+      if (fp8) {
+        launch_simt<kSlots, true>(p, plan, a, stream);
+      } else {
+        launch_simt<kSlots, false>(p, plan, a, stream);
+      }
+    });
   }
 }
 

@@ -20,11 +20,18 @@
 //   past the smallest position are masked per element (key > position -> -inf). The block's
 //   (sequence, first token) comes from a tile list that attention_plan_kernel builds on the device.
 // Decode kernel (sequences with one query token): paged_attention_decode.cuh.
+//
+// FP8 cache (kv_fp8.cuh; the kernels' kFp8 form): a stage holds a tile's E4M3 codes and scales
+// (half the bytes of a bf16 tile, plus 8 per key), copied by cp.async as the bf16 tiles are; before
+// a tile is computed its codes are widened to bf16 (exact) into one bf16 K/V tile, which the mma
+// code reads as it reads a bf16 stage, with each key's K scale applied to its score column and its
+// V scale to its softmax weight before P V (attend_tile's kScaled), so the arithmetic is the bf16
+// kernels' on the dequantized cache up to where the scales are applied.
 #pragma once
 
 #include <climits>
 
-#include "backend/cuda/device_common.cuh"
+#include "backend/cuda/kv_fp8.cuh"
 
 namespace kestrel::cuda {
 
@@ -48,8 +55,10 @@ constexpr int kTileStride = D % 64 == 0 ? D : D + 8;
 
 struct AttnKernelArgs {
   const __nv_bfloat16* q;        // [n_tokens, n_head, D]
-  const __nv_bfloat16* k_cache;  // [n_blocks, n_head_kv, block_size, D]
-  const __nv_bfloat16* v_cache;
+  const void* k_cache;           // [n_blocks, n_head_kv, block_size, D] bf16, or E4M3 codes (kFp8)
+  const void* v_cache;
+  const float* k_scale;          // kFp8: [n_blocks, n_head_kv, block_size] f32
+  const float* v_scale;
   const int32_t* block_tables;   // [n_seqs, max_blocks_per_seq]
   const int32_t* query_start;    // [n_seqs + 1]
   const int32_t* positions;      // [n_tokens]
@@ -82,9 +91,16 @@ struct AttnKernelArgs {
   float rope_position_scale;
   int32_t rope_dim;              // even, <= D
   bool rope_rotate_half;         // pair i with i + rope_dim / 2 (HF), else 2i with 2i + 1
-  __nv_bfloat16* k_cache_out;
-  __nv_bfloat16* v_cache_out;
+  void* k_cache_out;
+  void* v_cache_out;
+  float* k_scale_out;            // kFp8
+  float* v_scale_out;
 };
+
+// Bytes of an FP8 stage of kKeys keys: K codes, V codes ([kKeys][D] u8 each, rows unswizzled), then
+// K scales and V scales ([kKeys] f32 each).
+template <int D, int kKeys>
+constexpr int kFp8StageBytes = 2 * kKeys * D + 2 * kKeys * 4;
 
 // Element offset of chunk `chunk` (8 bf16) of row `row` in a [rows, D] tile (swizzled or padded).
 template <int D>
@@ -96,13 +112,14 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   }
 }
 
-// Bytes of dynamic shared memory of the prefill kernel: Q tile, two K tiles, two V tiles, per-row
-// position and output offset.
-template <int D>
+// Bytes of dynamic shared memory of the prefill kernel: Q tile, two K tiles, two V tiles (kFp8:
+// one bf16 K tile and V tile, and two FP8 stages), per-row position and output offset.
+template <int D, bool kFp8 = false>
 constexpr size_t attn_prefill_smem_bytes() {
   constexpr int rows = kPrefillRows, keys = kPrefillKeyTile<D>;
-  return static_cast<size_t>(rows) * kTileStride<D> * 2 + 4 * static_cast<size_t>(keys) * kTileStride<D> * 2 +
-         rows * (4 + 8);
+  return static_cast<size_t>(rows) * kTileStride<D> * 2 +
+         (kFp8 ? 2 : 4) * static_cast<size_t>(keys) * kTileStride<D> * 2 +
+         (kFp8 ? 2 * static_cast<size_t>(kFp8StageBytes<D, keys>) : 0) + rows * (4 + 8);
 }
 
 // The first key a query at position pos attends: pos + 1 - window with a sliding window (the
@@ -156,8 +173,56 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* s
       const int64_t blk = block_table[bk.x];
       off = ((blk * a.n_head_kv + kvh) * a.block_size + bk.y) * D + c * 8;
     }
-    cp_async16(sk + swz<D>(r, c), a.k_cache + off, valid);
-    cp_async16(sv + swz<D>(r, c), a.v_cache + off, valid);
+    cp_async16(sk + swz<D>(r, c), static_cast<const __nv_bfloat16*>(a.k_cache) + off, valid);
+    cp_async16(sv + swz<D>(r, c), static_cast<const __nv_bfloat16*>(a.v_cache) + off, valid);
+  }
+}
+
+// load_kv_tile for an FP8 cache: the tile's codes and scales into `stage` (kFp8StageBytes), with
+// the same zero fill (codes 0 and scale 0: value 0).
+template <int D, int kKeys = kKeyTile>
+__device__ __forceinline__ void load_kv_tile_fp8(unsigned char* stage, const AttnKernelArgs& a,
+                                                 const int32_t* block_table, int kvh, int key0, int key_end,
+                                                 int key_lo = 0) {
+  constexpr int kChunks = D / 16;
+  const auto* kc = static_cast<const uint8_t*>(a.k_cache);
+  const auto* vc = static_cast<const uint8_t*>(a.v_cache);
+  auto* ks = reinterpret_cast<float*>(stage + 2 * kKeys * D);
+  for (int i = static_cast<int>(threadIdx.x); i < kKeys * (kChunks + 1); i += kAttnThreads) {
+    const int r = i < kKeys * kChunks ? i / kChunks : i - kKeys * kChunks;
+    const int key = key0 + r;
+    const bool valid = key < key_end && key >= key_lo;
+    int64_t row = 0;  // (block, kv head, offset) of the key
+    if (valid) {
+      const int2 bk = block_of_key(a, key);
+      row = (static_cast<int64_t>(block_table[bk.x]) * a.n_head_kv + kvh) * a.block_size + bk.y;
+    }
+    if (i < kKeys * kChunks) {
+      const int c = i % kChunks;
+      cp_async16(stage + r * D + c * 16, kc + row * D + c * 16, valid);
+      cp_async16(stage + (kKeys + r) * D + c * 16, vc + row * D + c * 16, valid);
+    } else {
+      cp_async4(ks + r, a.k_scale + row, valid);
+      cp_async4(ks + kKeys + r, a.v_scale + row, valid);
+    }
+  }
+}
+
+// Widens the codes of tile rows [row0, row0 + n_rows) of an FP8 stage into the bf16 tiles sk and sv
+// (swz layout, as load_kv_tile fills them), exactly. Threads t = 0 .. n_threads - 1 share the work.
+template <int D, int kKeys = kKeyTile>
+__device__ __forceinline__ void widen_kv_rows(const unsigned char* stage, __nv_bfloat16* sk, __nv_bfloat16* sv,
+                                              int row0, int n_rows, int t, int n_threads) {
+  constexpr int kChunks = D / 16;
+  for (int i = t; i < 2 * n_rows * kChunks; i += n_threads) {
+    const int which = i / (n_rows * kChunks), j = i % (n_rows * kChunks);
+    const int r = row0 + j / kChunks, c = j % kChunks;
+    const uint4 codes = *reinterpret_cast<const uint4*>(stage + (which * kKeys + r) * D + c * 16);
+    uint4 lo, hi;
+    e4m3x16_to_bf16x16(codes, lo, hi);
+    __nv_bfloat16* dst = which == 0 ? sk : sv;
+    *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c)) = lo;
+    *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c + 1)) = hi;
   }
 }
 
@@ -265,11 +330,14 @@ __device__ __forceinline__ void tile_scores(float (&s)[kNK / 8][4], const QFragm
 
 // The warp's rows against kNK keys of the tile starting at tile row key_off (absolute key index of
 // tile row 0: key0). With need_mask, the lane's two rows attend keys [lo0, pos0] and [lo1, pos1]
-// only (pos INT_MAX, lo 0: never masked).
-template <int D, int kNK>
+// only (pos INT_MAX, lo 0: never masked). kScaled (FP8 cache): k_scale / v_scale [tile rows] f32
+// scale tile row r's score by k_scale[r] and its softmax weight by v_scale[r] before P V (the row
+// sums add the unscaled weights).
+template <int D, int kNK, bool kScaled = false>
 __device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments<D>& q,
                                             const __nv_bfloat16* sk, const __nv_bfloat16* sv, int key_off, int key0,
-                                            bool need_mask, int pos0, int pos1, int lo0, int lo1, float scale_log2) {
+                                            bool need_mask, int pos0, int pos1, int lo0, int lo1, float scale_log2,
+                                            const float* k_scale = nullptr, const float* v_scale = nullptr) {
   const int lane = threadIdx.x % kWarpSize;
   float s[kNK / 8][4];
   tile_scores<D, kNK>(s, q, sk, key_off);
@@ -280,6 +348,7 @@ __device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float v = s[nt][j] * scale_log2;
+      if constexpr (kScaled) v = s[nt][j] * (scale_log2 * k_scale[key_off + nt * 8 + c2 + (j & 1)]);
       if (need_mask) {
         const int key = key0 + key_off + nt * 8 + c2 + (j & 1);
         if (key > (j < 2 ? pos0 : pos1) || key < (j < 2 ? lo0 : lo1)) v = -INFINITY;
@@ -307,15 +376,30 @@ __device__ __forceinline__ void attend_tile(WarpSoftmax<D>& st, const QFragments
   for (int ks = 0; ks < kNK / 16; ++ks) {
     // P's C-fragment of key tiles 2 ks and 2 ks + 1 is exactly the A fragment of one k16 step.
     uint32_t pa[4];
-    pa[0] = pack_bf16x2(exp2f(s[2 * ks][0] - base[0]), exp2f(s[2 * ks][1] - base[0]));
-    pa[1] = pack_bf16x2(exp2f(s[2 * ks][2] - base[1]), exp2f(s[2 * ks][3] - base[1]));
-    pa[2] = pack_bf16x2(exp2f(s[2 * ks + 1][0] - base[0]), exp2f(s[2 * ks + 1][1] - base[0]));
-    pa[3] = pack_bf16x2(exp2f(s[2 * ks + 1][2] - base[1]), exp2f(s[2 * ks + 1][3] - base[1]));
-    // The row sums add the bf16-rounded weights that the mma multiplies V by.
-    st.l[0] += __uint_as_float(pa[0] << 16) + __uint_as_float(pa[0] & 0xffff0000u) +
-               __uint_as_float(pa[2] << 16) + __uint_as_float(pa[2] & 0xffff0000u);
-    st.l[1] += __uint_as_float(pa[1] << 16) + __uint_as_float(pa[1] & 0xffff0000u) +
-               __uint_as_float(pa[3] << 16) + __uint_as_float(pa[3] & 0xffff0000u);
+    if constexpr (kScaled) {
+      float p[2][4];  // key groups 2 ks, 2 ks + 1
+#pragma unroll
+      for (int g = 0; g < 2; ++g)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) p[g][j] = exp2f(s[2 * ks + g][j] - base[j >> 1]);
+      st.l[0] += p[0][0] + p[0][1] + p[1][0] + p[1][1];
+      st.l[1] += p[0][2] + p[0][3] + p[1][2] + p[1][3];
+      const float* vs = v_scale + key_off + ks * 16 + c2;
+      pa[0] = pack_bf16x2(p[0][0] * vs[0], p[0][1] * vs[1]);
+      pa[1] = pack_bf16x2(p[0][2] * vs[0], p[0][3] * vs[1]);
+      pa[2] = pack_bf16x2(p[1][0] * vs[8], p[1][1] * vs[9]);
+      pa[3] = pack_bf16x2(p[1][2] * vs[8], p[1][3] * vs[9]);
+    } else {
+      pa[0] = pack_bf16x2(exp2f(s[2 * ks][0] - base[0]), exp2f(s[2 * ks][1] - base[0]));
+      pa[1] = pack_bf16x2(exp2f(s[2 * ks][2] - base[1]), exp2f(s[2 * ks][3] - base[1]));
+      pa[2] = pack_bf16x2(exp2f(s[2 * ks + 1][0] - base[0]), exp2f(s[2 * ks + 1][1] - base[0]));
+      pa[3] = pack_bf16x2(exp2f(s[2 * ks + 1][2] - base[1]), exp2f(s[2 * ks + 1][3] - base[1]));
+      // The row sums add the bf16-rounded weights that the mma multiplies V by.
+      st.l[0] += __uint_as_float(pa[0] << 16) + __uint_as_float(pa[0] & 0xffff0000u) +
+                 __uint_as_float(pa[2] << 16) + __uint_as_float(pa[2] & 0xffff0000u);
+      st.l[1] += __uint_as_float(pa[1] << 16) + __uint_as_float(pa[1] & 0xffff0000u) +
+                 __uint_as_float(pa[3] << 16) + __uint_as_float(pa[3] & 0xffff0000u);
+    }
     const int row = key_off + ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt += 2) {
@@ -372,18 +456,21 @@ __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, i
   if (tid == 0) *n_tiles = base;
 }
 
-// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_prefill_smem_bytes<D>().
-template <int D>
+// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_prefill_smem_bytes<D, kFp8>().
+template <int D, bool kFp8 = false>
 __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
   constexpr int kRows = kPrefillRows, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
   const int n_tiles = *a.n_tiles;
   if (static_cast<int>(blockIdx.x) >= n_tiles) return;
   KESTREL_DYNAMIC_SMEM(smem);
+  constexpr int kBufs = kFp8 ? 1 : 2;     // bf16 K/V tiles: double-buffered, or the one FP8 stages widen into
+  constexpr int kFp8Stage = kFp8StageBytes<D, kKeys>;
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* sk = sq + kRows * kStride;        // [2][kKeys][kStride]
-  auto* sv = sk + 2 * kKeys * kStride;    // [2][kKeys][kStride]
-  auto* row_off = reinterpret_cast<int64_t*>(sv + 2 * kKeys * kStride);  // [kRows] q/out element offset or -1
+  auto* sk = sq + kRows * kStride;        // [kBufs][kKeys][kStride]
+  auto* sv = sk + kBufs * kKeys * kStride;  // [kBufs][kKeys][kStride]
+  auto* fp8_stages = reinterpret_cast<unsigned char*>(sv + kBufs * kKeys * kStride);  // kFp8: [2][kFp8Stage]
+  auto* row_off = reinterpret_cast<int64_t*>(fp8_stages + (kFp8 ? 2 * kFp8Stage : 0));  // [kRows] q/out offset or -1
   auto* row_pos = reinterpret_cast<int32_t*>(row_off + kRows);         // [kRows]
 
   // Last tiles first: within a sequence they attend the most keys, so the long blocks start early.
@@ -423,8 +510,17 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
   const int kv_end = max_pos + 1;
   const int first_tile = min_lo == INT_MAX ? 0 : min_lo / kKeys;
   const int n_kv_tiles = (kv_end + kKeys - 1) / kKeys;
-  load_kv_tile<D, kKeys>(sk + (first_tile & 1) * kKeys * kStride, sv + (first_tile & 1) * kKeys * kStride, a,
-                         block_table, kvh, first_tile * kKeys, kv_end, min_lo == INT_MAX ? 0 : min_lo);
+  const int key_lo = min_lo == INT_MAX ? 0 : min_lo;
+  // Tile j's K and V loads: into bf16 buffer j % 2, or FP8 stage j % 2.
+  auto load_tile = [&](int j) {
+    if constexpr (kFp8) {
+      load_kv_tile_fp8<D, kKeys>(fp8_stages + (j & 1) * kFp8Stage, a, block_table, kvh, j * kKeys, kv_end, key_lo);
+    } else {
+      load_kv_tile<D, kKeys>(sk + (j & 1) * kKeys * kStride, sv + (j & 1) * kKeys * kStride, a, block_table, kvh,
+                             j * kKeys, kv_end, key_lo);
+    }
+  };
+  load_tile(first_tile);
   cp_async_commit();
 
   const int pos0 = row_pos[warp * 16 + lane / 4], pos1 = row_pos[warp * 16 + lane / 4 + 8];
@@ -436,8 +532,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
   for (int j = first_tile; j < n_kv_tiles; ++j) {
     const int buf = j & 1;
     if (j + 1 < n_kv_tiles) {
-      load_kv_tile<D, kKeys>(sk + (buf ^ 1) * kKeys * kStride, sv + (buf ^ 1) * kKeys * kStride, a, block_table,
-                             kvh, (j + 1) * kKeys, kv_end, min_lo == INT_MAX ? 0 : min_lo);
+      load_tile(j + 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -446,8 +541,18 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
     __syncthreads();
     if (j == first_tile) qf.load(sq, warp * 16);
     const int key0 = j * kKeys;
-    attend_tile<D, kKeys>(st, qf, sk + buf * kKeys * kStride, sv + buf * kKeys * kStride, 0, key0,
-                          key0 + kKeys - 1 > min_pos || key0 < max_lo, pos0, pos1, lo0, lo1, a.scale_log2);
+    const bool need_mask = key0 + kKeys - 1 > min_pos || key0 < max_lo;
+    if constexpr (kFp8) {
+      const unsigned char* stage = fp8_stages + buf * kFp8Stage;
+      widen_kv_rows<D, kKeys>(stage, sk, sv, 0, kKeys, tid, kAttnThreads);
+      __syncthreads();
+      const auto* scales = reinterpret_cast<const float*>(stage + 2 * kKeys * D);
+      attend_tile<D, kKeys, true>(st, qf, sk, sv, 0, key0, need_mask, pos0, pos1, lo0, lo1, a.scale_log2, scales,
+                                  scales + kKeys);
+    } else {
+      attend_tile<D, kKeys>(st, qf, sk + buf * kKeys * kStride, sv + buf * kKeys * kStride, 0, key0, need_mask, pos0,
+                            pos1, lo0, lo1, a.scale_log2);
+    }
     __syncthreads();  // the buffer is refilled in the next iteration
   }
 

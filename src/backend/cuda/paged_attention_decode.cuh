@@ -32,11 +32,15 @@ namespace kestrel::cuda {
 // are contiguous, so a consumed stage holds the 4-warp merge's 4 x 16 x D f32 outputs), and the
 // merge's row max and row sum per warp.
 // The last region also holds the fused RoPE's cos / sin table (D floats at most) until the merge.
-template <int D, int kStages = 2>
+// kFp8: the stages hold codes and scales (kFp8StageBytes), and one bf16 K/V tile follows them, each
+// warp's 16 rows widened there by the warp; it holds the merge outputs.
+template <int D, int kStages = 2, bool kFp8 = false>
 constexpr size_t attn_decode_smem_bytes() {
   constexpr size_t merge = 2 * 4 * kDecodeRows * sizeof(float), rope = D * sizeof(float);
+  constexpr size_t tile = 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2;  // a bf16 K/V stage
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
-         kStages * 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2 + (merge > rope ? merge : rope);
+         (kFp8 ? kStages * static_cast<size_t>(kFp8StageBytes<D, kKeyTile>) + tile : kStages * tile) +
+         (merge > rope ? merge : rope);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
 
@@ -107,15 +111,16 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
 }
 
 // grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_decode_smem_bytes<D,
-// kStages>(). kStages K/V tiles in flight or computed at once: 2 (one loads while one is computed;
+// kStages, kFp8>(). kStages K/V tiles in flight or computed at once: 2 (one loads while one is computed;
 // at most 168 registers for D <= 128, so that three blocks fit on an SM) or 3 (two load while one
 // is computed; two blocks per SM by shared memory).
-template <int D, int kStages = 2>
+template <int D, int kStages = 2, bool kFp8 = false>
 __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2) : 1)
     attention_decode_kernel(AttnKernelArgs a) {
   static_assert(kStages >= 2, "at least one tile loads while another is computed");
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
-  constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a K/V stage
+  constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a bf16 K/V stage (kFp8: of the widened tile)
+  constexpr int kFp8Stage = kFp8StageBytes<D, kKeyTile>;
   // Before griddepcontrol.wait: only arrays written before the forward pass.
   DecodeItem it;
   it.seq = blockIdx.x;
@@ -142,8 +147,10 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   prefetch_l1(table + block_of_key(a, min(it.key_begin + static_cast<int>(threadIdx.x) % kKeyTile, it.key_end - 1)).x);
   KESTREL_DYNAMIC_SMEM(smem);
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRows][kStride]
-  auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile]
-  auto* sml = reinterpret_cast<float*>(stages + kStages * kStage);
+  auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile] (kFp8: [kStages][kFp8Stage] bytes)
+  auto* fp8_stages = reinterpret_cast<unsigned char*>(stages);
+  auto* wide = kFp8 ? reinterpret_cast<__nv_bfloat16*>(fp8_stages + kStages * kFp8Stage) : stages;  // kFp8: K, V tile
+  auto* sml = reinterpret_cast<float*>(kFp8 ? wide + kStage : stages + kStages * kStage);
   const int warp = threadIdx.x / kWarpSize;
   // Fused RoPE: the token's cos / sin table (in the merge scratch, free until the merge), from the
   // positions and inverse frequencies (written before the pass), before the wait.
@@ -163,7 +170,7 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     const int64_t slot = a.slot_mapping[it.token];
     const __nv_bfloat16* kx = a.rope_qkv + static_cast<int64_t>(it.token) * a.rope_qkv_stride + (a.n_head + it.kvh) * D;
     const __nv_bfloat16* vx = kx + static_cast<int64_t>(a.n_head_kv) * D;
-    __nv_bfloat16* kv_row = stages;  // [2][D]: the token's k and v, in K/V stage 0 before any tile
+    __nv_bfloat16* kv_row = wide;  // [2][D]: the token's k and v, in K/V stage 0 (the widened tile) before any tile
     for (int i = threadIdx.x; i < 2 * kChunks; i += kAttnThreads)
       cp_async16(kv_row + i * 8, (i < kChunks ? kx : vx) + (i % kChunks) * 8, true);
     cp_async_commit();
@@ -171,19 +178,31 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     __syncthreads();
     if (slot >= 0) {
       const int64_t off = kv_slot_offset(slot, it.kvh, a.n_head_kv, a.block_size, D);
-      const int half = a.rope_dim / 2;
-      for (int e = threadIdx.x; e < D; e += kAttnThreads) {
-        float y = __bfloat162float(kv_row[e]);
-        if (e < a.rope_dim) {
-          const int e0 = a.rope_rotate_half ? (e < half ? e : e - half) : e & ~1;
-          const int e1 = a.rope_rotate_half ? e0 + half : e0 + 1;
-          const int i = a.rope_rotate_half ? e0 : e0 / 2;
-          float y0, y1;
-          rope_rotate(__bfloat162float(kv_row[e0]), __bfloat162float(kv_row[e1]), rope_cs[i], rope_sn[i], y0, y1);
-          y = e == e0 ? y0 : y1;
+      if constexpr (kFp8) {
+        // Warp 0 quantizes the rotated k, warp 1 the v (rope_write_kv_fused_fp8's rows).
+        if (warp < 2) {
+          constexpr int kPer = (D + kWarpSize - 1) / kWarpSize;
+          const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+          float v[kPer];
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int e = lane + i * kWarpSize;
+            v[i] = e >= D       ? 0.0f
+                   : warp == 0 ? __bfloat162float(__float2bfloat16_rn(
+                                     rope_element(kv_row, e, a.rope_dim, a.rope_rotate_half, rope_cs, rope_sn)))
+                               : __bfloat162float(kv_row[D + e]);
+          }
+          const int64_t soff = kv_scale_offset(slot, it.kvh, a.n_head_kv, a.block_size);
+          warp_quantize_row_e4m3(v, D, static_cast<uint8_t*>(warp == 0 ? a.k_cache_out : a.v_cache_out) + off,
+                                 (warp == 0 ? a.k_scale_out : a.v_scale_out) + soff);
         }
-        a.k_cache_out[off + e] = __float2bfloat16_rn(y);
-        a.v_cache_out[off + e] = kv_row[D + e];
+      } else {
+        auto* kc = static_cast<__nv_bfloat16*>(a.k_cache_out);
+        auto* vc = static_cast<__nv_bfloat16*>(a.v_cache_out);
+        for (int e = threadIdx.x; e < D; e += kAttnThreads) {
+          kc[off + e] = __float2bfloat16_rn(rope_element(kv_row, e, a.rope_dim, a.rope_rotate_half, rope_cs, rope_sn));
+          vc[off + e] = kv_row[D + e];
+        }
       }
       __threadfence();  // the writes reach L2, where this block's cp.async reads them
     }
@@ -196,14 +215,21 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     const bool valid = r < it.n_rows;
     cp_async16(sq + swz<D>(r, c), q_rows + (valid ? static_cast<int64_t>(it.head0 + r) * D + c * 8 : 0), valid);
   }
+  // Tile j's K and V loads, into stage j % kStages.
+  auto load_tile = [&](int j) {
+    if constexpr (kFp8) {
+      load_kv_tile_fp8<D>(fp8_stages + j % kStages * kFp8Stage, a, table, it.kvh, it.key_begin + j * kKeyTile,
+                          it.key_end, key_lo);
+    } else {
+      __nv_bfloat16* sk = stages + j % kStages * kStage;
+      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end, key_lo);
+    }
+  };
   // Tiles 0 .. kStages - 2 (the first with Q), one commit group each.
   const int n_tiles = (it.key_end - it.key_begin + kKeyTile - 1) / kKeyTile;
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    if (j < n_tiles) {
-      __nv_bfloat16* sk = stages + j * kStage;
-      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end, key_lo);
-    }
+    if (j < n_tiles) load_tile(j);
     cp_async_commit();
   }
   QFragments<D> qf;
@@ -212,11 +238,7 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   for (int j = 0; j < n_tiles; ++j) {
     // Refill the stage computed in the previous iteration with tile j + kStages - 1 (every
     // iteration commits a group, maybe empty, so that tile j's is always kStages - 1 groups back).
-    if (j + kStages - 1 < n_tiles) {
-      __nv_bfloat16* sk = stages + (j + kStages - 1) % kStages * kStage;
-      load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + (j + kStages - 1) * kKeyTile,
-                      it.key_end, key_lo);
-    }
+    if (j + kStages - 1 < n_tiles) load_tile(j + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncthreads();
@@ -238,15 +260,28 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
       }
       qf.load(sq, 0);
     }
-    const __nv_bfloat16* sk = stages + j % kStages * kStage;
     const int key0 = it.key_begin + j * kKeyTile;
-    attend_tile<D, kKeyTile / kWarps>(st, qf, sk, sk + kKeyTile * kStride, warp * (kKeyTile / kWarps), key0,
-                                      key0 + kKeyTile - 1 > it.pos || key0 < key_lo, it.pos, it.pos, key_lo, key_lo,
-                                      a.scale_log2);
+    const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
+    constexpr int kWarpKeys = kKeyTile / kWarps;  // each warp's keys of the tile
+    if constexpr (kFp8) {
+      // The warp widens its own rows only, so a warp barrier suffices.
+      const unsigned char* stage = fp8_stages + j % kStages * kFp8Stage;
+      widen_kv_rows<D>(stage, wide, wide + kKeyTile * kStride, warp * kWarpKeys, kWarpKeys,
+                       static_cast<int>(threadIdx.x) % kWarpSize, kWarpSize);
+      __syncwarp();
+      const auto* scales = reinterpret_cast<const float*>(stage + 2 * kKeyTile * D);
+      attend_tile<D, kWarpKeys, true>(st, qf, wide, wide + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask,
+                                      it.pos, it.pos, key_lo, key_lo, a.scale_log2, scales, scales + kKeyTile);
+    } else {
+      const __nv_bfloat16* sk = stages + j % kStages * kStage;
+      attend_tile<D, kWarpKeys>(st, qf, sk, sk + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask, it.pos,
+                                it.pos, key_lo, key_lo, a.scale_log2);
+    }
     __syncthreads();  // this stage is refilled (or merged into) next
   }
   cp_async_wait<0>();  // only empty groups are left
-  finish_decode_item<D>(st, a, it, reinterpret_cast<float*>(stages + (n_tiles - 1) % kStages * kStage), sml);
+  float* merge = reinterpret_cast<float*>(kFp8 ? wide : stages + (n_tiles - 1) % kStages * kStage);
+  finish_decode_item<D>(st, a, it, merge, sml);
 }
 
 // Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s

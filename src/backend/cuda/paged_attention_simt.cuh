@@ -16,6 +16,8 @@
 // different banks), then each row's weights go through a per-warp scratch row in shared memory and
 // every lane accumulates its dims over the 32 keys. Scores, weights and sums stay f32 (the tensor-
 // core kernels round the weights to bf16 for the mma).
+// FP8 cache (kFp8, kv_fp8.cuh): the tile loads widen the codes to bf16 (exact) and fetch the keys'
+// scales; a key's K scale multiplies its scores, its V scale its weights in P V (not the row sums).
 #pragma once
 
 #include <climits>
@@ -29,15 +31,16 @@ constexpr int kSimtKeys = 32;  // keys per shared-memory tile: one per lane
 constexpr int kSimtRowsPerWarp = kSimtRows / (kAttnThreads / kWarpSize);
 
 // Bytes of dynamic shared memory for head_dim d: row offsets and positions, Q rows (f32, scaled),
-// a K tile (bf16, rows padded to d + 2), a V tile (bf16) and the per-warp weight scratch.
+// a K tile (bf16, rows padded to d + 2), a V tile (bf16), the per-warp weight scratch and the
+// tile's K and V scales (FP8 cache).
 inline size_t attn_simt_smem_bytes(int d) {
   return kSimtRows * (8 + 4) + static_cast<size_t>(kSimtRows) * d * 4 + static_cast<size_t>(kSimtKeys) * (d + 2) * 2 +
-         static_cast<size_t>(kSimtKeys) * d * 2 + static_cast<size_t>(kSimtRows) * kSimtKeys * 4;
+         static_cast<size_t>(kSimtKeys) * d * 2 + static_cast<size_t>(kSimtRows) * kSimtKeys * 4 + 2 * kSimtKeys * 4;
 }
 
 // grid: prefill (tile-list bound, n_head_kv * head_chunks); decode (n_seqs, n_head_kv * head_chunks,
 // n_splits). 128 threads, attn_simt_smem_bytes(head_dim). kSlots: head_dim <= 32 * kSlots.
-template <int kSlots, bool kDecode>
+template <int kSlots, bool kDecode, bool kFp8 = false>
 __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
   const int D = a.head_dim, kChunks = D / 8;
@@ -75,6 +78,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
   auto* sk = reinterpret_cast<__nv_bfloat16*>(sq + kSimtRows * D);   // [kSimtKeys][D + 2]
   auto* sv = sk + kSimtKeys * (D + 2);                               // [kSimtKeys][D]
   auto* sp = reinterpret_cast<float*>(sv + kSimtKeys * D);           // [kSimtRows][kSimtKeys] weights
+  auto* s_kscale = sp + kSimtRows * kSimtKeys;                       // kFp8: [kSimtKeys] K scales, then V
 
   for (int r = tid; r < kSimtRows; r += kAttnThreads) {
     const int tl = kDecode ? 0 : r / a.heads_per_tile;
@@ -128,10 +132,25 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
       uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
       if (key < key_end && key >= key_lo) {
         const int2 bk = block_of_key(a, key);
-        const int64_t blk = block_table[bk.x];
-        const int64_t off = ((blk * a.n_head_kv + kvh) * a.block_size + bk.y) * D + c * 8;
-        kx = *reinterpret_cast<const uint4*>(a.k_cache + off);
-        vx = *reinterpret_cast<const uint4*>(a.v_cache + off);
+        const int64_t row = (static_cast<int64_t>(block_table[bk.x]) * a.n_head_kv + kvh) * a.block_size + bk.y;
+        if constexpr (kFp8) {  // 8 codes widened to 8 bf16
+          const uint2 kc = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.k_cache) + row * D + c * 8);
+          const uint2 vc = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.v_cache) + row * D + c * 8);
+          e4m3x4_to_bf16x2(kc.x, kx.x, kx.y);
+          e4m3x4_to_bf16x2(kc.y, kx.z, kx.w);
+          e4m3x4_to_bf16x2(vc.x, vx.x, vx.y);
+          e4m3x4_to_bf16x2(vc.y, vx.z, vx.w);
+          if (c == 0) {
+            s_kscale[r] = a.k_scale[row];
+            s_kscale[kSimtKeys + r] = a.v_scale[row];
+          }
+        } else {
+          kx = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.k_cache) + row * D + c * 8);
+          vx = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.v_cache) + row * D + c * 8);
+        }
+      } else if (kFp8 && c == 0) {
+        s_kscale[r] = 0.0f;
+        s_kscale[kSimtKeys + r] = 0.0f;
       }
       auto* kw = reinterpret_cast<uint32_t*>(sk + r * (D + 2) + c * 8);  // 4-byte aligned only
       kw[0] = kx.x;
@@ -156,9 +175,10 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
       for (int r = 0; r < kSimtRowsPerWarp; ++r) s[r] += qw[r * D + d] * k0 + qw[r * D + d + 1] * k1;
     }
     const int key = key0 + lane;
+    const float k_scale = kFp8 ? s_kscale[lane] : 1.0f, v_scale = kFp8 ? s_kscale[kSimtKeys + lane] : 1.0f;
 #pragma unroll
     for (int r = 0; r < kSimtRowsPerWarp; ++r) {
-      const float v = key <= pos[r] && key >= lo[r] && key < key_end ? s[r] : -INFINITY;
+      const float v = key <= pos[r] && key >= lo[r] && key < key_end ? (kFp8 ? s[r] * k_scale : s[r]) : -INFINITY;
       float mx = v;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -170,7 +190,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
       l[r] = l[r] * corr + p;
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) o[r][i] *= corr;
-      wp[r * kSimtKeys + lane] = p;
+      wp[r * kSimtKeys + lane] = kFp8 ? p * v_scale : p;
     }
     __syncwarp();
     // O += P V over the keys any row of the warp sees.

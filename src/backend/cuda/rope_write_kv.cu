@@ -20,7 +20,17 @@ void launch(RopeWriteKvArgs a, int64_t n_tokens, cudaStream_t stream) {
                    aligned(a.v_cache) && a.q_stride % 8 == 0 && a.k_stride % 8 == 0 && a.v_stride % 8 == 0;
   const size_t smem = sizeof(float) * static_cast<size_t>(a.rope_dim);
   const dim3 grid(static_cast<unsigned>(n_tokens));
-  if (vec) {
+  if (a.fp8.k != nullptr) {
+    if (a.k_keep || a.head_dim > 256 || a.fp8.v == nullptr || a.fp8.k_scale == nullptr || a.fp8.v_scale == nullptr)
+      throw Error("rope_write_kv: an FP8 cache needs codes and scales for k and v, head_dim <= 256, out of place");
+    if (vec) {
+      auto* kern = &rope_write_kv_kernel<true, true>;
+      KESTREL_LAUNCH(kern, grid, dim3(128), smem, stream, a);
+    } else {
+      auto* kern = &rope_write_kv_kernel<false, true>;
+      KESTREL_LAUNCH(kern, grid, dim3(128), smem, stream, a);
+    }
+  } else if (vec) {
     auto* kern = &rope_write_kv_kernel<true>;
     KESTREL_LAUNCH(kern, grid, dim3(128), smem, stream, a);
   } else {
@@ -55,6 +65,25 @@ void rope_write_kv_fused(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const
                     positions, slot_mapping, inv_freq, position_scale,
                     static_cast<int32_t>(n_head), static_cast<int32_t>(n_head_kv), static_cast<int32_t>(head_dim),
                     static_cast<int32_t>(rope_dim), rotate_half, k_cache, v_cache, block_size};
+  launch(a, n_tokens, stream);
+}
+
+}  // namespace kestrel::cuda
+
+namespace kestrel::cuda {
+
+void rope_write_kv_fused_fp8(const bf16* qkv, int64_t qkv_stride, bf16* q_out, const int32_t* positions,
+                             const int64_t* slot_mapping, const float* inv_freq, float position_scale,
+                             int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t head_dim, int64_t rope_dim,
+                             bool rotate_half, const Fp8KvCache& cache, int32_t block_size, cudaStream_t stream) {
+  if (qkv_stride < (n_head + 2 * n_head_kv) * head_dim)
+    throw Error("rope_write_kv_fused_fp8: qkv_stride " + std::to_string(qkv_stride) + " is narrower than q, k and v");
+  if (cache.k == nullptr) throw Error("rope_write_kv_fused_fp8: no FP8 cache");
+  bf16* k = const_cast<bf16*>(qkv) + n_head * head_dim;  // only read (k_keep false)
+  RopeWriteKvArgs a{qkv, q_out, k, k + n_head_kv * head_dim, qkv_stride, qkv_stride, qkv_stride, false,
+                    positions, slot_mapping, inv_freq, position_scale,
+                    static_cast<int32_t>(n_head), static_cast<int32_t>(n_head_kv), static_cast<int32_t>(head_dim),
+                    static_cast<int32_t>(rope_dim), rotate_half, nullptr, nullptr, block_size, cache};
   launch(a, n_tokens, stream);
 }
 

@@ -4,7 +4,8 @@
 // and writes k and v to the token's slot. The vector kernel moves 8 bf16 (16 bytes) per item.
 #pragma once
 
-#include "backend/cuda/device_common.cuh"
+#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/kv_fp8.cuh"
 
 namespace kestrel::cuda {
 
@@ -28,6 +29,9 @@ struct RopeWriteKvArgs {
   __nv_bfloat16* k_cache;       // [n_blocks, n_head_kv, block_size, head_dim]
   __nv_bfloat16* v_cache;
   int32_t block_size;
+  // An FP8 cache (the kernel's kFp8 form; k_cache and v_cache unused): codes
+  // [n_blocks, n_head_kv, block_size, head_dim], scales [n_blocks, n_head_kv, block_size].
+  Fp8KvCache fp8;
 };
 
 // Offset of (slot, kv head) in a layer's cache; head_dim elements follow.
@@ -87,11 +91,36 @@ __device__ __forceinline__ void rope_pair(const __nv_bfloat16* x, __nv_bfloat16*
   }
 }
 
+// An FP8 cache's rows of token t (kFp8): one warp per row (k heads, then v heads), each lane
+// holding elements lane + 32 i; k rotated and rounded to bf16 as the bf16 cache would store it.
+__device__ __forceinline__ void write_fp8_rows(const RopeWriteKvArgs& a, int64_t t, int64_t slot, const float* cs,
+                                               const float* sn) {
+  constexpr int kPer = 256 / kWarpSize;  // head_dim <= 256 (attention_supports_head_dim)
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  for (int row = warp; row < 2 * a.n_head_kv; row += static_cast<int>(blockDim.x) / kWarpSize) {
+    const bool is_k = row < a.n_head_kv;
+    const int h = is_k ? row : row - a.n_head_kv;
+    const __nv_bfloat16* x = is_k ? a.k + t * a.k_stride + h * a.head_dim : a.v + t * a.v_stride + h * a.head_dim;
+    float v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + i * kWarpSize;
+      v[i] = e >= a.head_dim ? 0.0f
+             : is_k ? __bfloat162float(__float2bfloat16_rn(rope_element(x, e, a.rope_dim, a.rotate_half, cs, sn)))
+                    : __bfloat162float(x[e]);
+    }
+    const int64_t off = kv_slot_offset(slot, h, a.n_head_kv, a.block_size, a.head_dim);
+    const int64_t soff = kv_scale_offset(slot, h, a.n_head_kv, a.block_size);
+    warp_quantize_row_e4m3(v, a.head_dim, (is_k ? a.fp8.k : a.fp8.v) + off, (is_k ? a.fp8.k_scale : a.fp8.v_scale) + soff);
+  }
+}
+
 // grid (n_tokens), blockDim.x a multiple of 32; dynamic shared memory: rope_dim floats.
 // kVec: head_dim % 8 == 0 and (rotate_half ? (rope_dim / 2) % 8 : rope_dim % 8) == 0, 16-byte
 // aligned tensors. Items per token: the rotation items of every q head; the rotation and
 // pass-through items of every k head (k goes to the cache whole); the copy items of every v head.
-template <bool kVec>
+// kFp8 (out of place only, k_keep false): the q items, then write_fp8_rows for k and v.
+template <bool kVec, bool kFp8 = false>
 __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
   KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
@@ -110,8 +139,11 @@ __global__ void rope_write_kv_kernel(RopeWriteKvArgs a) {
   // Out of place (the fused form), q's unrotated tail is copied too.
   const int n_q_items = n_rot + (a.q_src != a.q ? n_pass : 0);
   const int n_q = a.n_head * n_q_items;
-  const int n_k = a.n_head_kv * (n_rot + n_pass);
-  const int n_total = n_q + n_k + a.n_head_kv * n_copy;
+  const int n_k = kFp8 ? 0 : a.n_head_kv * (n_rot + n_pass);
+  const int n_total = kFp8 ? n_q : n_q + n_k + a.n_head_kv * n_copy;
+  if constexpr (kFp8) {
+    if (slot >= 0) write_fp8_rows(a, t, slot, cs, sn);
+  }
   for (int idx = threadIdx.x; idx < n_total; idx += blockDim.x) {
     if (idx < n_q) {
       const int h = idx / n_q_items, r = idx % n_q_items;
