@@ -31,8 +31,9 @@ namespace kestrel {
 class KvCache {
  public:
   // dtype: f32 (exact attention), f16 (half the memory and the bytes attention reads; llama.cpp's
-  // default) or int8 (codes plus a per-row f32 scale: about a quarter of f32's bytes). Errors: kestrel::Error when block_size or n_blocks is not positive, dtype is another
-  // type, or the pool does not fit in memory. populate: zero the whole pool now, so every page is
+  // default) or int8 (codes plus a per-row f32 scale: about a quarter of f32's bytes). Errors:
+  // kestrel::Error when block_size or n_blocks is not positive, dtype is another type, or the pool
+  // does not fit in memory. populate: zero the whole pool now, so every page is
   // resident from the start (a server: memory runs short at start, not as an out-of-memory kill
   // once the cache fills, and its RSS stays flat while it serves); otherwise pages are touched
   // only when a block is first written.
@@ -50,7 +51,6 @@ class KvCache {
   int64_t n_slots() const { return static_cast<int64_t>(n_blocks_) * block_size_; }
   KvDtype dtype() const { return dtype_; }
   bool has_v() const { return !v_.empty(); }  // false for MLA
-  bool is_mla() const { return !has_v(); }
   // Bytes of one token across all layers, the scales of a quantized cache included:
   // kv_bytes_per_token() of the geometry (the planner's).
   int64_t bytes_per_token() const;
