@@ -138,6 +138,23 @@ TEST(KvInt8Model, Stories260KOutputsDoNotDependOnTheBatch) {
                          40);
 }
 
+// A prompt whose first blocks come from the prefix cache (int8 codes and scales written by an
+// earlier request) continues exactly as it does from an empty cache.
+TEST(KvInt8Model, PrefixCacheHitGivesTheColdOutput) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  EngineConfig c = config(KvDtype::INT8);
+  c.block_size = 4;
+  c.enable_prefix_caching = true;
+  Engine cold(*model, nullptr, c);
+  const auto want = test::greedy_ids(cold, {kStory}, 24)[0];
+  Engine warm(*model, nullptr, c);
+  test::greedy_ids(warm, {std::vector<int32_t>(kStory.begin(), kStory.begin() + 40)}, 1);
+  EXPECT_EQ(test::greedy_ids(warm, {kStory}, 24)[0], want);
+  EXPECT_GT(warm.stats().prefix_cache_hit_tokens, 0);
+}
+
 TEST(KvInt8Model, MlaOutputsDoNotDependOnTheBatch) {
   const std::string folder = test::data_dir() + "/hf-tiny/deepseek-v2-tiny";
   KESTREL_REQUIRE_FILE(folder + "/reference.json");
