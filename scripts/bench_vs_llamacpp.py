@@ -51,7 +51,7 @@ def run(cmd: list[str]) -> str:
     return p.stdout
 
 
-KESTREL_ROW = re.compile(r"^\|[^|]*\|[^|]*\|[^|]*\|\s*((?:pp|tg)\d+)\s*\|\s*([0-9.]+)")
+KESTREL_ROW = re.compile(r"^\|(?:[^|]*\|){3,4}\s*((?:pp|tg)\d+)\s*\|\s*([0-9.]+)")
 
 
 def kestrel_runs(a: argparse.Namespace) -> dict[str, float]:

@@ -123,6 +123,9 @@ struct Engine::Impl {
         scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback()},
                   manager) {
     stats.n_kv_blocks = config.n_kv_blocks;
+    stats.kv_block_size = config.block_size;
+    stats.kv_dtype = runner->kv_dtype();
+    stats.kv_bytes_per_token = runner->kv_bytes_per_token();
     const ModelHparams& hp = m.hparams();
     if (hp.moe.enabled()) {
       stats.moe_n_expert = static_cast<int32_t>(hp.moe.routing.n_expert);

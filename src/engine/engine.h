@@ -100,6 +100,12 @@ struct EngineStats {
   int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;
+  int32_t kv_block_size = 0;                // tokens per KV block
+  KvDtype kv_dtype = KvDtype::F16;          // element type of the cached K and V
+  // Bytes one token takes in the KV pool over all layers, the per-row scales of int8 included
+  // (ModelRunner::kv_bytes_per_token); the pool holds n_kv_blocks x kv_block_size x this.
+  int64_t kv_bytes_per_token = 0;
+  int64_t kv_cache_bytes() const { return int64_t{n_kv_blocks} * kv_block_size * kv_bytes_per_token; }
   int32_t peak_kv_blocks_used = 0;          // most blocks held by sequences at once
   int32_t kv_blocks_used = 0;               // blocks held by sequences now
   int32_t kv_blocks_free = 0;               // blocks free now (unused, or cached and evictable)

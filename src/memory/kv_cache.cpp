@@ -1,6 +1,7 @@
 #include "memory/kv_cache.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <new>
 
 #include "core/error.h"
@@ -33,24 +34,42 @@ KvCache::KvCache(const KvGeometry& g, int32_t block_size, int32_t n_blocks, KvDt
   const bool with_v = !g.is_mla();
   if (block_size <= 0) throw Error("block size must be positive, got " + std::to_string(block_size));
   if (n_blocks <= 0) throw Error("number of KV blocks must be positive, got " + std::to_string(n_blocks));
-  if (dtype != KvDtype::F32 && dtype != KvDtype::F16)
-    throw Error("KV cache dtype " + std::string(kv_dtype_name(dtype)) + " is not supported by the CPU backend (use f16 or f32)");
+  if (dtype != KvDtype::F32 && dtype != KvDtype::F16 && dtype != KvDtype::INT8)
+    throw Error("KV cache dtype " + std::string(kv_dtype_name(dtype)) +
+                " is not supported by the CPU backend (use f16, f32 or int8)");
   const size_t n = static_cast<size_t>(n_slots()) * static_cast<size_t>(kv_dim()) *
                    static_cast<size_t>(kv_dtype_bytes(dtype));
+  const bool scaled = dtype == KvDtype::INT8;
+  const size_t n_scales = static_cast<size_t>(n_slots()) * static_cast<size_t>(n_head_kv_);
   k_.resize(static_cast<size_t>(n_layer));
   if (with_v) v_.resize(static_cast<size_t>(n_layer));
+  if (scaled) {
+    k_scale_.resize(static_cast<size_t>(n_layer));
+    (with_v ? v_scale_ : rope_scale_).resize(static_cast<size_t>(n_layer));
+  }
   try {
     for (auto& a : k_) a.reset(new std::byte[n]);
     for (auto& a : v_) a.reset(new std::byte[n]);
+    for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
+      for (auto& a : *s) a.reset(new float[n_scales]);
   } catch (const std::bad_alloc&) {
     throw Error("KV cache of " + std::to_string(n_blocks) + " blocks (" +
-                std::to_string((with_v ? 2 : 1) * n * static_cast<size_t>(n_layer) >> 20) +
+                std::to_string(static_cast<size_t>(n_slots()) * static_cast<size_t>(bytes_per_token()) >> 20) +
                 " MiB) does not fit in memory");
   }
   if (populate) {
     for (auto& a : k_) std::memset(a.get(), 0, n);
     for (auto& a : v_) std::memset(a.get(), 0, n);
+    for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
+      for (auto& a : *s) std::memset(a.get(), 0, n_scales * sizeof(float));
   }
+}
+
+int64_t KvCache::bytes_per_token() const {
+  // Per layer: one row per KV head of K (and V), each with its scale; MLA adds the RoPE key's scale.
+  const int64_t row = head_dim_ * kv_dtype_bytes(dtype_) + kv_scale_bytes(dtype_);
+  const int64_t per_layer = (has_v() ? 2 : 1) * n_head_kv_ * row + (has_v() ? 0 : kv_scale_bytes(dtype_));
+  return n_layer_ * per_layer;
 }
 
 void KvCache::copy_block(int32_t src, int32_t dst) {
@@ -59,6 +78,11 @@ void KvCache::copy_block(int32_t src, int32_t dst) {
                    static_cast<size_t>(kv_dtype_bytes(dtype_));
   for (auto& a : k_) std::memcpy(a.get() + static_cast<size_t>(dst) * n, a.get() + static_cast<size_t>(src) * n, n);
   for (auto& a : v_) std::memcpy(a.get() + static_cast<size_t>(dst) * n, a.get() + static_cast<size_t>(src) * n, n);
+  const size_t n_scales = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_);
+  for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
+    for (auto& a : *s)
+      std::memcpy(a.get() + static_cast<size_t>(dst) * n_scales, a.get() + static_cast<size_t>(src) * n_scales,
+                  n_scales * sizeof(float));
 }
 
 }  // namespace kestrel

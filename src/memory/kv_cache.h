@@ -8,6 +8,13 @@
 // Multi-head latent attention (KvGeometry::is_mla) caches one row [kv_lora_rank + rope_dim] per
 // token and layer (the latent c_KV, then the RoPE key): the K storage with one head of that width,
 // and no V storage.
+//
+// INT8 storage (--kv-cache-dtype int8) keeps the same code layout and gives every cached row (one
+// token's K or V of one KV head; MLA: one token's latent c_KV and, separately, its RoPE key) its
+// own f32 scale, value = code x scale with scale = amax(row) / 127: rows are written once, token by
+// token, so a scale fixed per row never needs rewriting, and an outlier in one token or head does
+// not coarsen any other row. The scales sit beside the codes, [n_blocks, n_head_kv, block_size]
+// per layer: the scale of the row at element offset(slot, head) is at offset(slot, head) / head_dim.
 #pragma once
 
 #include <cstddef>
@@ -23,9 +30,10 @@ namespace kestrel {
 
 class KvCache {
  public:
-  // dtype: f32 (exact attention) or f16 (half the memory and the bytes attention reads; llama.cpp's
-  // default). Errors: kestrel::Error when block_size or n_blocks is not positive, dtype is another
-  // type, or the pool does not fit in memory. populate: zero the whole pool now, so every page is
+  // dtype: f32 (exact attention), f16 (half the memory and the bytes attention reads; llama.cpp's
+  // default) or int8 (codes plus a per-row f32 scale: about a quarter of f32's bytes). Errors:
+  // kestrel::Error when block_size or n_blocks is not positive, dtype is another type, or the pool
+  // does not fit in memory. populate: zero the whole pool now, so every page is
   // resident from the start (a server: memory runs short at start, not as an out-of-memory kill
   // once the cache fills, and its RSS stays flat while it serves); otherwise pages are touched
   // only when a block is first written.
@@ -43,8 +51,11 @@ class KvCache {
   int64_t n_slots() const { return static_cast<int64_t>(n_blocks_) * block_size_; }
   KvDtype dtype() const { return dtype_; }
   bool has_v() const { return !v_.empty(); }  // false for MLA
-  // Bytes of one token across all layers: kv_bytes_per_token() of the geometry (the planner's).
-  int64_t bytes_per_token() const { return (has_v() ? 2 : 1) * n_layer_ * kv_dim() * kv_dtype_bytes(dtype_); }
+  // Bytes of one token across all layers, the scales of a quantized cache included:
+  // kv_bytes_per_token() of the geometry (the planner's).
+  int64_t bytes_per_token() const;
+  // Bytes of the whole pool: n_slots() x bytes_per_token().
+  int64_t bytes_total() const { return n_slots() * bytes_per_token(); }
   // Element offset of (slot, kv head) in a layer's K or V storage; head_dim elements follow.
   int64_t offset(int64_t slot, int64_t head) const {
     return ((slot / block_size_ * n_head_kv_ + head) * block_size_ + slot % block_size_) * head_dim_;
@@ -55,7 +66,19 @@ class KvCache {
   void* v(int64_t layer) { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
   const void* k(int64_t layer) const { return k_[static_cast<size_t>(layer)].get(); }
   const void* v(int64_t layer) const { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
-  // Copies the K and V of every layer from block src to block dst (copy-on-write).
+  // INT8 only (nullptr otherwise): a layer's row scales, [n_blocks, n_head_kv, block_size] f32,
+  // the scale of the row at element offset o of k() / v() being at o / head_dim(). For MLA,
+  // k_scale() holds the latent c_KV's scale (the first kv_lora_rank elements of the row) and
+  // rope_scale() the RoPE key's (the rest); v_scale() is nullptr. rope_scale() is nullptr for
+  // standard attention.
+  float* k_scale(int64_t layer) { return scale_of(k_scale_, layer); }
+  float* v_scale(int64_t layer) { return scale_of(v_scale_, layer); }
+  float* rope_scale(int64_t layer) { return scale_of(rope_scale_, layer); }
+  const float* k_scale(int64_t layer) const { return scale_of(k_scale_, layer); }
+  const float* v_scale(int64_t layer) const { return scale_of(v_scale_, layer); }
+  const float* rope_scale(int64_t layer) const { return scale_of(rope_scale_, layer); }
+  // Copies the K and V of every layer (and their scales) from block src to block dst
+  // (copy-on-write).
   void copy_block(int32_t src, int32_t dst);
 
  private:
@@ -69,6 +92,13 @@ class KvCache {
   // large pool costs no time or resident memory until it is used; a slot is always written before
   // it is read.
   std::vector<std::unique_ptr<std::byte[]>> k_, v_;
+  // INT8: per layer [n_blocks, n_head_kv, block_size] f32; empty for the float types (rope_scale_
+  // also for standard attention, v_scale_ for MLA).
+  std::vector<std::unique_ptr<float[]>> k_scale_, v_scale_, rope_scale_;
+
+  static float* scale_of(const std::vector<std::unique_ptr<float[]>>& s, int64_t layer) {
+    return s.empty() ? nullptr : s[static_cast<size_t>(layer)].get();
+  }
 };
 
 }  // namespace kestrel

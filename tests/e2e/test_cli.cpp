@@ -87,6 +87,47 @@ TEST(CliE2e, GreedyTranscriptsMatchLlama2c) {
   }
 }
 
+// With an INT8 KV cache (--kv-cache-dtype int8) the greedy continuations stay llama2.c's (f32)
+// for as many tokens as measured: all of them for four transcripts, the first 12 of "Hello world"
+// (token 13 differs) and the first 118 of the 256-step one (token 119 differs). The int8 rows are
+// within half a step (amax / 254) of the f32 ones, enough to flip a close greedy choice later on.
+TEST(CliE2e, Int8KvCacheGreedyFollowsTheTranscripts) {
+  const std::vector<size_t> steps = {64, 60, 53, 12, 54, 118};  // per transcript, in file order
+  const std::string dir = data_dir() + "/stories260K";
+  KESTREL_REQUIRE_FILE(dir + "/expected-greedy-llama2c-run.txt");
+  const auto cases = read_transcripts(dir + "/expected-greedy-llama2c-run.txt");
+  ASSERT_EQ(cases.size(), steps.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Transcript& c = cases[k];
+    SCOPED_TRACE("prompt: [" + c.prompt + "]");
+    const size_t n_forced = c.prompt_ids.size() - 1;
+    const size_t n = std::min(steps[k], c.next_ids.size() - n_forced);
+    const std::vector<int> expected(c.next_ids.begin() + static_cast<long>(n_forced),
+                                    c.next_ids.begin() + static_cast<long>(n_forced + n));
+    std::string out;
+    const std::string cmd = kestrel_binary() + " generate -m " + dir + "/stories260K.gguf -p " +
+                            shell_quote(c.prompt) + " -n " + std::to_string(n) +
+                            " --temperature 0 --json --kv-cache-dtype int8 2>/dev/null";
+    ASSERT_EQ(run_command(cmd, &out), 0) << cmd;
+    EXPECT_EQ(nlohmann::json::parse(out)["output_ids"].get<std::vector<int>>(), expected) << cmd;
+  }
+}
+
+// fp8 names a KV type the CUDA backend may store, not the CPU's: refused after the model loads
+// (the check needs the device), with the flag named and exit status 2, and nothing generated.
+TEST(CliE2e, Fp8KvCacheOnTheCpuIsAClearError) {
+  const std::string stories = data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(stories);
+  std::string out, err;
+  const std::string cmd = kestrel_binary() + " generate -m " + stories + " -p hi --device cpu --kv-cache-dtype fp8";
+  EXPECT_EQ(run_command(cmd + " 2>/dev/null", &out), 2);
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(run_command(cmd + " 2>&1 >/dev/null", &err), 2);
+  EXPECT_NE(err.find("kestrel: --kv-cache-dtype: fp8: the CPU backend's KV cache stores f16, f32 or int8"),
+            std::string::npos)
+      << err;
+}
+
 TEST(CliE2e, DefaultModelKnowsTheCapitalOfFrance) {
   const std::string model = model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
   KESTREL_REQUIRE_FILE(model);

@@ -38,7 +38,7 @@ TEST(CpuAttention, KeysFromKvBeginMatchFloat64Softmax) {
       a.q = q.data();
       a.k_cache = k.data();
       a.v_cache = v.data();
-      a.kv_f16 = false;
+      a.kv_dtype = KvDtype::F32;
       a.block_stride = kKvHeads * kBlockSize * kHeadDim;
       a.head_offset = kvh * kBlockSize * kHeadDim;
       a.block_table = table.data();

@@ -67,7 +67,7 @@ TEST(CpuAttention, QueryGroupSplitGivesTheSameBits) {
       a.q = q.data() + first * kHeadDim;
       a.k_cache = k.data();
       a.v_cache = v.data();
-      a.kv_f16 = true;
+      a.kv_dtype = KvDtype::F16;
       a.block_stride = kBlockSize * kHeadDim;
       a.head_offset = 0;
       a.block_table = table.data();

@@ -1,5 +1,6 @@
 // The CPU forward pass over flat batches: a token's logits do not depend on how its prompt was
-// chunked, on which physical blocks hold its KV, or on what other sequences share the batch.
+// chunked, on which physical blocks hold its KV, or on what other sequences share the batch (with
+// an f32, f16 or int8 KV cache).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,7 +42,7 @@ TEST(Forward, MixedBatchOverScatteredBlocksMatchesSeparateRuns) {
   // Separate runs: logits of every position of two prompts.
   const std::vector<int32_t> a(kPrompt.begin(), kPrompt.begin() + 13);
   const std::vector<int32_t> b = {1, 291, 280, 294, 262, 294, 353, 265, 284};
-  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16}) {
+  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16, KvDtype::INT8}) {
   SCOPED_TRACE(kv_dtype_name(dtype));
   EngineConfig c;
   c.block_size = 4;

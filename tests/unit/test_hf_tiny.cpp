@@ -185,7 +185,8 @@ TEST(HfTiny, DeepseekV2LiteMatchesTransformers) {
 }
 
 // The KV pool of an MLA model holds exactly what `kestrel plan` counts per token: per layer one
-// latent (32) and one RoPE key (8), no per-head K and V: 3 x 40 x 4 B = 480 B in f32, 240 in f16.
+// latent (32) and one RoPE key (8), no per-head K and V: 3 x 40 x 4 B = 480 B in f32, 240 in f16,
+// and in int8 3 x (40 codes + the latent's and the RoPE key's f32 scales) = 144 B.
 TEST(HfTiny, MlaKvPoolBytesEqualThePlan) {
   const std::string folder = test::data_dir() + "/hf-tiny/deepseek-v2-tiny";
   KESTREL_REQUIRE_FILE(folder + "/config.json");
@@ -197,7 +198,7 @@ TEST(HfTiny, MlaKvPoolBytesEqualThePlan) {
   g.head_dim = fp.head_dim;
   g.kv_lora_rank = fp.kv_lora_rank;
   g.rope_dim = fp.rope_dim;
-  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16}) {
+  for (KvDtype dtype : {KvDtype::F32, KvDtype::F16, KvDtype::INT8}) {
     RunnerOptions o;
     o.block_size = 16;
     o.n_kv_blocks = 8;
@@ -205,7 +206,7 @@ TEST(HfTiny, MlaKvPoolBytesEqualThePlan) {
     o.n_threads = 1;
     const auto runner = make_cpu_model_runner(*model, o);
     EXPECT_EQ(runner->kv_bytes_per_token(), kv_bytes_per_token(g, dtype));
-    EXPECT_EQ(runner->kv_bytes_per_token(), dtype == KvDtype::F32 ? 480 : 240);
+    EXPECT_EQ(runner->kv_bytes_per_token(), dtype == KvDtype::F32 ? 480 : dtype == KvDtype::F16 ? 240 : 144);
   }
 }
 

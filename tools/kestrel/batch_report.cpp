@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <string>
 
 namespace kestrel::cli {
 
@@ -30,9 +31,10 @@ std::string BatchSummary::text() const {
                 per_s(static_cast<double>(n_prompt_tokens)));
   out += buf;
   std::snprintf(buf, sizeof buf,
-                "kestrel batch: prefix cache hit rate %.1f%%, peak KV blocks %d/%d, %lld preemptions, "
+                "kestrel batch: prefix cache hit rate %.1f%%, peak KV blocks %d/%d (KV %s, %.1f MiB), %lld preemptions, "
                 "mean TTFT %.1f ms, mean TPOT %.2f ms\n",
                 100.0 * engine.prefix_cache_hit_rate(), engine.peak_kv_blocks_used, engine.n_kv_blocks,
+                std::string(kv_dtype_name(engine.kv_dtype)).c_str(), static_cast<double>(engine.kv_cache_bytes()) / (1 << 20),
                 static_cast<long long>(engine.n_preemptions), mean_ttft_ms(), mean_tpot_ms());
   out += buf;
   return out;
@@ -55,6 +57,9 @@ Json BatchSummary::to_json() const {
   j["prefix_cache_queried_tokens"] = engine.prefix_cache_queried_tokens;
   j["peak_kv_blocks_used"] = engine.peak_kv_blocks_used;
   j["kv_blocks"] = engine.n_kv_blocks;
+  j["kv_dtype"] = std::string(kv_dtype_name(engine.kv_dtype));
+  j["kv_bytes_per_token"] = engine.kv_bytes_per_token;
+  j["kv_cache_bytes"] = engine.kv_cache_bytes();
   j["preemptions"] = engine.n_preemptions;
   j["steps"] = engine.n_steps;
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included

@@ -140,8 +140,10 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
   app.add_option("--block-size", cache.block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--kv-cache-dtype,--kv-dtype", cache.kv_cache_dtype,
                  "KV cache element type: auto (f32 for f32 weights on the CPU, else f16; bf16 on the GPU), "
-                 "f16 or f32 (CPU), bf16 or fp8 (CUDA; fp8: E4M3 codes with one f32 scale per token and KV head)")
-      ->check(CLI::IsMember({"auto", "f16", "fp16", "float16", "f32", "fp32", "float32", "bf16", "fp8"}, CLI::ignore_case))
+                 "f16, f32 or int8 (CPU; int8 codes with an f32 scale per cached row), bf16 or fp8 (CUDA; fp8: "
+                 "E4M3 codes with one f32 scale per token and KV head)")
+      ->check(CLI::IsMember({"auto", "f16", "fp16", "float16", "f32", "fp32", "float32", "bf16", "int8", "fp8"},
+                            CLI::ignore_case))
       ->capture_default_str();
   app.add_option("-t,--threads", device.threads, "CPU threads; 0 = all cores")
       ->check(CLI::Range(0, max_threads()))
@@ -201,9 +203,9 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (device.device == "cuda" && kv == KvDtype::FP8 && hp.mla.enabled())
     throw CLI::ValidationError(kKvDtypeFlag, "fp8: the CUDA backend keeps an MLA model's latent cache in bf16 (use "
                                              "bf16 or auto)");
-  if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32)
+  if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32 && kv != KvDtype::INT8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
-                                                 ": the CPU backend's KV cache stores f16 or f32 (or auto)");
+                                                 ": the CPU backend's KV cache stores f16, f32 or int8 (or auto)");
   if (parallel.tensor_parallel_size != 1)
     throw CLI::ValidationError("--tensor-parallel-size", std::to_string(parallel.tensor_parallel_size) +
                                                              ": this kestrel runs a model on one device (1)");

@@ -70,11 +70,16 @@ void CpuModelRunner::mla_attention(int32_t layer, Act in, Act out) {
   for (int64_t t = 0; t < n; ++t) op.rms_norm(kv + t * row, kv_norm, kv + t * row, 1, r, hp_.rms_eps);
   rope(q + nope, b.positions.data(), n, H, qh, rope_d, inv_freq_.data(), hp_.rope_linear_scale, adjacent);
   rope(kv + r, b.positions.data(), n, 1, row, rope_d, inv_freq_.data(), hp_.rope_linear_scale, adjacent);
-  const bool f16 = kv_.dtype() == KvDtype::F16;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t off = kv_.offset(b.slot_mapping[t], 0);
-    if (f16) {
+    if (kv_.dtype() == KvDtype::F16) {
       op.f32_to_f16(kv + t * row, static_cast<uint16_t*>(kv_.k(layer)) + off, row);
+    } else if (kv_.dtype() == KvDtype::INT8) {
+      // The latent and the RoPE key are scaled apart: their magnitudes differ (the latent is
+      // RMS-normed, the key is not), and one scale would round the smaller part coarsely.
+      int8_t* codes = static_cast<int8_t*>(kv_.k(layer)) + off;
+      kv_.k_scale(layer)[off / row] = quantize_row_int8(kv + t * row, codes, r);
+      kv_.rope_scale(layer)[off / row] = quantize_row_int8(kv + t * row + r, codes + r, rope_d);
     } else {
       std::memcpy(static_cast<float*>(kv_.k(layer)) + off, kv + t * row, sizeof(float) * static_cast<size_t>(row));
     }
@@ -106,7 +111,10 @@ void CpuModelRunner::mla_attention(int32_t layer, Act in, Act out) {
       a.q = mla_q_.data() + (t * H + h0) * row;
       a.k_cache = kv_.k(layer);
       a.v_cache = kv_.k(layer);
-      a.kv_f16 = f16;
+      a.kv_dtype = kv_.dtype();
+      a.k_scale = kv_.k_scale(layer);
+      a.v_scale = kv_.k_scale(layer);  // the values are the latent
+      a.k_rope_scale = kv_.rope_scale(layer);
       a.block_stride = static_cast<int64_t>(kv_.block_size()) * row;
       a.head_offset = 0;
       a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;

@@ -53,7 +53,6 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   const auto& op = ops();
   const void* kc = kv_.k(layer);
   const void* vc = kv_.v(layer);
-  const bool f16 = kv_.dtype() == KvDtype::F16;
   const int64_t head_stride = static_cast<int64_t>(kv_.block_size()) * hd;
   // One task per (token, KV head): the group of query heads that share the KV head reads each
   // key and value once. With fewer such tasks than threads (decode with MQA or few KV heads),
@@ -72,7 +71,9 @@ void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
       a.q = q_.data() + t * hp_.q_dim() + q0 * hd;
       a.k_cache = kc;
       a.v_cache = vc;
-      a.kv_f16 = f16;
+      a.kv_dtype = kv_.dtype();
+      a.k_scale = kv_.k_scale(layer);
+      a.v_scale = kv_.v_scale(layer);
       a.block_stride = hp_.n_head_kv * head_stride;
       a.head_offset = kvh * head_stride;
       a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
@@ -102,6 +103,9 @@ void CpuModelRunner::write_kv(const ForwardBatch& b, int64_t layer) {
       if (kv_.dtype() == KvDtype::F16) {
         op.f32_to_f16(ks, static_cast<uint16_t*>(kv_.k(layer)) + off, hd);
         op.f32_to_f16(vs, static_cast<uint16_t*>(kv_.v(layer)) + off, hd);
+      } else if (kv_.dtype() == KvDtype::INT8) {
+        kv_.k_scale(layer)[off / hd] = quantize_row_int8(ks, static_cast<int8_t*>(kv_.k(layer)) + off, hd);
+        kv_.v_scale(layer)[off / hd] = quantize_row_int8(vs, static_cast<int8_t*>(kv_.v(layer)) + off, hd);
       } else {
         std::memcpy(static_cast<float*>(kv_.k(layer)) + off, ks, sizeof(float) * static_cast<size_t>(hd));
         std::memcpy(static_cast<float*>(kv_.v(layer)) + off, vs, sizeof(float) * static_cast<size_t>(hd));

@@ -1,5 +1,6 @@
 #include "backend/cpu/ops.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/cpu_features.h"
@@ -12,6 +13,25 @@ const OpsTable& ops() {
     case SimdLevel::Avx2: return ops_avx2();
     default: return ops_generic();
   }
+}
+
+float quantize_row_int8(const float* x, int8_t* codes, int64_t n) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float scale = amax / 127.0f;  // 0 also for a row of subnormals too small to divide
+  if (!finite || scale == 0.0f) {
+    std::fill_n(codes, n, int8_t{0});
+    return finite ? 0.0f : NAN;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = std::nearbyint(x[i] / scale);  // the default rounding mode: nearest, ties to even
+    codes[i] = static_cast<int8_t>(std::clamp(c, -127.0f, 127.0f));
+  }
+  return scale;
 }
 
 void rope(float* x, const int32_t* positions, int64_t n_tokens, int64_t n_heads, int64_t head_dim,

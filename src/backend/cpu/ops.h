@@ -8,15 +8,25 @@
 
 #include <cstdint>
 
+#include "memory/kv_dtype.h"
+
 namespace kestrel::cpu {
 
 struct AttentionArgs {
   const float* q;              // [group, head_dim]: the query heads that share one KV head
-  // The layer's K and V storage, [n_blocks, n_head_kv, block_size, head_dim], f32 or f16
+  // The layer's K and V storage, [n_blocks, n_head_kv, block_size, head_dim] of kv_dtype
   // (KvCache's layout).
   const void* k_cache;
   const void* v_cache;
-  bool kv_f16;                 // element type of k_cache / v_cache: f16 (true) or f32
+  KvDtype kv_dtype;            // f32, f16 or int8
+  // INT8: the layer's row scales, [n_blocks, n_head_kv, block_size] f32 (KvCache::k_scale): the
+  // row at element offset o of k_cache holds codes whose values are code x k_scale[o / head_dim].
+  // Scores are dot(q, codes) x scale and the output sums p x v_scale x codes, in f32. MLA: k_scale
+  // is the latent's scale (elements [0, v_dim) of the key row), k_rope_scale the RoPE key's
+  // (elements [v_dim, head_dim)), v_scale == k_scale. Unused for the float types.
+  const float* k_scale;
+  const float* v_scale;
+  const float* k_rope_scale;   // nullptr: one scale for the whole key row
   int64_t block_stride;        // elements per block: n_head_kv * block_size * head_dim
   int64_t head_offset;         // kv_head * block_size * head_dim
   const int32_t* block_table;  // [>= ceil(n_ctx / block_size)] block ids of the sequence
@@ -55,6 +65,13 @@ const OpsTable& ops();
 const OpsTable& ops_generic();
 const OpsTable& ops_avx2();
 const OpsTable& ops_avx512();
+
+// One INT8 KV row (KvCache's INT8 storage): scale = amax(|x|) / 127 and codes[i] =
+// round-to-nearest-even(x[i] / scale), clamped to [-127, 127], so |x[i] - codes[i] x scale| <=
+// scale / 2. Returns the scale: 0 for an all-zero row (codes 0, read back as exact zeros; no
+// division by zero), NaN when x holds an inf or NaN (codes 0), so attention over the row yields NaN
+// as an f32 cache carrying the value would, instead of a silently finite result.
+float quantize_row_int8(const float* x, int8_t* codes, int64_t n);
 
 // RoPE on n_tokens rows of n_heads heads ([n_tokens, n_heads * head_dim]), rotating the first
 // rope_dim dimensions of each head. inv_freq[i] = theta^(-2i/rope_dim) / freq_factor[i], precomputed

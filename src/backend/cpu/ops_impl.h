@@ -2,6 +2,8 @@
 // of which defines KESTREL_OPS_NS before including it.
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
@@ -9,6 +11,7 @@
 
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
+#include "core/error.h"
 
 namespace kestrel::cpu::KESTREL_OPS_NS {
 
@@ -51,12 +54,24 @@ inline void store8(uint16_t* p, v8f v) {
   for (int i = 0; i < 8; ++i) p[i] = fp32_to_fp16(v[i]);
 #endif
 }
+// 8 int8 codes widened to f32 (exact).
+inline v8f load8(const int8_t* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<v8f>(
+      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
 inline float hsum8(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t h) { return fp16_to_fp32(h); }
+inline float to_f32(int8_t c) { return static_cast<float>(c); }
 
 template <class T>
 inline float dot(const float* a, const T* b, int64_t n) {
@@ -154,6 +169,7 @@ void add(float* x, const float* y, int64_t n) {
 
 template <class T>
 void attention_impl(const AttentionArgs& a) {
+  constexpr bool kQuantized = std::is_same_v<T, int8_t>;
   constexpr int kMaxGroup = 64;
   constexpr int kMaxTile = 64;
   const int64_t hd = a.head_dim;
@@ -176,6 +192,8 @@ void attention_impl(const AttentionArgs& a) {
     const int64_t n = std::min<int64_t>(bs - first, a.n_ctx - start);
     // This KV head's keys of the block: n rows of head_dim, contiguous.
     const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * a.block_stride + first * hd;
+    // INT8: the scale index of the block's first key row (element offset / head_dim).
+    const int64_t scale_row = (a.head_offset + base) / hd;
     if (start - first + bs < a.n_ctx) {  // the next block is elsewhere in memory: start fetching it
       const int64_t next = static_cast<int64_t>(a.block_table[start / bs + 1]) * a.block_stride;
       __builtin_prefetch(kc + next);
@@ -188,7 +206,17 @@ void attention_impl(const AttentionArgs& a) {
         const float* q = a.q + g * hd;
         float tile_max = -INFINITY;
         for (int64_t j = 0; j < tn; ++j) {
-          s[j] = dot(q, kc + base + (t0 + j) * hd, hd) * a.scale;
+          const T* kr = kc + base + (t0 + j) * hd;
+          if constexpr (kQuantized) {
+            const int64_t r = scale_row + t0 + j;
+            if (a.k_rope_scale != nullptr) {
+              s[j] = (dot(q, kr, vd) * a.k_scale[r] + dot(q + vd, kr + vd, hd - vd) * a.k_rope_scale[r]) * a.scale;
+            } else {
+              s[j] = dot(q, kr, hd) * a.k_scale[r] * a.scale;
+            }
+          } else {
+            s[j] = dot(q, kr, hd) * a.scale;
+          }
           tile_max = std::max(tile_max, s[j]);
         }
         const float m_new = std::max(m[g], tile_max);
@@ -203,7 +231,8 @@ void attention_impl(const AttentionArgs& a) {
         l[g] *= correction;
         for (int64_t j = 0; j < tn; ++j) {
           l[g] += pr[j];
-          scale_add(o, j == 0 ? correction : 1.0f, pr[j], vc + base + (t0 + j) * hd, vd);
+          const float p = kQuantized ? pr[j] * a.v_scale[scale_row + t0 + j] : pr[j];
+          scale_add(o, j == 0 ? correction : 1.0f, p, vc + base + (t0 + j) * hd, vd);
         }
         m[g] = m_new;
       }
@@ -218,10 +247,11 @@ void attention_impl(const AttentionArgs& a) {
 }
 
 void attention(const AttentionArgs& a) {
-  if (a.kv_f16) {
-    attention_impl<uint16_t>(a);
-  } else {
-    attention_impl<float>(a);
+  switch (a.kv_dtype) {
+    case KvDtype::F32: attention_impl<float>(a); break;
+    case KvDtype::F16: attention_impl<uint16_t>(a); break;
+    case KvDtype::INT8: attention_impl<int8_t>(a); break;
+    default: KESTREL_ASSERT(false, "CPU attention: KV dtype " + std::string(kv_dtype_name(a.kv_dtype)) + " has no kernel");
   }
 }
 

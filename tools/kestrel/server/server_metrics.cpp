@@ -1,6 +1,10 @@
 #include "server/server_metrics.h"
 
+#include <cstdint>
 #include <cstdio>
+#include <string>
+
+#include "memory/kv_dtype.h"
 
 namespace kestrel::cli {
 
@@ -17,6 +21,10 @@ void header(std::string* out, const char* name, const char* type, const char* he
 }
 
 void sample(std::string* out, const std::string& name, double value) { *out += name + " " + num(value) + "\n"; }
+// Exact integers (byte counts pass 9 significant digits).
+void sample_int(std::string* out, const std::string& name, int64_t value) {
+  *out += name + " " + std::to_string(value) + "\n";
+}
 
 // One counter per (MoE layer, expert); nothing for a dense model or a backend that does not count
 // (expert_tokens empty). Dense layers of a MoE model (DeepSeek's first layers) have no experts.
@@ -123,6 +131,16 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_kv_blocks_used", snap.stats.kv_blocks_used);
   header(&out, "kestrel_kv_blocks_total", "gauge", "KV cache blocks in the pool.");
   sample(&out, "kestrel_kv_blocks_total", snap.stats.n_kv_blocks);
+  header(&out, "kestrel_kv_cache_bytes_total", "gauge",
+         "Bytes of the KV pool: blocks x block size x bytes per token (int8: codes and per-row scales).");
+  sample_int(&out, "kestrel_kv_cache_bytes_total", snap.stats.kv_cache_bytes());
+  header(&out, "kestrel_kv_cache_bytes_used", "gauge", "Bytes of the KV blocks held by sequences.");
+  sample_int(&out, "kestrel_kv_cache_bytes_used",
+             int64_t{snap.stats.kv_blocks_used} * snap.stats.kv_block_size * snap.stats.kv_bytes_per_token);
+  header(&out, "kestrel_kv_bytes_per_token", "gauge", "KV cache bytes one token takes over all layers.");
+  sample_int(&out, "kestrel_kv_bytes_per_token", snap.stats.kv_bytes_per_token);
+  header(&out, "kestrel_kv_cache_info", "gauge", "The KV cache's element type (label dtype); always 1.");
+  out += "kestrel_kv_cache_info{dtype=\"" + std::string(kv_dtype_name(snap.stats.kv_dtype)) + "\"} 1\n";
   header(&out, "kestrel_kv_blocks_cached", "gauge", "KV cache blocks indexed in the prefix cache.");
   sample(&out, "kestrel_kv_blocks_cached", snap.stats.kv_blocks_cached);
   header(&out, "kestrel_prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / tokens looked up.");
