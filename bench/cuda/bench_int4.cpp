@@ -7,6 +7,7 @@
 // once; TFLOP/s 2 m n_in n_out.
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -90,13 +91,15 @@ void bench_int4() {
       };
       const double w4_bytes = static_cast<double>(code_bytes + meta_bytes);
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
-        std::vector<std::pair<int, int>> variants = {{0, 0}};
-        if (m <= 8) variants = {{2, 4}, {2, 8}, {1, 8}};
-        else if (m <= 16) variants = {{1, 8}, {1, 4}};
-        for (const auto& [u, wp] : variants) {
+        // (unroll, row groups, warps); the first of each list is the default.
+        std::vector<std::tuple<int, int, int>> variants = {{1, 1, 8}, {1, 1, 4}};
+        if (m <= 8) variants = {{1, 2, 4}, {2, 1, 4}, {1, 1, 8}, {1, 2, 8}};
+        else if (m <= 16) variants = {{1, 1, 8}, {1, 2, 4}, {1, 1, 4}};
+        for (const auto& [u, r, wp] : variants) {
           kestrel::cuda::SkinnyInt4Args a;
           static_cast<kestrel::cuda::ProjectionOperands&>(a) = ops;
           a.unroll = u;
+          a.row_groups = r;
           a.warps = wp;
           const double ms = time_ms([&] {
             for (int c = 0; c < kCalls; ++c) {
@@ -105,8 +108,8 @@ void bench_int4() {
               kestrel::cuda::skinny_gemm_int4(a, nullptr);
             }
           }) / kCalls;
-          report("int4 skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms,
-                 static_cast<double>((m + 15) / 16) * w4_bytes + io, flops);
+          report("int4 u" + std::to_string(u) + " r" + std::to_string(r) + " w" + std::to_string(wp), shape, ms,
+                 static_cast<double>((m + 31) / 32) * w4_bytes + io, flops);
         }
       }
       if (m >= 64) {

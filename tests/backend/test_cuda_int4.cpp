@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <tuple>
 
 #include "backend/cuda/int4_ops.h"
 #include "cuda_test_util.h"
@@ -132,7 +133,8 @@ TEST(CudaInt4, SkinnyGemmMatchesFloat64Reference) {
   std::vector<Shape> shapes = {{1, 256, 40, 32, true, false, false, false},  {3, 384, 17, 128, false, false, true, false},
                                {8, 256, 33, 64, true, true, false, false},   {9, 512, 20, 128, true, true, true, true},
                                {16, 128, 5, 128, false, false, false, true}, {21, 256, 19, 32, true, false, false, false},
-                               {5, 384, 24, 384, true, false, false, true}};
+                               {5, 384, 24, 384, true, false, false, true},  {40, 256, 37, 128, true, false, false, false},
+                               {2, 256, 70, 128, true, false, true, false},  {12, 384, 23, 128, false, false, false, false}};
   if (!kCudaEmulated) {
     shapes.push_back({1, 4096, 6144, 128, true, false, true, false});
     shapes.push_back({16, 14336, 4096, 128, true, true, false, true});
@@ -183,22 +185,35 @@ TEST(CudaInt4, SkinnyGemmMatchesFloat64Reference) {
           },
           Error);
     }
-    cuda::skinny_gemm_int4(args, nullptr);
-    const auto y = bf16_to_f32(d_y.download());
-    int bad = 0;
-    for (int64_t t = 0; t < sh.n_tokens; ++t)
-      for (int64_t n = 0; n < sh.n_out; ++n) {
-        double ref = 0, mag = 0;
-        for (int64_t k = 0; k < sh.n_in; ++k) {
-          const double p = a[static_cast<size_t>(t * sh.n_in + k)] * c.w[static_cast<size_t>(n * sh.n_in + k)];
-          ref += p;
-          mag += std::fabs(p);
+    // The default, and for group sizes from 128 without SwiGLU the benchmark's variants
+    // (unroll, row groups, warps) of the token count.
+    std::vector<std::tuple<int, int, int>> variants = {{0, 0, 0}};
+    if (sh.group >= 128 && !sh.swiglu) {
+      if (sh.n_tokens <= 8) variants.insert(variants.end(), {{2, 1, 4}, {1, 1, 8}, {1, 2, 8}});
+      else if (sh.n_tokens <= 16) variants.insert(variants.end(), {{1, 2, 4}, {1, 1, 4}});
+      else variants.push_back({1, 1, 4});
+    }
+    for (const auto& [u, r, wp] : variants) {
+      SCOPED_TRACE("variant " + std::to_string(u) + " " + std::to_string(r) + " " + std::to_string(wp));
+      args.unroll = u, args.row_groups = r, args.warps = wp;
+      d_y.poison();
+      cuda::skinny_gemm_int4(args, nullptr);
+      const auto y = bf16_to_f32(d_y.download());
+      int bad = 0;
+      for (int64_t t = 0; t < sh.n_tokens; ++t)
+        for (int64_t n = 0; n < sh.n_out; ++n) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < sh.n_in; ++k) {
+            const double p = a[static_cast<size_t>(t * sh.n_in + k)] * c.w[static_cast<size_t>(n * sh.n_in + k)];
+            ref += p;
+            mag += std::fabs(p);
+          }
+          const double got = y[static_cast<size_t>(t * sh.n_out + n)];
+          if (!(std::fabs(got - ref) <= std::ldexp(std::fabs(ref), -8) + 1e-5 * mag) && ++bad <= 5)
+            ADD_FAILURE() << "t " << t << " n " << n << ": " << got << " against " << ref << " (sum |x w| " << mag << ")";
         }
-        const double got = y[static_cast<size_t>(t * sh.n_out + n)];
-        if (!(std::fabs(got - ref) <= std::ldexp(std::fabs(ref), -8) + 1e-5 * mag) && ++bad <= 5)
-          ADD_FAILURE() << "t " << t << " n " << n << ": " << got << " against " << ref << " (sum |x w| " << mag << ")";
-      }
-    EXPECT_EQ(bad, 0);
+      EXPECT_EQ(bad, 0);
+    }
   }
 }
 

@@ -25,46 +25,54 @@ std::string shape_of(const Int4Matrix& w) {
          std::to_string(w.group_size);
 }
 
-template <int kNT, int kU, int kWarps, int kGpt>
+template <int kNT, int kU, int kR, int kWarps, int kGpt>
 void launch_int4(const SkinnyInt4Args& a, const bf16* x, bf16* y, int n_tokens, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(ceil_div(a.n_out, kSkinnyRows))), block(kWarps * kWarpSize);
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.n_out, kSkinnyRows * kR))), block(kWarps * kWarpSize);
   const Int4Matrix& w = a.w4;
   const int ng = static_cast<int>(w.n_groups()), sh = group_shift(w), ni = static_cast<int>(a.n_in),
             no = static_cast<int>(a.n_out);
   if (a.swiglu) {
-    auto* k = &skinny_gemm_int4_kernel<kNT, kU, kWarps, kGpt, true>;
+    auto* k = &skinny_gemm_int4_kernel<kNT, kU, kR, kWarps, kGpt, true>;
     KESTREL_LAUNCH(k, grid, block, 0, stream, x, a.x_stride, w.codes, w.meta, ng, sh, w.scale_f16, y, n_tokens, ni, no);
   } else {
-    auto* k = &skinny_gemm_int4_kernel<kNT, kU, kWarps, kGpt, false>;
+    auto* k = &skinny_gemm_int4_kernel<kNT, kU, kR, kWarps, kGpt, false>;
     KESTREL_LAUNCH(k, grid, block, 0, stream, x, a.x_stride, w.codes, w.meta, ng, sh, w.scale_f16, y, n_tokens, ni, no);
   }
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
-// One launch of at most 16 tokens: the variant for (tokens, groups per tile, unroll, warps).
+// The default variant of (kNT, kU, kR, kWarps) for every group layout and input.
+template <int kNT, int kU, int kR, int kWarps>
+void launch_any_group(const SkinnyInt4Args& a, const bf16* x, bf16* y, int n_tokens, cudaStream_t stream) {
+  const int64_t G = a.w4.group_size;
+  if (G == 32) return launch_int4<kNT, kU, kR, kWarps, 4>(a, x, y, n_tokens, stream);
+  if (G == 64) return launch_int4<kNT, kU, kR, kWarps, 2>(a, x, y, n_tokens, stream);
+  launch_int4<kNT, kU, kR, kWarps, 1>(a, x, y, n_tokens, stream);
+}
+
+// One launch of at most 32 tokens: the variant for (tokens, unroll, row groups, warps); the
+// benchmark's other variants for group sizes from 128 without SwiGLU only.
 void launch_slice(const SkinnyInt4Args& a, const bf16* x, bf16* y, int n_tokens, cudaStream_t stream) {
-  const int gpt = a.w4.group_size == 32 ? 4 : a.w4.group_size == 64 ? 2 : 1;
-  const int u = a.unroll, wp = a.warps;
+  const int u = a.unroll, r = a.row_groups, wp = a.warps;
+  const bool dflt = u == 0 && r == 0 && wp == 0;
+  const bool extra = a.w4.group_size >= 128 && !a.swiglu;
+  auto is = [&](int uu, int rr, int ww) { return u == uu && r == rr && wp == ww; };
   if (n_tokens <= 8) {
-    if ((u == 0 || u == 2) && (wp == 0 || wp == 4)) {
-      if (gpt == 4) return launch_int4<1, 2, 4, 4>(a, x, y, n_tokens, stream);
-      if (gpt == 2) return launch_int4<1, 2, 4, 2>(a, x, y, n_tokens, stream);
-      return launch_int4<1, 2, 4, 1>(a, x, y, n_tokens, stream);
-    }
-    if (gpt == 1 && !a.swiglu) {  // the benchmark's other variants
-      if (u == 2 && wp == 8) return launch_int4<1, 2, 8, 1>(a, x, y, n_tokens, stream);
-      if (u == 1 && wp == 8) return launch_int4<1, 1, 8, 1>(a, x, y, n_tokens, stream);
-    }
+    if (dflt || is(1, 2, 4)) return launch_any_group<1, 1, 2, 4>(a, x, y, n_tokens, stream);
+    if (extra && is(2, 1, 4)) return launch_int4<1, 2, 1, 4, 1>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 1, 8)) return launch_int4<1, 1, 1, 8, 1>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 2, 8)) return launch_int4<1, 1, 2, 8, 1>(a, x, y, n_tokens, stream);
+  } else if (n_tokens <= 16) {
+    if (dflt || is(1, 1, 8)) return launch_any_group<2, 1, 1, 8>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 2, 4)) return launch_int4<2, 1, 2, 4, 1>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 1, 4)) return launch_int4<2, 1, 1, 4, 1>(a, x, y, n_tokens, stream);
   } else {
-    if ((u == 0 || u == 1) && (wp == 0 || wp == 8)) {
-      if (gpt == 4) return launch_int4<2, 1, 8, 4>(a, x, y, n_tokens, stream);
-      if (gpt == 2) return launch_int4<2, 1, 8, 2>(a, x, y, n_tokens, stream);
-      return launch_int4<2, 1, 8, 1>(a, x, y, n_tokens, stream);
-    }
-    if (gpt == 1 && !a.swiglu && u == 1 && wp == 4) return launch_int4<2, 1, 4, 1>(a, x, y, n_tokens, stream);
+    if (dflt || is(1, 1, 8)) return launch_any_group<4, 1, 1, 8>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 1, 4)) return launch_int4<4, 1, 1, 4, 1>(a, x, y, n_tokens, stream);
   }
-  throw Error("skinny_gemm_int4: no kernel built for unroll " + std::to_string(u) + ", warps " + std::to_string(wp) +
-              " at " + std::to_string(n_tokens) + " tokens and group size " + std::to_string(a.w4.group_size));
+  throw Error("skinny_gemm_int4: no kernel built for unroll " + std::to_string(u) + ", row groups " +
+              std::to_string(r) + ", warps " + std::to_string(wp) + " at " + std::to_string(n_tokens) +
+              " tokens and group size " + std::to_string(a.w4.group_size));
 }
 
 }  // namespace
@@ -125,10 +133,14 @@ void skinny_gemm_int4(const SkinnyInt4Args& a, cudaStream_t stream) {
   checked.w = reinterpret_cast<const bf16*>(w.codes);
   check_gemv_operands("skinny_gemm_int4", checked);
   if (reinterpret_cast<uintptr_t>(w.meta) % 16 != 0) throw Error("skinny_gemm_int4: meta not 16-byte aligned");
-  constexpr int64_t kSlice = 16;
+  constexpr int64_t kSlice = 32;
+  // A chosen variant applies to the full slices; a shorter last slice takes its size's default.
+  SkinnyInt4Args last = a;
+  last.unroll = last.row_groups = last.warps = 0;
   for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kSlice) {
     const int n = static_cast<int>(std::min(kSlice, a.n_tokens - t0));
-    launch_slice(a, a.x + t0 * a.x_stride, static_cast<bf16*>(a.y) + t0 * a.n_out, n, stream);
+    const bool rest = t0 > 0 && n < kSlice;
+    launch_slice(rest ? last : a, a.x + t0 * a.x_stride, static_cast<bf16*>(a.y) + t0 * a.n_out, n, stream);
   }
 }
 

@@ -76,34 +76,49 @@ __device__ __forceinline__ float int4_scale(uint32_t m, bool f16) {
 // The pair {128 + z, 128 + z} of a meta word.
 __device__ __forceinline__ uint32_t int4_zero_pair(uint32_t m) { return (m & 0xFFFF0000u) | (m >> 16); }
 
-// The weight loads of one warp iteration (kU tiles), double buffered across iterations. The x
-// loads are not: they hit L1 / L2 and are issued per tile just before use, which halves the
-// registers (a tile's x is 4 times its codes) and so doubles the warps an SM holds.
-template <int kU, int kGpt>
+// The loads of one warp iteration (kU tiles of kR row groups), double buffered across
+// iterations: the codes and meta words, and x where it fits the registers (kPrefetchX: x of at
+// most 8 tokens without SwiGLU, or 16 rows of input counting gate and up: a tile's x is 4 times
+// its codes per row group); otherwise x is loaded at the start of its own iteration.
+template <int kNT, int kU, int kR, int kGpt, bool kSwiGLU>
 struct SkinnyInt4Frag {
-  uint4 w0[kU], w1[kU];                 // rows g and g + 8: one 128-column tile each
-  uint32_t m0[kU][kGpt], m1[kU][kGpt];  // their meta words: the tile's kGpt groups
+  static constexpr bool kPrefetchX = kNT * (kSwiGLU ? 2 : 1) <= 2;
+  struct Weights {
+    uint4 w[kR][2][kU];              // rows 16 r + g and 16 r + g + 8: one 128-column tile each
+    uint32_t m[kR][2][kU][kGpt];     // their meta words: the tile's kGpt groups
+  } wm;
+  struct Inputs {
+    uint4 x[kNT][kU][4];             // tokens 8 j + g: chunk c's columns 32 c + 8 t .. + 7
+    uint4 up[kSwiGLU ? kNT : 1][kSwiGLU ? kU : 1][kSwiGLU ? 4 : 1];
+  } in;
 };
 
 // x [n_tokens, *] bf16 rows x_stride apart ([gate | up] for kSwiGLU), codes [n_out, n_in / 8],
 // meta [n_out, n_groups], y [n_tokens, n_out] bf16. kGpt: groups per 128-column tile (4: G = 32,
-// 2: G = 64, 1: G >= 128 or one group per row; group of column k: k >> group_shift).
-// grid: ceil(n_out / 16) blocks of kWarps warps.
-template <int kNT, int kU, int kWarps, int kGpt, bool kSwiGLU>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+// 2: G = 64, 1: G >= 128 or one group per row; group of column k: k >> group_shift). A block owns
+// 16 kR rows (kR row groups share each x load). grid: ceil(n_out / (16 kR)) blocks of kWarps warps.
+// At most 128 registers a thread (16 warps an SM): the memory-bound stream needs the warps more
+// than the compiler's extra hoisted loads.
+template <int kNT, int kU, int kR, int kWarps, int kGpt, bool kSwiGLU>
+__global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     skinny_gemm_int4_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint32_t* __restrict__ codes,
                             const uint32_t* __restrict__ meta, int n_groups, int group_shift, bool scale_f16,
                             __nv_bfloat16* __restrict__ y, int n_tokens, int n_in, int n_out) {
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSkinnyRows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSkinnyRows * kR;
   const int64_t last = n_out - 1;  // rows past n_out load the last row; their sums are never stored
-  const int64_t r0 = row0 + g < last ? row0 + g : last, r1 = row0 + g + 8 < last ? row0 + g + 8 : last;
-  const uint32_t* c_row0 = codes + r0 * (n_in / 8);
-  const uint32_t* c_row1 = codes + r1 * (n_in / 8);
-  const uint32_t* m_row0 = meta + r0 * n_groups;
-  const uint32_t* m_row1 = meta + r1 * n_groups;
+  const uint32_t* c_row[kR][2];
+  const uint32_t* m_row[kR][2];
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t want = row0 + 16 * r + g + 8 * h, row = want < last ? want : last;
+      c_row[r][h] = codes + row * (n_in / 8);
+      m_row[r][h] = meta + row * n_groups;
+    }
   const __nv_bfloat16* x_row[kNT];
   bool x_live[kNT];
 #pragma unroll
@@ -114,110 +129,127 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   }
   const int n_tiles = n_in / 128;
   const int n_iter_total = (n_tiles + kU - 1) / kU;
-  using Frag = SkinnyInt4Frag<kU, kGpt>;
+  using Frag = SkinnyInt4Frag<kNT, kU, kR, kGpt, kSwiGLU>;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   auto load_w = [&](int it, Frag& f) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int tile = it * kU + u;
       const bool live = tile < n_tiles;
-      f.w0[u] = live ? ld_stream16(c_row0 + 16 * tile + 4 * t) : zero;
-      f.w1[u] = live ? ld_stream16(c_row1 + 16 * tile + 4 * t) : zero;
       const int gi = live ? (tile * 128) >> group_shift : 0;
-      if constexpr (kGpt == 4) {
-        const uint4 a = live ? ld_stream16(m_row0 + gi) : zero, b = live ? ld_stream16(m_row1 + gi) : zero;
-        f.m0[u][0] = a.x, f.m0[u][1] = a.y, f.m0[u][2] = a.z, f.m0[u][3] = a.w;
-        f.m1[u][0] = b.x, f.m1[u][1] = b.y, f.m1[u][2] = b.z, f.m1[u][3] = b.w;
-      } else if constexpr (kGpt == 2) {
-        const uint2 a = live ? ld_stream8(m_row0 + gi) : make_uint2(0, 0);
-        const uint2 b = live ? ld_stream8(m_row1 + gi) : make_uint2(0, 0);
-        f.m0[u][0] = a.x, f.m0[u][1] = a.y, f.m1[u][0] = b.x, f.m1[u][1] = b.y;
-      } else {
-        f.m0[u][0] = live ? ld_stream4(m_row0 + gi) : 0u;
-        f.m1[u][0] = live ? ld_stream4(m_row1 + gi) : 0u;
-      }
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          f.wm.w[r][h][u] = live ? ld_stream16(c_row[r][h] + 16 * tile + 4 * t) : zero;
+          uint32_t* m = f.wm.m[r][h][u];
+          if constexpr (kGpt == 4) {
+            const uint4 a = live ? ld_stream16(m_row[r][h] + gi) : zero;
+            m[0] = a.x, m[1] = a.y, m[2] = a.z, m[3] = a.w;
+          } else if constexpr (kGpt == 2) {
+            const uint2 a = live ? ld_stream8(m_row[r][h] + gi) : make_uint2(0, 0);
+            m[0] = a.x, m[1] = a.y;
+          } else {
+            m[0] = live ? ld_stream4(m_row[r][h] + gi) : 0u;
+          }
+        }
     }
   };
-  // Tile `tile`'s x of token tile j: chunk c's columns 32 c + 8 t .. + 7 (and their up half).
-  uint4 xs[kNT][4], ups[kSwiGLU ? kNT : 1][4];
-  auto load_x = [&](int tile) {
+  auto load_x = [&](int it, Frag& f) {
 #pragma unroll
-    for (int j = 0; j < kNT; ++j)
+    for (int u = 0; u < kU; ++u) {
+      const int tile = it * kU + u;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const bool live = tile < n_tiles && x_live[j];
-        const int k = tile * 128 + 32 * c + 8 * t;
-        xs[j][c] = live ? ld_dependent16(x_row[j] + k) : zero;
-        if constexpr (kSwiGLU) ups[j][c] = live ? ld_dependent16(x_row[j] + n_in + k) : zero;
-      }
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const bool live = tile < n_tiles && x_live[j];
+          const int k = tile * 128 + 32 * c + 8 * t;
+          f.in.x[j][u][c] = live ? ld_dependent16(x_row[j] + k) : zero;
+          if constexpr (kSwiGLU) f.in.up[j][u][c] = live ? ld_dependent16(x_row[j] + n_in + k) : zero;
+        }
+    }
   };
-  auto activation = [&](int j, int c) -> uint4 {
+  auto activation = [&](const Frag& f, int j, int u, int c) -> uint4 {
     if constexpr (kSwiGLU) {
       float gt[8], up[8], a[8];
-      unpack_bf16x8(xs[j][c], gt);
-      unpack_bf16x8(ups[j][c], up);
+      unpack_bf16x8(f.in.x[j][u][c], gt);
+      unpack_bf16x8(f.in.up[j][u][c], up);
 #pragma unroll
       for (int e = 0; e < 8; ++e) a[e] = silu(gt[e]) * up[e];
       return pack_bf16x8(a);
     } else {
-      return xs[j][c];
+      return f.in.x[j][u][c];
     }
   };
 
-  float acc[kNT][4] = {};
+  float acc[kR * kNT][4] = {};
   Frag cur, nxt;
   int it = warp;
   if (it < n_iter_total) load_w(it, cur);
   pdl_wait();  // the weights were written by no kernel; x may come from the previous one
   pdl_launch_next();
+  if (Frag::kPrefetchX && it < n_iter_total) load_x(it, cur);
   for (; it < n_iter_total; it += kWarps) {
-    if (it + kWarps < n_iter_total) load_w(it + kWarps, nxt);
+    if (it + kWarps < n_iter_total) {
+      load_w(it + kWarps, nxt);
+      if constexpr (Frag::kPrefetchX) load_x(it + kWarps, nxt);
+    }
+    if constexpr (!Frag::kPrefetchX) load_x(it, cur);
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      load_x(it * kU + u);
-      const uint32_t wg[4] = {cur.w0[u].x, cur.w0[u].y, cur.w0[u].z, cur.w0[u].w};
-      const uint32_t wh[4] = {cur.w1[u].x, cur.w1[u].y, cur.w1[u].z, cur.w1[u].w};
+    for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int mi = c * kGpt / 4;
-        const uint32_t mg = cur.m0[u][mi], mh = cur.m1[u][mi];
-        const float sg = int4_scale(mg, scale_f16), sh = int4_scale(mh, scale_f16);
-        const uint32_t zg = int4_zero_pair(mg), zh = int4_zero_pair(mh);
-        uint32_t ag[4], ah[4];
+        uint4 b[kNT];
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          ag[s] = bf16x2_sub(((wg[c] >> (4 * s)) & 0x000F000Fu) | 0x43004300u, zg);
-          ah[s] = bf16x2_sub(((wh[c] >> (4 * s)) & 0x000F000Fu) | 0x43004300u, zh);
-        }
-        const uint32_t fa[4] = {ag[0], ah[0], ag[1], ah[1]};
-        const uint32_t fb[4] = {ag[2], ah[2], ag[3], ah[3]};
+        for (int j = 0; j < kNT; ++j) b[j] = activation(cur, j, u, c);
 #pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          const uint4 b = activation(j, c);
-          const uint32_t b0[2] = {b.x, b.y};
-          const uint32_t b1[2] = {b.z, b.w};
-          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_bf16_16816(part, fa, b0);
-          mma_bf16_16816(part, fb, b1);
-          acc[j][0] += sg * part[0];
-          acc[j][1] += sg * part[1];
-          acc[j][2] += sh * part[2];
-          acc[j][3] += sh * part[3];
+        for (int r = 0; r < kR; ++r) {
+          const int mi = c * kGpt / 4;
+          const uint32_t mg = cur.wm.m[r][0][u][mi], mh = cur.wm.m[r][1][u][mi];
+          const float sg = int4_scale(mg, scale_f16), sh = int4_scale(mh, scale_f16);
+          const uint32_t zg = int4_zero_pair(mg), zh = int4_zero_pair(mh);
+          const uint4 w4g = cur.wm.w[r][0][u], w4h = cur.wm.w[r][1][u];
+          const uint32_t wg = c == 0 ? w4g.x : c == 1 ? w4g.y : c == 2 ? w4g.z : w4g.w;
+          const uint32_t wh = c == 0 ? w4h.x : c == 1 ? w4h.y : c == 2 ? w4h.z : w4h.w;
+          uint32_t ag[4], ah[4];
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            ag[s] = bf16x2_sub(((wg >> (4 * s)) & 0x000F000Fu) | 0x43004300u, zg);
+            ah[s] = bf16x2_sub(((wh >> (4 * s)) & 0x000F000Fu) | 0x43004300u, zh);
+          }
+          const uint32_t fa[4] = {ag[0], ah[0], ag[1], ah[1]};
+          const uint32_t fb[4] = {ag[2], ah[2], ag[3], ah[3]};
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) {
+            const uint32_t b0[2] = {b[j].x, b[j].y};
+            const uint32_t b1[2] = {b[j].z, b[j].w};
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16_16816(part, fa, b0);
+            mma_bf16_16816(part, fb, b1);
+            float* a = acc[r * kNT + j];
+            a[0] += sg * part[0];
+            a[1] += sg * part[1];
+            a[2] += sh * part[2];
+            a[3] += sh * part[3];
+          }
         }
       }
-    }
-    cur = nxt;
+    cur.wm = nxt.wm;
+    if constexpr (Frag::kPrefetchX) cur.in = nxt.in;
   }
 
-  __shared__ SkinnyPartials<kNT, kWarps> partial;
+  // acc[r kNT + j][e]: row 16 r + g + 8 (e >= 2), token 8 j + 2 t + (e & 1). Sum over the warps.
+  __shared__ SkinnyPartials<kR * kNT, kWarps> partial;
   partial.put(warp, lane, acc);
   __syncthreads();
-  for (int i = static_cast<int>(threadIdx.x); i < kNT * kWarpSize * 4; i += kWarps * kWarpSize) {
-    const int j = i / (kWarpSize * 4), l = (i / 4) % kWarpSize, e = i % 4;
-    const int64_t row = row0 + l / 4 + (e >= 2 ? 8 : 0);
+  for (int i = static_cast<int>(threadIdx.x); i < kR * kNT * kWarpSize * 4; i += kWarps * kWarpSize) {
+    const int jj = i / (kWarpSize * 4), l = (i / 4) % kWarpSize, e = i % 4;
+    const int r = jj / kNT, j = jj % kNT;
+    const int64_t row = row0 + 16 * r + l / 4 + (e >= 2 ? 8 : 0);
     const int tok = 8 * j + 2 * (l % 4) + (e & 1);
     if (row >= n_out || tok >= n_tokens) continue;
-    y[static_cast<int64_t>(tok) * n_out + row] = __float2bfloat16_rn(partial.sum(j, l, e));
+    y[static_cast<int64_t>(tok) * n_out + row] = __float2bfloat16_rn(partial.sum(jj, l, e));
   }
 }
 

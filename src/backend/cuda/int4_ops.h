@@ -70,13 +70,15 @@ void pack_int4_rows(const uint8_t* q, int64_t n_rows, int64_t n_in, const int32_
 // rounding of the output to bf16. Operands as ProjectionOperands (x rows x_stride apart; SwiGLU
 // input [gate | up] rows of 2 n_in; bf16 output only; `w` unused). With a perm, x must already be
 // gathered into physical order (int4_gather_columns) and swiglu is false. Up to
-// kInt4SkinnyMaxTokens tokens, in launches of at most 16 (each reads W once).
-// unroll (1, 2) and warps (4, 8) pick a variant for benchmarks (0: the default).
+// kInt4SkinnyMaxTokens tokens, in launches of at most 32 (each reads W once).
+// unroll (tiles of 128 columns per warp step: 1, 2), row_groups (16-row groups per block: 1, 2)
+// and warps (4, 8) pick a variant for benchmarks (all 0: the default).
 // Errors: kestrel::Error for an unsupported shape, stride, alignment or unbuilt variant.
 constexpr int64_t kInt4SkinnyMaxTokens = 64;
 struct SkinnyInt4Args : ProjectionOperands {
   Int4Matrix w4;
   int unroll = 0;
+  int row_groups = 0;
   int warps = 0;
 };
 bool skinny_gemm_int4_supports(int64_t n_tokens, const Int4Matrix& w);
