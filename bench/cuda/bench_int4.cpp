@@ -93,7 +93,7 @@ void bench_int4() {
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
         // (unroll, row groups, warps); the first of each list is the default.
         std::vector<std::tuple<int, int, int>> variants = {{1, 1, 8}, {1, 1, 4}};
-        if (m <= 8) variants = {{1, 2, 4}, {2, 1, 4}, {1, 1, 8}, {1, 2, 8}};
+        if (m <= 8) variants = {{1, 2, 8}, {2, 1, 4}, {1, 1, 8}, {1, 2, 4}};
         else if (m <= 16) variants = {{1, 1, 8}, {1, 2, 4}, {1, 1, 4}};
         for (const auto& [u, r, wp] : variants) {
           kestrel::cuda::SkinnyInt4Args a;

@@ -189,7 +189,7 @@ TEST(CudaInt4, SkinnyGemmMatchesFloat64Reference) {
     // (unroll, row groups, warps) of the token count.
     std::vector<std::tuple<int, int, int>> variants = {{0, 0, 0}};
     if (sh.group >= 128 && !sh.swiglu) {
-      if (sh.n_tokens <= 8) variants.insert(variants.end(), {{2, 1, 4}, {1, 1, 8}, {1, 2, 8}});
+      if (sh.n_tokens <= 8) variants.insert(variants.end(), {{2, 1, 4}, {1, 1, 8}, {1, 2, 4}});
       else if (sh.n_tokens <= 16) variants.insert(variants.end(), {{1, 2, 4}, {1, 1, 4}});
       else variants.push_back({1, 1, 4});
     }

@@ -57,11 +57,14 @@ void launch_slice(const SkinnyInt4Args& a, const bf16* x, bf16* y, int n_tokens,
   const bool dflt = u == 0 && r == 0 && wp == 0;
   const bool extra = a.w4.group_size >= 128 && !a.swiglu;
   auto is = [&](int uu, int rr, int ww) { return u == uu && r == rr && wp == ww; };
+  // Defaults from kestrel_cuda_bench int4 on the H200 (docs/performance.md): 2 row groups of 8
+  // warps up to 8 tokens (the fastest or within 4% of it at every 8B shape at 1 and 8 tokens),
+  // one row group of 8 warps above.
   if (n_tokens <= 8) {
-    if (dflt || is(1, 2, 4)) return launch_any_group<1, 1, 2, 4>(a, x, y, n_tokens, stream);
+    if (dflt || is(1, 2, 8)) return launch_any_group<1, 1, 2, 8>(a, x, y, n_tokens, stream);
     if (extra && is(2, 1, 4)) return launch_int4<1, 2, 1, 4, 1>(a, x, y, n_tokens, stream);
     if (extra && is(1, 1, 8)) return launch_int4<1, 1, 1, 8, 1>(a, x, y, n_tokens, stream);
-    if (extra && is(1, 2, 8)) return launch_int4<1, 1, 2, 8, 1>(a, x, y, n_tokens, stream);
+    if (extra && is(1, 2, 4)) return launch_int4<1, 1, 2, 4, 1>(a, x, y, n_tokens, stream);
   } else if (n_tokens <= 16) {
     if (dflt || is(1, 1, 8)) return launch_any_group<2, 1, 1, 8>(a, x, y, n_tokens, stream);
     if (extra && is(1, 2, 4)) return launch_int4<2, 1, 2, 4, 1>(a, x, y, n_tokens, stream);
