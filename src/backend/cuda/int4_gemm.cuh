@@ -1,8 +1,9 @@
 // INT4 kernels (int4_ops.h has the device layout): the W4A16 skinny GEMM for decode, the
 // dequantization to bf16 for cuBLASLt, and the act-order column gather.
 //
-// Skinny GEMM design: skinny_gemm.cuh's (16 rows of W per block, warps splitting n_in, W straight
-// from global memory into mma.sync A fragments, tokens on the N side), where a lane's 16-byte load
+// Skinny GEMM design: skinny_gemm.cuh's (groups of 16 rows of W per block, warps splitting n_in, W
+// straight from global memory into mma.sync A fragments, tokens on the N side; here kR row groups
+// per block share each x load), where a lane's 16-byte load
 // of W holds a 128-column tile's 32 codes: word c (chunk c of 32 columns) holds the 8 columns
 // 32 c + 8 t .. + 7 that lane t's 16-byte load of x holds, as in the bf16 kernel. For a word w,
 // ((w >> 4 s) & 0x000F000F) | 0x43004300 is the bf16 pair {128 + q[8 t + 2 s], 128 + q[8 t + 2 s + 1]}
