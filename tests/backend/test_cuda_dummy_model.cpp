@@ -47,6 +47,15 @@ json llama_gptq_config() {
   return c;
 }
 
+// The same at widths the int4 layout does not take (n_in 64 and 96, not multiples of 128): the
+// projections fall back to the bf16 upload.
+json llama_gptq_narrow_config() {
+  json c = llama_gptq_config();
+  c["hidden_size"] = 64;
+  c["intermediate_size"] = 96;
+  return c;
+}
+
 json mixtral_config() {
   return {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 64}, {"intermediate_size", 32},
           {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
@@ -150,7 +159,8 @@ TEST(CudaDummyModel, UploadGeneratesMatricesOnTheDeviceBesideCopiedOnes) {
 
 TEST(CudaDummyModel, RunnerGivesTheCpuBackendsLogits) {
   if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
-  for (const json& config : {llama_config(), llama_gptq_config(), mixtral_config(), deepseek_v2_config()}) {
+  for (const json& config :
+       {llama_config(), llama_gptq_config(), llama_gptq_narrow_config(), mixtral_config(), deepseek_v2_config()}) {
     test::TempDir dir;
     const auto m = dummy(dir, config);
     SCOPED_TRACE(m->hparams().arch);
@@ -167,7 +177,8 @@ TEST(CudaDummyModel, RunnerGivesTheCpuBackendsLogits) {
         const QuantizedMatrix* q = m->weights().at({1, WeightRole::AttnOut}).matrix.quant;
         ASSERT_NE(q, nullptr);
         EXPECT_EQ(q->format, QuantFormat::GptqV1);
-        EXPECT_NE(runner->description().find("int4 W4A16"), std::string::npos) << runner->description();
+        const bool int4 = config["hidden_size"].get<int>() % 128 == 0;
+        EXPECT_EQ(runner->description().find("int4 W4A16") != std::string::npos, int4) << runner->description();
       }
       Engine gpu(*m, nullptr, engine_config(), std::move(runner));
       gpu_logits = prompt_logits(gpu, ids);
