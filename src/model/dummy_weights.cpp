@@ -6,11 +6,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "model/forward_ops.h"
@@ -128,6 +130,61 @@ void GeneratedWeights::make_all_host() {
   all_on_host_ = true;
 }
 
+uint32_t* GeneratedWeights::hold_words(size_t n) {
+  held_.push_back(std::make_unique_for_overwrite<uint32_t[]>(std::max<size_t>(n, 1)));
+  return held_.back().get();
+}
+
+namespace {
+
+// A dense projection a GPTQ checkpoint quantizes (the experts, router, embeddings and head stay
+// bf16 in generated models).
+bool generated_gptq_role(WeightRole r) {
+  switch (r) {
+    case WeightRole::Q: case WeightRole::K: case WeightRole::V: case WeightRole::AttnOut:
+    case WeightRole::Gate: case WeightRole::Up: case WeightRole::Down: return true;
+    default: return false;
+  }
+}
+
+// The generated GPTQ v1 4-bit matrix `name` [n_out, n_in] (dummy_weights.h), its tensors in g.
+QuantizedMatrix generated_gptq4(const std::string& name, int64_t n_in, int64_t n_out, int64_t group_size,
+                                GeneratedWeights& g, ThreadPool& pool) {
+  const int64_t G = group_size == -1 ? n_in : group_size;
+  if (G <= 0 || n_in % G != 0 || n_in % 8 != 0 || n_out % 8 != 0)
+    throw Error(name + ": --load-format dummy cannot make a GPTQ 4-bit matrix of " + std::to_string(n_out) + " x " +
+                std::to_string(n_in) + " with group size " + std::to_string(group_size) +
+                " (n_in and n_out multiples of 8, n_in of the group size)");
+  QuantizedMatrix m;
+  m.format = QuantFormat::GptqV1;
+  m.name = name;
+  m.n_in = n_in, m.n_out = n_out, m.bits = 4, m.group_size = G, m.n_groups = n_in / G;
+  m.scale_type = GgmlType::F16;
+  const uint64_t key = random_fill_key(kDummyWeightSeed, name.data(), name.size());
+  const int64_t n_words = n_in / 8 * n_out;
+  uint32_t* qw = g.hold_words(static_cast<size_t>(n_words));
+  pool.parallel_for(n_words, int64_t{1} << 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) qw[i] = static_cast<uint32_t>(random_fill_group(key, static_cast<uint64_t>(i)));
+  });
+  const int64_t n_zero_words = m.n_groups * n_out / 8;
+  uint32_t* qz = g.hold_words(static_cast<size_t>(n_zero_words));
+  std::fill(qz, qz + n_zero_words, 0x77777777u);  // zero 8, stored minus one
+  const int64_t n_scales = m.n_groups * n_out;
+  auto* sc = reinterpret_cast<uint16_t*>(g.hold_words(static_cast<size_t>((n_scales + 1) / 2)));
+  const double base = 1.0 / (4.6 * std::sqrt(static_cast<double>(n_in)));
+  const uint64_t skey = splitmix64_mix(key ^ 0x5ca1e5ull);
+  for (int64_t i = 0; i < n_scales; ++i) {
+    const double u = static_cast<double>(random_fill_group(skey, static_cast<uint64_t>(i)) >> 11) * 0x1.0p-53;
+    sc[i] = fp32_to_fp16(static_cast<float>(base * (0.75 + 0.5 * u)));
+  }
+  m.qweight = reinterpret_cast<const uint8_t*>(qw);
+  m.qzeros = reinterpret_cast<const uint8_t*>(qz);
+  m.scales = reinterpret_cast<const uint8_t*>(sc);
+  return m;
+}
+
+}  // namespace
+
 void LlamaModel::ensure_host_weights() const {
   if (generated_ != nullptr) generated_->make_all_host();
   if (quantized_ != nullptr) quantized_->make_host();
@@ -165,11 +222,18 @@ std::unique_ptr<LlamaModel> LlamaModel::load_dummy(const std::string& dir) {
     return name + ".weight";
   };
   auto tied = [&](const TensorSpec& spec) { return spec.role == WeightRole::Output && cfg.tie_word_embeddings; };
+  // GPTQ 4-bit configs: the dense projections in the GPTQ layout (dummy_weights.h); other
+  // quantization_configs are not generated (bf16 weights, as before).
+  const QuantConfig& qc = cfg.quant;
+  const bool gptq4 = qc.method == QuantMethod::Gptq && qc.bits == 4;
+  auto gptq_matrix = [&](const TensorSpec& spec) {
+    return gptq4 && spec.n_expert == 0 && spec.n_in > 0 && generated_gptq_role(spec.role) && !qc.is_not_converted(spec.hf);
+  };
 
   std::vector<GeneratedWeights::Matrix> planned;
   for (int32_t l = -1; l < static_cast<int32_t>(hp.n_layer); ++l)
     for (const TensorSpec& spec : arch.tensors(hp, l)) {
-      if (tied(spec) || spec.n_in == 0) continue;
+      if (tied(spec) || spec.n_in == 0 || gptq_matrix(spec)) continue;
       for (int64_t e = 0; e < std::max<int64_t>(spec.n_expert, 1); ++e) {
         const std::string name = spec.n_expert > 0 ? expert_name(spec, e) : spec.hf + ".weight";
         planned.push_back({name, spec.n_in, spec.n_out, matrix_fill(name, spec.n_in), 0, false});
@@ -181,6 +245,12 @@ std::unique_ptr<LlamaModel> LlamaModel::load_dummy(const std::string& dir) {
   ModelWeights& w = m->weights_;
   w.resize(hp.n_layer);
   size_t next = 0;
+  std::unique_ptr<ThreadPool> pool;
+  if (gptq4) {
+    m->quantized_ = std::make_unique<QuantizedWeights>();
+    m->quant_method_ = QuantMethod::Gptq;
+    pool = std::make_unique<ThreadPool>(0);
+  }
   auto view = [&](const TensorSpec& spec) {
     const GeneratedWeights::Matrix& pm = g.matrix(next);
     KESTREL_ASSERT(pm.n_in == spec.n_in && pm.n_out == spec.n_out, "generated matrices in the planned order");
@@ -203,6 +273,10 @@ std::unique_ptr<LlamaModel> LlamaModel::load_dummy(const std::string& dir) {
       LayerTensor lt;
       if (spec.n_expert > 0) {
         for (int64_t e = 0; e < spec.n_expert; ++e) lt.experts.push_back(view(spec));
+      } else if (gptq_matrix(spec)) {
+        lt.matrix = m->quantized_->add(generated_gptq4(spec.hf, spec.n_in, spec.n_out, qc.group_size, g, *pool));
+        const QuantizedMatrix& qm = *lt.matrix.quant;
+        m->weight_bytes_ += static_cast<uint64_t>(spec.n_in * spec.n_out / 2 + qm.n_groups * spec.n_out * 5 / 2);
       } else if (spec.n_in == 0) {
         lt.vector = generated_vector(spec.hf + ".weight", spec.n_out, /*norm=*/true);
         m->weight_bytes_ += static_cast<uint64_t>(spec.n_out) * 2;

@@ -8,10 +8,16 @@
 // with a = 1 / sqrt(n_in), so a projection of a unit-RMS input has RMS about 1 / sqrt(3) and the
 // residual stream stays finite through any depth; norm weights are 1 + uniform[-1/16, 1/16);
 // biases uniform[-1/16, 1/16).
+// With a GPTQ 4-bit quantization_config (quant_method gptq, bits 4) the dense projections (q, k,
+// v, o, gate, up, down; not the experts, embeddings or head) are generated in the GPTQ v1 layout
+// instead (model/quantized_matrix.h): uniform random codes, symmetric zero 8 (stored as 7), f16
+// scales of 1 / (4.6 sqrt(n_in)) times 0.75 .. 1.25 per group and row (a code minus 8 has RMS about 4.6),
+// one group of group_size inputs (-1: the row) in order (no act order); they are held on the host.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -57,6 +63,9 @@ class GeneratedWeights {
   void make_all_host();
   // Bytes of the reserved range (address space, not memory).
   size_t reserved_bytes() const { return bytes_; }
+  // n uint32 words of host memory kept as long as the weights: the packed tensors of a generated
+  // GPTQ matrix (load_dummy with a quantization_config).
+  uint32_t* hold_words(size_t n);
 
  private:
   void protect_rw(size_t offset, size_t bytes);
@@ -65,6 +74,7 @@ class GeneratedWeights {
   size_t bytes_ = 0;
   std::mutex mu_;
   bool all_on_host_ = false;
+  std::vector<std::unique_ptr<uint32_t[]>> held_;
 };
 
 }  // namespace kestrel

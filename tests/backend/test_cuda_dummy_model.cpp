@@ -1,12 +1,12 @@
 // Models with generated weights (--load-format dummy) on the CUDA backend: the weight upload makes
 // generated matrices on the device, equal bit for bit to the host generator's and without reading
 // (or making) the host copy, stacked beside matrices copied from the host; and the whole CUDA
-// runner on tiny generated Llama, Mixtral and DeepSeek-V2 (MLA) models gives the CPU backend's
-// logits within the bf16 tolerance of test_cuda_moe_model.cpp (0.05 + 2% of each row's largest
-// magnitude). Every token is routed to every expert here: random routers have near-ties, where the
-// bf16 and f32 backends may pick different experts for a token and its logits then differ by far
-// more (seen: 0.46 at top-2 of 8), and routing is not what this test is about. On a GPU in
-// kestrel_tests; on the CPU emulation in kestrel_cuda_emu_tests.
+// runner on tiny generated Llama (bf16, and GPTQ 4-bit on the int4 path), Mixtral and DeepSeek-V2
+// (MLA) models gives the CPU backend's logits within the bf16 tolerance of test_cuda_moe_model.cpp
+// (0.05 + 2% of each row's largest magnitude). Every token is routed to every expert here: random
+// routers have near-ties, where the bf16 and f32 backends may pick different experts for a token
+// and its logits then differ by far more (seen: 0.46 at top-2 of 8), and routing is not what this
+// test is about. On a GPU in kestrel_tests; on the CPU emulation in kestrel_cuda_emu_tests.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -23,6 +23,7 @@
 #include "engine/engine.h"
 #include "hf_configs.h"
 #include "model/llama_weights.h"
+#include "model/quantized_matrix.h"
 
 using namespace kestrel;
 using json = nlohmann::json;
@@ -33,6 +34,26 @@ json llama_config() {
   return {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64}, {"intermediate_size", 96},
           {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
           {"vocab_size", 256}, {"max_position_embeddings", 128}, {"tie_word_embeddings", false}};
+}
+
+// GPTQ 4-bit group 32 (dummy_weights.h): the dense projections generated in the GPTQ layout take
+// the int4 path (widths that are multiples of 128, as the int4 layout needs).
+json llama_gptq_config() {
+  json c = llama_config();
+  c["hidden_size"] = 128;
+  c["intermediate_size"] = 256;
+  c["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}, {"desc_act", false},
+                              {"sym", true}, {"checkpoint_format", "gptq"}};
+  return c;
+}
+
+// The same at widths the int4 layout does not take (n_in 64 and 96, not multiples of 128): the
+// projections fall back to the bf16 upload.
+json llama_gptq_narrow_config() {
+  json c = llama_gptq_config();
+  c["hidden_size"] = 64;
+  c["intermediate_size"] = 96;
+  return c;
 }
 
 json mixtral_config() {
@@ -138,7 +159,8 @@ TEST(CudaDummyModel, UploadGeneratesMatricesOnTheDeviceBesideCopiedOnes) {
 
 TEST(CudaDummyModel, RunnerGivesTheCpuBackendsLogits) {
   if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
-  for (const json& config : {llama_config(), mixtral_config(), deepseek_v2_config()}) {
+  for (const json& config :
+       {llama_config(), llama_gptq_config(), llama_gptq_narrow_config(), mixtral_config(), deepseek_v2_config()}) {
     test::TempDir dir;
     const auto m = dummy(dir, config);
     SCOPED_TRACE(m->hparams().arch);
@@ -150,10 +172,20 @@ TEST(CudaDummyModel, RunnerGivesTheCpuBackendsLogits) {
     std::vector<float> gpu_logits;
     {
       // First, before any host copy exists: the CUDA start must not need one.
-      Engine gpu(*m, nullptr, engine_config(), make_cuda_model_runner(*m, o));
+      auto runner = make_cuda_model_runner(*m, o);
+      if (config.contains("quantization_config")) {
+        const QuantizedMatrix* q = m->weights().at({1, WeightRole::AttnOut}).matrix.quant;
+        ASSERT_NE(q, nullptr);
+        EXPECT_EQ(q->format, QuantFormat::GptqV1);
+        const bool int4 = config["hidden_size"].get<int>() % 128 == 0;
+        EXPECT_EQ(runner->description().find("int4 W4A16") != std::string::npos, int4) << runner->description();
+      }
+      Engine gpu(*m, nullptr, engine_config(), std::move(runner));
       gpu_logits = prompt_logits(gpu, ids);
     }
-    EXPECT_FALSE(any_resident(m->weights().at({1, WeightRole::AttnOut}).matrix));
+    // (A GPTQ matrix's f32 host copy is a heap allocation, which may share resident pages.)
+    if (!config.contains("quantization_config"))
+      EXPECT_FALSE(any_resident(m->weights().at({1, WeightRole::AttnOut}).matrix));
     Engine cpu(*m, nullptr, engine_config());
     const std::vector<float> cpu_logits = prompt_logits(cpu, ids);
     const int64_t n_vocab = m->hparams().n_vocab;

@@ -45,6 +45,7 @@ struct Bounds {
   bool fp8 = false;                // RunnerOptions::quantize_fp8
   int64_t chunk = 24;              // tokens per step (prompt chunks), both engines
   float argmax_margin = 0.1f;      // prompt rows whose CPU top two differ by more keep their argmax
+  bool int4 = false;               // the runner must have taken the int4 path (GPTQ / AWQ 4-bit)
 };
 Bounds g_bounds;  // the running test's
 
@@ -64,7 +65,9 @@ std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager) {
   o.n_kv_blocks = 256;
   o.enforce_eager = eager;
   o.quantize_fp8 = g_bounds.fp8;
-  return make_cuda_model_runner(m, o);
+  auto r = make_cuda_model_runner(m, o);
+  if (g_bounds.int4) EXPECT_NE(r->description().find("int4 W4A16"), std::string::npos) << r->description();
+  return r;
 }
 
 double g_worst_rel = 0;  // the largest |cuda - cpu| / row scale seen by expect_logits_close
@@ -192,16 +195,23 @@ TEST(CudaGemma3, TinyModelMatchesTheCpuBackend) {
   expect_cuda_matches(*model, prompts, {}, {}, {"p0", "p1", "p2"});
 }
 
-// Quantized checkpoints (dequantized to bf16 on upload: GPTQ, AWQ) against transformers, whose
-// references use the exactly dequantized float32 weights: the bf16 bounds.
+// Quantized 4-bit checkpoints (GPTQ, AWQ; int4 on the device, int4_ops.h) against transformers,
+// whose references use the exactly dequantized float32 weights: the bf16 bounds. In prompt chunks
+// of 24 tokens every projection takes the W4A16 skinny GEMM (exact weights, f32 sums); in chunks
+// of 128 the prompts take the dequantized weight and cuBLASLt (the bf16 upload's values).
 TEST(CudaHfTiny, GptqAndAwqCheckpointsMatchTransformers) {
   if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
-  for (const char* name : {"llama-awq-tiny", "llama-gptq-actorder-tiny", "llama-gptq-tiny"}) {
-    SCOPED_TRACE(name);
-    const std::string folder = test::data_dir() + "/hf-tiny/" + name;
-    KESTREL_REQUIRE_FILE(folder + "/reference.json");
-    expect_cuda_matches_reference(folder);
-  }
+  for (const int64_t chunk : {24, 128})
+    for (const char* name : {"llama-awq-tiny", "llama-gptq-actorder-tiny", "llama-gptq-tiny"}) {
+      SCOPED_TRACE(std::string(name) + " chunk " + std::to_string(chunk));
+      g_bounds = Bounds{};
+      g_bounds.int4 = true;
+      g_bounds.chunk = chunk;
+      const std::string folder = test::data_dir() + "/hf-tiny/" + name;
+      KESTREL_REQUIRE_FILE(folder + "/reference.json");
+      expect_cuda_matches_reference(folder);
+    }
+  g_bounds = Bounds{};
 }
 
 // FP8 checkpoints run in FP8: the per-channel folder's codes and scales uploaded as stored, the

@@ -104,7 +104,7 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   const int64_t n_out = W.n_out;
   const char* what = gemm_label(proj.role);
   bf16* y = act(out);
-  if (!fused_norm_ || W.fp8 || !uses_stream_gemv(n, d, n_out)) {
+  if (!fused_norm_ || W.fp8 || W.int4 || !uses_stream_gemv(n, d, n_out)) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
     project_weight(h_.as<bf16>(), W, y, n);
@@ -255,7 +255,8 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   auto all_layers = [&](WeightRole role) {
     std::vector<const bf16*> ws;
     for (const Layer& L : layers_) {
-      if (L[role].w.bytes() == 0 || L[role].fp8) return std::vector<const bf16*>{};  // FP8: not cuBLASLt's bf16 GEMM
+      // FP8 and int4: not cuBLASLt's bf16 GEMM at these sizes.
+      if (L[role].w.bytes() == 0 || L[role].fp8 || L[role].int4) return std::vector<const bf16*>{};
       ws.push_back(L[role].w.as<bf16>());
     }
     return ws;
@@ -297,6 +298,10 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
 }
 
 void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu) {
+  if (W.int4) {
+    project_int4(x, W, y, n, swiglu);
+    return;
+  }
   if (!W.fp8) {
     project(x, W.w.as<bf16>(), y, false, n, W.n_in, W.n_out, swiglu);
     return;

@@ -139,7 +139,7 @@ void CudaModelRunner::upload_weights() {
         dw.n_out += t->matrix.n_out;
         any_bias = any_bias || !t->bias.empty();
       }
-      if (!upload_fp8_codes(group, views, dw)) dw.w = up.matrices(views);
+      if (!upload_fp8_codes(group, views, dw) && !upload_int4(group, views, dw)) dw.w = up.matrices(views);
       if (any_bias) {
         std::vector<float> b(static_cast<size_t>(dw.n_out), 0.0f);
         int64_t at = 0;
@@ -162,12 +162,14 @@ void CudaModelRunner::upload_weights() {
         continue;
       }
       const WeightView* one[1] = {&t->matrix};
-      if (!upload_fp8_codes(static_cast<WeightRole>(r), one, dw)) dw.w = matrix(t->matrix);
       dw.n_in = t->matrix.n_in;
       dw.n_out = t->matrix.n_out;
+      if (!upload_fp8_codes(static_cast<WeightRole>(r), one, dw) && !upload_int4(static_cast<WeightRole>(r), one, dw))
+        dw.w = matrix(t->matrix);
       if (!t->bias.empty()) dw.b = upload_f32(t->bias);
     }
   }
+  reserve_int4_scratch();
   inv_freq_ = upload_f32(rope_inv_freq(hp_, W.rope_freq_factors));
   if (hp_.rope_theta_swa > 0) inv_freq_swa_ = upload_f32(rope_inv_freq(hp_, hp_.rope_theta_swa, {}));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -214,7 +216,7 @@ void CudaModelRunner::quantize_fp8_weights() {
                                WeightRole::GateUp, WeightRole::Gate, WeightRole::Up, WeightRole::Down}) {
       DeviceWeight& dw = L[r];
       // Absent, already FP8 (upload_fp8_codes), or not a shape the FP8 kernels take.
-      if (dw.w.bytes() == 0 || dw.fp8 || dw.n_in % 16 != 0) continue;
+      if (dw.w.bytes() == 0 || dw.fp8 || dw.int4 || dw.n_in % 16 != 0) continue;
       DevMem q(static_cast<size_t>(dw.n_out * dw.n_in));
       dw.scale.reset(static_cast<size_t>(dw.n_out) * 4);
       cuda::quantize_rows_fp8(dw.w.as<bf16>(), dw.n_in, dw.n_out, dw.n_in, q.as<uint8_t>(), dw.scale.as<float>(),

@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/int4_ops.h"
 #include "backend/cuda/op_profiler.h"
 #include "backend/model_runner.h"
 #include "model/forward_ops.h"
@@ -32,12 +33,26 @@ using cuda::PinnedMem;
 // One layer's weights on the device, by role (ModelWeights): a norm as bf16 [d]; a projection as
 // bf16 [n_out, n_in], a group's parts stacked under the group's role (q|k|v, gate|up) and not kept
 // apart; f32 biases (a group's stacked, zeros for a part without one) or empty.
-// A projection's weight on the device: bf16 [n_out, n_in], or with fp8 E4M3 codes [n_out, n_in]
-// and one f32 scale per output row (scale); bias b [n_out] f32 or empty.
+// A projection's weight on the device: bf16 [n_out, n_in]; or with fp8 E4M3 codes [n_out, n_in]
+// and one f32 scale per output row (scale); or with int4 (GPTQ / AWQ 4-bit, int4_ops.h): w the
+// codes uint32 [n_out, n_in / 8], meta uint32 [n_out, n_in / group_size], perm int32 [n_in] for
+// act order or empty. Bias b [n_out] f32 or empty.
 struct DeviceWeight {
   DevMem w, b, scale;
+  DevMem meta, perm;
   int64_t n_in = 0, n_out = 0;
+  int64_t group_size = 0;  // int4
   bool fp8 = false;
+  bool int4 = false;
+  bool scale_f16 = true;   // int4: the scales' 16 bits are f16 (else bf16)
+  cuda::Int4Matrix int4_matrix() const {
+    cuda::Int4Matrix m;
+    m.codes = w.as<uint32_t>();
+    m.meta = meta.as<uint32_t>();
+    m.perm = perm.bytes() > 0 ? perm.as<int32_t>() : nullptr;
+    m.n_in = n_in, m.n_out = n_out, m.group_size = group_size, m.scale_f16 = scale_f16;
+    return m;
+  }
 };
 struct Layer {
   std::array<DeviceWeight, kWeightRoleCount> by_role;
@@ -123,8 +138,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   int64_t kv_bytes_per_token() const override;
   std::vector<uint64_t> expert_token_counts() const override;  // cuda_moe_ffn.cpp (synchronises)
   std::string description() const override {
-    return "cuda (" + device_name_ + ", bf16 weights, KV " + std::string(kv_dtype_name(kv_dtype_)) + " " +
-           std::to_string(n_blocks_) + " blocks, " +
+    return "cuda (" + device_name_ +
+           (n_int4_ > 0 ? ", int4 W4A16 weights (" + std::to_string(n_int4_) + " projections)" : ", bf16 weights") +
+           ", KV " + std::string(kv_dtype_name(kv_dtype_)) + " " + std::to_string(n_blocks_) + " blocks, " +
            (eager_ ? "eager" : "CUDA graphs for decode") + ")";
   }
 
@@ -178,6 +194,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // FP8 skinny GEMM for at most kSkinnyFp8MaxTokens rows (W8A16), else the activations quantized
   // per token and cuBLASLt's FP8 GEMM with per-token and per-channel scales (W8A8).
   void project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu = false);
+  // project_weight() for an int4 weight (cuda_int4_weights.cpp): up to kInt4SkinnyMaxTokens rows
+  // the W4A16 skinny GEMM (act order: the activations gathered into int4_x_ first); more rows: the
+  // weight dequantized into int4_w_ (exactly the bf16 upload's values) and cuBLASLt.
+  void project_int4(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu);
   // Dense projections (QKV, o, gate/up, down) as FP8 E4M3 with per-channel scales, quantized on
   // the device after upload (RunnerOptions::quantize_fp8).
   void quantize_fp8_weights();
@@ -185,6 +205,15 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // one scale per row (per channel or per tensor) is uploaded as its codes and row scales, exactly;
   // false (nothing uploaded) otherwise.
   bool upload_fp8_codes(WeightRole role, std::span<const WeightView* const> views, DeviceWeight& dw);
+  // A dense projection whose stored parts are all GPTQ / AWQ 4-bit matrices with f16 or bf16
+  // scales, one group size, one act order and a shape the layout takes (int4_layout_supports) is
+  // repacked on the host and uploaded as int4 (cuda_int4_weights.cpp); false (nothing uploaded)
+  // otherwise, and then it is dequantized to bf16 as before. Not for MLA models (their projections
+  // are restacked as bf16).
+  bool upload_int4(WeightRole role, std::span<const WeightView* const> views, DeviceWeight& dw);
+  // The int4 projections' buffers: the dequantized weight for cuBLASLt (the largest int4 matrix,
+  // bf16) and the act-order gather of at most kInt4SkinnyMaxTokens rows.
+  void reserve_int4_scratch();
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -277,7 +306,11 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // counters [n_layer, E] u64.
   DevMem moe_logits_, moe_ids_, moe_weights_, moe_tiles_, moe_perm_, moe_act_, moe_y_, moe_sh_gate_up_, moe_sh_y_;
   DevMem moe_counts_;
-  DevMem fp8_x_, fp8_x_scale_;  // W8A8 GEMMs: the activations as E4M3 [n, n_in] and their per-token scales
+  DevMem fp8_x_, fp8_x_scale_;
+  // int4 projections (upload_int4): how many, the dequantized weight of one for batches above
+  // kInt4SkinnyMaxTokens [n_out, n_in] bf16, the act-order gathered activations [64, n_in] bf16.
+  int64_t n_int4_ = 0;
+  DevMem int4_w_, int4_x_;  // W8A8 GEMMs: the activations as E4M3 [n, n_in] and their per-token scales
   // The shared experts run on side_stream_, beside the router, the routing and the routed experts
   // on stream_ (fork at moe_fork_, join at moe_join_): at decode sizes the routing kernels leave
   // the GPU's bandwidth idle. Created with the first shared expert; the side stream's cuBLASLt
