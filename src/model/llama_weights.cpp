@@ -161,8 +161,9 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat
   const bool asked = quantization != Quantization::Auto && quantization != Quantization::None;
   if (format == LoadFormat::Dummy) {
     if (asked && quantization != Quantization::Fp8)
-      throw Error(path + ": --load-format dummy makes bf16 weights; of --quantization only fp8 (quantized at load on "
-                         "the GPU) applies to them");
+      throw Error(path + ": --load-format dummy makes bf16 weights (or GPTQ 4-bit ones from the config.json's "
+                         "quantization_config, with --quantization auto); of the other --quantization values only fp8 "
+                         "(quantized at load on the GPU) applies to them");
     auto m = load_dummy(path);
     m->online_fp8_ = quantization == Quantization::Fp8;
     return m;

@@ -127,8 +127,9 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
         ->capture_default_str();
   }
   app.add_option("--load-format", model.load_format,
-                 "Where the weights come from: auto (the model's files) or dummy (random bf16 weights in the "
-                 "shapes of the model folder's config.json, made in memory; for speed measurements)")
+                 "Where the weights come from: auto (the model's files) or dummy (random weights in the shapes "
+                 "of the model folder's config.json, made in memory: bf16, or GPTQ 4-bit codes when its "
+                 "quantization_config says so; for speed measurements)")
       ->check(CLI::IsMember({"auto", "dummy"}))
       ->capture_default_str();
   app.add_option("--quantization,-q", model.quantization,
