@@ -48,6 +48,14 @@ struct Bounds {
   bool int4 = false;               // the runner must have taken the int4 path (GPTQ / AWQ 4-bit)
 };
 Bounds g_bounds;  // the running test's
+// Sets g_bounds for its scope and puts the defaults back when it ends, also when a missing file
+// skips the test midway (a test's bounds must not leak into the next test).
+struct BoundsScope {
+  explicit BoundsScope(const Bounds& b) { g_bounds = b; }
+  ~BoundsScope() { g_bounds = Bounds{}; }
+  BoundsScope(const BoundsScope&) = delete;
+  BoundsScope& operator=(const BoundsScope&) = delete;
+};
 
 EngineConfig cpu_config(const LlamaModel& m) {
   EngineConfig c;
@@ -204,14 +212,14 @@ TEST(CudaHfTiny, GptqAndAwqCheckpointsMatchTransformers) {
   for (const int64_t chunk : {24, 128})
     for (const char* name : {"llama-awq-tiny", "llama-gptq-actorder-tiny", "llama-gptq-tiny"}) {
       SCOPED_TRACE(std::string(name) + " chunk " + std::to_string(chunk));
-      g_bounds = Bounds{};
-      g_bounds.int4 = true;
-      g_bounds.chunk = chunk;
+      Bounds b;
+      b.int4 = true;
+      b.chunk = chunk;
+      const BoundsScope scope(b);
       const std::string folder = test::data_dir() + "/hf-tiny/" + name;
       KESTREL_REQUIRE_FILE(folder + "/reference.json");
       expect_cuda_matches_reference(folder);
     }
-  g_bounds = Bounds{};
 }
 
 // FP8 checkpoints run in FP8: the per-channel folder's codes and scales uploaded as stored, the
@@ -228,11 +236,10 @@ TEST(CudaHfTiny, Fp8CheckpointsRunInFp8) {
   for (const auto& [name, bounds] : {std::pair{"llama-fp8-tiny", Bounds{0.05f, 0.02f, kNearTie, true, 16}},
                                      std::pair{"llama-fp8-block-tiny", Bounds{0.05f, 0.09f, 0.2, true, 16, 0.4f}}}) {
     SCOPED_TRACE(name);
-    g_bounds = bounds;
+    const BoundsScope scope(bounds);
     g_worst_rel = 0;
     const std::string folder = test::data_dir() + "/hf-tiny/" + name;
     KESTREL_REQUIRE_FILE(folder + "/reference.json");
     expect_cuda_matches_reference(folder);
   }
-  g_bounds = Bounds{};
 }

@@ -317,7 +317,7 @@ TEST(HfTinyQuantizedFlag, DisagreementIsAnError) {
   const auto fp8_ckpt = LlamaModel::load(fp8, LoadFormat::Auto, Quantization::Auto);
   EXPECT_TRUE(fp8_ckpt->fp8_weights());
   EXPECT_FALSE(fp8_ckpt->online_fp8());
-  EXPECT_TRUE(test::fails_naming(gptq, "of --quantization only fp8",
+  EXPECT_TRUE(test::fails_naming(gptq, "of the other --quantization values only fp8",
                                  [&] { LlamaModel::load(gptq, LoadFormat::Dummy, Quantization::Gptq); }));
 }
 
