@@ -3,8 +3,9 @@
 // read once, each output written once) per second for the memory-bound ops, FLOP/s for attention
 // prefill and the GEMMs. Compare with the device's ceilings (H200 here: ~4.3 TB/s copy, ~790
 // TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
-// Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-items-per-block=K]
-//        [--attn-min-split-tiles=T] [--pdl=on|off] [filter-substring]
+// Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-fp8-decode-stages=0|2|3|4|6]
+//        [--attn-items-per-block=K] [--attn-min-split-tiles=T] [--pdl=on|off] [filter-substring]
+// (--attn-fp8-decode-stages: the rows with an FP8 cache; 4 and 6 at head dims 64 and 128.)
 // The options set the AttentionParams / launch choices the CLI's --cuda-* flags set in kestrel.
 #include <cuda_runtime.h>
 
@@ -36,14 +37,16 @@ namespace {
 using namespace kestrel::bench;  // NOLINT: the helpers of bench_util.h
 
 std::string g_filter;
-int32_t g_attn_decode_stages = 0, g_attn_items_per_block = 0, g_attn_min_split_tiles = 0;
+int32_t g_attn_decode_stages = 0, g_attn_fp8_decode_stages = 0, g_attn_items_per_block = 0, g_attn_min_split_tiles = 0;
 
 bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
 
 // seqs: (context, q_len) pairs; one layer of KV cache sized to fit them.
 // max_context_override > 0: pass that bound (as a CUDA graph does: its block-table width).
+// fp8: an FP8 (E4M3) cache, codes of values in about [-1, 1) with a scale per row (the bytes
+// counted: d codes + one f32 scale per row).
 void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, int block_size,
-                     const std::vector<std::pair<int, int>>& seqs, int max_context_override = 0) {
+                     const std::vector<std::pair<int, int>>& seqs, int max_context_override = 0, bool fp8 = false) {
   if (!wanted("attention " + name)) return;
   std::vector<int32_t> qs{0}, ctx, pos, tables;
   int max_blocks = 0, max_ctx = 0, max_q = 0, n_blocks = 0;
@@ -63,7 +66,7 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
     const int nb = (c + block_size - 1) / block_size;
     for (int b = 0; b < max_blocks; ++b) tables.push_back(b < nb ? n_blocks + b : -1);
     n_blocks += nb;
-    kv_bytes += 2.0 * c * n_head_kv * d * 2;
+    kv_bytes += 2.0 * c * n_head_kv * (fp8 ? d + 4 : d * 2);
   }
   // Scatter the blocks: a real pool hands them out in no particular order.
   std::vector<int32_t> perm(static_cast<size_t>(n_blocks));
@@ -78,6 +81,21 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   fill_bf16(q);
   fill_bf16(kc);
   fill_bf16(vc);
+  const size_t n_rows = cache_elems / static_cast<size_t>(d);
+  Buf ks(n_rows * 4), vs(n_rows * 4);
+  if (fp8) {  // codes of magnitude 2^-3 .. 2^6 (no NaN codes), scales near 1 / 64
+    std::vector<uint8_t> codes(cache_elems);
+    for (auto& x : codes) {
+      const uint32_t r = next_u32();
+      x = static_cast<uint8_t>((r & 0x80u) | ((4u + (r >> 8) % 10u) << 3) | (r & 7u));
+    }
+    kc.upload(codes.data());
+    vc.upload(codes.data());
+    std::vector<float> scales(n_rows);
+    for (auto& x : scales) x = (1.0f + static_cast<float>(next_u32() % 1024u) / 1024.0f) / 64.0f;
+    ks.upload(scales.data());
+    vs.upload(scales.data());
+  }
   fill(d_qs, qs);
   fill(d_ctx, ctx);
   fill(d_pos, pos);
@@ -86,6 +104,8 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.q = q.as<bf16>();
   p.k_cache = kc.as<bf16>();
   p.v_cache = vc.as<bf16>();
+  p.k_scale = fp8 ? ks.as<float>() : nullptr;
+  p.v_scale = fp8 ? vs.as<float>() : nullptr;
   p.block_tables = d_tab.as<int32_t>();
   p.context_lens = d_ctx.as<int32_t>();
   p.query_start = d_qs.as<int32_t>();
@@ -95,7 +115,7 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.n_seqs = static_cast<int64_t>(seqs.size());
   p.max_blocks_per_seq = max_blocks;
   p.max_context = max_context_override > 0 ? max_context_override : max_ctx;
-  p.decode_stages = g_attn_decode_stages;
+  p.decode_stages = fp8 ? g_attn_fp8_decode_stages : g_attn_decode_stages;
   p.split_items_per_block = g_attn_items_per_block;
   p.split_min_tiles = g_attn_min_split_tiles;
   p.n_head = n_head;
@@ -514,6 +534,7 @@ int main(int argc, char** argv) {
       return true;
     };
     if (value("--attn-decode-stages", 0, 3, g_attn_decode_stages) ||
+        value("--attn-fp8-decode-stages", 0, 6, g_attn_fp8_decode_stages) ||
         value("--attn-items-per-block", 0, 64, g_attn_items_per_block) ||
         value("--attn-min-split-tiles", 0, 4096, g_attn_min_split_tiles))
       continue;
@@ -555,6 +576,22 @@ int main(int argc, char** argv) {
       bench_attention("decode 64 x ctx 2048, 32/8, d128", 32, 8, 128, 16, s);
       s.assign(256, {1024, 1});
       bench_attention("decode 256 x ctx 1024, 32/8, d128", 32, 8, 128, 16, s);
+      // bf16 against FP8 caches, the same shapes (the FP8 KV cache's acceptance shapes first).
+      for (const bool fp8 : {false, true}) {
+        const std::string kv = fp8 ? ", fp8 KV" : ", bf16 KV";
+        s.assign(64, {4096, 1});
+        bench_attention("decode 64 x ctx 4096, 32/8, d128" + kv, 32, 8, 128, 16, s, 0, fp8);
+        s.assign(256, {1024, 1});
+        bench_attention("decode 256 x ctx 1024, 32/8, d128" + kv, 32, 8, 128, 16, s, 0, fp8);
+        s.assign(64, {576, 1});
+        bench_attention("decode 64 x ctx 576, 32/8, d128" + kv, 32, 8, 128, 16, s, 0, fp8);
+        s.clear();
+        for (int i = 0; i < 400; ++i) s.push_back({1000 + (i * 389) % 1000, 1});
+        bench_attention("decode 400 x ctx 1000-2000, 32/8, d128" + kv, 32, 8, 128, 16, s, 0, fp8);
+        bench_attention("decode 1 x ctx 32768, 32/8, d128" + kv, 32, 8, 128, 16, {{32768, 1}}, 0, fp8);
+        s.assign(64, {2048, 1});
+        bench_attention("decode 64 x ctx 2048, 9/3, d64" + kv, 9, 3, 64, 16, s, 0, fp8);
+      }
       s.assign(63, {2048, 1});
       s.push_back({4096, 512});
       bench_attention("mixed 63 decodes @2048 + chunk 512 @4096", 32, 8, 128, 16, s);

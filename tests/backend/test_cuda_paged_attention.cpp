@@ -38,6 +38,11 @@ struct AttnCase {
   int32_t decode_stages = 0;         // AttentionParams::decode_stages
   int32_t window = 0;                // AttentionParams::window (0: none)
   bool fp8 = false;                  // an FP8 cache
+  // Magnitudes (the FP8 fragment path's f16 ranges): q head h times q_head_scale[h % size];
+  // K and V values times k_scale / v_scale; V row i (in cache order) also times 2^(i * 7 % 25 - 12).
+  std::vector<float> q_head_scale = {};
+  float k_scale = 1.0f, v_scale = 1.0f;
+  bool v_row_spread = false;
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -72,8 +77,15 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
       tables[static_cast<size_t>(s * max_blocks + b)] = ids[next++];
 
   const size_t cache_n = static_cast<size_t>(n_blocks) * c.n_head_kv * c.block_size * D;
-  const auto k_cache = random_bf16(cache_n, rng), v_cache = random_bf16(cache_n, rng);
-  const auto q = random_bf16(static_cast<size_t>(n_tokens * c.n_head * D), rng, -c.q_range, c.q_range);
+  auto k_cache = random_bf16(cache_n, rng, -c.k_scale, c.k_scale), v_cache = random_bf16(cache_n, rng, -c.v_scale, c.v_scale);
+  auto q = random_bf16(static_cast<size_t>(n_tokens * c.n_head * D), rng, -c.q_range, c.q_range);
+  if (!c.q_head_scale.empty())
+    for (size_t i = 0; i < q.size(); ++i)
+      q[i] = to_bf16(from_bf16(q[i]) * c.q_head_scale[i / static_cast<size_t>(D) % static_cast<size_t>(c.n_head) %
+                                                      c.q_head_scale.size()]);
+  if (c.v_row_spread)
+    for (size_t i = 0; i < cache_n; ++i)
+      v_cache[i] = to_bf16(std::ldexp(from_bf16(v_cache[i]), static_cast<int>(i / static_cast<size_t>(D) * 7 % 25) - 12));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // The values the kernels attend (the reference's K and V): the bf16 cache, or its FP8 rows.
   const Fp8Rows kq = c.fp8 ? quantize_rows_e4m3(k_cache, D) : Fp8Rows{};
@@ -289,6 +301,43 @@ TEST(CudaPagedAttention, EachDecodeStageCountMatchesFloat64Reference) {
         {"d256 group 8", 8, 1, 256, 16, {{400, 1}, {129, 1}}, 2.0f, true, 0, stages},
     };
     for (const auto& c : cases) run_case(c, rng);
+  }
+}
+
+// The decode kernel's FP8 fragment path (head dims 64 and 128: codes straight into f16 mma
+// fragments, paged_attention_fp8.cuh) at each of its stage counts, and the f16 ranges it works
+// in: q rows far beyond f16's range (1e6, with K values of 1e-6) and far below it (1e-7, with K
+// of 1e6) in one batch, V rows whose scales differ by up to 2^24 (the running V exponent grows
+// across tiles and splits), tiny and huge V, masked first tiles of a window.
+TEST(CudaPagedAttention, Fp8DecodeFragmentPathMatchesFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(33);
+  for (const int32_t stages : {2, 3, 4, 6}) {
+    SCOPED_TRACE("decode_stages " + std::to_string(stages));
+    std::vector<AttnCase> cases = {
+        {"d128 group 4, 1 to 3 tiles + prefill", 32, 8, 128, 16, {{1, 1}, {64, 1}, {130, 1}, {190, 1}, {90, 20}}, 2.0f,
+         true},
+        {"d128, 3001 and 1500 keys (split-KV)", 8, 2, 128, 16, {{3001, 1}, {1500, 1}}, 2.0f, true},
+        {"d64 group 3, block size 7", 9, 3, 64, 7, {{300, 1}, {33, 1}, {700, 1}}, 1.0f, true},
+        {"d128 q heads 1e6, 1, 1e-7, 3e5 (beyond f16), K 1e-6", 8, 2, 128, 16, {{700, 1}, {65, 1}}, 1.0f, true},
+        {"d64 q heads 1e-7, 2e-6 (below f16 normals), K 1e6", 8, 4, 64, 16, {{400, 1}, {65, 1}}, 1.0f, true},
+        {"d64 V row scales spread over 2^24, split", 8, 2, 64, 16, {{2500, 1}, {300, 1}}, 2.0f, true},
+        {"d128 V values 1e-30 and K 1e-3", 8, 1, 128, 16, {{500, 1}}, 2.0f, true},
+        {"d128 V values 1e30", 8, 1, 128, 16, {{500, 1}}, 2.0f, true},
+        {"d64 window 70 (masked first tiles)", 8, 2, 64, 8, {{3001, 1}, {130, 1}}, 2.0f, true},
+    };
+    for (AttnCase& c : cases) {
+      c.fp8 = true;
+      c.decode_stages = stages;
+      const std::string name = c.name;
+      if (name.find("beyond") != std::string::npos) c.q_head_scale = {1e6f, 1.0f, 1e-7f, 3e5f}, c.k_scale = 1e-6f;
+      if (name.find("below") != std::string::npos) c.q_head_scale = {1e-7f, 2e-6f}, c.k_scale = 1e6f;
+      if (name.find("spread") != std::string::npos) c.v_row_spread = true;
+      if (name.find("1e-30") != std::string::npos) c.v_scale = 1e-30f, c.k_scale = 1e-3f;
+      if (name.find("1e30") != std::string::npos) c.v_scale = 1e30f;
+      if (name.find("window") != std::string::npos) c.window = 70;
+      run_case(c, rng);
+    }
   }
 }
 

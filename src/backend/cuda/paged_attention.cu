@@ -101,13 +101,33 @@ void dispatch_simt(int32_t d, F&& f) {
   }
 }
 
-// Of the bf16 kernels; the FP8 ones fit as many blocks on an SM (H200, d128: 2 and 3 blocks of the
-// 3- and 2-stage kernels either way), so one plan serves both.
-int64_t decode_resident_blocks(int32_t d, int32_t stages) {
+// Calls f(kernel, shared memory bytes) with the tensor-core decode kernel for head_dim D, `stages`
+// K/V stages (kDecodeStagesSupported) and the cache type.
+template <int D, bool kFp8, class F>
+void with_decode_kernel(int32_t stages, F&& f) {
+  auto take = [&]<int kStages>() {
+    if constexpr (kDecodeStagesSupported<D, kStages, kFp8>)
+      f(&attention_decode_kernel<D, kStages, kFp8>, attn_decode_smem_bytes<D, kStages, kFp8>());
+  };
+  switch (stages) {
+    case 2: take.template operator()<2>(); break;
+    case 3: take.template operator()<3>(); break;
+    case 4: take.template operator()<4>(); break;
+    default: take.template operator()<6>(); break;
+  }
+}
+
+// Resident blocks of the decode kernel that runs (its stages and cache type: the FP8 fragment
+// path's stages take half the shared memory).
+int64_t decode_resident_blocks(int32_t d, int32_t stages, bool fp8) {
   int64_t n = 1;
+  auto count = [&](auto kernel, size_t smem) { n = resident_blocks(kernel, smem); };
   if (!MmaHeadDims::dispatch(d, [&]<int D>() {
-        n = stages == 3 ? resident_blocks(&attention_decode_kernel<D, 3>, attn_decode_smem_bytes<D, 3>())
-                        : resident_blocks(&attention_decode_kernel<D, 2>, attn_decode_smem_bytes<D, 2>());
+        if (fp8) {
+          with_decode_kernel<D, true>(stages, count);
+        } else {
+          with_decode_kernel<D, false>(stages, count);
+        }
       }))
     dispatch_simt(d, [&]<int kSlots>() {
       n = resident_blocks(&attention_simt_kernel<kSlots, true>, attn_simt_smem_bytes(d));
@@ -121,10 +141,19 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages) {
 // against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and
 // 400 x 1000-2000 keys 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
 // kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
+// The FP8 fragment path (head dims 64 and 128) takes 2, 3, 4 or 6 stages: kFp8DecodeStages unless
+// p.decode_stages says otherwise.
+constexpr int32_t kFp8DecodeStages = 4;
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
+  const bool fp8_fragments = p.k_scale != nullptr && (p.head_dim == 64 || p.head_dim == 128);
   const int32_t s = p.decode_stages;
-  if (s == 0) return items <= 2 * decode_resident_blocks(p.head_dim, 2) ? 3 : 2;
-  if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
+  if (s == 0) {
+    if (fp8_fragments) return kFp8DecodeStages;
+    return items <= 2 * decode_resident_blocks(p.head_dim, 2, false) ? 3 : 2;
+  }
+  if (s != 2 && s != 3 && !(fp8_fragments && (s == 4 || s == 6)))
+    throw Error("paged_attention: decode_stages " + std::to_string(s) +
+                (fp8_fragments ? " (2, 3, 4 or 6 with an FP8 cache at head_dim 64 or 128)" : " (2 or 3)"));
   return s;
 }
 
@@ -165,7 +194,8 @@ Plan make_plan(const AttentionParams& p) {
   if (p.window > 0) max_tiles = std::min<int64_t>(max_tiles, ceil_div(p.window, kKeyTile) + 1);
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
   plan.decode_stages = decode_stages(p, items);
-  const int64_t splits = split_count(p, items, decode_resident_blocks(p.head_dim, plan.decode_stages), max_tiles);
+  const int64_t splits =
+      split_count(p, items, decode_resident_blocks(p.head_dim, plan.decode_stages, p.k_scale != nullptr), max_tiles);
   plan.n_splits = static_cast<int32_t>(splits);
 
   size_t at = 0;
@@ -223,10 +253,10 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
 // The tensor-core kernels for head_dim D (kFp8: for an FP8 cache).
 template <int D, bool kFp8>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(),
-                 plan.decode_stages == 3 ? &attention_decode_kernel<D, 3, kFp8> : &attention_decode_kernel<D, 2, kFp8>,
-                 plan.decode_stages == 3 ? attn_decode_smem_bytes<D, 3, kFp8>() : attn_decode_smem_bytes<D, 2, kFp8>(),
-                 &attention_reduce_kernel<D>, stream);
+  with_decode_kernel<D, kFp8>(plan.decode_stages, [&](void (*decode)(AttnKernelArgs), size_t decode_smem) {
+    launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(), decode,
+                   decode_smem, &attention_reduce_kernel<D>, stream);
+  });
 }
 
 // The SIMT kernel, kSlots = ceil(D / 32) rounded up to a power of two.

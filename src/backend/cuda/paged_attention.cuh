@@ -179,12 +179,14 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* s
 }
 
 // load_kv_tile for an FP8 cache: the tile's codes and scales into `stage` (kFp8StageBytes), with
-// the same zero fill (codes 0 and scale 0: value 0).
-template <int D, int kKeys = kKeyTile>
+// the same zero fill (codes 0 and scale 0: value 0). kSwizzled: a row's 16-byte chunk c lands at
+// chunk c ^ (row % (D / 16)) (the decode kernel's fragment path, paged_attention_fp8.cuh).
+template <int D, int kKeys = kKeyTile, bool kSwizzled = false>
 __device__ __forceinline__ void load_kv_tile_fp8(unsigned char* stage, const AttnKernelArgs& a,
                                                  const int32_t* block_table, int kvh, int key0, int key_end,
                                                  int key_lo = 0) {
   constexpr int kChunks = D / 16;
+  static_assert(!kSwizzled || (kChunks & (kChunks - 1)) == 0, "the swizzle masks the row");
   const auto* kc = static_cast<const uint8_t*>(a.k_cache);
   const auto* vc = static_cast<const uint8_t*>(a.v_cache);
   auto* ks = reinterpret_cast<float*>(stage + 2 * kKeys * D);
@@ -198,9 +200,9 @@ __device__ __forceinline__ void load_kv_tile_fp8(unsigned char* stage, const Att
       row = (static_cast<int64_t>(block_table[bk.x]) * a.n_head_kv + kvh) * a.block_size + bk.y;
     }
     if (i < kKeys * kChunks) {
-      const int c = i % kChunks;
-      cp_async16(stage + r * D + c * 16, kc + row * D + c * 16, valid);
-      cp_async16(stage + (kKeys + r) * D + c * 16, vc + row * D + c * 16, valid);
+      const int c = i % kChunks, sc = kSwizzled ? c ^ (r & (kChunks - 1)) : c;
+      cp_async16(stage + r * D + sc * 16, kc + row * D + c * 16, valid);
+      cp_async16(stage + (kKeys + r) * D + sc * 16, vc + row * D + c * 16, valid);
     } else {
       cp_async4(ks + r, a.k_scale + row, valid);
       cp_async4(ks + kKeys + r, a.v_scale + row, valid);

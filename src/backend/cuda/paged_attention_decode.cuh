@@ -24,7 +24,9 @@
 // it is.
 #pragma once
 
-#include "backend/cuda/paged_attention.cuh"
+#include <type_traits>
+
+#include "backend/cuda/paged_attention_fp8.cuh"
 
 namespace kestrel::cuda {
 
@@ -32,17 +34,30 @@ namespace kestrel::cuda {
 // are contiguous, so a consumed stage holds the 4-warp merge's 4 x 16 x D f32 outputs), and the
 // merge's row max and row sum per warp.
 // The last region also holds the fused RoPE's cos / sin table (D floats at most) until the merge.
-// kFp8: the stages hold codes and scales (kFp8StageBytes), and one bf16 K/V tile follows them, each
-// warp's 16 rows widened there by the warp; it holds the merge outputs.
+// kFp8: the stages hold codes and scales (kFp8StageBytes); at the head dims of the fragment path
+// (paged_attention_fp8.cuh) the stages together hold the merge outputs; at the others one bf16 K/V
+// tile follows them, each warp's 16 rows widened there by the warp, and it holds the merge outputs.
 template <int D, int kStages = 2, bool kFp8 = false>
 constexpr size_t attn_decode_smem_bytes() {
   constexpr size_t merge = 2 * 4 * kDecodeRows * sizeof(float), rope = D * sizeof(float);
   constexpr size_t tile = 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2;  // a bf16 K/V stage
+  constexpr size_t fp8_stages = kStages * static_cast<size_t>(kFp8StageBytes<D, kKeyTile>);
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
-         (kFp8 ? kStages * static_cast<size_t>(kFp8StageBytes<D, kKeyTile>) + tile : kStages * tile) +
-         (merge > rope ? merge : rope);
+         (kFp8 ? fp8_stages + (kFp8Fragments<D> ? 0 : tile) : kStages * tile) + (merge > rope ? merge : rope);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
+static_assert(2 * kFp8StageBytes<128, kKeyTile> >= 4 * kDecodeRows * 128 * 4 &&
+                  2 * kFp8StageBytes<64, kKeyTile> >= 4 * kDecodeRows * 64 * 4,
+              "two FP8 stages hold the warps' merge outputs");
+
+// K/V stages the decode kernel is instantiated with: 2 and 3, and for the FP8 fragment path 4 and
+// 6 too (its stages take half the bytes). Blocks per SM its registers are bounded for (D <= 128):
+// 3 up to 4 FP8 stages or 2 bf16 ones (d128: 4 FP8 stages take 72 KB of shared memory), else 2.
+template <int D, int kStages, bool kFp8>
+constexpr bool kDecodeStagesSupported =
+    kStages == 2 || kStages == 3 || (kFp8 && kFp8Fragments<D> && (kStages == 4 || kStages == 6));
+template <int D, int kStages, bool kFp8>
+constexpr int kDecodeMinBlocks = D > 128 ? 1 : (kFp8 && kFp8Fragments<D> ? kStages <= 4 : kStages == 2) ? 3 : 2;
 
 // One decode work item.
 struct DecodeItem {
@@ -60,8 +75,9 @@ __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
 }
 
 // Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
-// [2][4][16]) and writes the output or the split's partial result.
-template <int D>
+// [2][4][16]) and writes the output or the split's partial result. kFp8Order: the accumulator's
+// columns are the FP8 fragment path's (fp8_output_dim).
+template <int D, bool kFp8Order = false>
 __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, const AttnKernelArgs& a,
                                                    const DecodeItem& it, float* so, float* sml) {
   constexpr int kRows = kDecodeRows, kWarps = kAttnThreads / kWarpSize;
@@ -87,6 +103,8 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
   __syncthreads();
   for (int i = tid; i < it.n_rows * D; i += kAttnThreads) {
     const int row = i / D, d = i % D;
+    // Accumulator column pair and half of dim d: pair 4 dt + q holds columns 2q, 2q + 1 of n-tile dt.
+    const int n = d / (D / 8), pair = kFp8Order ? d % (D / 8) * 4 + n / 2 : d / 2, slot = kFp8Order ? n & 1 : d & 1;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + row]);
@@ -96,7 +114,7 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       const float mw = sm[w * kRows + row];
       const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
       l += sl[w * kRows + row] * e;
-      o += so[merge_index<D>(w, row, d / 2) + (d & 1)] * e;
+      o += so[slot + merge_index<D>(w, row, pair)] * e;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int head = it.head0 + row;
@@ -115,9 +133,10 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
 // at most 168 registers for D <= 128, so that three blocks fit on an SM) or 3 (two load while one
 // is computed; two blocks per SM by shared memory).
 template <int D, int kStages = 2, bool kFp8 = false>
-__global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2) : 1)
+__global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp8>)
     attention_decode_kernel(AttnKernelArgs a) {
-  static_assert(kStages >= 2, "at least one tile loads while another is computed");
+  static_assert(kDecodeStagesSupported<D, kStages, kFp8>, "an instantiated stage count");
+  constexpr bool kFragments = kFp8 && kFp8Fragments<D>;  // paged_attention_fp8.cuh
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a bf16 K/V stage (kFp8: of the widened tile)
   constexpr int kFp8Stage = kFp8StageBytes<D, kKeyTile>;
@@ -149,8 +168,11 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   auto* sq = reinterpret_cast<__nv_bfloat16*>(smem);  // [kRows][kStride]
   auto* stages = sq + kRows * kStride;                 // [kStages][K tile, V tile] (kFp8: [kStages][kFp8Stage] bytes)
   auto* fp8_stages = reinterpret_cast<unsigned char*>(stages);
-  auto* wide = kFp8 ? reinterpret_cast<__nv_bfloat16*>(fp8_stages + kStages * kFp8Stage) : stages;  // kFp8: K, V tile
-  auto* sml = reinterpret_cast<float*>(kFp8 ? wide + kStage : stages + kStages * kStage);
+  // kFp8: the widened K, V tile (none on the fragment path, whose stage 0 stands in for the fused RoPE's rows)
+  auto* wide = kFp8 && !kFragments ? reinterpret_cast<__nv_bfloat16*>(fp8_stages + kStages * kFp8Stage) : stages;
+  auto* sml = reinterpret_cast<float*>(kFragments ? fp8_stages + kStages * kFp8Stage
+                                       : kFp8     ? reinterpret_cast<unsigned char*>(wide + kStage)
+                                                  : reinterpret_cast<unsigned char*>(stages + kStages * kStage));
   const int warp = threadIdx.x / kWarpSize;
   // Fused RoPE: the token's cos / sin table (in the merge scratch, free until the merge), from the
   // positions and inverse frequencies (written before the pass), before the wait.
@@ -218,8 +240,8 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
   // Tile j's K and V loads, into stage j % kStages.
   auto load_tile = [&](int j) {
     if constexpr (kFp8) {
-      load_kv_tile_fp8<D>(fp8_stages + j % kStages * kFp8Stage, a, table, it.kvh, it.key_begin + j * kKeyTile,
-                          it.key_end, key_lo);
+      load_kv_tile_fp8<D, kKeyTile, kFragments>(fp8_stages + j % kStages * kFp8Stage, a, table, it.kvh,
+                                                it.key_begin + j * kKeyTile, it.key_end, key_lo);
     } else {
       __nv_bfloat16* sk = stages + j % kStages * kStage;
       load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end, key_lo);
@@ -232,7 +254,8 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     if (j < n_tiles) load_tile(j);
     cp_async_commit();
   }
-  QFragments<D> qf;
+  std::conditional_t<kFragments, QFragmentsF16<D>, QFragments<D>> qf;
+  int v_exp = 0;  // kFragments: the V exponent rho (attend_tile_fp8)
   WarpSoftmax<D> st;
   init_softmax(st);
   for (int j = 0; j < n_tiles; ++j) {
@@ -258,12 +281,19 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
         }
         __syncthreads();
       }
-      qf.load(sq, 0);
+      if constexpr (kFragments) {
+        qf.load(sq, a.scale_log2);
+      } else {
+        qf.load(sq, 0);
+      }
     }
     const int key0 = it.key_begin + j * kKeyTile;
     const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
     constexpr int kWarpKeys = kKeyTile / kWarps;  // each warp's keys of the tile
-    if constexpr (kFp8) {
+    if constexpr (kFragments) {
+      attend_tile_fp8<D>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask, it.pos,
+                         key_lo);
+    } else if constexpr (kFp8) {
       // The warp widens its own rows only, so a warp barrier suffices.
       const unsigned char* stage = fp8_stages + j % kStages * kFp8Stage;
       widen_kv_rows<D>(stage, wide, wide + kKeyTile * kStride, warp * kWarpKeys, kWarpKeys,
@@ -280,8 +310,17 @@ __global__ void __launch_bounds__(kAttnThreads, D <= 128 ? (kStages == 2 ? 3 : 2
     __syncthreads();  // this stage is refilled (or merged into) next
   }
   cp_async_wait<0>();  // only empty groups are left
-  float* merge = reinterpret_cast<float*>(kFp8 ? wide : stages + (n_tiles - 1) % kStages * kStage);
-  finish_decode_item<D>(st, a, it, merge, sml);
+  if constexpr (kFragments) {
+    const float up = __uint_as_float(static_cast<uint32_t>(v_exp + 1) << 23);  // 2^rho = 2^(v_exp - 126)
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st.o[dt][i] *= up;
+    finish_decode_item<D, true>(st, a, it, reinterpret_cast<float*>(fp8_stages), sml);  // every stage is consumed
+  } else {
+    float* merge = reinterpret_cast<float*>(kFp8 ? wide : stages + (n_tiles - 1) % kStages * kStage);
+    finish_decode_item<D>(st, a, it, merge, sml);
+  }
 }
 
 // Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
