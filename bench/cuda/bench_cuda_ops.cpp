@@ -84,7 +84,7 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   const size_t n_rows = cache_elems / static_cast<size_t>(d);
   Buf ks(n_rows * 4), vs(n_rows * 4);
   if (fp8) {  // codes of magnitude 2^-3 .. 2^6 (no NaN codes), scales near 1 / 64
-    std::vector<uint8_t> codes(cache_elems);
+    std::vector<uint8_t> codes(kc.bytes);  // the bf16-sized buffer, codes in its first half
     for (auto& x : codes) {
       const uint32_t r = next_u32();
       x = static_cast<uint8_t>((r & 0x80u) | ((4u + (r >> 8) % 10u) << 3) | (r & 7u));

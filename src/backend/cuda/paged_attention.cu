@@ -141,11 +141,18 @@ int64_t decode_resident_blocks(int32_t d, int32_t stages, bool fp8) {
 // against 95.9 us, 1 x 228 13.9 against 14.4; but 256 x 1024 284.1 against 277.1 us and
 // 400 x 1000-2000 keys 648.2 against 590.2 us. So three stages while the items fit in two waves of the two-stage
 // kernel's resident blocks (64 x 8 items: yes; 256 x 8: no), else two.
-// The FP8 fragment path (head dims 64 and 128) takes 2, 3, 4 or 6 stages: kFp8DecodeStages unless
-// p.decode_stages says otherwise.
+// Whether the decode kernel takes the FP8 fragment path (an FP8 cache at a kFp8Fragments head dim).
+bool fp8_fragment_path(const AttentionParams& p) {
+  static_assert(kFp8Fragments<64> && kFp8Fragments<128> && !kFp8Fragments<32> && !kFp8Fragments<80> &&
+                !kFp8Fragments<96> && !kFp8Fragments<256>);
+  return p.k_scale != nullptr && (p.head_dim == 64 || p.head_dim == 128);
+}
+
+// The FP8 fragment path takes 2, 3, 4 or 6 stages: kFp8DecodeStages unless p.decode_stages says
+// otherwise.
 constexpr int32_t kFp8DecodeStages = 4;
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
-  const bool fp8_fragments = p.k_scale != nullptr && (p.head_dim == 64 || p.head_dim == 128);
+  const bool fp8_fragments = fp8_fragment_path(p);
   const int32_t s = p.decode_stages;
   if (s == 0) {
     if (fp8_fragments) return kFp8DecodeStages;
@@ -271,7 +278,16 @@ void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArg
 
 bool attention_supports_head_dim(int32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
-size_t attention_workspace_bytes(const AttentionParams& p) { return make_plan(p).total; }
+// Either cache type's plan fits: callers size the workspace before they bind a layer's cache
+// (cuda_graph_runner's probe has no scales), and the FP8 fragment path's decode kernel fits more
+// blocks on an SM than the bf16 one, so it may split more (a larger workspace).
+size_t attention_workspace_bytes(const AttentionParams& p) {
+  static const float kAnyScale = 1.0f;  // make_plan only asks whether a cache has scales
+  AttentionParams other = p;
+  other.k_scale = other.v_scale = p.k_scale != nullptr ? nullptr : &kAnyScale;
+  if (other.decode_stages != 2 && other.decode_stages != 3 && !fp8_fragment_path(other)) other.decode_stages = 0;
+  return std::max(make_plan(p).total, make_plan(other).total);
+}
 
 bool attention_supports_fused_rope(int32_t head_dim) { return MmaHeadDims::contains(head_dim); }
 
