@@ -6,8 +6,9 @@
 // [n_blocks, n_head_kv, block_size, head_dim] u8 (the bf16 cache's layout, one byte an element),
 // scales [n_blocks, n_head_kv, block_size] f32. The writers (rope_write_kv, the decode kernel's
 // fused RoPE) quantize the bf16 value the bf16 cache would hold; the attention kernels widen the
-// codes to bf16 exactly (fp8.cuh) and apply the scales in f32: a key's to its score column, a
-// value's to its softmax weight before P V.
+// codes exactly, to bf16 (fp8.cuh) or, in the decode kernel at head dims 64 and 128, to f16
+// (paged_attention_fp8.cuh), and apply the scales in f32: a key's to its score column, a value's
+// to its softmax weight before P V.
 #pragma once
 
 #include "backend/cuda/fp8.cuh"

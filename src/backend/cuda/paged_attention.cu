@@ -148,14 +148,18 @@ bool fp8_fragment_path(const AttentionParams& p) {
   return p.k_scale != nullptr && (p.head_dim == 64 || p.head_dim == 128);
 }
 
-// The FP8 fragment path takes 2, 3, 4 or 6 stages: kFp8DecodeStages unless p.decode_stages says
-// otherwise.
-constexpr int32_t kFp8DecodeStages = 4;
+// The FP8 fragment path takes 2, 3, 4 or 6 stages. By the item count, H200 op benchmark, 32/8
+// heads, d128 (docs/performance.md, "H200: FP8 (E4M3) KV cache"), 2 / 3 / 4 / 6 stages: 64 x 4096
+// keys 221 / 220 / 224 / 269 us, 256 x 1024 222 / 221 / 223 / 276, 400 x 1000-2000 489 / 489 /
+// 485 / 630, 64 x 576 49.9 / 51.0 / 50.7 / 49.9, d64 9/3 heads 64 x 2048 (192 items) 46.5 / 45.7 /
+// 45.1 / 50.0, but 1 x 32768 (8 items) 87.9 / 87.2 / 89.0 / 65.8: there a block's own bytes in
+// flight bound it. So six stages (2 blocks per SM) for a handful of items (at most 1/16 of the
+// four-stage kernel's resident blocks: batch 1 to 3 of the 8B), else four (3 blocks per SM).
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
   const bool fp8_fragments = fp8_fragment_path(p);
   const int32_t s = p.decode_stages;
   if (s == 0) {
-    if (fp8_fragments) return kFp8DecodeStages;
+    if (fp8_fragments) return 16 * items <= decode_resident_blocks(p.head_dim, 4, true) ? 6 : 4;
     return items <= 2 * decode_resident_blocks(p.head_dim, 2, false) ? 3 : 2;
   }
   if (s != 2 && s != 3 && !(fp8_fragments && (s == 4 || s == 6)))

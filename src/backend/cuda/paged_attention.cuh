@@ -26,7 +26,8 @@
 // a tile is computed its codes are widened to bf16 (exact) into one bf16 K/V tile, which the mma
 // code reads as it reads a bf16 stage, with each key's K scale applied to its score column and its
 // V scale to its softmax weight before P V (attend_tile's kScaled), so the arithmetic is the bf16
-// kernels' on the dequantized cache up to where the scales are applied.
+// kernels' on the dequantized cache up to where the scales are applied. The decode kernel at head
+// dims 64 and 128 skips the bf16 tile: paged_attention_fp8.cuh.
 #pragma once
 
 #include <climits>
