@@ -139,14 +139,16 @@ struct AttentionParams {
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
   int32_t window = 0;         // sliding window in keys (the query's own included); 0 = none
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
-                              // tiles load while one is computed); 0 = chosen by the number of
-                              // decode items (paged_attention.cu)
+                              // tiles load while one is computed), also 4 or 6 with an FP8 cache at
+                              // head_dim 64 or 128; 0 = chosen by the number of decode items
+                              // (paged_attention.cu)
   int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
   int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
   // An FP8 cache (Fp8KvCache, kv_fp8.cuh): k_cache / v_cache hold E4M3 codes and these their
   // scales [n_blocks, n_head_kv, block_size] f32; null: a bf16 cache. Both or neither.
-  // The kernels widen the codes to bf16 exactly, scale each key's score column by its K scale and
-  // each key's softmax weight by its V scale before P V, f32 accumulation.
+  // The kernels widen the codes exactly (to bf16, or to f16 in the decode kernel at head_dim 64 and
+  // 128), scale each key's score column by its K scale and each key's softmax weight by its V
+  // scale before P V, f32 accumulation.
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   // Fused RoPE + KV write (attention_supports_fused_rope(head_dim), decode-only passes:
