@@ -11,13 +11,15 @@
 # Each row: mean KL (+/- its uncertainty), median / 99% / max KL, top-1 agreement, PPL; one JSON
 # object per row in $OUT/kld.jsonl and the table in $OUT/summary.md (docs/performance.md's rows).
 # usage: scripts/device/gpu_kld.sh DIR MODELS
-#   DIR holds kestrel (plain or .xz), libpcre2-8.so.0 and libxxhash.so.0; MODELS the two GGUF files
+#   DIR holds kestrel (plain or .xz; built with KESTREL_CUDA=ON), libpcre2-8.so.0 and libxxhash.so.0,
+#   optionally kestrel_tests (its LoadQuantize and FP8 runner tests are run first);
+#   MODELS the two GGUF files
 #   (SmolLM2-135M-Instruct.Q4_1.gguf, gemma-3-270m-q4_k_m.gguf), or pieces of them named
 #   NAME.part-* (split -b 60M, to carry them in calls of at most 64 MiB), joined here first.
 set -uo pipefail
-cd "$(dirname "$0")/../.." || exit 1
 D=$(realpath "$1")
 MD=$(realpath "$2")
+cd "$(dirname "$0")/../.." || exit 1
 OUT="${OUT:-/tmp/kestrel_kld}"
 W=/tmp/kestrel_kld_work
 mkdir -p "$OUT" "$W"
@@ -27,6 +29,14 @@ export LD_LIBRARY_PATH="$D:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_
 K="$D/kestrel"
 TEXT=bench/data/kld_text.txt
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+
+# The GPU tests of quantization at load, when DIR holds kestrel_tests too.
+[ -f "$D/kestrel_tests.xz" ] && xz -dkf "$D/kestrel_tests.xz"
+if [ -f "$D/kestrel_tests" ]; then
+  chmod +x "$D/kestrel_tests"
+  timeout 120 "$D/kestrel_tests" --gtest_filter='LoadQuantize*:CudaModelRunner.Fp8*' 2>&1 |
+    grep -E "^\[  (PASSED|FAILED|  OK|SKIPPED)|Failure|Expected|cuda |cpu " | tee "$OUT/tests.txt" | tail -20
+fi
 
 model_file() {  # NAME: the GGUF, joined from its pieces when only those are there
   local f="$MD/$1"
