@@ -174,10 +174,13 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, LoadFormat
   const std::filesystem::path p(path);
   const bool hf_file = p.extension() == ".safetensors" || p.filename() == "config.json" ||
                        p.filename() == "model.safetensors.index.json";
-  if (asked && !hf_file)
-    throw Error(path + ": --quantization applies to Hugging Face checkpoints; a GGUF file's block types are its own "
-                       "(use --quantization auto)");
-  return load(path);
+  if (asked && !hf_file && quantization != Quantization::Fp8 && quantization != Quantization::Rtn)
+    throw Error(path + ": --quantization " + std::string(quantization == Quantization::Awq ? "awq" : "gptq") +
+                " reads a Hugging Face checkpoint's quantized tensors; a GGUF file's block types are its own (use "
+                "--quantization auto, or fp8 / rtn to quantize its weights at load)");
+  auto m = load(path);
+  if (asked && !hf_file) m->quantize_at_load(quantization);
+  return m;
 }
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path) {

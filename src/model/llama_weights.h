@@ -60,9 +60,10 @@ class LlamaModel {
   // load_hf_dir for a directory, load_gguf for anything else. Throws kestrel::Error pointing at the
   // folder when given a *.safetensors, config.json or index file of one.
   static std::unique_ptr<LlamaModel> load(const std::string& path);
-  // load() for LoadFormat::Auto, load_dummy() for Dummy; `quantization` is load_hf_dir's. Throws
-  // kestrel::Error for a --quantization other than auto or none with a GGUF file (its block
-  // types are its own) or with generated weights.
+  // load() for LoadFormat::Auto, load_dummy() for Dummy; `quantization` is load_hf_dir's, or for a
+  // GGUF file fp8 or rtn: its dense projections quantized at load (model/load_quantize.h). Throws
+  // kestrel::Error for awq or gptq with a GGUF file (its block types are its own), rtn with an HF
+  // folder or generated weights, and load_quantize.h's errors.
   static std::unique_ptr<LlamaModel> load(const std::string& path, LoadFormat format,
                                           Quantization quantization = Quantization::Auto);
 
@@ -105,6 +106,8 @@ class LlamaModel {
 
  private:
   LlamaModel();  // defined where every owned type is complete (llama_weights.cpp)
+  // Replaces the dense projections by FP8 or RTN INT4 matrices (model/load_quantize.cpp).
+  void quantize_at_load(Quantization q);
   ModelFormat format_ = ModelFormat::Gguf;
   std::string path_;
   // Exactly one of these owns the memory the weight views point into.

@@ -145,7 +145,8 @@ Quantization parse_quantization(std::string_view name) {
   if (name == "fp8" || name == "compressed-tensors") return Quantization::Fp8;
   if (name == "awq") return Quantization::Awq;
   if (name == "gptq") return Quantization::Gptq;
-  throw Error("unknown quantization '" + std::string(name) + "' (supported: auto, none, fp8, awq, gptq)");
+  if (name == "rtn") return Quantization::Rtn;
+  throw Error("unknown quantization '" + std::string(name) + "' (supported: auto, none, fp8, awq, gptq, rtn)");
 }
 
 struct QuantConfig::Pattern {
@@ -247,6 +248,9 @@ QuantConfig QuantConfig::from_json(const json& config, const std::string& where)
 
 QuantConfig resolve_quantization(Quantization requested, const QuantConfig& checkpoint, const std::string& where) {
   if (requested == Quantization::Auto) return checkpoint;
+  if (requested == Quantization::Rtn)
+    throw Error(where + ": --quantization rtn (round-to-nearest INT4 at load) applies to GGUF files; a Hugging Face "
+                        "checkpoint takes auto, none, fp8, awq or gptq");
   const QuantMethod want = requested == Quantization::None ? QuantMethod::None
                            : requested == Quantization::Fp8 ? QuantMethod::Fp8
                            : requested == Quantization::Awq ? QuantMethod::Awq

@@ -30,8 +30,9 @@ enum class QuantMethod : uint8_t { None, Gptq, Awq, Fp8 };
 std::string_view quant_method_name(QuantMethod m);
 
 // The --quantization flag: Auto takes what the checkpoint says; the others must agree with it.
-enum class Quantization : uint8_t { Auto, None, Fp8, Awq, Gptq };
-// "auto", "none", "fp8", "awq", "gptq" (and vLLM's "compressed-tensors", read as fp8). Throws
+// Fp8 on float weights and Rtn (GGUF files only) quantize at load (model/load_quantize.h).
+enum class Quantization : uint8_t { Auto, None, Fp8, Awq, Gptq, Rtn };
+// "auto", "none", "fp8", "awq", "gptq", "rtn" (and vLLM's "compressed-tensors", read as fp8). Throws
 // kestrel::Error naming the value and the supported ones otherwise.
 Quantization parse_quantization(std::string_view name);
 

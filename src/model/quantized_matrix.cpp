@@ -235,6 +235,11 @@ WeightView QuantizedWeights::add(QuantizedMatrix m) {
   return v;
 }
 
+uint8_t* QuantizedWeights::hold(size_t bytes) {
+  held_.push_back(std::make_unique<uint64_t[]>((bytes + 7) / 8));
+  return reinterpret_cast<uint8_t*>(held_.back().get());
+}
+
 void QuantizedWeights::make_host() {
   std::lock_guard<std::mutex> lock(mu_);
   if (on_host_) return;

@@ -86,6 +86,9 @@ class QuantizedWeights {
   WeightView add(QuantizedMatrix m);
   // Dequantizes every matrix into its host copy (once; thread-safe).
   void make_host();
+  // Zeroed memory of `bytes` bytes (8-byte aligned) that lives as long as this object: the tensors
+  // of matrices quantized at load (model/load_quantize.h), which no file holds.
+  uint8_t* hold(size_t bytes);
   size_t size() const { return m_.size(); }
 
  private:
@@ -94,6 +97,7 @@ class QuantizedWeights {
     std::unique_ptr<float[]> host;  // [N, K]
   };
   std::vector<std::unique_ptr<Entry>> m_;
+  std::vector<std::unique_ptr<uint64_t[]>> held_;
   std::mutex mu_;
   bool on_host_ = false;
 };

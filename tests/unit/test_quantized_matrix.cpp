@@ -384,7 +384,7 @@ TEST(QuantConfig, ReadsMethodsAndIgnoreLists) {
   EXPECT_FALSE(f.is_not_converted("model.layers.2.self_attn.q_proj"));
   EXPECT_EQ(parse_quantization("compressed-tensors"), Quantization::Fp8);
   EXPECT_EQ(test::error_of([] { parse_quantization("int4"); }),
-            "unknown quantization 'int4' (supported: auto, none, fp8, awq, gptq)");
+            "unknown quantization 'int4' (supported: auto, none, fp8, awq, gptq, rtn)");
 }
 
 // Hostile metadata fails with an error, never a crash or a hang: block sizes whose ceil division

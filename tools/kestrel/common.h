@@ -96,5 +96,6 @@ void register_batch(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_plan(CLI::App& app);
 void register_serve(CLI::App& app);
+void register_perplexity(CLI::App& app);
 
 }  // namespace kestrel::cli

@@ -133,10 +133,12 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
       ->check(CLI::IsMember({"auto", "dummy"}))
       ->capture_default_str();
   app.add_option("--quantization,-q", model.quantization,
-                 "Weight quantization of a Hugging Face checkpoint: auto (what config.json's quantization_config "
-                 "says), none, fp8 (compressed-tensors or block fp8), awq (AutoAWQ GEMM) or gptq (v1 layout, 4 or 8 "
-                 "bits); a value other than auto must agree with the checkpoint")
-      ->check(CLI::IsMember({"auto", "none", "fp8", "compressed-tensors", "awq", "gptq"}))
+                 "Weight quantization: auto (a Hugging Face checkpoint's config.json quantization_config, a GGUF "
+                 "file's block types), none, fp8 (compressed-tensors or block fp8 checkpoints; float or GGUF weights "
+                 "quantized at load to E4M3 per output row), awq (AutoAWQ GEMM), gptq (v1 layout, 4 or 8 bits) or "
+                 "rtn (GGUF: round-to-nearest INT4 at load, groups of 128, zero points); awq and gptq must agree "
+                 "with the checkpoint")
+      ->check(CLI::IsMember({"auto", "none", "fp8", "compressed-tensors", "awq", "gptq", "rtn"}))
       ->capture_default_str();
   app.add_option("--block-size", cache.block_size, "Tokens per KV cache block")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--kv-cache-dtype,--kv-dtype", cache.kv_cache_dtype,

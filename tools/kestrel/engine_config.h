@@ -39,7 +39,8 @@ struct KestrelConfig {
     // weights in the shapes of the model folder's config.json (LlamaModel::load_dummy).
     std::string load_format = "auto";
     // --quantization (vLLM's): auto takes the checkpoint's config.json quantization_config; none,
-    // fp8, awq or gptq must agree with it (LlamaModel::load_hf_dir).
+    // fp8, awq or gptq must agree with it (LlamaModel::load_hf_dir); fp8 and rtn quantize a GGUF
+    // file's dense projections at load (model/load_quantize.h).
     std::string quantization = "auto";
   } model;
   struct Cache {

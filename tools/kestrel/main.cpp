@@ -1,4 +1,4 @@
-// kestrel: the command-line interface (generate, chat, batch, serve, tokenize, bench, plan).
+// kestrel: the command-line interface (generate, chat, batch, serve, tokenize, bench, plan, perplexity).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -26,10 +26,11 @@ int main(int argc, char** argv) {
   kestrel::cli::register_bench(app);
   kestrel::cli::register_plan(app);
   kestrel::cli::register_serve(app);
+  kestrel::cli::register_perplexity(app);
   try {
     if (argc > 1 && argv[1][0] != '-' && !has_subcommand(app, argv[1])) {
       std::cerr << "kestrel: unknown command '" << argv[1]
-                << "' (commands: generate, chat, batch, serve, tokenize, bench, plan; see kestrel --help)\n";
+                << "' (commands: generate, chat, batch, serve, tokenize, bench, plan, perplexity; see kestrel --help)\n";
       return 2;
     }
     app.parse(argc, argv);
