@@ -86,8 +86,8 @@ void skinny_gemm_int4(const SkinnyInt4Args& args, cudaStream_t stream);
 
 // Streaming GEMV over INT4 weights for one or two tokens (stream_gemv_narrow.cuh has the design):
 // y[t, o] = sum_k a(x)[t, k] W[o, k] for a matrix without act order (perm null), the products of x
-// and q - z exact, f32 sums of 32 columns times their group scale, the chunk sums in a fixed order
-// (the same bits for a row whatever the launch), one rounding to bf16. The operands and the fused
+// and q - z exact, f32 sums over each 128-column tile (tensor cores) times its group scale, the
+// tiles' sums in a fixed order (the same bits for a row whatever the launch), one rounding to bf16. The operands and the fused
 // input norm as StreamGemvArgs (`w` unused, bf16 output only). n_in a multiple of 2048 up to
 // kStreamGemvMaxIn; group_size a power of two >= 128 (a lane's 32 codes in one group); at most
 // kStreamGemvMaxRowsPerBlock rows per block; blocks and stages as for stream_gemv.

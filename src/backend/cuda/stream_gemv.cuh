@@ -54,14 +54,15 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
 // token tok), each thread loading and writing only its own 8 k of every line. The input is x, or
 // with kSwiGLU silu(gate) * up rounded to bf16, or with kNormIn RMSNorm(res_in + add) * norm_w
 // (block 0 also writing res_in + add to res_out). scratch: one float a warp of shared memory (the
-// norm's block reduction, whose closing barrier ends its use). Called by all 256 threads of the block; ends with no barrier (a thread reads
-// back only its own slots unless the caller syncs).
+// norm's block reduction, whose closing barrier ends its use). Called by all 256 threads of the
+// block; ends with no barrier (a thread reads back only its own slots unless the caller syncs).
 template <int kM, bool kSwiGLU, bool kNormIn>
 __device__ __forceinline__ void stream_gemv_input(uint4* xs, float* scratch, int k_lines,
                                                   const __nv_bfloat16* __restrict__ x, int64_t x_stride,
-                                                  const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                                                  const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out,
-                                                  float eps) {
+                                                  const float* __restrict__ res_in,
+                                                  const __nv_bfloat16* __restrict__ add,
+                                                  const __nv_bfloat16* __restrict__ norm_w,
+                                                  float* __restrict__ res_out, float eps) {
   const int t = static_cast<int>(threadIdx.x);
   const int64_t n_in = static_cast<int64_t>(k_lines) * kGemvLine;
   if constexpr (kNormIn) {

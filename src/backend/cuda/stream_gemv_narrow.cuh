@@ -8,28 +8,31 @@
 //   lies in one row, but a line may hold parts of several rows and a row need not start a line:
 //   each warp keeps the row and the chunk's place in it as it walks its chunks.
 // - A thread's 16 bytes are 16 FP8 codes of columns k .. k + 15 or 32 INT4 codes of the layout's
-//   tile T, lane t (columns 128 T + 32 c + 8 t + e, word c, e = 0..7); x comes from shared memory
-//   (natural order) at those columns. The order in which a thread walks its two 8-column halves
-//   (FP8) or four words (INT4) alternates between neighbouring lanes so that a quarter warp's
+//   tile T, lane q (columns 128 T + 32 c + 8 q + e, word c, e = 0..7); x comes from shared memory
+//   (natural order) at those columns. The order in which a lane walks its two 8-column halves
+//   (FP8) or four words (INT4) alternates between neighbouring quads so that a quarter warp's
 //   16-byte shared loads hit 32 distinct banks.
-// - FP8: cvt.rn.f16x2.e4m3x2 (two codes, exact) and cvt.f32.f16, then f32 FMAs with x; the row
-//   scale multiplies the row's sum at the end. INT4: {128 + q} pairs by OR-ing the codes into a
-//   bf16 mantissa (int4_ops.h), minus {128 + z}: q - z exactly, widened to f32 (a shift), f32 FMAs;
-//   the thread's sum (32 columns of one group: G >= 128) times the group scale. The scale and
-//   zero words stream with the codes: a quad's leader copies its tile's meta word into a small
-//   ring beside the code ring (4 bytes, cp.async.ca).
-// - Each chunk's 32 lane sums are reduced by shuffles and kept per (row, token, chunk of the row);
-//   a row's chunk sums are added in chunk order at the end. A row's value depends on neither the
-//   launch nor its place in the block (batch invariant, deterministic): f32 sums of at most 32
-//   products per lane, a fixed butterfly, then the chunks in order.
-// Source: PTX ISA 8.x ("cp.async", "cvt" with .e4m3x2); the bf16 exponent trick as in int4_gemm.cuh.
+// - The products are summed on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate): a
+//   chunk's 8 quads (tiles) are the 8 rows of A (rows 8-15 zero) and x at each tile's columns the
+//   8 columns of B, so the diagonal of the 8 x 8 result holds each tile's dot product. A holds the
+//   weights exactly as bf16: FP8 codes widened by fp8.cuh's e4m3x4_to_bf16x2; INT4 q - z from the
+//   {128 + q} pairs of the bf16 exponent trick minus {128 + z} (int4_ops.h). INT4: a tile's sum
+//   (128 columns of one group: G >= 128) times its group scale; FP8: the row scale multiplies the
+//   row's sum at the end. The scale and zero words stream with the codes: a quad's leader copies
+//   its tile's meta word into a small ring beside the code ring (4 bytes, cp.async.ca).
+// - A stage's 8 lines are computed together (independent mma and shuffle chains); each chunk's 8
+//   tile sums are reduced by a fixed butterfly and kept per (row, token, chunk of the row); a
+//   row's chunk sums are added in chunk order at the end. A row's value depends on neither the
+//   launch nor its place in the block (batch invariant, deterministic).
+// Source: PTX ISA 8.x ("cp.async", "Matrix fragments for mma.m16n8k16"); the bf16 exponent trick
+// and k permutation as in int4_gemm.cuh.
 #pragma once
 
 #include <algorithm>
 
+#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/int4_decode.cuh"
 #include "backend/cuda/stream_gemv.cuh"
-#include "core/fp8.h"
 
 namespace kestrel::cuda {
 
@@ -39,33 +42,14 @@ constexpr int kNarrowChunkBytes = kWarpSize * 16;    // 512 bytes: one warp's pa
 enum class NarrowFormat { Fp8, Int4 };
 
 // Dynamic shared memory of stream_gemv_narrow_kernel: the code ring, the meta ring (INT4: one
-// word per line, warp and quad), x [kM][n_in] bf16, the chunk sums [rows][kM][chunks of a row] (at least 32 floats: the fused
-// norm's block reduction uses them first).
+// word per line, warp and quad), x [kM][n_in] bf16, the chunk sums [rows][kM][chunks of a row]
+// (at least 32 floats: the fused norm's block reduction uses them first).
 constexpr size_t stream_gemv_narrow_smem_bytes(int m, int stages, bool int4, int k_lines, int rows_per_block,
                                                int chunks_per_row) {
   return static_cast<size_t>(stages) * kGemvLinesPerStage * kNarrowLineBytes +
          (int4 ? static_cast<size_t>(stages) * kGemvLinesPerStage * (kGemvThreads / 4) * 4 : 0) +
          static_cast<size_t>(m) * k_lines * kGemvThreads * 16 +
          static_cast<size_t>(std::max(rows_per_block * m * chunks_per_row, kWarpSize)) * 4;
-}
-
-// Four E4M3 codes (byte i = element i) as f32, exactly.
-__device__ __forceinline__ void e4m3x4_to_f32(uint32_t w, float* f) {
-#if defined(KESTREL_CUDA_EMULATE)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) f[i] = e4m3_to_float(static_cast<uint8_t>(w >> (8 * i)));
-#else
-  uint32_t h01, h23;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
-      : "=r"(h01), "=r"(h23)
-      : "r"(w));
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n"
-      : "=f"(f[0]), "=f"(f[1])
-      : "r"(h01));
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\n}\n"
-      : "=f"(f[2]), "=f"(f[3])
-      : "r"(h23));
-#endif
 }
 
 // 4 bytes global -> shared (cp.async.ca: the only form below 16 bytes).
@@ -138,78 +122,92 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 
   const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
   const int n_in = k_lines * kGemvLine;
+  const int g = lane / 4, q = lane % 4;  // the lane's tile in the chunk, its place in the tile
+  const int swap = g & 1;  // bank spread: neighbouring tiles walk their columns in another order
   // This warp's chunk of line 0: its row and byte offset in the row; each line moves it 4 KB on.
   int row = 0, cb = kNarrowChunkBytes * warp;
   while (cb >= row_bytes) cb -= row_bytes, ++row;
-  const int swap = (lane / 4) & 1;  // bank spread: neighbouring quads walk their columns in another order
   for (int s = 0; s < n_stages; ++s) {
     issue(s + kStages - 1);
     cp_async_wait<kStages - 1>();  // stage s (this thread's part of it) has landed
     if constexpr (kInt4) __syncwarp();  // the quad leaders' meta words, for their quads
     const uint4* src = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
-#pragma unroll 2
-    for (int j = 0; j < kGemvLinesPerStage; ++j) {
-      if (row >= rows) break;  // the same for the whole warp; later lines are further on
-      uint4 wv = src[j * kGemvThreads];
-      float acc[kM];
+    int line_row[kGemvLinesPerStage], line_cb[kGemvLinesPerStage];
 #pragma unroll
-      for (int tok = 0; tok < kM; ++tok) acc[tok] = 0.0f;
+    for (int j = 0; j < kGemvLinesPerStage; ++j) {
+      line_row[j] = row, line_cb[j] = cb;
+      cb += kNarrowLineBytes;
+      while (cb >= row_bytes) cb -= row_bytes, ++row;
+    }
+    // Every line of the stage at once (independent chains; lines past the block's rows compute on
+    // stale bytes and are not stored). Each line: the warp's 8 tiles (a tile: a quad's 64 bytes) as
+    // the rows of an mma A operand (rows 8-15 zero), x of the same tiles as the columns of B, so the
+    // diagonal of the 8 x 8 result holds each tile's dot product (lane 4 g + g / 2 has tile g's).
+    float tile_sum[kGemvLinesPerStage][kM];
+#pragma unroll
+    for (int j = 0; j < kGemvLinesPerStage; ++j) {
+      uint4 wv = src[j * kGemvThreads];
+      float c[kM][4];
+#pragma unroll
+      for (int tok = 0; tok < kM; ++tok) c[tok][0] = c[tok][1] = c[tok][2] = c[tok][3] = 0.0f;
+      float sc = 1.0f;
       if constexpr (!kInt4) {
-        // Codes of columns k .. k + 15; halves in the order {swap, 1 - swap}.
-        const int k = cb + 16 * lane;
+        // Codes of columns k .. k + 15 (k = cb + 16 lane), as two 8-column halves in the order
+        // {swap, 1 - swap}; each half's two words are two mmas (bf16 pairs exactly widened).
         if (swap) wv = make_uint4(wv.z, wv.w, wv.x, wv.y);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float wf[8];
-          e4m3x4_to_f32(h == 0 ? wv.x : wv.z, wf);
-          e4m3x4_to_f32(h == 0 ? wv.y : wv.w, wf + 4);
-          const int kk = k + 8 * (h ^ swap);
+          const int kk = line_cb[j] + 16 * lane + 8 * (h ^ swap);
+          uint32_t a0[4] = {0, 0, 0, 0}, a1[4] = {0, 0, 0, 0};
+          e4m3x4_to_bf16x2(h == 0 ? wv.x : wv.z, a0[0], a0[2]);
+          e4m3x4_to_bf16x2(h == 0 ? wv.y : wv.w, a1[0], a1[2]);
 #pragma unroll
           for (int tok = 0; tok < kM; ++tok) {
-            float xf[8];
-            unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + tok * n_in + kk), xf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[tok] = fmaf(wf[e], xf[e], acc[tok]);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xh + tok * n_in + kk);
+            const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+            mma_bf16_16816(c[tok], a0, b0);
+            mma_bf16_16816(c[tok], a1, b1);
           }
         }
       } else {
-        // Tile T's lane tt: word c holds columns 128 T + 32 c + 8 tt .. + 7; words in the order
-        // c = i ^ swap.
-        const int tile = cb / 64 + lane / 4, tt = lane % 4;
+        // Tile T's lane q: word c holds columns 128 T + 32 c + 8 q .. + 7, its pairs {2 p, 2 p + 1}
+        // (p = 0..3) q - z exactly; words in the order c = i ^ swap; pairs 0, 1 with x words 0, 1
+        // are one mma, pairs 2, 3 with x words 2, 3 another (int4_gemm.cuh's k permutation).
+        const int tile = line_cb[j] / 64 + g;
         const uint32_t m = meta_ring[((s % kStages) * kGemvLinesPerStage + j) * kMetaLine + t / 4];
         const uint32_t zz = int4_zero_pair(m);
+        sc = int4_scale(m, scale_f16);
         if (swap) wv = make_uint4(wv.y, wv.x, wv.w, wv.z);
         const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float wf[8];
+          uint32_t pr[4];
 #pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const uint32_t q = bf16x2_sub(((words[i] >> (4 * p)) & 0x000F000Fu) | 0x43004300u, zz);
-            wf[2 * p] = __uint_as_float(q << 16);
-            wf[2 * p + 1] = __uint_as_float(q & 0xFFFF0000u);
-          }
-          const int kk = 128 * tile + 32 * (i ^ swap) + 8 * tt;
+          for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(((words[i] >> (4 * p)) & 0x000F000Fu) | 0x43004300u, zz);
+          const uint32_t a0[4] = {pr[0], 0u, pr[1], 0u}, a1[4] = {pr[2], 0u, pr[3], 0u};
+          const int kk = 128 * tile + 32 * (i ^ swap) + 8 * q;
 #pragma unroll
           for (int tok = 0; tok < kM; ++tok) {
-            float xf[8];
-            unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + tok * n_in + kk), xf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[tok] = fmaf(wf[e], xf[e], acc[tok]);
+            const uint4 xv = *reinterpret_cast<const uint4*>(xh + tok * n_in + kk);
+            const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+            mma_bf16_16816(c[tok], a0, b0);
+            mma_bf16_16816(c[tok], a1, b1);
           }
         }
-        const float sc = int4_scale(m, scale_f16);
-#pragma unroll
-        for (int tok = 0; tok < kM; ++tok) acc[tok] *= sc;
       }
+      const bool diag = q == g / 2;
+#pragma unroll
+      for (int tok = 0; tok < kM; ++tok) tile_sum[j][tok] = diag ? (g & 1 ? c[tok][1] : c[tok][0]) * sc : 0.0f;
+    }
+    // Each line's 8 tile sums (the other lanes hold zeros) by a fixed butterfly, into its slot.
+#pragma unroll
+    for (int j = 0; j < kGemvLinesPerStage; ++j)
 #pragma unroll
       for (int tok = 0; tok < kM; ++tok) {
-        const float v = warp_reduce_sum(acc[tok]);
-        if (lane == 0) part[(row * kM + tok) * chunks_per_row + cb / kNarrowChunkBytes] = v;
+        const float v = warp_reduce_sum(tile_sum[j][tok]);
+        if (lane == 0 && line_row[j] < rows)
+          part[(line_row[j] * kM + tok) * chunks_per_row + line_cb[j] / kNarrowChunkBytes] = v;
       }
-      cb += kNarrowLineBytes;
-      while (cb >= row_bytes) cb -= row_bytes, ++row;
-    }
     if constexpr (kInt4) __syncwarp();  // the leaders' next copy into this slot waits for every read
   }
   cp_async_wait<0>();
