@@ -288,7 +288,7 @@ void bench_fp8() {
     }
     Buf w_scale(static_cast<size_t>(sh.out) * 4);
     fill(w_scale, std::vector<float>(static_cast<size_t>(sh.out), 1e-3f));
-    for (const int64_t m : {1, 4, 8, 16, 64, 512, 4096}) {
+    for (const int64_t m : {1, 2, 4, 8, 16, 64, 512, 4096}) {
       Buf x(static_cast<size_t>(m * sh.in) * 2), y(static_cast<size_t>(m * sh.out) * 2),
           xq(static_cast<size_t>(m * sh.in)), xs(static_cast<size_t>(m) * 4);
       fill_bf16(x);
@@ -321,6 +321,33 @@ void bench_fp8() {
           report("fp8 skinny u" + std::to_string(u) + " w" + std::to_string(wp), shape, ms,
                  static_cast<double>(w8_bytes + x.bytes + y.bytes), flops);
         }
+      }
+      // The streaming GEMVs at one and two tokens: bf16 (the path without FP8) and FP8, 4 and 6 stages.
+      if (kestrel::cuda::stream_gemv_supports(m, sh.in, sh.out)) {
+        kestrel::cuda::StreamGemvArgs a{{x.as<bf16>(), sh.in, nullptr, y.p, m, sh.in, sh.out, false, false}};
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            a.w = ws16[next++ % n_copies]->as<bf16>();
+            kestrel::cuda::stream_gemv(a, nullptr);
+          }
+        }) / kCalls;
+        report("stream bf16", shape, ms, static_cast<double>(2 * w8_bytes + x.bytes + y.bytes), flops);
+      }
+      for (const int stages : {4, 6}) {
+        if (!kestrel::cuda::stream_gemv_fp8_supports(m, sh.in, sh.out, 0, stages)) continue;
+        kestrel::cuda::StreamGemvFp8Args a;
+        static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,
+                                                               sh.in,        sh.out, false, false};
+        a.stages = stages;
+        a.w_scale = w_scale.as<float>();
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            a.w8 = ws[next++ % n_copies]->as<uint8_t>();
+            kestrel::cuda::stream_gemv_fp8(a, nullptr);
+          }
+        }) / kCalls;
+        report("fp8 stream s" + std::to_string(stages), shape, ms, static_cast<double>(w8_bytes + x.bytes + y.bytes),
+               flops);
       }
       if (m >= kestrel::cuda::kSkinnyFp8MaxTokens) {
         const double ms = time_ms([&] {

@@ -48,7 +48,7 @@ void bench_int4() {
       fill_bf16(*ws16.back());
     }
     Buf w_deq(w16_bytes);
-    for (const int64_t m : {1, 8, 16, 32, 64, 2048}) {
+    for (const int64_t m : {1, 2, 8, 16, 32, 64, 2048}) {
       Buf x(static_cast<size_t>(m * sh.in) * 2), y(static_cast<size_t>(m * sh.out) * 2);
       fill_bf16(x);
       const std::string shape = std::string(sh.what) + " M=" + std::to_string(m);
@@ -90,6 +90,20 @@ void bench_int4() {
         w4.meta = metas[i % n4]->as<uint32_t>();
       };
       const double w4_bytes = static_cast<double>(code_bytes + meta_bytes);
+      for (const int stages : {4, 6}) {  // the streaming GEMV at one and two tokens
+        if (!kestrel::cuda::stream_gemv_int4_supports(m, w4, 0, stages)) continue;
+        kestrel::cuda::StreamGemvInt4Args a;
+        static_cast<kestrel::cuda::ProjectionOperands&>(a) = ops;
+        a.stages = stages;
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            pick(next++);
+            a.w4 = w4;
+            kestrel::cuda::stream_gemv_int4(a, nullptr);
+          }
+        }) / kCalls;
+        report("int4 stream s" + std::to_string(stages), shape, ms, w4_bytes + io, flops);
+      }
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
         // (unroll, row groups, warps); the first of each list is the default.
         std::vector<std::tuple<int, int, int>> variants = {{1, 1, 8}, {1, 1, 4}};

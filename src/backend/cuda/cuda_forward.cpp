@@ -104,7 +104,10 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   const int64_t n_out = W.n_out;
   const char* what = gemm_label(proj.role);
   bf16* y = act(out);
-  if (!fused_norm_ || W.fp8 || W.int4 || !uses_stream_gemv(n, d, n_out)) {
+  // FP8 and INT4 weights fuse the norm in their streaming GEMV (act-order INT4 gathers x first: not fused).
+  const bool narrow = W.fp8 || W.int4;
+  const bool streamed = narrow ? uses_stream_gemv_narrow(W, n) && W.perm.bytes() == 0 : uses_stream_gemv(n, d, n_out);
+  if (!fused_norm_ || !streamed) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
     project_weight(h_.as<bf16>(), W, y, n);
@@ -119,7 +122,10 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
     a.norm_weight = norm_w.as<bf16>();
     a.norm_residual_out = pass_spare_;
     a.norm_eps = hp_.rms_eps;
-    cuda::stream_gemv(a, stream_);
+    if (narrow)
+      stream_narrow(W, a);
+    else
+      cuda::stream_gemv(a, stream_);
     std::swap(pass_residual_, pass_spare_);
     mark(what);
   }
@@ -307,6 +313,10 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
     return;
   }
   const int64_t x_stride = swiglu ? 2 * W.n_in : W.n_in;
+  if (uses_stream_gemv_narrow(W, n)) {
+    stream_narrow(W, cuda::StreamGemvArgs{{x, x_stride, nullptr, y, n, W.n_in, W.n_out, swiglu, false}});
+    return;
+  }
   if (cuda::skinny_gemm_fp8_supports(n, W.n_in, W.n_out)) {
     cuda::SkinnyFp8Args a;
     static_cast<cuda::ProjectionOperands&>(a) = {x, x_stride, nullptr, y, n, W.n_in, W.n_out, swiglu, false};
@@ -322,6 +332,24 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
   cuda::quantize_rows_fp8(x, W.n_in, n, W.n_in, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), stream_);
   gemm_->run_fp8(fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), W.w.as<uint8_t>(), W.scale.as<float>(), y, n,
                  W.n_in, W.n_out, stream_);
+}
+
+void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& a) {
+  if (W.fp8) {
+    cuda::StreamGemvFp8Args f;
+    static_cast<cuda::StreamGemvArgs&>(f) = a;
+    f.stages = stream_gemv_stages_;
+    f.w8 = W.w.as<uint8_t>();
+    f.w_scale = W.scale.as<float>();
+    cuda::stream_gemv_fp8(f, stream_);
+    return;
+  }
+  cuda::StreamGemvInt4Args q;
+  static_cast<cuda::StreamGemvArgs&>(q) = a;
+  q.stages = stream_gemv_stages_;
+  q.w4 = W.int4_matrix();
+  q.w4.perm = nullptr;  // x is in the physical order
+  cuda::stream_gemv_int4(q, stream_);
 }
 
 }  // namespace kestrel::cuda_runner

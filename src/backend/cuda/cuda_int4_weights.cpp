@@ -143,6 +143,17 @@ void CudaModelRunner::reserve_int4_scratch() {
 
 void CudaModelRunner::project_int4(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu) {
   const cuda::Int4Matrix m = W.int4_matrix();
+  if (uses_stream_gemv_narrow(W, n)) {
+    cuda::StreamGemvArgs a{{x, swiglu ? 2 * W.n_in : W.n_in, nullptr, y, n, W.n_in, W.n_out, swiglu, false}};
+    if (m.perm != nullptr) {
+      cuda::int4_gather_columns(x, a.x_stride, m.perm, n, W.n_in, swiglu, int4_x_.as<bf16>(), stream_);
+      a.x = int4_x_.as<bf16>();
+      a.x_stride = W.n_in;
+      a.swiglu = false;
+    }
+    stream_narrow(W, a);
+    return;
+  }
   if (n <= cuda::kInt4SkinnyMaxTokens) {
     cuda::SkinnyInt4Args a;
     static_cast<cuda::ProjectionOperands&>(a) = {x, swiglu ? 2 * W.n_in : W.n_in, nullptr, y, n, W.n_in, W.n_out,

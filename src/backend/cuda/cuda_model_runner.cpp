@@ -68,6 +68,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   tune_gemms_ = t.gemm_tune;
   gemm_split_k_ = t.gemm_split_k;
   stream_gemv_ = t.stream_gemv;
+  stream_gemv_fp8_ = t.stream_gemv_fp8;
   stream_gemv_stages_ = t.stream_gemv_stages;
   fused_norm_ = t.fused_norm;
   fused_rope_ = t.fused_rope;

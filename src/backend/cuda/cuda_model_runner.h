@@ -18,6 +18,7 @@
 
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/device_memory.h"
+#include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_ops.h"
 #include "backend/cuda/op_profiler.h"
@@ -191,10 +192,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in, int64_t n_out,
                bool swiglu = false, cudaStream_t stream = nullptr);
   // project() for a dense projection's weight, by its storage: bf16 as project(); FP8 through the
-  // FP8 skinny GEMM for at most kSkinnyFp8MaxTokens rows (W8A16), else the activations quantized
+  // narrow streaming GEMV where it applies (uses_stream_gemv_narrow), else the FP8 skinny GEMM for
+  // at most kSkinnyFp8MaxTokens rows (W8A16), else the activations quantized
   // per token and cuBLASLt's FP8 GEMM with per-token and per-channel scales (W8A8).
   void project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu = false);
-  // project_weight() for an int4 weight (cuda_int4_weights.cpp): up to kInt4SkinnyMaxTokens rows
+  // project_weight() for an int4 weight (cuda_int4_weights.cpp): the narrow streaming GEMV where it
+  // applies (uses_stream_gemv_narrow), else up to kInt4SkinnyMaxTokens rows
   // the W4A16 skinny GEMM (act order: the activations gathered into int4_x_ first); more rows: the
   // weight dequantized into int4_w_ (exactly the bf16 upload's values) and cuBLASLt.
   void project_int4(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu);
@@ -228,6 +231,21 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
     return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
            cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
   }
+  // Whether an FP8 or INT4 weight takes the narrow streaming GEMV at n tokens (one or two, n_in a
+  // multiple of 2048, INT4 groups of 128 or more; act order gathers x first): every such INT4
+  // projection of the 8B, the O projection included; FP8 only with stream_gemv_fp8_.
+  // CudaTuning::stream_gemv off: never.
+  bool uses_stream_gemv_narrow(const DeviceWeight& W, int64_t n) const {
+    if (!stream_gemv_) return false;
+    if (W.fp8) return stream_gemv_fp8_ && cuda::stream_gemv_fp8_supports(n, W.n_in, W.n_out, 0, stream_gemv_stages_);
+    if (!W.int4) return false;
+    cuda::Int4Matrix m = W.int4_matrix();
+    m.perm = nullptr;
+    return cuda::stream_gemv_int4_supports(n, m, 0, stream_gemv_stages_);
+  }
+  // The narrow streaming GEMV of W (uses_stream_gemv_narrow) over a's operands and fused input; an
+  // act-order INT4 weight's x must already be in the physical order.
+  void stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& a);
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences of q tokens and `width` columns when graphed)
   // into the pinned staging buffer in BatchArrays layout; returns the host layout.
@@ -245,6 +263,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
+  // FP8 weights on the narrow streaming GEMV (CudaTuning::stream_gemv_fp8): off, as it was slower in
+  // decode. H200, the 8B at batch 1: 250.9 tok/s with it, 292.8 on the FP8 skinny GEMM; INT4 on
+  // its streaming GEMV 304.2 against 282.1 on the int4 skinny GEMM (docs/performance.md).
+  bool stream_gemv_fp8_ = false;
   // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
   // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).

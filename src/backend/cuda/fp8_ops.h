@@ -34,4 +34,19 @@ struct SkinnyFp8Args : ProjectionOperands {
 bool skinny_gemm_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
 void skinny_gemm_fp8(const SkinnyFp8Args& args, cudaStream_t stream);
 
+// Streaming GEMV over E4M3 weights for one or two tokens (stream_gemv_narrow.cuh has the design):
+// y[t, o] = w_scale[o] * sum_k a(x)[t, k] * e4m3(w8[o, k]), the codes widened to bf16 exactly, f32
+// sums (tensor cores over 64-column tiles, then the tiles in a fixed order: the same bits for a
+// row whatever the launch), one rounding to bf16; off in the runner by default (CudaTuning). The
+// operands and the fused input norm as StreamGemvArgs (`w` unused, bf16 output only); w8
+// [n_out, n_in] codes and w_scale [n_out] f32, 16-byte aligned. n_in a multiple of 2048 up to
+// kStreamGemvMaxIn, at most kStreamGemvMaxRowsPerBlock rows per block; blocks and stages as for
+// stream_gemv. Errors: kestrel::Error for an unsupported shape or a bad operand (as stream_gemv).
+struct StreamGemvFp8Args : StreamGemvArgs {
+  const uint8_t* w8 = nullptr;
+  const float* w_scale = nullptr;
+};
+bool stream_gemv_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
+void stream_gemv_fp8(const StreamGemvFp8Args& args, cudaStream_t stream);
+
 }  // namespace kestrel::cuda

@@ -18,64 +18,11 @@
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/int4_decode.cuh"
 #include "backend/cuda/silu_mul.cuh"
 #include "backend/cuda/skinny_gemm.cuh"
 
 namespace kestrel::cuda {
-
-// A weight stream's 4 or 8 bytes (meta words): the read-only path without L1 allocation, like
-// ld_stream16, so it may come before pdl_wait().
-__device__ __forceinline__ uint32_t ld_stream4(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-#endif
-}
-__device__ __forceinline__ uint2 ld_stream8(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint2 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-#endif
-}
-
-// a - b on a pair of bf16 (round to nearest; exact for the small integers used here).
-__device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
-#if defined(KESTREL_CUDA_EMULATE)
-  return pack_bf16x2(emu_bf16(a, 0) - emu_bf16(b, 0), emu_bf16(a, 1) - emu_bf16(b, 1));
-#else
-  uint32_t d;
-  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-#endif
-}
-
-// The scale of a meta word (its low 16 bits, f16 or bf16) as f32, exactly.
-__device__ __forceinline__ float int4_scale(uint32_t m, bool f16) {
-  if (!f16) return __uint_as_float(m << 16);
-#if defined(KESTREL_CUDA_EMULATE)
-  const uint32_t h = m & 0xFFFFu, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
-  if (e == 0x1F) return __uint_as_float(sign | 0x7F800000u | (f << 13));
-  if (e != 0) return __uint_as_float(sign | ((e + 112) << 23) | (f << 13));
-  const float v = static_cast<float>(f) * 5.9604644775390625e-8f;  // subnormal: f 2^-24
-  return sign != 0 ? -v : v;
-#else
-  float v;
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(v) : "h"(static_cast<unsigned short>(m & 0xFFFFu)));
-  return v;
-#endif
-}
-// The pair {128 + z, 128 + z} of a meta word.
-__device__ __forceinline__ uint32_t int4_zero_pair(uint32_t m) { return (m & 0xFFFF0000u) | (m >> 16); }
 
 // The loads of one warp iteration (kU tiles of kR row groups), double buffered across
 // iterations: the codes and meta words, and x where it fits the registers (kPrefetchX: x of at

@@ -84,6 +84,20 @@ struct SkinnyInt4Args : ProjectionOperands {
 bool skinny_gemm_int4_supports(int64_t n_tokens, const Int4Matrix& w);
 void skinny_gemm_int4(const SkinnyInt4Args& args, cudaStream_t stream);
 
+// Streaming GEMV over INT4 weights for one or two tokens (stream_gemv_narrow.cuh has the design):
+// y[t, o] = sum_k a(x)[t, k] W[o, k] for a matrix without act order (perm null), the products of x
+// and q - z exact, f32 sums over each 128-column tile (tensor cores) times its group scale, the
+// tiles' sums in a fixed order (the same bits for a row whatever the launch), one rounding to bf16. The operands and the fused
+// input norm as StreamGemvArgs (`w` unused, bf16 output only). n_in a multiple of 2048 up to
+// kStreamGemvMaxIn; group_size a power of two >= 128 (a lane's 32 codes in one group); at most
+// kStreamGemvMaxRowsPerBlock rows per block; blocks and stages as for stream_gemv.
+// Errors: kestrel::Error for an unsupported shape or a bad operand (as stream_gemv).
+struct StreamGemvInt4Args : StreamGemvArgs {
+  Int4Matrix w4;
+};
+bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks = 0, int stages = 0);
+void stream_gemv_int4(const StreamGemvInt4Args& args, cudaStream_t stream);
+
 // out [n_out, n_in] bf16 = W in the input channels' own order (column perm[k] from physical k):
 // s * (q - z) in f32 rounded to bf16 (round to nearest even), the values WeightUploader makes
 // from the checkpoint on the host, bit for bit. For cuBLASLt at batches above

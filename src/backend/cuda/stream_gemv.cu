@@ -1,4 +1,5 @@
 #include "backend/cuda/stream_gemv.cuh"
+#include "backend/cuda/stream_gemv_narrow.cuh"
 
 #include <algorithm>
 #include <map>
@@ -6,6 +7,8 @@
 #include <string>
 
 #include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/fp8_ops.h"
+#include "backend/cuda/int4_ops.h"
 
 namespace kestrel::cuda {
 
@@ -82,6 +85,78 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
+// The narrow-weight kernels' layout: rows of row_bytes (a multiple of 512) in chunks of 512.
+Layout narrow_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, bool int4, int blocks,
+                     int stages) {
+  Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
+  l.smem = stream_gemv_narrow_smem_bytes(static_cast<int>(n_tokens), l.stages, int4, l.k_lines, l.rows_per_block,
+                                         static_cast<int>(row_bytes / kNarrowChunkBytes));
+  return l;
+}
+
+bool narrow_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, bool int4, int blocks,
+                     int stages) {
+  if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
+      n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff || row_bytes % kNarrowChunkBytes != 0)
+    return false;
+  if (stages != 0 && stages != 4 && stages != 6) return false;
+  const Layout l = narrow_layout(n_tokens, n_in, n_out, row_bytes, int4, blocks, stages);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
+}
+
+// The checks stream_gemv makes of the fused norm's operands.
+void check_norm_operands(const char* op, const StreamGemvArgs& a) {
+  if (a.norm_residual_in == nullptr) return;
+  const std::string name(op);
+  if (a.swiglu || a.f32_out) throw Error(name + ": the fused input norm is built for bf16 output only");
+  if (a.norm_weight == nullptr || a.norm_residual_out == nullptr)
+    throw Error(name + ": the fused input norm needs its weight and a residual output");
+  if (a.norm_residual_out == a.norm_residual_in)
+    throw Error(name + ": the fused input norm's residual output must not be its input");
+  for (const void* p : {static_cast<const void*>(a.norm_residual_in), static_cast<const void*>(a.norm_add),
+                        static_cast<const void*>(a.norm_weight), static_cast<const void*>(a.norm_residual_out)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error(name + ": norm operand not 16-byte aligned");
+}
+
+template <NarrowFormat kFmt>
+void launch_narrow(const StreamGemvArgs& a, const uint8_t* w, const void* scale, int meta_shift, bool scale_f16,
+                   int64_t row_bytes, const Layout& l, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+  const int no = static_cast<int>(a.n_out), rb = static_cast<int>(row_bytes);
+  auto* y = static_cast<__nv_bfloat16*>(a.y);
+  auto by_input = [&]<int kM, int kStages>() {
+    auto go = [&](auto* k) {
+      raise_smem_limit(k, l.smem);
+      KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, w, scale, meta_shift, scale_f16, y, no,
+                     l.k_lines, rb, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight,
+                     a.norm_residual_out, a.norm_eps);
+    };
+    if (a.norm_residual_in != nullptr)
+      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, false, true>);
+    else if (a.swiglu)
+      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, true, false>);
+    else
+      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, false, false>);
+  };
+  auto by_stages = [&]<int kM>() {
+    if (l.stages == 6)
+      by_input.template operator()<kM, 6>();
+    else
+      by_input.template operator()<kM, 4>();
+  };
+  if (a.n_tokens == 1)
+    by_stages.template operator()<1>();
+  else
+    by_stages.template operator()<2>();
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+std::string narrow_shape(const StreamGemvArgs& a) {
+  return "(n_tokens " + std::to_string(a.n_tokens) + ", n_in " + std::to_string(a.n_in) + ", n_out " +
+         std::to_string(a.n_out) + ", blocks " + std::to_string(a.blocks) + ", stages " + std::to_string(a.stages) +
+         ")";
+}
+
 }  // namespace
 
 static_assert(kStreamGemvMaxIn == int64_t{kGemvMaxKLines} * kGemvLine, "x is loaded in at most kGemvMaxKLines lines");
@@ -100,16 +175,7 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
     throw Error("stream_gemv: unsupported shape (n_tokens " + std::to_string(a.n_tokens) + ", n_in " +
                 std::to_string(a.n_in) + ", n_out " + std::to_string(a.n_out) + ", blocks " +
                 std::to_string(a.blocks) + ", stages " + std::to_string(a.stages) + ")");
-  if (a.norm_residual_in != nullptr) {
-    if (a.swiglu || a.f32_out) throw Error("stream_gemv: the fused input norm is built for bf16 output only");
-    if (a.norm_weight == nullptr || a.norm_residual_out == nullptr)
-      throw Error("stream_gemv: the fused input norm needs its weight and a residual output");
-    if (a.norm_residual_out == a.norm_residual_in)
-      throw Error("stream_gemv: the fused input norm's residual output must not be its input");
-    for (const void* p : {static_cast<const void*>(a.norm_residual_in), static_cast<const void*>(a.norm_add),
-                          static_cast<const void*>(a.norm_weight), static_cast<const void*>(a.norm_residual_out)})
-      if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error("stream_gemv: norm operand not 16-byte aligned");
-  }
+  check_norm_operands("stream_gemv", a);
   check_gemv_operands("stream_gemv", a);  // w (and x, unread in the fused mode) aligned, x_stride
   const Layout l = layout(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages);
   auto by_stages = [&]<int kM>() {
@@ -124,6 +190,52 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
     by_stages.template operator()<1>();
   else
     by_stages.template operator()<2>();
+}
+
+}  // namespace kestrel::cuda
+
+namespace kestrel::cuda {
+
+bool stream_gemv_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
+  return narrow_supports(n_tokens, n_in, n_out, n_in, false, blocks, stages);
+}
+
+void stream_gemv_fp8(const StreamGemvFp8Args& a, cudaStream_t stream) {
+  if (!stream_gemv_fp8_supports(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages))
+    throw Error("stream_gemv_fp8: unsupported shape " + narrow_shape(a));
+  if (a.f32_out) throw Error("stream_gemv_fp8: bf16 output only");
+  if (a.w_scale == nullptr) throw Error("stream_gemv_fp8: no weight scales");
+  check_norm_operands("stream_gemv_fp8", a);
+  ProjectionOperands checked = a;
+  checked.w = reinterpret_cast<const bf16*>(a.w8);
+  check_gemv_operands("stream_gemv_fp8", checked);
+  const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in, false, a.blocks, a.stages);
+  launch_narrow<NarrowFormat::Fp8>(a, a.w8, a.w_scale, 0, false, a.n_in, l, stream);
+}
+
+bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stages) {
+  const int64_t g = w.group_size;
+  if (w.perm != nullptr || g < 128 || (g & (g - 1)) != 0 || w.n_in % g != 0) return false;
+  return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, true, blocks, stages);
+}
+
+void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
+  const Int4Matrix& w = a.w4;
+  if (w.n_in != a.n_in || w.n_out != a.n_out) throw Error("stream_gemv_int4: the matrix's shape is not the operands'");
+  if (!stream_gemv_int4_supports(a.n_tokens, w, a.blocks, a.stages))
+    throw Error("stream_gemv_int4: unsupported shape " + narrow_shape(a) + " or group size " +
+                std::to_string(w.group_size) + (w.perm != nullptr ? " with act order" : ""));
+  if (a.f32_out) throw Error("stream_gemv_int4: bf16 output only");
+  if (w.codes == nullptr || w.meta == nullptr) throw Error("stream_gemv_int4: no codes or meta words");
+  check_norm_operands("stream_gemv_int4", a);
+  ProjectionOperands checked = a;
+  checked.w = reinterpret_cast<const bf16*>(w.codes);
+  check_gemv_operands("stream_gemv_int4", checked);
+  int shift = 0;
+  while ((int64_t{1} << (shift + 1)) < w.group_size) ++shift;  // log2(G / 2)
+  const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in / 2, true, a.blocks, a.stages);
+  launch_narrow<NarrowFormat::Int4>(a, reinterpret_cast<const uint8_t*>(w.codes), w.meta, shift, w.scale_f16,
+                                    a.n_in / 2, l, stream);
 }
 
 }  // namespace kestrel::cuda

@@ -49,54 +49,25 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
          static_cast<size_t>(m) * k_lines * kGemvThreads * 16 + static_cast<size_t>(rows_per_block) * m * kGemvWarps * 4;
 }
 
-// x: [kM, *] rows x_stride elements apart, 16-byte aligned; with kSwiGLU row t's gate is
-// x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
-// y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
-// kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
-// res_out [kM, n_in] f32 (not res_in), eps.
-// kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
-// next projection's block can be resident, and requesting its first stages, while this one ends.
-template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
-__global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
-    stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
-                       void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
-                       const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
-  KESTREL_DYNAMIC_SMEM(smem);
+// The input of a streaming GEMV into shared memory, after pdl_wait(): xs [kM][k_lines * 2048] bf16
+// (natural order: uint4 (tok * k_lines + kb) * 256 + t holds elements kb * 2048 + 8 t .. + 7 of
+// token tok), each thread loading and writing only its own 8 k of every line. The input is x, or
+// with kSwiGLU silu(gate) * up rounded to bf16, or with kNormIn RMSNorm(res_in + add) * norm_w
+// (block 0 also writing res_in + add to res_out). scratch: one float a warp of shared memory (the
+// norm's block reduction, whose closing barrier ends its use). Called by all 256 threads of the
+// block; ends with no barrier (a thread reads back only its own slots unless the caller syncs).
+template <int kM, bool kSwiGLU, bool kNormIn>
+__device__ __forceinline__ void stream_gemv_input(uint4* xs, float* scratch, int k_lines,
+                                                  const __nv_bfloat16* __restrict__ x, int64_t x_stride,
+                                                  const float* __restrict__ res_in,
+                                                  const __nv_bfloat16* __restrict__ add,
+                                                  const __nv_bfloat16* __restrict__ norm_w,
+                                                  float* __restrict__ res_out, float eps) {
   const int t = static_cast<int>(threadIdx.x);
-  const int warp = t / kWarpSize, lane = t % kWarpSize;
-  uint4* ring = reinterpret_cast<uint4*>(smem);                              // [kStages][lines][256]
-  uint4* xs = ring + kStages * kGemvLinesPerStage * kGemvThreads;            // [kM][k_lines][256]
-  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);  // [rows][kM][warps]
-
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
-  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
   const int64_t n_in = static_cast<int64_t>(k_lines) * kGemvLine;
-  const __nv_bfloat16* wb = w + row0 * n_in + t * 8;
-  const int total = rows * k_lines;  // lines of this block
-  const int n_stages = (total + kGemvLinesPerStage - 1) / kGemvLinesPerStage;
-
-  // Stage s of W into ring slot s % kStages (nothing past the last stage), then a commit, so that
-  // the group count stays uniform.
-  auto issue = [&](int s) {
-    if (s < n_stages) {
-      uint4* dst = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
-#pragma unroll
-      for (int j = 0; j < kGemvLinesPerStage; ++j) {
-        const int line = s * kGemvLinesPerStage + j;
-        if (line < total) cp_async16(dst + j * kGemvThreads, wb + static_cast<int64_t>(line) * kGemvLine, true);
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
-  pdl_wait();
   if constexpr (kNormIn) {
     // h = RMSNorm(res_in + add) * norm_w for this thread's k, with add_rms_norm's arithmetic (the
-    // sum of squares in another order). The reduction's scratch is `part` (8 floats; the main loop
-    // writes it only after the reduction's closing barrier), so no static shared memory is added.
-    float* scratch = part;
+    // sum of squares in another order).
 #pragma unroll
     for (int tok = 0; tok < kM; ++tok) {
       float r[kGemvMaxKLines][8];
@@ -176,6 +147,53 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
       }
     }
   }
+}
+
+// x: [kM, *] rows x_stride elements apart, 16-byte aligned; with kSwiGLU row t's gate is
+// x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
+// y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
+// kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
+// res_out [kM, n_in] f32 (not res_in), eps.
+// kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
+// next projection's block can be resident, and requesting its first stages, while this one ends.
+template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
+__global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
+    stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
+                       void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
+                       const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
+  KESTREL_DYNAMIC_SMEM(smem);
+  const int t = static_cast<int>(threadIdx.x);
+  const int warp = t / kWarpSize, lane = t % kWarpSize;
+  uint4* ring = reinterpret_cast<uint4*>(smem);                              // [kStages][lines][256]
+  uint4* xs = ring + kStages * kGemvLinesPerStage * kGemvThreads;            // [kM][k_lines][256]
+  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);  // [rows][kM][warps]
+
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int64_t n_in = static_cast<int64_t>(k_lines) * kGemvLine;
+  const __nv_bfloat16* wb = w + row0 * n_in + t * 8;
+  const int total = rows * k_lines;  // lines of this block
+  const int n_stages = (total + kGemvLinesPerStage - 1) / kGemvLinesPerStage;
+
+  // Stage s of W into ring slot s % kStages (nothing past the last stage), then a commit, so that
+  // the group count stays uniform.
+  auto issue = [&](int s) {
+    if (s < n_stages) {
+      uint4* dst = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
+#pragma unroll
+      for (int j = 0; j < kGemvLinesPerStage; ++j) {
+        const int line = s * kGemvLinesPerStage + j;
+        if (line < total) cp_async16(dst + j * kGemvThreads, wb + static_cast<int64_t>(line) * kGemvLine, true);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  pdl_wait();
+  // The input's scratch is `part`: the main loop writes it only after the norm's last barrier.
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, part, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
   pdl_launch_next();
 
   float acc[kM];
