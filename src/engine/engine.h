@@ -123,7 +123,7 @@ struct EngineStats {
   std::vector<uint64_t> expert_tokens;
   // Speculative decoding, as vLLM's spec_decode counters: drafts verified (one per sequence and
   // step that had draft tokens), draft tokens in them, of those accepted, and accepted per draft
-  // position ([num_speculative_tokens]; position 0 is the first draft token of a step).
+  // position ([num_speculative_tokens]; position 0 holds the draft token right after the sampled one).
   int64_t spec_num_drafts = 0;
   int64_t spec_num_draft_tokens = 0;
   int64_t spec_num_accepted_tokens = 0;
