@@ -355,3 +355,42 @@ TEST(SpecDecode, DisableByBatchSizeTurnsDraftsOffForLargerBatches) {
   run(c, reqs, &st);
   EXPECT_GT(st.spec_num_drafts, 0);
 }
+
+// The default model on input-grounded chat prompts (bench/data/spec_grounded_prompts.jsonl's kind):
+// greedy outputs with n-gram drafts are the ones without, and the drafts are mostly accepted.
+TEST(SpecDecode, DefaultModelGroundedPromptsAreTokenIdentical) {
+  const std::string path = test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  const auto tok = Tokenizer::from_gguf(model->file());
+  const char* texts[] = {
+      "Repeat the following text exactly, word for word:\n\nThe old lighthouse stood at the edge of the cliff for "
+      "more than a hundred years. Every night its keeper climbed the narrow stairs and lit the great lamp.",
+      "Fix the spelling mistakes in this text and return the full corrected text:\n\nYesterday we went to the musuem "
+      "in the city center. The exibition about ancient Egypt was very intresting.",
+  };
+  std::vector<Request> reqs;
+  for (const char* t : texts) {
+    Request r;
+    r.prompt = tok->encode(std::string("<|im_start|>user\n") + t + "<|im_end|>\n<|im_start|>assistant\n", true, true);
+    r.max_tokens = 48;
+    r.sampling.temperature = 0;
+    r.stop_ids = eog_ids(*tok);
+    reqs.push_back(r);
+  }
+  const auto run_on = [&](EngineConfig c, EngineStats* st) {
+    Engine e(*model, tok.get(), c);
+    auto out = run(e, reqs);
+    *st = e.stats();
+    return out;
+  };
+  EngineStats off_stats, on_stats;
+  EngineConfig on;
+  on.max_model_len = 512;
+  const auto want = run_on(on, &off_stats);
+  on.speculative = ngram(6, 2, 4);
+  const auto got = run_on(on, &on_stats);
+  expect_same(got, want, "SmolLM2");
+  expect_consistent(on_stats, 6);
+  EXPECT_GT(on_stats.spec_acceptance_rate(), 0.3);
+}
