@@ -14,6 +14,8 @@
 #include "sampling/sampler.h"
 #include "scheduler/scheduler.h"
 #include "scheduler/step_batch.h"
+#include "spec/drafter.h"
+#include "spec/verifier.h"
 #include "tokenizer/stream_decoder.h"
 #include "backend/kv_geometry.h"
 
@@ -102,6 +104,9 @@ struct RequestState {
   std::vector<LogprobSummary> pending_prompt_logprobs;
   std::vector<float> pending_prompt_logits;
   bool prompt_nan = false;
+  // The drafter's q for the draft tokens at the end of seq.tokens ([seq.n_draft, n_vocab]), empty
+  // when they are one-hot (Draft::q).
+  std::vector<float> draft_q;
   bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
   // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
   // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
@@ -133,9 +138,24 @@ struct Engine::Impl {
         if (hp.moe.is_moe_layer(l)) stats.moe_layers.push_back(static_cast<int32_t>(l));
       stats.expert_tokens = runner->expert_token_counts();  // zeros: counters exist from the start
     }
+    if (config.speculative.enabled()) {
+      drafter = make_drafter(config.speculative);
+      stats.spec_accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
+    }
     refresh_kv_stats();
   }
 
+  // Speculative decoding: drafts for the running decodes (seq.n_draft, draft_q), before schedule().
+  void propose_drafts();
+  // Drops the drafts of a sequence that did not run them (they are proposals for one step).
+  static void drop_drafts(RequestState& r) {
+    r.seq.tokens.resize(r.seq.tokens.size() - static_cast<size_t>(r.seq.n_draft));
+    r.seq.n_draft = 0;
+    r.draft_q.clear();
+  }
+  // After verification: the rejected drafts' K/V go back to the pool, the accepted ones stay
+  // computed, and the tokens return to the settled ones (post_process appends v.tokens).
+  void settle_drafts(RequestState& r, const Verification& v);
   void build_batch(const SchedulerOutput& out);
   void refresh_kv_stats() {
     stats.kv_blocks_used = manager.n_used_blocks();
@@ -150,13 +170,20 @@ struct Engine::Impl {
   RequestState* prompt_parent_for(const RequestState& r);
   // Hands r's waiting children to the scheduler on their own (r ends before its prompt is done).
   void release_children(RequestState& r);
-  void post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs,
-                    LogprobSummary* logprobs = nullptr);
+  // Appends the tokens a step emitted for r (one, or accepted drafts and the token after them) and
+  // reports them in one output; ends r at the first that stops it (the rest are dropped).
+  // logprobs: [tokens.size()] or empty.
+  void post_process(RequestState& r, std::span<const int32_t> tokens, std::vector<RequestOutput>& outputs,
+                    std::vector<LogprobSummary> logprobs = {});
 
   const LlamaModel& model;
   const Tokenizer* tokenizer;
   EngineConfig config;
   std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<Drafter> drafter;  // null without speculative decoding
+  std::vector<DraftRequest> draft_requests;
+  std::vector<RequestState*> draft_owners;
+  std::vector<Draft> drafts;
   KvManager manager;
   Scheduler scheduler;
   std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests;
@@ -171,7 +198,8 @@ struct Engine::Impl {
   // whose prompt completes follow, each with a copy of the parent's row.
   struct SampleRow {
     RequestState* r;
-    int32_t row;
+    int32_t row;          // the last of its rows: the one the token after its drafts is sampled from
+    int64_t n_draft = 0;  // rows row - n_draft .. row - 1 verify its draft tokens
   };
   std::vector<SampleRow> sampling;
   // Logits rows after those: prompt positions whose logprobs or logits a request wants, each row
@@ -292,6 +320,13 @@ void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vecto
   }
   if (const auto it = unstarted_prompts.find(r.prompt_hash); it != unstarted_prompts.end() && it->second == r.id)
     unstarted_prompts.erase(it);
+  if (r.seq.n_draft > 0) {
+    // Unverified drafts never reach the prefix cache (finish publishes computed full blocks).
+    if (r.seq.status == SeqStatus::Running && r.seq.n_computed > 0)
+      scheduler.truncate(&r.seq, static_cast<int64_t>(r.seq.tokens.size()) - r.seq.n_draft);
+    drop_drafts(r);
+  }
+  if (drafter) drafter->release(r.id);
   scheduler.finish(&r.seq);
   r.finished = true;
   o->finished = true;
@@ -308,34 +343,96 @@ void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vecto
   requests.erase(r.id);  // r is gone from here on
 }
 
-void Engine::Impl::post_process(RequestState& r, int32_t token, std::vector<RequestOutput>& outputs,
-                                LogprobSummary* logprobs) {
+void Engine::Impl::post_process(RequestState& r, std::span<const int32_t> tokens,
+                                std::vector<RequestOutput>& outputs, std::vector<LogprobSummary> logprobs) {
   Sequence& s = r.seq;
-  s.tokens.push_back(token);
-  if (s.n_generated() == 1) r.first_token = Clock::now();
-  ++stats.n_generated_tokens;
   RequestOutput o;
   o.id = r.id;
   o.prompt_logprobs = std::move(r.pending_prompt_logprobs);
   r.pending_prompt_logprobs.clear();
   o.prompt_logits = std::move(r.pending_prompt_logits);
   r.pending_prompt_logits.clear();
-  o.new_token_ids.push_back(token);
-  if (logprobs != nullptr) o.logprobs.push_back(std::move(*logprobs));
-  const auto& ids = r.req.stop_ids;
-  const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end();
-  bool stop_string = false;
-  if (r.decoder) {
-    stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta);
-  }
-  const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
-                        static_cast<int64_t>(s.tokens.size()) >= config.max_model_len;
-  if (stop_id || stop_string || at_limit) {
-    if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush());
-    finish(r, stop_id || stop_string ? "stop" : "length", outputs, &o);
-    return;
+  // The K/V of accepted drafts are computed; the sequence's count may run ahead of its tokens
+  // until they are appended here.
+  const int64_t n_computed = s.n_computed;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int32_t token = tokens[i];
+    s.tokens.push_back(token);
+    if (s.n_generated() == 1) r.first_token = Clock::now();
+    ++stats.n_generated_tokens;
+    o.new_token_ids.push_back(token);
+    if (!logprobs.empty()) o.logprobs.push_back(std::move(logprobs[i]));
+    const auto& ids = r.req.stop_ids;
+    const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end();
+    bool stop_string = false;
+    if (r.decoder) stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta);
+    const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
+                          static_cast<int64_t>(s.tokens.size()) >= config.max_model_len;
+    if (stop_id || stop_string || at_limit) {
+      // Tokens after the one that stops are dropped, and so is the K/V computed for them.
+      s.n_computed = std::min<int64_t>(n_computed, static_cast<int64_t>(s.tokens.size()));
+      if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush());
+      finish(r, stop_id || stop_string ? "stop" : "length", outputs, &o);
+      return;
+    }
   }
   outputs.push_back(std::move(o));
+}
+
+void Engine::Impl::settle_drafts(RequestState& r, const Verification& v) {
+  Sequence& s = r.seq;
+  const int64_t n_draft = s.n_draft;
+  const int64_t n_settled = static_cast<int64_t>(s.tokens.size()) - n_draft;
+  ++stats.spec_num_drafts;
+  stats.spec_num_draft_tokens += n_draft;
+  stats.spec_num_accepted_tokens += v.n_accepted;
+  for (int64_t i = 0; i < v.n_accepted; ++i) ++stats.spec_accepted_per_pos[static_cast<size_t>(i)];
+  scheduler.truncate(&s, n_settled + v.n_accepted);
+  s.n_draft = 0;
+  s.tokens.resize(static_cast<size_t>(n_settled));
+  r.draft_q.clear();
+  drafter->on_verified(s.id, v.n_accepted, n_settled + static_cast<int64_t>(v.tokens.size()));
+}
+
+void Engine::Impl::propose_drafts() {
+  const SpeculativeConfig& sc = config.speculative;
+  const size_t n_running = scheduler.n_running();
+  if (!drafter || n_running == 0) return;
+  if (sc.disable_by_batch_size > 0 && n_running > static_cast<size_t>(sc.disable_by_batch_size)) return;
+  // Decodes are not split across steps: keep 1 + k tokens of every running sequence in the budget.
+  const int64_t k = std::min<int64_t>(sc.num_speculative_tokens,
+                                      config.max_num_batched_tokens / static_cast<int64_t>(n_running) - 1);
+  if (k <= 0) return;
+  draft_requests.clear();
+  draft_owners.clear();
+  for (auto& [id, rp] : requests) {
+    RequestState& r = *rp;
+    const Sequence& s = r.seq;
+    if (s.status != SeqStatus::Running || s.n_draft != 0 || !s.is_decode()) continue;
+    // Never more than the request may still emit: the drafts and the token after them count
+    // toward max_tokens and max_model_len.
+    int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
+    if (r.req.max_tokens > 0) room = std::min(room, r.req.max_tokens - s.n_generated() - 1);
+    if (room <= 0) continue;
+    draft_requests.push_back({s.id, s.tokens, s.n_prompt, static_cast<int32_t>(room)});
+    draft_owners.push_back(&r);
+  }
+  if (draft_requests.empty()) return;
+  drafter->propose(draft_requests, drafts);
+  const size_t n_vocab = static_cast<size_t>(model.hparams().n_vocab);
+  for (size_t i = 0; i < draft_owners.size(); ++i) {
+    RequestState& r = *draft_owners[i];
+    Draft& d = drafts[i];
+    if (d.ids.empty()) continue;
+    KESTREL_ASSERT(d.ids.size() <= static_cast<size_t>(draft_requests[i].max_drafts) &&
+                       (d.q.empty() || d.q.size() == d.ids.size() * n_vocab),
+                   "Engine: the drafter's proposal does not fit its request");
+    for (const int32_t id : d.ids)
+      KESTREL_ASSERT(id >= 0 && static_cast<size_t>(id) < n_vocab, "Engine: draft token outside the vocabulary");
+    r.seq.tokens.insert(r.seq.tokens.end(), d.ids.begin(), d.ids.end());
+    r.seq.n_draft = static_cast<int64_t>(d.ids.size());
+    r.draft_q = std::move(d.q);
+  }
 }
 
 void Engine::Impl::build_batch(const SchedulerOutput& out) {
@@ -346,8 +443,10 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const ScheduledSeq& sc = out.scheduled[i];
     RequestState* r = requests.at(sc.seq->id).get();
-    KESTREL_ASSERT(sc.seq->n_draft == 0, "Engine: draft tokens without a verifier");
-    if (batch.n_logits_rows[i] > 0) sampling.push_back({r, batch.first_logits_row[i] + batch.n_logits_rows[i] - 1});
+    const int32_t n_rows = batch.n_logits_rows[i];
+    if (n_rows == 0) continue;
+    KESTREL_ASSERT(n_rows == 1 + sc.seq->n_draft, "Engine: a sequence's drafts without their logits rows");
+    sampling.push_back({r, batch.first_logits_row[i] + n_rows - 1, sc.seq->n_draft});
   }
   // Children sample from their parent's last row, from a copy of it (the device sampler takes one
   // setting per row).
@@ -398,8 +497,19 @@ std::vector<RequestOutput> Engine::step() {
   Impl& m = *impl_;
   std::vector<RequestOutput> outputs = std::move(m.pending);
   m.pending.clear();
+  m.propose_drafts();
   const SchedulerOutput out = m.scheduler.schedule();
   m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
+  if (m.drafter) {
+    for (Sequence* s : out.preempted) m.drafter->release(s->id);  // the scheduler dropped its drafts
+    for (RequestState* r : m.draft_owners) {
+      if (r->seq.n_draft == 0) continue;
+      const bool ran = std::any_of(out.scheduled.begin(), out.scheduled.end(),
+                                   [&](const ScheduledSeq& sc) { return sc.seq == &r->seq; });
+      if (!ran) Impl::drop_drafts(*r);
+    }
+    m.draft_owners.clear();
+  }
   m.refresh_kv_stats();
   if (out.empty()) return outputs;
   ++m.stats.n_steps;
@@ -413,7 +523,9 @@ std::vector<RequestOutput> Engine::step() {
   // sampler would pick from the same logits.
   // A request that wants logprobs needs the logits on the host (the device sampler returns ids).
   // Prompt rows need the logits on the host too.
+  // Verifying drafts needs the logits too.
   bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
+  for (size_t i = 0; on_device && i < m.sampling.size(); ++i) on_device = m.sampling[i].n_draft == 0;
   // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
     const RequestState& r = *m.sampling[i].r;
@@ -464,13 +576,18 @@ std::vector<RequestOutput> Engine::step() {
     // with an error, not the engine; the sampler finds them in the pass over the logits it makes
     // anyway (the device sampler marks a non-finite row with -1). Any other sampler error is this
     // request's too. Logprobs come from the raw logits on the host (logprobs.h).
-    int32_t token = 0;
-    std::optional<LogprobSummary> logprobs;
+    Verification v;  // the emitted tokens: one, or the accepted drafts and the token after them
+    const int64_t n_draft = m.sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       if (on_device) {
-        token = device_tokens[row_index];
-        if (token < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+        v.tokens.push_back(device_tokens[row_index]);
+        if (v.tokens[0] < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+      } else if (n_draft > 0) {
+        const size_t nv = static_cast<size_t>(n_vocab);
+        const auto rows = logits.subspan((row_index - static_cast<size_t>(n_draft)) * nv, static_cast<size_t>(n_draft + 1) * nv);
+        v = verify_drafts(*r.sampler, rows, r.seq.tokens, n_draft, static_cast<size_t>(r.seq.n_prompt), r.draft_q,
+                          r.req.logprobs);
       } else {
         const auto row = logits.subspan(row_index * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
         if (r.req.prompt_logits && r.seq.n_generated() == 0)
@@ -478,20 +595,22 @@ std::vector<RequestOutput> Engine::step() {
         if (r.req.logprobs >= 0) {
           SampledToken st =
               r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
-          token = st.token;
-          logprobs = std::move(st.logprobs);
+          v.tokens.push_back(st.token);
+          v.logprobs.push_back(std::move(st.logprobs));
         } else {
-          token = r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt));
+          v.tokens.push_back(r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt)));
         }
       }
     } catch (const Error& e) {
       RequestOutput o;
       o.id = r.id;
-      o.error = std::string(e.what()) + " (position " + std::to_string(r.seq.tokens.size() - 1) + ")";
-      m.finish(r, "error", outputs, &o);
+      o.error = std::string(e.what()) + " (position " +
+                std::to_string(static_cast<int64_t>(r.seq.tokens.size()) - n_draft - 1) + ")";
+      m.finish(r, "error", outputs, &o);  // rolls back its drafts
       continue;
     }
-    m.post_process(r, token, outputs, logprobs ? &*logprobs : nullptr);
+    if (n_draft > 0) m.settle_drafts(r, v);
+    m.post_process(r, v.tokens, outputs, std::move(v.logprobs));
   }
   // A prompt chunk with non-finite logits whose request did not sample this step ends here.
   std::vector<RequestId> nan_ids;

@@ -16,6 +16,7 @@
 #include "model/llama_weights.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampling_params.h"
+#include "spec/speculative_config.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -33,6 +34,9 @@ struct EngineConfig {
   KvDtype kv_dtype = KvDtype::F16;       // element type of the cached K and V
   int n_threads = 0;                     // CPU threads; 0 = all hardware threads
   bool populate_kv = false;              // CPU: the whole KV pool resident at start (the server's choice; see KvCache)
+  // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
+  // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
+  SpeculativeConfig speculative;
 };
 
 using RequestId = uint64_t;
@@ -76,7 +80,7 @@ struct RequestMetrics {
 // News about one request from one step.
 struct RequestOutput {
   RequestId id = 0;
-  std::vector<int32_t> new_token_ids;   // tokens sampled in this step (0 or 1 today)
+  std::vector<int32_t> new_token_ids;   // tokens sampled in this step: 0, 1, or with speculative decoding up to 1 + num_speculative_tokens
   std::vector<LogprobSummary> logprobs; // [new_token_ids.size()] when the request asked for logprobs, else empty
   // With the first sampled token of a request that asked for prompt_logprobs: prompt positions 1 ..
   // n_prompt - 1 in order, each the prompt token's logprob (chosen) and the top alternatives at
@@ -117,6 +121,24 @@ struct EngineStats {
   std::vector<int32_t> moe_layers;
   int32_t moe_n_expert = 0;
   std::vector<uint64_t> expert_tokens;
+  // Speculative decoding, as vLLM's spec_decode counters: drafts verified (one per sequence and
+  // step that had draft tokens), draft tokens in them, of those accepted, and accepted per draft
+  // position ([num_speculative_tokens]; position 0 holds the draft token right after the sampled one).
+  int64_t spec_num_drafts = 0;
+  int64_t spec_num_draft_tokens = 0;
+  int64_t spec_num_accepted_tokens = 0;
+  std::vector<int64_t> spec_accepted_per_pos;
+  // Tokens a verified draft step emits on average: 1 + accepted / drafts (vLLM's mean acceptance
+  // length); 0 before any draft.
+  double spec_mean_accepted_length() const {
+    return spec_num_drafts > 0 ? 1.0 + static_cast<double>(spec_num_accepted_tokens) / static_cast<double>(spec_num_drafts)
+                               : 0.0;
+  }
+  double spec_acceptance_rate() const {
+    return spec_num_draft_tokens > 0
+               ? static_cast<double>(spec_num_accepted_tokens) / static_cast<double>(spec_num_draft_tokens)
+               : 0.0;
+  }
   double prefix_cache_hit_rate() const {
     return prefix_cache_queried_tokens > 0
                ? static_cast<double>(prefix_cache_hit_tokens) / static_cast<double>(prefix_cache_queried_tokens)

@@ -63,6 +63,23 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   return draw(rng_.next_double());
 }
 
+std::span<const TokenCandidate> Sampler::distribution(std::span<const float> logits,
+                                                      std::span<const int32_t> previous_tokens, size_t n_prompt) {
+  KESTREL_ASSERT(n_prompt <= previous_tokens.size(), "n_prompt exceeds the previous tokens");
+  KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");
+  candidates_.assign(logits);
+  const auto generated = previous_tokens.subspan(n_prompt);
+  for (const auto& processor : chain_)
+    processor->apply(candidates_, processor->reads_prompt() ? previous_tokens : generated);
+  if (params_.temperature == 0.0f) {
+    candidates_.keep_top(1);
+    if (candidates_.empty() || !std::isfinite(candidates_[0].logit))
+      throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Processing);
+  }
+  candidates_.softmax();
+  return candidates_.items();
+}
+
 int32_t Sampler::sample_with_uniform(std::span<const float> logits, double uniform) {
   KESTREL_ASSERT(device_compatible(), "sample_with_uniform needs a chain without bias or penalties");
   KESTREL_ASSERT(logits.size() == static_cast<size_t>(n_vocab_), "logits size != n_vocab");

@@ -64,6 +64,14 @@ class Sampler {
   // as sample().
   int32_t sample_with_uniform(std::span<const float> logits, double uniform);
 
+  // The distribution sample() draws from for these arguments: the candidates left after the whole
+  // chain (bias, penalties, truncation, temperature) with their softmax probs, in the chain's
+  // order; greedy gives the argmax alone with prob 1. Speculative decoding's verifier reads p(x)
+  // from it (vLLM's definition of the target distribution). Does not touch the RNG. Valid until
+  // the next call. Errors: as sample().
+  std::span<const TokenCandidate> distribution(std::span<const float> logits,
+                                               std::span<const int32_t> previous_tokens, size_t n_prompt = 0);
+
   const SamplingParams& params() const { return params_; }
   // The chain in the order it runs (for logs and tests).
   const std::vector<std::unique_ptr<LogitsProcessor>>& chain() const { return chain_; }

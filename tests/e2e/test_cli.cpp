@@ -73,8 +73,11 @@ TEST(CliE2e, GreedyTranscriptsMatchLlama2c) {
     const size_t n_forced = c.prompt_ids.size() - 1;
     ASSERT_GE(c.next_ids.size(), n_forced);
     const std::vector<int> expected(c.next_ids.begin() + static_cast<long>(n_forced), c.next_ids.end());
-    // The prompt in one forward pass, and one token per pass (--prefill-chunk 1: decode steps).
-    for (const std::string chunk : {"", " --prefill-chunk 1"}) {
+    // The prompt in one forward pass, one token per pass (--prefill-chunk 1: decode steps), and
+    // with n-gram drafts verified several tokens per pass.
+    for (const std::string chunk :
+         {"", " --prefill-chunk 1",
+          " --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_min\": 1}'"}) {
       std::string out;
       const std::string cmd = kestrel_binary() + " generate -m " + dir + "/stories260K.gguf -p " +
                               shell_quote(c.prompt) + " -n " + std::to_string(expected.size()) +

@@ -108,13 +108,44 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "int8"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16 or fp8"},
       {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "--tensor-parallel-size", "one device"},
       {EngineMode::Single, {"--pipeline-parallel-size", "4"}, "--pipeline-parallel-size", "one device"},
-      {EngineMode::Serving, {"--num-speculative-tokens", "3"}, "--num-speculative-tokens", "without a draft"},
+      {EngineMode::Serving, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 3})"}, "", ""},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram"})"}, "--speculative-config", "\"num_speculative_tokens\" is missing"},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 17})"}, "--speculative-config", "must be in [1, 16], got 17"},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "eagle", "num_speculative_tokens": 2})"}, "--speculative-config", "\"method\" must be"},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3})"}, "--speculative-config", "\"prompt_lookup_max\" 3 must be >="},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3})"}, "--speculative-config", "unknown field \"lookup\""},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": "2"})"}, "--speculative-config", "must be an integer, got \"2\""},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1})"}, "--speculative-config", "\"disable_by_batch_size\" must be in [0"},
+      {EngineMode::Single, {"--speculative-config", "[1, 2]"}, "--speculative-config", "must be a JSON object"},
+      {EngineMode::Single, {"--speculative-config", "{\"method\": "}, "--speculative-config", "not valid JSON"},
+      {EngineMode::Serving, {"--speculative-config", R"({"method": "draft_model", "num_speculative_tokens": 2})"}, "--speculative-config", "needs \"model\""},
+      {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4})"}, "--speculative-config", "draft_model\" (model /m/draft) is not run"},
   };
   for (const Case& k : cases) {
     const auto [flag, what] = rejection(parse(k.mode, k.args), *model_);
     EXPECT_EQ(flag, k.flag) << what;
     EXPECT_NE(what.find(k.phrase), std::string::npos) << what;
   }
+}
+
+// --speculative-config reaches the engine's config with vLLM's field names and the defaults filled.
+TEST_F(EngineConfigTest, SpeculativeConfigReachesTheEngine) {
+  const KestrelConfig none = parse(EngineMode::Serving, {});
+  EXPECT_FALSE(none.engine_config(*model_).speculative.enabled());
+  const KestrelConfig c = parse(EngineMode::Serving, {"--speculative-config",
+                                                      R"({"method": "ngram", "num_speculative_tokens": 4, )"
+                                                      R"("prompt_lookup_max": 3, "disable_by_batch_size": 8})"});
+  const SpeculativeConfig s = c.engine_config(*model_).speculative;
+  EXPECT_TRUE(s.enabled());
+  EXPECT_EQ(s.method, SpecMethod::Ngram);
+  EXPECT_EQ(s.num_speculative_tokens, 4);
+  EXPECT_EQ(s.prompt_lookup_max, 3);
+  EXPECT_EQ(s.prompt_lookup_min, 3);  // a lone max sets the min to it
+  EXPECT_EQ(s.disable_by_batch_size, 8);
+  const SpeculativeConfig d = parse_speculative_config(R"({"prompt_lookup_min": 1, "num_speculative_tokens": 2})");
+  EXPECT_EQ(d.method, SpecMethod::Ngram);  // implied by the lookup sizes
+  EXPECT_EQ(d.prompt_lookup_min, 1);
+  EXPECT_EQ(d.prompt_lookup_max, 1);
 }
 
 // --kv-cache-dtype fp8 on the GPU reaches the runner; an MLA model's latent cache stays bf16 there,

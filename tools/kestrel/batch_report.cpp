@@ -37,6 +37,20 @@ std::string BatchSummary::text() const {
                 std::string(kv_dtype_name(engine.kv_dtype)).c_str(), static_cast<double>(engine.kv_cache_bytes()) / (1 << 20),
                 static_cast<long long>(engine.n_preemptions), mean_ttft_ms(), mean_tpot_ms());
   out += buf;
+  if (engine.spec_num_drafts > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "kestrel batch: speculative decoding: %lld draft tokens in %lld drafts, %lld accepted (%.1f%%), "
+                  "mean accepted length %.2f, acceptance by position",
+                  static_cast<long long>(engine.spec_num_draft_tokens), static_cast<long long>(engine.spec_num_drafts),
+                  static_cast<long long>(engine.spec_num_accepted_tokens), 100.0 * engine.spec_acceptance_rate(),
+                  engine.spec_mean_accepted_length());
+    out += buf;
+    for (const int64_t n : engine.spec_accepted_per_pos) {
+      std::snprintf(buf, sizeof buf, " %.2f", static_cast<double>(n) / static_cast<double>(engine.spec_num_drafts));
+      out += buf;
+    }
+    out += "\n";
+  }
   return out;
 }
 
@@ -63,6 +77,12 @@ Json BatchSummary::to_json() const {
   j["preemptions"] = engine.n_preemptions;
   j["steps"] = engine.n_steps;
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
+  j["spec_decode_num_drafts"] = engine.spec_num_drafts;
+  j["spec_decode_num_draft_tokens"] = engine.spec_num_draft_tokens;
+  j["spec_decode_num_accepted_tokens"] = engine.spec_num_accepted_tokens;
+  j["spec_decode_num_accepted_tokens_per_pos"] = engine.spec_accepted_per_pos;
+  j["spec_decode_acceptance_rate"] = engine.spec_acceptance_rate();
+  j["spec_decode_mean_accepted_length"] = engine.spec_mean_accepted_length();
   return j;
 }
 

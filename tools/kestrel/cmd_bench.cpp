@@ -6,10 +6,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cmath>
+#include <fstream>
 #include <numeric>
 #include <thread>
 #include <unordered_set>
 
+#include "chat_prompt.h"
 #include "common.h"
 #include "engine/engine.h"
 #include "core/cpu_features.h"
@@ -26,6 +28,7 @@ struct BenchArgs {
   std::vector<int> parallel;  // concurrent sequences per run (engine mode)
   int64_t max_batched_tokens = 2048;
   int64_t shared_prefix = 0;  // prefix-cache test: tokens shared by consecutive requests
+  std::string prompts_file;   // real prompts (JSON lines): batch-1 decode with and without speculation
   KestrelConfig config;
 };
 
@@ -154,10 +157,113 @@ void run_parallel(const BenchArgs& a, const LoadedModel& lm) {
   }
 }
 
+// The prompts of a JSON-lines file, as token ids: {"messages": [...]} rendered with the model's
+// chat template, or {"prompt": "text"} as is.
+std::vector<std::vector<int32_t>> read_prompts(const std::string& path, const LoadedModel& lm) {
+  const Tokenizer& tok = require_tokenizer(lm, "bench --prompts");
+  const PromptFormat format = PromptFormat::for_model(*lm.model, tok);
+  std::ifstream in(path);
+  if (!in) throw Error("bench: cannot read --prompts file " + path);
+  std::vector<std::vector<int32_t>> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    Json j;
+    try {
+      j = Json::parse(line);
+    } catch (const Json::parse_error& e) {
+      throw Error("bench: " + path + " line " + std::to_string(n) + " is not JSON: " + e.what());
+    }
+    std::string text;
+    if (j.is_object() && j.contains("messages")) text = render_chat(format, j["messages"], /*add_generation_prompt=*/true);
+    else if (j.is_object() && j.contains("prompt") && j["prompt"].is_string()) text = j["prompt"].get<std::string>();
+    else throw Error("bench: " + path + " line " + std::to_string(n) + " has neither \"messages\" nor \"prompt\"");
+    out.push_back(tok.encode(text, /*add_special=*/!format.starts_with_bos(text), /*parse_special=*/true));
+  }
+  if (out.empty()) throw Error("bench: --prompts file " + path + " holds no prompt");
+  return out;
+}
+
+// Batch-1 greedy decode of real prompts (up to -n tokens each, to EOS), speculation off and then
+// as --speculative-config asks, in one run: decode tokens over decode time (from each request's
+// first token to its last), the speed-up, the drafts' acceptance, and whether the outputs match.
+void run_prompts(const BenchArgs& a, const LoadedModel& lm) {
+  const auto prompts = read_prompts(a.prompts_file, lm);
+  const Tokenizer& tok = *lm.tokenizer;
+  int64_t longest = 0;
+  for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  std::vector<std::string> specs = {""};
+  if (!a.config.speculative.config.empty()) specs.push_back(a.config.speculative.config);
+  std::printf("| threads | speculative config | prompts | output tokens | decode tok/s | speed-up | acceptance | "
+              "mean accepted length | acceptance by position | outputs as off |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::vector<int32_t>> reference;
+  double base_tok_s = 0;
+  for (const std::string& spec : specs) {
+    KestrelConfig c = a.config;
+    c.speculative.config = spec;
+    c.model.max_model_len = std::min<int64_t>(lm.model->hparams().n_ctx_train, longest + a.n_gen + 1);
+    c.scheduler.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, longest);
+    c.cache.enable_prefix_caching = false;
+    const std::unique_ptr<Engine> engine = make_engine(lm, c);
+    const auto request = [&](const std::vector<int32_t>& p) {
+      Request r;
+      r.prompt = p;
+      r.max_tokens = a.n_gen;
+      r.sampling.temperature = 0;
+      r.stop_ids = stop_ids(tok);
+      return r;
+    };
+    run_single(*engine, request(prompts[0]), nullptr);  // warm-up
+    const EngineStats s0 = engine->stats();
+    double decode_s = 0;
+    int64_t decode_tokens = 0, output_tokens = 0;
+    std::vector<std::vector<int32_t>> outputs;
+    for (int r = 0; r < a.reps; ++r)
+      for (const auto& p : prompts) {
+        const SingleResult res = run_single(*engine, request(p), nullptr);
+        decode_s += res.metrics.e2e_s - res.metrics.ttft_s;
+        decode_tokens += std::max<int64_t>(0, res.metrics.n_output_tokens - 1);
+        output_tokens += res.metrics.n_output_tokens;
+        if (r == 0) outputs.push_back(res.output_ids);
+      }
+    const EngineStats& s1 = engine->stats();
+    const double tok_s = decode_s > 0 ? static_cast<double>(decode_tokens) / decode_s : 0.0;
+    if (spec.empty()) {
+      base_tok_s = tok_s;
+      reference = outputs;
+    }
+    const int64_t drafts = s1.spec_num_drafts - s0.spec_num_drafts;
+    const int64_t draft_tokens = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens;
+    const int64_t accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens;
+    std::string by_pos = "-";
+    if (drafts > 0) {
+      by_pos.clear();
+      for (size_t i = 0; i < s1.spec_accepted_per_pos.size(); ++i) {
+        char b[16];
+        std::snprintf(b, sizeof b, "%s%.2f", i ? " " : "",
+                      static_cast<double>(s1.spec_accepted_per_pos[i] - s0.spec_accepted_per_pos[i]) / static_cast<double>(drafts));
+        by_pos += b;
+      }
+    }
+    std::printf("| %d | %s | %zu x %d | %lld | %.1f | %.2fx | %.1f%% | %.2f | %s | %s |\n", bench_threads(a),
+                spec.empty() ? "off" : spec.c_str(), prompts.size(), a.reps, static_cast<long long>(output_tokens), tok_s,
+                base_tok_s > 0 ? tok_s / base_tok_s : 0.0,
+                draft_tokens > 0 ? 100.0 * static_cast<double>(accepted) / static_cast<double>(draft_tokens) : 0.0,
+                drafts > 0 ? 1.0 + static_cast<double>(accepted) / static_cast<double>(drafts) : 0.0, by_pos.c_str(),
+                outputs == reference ? "identical" : "DIFFERENT");
+    std::fflush(stdout);
+  }
+}
+
 void run_bench(BenchArgs a) {
   if (a.n_prompt <= 0 || a.n_gen < 0 || a.reps <= 0)
     throw Error("bench: -p must be > 0, -n >= 0 and --reps > 0");
   LoadedModel lm = load_model(a.model, a.config);
+  if (!a.prompts_file.empty()) {
+    run_prompts(a, lm);
+    return;
+  }
   if (a.shared_prefix > 0) {
     run_shared_prefix(a, lm);
     return;
@@ -222,6 +328,10 @@ void register_bench(CLI::App& app) {
   sub->add_option("--shared-prefix", a->shared_prefix,
                   "Prefix-cache test: TTFT of a request sharing this many tokens with an earlier one "
                   "(cache on and off); -p is then the request's own new tokens");
+  sub->add_option("--prompts", a->prompts_file,
+                  "Real prompts, JSON lines of {\"messages\": [...]} or {\"prompt\": \"...\"}: batch-1 greedy decode of "
+                  "each (-n tokens at most), speculation off and then as --speculative-config says, with the "
+                  "speed-up, acceptance and whether the outputs match");
   sub->add_option("--max-num-batched-tokens", a->max_batched_tokens,
                   "Tokens per engine step (with --parallel)")->capture_default_str();
   a->config.add_flags(*sub, EngineMode::Single);

@@ -165,10 +165,11 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
   app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size, "Pipeline stages (groups of layers)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  app.add_option("--num-speculative-tokens", speculative.num_speculative_tokens,
-                 "Draft tokens proposed and verified per decode step; 0 = no speculative decoding")
-      ->check(CLI::Range(0, 64))
-      ->capture_default_str();
+  app.add_option("--speculative-config", speculative.config,
+                 "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K (1-16), "
+                 "\"prompt_lookup_min\": N (default 2), \"prompt_lookup_max\": M (default 5), "
+                 "\"disable_by_batch_size\": B (off when more than B sequences run; 0 = never)}; "
+                 "the output distribution is the model's own");
   add_kernel_choice_flags(app, device.cuda);
 }
 
@@ -217,9 +218,21 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (parallel.pipeline_parallel_size != 1)
     throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(parallel.pipeline_parallel_size) +
                                                                ": this kestrel runs a model on one device (1)");
-  if (speculative.num_speculative_tokens != 0)
-    throw CLI::ValidationError("--num-speculative-tokens", std::to_string(speculative.num_speculative_tokens) +
-                                                               ": this kestrel decodes without a draft (0)");
+  resolve_speculative_config(speculative.config);
+}
+
+SpeculativeConfig resolve_speculative_config(const std::string& json) {
+  if (json.empty()) return {};
+  SpeculativeConfig c;
+  try {
+    c = parse_speculative_config(json);
+  } catch (const Error& e) {
+    throw CLI::ValidationError("--speculative-config", e.what());
+  }
+  if (c.method == SpecMethod::DraftModel)
+    throw CLI::ValidationError("--speculative-config", "\"method\": \"draft_model\" (model " + c.model +
+                                                           ") is not run by this kestrel yet; use \"ngram\"");
+  return c;
 }
 
 EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
@@ -240,6 +253,7 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
   c.n_threads = device.threads;
   c.populate_kv = cache.populate_kv;
+  c.speculative = resolve_speculative_config(speculative.config);
   return c;
 }
 

@@ -15,6 +15,7 @@
 #include "engine/engine.h"
 #include "memory/kv_dtype.h"
 #include "model/llama_weights.h"
+#include "spec/speculative_config.h"
 
 namespace kestrel::cli {
 
@@ -66,7 +67,9 @@ struct KestrelConfig {
     int32_t pipeline_parallel_size = 1;  // -pp/--pipeline-parallel-size
   } parallel;
   struct Speculative {
-    int32_t num_speculative_tokens = 0;  // --num-speculative-tokens: draft tokens verified per step
+    // --speculative-config: vLLM's JSON object ({"method": "ngram", "num_speculative_tokens": K,
+    // ...}; parse_speculative_config); empty = no speculative decoding.
+    std::string config;
   } speculative;
 
   // Adds the flags of `mode` to a subcommand and sets this config's defaults for it. The CPU
@@ -85,6 +88,11 @@ struct KestrelConfig {
   // The backend's options for an engine with this (resolved) config.
   RunnerOptions runner_options(const EngineConfig& engine) const;
 };
+
+// The speculative decoding a --speculative-config value asks for (method None when empty).
+// Throws CLI::ValidationError naming the flag and the field: a malformed object, a bad field, or a
+// method this engine does not run (draft_model).
+SpeculativeConfig resolve_speculative_config(const std::string& json);
 
 // The KV cache element type a --kv-cache-dtype value names, "auto" resolved as vLLM does: the
 // weights' float type where that is f32 on the CPU, else f16 on the CPU and bf16 on the GPU.

@@ -26,6 +26,26 @@ void sample_int(std::string* out, const std::string& name, int64_t value) {
   *out += name + " " + std::to_string(value) + "\n";
 }
 
+// Speculative decoding's counters under vLLM's names (vllm:spec_decode_num_drafts, ...
+// num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos) with kestrel's prefix; the
+// per-position one only when speculation is on. Acceptance rate = accepted / draft tokens; mean
+// accepted length = 1 + accepted / drafts.
+void render_spec_decode(const EngineStats& s, std::string* out) {
+  header(out, "kestrel_spec_decode_num_drafts_total", "counter",
+         "Speculative decoding: drafts verified (one per sequence and step with draft tokens).");
+  sample(out, "kestrel_spec_decode_num_drafts_total", static_cast<double>(s.spec_num_drafts));
+  header(out, "kestrel_spec_decode_num_draft_tokens_total", "counter", "Speculative decoding: draft tokens proposed and verified.");
+  sample(out, "kestrel_spec_decode_num_draft_tokens_total", static_cast<double>(s.spec_num_draft_tokens));
+  header(out, "kestrel_spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.");
+  sample(out, "kestrel_spec_decode_num_accepted_tokens_total", static_cast<double>(s.spec_num_accepted_tokens));
+  if (s.spec_accepted_per_pos.empty()) return;
+  header(out, "kestrel_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+         "Speculative decoding: draft tokens accepted at each draft position (0 = first).");
+  for (size_t i = 0; i < s.spec_accepted_per_pos.size(); ++i)
+    *out += "kestrel_spec_decode_num_accepted_tokens_per_pos_total{position=\"" + std::to_string(i) + "\"} " +
+            std::to_string(s.spec_accepted_per_pos[i]) + "\n";
+}
+
 // One counter per (MoE layer, expert); nothing for a dense model or a backend that does not count
 // (expert_tokens empty). Dense layers of a MoE model (DeepSeek's first layers) have no experts.
 void render_expert_tokens(const EngineStats& st, std::string* out) {
@@ -147,6 +167,7 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_prefix_cache_hit_rate", snap.stats.prefix_cache_hit_rate());
   header(&out, "kestrel_preemptions_total", "counter", "Sequences preempted (to be recomputed) for lack of KV blocks.");
   sample(&out, "kestrel_preemptions_total", static_cast<double>(snap.stats.n_preemptions));
+  render_spec_decode(snap.stats, &out);
   render_expert_tokens(snap.stats, &out);
   return out;
 }
