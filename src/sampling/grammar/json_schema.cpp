@@ -500,6 +500,19 @@ class Compiler {
         required.push_back(true);
         known.insert(r);
       }
+    if (opts_.sort_properties) {
+      std::vector<size_t> order(members.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return members[a].first < members[b].first; });
+      std::vector<std::pair<std::string, std::string>> m2;
+      std::vector<bool> r2;
+      for (size_t i : order) {
+        m2.push_back(members[i]);
+        r2.push_back(required[i]);
+      }
+      members = std::move(m2);
+      required = std::move(r2);
+    }
     std::optional<std::string> extra;
     const Json add = s.contains("additionalProperties") ? s["additionalProperties"] : Json(true);
     if (!(add.is_boolean() && !add.get<bool>())) {

@@ -38,6 +38,9 @@ struct JsonSchemaOptions {
   // values of the same JSON type is refused (keyword "oneOf"); branches of disjoint types are
   // exclusive by construction and always accepted.
   bool oneof_as_anyof = true;
+  // Properties in byte order of their names instead of declaration order (the order of
+  // serialisers that sort keys, e.g. Python's json.dumps(sort_keys=True)).
+  bool sort_properties = false;
 };
 
 // GBNF text with a `root` rule. Errors: GrammarError naming the keyword at fault.
