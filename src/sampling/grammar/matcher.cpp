@@ -176,8 +176,12 @@ bool step_byte(StackPool& pool, const MatchState& in, uint8_t byte, MatchState* 
   }
   if ((in.remaining == 0 && byte >= 0x80) || in.remaining > 1) {
     // Still inside a character: keep the stacks whose class holds some code point it can become.
+    // Code points it can still become: the bits so far, any continuation bits, and no fewer than
+    // the smallest code point of its length (shorter ones would be overlong forms).
     uint32_t shift = 6u * out->remaining;
-    uint32_t lo = out->partial << shift, hi = lo | ((1u << shift) - 1);
+    uint32_t total = static_cast<uint32_t>(out->seen) + out->remaining;
+    uint32_t min_cp = total == 2 ? 0x80u : total == 3 ? 0x800u : 0x10000u;
+    uint32_t lo = std::max(out->partial << shift, min_cp), hi = std::min((out->partial << shift) | ((1u << shift) - 1), 0x10FFFFu);
     out->tops.clear();
     for (int32_t id : in.tops) {
       const auto& n = pool.node(id);
@@ -237,17 +241,20 @@ void set_bit(std::span<uint32_t> mask, int32_t id) {
 }  // namespace
 
 CompiledGrammar::CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vocab)
-    : grammar_(std::move(g)), vocab_(std::move(vocab)), masks_(grammar_.elements.size()) {}
+    : grammar_(std::move(g)), vocab_(std::move(vocab)) {}
 
-const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(uint32_t pos) const {
+const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<const uint32_t> frames) const {
+  std::string key(reinterpret_cast<const char*>(frames.data()), frames.size() * sizeof(uint32_t));
   std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = masks_[pos];
+  auto& slot = masks_[key];
   if (slot) return *slot;
   auto pm = std::make_unique<PositionMasks>();
   pm->accepted.assign((static_cast<size_t>(vocab_->n_vocab) + 63) / 64, 0);
   StackPool pool(grammar_);
   MatchState init;
-  init.tops = {pool.intern(pos, -1)};
+  int32_t node = -1;
+  for (size_t i = frames.size(); i-- > 0;) node = pool.intern(frames[i], node);
+  init.tops = {node};
   std::vector<MatchState> states;
   walk(pool, init, vocab_->sorted, vocab_->lcp, *vocab_, states, [](const MatchState& s) { return s.dead(); },
        [&](int32_t id, const MatchState* s) {
@@ -330,13 +337,24 @@ void GrammarMatcher::fill_next_token_bitmask(std::span<uint32_t> mask) {
   auto on_token = [&](int32_t id, const MatchState* s) {
     if (s != nullptr) set_bit(mask, id);
   };
-  if (st.remaining > 0) {  // inside a character: no split applies, walk the whole vocabulary
-    walk(pool_, st, v.sorted, v.lcp, v, scratch_, runtime_dead, on_token);
+  if (st.remaining > 0) {
+    // Inside a character: no split applies. Only tokens that start with a continuation byte
+    // (0x80-0xBF) can go on, and in byte order they are one run of the sorted vocabulary.
+    auto first_byte = [&](int32_t id) { return static_cast<uint8_t>(v.bytes[static_cast<size_t>(id)][0]); };
+    auto lo = std::partition_point(v.sorted.begin(), v.sorted.end(), [&](int32_t id) { return first_byte(id) < 0x80; });
+    auto hi = std::partition_point(lo, v.sorted.end(), [&](int32_t id) { return first_byte(id) < 0xC0; });
+    const size_t b = static_cast<size_t>(lo - v.sorted.begin()), e = static_cast<size_t>(hi - v.sorted.begin());
+    walk(pool_, st, std::span<const int32_t>(v.sorted).subspan(b, e - b), std::span<const uint32_t>(v.lcp).subspan(b, e - b),
+         v, scratch_, runtime_dead, on_token);
     return;
   }
   MatchState one;
+  uint32_t frames[CompiledGrammar::kKeyFrames];
   for (int32_t top : st.tops) {
-    const auto& pm = g_->position_masks(pool_.node(top).pos);
+    size_t n = 0;
+    for (int32_t at = top; at >= 0 && n < CompiledGrammar::kKeyFrames; at = pool_.node(at).parent)
+      frames[n++] = pool_.node(at).pos;
+    const auto& pm = g_->position_masks(std::span<const uint32_t>(frames, n));
     for (size_t w = 0; w < pm.accepted.size(); ++w) {
       uint64_t bits = pm.accepted[w];
       if (bits == 0) continue;

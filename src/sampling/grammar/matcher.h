@@ -7,11 +7,11 @@
 // against the classes by the range of code points it can still become.
 //
 // Masks use the split xgrammar describes (Dong et al. 2024, "XGrammar: Flexible and Efficient
-// Structured Generation Engine for Large Language Models", section 3.1): for each class position
-// the tokens are sorted once into those accepted without leaving the position's rule (the same
-// for every stack below it), those rejected inside the rule, and the few that reach the rule's end
-// with bytes left, which alone are checked against the real stack. Each position's split is
-// computed on first use and shared by every matcher of the grammar. The vocabulary is walked in
+// Structured Generation Engine for Large Language Models", section 3.1): for the top frames of a
+// stack the tokens are sorted once into those accepted without popping below them (the same for
+// every stack beneath), those rejected there, and the few that pop past them with bytes left,
+// which alone are checked against the real stack. Each split is computed on first use and shared
+// by every matcher of the grammar. The vocabulary is walked in
 // byte order so tokens with a common prefix share its steps, and a dead prefix skips every token
 // that starts with it.
 #pragma once
@@ -21,6 +21,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "sampling/grammar/grammar.h"
@@ -62,19 +63,26 @@ class CompiledGrammar {
   const Grammar& grammar() const { return grammar_; }
   const TokenVocab& vocab() const { return *vocab_; }
 
-  // The split of one class position (see the file comment), computed on first use.
+  // How many stack frames (top first) key a token split: the top's rule alone often ends after
+  // one character (a JSON string's character rule), which would leave most tokens uncertain; with
+  // the two frames below it the split reaches the end of the enclosing string or literal, and
+  // stays shared by every stack with those frames on top (all strings of one JSON grammar).
+  static constexpr size_t kKeyFrames = 3;
+
+  // The split for stacks whose top frames hold these positions (top first; fewer than
+  // kKeyFrames when the stack is shallower), computed on first use.
   struct PositionMasks {
     std::vector<uint64_t> accepted;  // bitset over ids
     std::vector<int32_t> uncertain;  // ids in byte order
     std::vector<uint32_t> uncertain_lcp;
   };
-  const PositionMasks& position_masks(uint32_t pos) const;
+  const PositionMasks& position_masks(std::span<const uint32_t> frames) const;
 
  private:
   Grammar grammar_;
   std::shared_ptr<const TokenVocab> vocab_;
   mutable std::mutex mu_;
-  mutable std::vector<std::unique_ptr<PositionMasks>> masks_;  // by position
+  mutable std::unordered_map<std::string, std::unique_ptr<PositionMasks>> masks_;  // by frames' bytes
 };
 
 // Interned stack nodes and the step over one code point; shared by the matcher and the
