@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <unordered_map>
 
 #include "tokenizer/tokenizer.h"
 
@@ -232,6 +233,70 @@ void walk(StackPool& pool, const MatchState& init, std::span<const int32_t> ids,
   }
 }
 
+// Interned states and their transitions by byte, for a walk over the whole vocabulary: most steps
+// (a character inside a string, say) lead back to a state already seen, and then cost one lookup.
+class StateTable {
+ public:
+  explicit StateTable(StackPool& pool) : pool_(pool) {}
+  int32_t intern(const MatchState& s) {
+    std::string key(reinterpret_cast<const char*>(s.tops.data()), s.tops.size() * sizeof(int32_t));
+    key.append(reinterpret_cast<const char*>(&s.partial), sizeof s.partial);
+    key += static_cast<char>(s.remaining);
+    key += static_cast<char>(s.seen);
+    key += static_cast<char>((s.completed ? 1 : 0) | (s.completed_before ? 2 : 0));
+    auto [it, fresh] = index_.try_emplace(std::move(key), static_cast<int32_t>(states_.size()));
+    if (fresh) states_.push_back(s);
+    return it->second;
+  }
+  const MatchState& state(int32_t id) const { return states_[static_cast<size_t>(id)]; }
+  // The state after `byte`, or -1 when none (or a dead one) follows.
+  template <class Dead>
+  int32_t next(int32_t id, uint8_t byte, Dead dead) {
+    const uint64_t key = (static_cast<uint64_t>(id) << 8) | byte;
+    auto it = trans_.find(key);
+    if (it != trans_.end()) return it->second;
+    int32_t r = -1;
+    if (step_byte(pool_, states_[static_cast<size_t>(id)], byte, &tmp_) && !dead(tmp_)) r = intern(tmp_);
+    trans_.emplace(key, r);
+    return r;
+  }
+
+ private:
+  StackPool& pool_;
+  std::vector<MatchState> states_;
+  std::unordered_map<std::string, int32_t> index_;
+  std::unordered_map<uint64_t, int32_t> trans_;
+  MatchState tmp_;
+};
+
+// walk() over interned states (see StateTable).
+template <class Dead, class OnToken>
+void walk_memo(StateTable& table, int32_t init, std::span<const int32_t> ids, std::span<const uint32_t> lcp,
+               const TokenVocab& vocab, Dead dead, OnToken on_token) {
+  std::vector<int32_t> sid(1, init);
+  size_t have = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::string& b = vocab.bytes[static_cast<size_t>(ids[i])];
+    if (i > 0) have = std::min<size_t>(have, lcp[i]);
+    if (sid.size() < b.size() + 1) sid.resize(b.size() + 1);
+    bool died = false;
+    while (have < b.size()) {
+      const int32_t n = table.next(sid[have], static_cast<uint8_t>(b[have]), dead);
+      if (n < 0) {
+        died = true;
+        break;
+      }
+      sid[++have] = n;
+    }
+    if (!died) {
+      on_token(ids[i], &table.state(sid[b.size()]));
+      continue;
+    }
+    on_token(ids[i], nullptr);
+    while (i + 1 < ids.size() && lcp[i + 1] >= have + 1) on_token(ids[++i], nullptr);
+  }
+}
+
 bool runtime_dead(const MatchState& s) { return s.tops.empty() && !s.completed; }
 
 void set_bit(std::span<uint32_t> mask, int32_t id) {
@@ -255,8 +320,8 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<
   int32_t node = -1;
   for (size_t i = frames.size(); i-- > 0;) node = pool.intern(frames[i], node);
   init.tops = {node};
-  std::vector<MatchState> states;
-  walk(pool, init, vocab_->sorted, vocab_->lcp, *vocab_, states, [](const MatchState& s) { return s.dead(); },
+  StateTable table(pool);
+  walk_memo(table, table.intern(init), vocab_->sorted, vocab_->lcp, *vocab_, [](const MatchState& s) { return s.dead(); },
        [&](int32_t id, const MatchState* s) {
          if (s == nullptr) return;
          if (!s->tops.empty() || s->completed) {
