@@ -116,7 +116,14 @@ TEST(Grammar, JsonSchemaObjectsArraysRefs) {
   expect_language(schema_gbnf(R"({"type":"array","prefixItems":[{"const":"k"}],"items":{"type":"boolean"},"maxItems":3})"),
                   {"[]", "[\"k\"]", "[\"k\",true,false]"}, {"[\"k\",true,false,true]", "[true]"});
   expect_language(schema_gbnf(R"({"type":"array","items":{"enum":["x",1,null]},"minItems":2,"maxItems":3})"),
-                  {"[\"x\",1]", "[1,1.0,null]"}, {"[1]", "[1,1,1,1]", "[2,1]"});
+                  {"[\"x\",1]", "[1,1,null]"}, {"[1]", "[1,1,1,1]", "[2,1]", "[1,1.0]"});
+  // JSON Schema counts 1.0 as the integer 1: accepted on request (the test suite's instances).
+  JsonSchemaOptions frac;
+  frac.integral_fraction = true;
+  expect_language(schema_gbnf(R"({"type":"array","items":{"enum":["x",1,null]},"minItems":2,"maxItems":3})", frac),
+                  {"[1,1.0,null]", "[1,1.00]"}, {"[1,1.]", "[1,1.5]"});
+  expect_language(schema_gbnf(R"({"type":"integer","minimum":2})", frac), {"2", "2.0", "30.00"}, {"1.0", "2.5"});
+  expect_language(schema_gbnf(R"({"type":"integer"})"), {"2", "-0"}, {"2.0", "2.5"});
 }
 
 TEST(Grammar, JsonSchemaStringsNumbersCombinators) {

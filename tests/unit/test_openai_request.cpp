@@ -385,7 +385,8 @@ TEST(OpenAiRequest, StructuredOutputFields) {
   using grammar::ConstraintKind;
   const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
   auto kind_of = [&](const std::string& extra, RequestApi api = RequestApi::Chat) {
-    const OpenAiRequest r = parse("{" + m + ", " + extra + "}", api);
+    const std::string body = api == RequestApi::Completions ? std::string(R"("prompt": "a")") : m;
+    const OpenAiRequest r = parse("{" + body + ", " + extra + "}", api);
     EXPECT_TRUE(r.constraint.has_value()) << extra;
     return r.constraint ? r.constraint->kind : ConstraintKind::GBNF;
   };
@@ -399,15 +400,15 @@ TEST(OpenAiRequest, StructuredOutputFields) {
   EXPECT_EQ(js.constraint_param, "response_format");
   EXPECT_EQ(kind_of(R"("structured_outputs": {"regex": "[a-z]+"})"), ConstraintKind::REGEX);
   EXPECT_EQ(kind_of(R"("structured_outputs": {"choice": ["yes", "no"]})"), ConstraintKind::CHOICE);
-  EXPECT_EQ(kind_of(R"("structured_outputs": {"grammar": "root ::= "a""})"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("structured_outputs": {"grammar": "root ::= \"a\""})"), ConstraintKind::GBNF);
   EXPECT_EQ(kind_of(R"("structured_outputs": {"json": {"type": "string"}})"), ConstraintKind::JSON_SCHEMA);
-  EXPECT_EQ(kind_of(R"("guided_json": "{"type": "string"}")", RequestApi::Batch), ConstraintKind::JSON_SCHEMA);
+  EXPECT_EQ(kind_of(R"("guided_json": "{\"type\": \"string\"}")", RequestApi::Batch), ConstraintKind::JSON_SCHEMA);
   EXPECT_EQ(kind_of(R"("guided_regex": "a+")", RequestApi::Completions), ConstraintKind::REGEX);
   EXPECT_EQ(kind_of(R"("guided_choice": ["a"])"), ConstraintKind::CHOICE);
-  EXPECT_EQ(kind_of(R"("guided_grammar": "root ::= "a"")"), ConstraintKind::GBNF);
-  EXPECT_EQ(kind_of(R"("grammar": "root ::= "a"")"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("guided_grammar": "root ::= \"a\"")"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("grammar": "root ::= \"a\"")"), ConstraintKind::GBNF);
   EXPECT_EQ(kind_of(R"("json_schema": {"type": "integer"})"), ConstraintKind::JSON_SCHEMA);
-  EXPECT_EQ(param_of("{" + m + R"(, "guided_regex": "a", "grammar": "root ::= "a""})", RequestApi::Chat), "grammar");
+  EXPECT_EQ(param_of("{" + m + R"(, "guided_regex": "a", "grammar": "root ::= \"a\""})", RequestApi::Chat), "grammar");
   EXPECT_EQ(param_of("{" + m + R"(, "guided_choice": []})", RequestApi::Chat), "guided_choice");
   EXPECT_EQ(param_of("{" + m + R"(, "structured_outputs": {}})", RequestApi::Chat), "structured_outputs");
   for (const char* f : {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",

@@ -68,14 +68,16 @@ bool value_has_type(const Json& v, const std::string& t) {
   return false;
 }
 
-// JSON text of a value as a GBNF expression; integral numbers also with a zero fraction.
-std::string literal_of(const Json& v) {
+// JSON text of a value as a GBNF expression; integral numbers also with a zero fraction when
+// `fraction` is set.
+std::string literal_of(const Json& v, bool fraction) {
   if (v.is_number()) {
     bool integral = v.is_number_integer() || (std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>() &&
                                               std::fabs(v.get<double>()) < 9e15);
     if (integral) {
       int64_t i = v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>())
                                          : v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+      if (!fraction) return gbnf_literal(std::to_string(i));
       std::string body = i == 0 ? "\"-\"? \"0\"" : gbnf_literal(std::to_string(i));
       return "(" + body + " (\".\" \"0\"+)?)";
     }
@@ -87,6 +89,7 @@ class Compiler {
  public:
   Compiler(const Json& root, const JsonSchemaOptions& o) : root_(root), opts_(o) {
     ws_ = o.any_whitespace ? " ws " : " ";
+    frac_ = o.integral_fraction ? " (\".\" \"0\"+)?" : "";
   }
 
   std::string run() {
@@ -96,7 +99,7 @@ class Compiler {
     out += "jchar ::= " + json_char_gbnf() + "\n";
     out += "jstring ::= \"\\\"\" jchar* \"\\\"\"\n";
     out += "jnumber ::= \"-\"? (\"0\" | [1-9] [0-9]*) (\".\" [0-9]+)? ([eE] [-+]? [0-9]+)?\n";
-    out += "jinteger ::= \"-\"? (\"0\" | [1-9] [0-9]*) (\".\" \"0\"+)?\n";
+    out += "jinteger ::= \"-\"? (\"0\" | [1-9] [0-9]*)" + frac_ + "\n";
     out += "jvalue ::= jobject | jarray | jstring | jnumber | \"true\" | \"false\" | \"null\"\n";
     out += "jobject ::= \"{\"" + ws_ + "(jstring" + ws_ + "\":\"" + ws_ + "jvalue (" + ws_ + "\",\"" + ws_ +
            "jstring" + ws_ + "\":\"" + ws_ + "jvalue)*)?" + ws_ + "\"}\"\n";
@@ -325,7 +328,7 @@ class Compiler {
       if (!ok) continue;
       if (opts_.any_whitespace && (v.is_object() || v.is_array()) && !v.empty())
         unsupported("enum", "object and array enum values with any_whitespace are not supported");
-      out.push_back(literal_of(v));
+      out.push_back(literal_of(v, opts_.integral_fraction));
     }
     if (out.empty()) unsupported("enum", "no enum value has an allowed type");
     return new_rule(alts(out));
@@ -406,7 +409,7 @@ class Compiler {
       hi = hi ? std::min(*hi, v) : v;
     }
     if (lo && hi && *lo > *hi) unsupported("minimum", "no integer lies between the bounds");
-    return "(" + int_range_gbnf(lo, hi) + " (\".\" \"0\"+)?)";
+    return "(" + int_range_gbnf(lo, hi) + frac_ + ")";
   }
 
   std::string array_rule(const Json& s) {
@@ -587,6 +590,7 @@ class Compiler {
   const Json& root_;
   JsonSchemaOptions opts_;
   std::string ws_;
+  std::string frac_;  // after an integer: an optional zero fraction, or nothing
   std::map<std::string, std::string> rules_;
   std::map<std::string, std::string> refs_;
   size_t counter_ = 0;

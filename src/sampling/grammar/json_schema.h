@@ -41,6 +41,10 @@ struct JsonSchemaOptions {
   // Properties in byte order of their names instead of declaration order (the order of
   // serialisers that sort keys, e.g. Python's json.dumps(sort_keys=True)).
   bool sort_properties = false;
+  // Integers (type integer, integral enum / const numbers) may also be written with a zero
+  // fraction ("1.0", "-0.00"), which JSON Schema counts as the same integer. Off (the default),
+  // they are written without one, as a model should write them.
+  bool integral_fraction = false;
 };
 
 // GBNF text with a `root` rule. Errors: GrammarError naming the keyword at fault.
