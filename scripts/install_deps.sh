@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-pip python3-venv
       libpcre2-dev libxxhash-dev nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libboost1.81-dev clang libclang-rt-14-dev)
+      libboost1.81-dev clang libclang-rt-14-dev json-schema-test-suite)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

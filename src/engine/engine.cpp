@@ -10,6 +10,7 @@
 #include "engine/stop_checker.h"
 #include "memory/kv_manager.h"
 #include "sampling/candidate_list.h"
+#include "sampling/grammar/matcher.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampler.h"
 #include "scheduler/scheduler.h"
@@ -93,6 +94,11 @@ struct RequestState {
   Request req;
   Sequence seq;
   std::optional<Sampler> sampler;
+  // Request::grammar's state, its token bitmask and the masked logits row (reused every step).
+  std::optional<grammar::GrammarMatcher> matcher;
+  std::vector<uint32_t> grammar_mask;
+  std::vector<float> masked_row;
+  bool grammar_ended = false;
   std::optional<StreamDecoder> decoder;
   StopChecker stop_checker;
   Clock::time_point arrival, first_token;
@@ -249,6 +255,13 @@ RequestId Engine::add_request(Request request) {
     if (s.empty()) throw Error("stop strings must not be empty");
   auto r = std::make_unique<RequestState>();
   r->sampler.emplace(request.sampling, static_cast<int32_t>(n_vocab));  // validates the params
+  if (request.grammar) {
+    if (request.grammar->vocab().n_vocab > n_vocab)
+      throw Error("grammar: its vocabulary (" + std::to_string(request.grammar->vocab().n_vocab) +
+                  " tokens) is larger than the model's (" + std::to_string(n_vocab) + ")");
+    r->matcher.emplace(request.grammar);
+    r->grammar_mask.assign(grammar::bitmask_words(static_cast<int32_t>(n_vocab)), 0u);
+  }
   r->id = m.next_id++;
   // continuation: the output continues the prompt, so a first word keeps its leading space.
   if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true, /*continuation=*/true);
@@ -363,7 +376,8 @@ void Engine::Impl::post_process(RequestState& r, std::span<const int32_t> tokens
     o.new_token_ids.push_back(token);
     if (!logprobs.empty()) o.logprobs.push_back(std::move(logprobs[i]));
     const auto& ids = r.req.stop_ids;
-    const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end();
+    // A grammar that has ended stops the request as a stop id does (it has no drafts: see propose_drafts).
+    const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end() || r.grammar_ended;
     bool stop_string = false;
     if (r.decoder) stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta);
     const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
@@ -409,6 +423,8 @@ void Engine::Impl::propose_drafts() {
     RequestState& r = *rp;
     const Sequence& s = r.seq;
     if (s.status != SeqStatus::Running || s.n_draft != 0 || !s.is_decode()) continue;
+    // A grammar-constrained request samples under its token mask one token at a time: no drafts.
+    if (r.matcher) continue;
     // Never more than the request may still emit: the drafts and the token after them count
     // toward max_tokens and max_model_len.
     int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
@@ -529,7 +545,8 @@ std::vector<RequestOutput> Engine::step() {
   // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
     const RequestState& r = *m.sampling[i].r;
-    on_device = r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0);
+    on_device = r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
+                !r.matcher;
   }
   std::span<const float> logits;
   std::span<const int32_t> device_tokens;
@@ -589,9 +606,15 @@ std::vector<RequestOutput> Engine::step() {
         v = verify_drafts(*r.sampler, rows, r.seq.tokens, n_draft, static_cast<size_t>(r.seq.n_prompt), r.draft_q,
                           r.req.logprobs);
       } else {
-        const auto row = logits.subspan(row_index * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+        auto row = logits.subspan(row_index * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
         if (r.req.prompt_logits && r.seq.n_generated() == 0)
           r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
+        if (r.matcher) {  // grammar: blocked tokens get -inf before the chain (logprobs then see the masked row)
+          r.matcher->fill_next_token_bitmask(r.grammar_mask);
+          r.masked_row.assign(row.begin(), row.end());
+          grammar::apply_token_bitmask(r.masked_row, r.grammar_mask);
+          row = r.masked_row;
+        }
         if (r.req.logprobs >= 0) {
           SampledToken st =
               r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));
@@ -600,6 +623,12 @@ std::vector<RequestOutput> Engine::step() {
         } else {
           v.tokens.push_back(r.sampler->sample(row, r.seq.tokens, static_cast<size_t>(r.seq.n_prompt)));
         }
+      }
+      if (r.matcher) {
+        const int32_t token = v.tokens.front();
+        if (!r.matcher->accept_token(token))
+          throw Error("grammar: sampled token " + std::to_string(token) + " is not one the grammar allows");
+        r.grammar_ended = r.matcher->is_terminated();
       }
     } catch (const Error& e) {
       RequestOutput o;

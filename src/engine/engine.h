@@ -21,6 +21,10 @@
 
 namespace kestrel {
 
+namespace grammar {
+class CompiledGrammar;
+}
+
 // The context a request may use when EngineConfig::max_model_len is 0: the model's, at most this.
 inline constexpr int64_t kDefaultMaxModelLen = 8192;
 
@@ -59,6 +63,12 @@ struct Request {
   // sampled token (RequestOutput::prompt_logits). Such a request computes its whole prompt as
   // prompt_logprobs does. For dumping logits to compare against a reference implementation.
   bool prompt_logits = false;
+  // Structured output (sampling/grammar/matcher.h): the grammar the generated text must follow.
+  // Each step, the tokens it cannot take get -inf before the sampling chain; the sampled token
+  // advances it; once it has ended (EOS taken, or nothing can follow) the request finishes with
+  // "stop". Its vocabulary must be the model's tokenizer's. Null: unconstrained. Such a request
+  // samples on the host (the per-row bitmask is the form a device sampler would take).
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 };
 
 inline constexpr int32_t kMaxRequestLogprobs = 20;

@@ -355,9 +355,9 @@ def test_echo_lists_the_first_word_as_the_text_it_covers(server):
 
 
 @pytest.mark.parametrize("api, extra, param, words", [
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format", "structured output"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format", "structured output"),
+    ("completions", {"response_format": {"type": "structural_tag"}}, "response_format", "structural_tag"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}}},
+     "response_format", "uniqueItems"),
     ("completions", {"suffix": " The end."}, "suffix", "suffix is not supported"),
     ("completions", {"n": 2, "best_of": 3}, "best_of", "best_of"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "\"auto\""),

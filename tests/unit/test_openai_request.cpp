@@ -357,14 +357,10 @@ TEST(OpenAiRequest, RepeatedBodyKeyLastWins) {
 TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {
   const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
   EXPECT_EQ(failure_of("{" + m + R"(, "response_format": {"type": "text"}})", RequestApi::Chat), "<none>");
-  for (const char* type : {"json_object", "json_schema"}) {
-    const std::string e = failure_of("{" + m + R"(, "response_format": {"type": ")" + type + R"("}})", RequestApi::Chat);
-    EXPECT_EQ(e.rfind("response_format: ", 0), 0u) << e;
-    EXPECT_NE(e.find("structured output"), std::string::npos) << e;
-    EXPECT_NE(e.find(type), std::string::npos) << e;
-  }
-  EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": {"type": "json_object"}})", RequestApi::Completions),
+  EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": {"type": "structural_tag"}})", RequestApi::Completions),
             "response_format");
+  EXPECT_EQ(param_of("{" + m + R"(, "response_format": {"type": "json_schema"}})", RequestApi::Chat),
+            "response_format.json_schema");
   EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": {"type": "yaml"}})", RequestApi::Completions),
             "response_format.type");
   EXPECT_EQ(param_of(R"({"prompt": "a", "response_format": "text"})", RequestApi::Completions), "response_format");
@@ -381,6 +377,42 @@ TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {
   EXPECT_EQ(param_of(R"({"prompt": "a", "suffix": ""})", RequestApi::Batch), "suffix");
   EXPECT_EQ(failure_of(R"({"prompt": "a", "suffix": null})", RequestApi::Completions), "<none>");
   for (const char* f : {"response_format", "best_of", "suffix", "tools", "tool_choice"})
+    EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
+}
+
+// Structured output: each field of OpenAI, vLLM and llama.cpp becomes one constraint; two are refused.
+TEST(OpenAiRequest, StructuredOutputFields) {
+  using grammar::ConstraintKind;
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  auto kind_of = [&](const std::string& extra, RequestApi api = RequestApi::Chat) {
+    const std::string body = api == RequestApi::Completions ? std::string(R"("prompt": "a")") : m;
+    const OpenAiRequest r = parse("{" + body + ", " + extra + "}", api);
+    EXPECT_TRUE(r.constraint.has_value()) << extra;
+    return r.constraint ? r.constraint->kind : ConstraintKind::GBNF;
+  };
+  EXPECT_EQ(kind_of(R"("response_format": {"type": "json_object"})"), ConstraintKind::JSON_OBJECT);
+  const OpenAiRequest js = parse("{" + m + R"(, "response_format": {"type": "json_schema", "json_schema":
+      {"name": "n", "strict": true, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}})",
+                                 RequestApi::Chat);
+  ASSERT_TRUE(js.constraint.has_value());
+  EXPECT_EQ(js.constraint->kind, ConstraintKind::JSON_SCHEMA);
+  EXPECT_EQ(nlohmann::json::parse(js.constraint->text), nlohmann::json::parse(R"({"type":"object","properties":{"a":{"type":"integer"}}})"));
+  EXPECT_EQ(js.constraint_param, "response_format");
+  EXPECT_EQ(kind_of(R"("structured_outputs": {"regex": "[a-z]+"})"), ConstraintKind::REGEX);
+  EXPECT_EQ(kind_of(R"("structured_outputs": {"choice": ["yes", "no"]})"), ConstraintKind::CHOICE);
+  EXPECT_EQ(kind_of(R"("structured_outputs": {"grammar": "root ::= \"a\""})"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("structured_outputs": {"json": {"type": "string"}})"), ConstraintKind::JSON_SCHEMA);
+  EXPECT_EQ(kind_of(R"("guided_json": "{\"type\": \"string\"}")", RequestApi::Batch), ConstraintKind::JSON_SCHEMA);
+  EXPECT_EQ(kind_of(R"("guided_regex": "a+")", RequestApi::Completions), ConstraintKind::REGEX);
+  EXPECT_EQ(kind_of(R"("guided_choice": ["a"])"), ConstraintKind::CHOICE);
+  EXPECT_EQ(kind_of(R"("guided_grammar": "root ::= \"a\"")"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("grammar": "root ::= \"a\"")"), ConstraintKind::GBNF);
+  EXPECT_EQ(kind_of(R"("json_schema": {"type": "integer"})"), ConstraintKind::JSON_SCHEMA);
+  EXPECT_EQ(param_of("{" + m + R"(, "guided_regex": "a", "grammar": "root ::= \"a\""})", RequestApi::Chat), "grammar");
+  EXPECT_EQ(param_of("{" + m + R"(, "guided_choice": []})", RequestApi::Chat), "guided_choice");
+  EXPECT_EQ(param_of("{" + m + R"(, "structured_outputs": {}})", RequestApi::Chat), "structured_outputs");
+  for (const char* f : {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
+                        "json_schema"})
     EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
 }
 

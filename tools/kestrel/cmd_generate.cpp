@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "core/error.h"
+#include "sampling/grammar/constraint.h"
 #include "tokenizer/stream_decoder.h"
 
 namespace kestrel::cli {
@@ -18,6 +19,8 @@ struct GenerateArgs {
   int64_t n_predict = 256;
   bool json = false;
   std::string dump_logits;
+  std::string grammar_file;      // GBNF text
+  std::string json_schema_file;  // a JSON Schema
   SamplingFlags sampling;
   KestrelConfig config;
 };
@@ -39,6 +42,33 @@ void write_npy(const std::string& path, const std::vector<float>& data, int64_t 
   if (!ok) throw Error(path + ": write failed");
 }
 
+std::string read_text_file(const std::string& path, const std::string& flag) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) throw Error(flag + " " + path + ": cannot open");
+  std::string text;
+  char buf[65536];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+  std::fclose(f);
+  return text;
+}
+
+// The output constraint of --grammar / --json-schema, bound to the model's vocabulary.
+std::shared_ptr<const grammar::CompiledGrammar> output_grammar(const GenerateArgs& a, const Tokenizer& tok) {
+  if (a.grammar_file.empty() && a.json_schema_file.empty()) return nullptr;
+  if (!a.grammar_file.empty() && !a.json_schema_file.empty()) throw Error("--grammar and --json-schema: give one of them");
+  const std::string flag = a.grammar_file.empty() ? "--json-schema" : "--grammar";
+  const std::string& path = a.grammar_file.empty() ? a.json_schema_file : a.grammar_file;
+  grammar::Constraint c;
+  c.kind = a.grammar_file.empty() ? grammar::ConstraintKind::JSON_SCHEMA : grammar::ConstraintKind::GBNF;
+  c.text = read_text_file(path, flag);
+  try {
+    return std::make_shared<const grammar::CompiledGrammar>(grammar::compile_constraint(c),
+                                                            grammar::TokenVocab::from_tokenizer(tok));
+  } catch (const grammar::GrammarError& e) {
+    throw Error(flag + " " + path + ": " + e.what());
+  }
+}
+
 void run_generate(const GenerateArgs& a) {
   if (a.n_predict < -1) throw Error("-n must be >= 0, or -1 for no limit, got " + std::to_string(a.n_predict));
   const SamplingParams sp = a.sampling.params();
@@ -53,6 +83,7 @@ void run_generate(const GenerateArgs& a) {
   req.sampling = sp;
   req.stop_ids = stop_ids(tok);
   req.prompt_logits = !a.dump_logits.empty();
+  req.grammar = output_grammar(a, tok);
   // -n 0 generates nothing: the engine runs only for --dump-logits, and the one token it samples
   // beside the logits is dropped.
   const bool silent = a.n_predict == 0;
@@ -114,6 +145,10 @@ void register_generate(CLI::App& app) {
   sub->add_flag("--json", a->json, "Print one JSON object {prompt_ids, output_ids, text, finish_reason} instead of streaming");
   sub->add_option("--dump-logits", a->dump_logits,
                   "Also write the logits of every prompt position to this .npy file (float32, [n_prompt, n_vocab])");
+  sub->add_option("--grammar", a->grammar_file, "Constrain the output to this GBNF grammar (llama.cpp syntax; rule root)")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--json-schema", a->json_schema_file, "Constrain the output to JSON valid under this JSON Schema file")
+      ->check(CLI::ExistingFile);
   a->sampling.add_to(*sub);
   a->config.add_flags(*sub, EngineMode::Single);
   a->config.add_prefill_chunk_flag(*sub);

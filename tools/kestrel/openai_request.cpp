@@ -243,19 +243,101 @@ void logprobs_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   }
 }
 
+// Structured output. Each field's value becomes one grammar::Constraint; two fields asking for
+// one are refused (which would win is not obvious).
+void set_constraint(OpenAiRequest& r, const std::string& param, grammar::Constraint c) {
+  if (r.constraint)
+    throw RequestError(param, param + " and " + r.constraint_param + " both ask for structured output; give one of them");
+  r.constraint = std::move(c);
+  r.constraint_param = param;
+}
+
+grammar::Constraint schema_constraint(const std::string& param, const json& v) {
+  grammar::Constraint c;
+  c.kind = grammar::ConstraintKind::JSON_SCHEMA;
+  if (v.is_string()) {  // vLLM takes a schema as JSON text too
+    c.text = v.get<std::string>();
+  } else if (v.is_object() || v.is_boolean()) {
+    c.text = v.dump();
+  } else {
+    bad(param, "must be a JSON schema (an object)", v);
+  }
+  return c;
+}
+
+grammar::Constraint text_constraint(const std::string& param, const json& v, grammar::ConstraintKind kind) {
+  if (!v.is_string()) bad(param, "must be a string", v);
+  grammar::Constraint c;
+  c.kind = kind;
+  c.text = v.get<std::string>();
+  return c;
+}
+
+grammar::Constraint choice_constraint(const std::string& param, const json& v) {
+  if (!v.is_array() || v.empty()) bad(param, "must be a non-empty list of strings", v);
+  grammar::Constraint c;
+  c.kind = grammar::ConstraintKind::CHOICE;
+  for (const json& e : v) {
+    if (!e.is_string()) bad(param, "must be a non-empty list of strings", v);
+    c.choices.push_back(e.get<std::string>());
+  }
+  return c;
+}
+
+void structured_output_fields(const json& j, OpenAiRequest& r) {
+  using grammar::ConstraintKind;
+  if (const json& v = field(j, "response_format"); !v.is_null()) {
+    if (!v.is_object() || !v.contains("type") || !v["type"].is_string())
+      bad("response_format", "must be an object {\"type\": \"text\" | \"json_object\" | \"json_schema\"}", v);
+    const std::string& type = v["type"].get_ref<const std::string&>();
+    if (type == "json_object") {
+      grammar::Constraint c;
+      c.kind = ConstraintKind::JSON_OBJECT;
+      set_constraint(r, "response_format", c);
+    } else if (type == "json_schema") {
+      const json& js = field(v, "json_schema");
+      if (!js.is_object() || !js.contains("schema"))
+        bad("response_format.json_schema", "must be an object {\"name\", \"schema\", \"strict\"} with a schema", js);
+      if (const json& n = field(js, "name"); !n.is_null() && !n.is_string()) bad("response_format.json_schema.name", "must be a string", n);
+      if (const json& st = field(js, "strict"); !st.is_null()) boolean("response_format.json_schema.strict", st);
+      set_constraint(r, "response_format", schema_constraint("response_format.json_schema.schema", js["schema"]));
+    } else if (type != "text" && type != "structural_tag") {
+      bad("response_format.type", "must be \"text\", \"json_object\" or \"json_schema\"", v["type"]);
+    }
+  }
+  if (const json& v = field(j, "structured_outputs"); !v.is_null()) {
+    if (!v.is_object()) bad("structured_outputs", "must be an object with one of json, regex, choice, grammar", v);
+    if (const json& x = field(v, "json"); !x.is_null())
+      set_constraint(r, "structured_outputs", schema_constraint("structured_outputs.json", x));
+    if (const json& x = field(v, "regex"); !x.is_null())
+      set_constraint(r, "structured_outputs", text_constraint("structured_outputs.regex", x, ConstraintKind::REGEX));
+    if (const json& x = field(v, "choice"); !x.is_null())
+      set_constraint(r, "structured_outputs", choice_constraint("structured_outputs.choice", x));
+    if (const json& x = field(v, "grammar"); !x.is_null())
+      set_constraint(r, "structured_outputs", text_constraint("structured_outputs.grammar", x, ConstraintKind::GBNF));
+    if (const json& x = field(v, "json_object"); !x.is_null() && boolean("structured_outputs.json_object", x)) {
+      grammar::Constraint c;
+      c.kind = ConstraintKind::JSON_OBJECT;
+      set_constraint(r, "structured_outputs", c);
+    }
+    if (!r.constraint) bad("structured_outputs", "must hold one of json, regex, choice, grammar, json_object", v);
+  }
+  if (const json& v = field(j, "guided_json"); !v.is_null()) set_constraint(r, "guided_json", schema_constraint("guided_json", v));
+  if (const json& v = field(j, "guided_regex"); !v.is_null())
+    set_constraint(r, "guided_regex", text_constraint("guided_regex", v, ConstraintKind::REGEX));
+  if (const json& v = field(j, "guided_choice"); !v.is_null()) set_constraint(r, "guided_choice", choice_constraint("guided_choice", v));
+  if (const json& v = field(j, "guided_grammar"); !v.is_null())
+    set_constraint(r, "guided_grammar", text_constraint("guided_grammar", v, ConstraintKind::GBNF));
+  if (const json& v = field(j, "grammar"); !v.is_null()) set_constraint(r, "grammar", text_constraint("grammar", v, ConstraintKind::GBNF));
+  if (const json& v = field(j, "json_schema"); !v.is_null()) set_constraint(r, "json_schema", schema_constraint("json_schema", v));
+}
+
 // Fields vLLM reads that ask for what this server does not do: an error rather than an answer
 // the client would take for what it asked.
 void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
-  if (const json& v = field(j, "response_format"); !v.is_null()) {
-    if (!v.is_object() || !v.contains("type") || !v["type"].is_string())
-      bad("response_format", "must be an object {\"type\": \"text\"}", v);
-    const std::string& type = v["type"].get_ref<const std::string&>();
-    if (type == "json_object" || type == "json_schema" || type == "structural_tag")
-      throw RequestError("response_format", "response_format type \"" + type +
-                                                "\" is not supported: this server has no structured output "
-                                                "(constrained decoding) yet; only {\"type\": \"text\"} is");
-    if (type != "text") bad("response_format.type", "must be \"text\" (structured output is not supported yet)", v["type"]);
-  }
+  if (const json& v = field(j, "response_format"); !v.is_null() && v.is_object() && v.contains("type") &&
+                                                   v["type"] == "structural_tag")
+    throw RequestError("response_format", "response_format type \"structural_tag\" is not supported");
   // best_of: the best n of best_of sampled choices; without it being n every choice is returned.
   if (const json& v = field(j, "best_of"); !v.is_null()) {
     const int64_t best_of = integer("best_of", v, 1, kMaxN, "in [1, " + std::to_string(kMaxN) + "]");
@@ -471,7 +553,8 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "prompt",     "messages", "max_tokens",       "max_completion_tokens", "temperature", "top_p",
       "top_k",      "min_p",    "seed",             "stop",                  "ignore_eos",  "n",
       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user",
-      "response_format", "best_of", "suffix", "tools", "tool_choice"};
+      "response_format", "best_of", "suffix", "tools", "tool_choice", "structured_outputs", "guided_json",
+      "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -518,6 +601,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
                                        " choices; at most " + std::to_string(kMaxChoices) + " per request");
   }
   unsupported_fields(j, api, r);
+  structured_output_fields(j, r);
   return r;
 }
 
@@ -540,6 +624,7 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
   for (int32_t id = 0; id < tokenizer.n_vocab(); ++id)
     if (tokenizer.is_eog(id)) f.stop_ids.push_back(id);
   if (const std::string eot = f.chat_template.end_of_turn(); !eot.empty()) f.end_of_turn_id = tokenizer.token_id(eot);
+  f.grammars = grammar::GrammarCache::for_tokenizer(tokenizer);
   return f;
 }
 
@@ -595,6 +680,14 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
       out.stop_ids.push_back(*format.end_of_turn_id);
   }
   out.stop = request.stop;
+  if (request.constraint) {
+    if (!format.grammars) throw RequestError(request.constraint_param, "structured output needs the model's tokenizer");
+    try {
+      out.grammar = format.grammars->get(*request.constraint);
+    } catch (const grammar::GrammarError& e) {
+      throw RequestError(request.constraint_param, request.constraint_param + ": " + e.what() + " (" + e.keyword() + ")");
+    }
+  }
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "model/llama_weights.h"
+#include "sampling/grammar/constraint.h"
 #include "sampling/sampling_params.h"
 #include "template/jinja.h"
 #include "tokenizer/chat_template.h"
@@ -106,13 +107,18 @@ struct OpenAiRequest {
   bool stream = false;                // server-sent events
   bool include_usage = false;         // stream_options.include_usage: a last chunk with usage
   std::string model;                  // "" when absent
+  // Structured output: the one constraint asked for by response_format (json_object,
+  // json_schema), structured_outputs / guided_json / guided_regex / guided_choice / guided_grammar
+  // (vLLM), or grammar / json_schema (llama.cpp); constraint_param names the field it came from.
+  std::optional<grammar::Constraint> constraint;
+  std::string constraint_param;
 };
 
 // Validates one request object (j must be an object, as parse_request_body returns it). Throws
 // RequestError naming the field for a missing field, a wrong type or an out-of-range value (NaN and
 // infinities are not JSON, so they arrive as huge numbers or strings and are rejected as such).
 // Unknown fields are ignored. Fields asking for what the server does not do are refused (vLLM's
-// answers where it has them): response_format other than {"type": "text"}, best_of other than n,
+// answers where it has them): response_format type structural_tag, best_of other than n,
 // a completions `suffix`, and tool_choice other than "none" (chat_request.h).
 OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
@@ -135,6 +141,7 @@ struct PromptFormat {
   std::string bos_token, eos_token;       // their text, for the template
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
   std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
+  std::shared_ptr<grammar::GrammarCache> grammars;  // structured-output grammars on this tokenizer's vocabulary
 
   // True when text starts with the BOS text: a chat template that writes it itself (Llama 2 and 3,
   // Mistral) must not get a second one from the tokenizer.
@@ -155,8 +162,9 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 // otherwise), or for chat the messages through render_chat (BOS as the model wants it; special-token
 // text such as <|im_start|> is parsed, as `kestrel generate` and `kestrel chat` do), and fills in
 // logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError for
-// a prompt with no tokens, a token id or a logit_bias id outside the model's vocabulary, or a chat
-// template error; the engine's add_request checks the rest.
+// a prompt with no tokens, a token id or a logit_bias id outside the model's vocabulary, a chat
+// template error, or a structured-output constraint that does not compile (param: its field; the
+// message names the keyword or construct); the engine's add_request checks the rest.
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
                           size_t prompt_index = 0);
 

@@ -1,0 +1,164 @@
+// Token masks for constrained decoding: which vocabulary tokens can continue a grammar's text.
+//
+// The grammar (grammar.h) is run as a pushdown automaton over code points: a state is a set of
+// stacks of grammar positions, each stack's top a character class, with the stacks kept as
+// shared, interned nodes (one node per (position, rest of stack)). Token bytes are fed one at a
+// time; a UTF-8 character split across tokens is held as a partial code point and checked
+// against the classes by the range of code points it can still become.
+//
+// Masks use the split xgrammar describes (Dong et al. 2024, "XGrammar: Flexible and Efficient
+// Structured Generation Engine for Large Language Models", section 3.1): for the top frames of a
+// stack the tokens are sorted once into those accepted without popping below them (the same for
+// every stack beneath), those rejected there, and the few that pop past them with bytes left,
+// which alone are checked against the real stack. Each split is computed on first use and shared
+// by every matcher of the grammar. The vocabulary is walked in
+// byte order so tokens with a common prefix share its steps, and a dead prefix skips every token
+// that starts with it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "sampling/grammar/grammar.h"
+
+namespace kestrel {
+class Tokenizer;
+}
+
+namespace kestrel::grammar {
+
+// The vocabulary as byte strings, sorted. Special tokens (CONTROL, UNKNOWN, UNUSED) and tokens
+// without bytes are never allowed; EOS is allowed exactly when the grammar can end.
+struct TokenVocab {
+  int32_t n_vocab = 0;
+  int32_t eos_id = -1;
+  std::vector<std::string> bytes;  // by id; empty for tokens that are never allowed
+  std::vector<int32_t> sorted;     // allowed ids in byte order
+  std::vector<uint32_t> lcp;       // [i]: common prefix length of sorted[i] and sorted[i - 1]
+
+  // Token bytes from Tokenizer::token_to_piece (byte-fallback tokens give their byte; a piece may
+  // be part of a UTF-8 character).
+  static std::shared_ptr<const TokenVocab> from_tokenizer(const Tokenizer& tok);
+  // From explicit byte strings (tests); empty strings are never allowed.
+  static std::shared_ptr<const TokenVocab> from_bytes(std::vector<std::string> bytes, int32_t eos_id);
+};
+
+// Words of a token bitmask: bit (id % 32) of word (id / 32) is set when token id is allowed. The
+// layout the CUDA sampler's per-row mask takes as well.
+inline size_t bitmask_words(int32_t n_vocab) { return (static_cast<size_t>(n_vocab) + 31) / 32; }
+
+// Sets logits[id] = -inf for every token whose bit is clear. logits: [n_vocab] f32; mask:
+// [bitmask_words(n_vocab)].
+void apply_token_bitmask(std::span<float> logits, std::span<const uint32_t> mask);
+
+// A grammar bound to a vocabulary, shareable by any number of matchers (thread-safe).
+class CompiledGrammar {
+ public:
+  CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vocab);
+  const Grammar& grammar() const { return grammar_; }
+  const TokenVocab& vocab() const { return *vocab_; }
+
+  // How many stack frames (top first) key a token split: the top's rule alone often ends after
+  // one character (a JSON string's character rule), which would leave most tokens uncertain; with
+  // the two frames below it the split reaches the end of the enclosing string or literal, and
+  // stays shared by every stack with those frames on top (all strings of one JSON grammar).
+  static constexpr size_t kKeyFrames = 3;
+
+  // The split for stacks whose top frames hold these positions (top first; fewer than
+  // kKeyFrames when the stack is shallower), computed on first use.
+  struct PositionMasks {
+    std::vector<uint64_t> accepted;  // bitset over ids
+    std::vector<int32_t> uncertain;  // ids in byte order
+    std::vector<uint32_t> uncertain_lcp;
+  };
+  const PositionMasks& position_masks(std::span<const uint32_t> frames) const;
+
+ private:
+  Grammar grammar_;
+  std::shared_ptr<const TokenVocab> vocab_;
+  mutable std::mutex mu_;
+  mutable std::unordered_map<std::string, std::unique_ptr<PositionMasks>> masks_;  // by frames' bytes
+};
+
+// Interned stack nodes and the step over one code point; shared by the matcher and the
+// precomputation.
+class StackPool {
+ public:
+  explicit StackPool(const Grammar& g) : g_(g) {}
+  struct Node {
+    uint32_t pos;
+    int32_t parent;  // -1: bottom
+  };
+  const Node& node(int32_t id) const { return nodes_[static_cast<size_t>(id)]; }
+  int32_t intern(uint32_t pos, int32_t parent);
+  // Appends the tops reached from (pos, parent) without consuming input to *out; sets *completed
+  // when the bottom rule can end there.
+  void expand(uint32_t pos, int32_t parent, std::vector<int32_t>* out, bool* completed);
+  // The start state's tops (the root rule's alternatives, expanded).
+  void start(std::vector<int32_t>* out, bool* completed);
+  // The tops after consuming code point cp from `tops` (sorted, unique); *completed as above.
+  void step(std::span<const int32_t> tops, uint32_t cp, std::vector<int32_t>* out, bool* completed);
+  const Grammar& grammar() const { return g_; }
+
+ private:
+  const Grammar& g_;
+  std::vector<Node> nodes_;
+  std::vector<int32_t> table_;  // open-addressing hash of (pos, parent) -> node id
+  size_t used_ = 0;
+  std::vector<uint32_t> visited_;  // by node id: the step that last expanded it
+  uint32_t epoch_ = 0;
+};
+
+// A parse state: stack tops plus a partly read UTF-8 character.
+struct MatchState {
+  std::vector<int32_t> tops;  // sorted, unique
+  uint32_t partial = 0;       // bits read so far of a multi-byte character
+  uint8_t remaining = 0;      // continuation bytes still expected
+  uint8_t seen = 0;           // bytes of that character read so far
+  bool completed = false;     // the bottom rule ended right at this point (no partial pending)
+  bool completed_before = false;  // it ended earlier and bytes followed (precomputation only)
+  bool dead() const { return tops.empty() && !completed && !completed_before; }
+};
+
+// Feeds one byte to a state. Returns false (and leaves *out unspecified) when no stack accepts it.
+bool step_byte(StackPool& pool, const MatchState& in, uint8_t byte, MatchState* out);
+
+// One request's grammar state. Not thread-safe.
+class GrammarMatcher {
+ public:
+  explicit GrammarMatcher(std::shared_ptr<const CompiledGrammar> g);
+
+  // Advances by one token. Returns false, leaving the state unchanged, when the token cannot
+  // continue the text (EOS: accepted when the grammar can end, after which the matcher is
+  // terminated). Errors: asserts id in [0, n_vocab).
+  bool accept_token(int32_t id);
+  // Whether `text` (bytes) can continue the current state; advances when it can.
+  bool accept_bytes(std::string_view text);
+  // Undoes the last n accepted tokens (n <= tokens accepted). For speculative decoding.
+  void rollback(size_t n);
+  size_t num_accepted() const { return history_.size() - 1; }
+  // The text so far is a complete sentence of the grammar.
+  bool can_end() const { return history_.back().completed; }
+  // EOS was accepted, or the grammar can end and no stack can take more input.
+  bool is_terminated() const { return terminated_ || (can_end() && history_.back().tops.empty()); }
+
+  // Fills mask ([bitmask_words(n_vocab)]) with the tokens accept_token would take now.
+  void fill_next_token_bitmask(std::span<uint32_t> mask);
+
+ private:
+  bool token_ok_from(const MatchState& from, const std::string& bytes);
+
+  std::shared_ptr<const CompiledGrammar> g_;
+  StackPool pool_;
+  std::vector<MatchState> history_;  // [0]: the start state
+  std::vector<bool> terminated_at_;  // parallel to history_: EOS taken at that step
+  bool terminated_ = false;
+  std::vector<MatchState> scratch_;
+};
+
+}  // namespace kestrel::grammar

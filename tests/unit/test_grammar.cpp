@@ -1,0 +1,236 @@
+// The grammar engine (src/sampling/grammar): GBNF, regex and JSON Schema compiled and matched
+// against hand-checked strings, the token masks against token-by-token acceptance, rollback, and
+// the errors that name unsupported constructs.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sampling/grammar/grammar.h"
+#include "sampling/grammar/json_schema.h"
+#include "sampling/grammar/matcher.h"
+#include "sampling/grammar/regex.h"
+
+namespace kestrel::grammar {
+namespace {
+
+// A vocabulary of every single byte (id = byte value, id 0 is EOS) plus a few multi-byte tokens,
+// among them pieces that split a UTF-8 character ("\xC3" + "\xA9" is U+00E9).
+std::shared_ptr<const TokenVocab> test_vocab() {
+  std::vector<std::string> bytes(256);
+  for (int i = 1; i < 256; ++i) bytes[static_cast<size_t>(i)] = std::string(1, static_cast<char>(i));
+  for (const char* t : {"ab", "abc", "\":", "\",\"", "{\"", "\"}", "true", "12", "é", "\xC3\xA9x", "é\"", "1,\"", "\"a"})
+    bytes.push_back(t);
+  return TokenVocab::from_bytes(std::move(bytes), 0);
+}
+
+// Feeds `text` one byte token at a time, checking at each step that the mask agrees with
+// accept_token. Returns whether the whole text is a sentence of the grammar.
+bool matches(const std::shared_ptr<const CompiledGrammar>& cg, const std::string& text) {
+  GrammarMatcher m(cg);
+  std::vector<uint32_t> mask(bitmask_words(cg->vocab().n_vocab));
+  for (unsigned char c : text) {
+    m.fill_next_token_bitmask(mask);
+    bool in_mask = (mask[c / 32] >> (c % 32)) & 1u;
+    bool ok = m.accept_token(c);
+    EXPECT_EQ(in_mask, ok) << "mask and accept_token disagree on byte " << int(c) << " of '" << text << "'";
+    if (!ok) return false;
+  }
+  m.fill_next_token_bitmask(mask);
+  EXPECT_EQ((mask[0] & 1u) != 0, m.can_end()) << "EOS bit for '" << text << "'";
+  return m.can_end();
+}
+
+std::shared_ptr<const CompiledGrammar> compile(const std::string& gbnf) {
+  return std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), test_vocab());
+}
+
+void expect_language(const std::string& gbnf, const std::vector<std::string>& yes, const std::vector<std::string>& no) {
+  auto cg = compile(gbnf);
+  for (const auto& s : yes) EXPECT_TRUE(matches(cg, s)) << "should accept '" << s << "' under\n" << gbnf;
+  for (const auto& s : no) EXPECT_FALSE(matches(cg, s)) << "should reject '" << s << "' under\n" << gbnf;
+}
+
+std::string schema_gbnf(const std::string& schema, JsonSchemaOptions o = {}) {
+  return json_schema_to_gbnf(nlohmann::ordered_json::parse(schema), o);
+}
+
+TEST(Grammar, GbnfLiteralsClassesGroupsRepetition) {
+  expect_language(R"(
+# a comment
+root ::= "a" [b-d]+ ("x" | "yz")? tail
+tail ::= [^0-9\n]{0,2} "\x21"   # hex escape
+)",
+                  {"ab!", "abbx!", "abyzq!", "acdxqq!"}, {"a!", "abxqqq!", "ab1!", "ab", "abcdyzq"});
+  expect_language("root ::= \"\\u00e9\" . [\\u0100-\\U0010FFFF]*", {"éa", "éaĀ😀"}, {"e", "éaa", "é"});
+  expect_language("root ::= (\"ab\"){2,} | \"\"", {"", "abab", "ababab"}, {"ab", "aba"});
+  expect_language("root ::= x{3}\nx ::= [0-1]", {"010"}, {"01", "0101"});
+}
+
+TEST(Grammar, GbnfErrorsNameTheProblem) {
+  auto err = [](const std::string& g) {
+    try {
+      Grammar::parse_gbnf(g);
+    } catch (const GrammarError& e) {
+      EXPECT_EQ(e.keyword(), "gbnf");
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err("root ::= a").find("rule 'a' is used but not defined"), std::string::npos);
+  EXPECT_NE(err("x ::= \"a\"").find("no 'root'"), std::string::npos);
+  EXPECT_NE(err("root ::= root \"a\" | \"b\"").find("left-recursive"), std::string::npos);
+  EXPECT_NE(err("root ::= \"a").find("line 1"), std::string::npos);
+  EXPECT_NE(err("root ::= [z-a]").find("reversed"), std::string::npos);
+}
+
+TEST(Grammar, RegexSubset) {
+  auto re = [](const std::string& p) { return "root ::= " + regex_to_gbnf(p) + "\n"; };
+  expect_language(re("^\\d{2,3}-(ab|c)*$"), {"12-", "123-abc", "12-ababc"}, {"1-ab", "1234-", "12-a"});
+  expect_language(re("[^a-c]x?|\\w+@\\w+\\.com"), {"d", "dx", "a_1@b.com", "é"}, {"ax", "a@b.co", ""});
+  expect_language(re("(?:a|b)+?c{1}\\s\\S"), {"abc x", "bc\t1"}, {"c x", "abc  "});
+  for (const auto& [p, kw] : std::vector<std::pair<std::string, std::string>>{
+           {"a(?=b)", "lookahead"}, {"(?<!a)b", "lookbehind"}, {"(a)\\1", "backreference"},
+           {"\\bword", "word boundary"}, {"a^b", "anchor"}, {"a*+", "possessive quantifier"}, {"\\p{L}", "unicode property"}}) {
+    try {
+      regex_to_gbnf(p);
+      ADD_FAILURE() << "no error for " << p;
+    } catch (const GrammarError& e) {
+      EXPECT_EQ(e.keyword(), kw) << p;
+    }
+  }
+}
+
+TEST(Grammar, JsonSchemaObjectsArraysRefs) {
+  expect_language(schema_gbnf(R"({"type":"object","properties":{"a":{"type":"integer","minimum":-5,"maximum":120},
+      "b":{"type":"string","maxLength":3}},"required":["a"]})"),
+                  {R"({"a":5})", R"({"a":-5,"b":"xyz"})", R"({"a":1,"c":null})", R"({"a":1,"b":"x","zz":[1,{}]})",
+                   R"({"0":true,"a":120})"},
+                  {R"({"a":121})", R"({"a":1,"b":"xyzw"})", R"({"b":"x"})", R"({"a":1,"a":2})", R"({"a":-6})", R"({"a":05})"});
+  expect_language(schema_gbnf(R"({"$defs":{"n":{"type":"object","properties":{"v":{"type":"integer"},
+      "next":{"$ref":"#/$defs/n"}},"required":["v"],"additionalProperties":false}},"$ref":"#/$defs/n"})"),
+                  {R"({"v":1,"next":{"v":2,"next":{"v":3}}})", R"({"v":-0})"}, {R"({"v":1,"next":{}})", R"({"v":1,"w":2})"});
+  expect_language(schema_gbnf(R"({"type":"array","items":[{"type":"integer"},{"type":"string"}],"additionalItems":false,"minItems":1})"),
+                  {"[1]", "[1,\"a\"]"}, {"[]", "[1,\"a\",2]", "[\"a\"]"});
+  expect_language(schema_gbnf(R"({"type":"array","prefixItems":[{"const":"k"}],"items":{"type":"boolean"},"maxItems":3})"),
+                  {"[]", "[\"k\"]", "[\"k\",true,false]"}, {"[\"k\",true,false,true]", "[true]"});
+  expect_language(schema_gbnf(R"({"type":"array","items":{"enum":["x",1,null]},"minItems":2,"maxItems":3})"),
+                  {"[\"x\",1]", "[1,1,null]"}, {"[1]", "[1,1,1,1]", "[2,1]", "[1,1.0]"});
+  // JSON Schema counts 1.0 as the integer 1: accepted on request (the test suite's instances).
+  JsonSchemaOptions frac;
+  frac.integral_fraction = true;
+  expect_language(schema_gbnf(R"({"type":"array","items":{"enum":["x",1,null]},"minItems":2,"maxItems":3})", frac),
+                  {"[1,1.0,null]", "[1,1.00]"}, {"[1,1.]", "[1,1.5]"});
+  expect_language(schema_gbnf(R"({"type":"integer","minimum":2})", frac), {"2", "2.0", "30.00"}, {"1.0", "2.5"});
+  expect_language(schema_gbnf(R"({"type":"integer"})"), {"2", "-0"}, {"2.0", "2.5"});
+}
+
+TEST(Grammar, JsonSchemaStringsNumbersCombinators) {
+  expect_language(schema_gbnf(R"({"type":"string","pattern":"^[a-z]+\\d$"})"), {"\"abc1\""}, {"\"ab\"", "\"Ab1\""});
+  expect_language(schema_gbnf(R"({"type":"string","pattern":"\\d"})"), {"\"ab1c\"", "\"a\\\"1\""}, {"\"ab\""});
+  expect_language(schema_gbnf(R"({"type":"string","format":"date-time"})"), {"\"2024-01-31T10:20:30.5+01:00\""},
+                  {"\"2024-13-01T00:00:00Z\"", "\"2024-01-01\""});
+  expect_language(schema_gbnf(R"({"type":"string","format":"uuid"})"), {"\"123e4567-e89b-12d3-a456-426614174000\""},
+                  {"\"123e4567e89b12d3a456426614174000\""});
+  expect_language(schema_gbnf(R"({"type":"string","minLength":2,"maxLength":3})"), {"\"ab\"", "\"é\\n\"", "\"abc\""},
+                  {"\"a\"", "\"abcd\""});
+  expect_language(schema_gbnf(R"({"type":"integer","exclusiveMinimum":9,"maximum":1234})"), {"10", "99", "1234", "1000"},
+                  {"9", "1235", "-1", "1e3"});
+  expect_language(schema_gbnf(R"({"type":"integer","minimum":-120,"maximum":-7})"), {"-7", "-120", "-99"},
+                  {"-6", "-121", "7", "-0"});
+  expect_language(schema_gbnf(R"({"type":"number"})"), {"0", "-1.5e+3", "2.0"}, {"01", "1.", ".5", "+1"});
+  expect_language(schema_gbnf(R"({"anyOf":[{"type":"string"},{"type":"null"}]})"), {"\"x\"", "null"}, {"1"});
+  expect_language(schema_gbnf(R"({"allOf":[{"type":"object","properties":{"a":{"type":"integer"}}},
+      {"required":["a"]}]})"),
+                  {R"({"a":1})"}, {"{}", R"({"a":"x"})"});
+  expect_language(schema_gbnf(R"({"enum":["a\"b",{"k":[1]},2.5]})"), {"\"a\\\"b\"", R"({"k":[1]})", "2.5"}, {"\"ab\"", "2"});
+  JsonSchemaOptions ws;
+  ws.any_whitespace = true;
+  expect_language(schema_gbnf(R"({"type":"object","properties":{"a":{"type":"array"}},"additionalProperties":false})", ws),
+                  {"{ \"a\" : [ 1 , 2 ] }", "{}"}, {"{ \"b\": 1}"});
+}
+
+TEST(Grammar, JsonSchemaUnsupportedKeywordsAreErrors) {
+  JsonSchemaOptions strict;
+  strict.oneof_as_anyof = false;
+  for (const auto& [schema, kw] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"type":"array","uniqueItems":true})", "uniqueItems"},
+           {R"({"type":"number","multipleOf":2})", "multipleOf"},
+           {R"({"not":{"type":"string"}})", "not"},
+           {R"({"type":"number","minimum":1.5})", "minimum"},
+           {R"({"$ref":"http://example.com/s.json"})", "$ref"},
+           {R"({"patternProperties":{"^a":{}}})", "patternProperties"},
+           {R"({"type":"string","format":"hostname"})", "format"},
+           {R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", "oneOf"}}) {
+    try {
+      schema_gbnf(schema, strict);
+      ADD_FAILURE() << "no error for " << schema;
+    } catch (const GrammarError& e) {
+      EXPECT_EQ(e.keyword(), kw) << schema << ": " << e.what();
+    }
+  }
+  // Branches of different types are exclusive, so oneOf stays supported for them.
+  EXPECT_NO_THROW(schema_gbnf(R"({"oneOf":[{"type":"integer"},{"type":"string"}]})", strict));
+  // Annotations are ignored.
+  EXPECT_NO_THROW(schema_gbnf(R"({"title":"t","description":"d","examples":[1],"default":2,"$schema":"x","type":"integer"})"));
+}
+
+TEST(Grammar, MultiByteTokensSplitCharactersAndRollback) {
+  auto cg = compile("root ::= \"{\\\"\" [a-zé]+ \"\\\":\" [0-9]+ \",\\\"\" \"x\" \"\\\"}\"");
+  const TokenVocab& v = cg->vocab();
+  auto id_of = [&](const std::string& b) {
+    for (int32_t i = 0; i < v.n_vocab; ++i)
+      if (v.bytes[static_cast<size_t>(i)] == b) return i;
+    return -1;
+  };
+  GrammarMatcher m(cg);
+  std::vector<uint32_t> mask(bitmask_words(v.n_vocab));
+  auto allowed = [&](int32_t id) {
+    m.fill_next_token_bitmask(mask);
+    return ((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) != 0;
+  };
+  EXPECT_TRUE(allowed(id_of("{\"")));
+  EXPECT_FALSE(allowed(id_of("ab")));
+  EXPECT_FALSE(allowed(0));  // EOS only once the grammar can end
+  ASSERT_TRUE(m.accept_token(id_of("{\"")));
+  EXPECT_TRUE(allowed(id_of("abc")));
+  EXPECT_TRUE(allowed(0xC3));   // the first byte of é
+  EXPECT_FALSE(allowed(0xC4));  // a character no class position holds
+  ASSERT_TRUE(m.accept_token(0xC3));
+  EXPECT_TRUE(allowed(0xA9));
+  EXPECT_FALSE(allowed(0xAA));  // U+00EA is not in [a-zé]
+  EXPECT_FALSE(allowed('a'));
+  ASSERT_TRUE(m.accept_token(0xA9));
+  EXPECT_TRUE(allowed(id_of("\":")));
+  ASSERT_TRUE(m.accept_token(id_of("\":")));
+  EXPECT_TRUE(allowed(id_of("12")));
+  EXPECT_TRUE(allowed(id_of("1,\"")));  // crosses from the digits into the next literal
+  ASSERT_TRUE(m.accept_token(id_of("1,\"")));
+  ASSERT_TRUE(m.accept_token('x'));
+  EXPECT_FALSE(m.can_end());
+  ASSERT_TRUE(m.accept_token(id_of("\"}")));
+  EXPECT_TRUE(m.can_end());
+  EXPECT_TRUE(allowed(0));
+  m.rollback(2);
+  EXPECT_FALSE(m.can_end());
+  EXPECT_FALSE(m.accept_token('y'));
+  EXPECT_TRUE(m.accept_token('x'));
+  EXPECT_TRUE(m.accept_token(id_of("\"}")));
+  EXPECT_TRUE(m.is_terminated());
+  EXPECT_TRUE(m.accept_token(0));
+  EXPECT_FALSE(m.accept_token('x'));
+  m.rollback(1);
+  EXPECT_FALSE(m.accept_token('x'));  // still at the end of the grammar, but EOS undone
+  EXPECT_TRUE(m.accept_token(0));
+}
+
+TEST(Grammar, ApplyBitmaskBlocksClearedBits) {
+  std::vector<float> logits(40, 1.0f);
+  std::vector<uint32_t> mask = {0x5u, 0x80u};  // ids 0, 2 and 39
+  apply_token_bitmask(logits, mask);
+  for (size_t i = 0; i < logits.size(); ++i) EXPECT_EQ(std::isinf(logits[i]), i != 0 && i != 2 && i != 39) << i;
+}
+
+}  // namespace
+}  // namespace kestrel::grammar
