@@ -1,7 +1,9 @@
 """The OpenAI API of `kestrel serve` on stories260K, through the official openai client and raw HTTP."""
 
 import concurrent.futures
+import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -377,3 +379,38 @@ def test_fields_served_as_vllm_serves_them(server):
     assert complete(server, max_tokens=2, response_format={"type": "text"}, n=2, best_of=2)["choices"][1]["index"] == 1
     r = chat(server, max_tokens=2, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
     assert r["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs", "guided_json", "json_schema"])
+def test_structured_output_follows_the_schema(server, field):
+    """Sampled at temperature 1, every choice is JSON that satisfies the schema (checked by hand below),
+    and ends with "stop" once the object is closed."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "age": {"type": "integer", "minimum": 1, "maximum": 99},
+                             "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}}}
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+             "structured_outputs": {"json": schema}, "guided_json": schema, "json_schema": schema}[field]
+    body = dict(prompt=PROMPT, max_tokens=200, temperature=1.0, n=4, seed=5)
+    body[field] = extra
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        value = json.loads(choice["text"])
+        assert set(value) <= {"name", "age", "pets"} and {"name", "age"} <= set(value), value
+        assert isinstance(value["name"], str) and len(value["name"]) <= 10, value
+        assert isinstance(value["age"], int) and 1 <= value["age"] <= 99, value
+        assert all(p in ("cat", "dog") for p in value.get("pets", [])) and len(value.get("pets", [])) <= 2, value
+
+
+def test_structured_output_regex_and_choice(server):
+    r = server.post("/v1/completions", dict(prompt=PROMPT, max_tokens=30, temperature=1.0, n=4, seed=2,
+                                            guided_regex="(Lily|Tom) has [1-9] (cats|dogs)\\."))
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert re.fullmatch(r"(Lily|Tom) has [1-9] (cats|dogs)\.", choice["text"]), choice
+    r = server.post("/v1/completions", dict(prompt=PROMPT, max_tokens=10, temperature=1.0, n=4, seed=2,
+                                            structured_outputs={"choice": ["red", "green", "blue"]}))
+    assert r.status_code == 200, r.text
+    assert all(c["text"] in ("red", "green", "blue") and c["finish_reason"] == "stop" for c in r.json()["choices"])

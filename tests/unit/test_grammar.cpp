@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "sampling/grammar/constraint.h"
 #include "sampling/grammar/grammar.h"
 #include "sampling/grammar/json_schema.h"
 #include "sampling/grammar/matcher.h"
@@ -223,6 +224,39 @@ TEST(Grammar, MultiByteTokensSplitCharactersAndRollback) {
   m.rollback(1);
   EXPECT_FALSE(m.accept_token('x'));  // still at the end of the grammar, but EOS undone
   EXPECT_TRUE(m.accept_token(0));
+}
+
+TEST(Grammar, ConstraintsAndTheirCache) {
+  GrammarCache cache(test_vocab(), 2);
+  Constraint choice;
+  choice.kind = ConstraintKind::CHOICE;
+  choice.choices = {"ab", "abc", "x\"y"};
+  auto g = cache.get(choice);
+  EXPECT_EQ(cache.get(choice), g);  // the same grammar object, splits already computed
+  EXPECT_TRUE(matches(g, "ab"));
+  EXPECT_TRUE(matches(g, "x\"y"));
+  EXPECT_FALSE(matches(g, "a"));
+  Constraint re;
+  re.kind = ConstraintKind::REGEX;
+  re.text = "[0-9]+";
+  EXPECT_TRUE(matches(cache.get(re), "123"));
+  Constraint obj;
+  obj.kind = ConstraintKind::JSON_OBJECT;
+  EXPECT_TRUE(matches(cache.get(obj), R"({"a":[1,{"b":null}]})"));
+  EXPECT_FALSE(matches(cache.get(obj), "[1]"));
+  EXPECT_NE(cache.get(choice), g);  // evicted (capacity 2), compiled again
+  Constraint bad;
+  bad.kind = ConstraintKind::JSON_SCHEMA;
+  bad.text = "{not json";
+  try {
+    cache.get(bad);
+    ADD_FAILURE() << "no error for a schema that is not JSON";
+  } catch (const GrammarError& e) {
+    EXPECT_EQ(e.keyword(), "json");
+  }
+  Constraint none;
+  none.kind = ConstraintKind::CHOICE;
+  EXPECT_THROW(compile_constraint(none), GrammarError);
 }
 
 TEST(Grammar, ApplyBitmaskBlocksClearedBits) {

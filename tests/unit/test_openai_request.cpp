@@ -411,6 +411,12 @@ TEST(OpenAiRequest, StructuredOutputFields) {
   EXPECT_EQ(param_of("{" + m + R"(, "guided_regex": "a", "grammar": "root ::= \"a\""})", RequestApi::Chat), "grammar");
   EXPECT_EQ(param_of("{" + m + R"(, "guided_choice": []})", RequestApi::Chat), "guided_choice");
   EXPECT_EQ(param_of("{" + m + R"(, "structured_outputs": {}})", RequestApi::Chat), "structured_outputs");
+  EXPECT_FALSE(parse("{" + m + R"(, "guided_json": {}})", RequestApi::Chat).constraint->any_whitespace);
+  EXPECT_TRUE(parse("{" + m + R"(, "response_format": {"type": "json_object"},
+                                   "structured_outputs": {"any_whitespace": true}})",
+                    RequestApi::Chat).constraint->any_whitespace);
+  EXPECT_EQ(param_of("{" + m + R"(, "structured_outputs": {"json": {}, "any_whitespace": 1}})", RequestApi::Chat),
+            "structured_outputs.any_whitespace");
   for (const char* f : {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
                         "json_schema"})
     EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;

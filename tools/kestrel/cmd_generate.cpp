@@ -21,6 +21,7 @@ struct GenerateArgs {
   std::string dump_logits;
   std::string grammar_file;      // GBNF text
   std::string json_schema_file;  // a JSON Schema
+  bool json_any_whitespace = false;
   SamplingFlags sampling;
   KestrelConfig config;
 };
@@ -61,6 +62,7 @@ std::shared_ptr<const grammar::CompiledGrammar> output_grammar(const GenerateArg
   grammar::Constraint c;
   c.kind = a.grammar_file.empty() ? grammar::ConstraintKind::JSON_SCHEMA : grammar::ConstraintKind::GBNF;
   c.text = read_text_file(path, flag);
+  c.any_whitespace = a.json_any_whitespace;
   try {
     return std::make_shared<const grammar::CompiledGrammar>(grammar::compile_constraint(c),
                                                             grammar::TokenVocab::from_tokenizer(tok));
@@ -149,6 +151,8 @@ void register_generate(CLI::App& app) {
       ->check(CLI::ExistingFile);
   sub->add_option("--json-schema", a->json_schema_file, "Constrain the output to JSON valid under this JSON Schema file")
       ->check(CLI::ExistingFile);
+  sub->add_flag("--json-any-whitespace", a->json_any_whitespace,
+                "With --json-schema: allow whitespace between JSON tokens (default: compact JSON)");
   a->sampling.add_to(*sub);
   a->config.add_flags(*sub, EngineMode::Single);
   a->config.add_prefill_chunk_flag(*sub);

@@ -320,7 +320,8 @@ void structured_output_fields(const json& j, OpenAiRequest& r) {
       c.kind = ConstraintKind::JSON_OBJECT;
       set_constraint(r, "structured_outputs", c);
     }
-    if (!r.constraint) bad("structured_outputs", "must hold one of json, regex, choice, grammar, json_object", v);
+    if (!r.constraint && !v.contains("any_whitespace"))
+      bad("structured_outputs", "must hold one of json, regex, choice, grammar, json_object", v);
   }
   if (const json& v = field(j, "guided_json"); !v.is_null()) set_constraint(r, "guided_json", schema_constraint("guided_json", v));
   if (const json& v = field(j, "guided_regex"); !v.is_null())
@@ -330,6 +331,14 @@ void structured_output_fields(const json& j, OpenAiRequest& r) {
     set_constraint(r, "guided_grammar", text_constraint("guided_grammar", v, ConstraintKind::GBNF));
   if (const json& v = field(j, "grammar"); !v.is_null()) set_constraint(r, "grammar", text_constraint("grammar", v, ConstraintKind::GBNF));
   if (const json& v = field(j, "json_schema"); !v.is_null()) set_constraint(r, "json_schema", schema_constraint("json_schema", v));
+  // Whitespace between JSON tokens (xgrammar's any_whitespace): none unless asked for, whichever
+  // field gave the JSON constraint.
+  if (const json& so = field(j, "structured_outputs"); so.is_object()) {
+    if (const json& w = field(so, "any_whitespace"); !w.is_null()) {
+      const bool any = boolean("structured_outputs.any_whitespace", w);
+      if (r.constraint) r.constraint->any_whitespace = any;
+    }
+  }
 }
 
 // Fields vLLM reads that ask for what this server does not do: an error rather than an answer
