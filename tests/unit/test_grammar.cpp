@@ -152,6 +152,34 @@ TEST(Grammar, JsonSchemaStringsNumbersCombinators) {
                   {"{ \"a\" : [ 1 , 2 ] }", "{}"}, {"{ \"b\": 1}"});
 }
 
+TEST(Grammar, JsonSchemaOneOfCompilesOnlyWhenItsBranchesAreExclusive) {
+  // A discriminated union: both branches require "kind" with different consts, so no object
+  // matches both and the alternation is exact.
+  const std::string shapes = R"({"oneOf":[
+      {"type":"object","properties":{"kind":{"const":"c"},"r":{"type":"integer"}},"required":["kind","r"],
+       "additionalProperties":false},
+      {"type":"object","properties":{"kind":{"enum":["s","q"]},"w":{"type":"integer"}},"required":["kind","w"],
+       "additionalProperties":false}]})";
+  expect_language(schema_gbnf(shapes), {R"({"kind":"c","r":1})", R"({"kind":"q","w":2})"},
+                  {R"({"kind":"c","w":1})", R"({"kind":"x","r":1})", R"({"r":1})"});
+  // Branches of disjoint types are exclusive too.
+  expect_language(schema_gbnf(R"({"oneOf":[{"type":"string"},{"type":"integer"}]})"), {"\"a\"", "3"}, {"null"});
+  // "kind" required by one branch only: {"kind":"c","r":1,...} cannot be told apart, so refused.
+  for (const char* schema : {R"({"oneOf":[{"type":"integer"},{"minimum":2}]})",
+                             R"({"oneOf":[{"type":"object","properties":{"kind":{"const":"a"}},"required":["kind"]},
+                                          {"type":"object","properties":{"kind":{"const":"b"}}}]})"}) {
+    try {
+      schema_gbnf(schema);
+      ADD_FAILURE() << "no error for " << schema;
+    } catch (const GrammarError& e) {
+      EXPECT_NE(std::string(e.what()).find("oneOf"), std::string::npos) << e.what();
+    }
+  }
+  JsonSchemaOptions loose;
+  loose.oneof_as_anyof = true;
+  expect_language(schema_gbnf(R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", loose), {"1", "3"}, {});
+}
+
 TEST(Grammar, JsonSchemaUnsupportedKeywordsAreErrors) {
   JsonSchemaOptions strict;
   strict.oneof_as_anyof = false;

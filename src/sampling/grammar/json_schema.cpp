@@ -285,7 +285,7 @@ class Compiler {
         for (size_t i = 0; i < ts.size(); ++i)
           for (size_t j = i + 1; j < ts.size(); ++j)
             for (const auto& t : ts[i])
-              if (ts[j].count(t))
+              if (ts[j].count(t) && !(t == "object" && discriminated(branches[i], branches[j])))
                 unsupported("oneOf", "oneOf branches " + std::to_string(i) + " and " + std::to_string(j) +
                                          " can both hold a " + t + ", and a grammar cannot enforce that only one matches");
       }
@@ -308,6 +308,42 @@ class Compiler {
     std::vector<std::string> out;
     for (const auto& t : types) out.push_back(type_rule(s, t));
     return new_rule(alts(out));
+  }
+
+  // True when no object can match both branches: some property is required by both and its
+  // const / enum values in one are disjoint from the other's (a discriminated union, the usual
+  // way a oneOf of objects is made exclusive).
+  static bool discriminated(const Json& a, const Json& b) {
+    auto required = [](const Json& s, const std::string& name) {
+      if (!s.is_object() || !s.contains("required") || !s["required"].is_array()) return false;
+      for (const auto& r : s["required"])
+        if (r.is_string() && r.get<std::string>() == name) return true;
+      return false;
+    };
+    auto values = [](const Json& s, const std::string& name, Json& out) {
+      if (!s.contains("properties") || !s["properties"].is_object() || !s["properties"].contains(name)) return false;
+      const Json& p = s["properties"][name];
+      if (!p.is_object()) return false;
+      if (p.contains("const")) {
+        out = Json::array({p["const"]});
+        return true;
+      }
+      if (p.contains("enum") && p["enum"].is_array()) {
+        out = p["enum"];
+        return true;
+      }
+      return false;
+    };
+    if (!a.is_object() || !a.contains("properties") || !a["properties"].is_object()) return false;
+    for (const auto& [name, unused] : a["properties"].items()) {
+      Json va, vb;
+      if (!required(a, name) || !required(b, name) || !values(a, name, va) || !values(b, name, vb)) continue;
+      bool disjoint = true;
+      for (const auto& x : va)
+        for (const auto& y : vb) disjoint &= !(x == y);
+      if (disjoint) return true;
+    }
+    return false;
   }
 
   std::string enum_rule(const Json& s, const std::set<std::string>& types) {

@@ -33,11 +33,12 @@ namespace kestrel::grammar {
 struct JsonSchemaOptions {
   // Whitespace between JSON tokens: none (compact output) by default; any amount when set.
   bool any_whitespace = false;
-  // oneOf is compiled as an alternation, which does not enforce that exactly one branch matches:
-  // a value matching two branches is accepted. When false, a oneOf whose branches can hold
-  // values of the same JSON type is refused (keyword "oneOf"); branches of disjoint types are
-  // exclusive by construction and always accepted.
-  bool oneof_as_anyof = true;
+  // oneOf is compiled as an alternation, which does not enforce that exactly one branch matches.
+  // So by default a oneOf is compiled only when its branches are exclusive by construction: of
+  // disjoint JSON types, or objects told apart by a property both require with disjoint
+  // const / enum values (a discriminated union); any other oneOf is refused (keyword "oneOf").
+  // When true, every oneOf is compiled as anyOf (looser: a value matching two branches passes).
+  bool oneof_as_anyof = false;
   // Properties in byte order of their names instead of declaration order (the order of
   // serialisers that sort keys, e.g. Python's json.dumps(sort_keys=True)).
   bool sort_properties = false;
