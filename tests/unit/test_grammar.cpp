@@ -177,7 +177,8 @@ TEST(Grammar, JsonSchemaOneOfCompilesOnlyWhenItsBranchesAreExclusive) {
   }
   JsonSchemaOptions loose;
   loose.oneof_as_anyof = true;
-  expect_language(schema_gbnf(R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", loose), {"1", "3"}, {});
+  expect_language(schema_gbnf(R"({"oneOf":[{"type":"integer"},{"type":"integer","minimum":2}]})", loose), {"1", "3"},
+                  {"\"a\""});
 }
 
 TEST(Grammar, JsonSchemaUnsupportedKeywordsAreErrors) {
