@@ -18,7 +18,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check numpy==2.1.3 gguf==0.17.1 safetensors==0.6.2 \
-  pytest==8.4.2 requests==2.32.5 openai==3.57.0 "lm_eval[api]==0.4.13"
+  pytest==8.4.2 requests==2.32.5 jsonschema==4.25.1 rfc3339-validator==0.1.4 openai==3.57.0 "lm_eval[api]==0.4.13"
 export KESTREL_REQUIRE_REFERENCE=1  # a missing reference piece fails instead of skipping
 KESTREL_CMAKE_ARGS="-DPython3_EXECUTABLE=$PWD/.venv/bin/python" scripts/build.sh
 
