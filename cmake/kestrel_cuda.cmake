@@ -103,7 +103,7 @@ if(KESTREL_CUDA_EMULATION)
     add_library(kestrel_cuda_runner_emu STATIC
       ${runner_dir}/cuda_model_runner.cpp ${runner_dir}/cuda_forward.cpp ${runner_dir}/cuda_graph_runner.cpp
       ${runner_dir}/cuda_moe_ffn.cpp
-      ${runner_dir}/cuda_mla.cpp ${runner_dir}/cuda_int4_weights.cpp
+      ${runner_dir}/cuda_mla.cpp ${runner_dir}/cuda_int4_weights.cpp ${runner_dir}/cuda_gguf_weights.cpp
       ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp
       ${runner_dir}/emulate_gemm.cpp ${runner_dir}/emulate_runtime.cpp)
     target_compile_options(kestrel_cuda_runner_emu PRIVATE -Wno-attributes)
@@ -114,6 +114,6 @@ endif()
 # Timings of the ops on a GPU (scripts/device/cuda_tests.sh runs it with KESTREL_CUDA_BENCH=1).
 if(KESTREL_BENCH)
   add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp
-                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp)
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_gguf.cpp)
   target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
 endif()

@@ -89,5 +89,7 @@ inline void report(const std::string& op, const std::string& shape, double ms, d
 
 // INT4 W4A16 projections against bf16 (bench_int4.cpp).
 void bench_int4();
+// GGUF blocks in place: the decode GEMV of every kept type against bf16 (bench_gguf.cpp).
+void bench_gguf();
 
 }  // namespace kestrel::bench

@@ -35,6 +35,9 @@ struct CudaTuning {
   int64_t attn_items_per_block = 0;  // decode attention splits: 0 = the measured rule, else k
   int64_t attn_min_split_tiles = 0;  // KV tiles per split at least: 0 = the measured rule
   bool profile_ops = false;          // time every op (eager: no graphs), print per-op totals and tuning picks
+  // GGUF quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) kept in their blocks on the
+  // device and dequantized in the kernels (--cuda-gguf-weights in-place), instead of bf16 at upload.
+  bool gguf_in_place = false;
 };
 
 struct RunnerOptions {

@@ -74,6 +74,13 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->check(CLI::Range(int64_t{0}, int64_t{4096}))
       ->capture_default_str()
       ->group(group);
+  app.add_option_function<std::string>(
+         "--cuda-gguf-weights", [&t](const std::string& v) { t.gguf_in_place = v == "in-place"; },
+         "CUDA: GGUF quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) as bf16 (dequantized at upload) "
+         "or in-place (their blocks on the device, dequantized in the kernels: less memory)")
+      ->check(CLI::IsMember({"bf16", "in-place"}))
+      ->default_str(t.gguf_in_place ? "in-place" : "bf16")
+      ->group(group);
   app.add_flag("--cuda-profile-ops", t.profile_ops,
                "CUDA: time every op of every pass (eagerly, no graphs), print per-op totals and GEMM tuning picks at exit")
       ->group(group);

@@ -86,6 +86,12 @@ bf16* CudaModelRunner::act(Act a) {
 }
 
 void CudaModelRunner::embed() {
+  if (embd_q_.in_place()) {
+    cuda::gguf_embedding(embd_q_.gguf[0].m, pass_arrays_->ids, pass_.n_tokens, hp_.embd_scale, pass_residual_,
+                         stream_);
+    mark("embedding");
+    return;
+  }
   cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, hp_.embd_scale, pass_residual_,
                   stream_);
   mark("embedding");
@@ -106,7 +112,9 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   bf16* y = act(out);
   // FP8 and INT4 weights fuse the norm in their streaming GEMV (act-order INT4 gathers x first: not fused).
   const bool narrow = W.fp8 || W.int4;
-  const bool streamed = narrow ? uses_stream_gemv_narrow(W, n) && W.perm.bytes() == 0 : uses_stream_gemv(n, d, n_out);
+  const bool streamed = W.in_place() ? false  // GGUF blocks: their own GEMV, the norm a kernel of its own
+                        : narrow     ? uses_stream_gemv_narrow(W, n) && W.perm.bytes() == 0
+                                     : uses_stream_gemv(n, d, n_out);
   if (!fused_norm_ || !streamed) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
@@ -235,8 +243,13 @@ void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
     rows = logits_in_.as<bf16>();
   }
   mark("final norm");
-  const bf16* w = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-  project(rows, w, logits_.as<void>(), true, pass_.n_out, d, hp_.n_vocab);
+  const DeviceWeight& head_q = lm_head_.bytes() > 0 || head_q_.in_place() ? head_q_ : embd_q_;
+  if (head_q.in_place()) {
+    project_gguf(rows, head_q, logits_.as<void>(), pass_.n_out, false, true);
+  } else {
+    const bf16* w = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
+    project(rows, w, logits_.as<void>(), true, pass_.n_out, d, hp_.n_vocab);
+  }
   mark("gemm lm_head");
 }
 
@@ -273,7 +286,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   tune(act_.as<bf16>(), all_layers(WeightRole::Down), down_.as<void>(), false, ff, d);
   // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).
   const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-  tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
+  if (head != nullptr) tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
 }
 
 void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,
@@ -304,6 +317,10 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
 }
 
 void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu) {
+  if (W.in_place()) {
+    project_gguf(x, W, y, n, swiglu, false);
+    return;
+  }
   if (W.int4) {
     project_int4(x, W, y, n, swiglu);
     return;

@@ -82,6 +82,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     eager_ = true;  // events between the ops of every pass, no graphs
   }
   fp8_weights_ = o.quantize_fp8;
+  gguf_in_place_ = t.gguf_in_place;
   // The float types all mean the bf16 cache (the engine asks for bf16; a default RunnerOptions says f16).
   if (o.kv_dtype == KvDtype::INT8)
     throw Error("--kv-cache-dtype int8: the CUDA backend's KV cache stores bf16 or fp8");
@@ -91,6 +92,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   upload_weights();
   if (hp_.mla.enabled()) prepare_mla();
   if (fp8_weights_) quantize_fp8_weights();
+  weight_bytes_ = count_weight_bytes();
   block_size_ = o.block_size;
   allocate_kv(o);
 }
@@ -116,8 +118,13 @@ void CudaModelRunner::upload_weights() {
     const WeightView* one[1] = {&w};
     return up.matrices(one);
   };
-  embd_ = matrix(W.at({-1, WeightRole::TokenEmbd}).matrix);
-  lm_head_ = W.tied_output ? DevMem() : matrix(W.at({-1, WeightRole::Output}).matrix);
+  // In place (--cuda-gguf-weights in-place): the embedding and the LM head too, where their type allows.
+  auto head_or_embd = [&](WeightRole role, DevMem& bf16_copy, DeviceWeight& in_place) {
+    const WeightView* one[1] = {&W.at({-1, role}).matrix};
+    if (!upload_gguf(role, one, in_place, /*any_role=*/true)) bf16_copy = up.matrices(one);
+  };
+  head_or_embd(WeightRole::TokenEmbd, embd_, embd_q_);
+  if (!W.tied_output) head_or_embd(WeightRole::Output, lm_head_, head_q_);
   out_norm_ = upload_bf16(W.at({-1, WeightRole::OutputNorm}).vector);
   layers_.resize(static_cast<size_t>(hp_.n_layer));
   for (int32_t l = 0; l < static_cast<int32_t>(hp_.n_layer); ++l) {
@@ -140,7 +147,8 @@ void CudaModelRunner::upload_weights() {
         dw.n_out += t->matrix.n_out;
         any_bias = any_bias || !t->bias.empty();
       }
-      if (!upload_fp8_codes(group, views, dw) && !upload_int4(group, views, dw)) dw.w = up.matrices(views);
+      if (!upload_fp8_codes(group, views, dw) && !upload_int4(group, views, dw) && !upload_gguf(group, views, dw))
+        dw.w = up.matrices(views);
       if (any_bias) {
         std::vector<float> b(static_cast<size_t>(dw.n_out), 0.0f);
         int64_t at = 0;
@@ -165,7 +173,8 @@ void CudaModelRunner::upload_weights() {
       const WeightView* one[1] = {&t->matrix};
       dw.n_in = t->matrix.n_in;
       dw.n_out = t->matrix.n_out;
-      if (!upload_fp8_codes(static_cast<WeightRole>(r), one, dw) && !upload_int4(static_cast<WeightRole>(r), one, dw))
+      const auto role = static_cast<WeightRole>(r);
+      if (!upload_fp8_codes(role, one, dw) && !upload_int4(role, one, dw) && !upload_gguf(role, one, dw))
         dw.w = matrix(t->matrix);
       if (!t->bias.empty()) dw.b = upload_f32(t->bias);
     }

@@ -20,6 +20,7 @@
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/gguf_ops.h"
 #include "backend/cuda/int4_ops.h"
 #include "backend/cuda/op_profiler.h"
 #include "backend/model_runner.h"
@@ -37,7 +38,14 @@ using cuda::PinnedMem;
 // A projection's weight on the device: bf16 [n_out, n_in]; or with fp8 E4M3 codes [n_out, n_in]
 // and one f32 scale per output row (scale); or with int4 (GPTQ / AWQ 4-bit, int4_ops.h): w the
 // codes uint32 [n_out, n_in / 8], meta uint32 [n_out, n_in / group_size], perm int32 [n_in] for
-// act order or empty. Bias b [n_out] f32 or empty.
+// act order or empty; or with GGUF blocks in place (gguf_ops.h, --cuda-gguf-weights in-place):
+// gguf, the parts in row order (a stacked projection's consecutive parts of one type share one),
+// and w empty. Bias b [n_out] f32 or empty.
+struct GgufPart {
+  cuda::GgufMatrix m;  // points into body and d
+  cuda::DevMem body, d;
+  int64_t row0 = 0;    // its first row in the stacked projection
+};
 struct DeviceWeight {
   DevMem w, b, scale;
   DevMem meta, perm;
@@ -46,6 +54,8 @@ struct DeviceWeight {
   bool fp8 = false;
   bool int4 = false;
   bool scale_f16 = true;   // int4: the scales' 16 bits are f16 (else bf16)
+  std::vector<GgufPart> gguf;
+  bool in_place() const { return !gguf.empty(); }
   cuda::Int4Matrix int4_matrix() const {
     cuda::Int4Matrix m;
     m.codes = w.as<uint32_t>();
@@ -140,7 +150,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::vector<uint64_t> expert_token_counts() const override;  // cuda_moe_ffn.cpp (synchronises)
   std::string description() const override {
     return "cuda (" + device_name_ +
-           (n_int4_ > 0 ? ", int4 W4A16 weights (" + std::to_string(n_int4_) + " projections)" : ", bf16 weights") +
+           (n_int4_ > 0   ? ", int4 W4A16 weights (" + std::to_string(n_int4_) + " projections)"
+            : n_gguf_ > 0 ? ", GGUF blocks in place (" + std::to_string(n_gguf_) + " matrices)"
+                          : ", bf16 weights") +
+           ", weights " + std::to_string(weight_bytes_ >> 10) + " KiB" +
            ", KV " + std::string(kv_dtype_name(kv_dtype_)) + " " + std::to_string(n_blocks_) + " blocks, " +
            (eager_ ? "eager" : "CUDA graphs for decode") + ")";
   }
@@ -217,6 +230,17 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // The int4 projections' buffers: the dequantized weight for cuBLASLt (the largest int4 matrix,
   // bf16) and the act-order gather of at most kInt4SkinnyMaxTokens rows.
   void reserve_int4_scratch();
+  // With gguf_in_place_, a dense projection whose stored parts are all GGUF matrices of the types
+  // gguf_ops.h keeps (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) with whole blocks per row is
+  // repacked on the host and uploaded in place (cuda_gguf_weights.cpp); false (nothing uploaded)
+  // otherwise, and then it is dequantized to bf16 as before. `any_role`: the embedding and LM head.
+  bool upload_gguf(WeightRole role, std::span<const WeightView* const> views, DeviceWeight& dw, bool any_role = false);
+  // project_weight() for GGUF blocks in place: up to kGgufGemvMaxTokens rows the GEMV per part
+  // (each writing its columns of y); more: the parts dequantized into gguf_w_ and cuBLASLt, or for
+  // the LM head (f32_out) the GEMV over slices of kGgufGemvMaxTokens rows (no scratch of its size).
+  void project_gguf(const bf16* x, const DeviceWeight& W, void* y, int64_t n, bool swiglu, bool f32_out);
+  // The bytes of every weight on the device (for description()).
+  size_t count_weight_bytes() const;
   // Whether project() takes the skinny GEMM: it beats cuBLASLt on small weights only (H200,
   // bench/cuda: 4096 x 6144 and 4096 x 4096 at up to 8 tokens, by 7-21%); on larger ones (the 8B's
   // gate/up, down and head) cuBLASLt streams at 3.5-4.4 TB/s and the skinny kernel does not.
@@ -332,7 +356,16 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // int4 projections (upload_int4): how many, the dequantized weight of one for batches above
   // kInt4SkinnyMaxTokens [n_out, n_in] bf16, the act-order gathered activations [64, n_in] bf16.
   int64_t n_int4_ = 0;
-  DevMem int4_w_, int4_x_;  // W8A8 GEMMs: the activations as E4M3 [n, n_in] and their per-token scales
+  DevMem int4_w_, int4_x_;
+  // GGUF blocks in place (RunnerOptions::cuda.gguf_in_place): how many matrices, the token
+  // embedding and the LM head when in place (then embd_ / lm_head_ are empty; a tied head is
+  // embd_q_), and the dequantized weight of the largest in-place projection for batches above
+  // kGgufGemvMaxTokens [n_out, n_in] bf16.
+  bool gguf_in_place_ = false;
+  int64_t n_gguf_ = 0;
+  DeviceWeight embd_q_, head_q_;
+  DevMem gguf_w_;
+  size_t weight_bytes_ = 0;  // W8A8 GEMMs: the activations as E4M3 [n, n_in] and their per-token scales
   // The shared experts run on side_stream_, beside the router, the routing and the routed experts
   // on stream_ (fork at moe_fork_, join at moe_join_): at decode sizes the routing kernels leave
   // the GPU's bandwidth idle. Created with the first shared expert; the side stream's cuBLASLt
