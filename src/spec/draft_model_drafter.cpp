@@ -261,7 +261,7 @@ void DraftModelDrafter::propose(std::span<const DraftRequest> requests, std::vec
     want[i] = static_cast<int32_t>(k);
   }
   // Catch-up: the uncomputed tokens in chunks under the token budget; the pass that reaches a
-  // sequence's last token samples its first draft.
+  // sequence's last token samples its draft 0.
   const int64_t budget = std::max<int64_t>(1, ctx_.max_num_batched_tokens);
   for (;;) {
     SchedulerOutput so;

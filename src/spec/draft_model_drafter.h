@@ -6,7 +6,7 @@
 // Each sequence's draft KV is kept in step with the target's tokens: a propose first feeds the
 // tokens the draft has not computed (after prefill the whole prompt, after a verification the
 // token the target sampled, and the last draft when all were accepted) in chunks of at most
-// max_num_batched_tokens, sampling the first draft from the last one's logits; then k - 1
+// max_num_batched_tokens, sampling draft 0 from the last one's logits; then k - 1
 // single-token decode passes, batched over all requesting sequences, sample the rest.
 // on_verified rolls the KV back to the accepted tokens, release frees it. Whatever was dropped
 // without a call (drafts of a step the scheduler did not run) is found by comparing the draft's
