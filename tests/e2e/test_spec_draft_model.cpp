@@ -292,3 +292,62 @@ TEST(SpecDraftModel, DraftUniformIsAFunctionOfSeedAndPosition) {
   EXPECT_NEAR(sum / 10000, 0.5, 0.01);
   EXPECT_NEAR(below_tenth, 1000, 100);
 }
+
+// The drafter on its own: its greedy drafts are the target's greedy continuation (the draft is the
+// target) after a prefill, after a verification that kept some drafts and replaced the next, and
+// after drafts that were dropped without a verification; a pool too small for two sequences frees
+// the idle one for the one drafting.
+TEST(SpecDraftModel, DrafterKeepsItsKvInStepWithTheSequence) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto continuation = [](std::vector<int32_t> prompt, int64_t n) {
+    Request r;
+    r.prompt = std::move(prompt);
+    r.max_tokens = n;
+    r.sampling.temperature = 0;
+    EngineConfig c;
+    c.max_num_seqs = 1;
+    Engine e(*stories().model, nullptr, c);
+    return run(e, {r})[0].ids;
+  };
+  DrafterContext ctx;
+  ctx.target = stories().model.get();
+  ctx.target_tokenizer = stories().tokenizer.get();
+  ctx.max_num_seqs = 1;  // a pool of one sequence of 64 tokens: 8 blocks of 8
+  ctx.max_model_len = 64;
+  ctx.max_num_batched_tokens = 16;  // the 40-token prompts are fed in three chunks
+  ctx.block_size = 8;
+  ctx.kv_dtype = KvDtype::F32;
+  DraftModelDrafter d(ctx, draft_model(DraftKind::Same));
+  std::vector<int32_t> a = stories().tokenizer->encode(
+      "Once upon a time, there was a little girl named Lily. She liked to play with her red ball in the park", true, false);
+  std::vector<int32_t> b = stories().tokenizer->encode(
+      "One day, a big dog ran to the river. The dog wanted to swim with the fish but the water was very cold", true, false);
+  a.resize(40);
+  b.resize(40);
+  std::vector<Draft> out;
+  std::vector<DraftRequest> reqs = {{1, a, 40, 4}, {2, b, 40, 4}};
+  d.propose(reqs, out);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].ids, continuation(a, 4));
+  EXPECT_TRUE(out[0].q.empty()) << "greedy drafts are one-hot";
+  EXPECT_TRUE(out[1].ids.empty()) << "no room for a second sequence of 40 tokens beside the first's 43";
+  // Two drafts kept, the third replaced by another token.
+  std::vector<int32_t> a2 = a;
+  a2.insert(a2.end(), out[0].ids.begin(), out[0].ids.begin() + 2);
+  a2.push_back(out[0].ids[2] == 7 ? 8 : 7);
+  d.on_verified(1, 2, static_cast<int64_t>(a2.size()));
+  reqs = {{1, a2, 40, 3}};
+  d.propose(reqs, out);
+  EXPECT_EQ(out[0].ids, continuation(a2, 3));
+  // Those drafts dropped unverified (the scheduler did not run them): the same request again.
+  d.propose(reqs, out);
+  EXPECT_EQ(out[0].ids, continuation(a2, 3));
+  // Only b drafts: a is idle and gives its blocks up.
+  reqs = {{2, b, 40, 5}};
+  d.propose(reqs, out);
+  EXPECT_EQ(out[0].ids, continuation(b, 5));
+  EXPECT_EQ(d.n_seqs(), 1u);
+  d.release(2);
+  EXPECT_EQ(d.n_seqs(), 0u);
+  EXPECT_EQ(d.n_used_blocks(), 0);
+}
