@@ -2,6 +2,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "io/gguf.h"
 
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -9,9 +10,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <sstream>
 
 namespace kestrel::test {
@@ -108,6 +111,25 @@ std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<s
       ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     }
   return out;
+}
+
+std::string write_perturbed_gguf(const std::string& src, double rel_noise, uint64_t seed) {
+  const std::string text = read_file(src);
+  std::vector<uint8_t> bytes(text.begin(), text.end());
+  const GgufFile f = GgufFile::open(src);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const GgufTensorInfo& t : f.tensors()) {
+    if (t.type != GgmlType::F32 || t.ne.size() != 2 || t.name.rfind("blk.", 0) != 0) continue;
+    uint8_t* at = bytes.data() + f.data_offset() + t.offset;
+    for (int64_t i = 0; i < t.n_elements(); ++i) {
+      float w;
+      std::memcpy(&w, at + 4 * i, 4);
+      w = static_cast<float>(w * (1.0 + rel_noise * normal(rng)));
+      std::memcpy(at + 4 * i, &w, 4);
+    }
+  }
+  return write_file(temp_path("perturbed_" + std::to_string(seed), ".gguf"), bytes);
 }
 
 }  // namespace kestrel::test

@@ -26,6 +26,10 @@ bool file_exists(const std::string& path);
 std::string temp_path(const std::string& stem, const std::string& suffix = "");
 // Writes bytes to path (replacing the file); returns path.
 std::string write_file(const std::string& path, const std::vector<uint8_t>& bytes);
+// A copy of the F32 GGUF at src (stories260K) at a temp path of this process, every element of
+// every F32 matrix of its blocks ("blk.*", 2-D) multiplied by 1 + rel_noise * N(0, 1) (mt19937_64
+// with this seed): another model with the same tokenizer, for an imperfect draft. Returns the path.
+std::string write_perturbed_gguf(const std::string& src, double rel_noise, uint64_t seed);
 // The bytes as a std::string, for writers that take text.
 inline std::string bytes_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 

@@ -125,7 +125,7 @@ struct RequestState {
 }  // namespace
 
 struct Engine::Impl {
-  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r)
+  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r, DraftModel draft)
       : model(m),
         tokenizer(t),
         config(resolve(c, m.hparams(), r.get())),
@@ -145,7 +145,17 @@ struct Engine::Impl {
       stats.expert_tokens = runner->expert_token_counts();  // zeros: counters exist from the start
     }
     if (config.speculative.enabled()) {
-      drafter = make_drafter(config.speculative);
+      DrafterContext dc;
+      dc.target = &m;
+      dc.target_tokenizer = t;
+      dc.max_num_seqs = config.max_num_seqs;
+      dc.max_model_len = config.max_model_len;
+      dc.max_num_batched_tokens = config.max_num_batched_tokens;
+      dc.block_size = config.block_size;
+      dc.enable_prefix_caching = config.enable_prefix_caching;
+      dc.kv_dtype = config.kv_dtype;
+      dc.n_threads = config.n_threads;
+      drafter = make_drafter(config.speculative, dc, std::move(draft));
       stats.spec_accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
     }
     refresh_kv_stats();
@@ -221,13 +231,14 @@ struct Engine::Impl {
 };
 
 Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
-               std::unique_ptr<ModelRunner> runner)
-    : impl_(std::make_unique<Impl>(model, tokenizer, config, std::move(runner))) {}
+               std::unique_ptr<ModelRunner> runner, DraftModel draft)
+    : impl_(std::make_unique<Impl>(model, tokenizer, config, std::move(runner), std::move(draft))) {}
 Engine::~Engine() = default;
 
 const EngineStats& Engine::stats() const { return impl_->stats; }
 const EngineConfig& Engine::config() const { return impl_->config; }
 const ModelRunner& Engine::runner() const { return *impl_->runner; }
+const Drafter* Engine::drafter() const { return impl_->drafter.get(); }
 size_t Engine::n_waiting() const { return impl_->scheduler.n_waiting(); }
 size_t Engine::n_running() const { return impl_->scheduler.n_running(); }
 bool Engine::has_unfinished() const { return !impl_->requests.empty() || !impl_->pending.empty(); }
@@ -430,7 +441,7 @@ void Engine::Impl::propose_drafts() {
     int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
     if (r.req.max_tokens > 0) room = std::min(room, r.req.max_tokens - s.n_generated() - 1);
     if (room <= 0) continue;
-    draft_requests.push_back({s.id, s.tokens, s.n_prompt, static_cast<int32_t>(room)});
+    draft_requests.push_back({s.id, s.tokens, s.n_prompt, static_cast<int32_t>(room), &r.req.sampling});
     draft_owners.push_back(&r);
   }
   if (draft_requests.empty()) return;

@@ -16,6 +16,7 @@
 #include "model/llama_weights.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampling_params.h"
+#include "spec/drafter.h"
 #include "spec/speculative_config.h"
 #include "tokenizer/tokenizer.h"
 
@@ -171,8 +172,11 @@ class Engine {
   // n_kv_blocks and must use config.block_size; null = a CPU runner made from the config.
   // Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than one
   // sequence: kv_blocks_per_sequence).
+  // draft: the draft model of config.speculative's draft_model method (its drafter owns it; its
+  // runner, when given, runs on the target's device with a pool of draft_kv_blocks). Errors also:
+  // those of make_drafter (draft_model without a draft, a draft whose vocabulary differs).
   Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
-         std::unique_ptr<ModelRunner> runner = nullptr);
+         std::unique_ptr<ModelRunner> runner = nullptr, DraftModel draft = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -194,6 +198,8 @@ class Engine {
   const EngineStats& stats() const;
   const EngineConfig& config() const;  // with 0-defaults resolved
   const ModelRunner& runner() const;
+  // The speculative drafter (null without speculative decoding).
+  const Drafter* drafter() const;
 
  private:
   struct Impl;

@@ -16,8 +16,12 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/model_runner.h"
 #include "memory/kv_manager.h"
+#include "model/llama_weights.h"
+#include "sampling/sampling_params.h"
 #include "spec/speculative_config.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kestrel {
 
@@ -27,6 +31,9 @@ struct DraftRequest {
   std::span<const int32_t> tokens;  // [n_prompt + n_generated] the sequence's ids so far (no drafts)
   int64_t n_prompt = 0;
   int32_t max_drafts = 0;           // propose at most this many (>= 1)
+  // The request's sampling settings (chain and seed; validated): a drafter that samples draws
+  // its tokens under the same chain. Null: greedy.
+  const SamplingParams* sampling = nullptr;
 };
 
 // A drafter's proposal for one sequence.
@@ -52,8 +59,33 @@ class Drafter {
   virtual void release(SeqId /*id*/) {}
 };
 
-// The drafter `config` asks for. Errors: kestrel::Error for draft_model, which this engine does
-// not run yet, and for a config without a method.
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& config);
+// What a drafter learns from the engine: the target, and the sizes its own state must hold (the
+// engine's resolved EngineConfig).
+struct DrafterContext {
+  const LlamaModel* target = nullptr;
+  const Tokenizer* target_tokenizer = nullptr;  // may be null (no text): then only n_vocab is compared
+  int32_t max_num_seqs = 1;
+  int64_t max_model_len = 0;
+  int64_t max_num_batched_tokens = 512;  // tokens per draft forward pass at most
+  int32_t block_size = 16;
+  bool enable_prefix_caching = true;
+  KvDtype kv_dtype = KvDtype::F16;
+  int n_threads = 0;
+};
+
+// A draft model for "method": "draft_model", owned by the drafter made from it.
+struct DraftModel {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;  // null: only n_vocab is compared with the target's
+  // The backend it runs on, its KV pool sized by draft_kv_blocks (draft_model_drafter.h); null =
+  // a CPU runner with the context's settings.
+  std::unique_ptr<ModelRunner> runner;
+};
+
+// The drafter `config` asks for: NgramDrafter, or DraftModelDrafter over `draft`. Errors:
+// kestrel::Error for draft_model without a loaded model, a draft model with another method, a
+// draft whose vocabulary differs from the target's (DraftModelDrafter), a config without a method.
+std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& config, const DrafterContext& context,
+                                      DraftModel draft = {});
 
 }  // namespace kestrel

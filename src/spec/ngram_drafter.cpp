@@ -43,15 +43,4 @@ void NgramDrafter::propose(std::span<const DraftRequest> requests, std::vector<D
   }
 }
 
-std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& config) {
-  switch (config.method) {
-    case SpecMethod::Ngram: return std::make_unique<NgramDrafter>(config.prompt_lookup_min, config.prompt_lookup_max);
-    case SpecMethod::DraftModel:
-      throw Error("speculative config: \"method\": \"draft_model\" (model " + config.model +
-                  ") is not run by this engine yet; use \"ngram\"");
-    case SpecMethod::None: break;
-  }
-  throw Error("speculative config: no method to make a drafter for");
-}
-
 }  // namespace kestrel

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "io/json_text.h"
+#include "model/quant_config.h"
 
 namespace kestrel {
 
@@ -40,14 +41,14 @@ SpeculativeConfig parse_speculative_config(std::string_view json) {
   }
   if (!j.is_object()) throw Error("speculative config: must be a JSON object, got " + json_shown(j));
   static constexpr const char* kFields[] = {"method", "num_speculative_tokens", "prompt_lookup_min",
-                                            "prompt_lookup_max", "disable_by_batch_size", "model"};
+                                            "prompt_lookup_max", "disable_by_batch_size", "model", "quantization"};
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* f : kFields) known |= key == f;
     if (!known)
       throw Error("speculative config: unknown field \"" + key +
                   "\" (known: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
-                  "disable_by_batch_size, model)");
+                  "disable_by_batch_size, model, quantization)");
   }
   SpeculativeConfig c;
   const bool has_lookup = j.contains("prompt_lookup_min") || j.contains("prompt_lookup_max");
@@ -55,6 +56,16 @@ SpeculativeConfig parse_speculative_config(std::string_view json) {
     if (!j["model"].is_string() || j["model"].get<std::string>().empty())
       throw Error("speculative config: \"model\" must be a non-empty path, got " + json_shown(j["model"]));
     c.model = j["model"].get<std::string>();
+  }
+  if (j.contains("quantization")) {
+    const nlohmann::json& q = j["quantization"];
+    if (!q.is_string()) throw Error("speculative config: \"quantization\" must be a string, got " + json_shown(q));
+    c.quantization = q.get<std::string>();
+    try {
+      parse_quantization(c.quantization);
+    } catch (const Error& e) {
+      throw Error(std::string("speculative config: \"quantization\": ") + e.what());
+    }
   }
   if (j.contains("method")) {
     const nlohmann::json& m = j["method"];
@@ -71,6 +82,8 @@ SpeculativeConfig parse_speculative_config(std::string_view json) {
   }
   if (c.method == SpecMethod::DraftModel && c.model.empty())
     throw Error("speculative config: \"method\": \"draft_model\" needs \"model\" (the draft model's path)");
+  if (c.method == SpecMethod::Ngram && j.contains("quantization"))
+    throw Error("speculative config: \"quantization\" is for \"method\": \"draft_model\"; ngram drafts need no model");
   if (c.method == SpecMethod::Ngram && !c.model.empty())
     throw Error("speculative config: \"model\" is for \"method\": \"draft_model\"; ngram drafts need no model");
   if (!j.contains("num_speculative_tokens"))

@@ -119,7 +119,9 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--speculative-config", "[1, 2]"}, "--speculative-config", "must be a JSON object"},
       {EngineMode::Single, {"--speculative-config", "{\"method\": "}, "--speculative-config", "not valid JSON"},
       {EngineMode::Serving, {"--speculative-config", R"({"method": "draft_model", "num_speculative_tokens": 2})"}, "--speculative-config", "needs \"model\""},
-      {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4})"}, "--speculative-config", "draft_model\" (model /m/draft) is not run"},
+      {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4})"}, "", ""},
+      {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4, "quantization": "int3"})"}, "--speculative-config", "\"quantization\": "},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 4, "quantization": "rtn"})"}, "--speculative-config", "\"quantization\" is for"},
   };
   for (const Case& k : cases) {
     const auto [flag, what] = rejection(parse(k.mode, k.args), *model_);

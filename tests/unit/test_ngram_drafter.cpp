@@ -48,5 +48,6 @@ TEST(NgramDrafter, ProposeAnswersEveryRequestWithAOneHotDraft) {
   dm.method = SpecMethod::DraftModel;
   dm.model = "/m";
   dm.num_speculative_tokens = 3;
-  EXPECT_NE(test::error_of([&] { make_drafter(dm); }).find("not run by this engine yet"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { make_drafter(dm, DrafterContext{}); }).find("needs the draft model (/m) loaded"),
+            std::string::npos);
 }

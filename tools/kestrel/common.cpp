@@ -15,6 +15,7 @@
 #include "core/cpu_features.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "spec/draft_model_drafter.h"
 #include "tokenizer/tokenizer_source.h"
 
 namespace kestrel::cli {
@@ -104,19 +105,59 @@ SamplingParams SamplingFlags::params() const {
   return p;
 }
 
+namespace {
+
+// The draft model of --speculative-config's draft_model method, loaded as the target is (its
+// --load-format; its own "quantization"), with its runner on the target's device. Throws
+// CLI::ValidationError naming the flag when it cannot load or cannot draft for the target.
+DraftModel load_draft_model(const LoadedModel& lm, const KestrelConfig& config, const EngineConfig& engine) {
+  const SpeculativeConfig& sc = engine.speculative;
+  DraftModel d;
+  try {
+    KestrelConfig dc = config;
+    dc.model.quantization = sc.quantization;
+    LoadedModel draft = load_model(sc.model, dc, /*quiet=*/false);
+    check_draft_vocabulary(*lm.model, lm.tokenizer.get(), *draft.model, draft.tokenizer.get());
+    if (config.device.device == "cpu" && draft.model->online_fp8())
+      throw Error("\"quantization\": \"fp8\" on float weights quantizes them at load on the GPU (--device cuda)");
+    d.model = std::move(draft.model);
+    d.tokenizer = std::move(draft.tokenizer);
+  } catch (const Error& e) {
+    throw CLI::ValidationError("--speculative-config", std::string("draft model: ") + e.what());
+  }
+  if (config.device.device != "cpu") {
+    DrafterContext ctx;
+    ctx.max_num_seqs = engine.max_num_seqs;
+    ctx.max_model_len = engine.max_model_len;
+    ctx.block_size = engine.block_size;
+    ctx.kv_dtype = engine.kv_dtype;
+    RunnerOptions o = config.runner_options(engine);
+    o.n_kv_blocks = draft_kv_blocks(d.model->hparams(), ctx);
+    o.quantize_fp8 = d.model->fp8_weights();
+    d.runner = make_runner(config.device.device, *d.model, o);
+  }
+  return d;
+}
+
+}  // namespace
+
 std::unique_ptr<Engine> make_engine(const LoadedModel& lm, const KestrelConfig& config) {
   const EngineConfig engine_config = config.engine_config(*lm.model);
   std::unique_ptr<ModelRunner> runner;
   if (config.device.device == "cpu" && lm.model->online_fp8())
     throw CLI::ValidationError("--quantization", "fp8 on float weights quantizes them at load on the GPU (--device "
                                                  "cuda); the CPU backend runs FP8 checkpoints dequantized");
+  // The draft first: a GPU target sizes its KV pool from the memory the draft leaves.
+  DraftModel draft;
+  if (engine_config.speculative.enabled() && engine_config.speculative.method == SpecMethod::DraftModel)
+    draft = load_draft_model(lm, config, engine_config);
   if (config.device.device != "cpu") {
     RunnerOptions o = config.runner_options(engine_config);
     o.quantize_fp8 = lm.model->fp8_weights();
     runner = make_runner(config.device.device, *lm.model, o);
   }
   try {
-    return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), engine_config, std::move(runner));
+    return std::make_unique<Engine>(*lm.model, lm.tokenizer.get(), engine_config, std::move(runner), std::move(draft));
   } catch (const Error& e) {
     // What only the backend knows: a CUDA pool sized from free memory that holds no whole sequence.
     if (config.device.device == "cpu") throw;

@@ -236,9 +236,6 @@ SpeculativeConfig resolve_speculative_config(const std::string& json) {
   } catch (const Error& e) {
     throw CLI::ValidationError("--speculative-config", e.what());
   }
-  if (c.method == SpecMethod::DraftModel)
-    throw CLI::ValidationError("--speculative-config", "\"method\": \"draft_model\" (model " + c.model +
-                                                           ") is not run by this kestrel yet; use \"ngram\"");
   return c;
 }
 

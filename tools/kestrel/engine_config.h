@@ -90,8 +90,7 @@ struct KestrelConfig {
 };
 
 // The speculative decoding a --speculative-config value asks for (method None when empty).
-// Throws CLI::ValidationError naming the flag and the field: a malformed object, a bad field, or a
-// method this engine does not run (draft_model).
+// Throws CLI::ValidationError naming the flag and the field: a malformed object or a bad field.
 SpeculativeConfig resolve_speculative_config(const std::string& json);
 
 // The KV cache element type a --kv-cache-dtype value names, "auto" resolved as vLLM does: the
