@@ -28,8 +28,14 @@ def post(server, path, body):
     return requests.post(server.url + path, json=body, timeout=60)
 
 
-def detokenize(server, ids):
-    return server.post("/detokenize", {"tokens": [t for t in ids if t != 2]}).json()["prompt"]
+def continuation(server, prompt_ids, ids):
+    """The text ids add after the prompt (a first word keeps its leading space, as completions give it)."""
+    def text(t):
+        return server.post("/detokenize", {"tokens": t}).json()["prompt"]
+    head = text(prompt_ids)
+    full = text(prompt_ids + [t for t in ids if t != 2])
+    assert full.startswith(head)
+    return full[len(head):]
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])  # B = 2 and 4; length penalties 1 and 2; early stopping false, never, true
@@ -43,7 +49,7 @@ def test_beams_match_transformers(server, which):
         choices = r.json()["choices"]
         assert [c["index"] for c in choices] == list(range(case["num_beams"]))
         for c, ref in zip(choices, case["beams"]):
-            assert c["text"] == detokenize(server, ref["tokens"]), case["prompt"]
+            assert c["text"] == continuation(server, case["prompt_ids"], ref["tokens"]), case["prompt"]
             assert abs(c["cumulative_logprob"] - ref["sum_logprobs"]) < 1e-4
             assert c["finish_reason"] == ("stop" if ref["tokens"][-1] == 2 else "length")
         usage = r.json()["usage"]
@@ -69,7 +75,7 @@ def test_beams_streamed_come_at_the_end(server):
     events, done = stream_events(server.url + C, body)
     assert done
     texts = {c["index"]: c["text"] for e in events for c in e["choices"] if c["finish_reason"]}
-    assert texts == {i: detokenize(server, b["tokens"]) for i, b in enumerate(case["beams"])}
+    assert texts == {i: continuation(server, case["prompt_ids"], b["tokens"]) for i, b in enumerate(case["beams"])}
     assert events[-1]["usage"]["completion_tokens"] == sum(len(b["tokens"]) for b in case["beams"])
 
 
