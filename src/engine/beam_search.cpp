@@ -44,7 +44,7 @@ bool BeamSearch::is_stop(int32_t token) const {
   return std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end();
 }
 
-// Keeps the best beam_width hypotheses, best first; a new one ranks after kept ones of equal score
+// Keeps the best beam_width hypotheses, best first; one added ranks after kept ones of equal score
 // (transformers merges the kept slots before the step's candidates, and takes the first of a tie).
 void BeamSearch::add_finished(BeamHypothesis h) {
   const auto at = std::upper_bound(finished_.begin(), finished_.end(), h.score,

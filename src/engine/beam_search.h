@@ -1,13 +1,13 @@
 // Beam search over a model's next-token log-probabilities, as Hugging Face transformers'
-// `generate(num_beams=B, do_sample=False)` does it (transformers 4.57, GenerationMixin._beam_search;
-// the same rules as its earlier BeamSearchScorer): each step ranks the live beams' continuations
-// by cumulative log-probability, keeps the best B that do not end as the next beams, and files
-// those among the best B that end (a stop id, or max_new_tokens reached) as finished hypotheses,
-// of which the best B by length-penalised score are kept:
+// `generate(num_beams=B, do_sample=False)` does it (GenerationMixin._beam_search and its helpers
+// in transformers 5.25, the version tests/reference/beam_reference.py ran): each step ranks the
+// live beams' continuations by cumulative log-probability, keeps the best B that do not end as the
+// next beams, and files those among the best B that end (a stop id, or max_new_tokens reached) as
+// finished hypotheses, of which the best B by length-penalised score are kept:
 //   score = sum_logprobs / (n_generated ** length_penalty),
 // n_generated counting the generated tokens, the ending one included (the prompt is not counted).
-// This is pure bookkeeping over rows of log-probabilities; the engine (engine.cpp) maps each beam
-// to a sequence whose KV blocks it forks copy-on-write.
+// This is pure bookkeeping over rows of log-probabilities; the engine (engine_beam.cpp) maps each
+// beam to a sequence whose KV blocks it forks copy-on-write.
 #pragma once
 
 #include <cstdint>
@@ -76,7 +76,7 @@ class BeamSearch {
   // Candidates step() needs from each live beam's row: max(2, 1 + stop ids) x B (transformers'
   // beams_to_keep), so that B remain that do not stop.
   size_t candidates_per_beam() const;
-  // Live beams now (1 before the first step, then up to B); 0 once done().
+  // Live beams: 1 before the first step, then up to B; 0 once done().
   int32_t n_live() const { return static_cast<int32_t>(live_.size()); }
   bool done() const { return done_; }
   // One step. rows[i]: live beam i's best candidates_per_beam() tokens (top_logprobs of its

@@ -1,6 +1,6 @@
 // BeamSearch's bookkeeping (src/engine/beam_search.h) on hand-made distributions whose expected
 // beams and scores are worked out below from transformers' rules (GenerationMixin._beam_search,
-// 4.57+: 2B candidates, hypotheses only from the best B, score = sum / generated ** length_penalty,
+// 5.25: 2B candidates, hypotheses only from the best B, score = sum / generated ** length_penalty,
 // the early-stop check on the best live beam). The engine's beams against transformers itself on
 // a real model: tests/e2e/test_beam_search.cpp.
 #include <gtest/gtest.h>
