@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -140,6 +141,41 @@ TEST(BeamSearchEngine, PreemptionAndRefusedForksChangeNothing) {
   expect_matches(cases, got);
   EXPECT_GT(stats.n_preemptions, 0);
   EXPECT_GT(stats.n_prompt_tokens_computed, 1000) << "recomputation";
+}
+
+// `kestrel batch` lines with use_beam_search: the best beam of transformers' search (the cases that
+// stop at the model's EOS, as batch does), with its cumulative logprob.
+TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
+  const json doc = json::parse(test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/data/beam_stories260k.json"));
+  const std::string in = test::temp_path("beam_batch", ".jsonl"), out = test::temp_path("beam_batch_out", ".jsonl");
+  {
+    std::ofstream f(in);
+    for (size_t i = 0; i < doc.at("server_cases").size(); ++i) {
+      const json& c = doc["server_cases"][i];
+      f << json{{"id", i}, {"prompt", c["prompt_ids"]}, {"use_beam_search", true}, {"best_of", c["num_beams"]},
+                {"max_tokens", c["max_new_tokens"]}, {"length_penalty", c["length_penalty"]},
+                {"early_stopping", c["early_stopping"]}, {"temperature", 0}}
+                  .dump()
+           << "\n";
+    }
+  }
+  std::string log;
+  ASSERT_EQ(test::run_command(test::kestrel_binary() + " batch -m " + test::data_dir() +
+                                  "/stories260K/stories260K.gguf -i " + in + " -o " + out + " 2>&1",
+                              &log),
+            0)
+      << log;
+  std::ifstream f(out);
+  size_t n = 0;
+  for (std::string line; std::getline(f, line); ++n) {
+    const json r = json::parse(line);
+    const json& best = doc["server_cases"][r.at("id").get<size_t>()]["beams"][0];
+    EXPECT_EQ(r.at("output_ids"), best.at("tokens")) << line;
+    EXPECT_NEAR(r.at("cumulative_logprob").get<double>(), best.at("sum_logprobs").get<double>(), kScoreTol);
+  }
+  EXPECT_EQ(n, doc["server_cases"].size());
+  std::remove(in.c_str());
+  std::remove(out.c_str());
 }
 
 TEST(BeamSearchEngine, RefusesWhatBeamsDoNotTake) {
