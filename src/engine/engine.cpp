@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "engine/engine_impl.h"
 #include "engine/stop_checker.h"
 #include "memory/kv_manager.h"
 #include "sampling/candidate_list.h"
@@ -22,8 +23,10 @@
 
 namespace kestrel {
 
+using engine_detail::Clock;
+using engine_detail::RequestState;
+
 namespace {
-using Clock = std::chrono::steady_clock;
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
@@ -89,146 +92,45 @@ std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig&
   return make_cpu_model_runner(m, o);
 }
 
-struct RequestState {
-  RequestId id = 0;
-  Request req;
-  Sequence seq;
-  std::optional<Sampler> sampler;
-  // Request::grammar's state, its token bitmask and the masked logits row (reused every step).
-  std::optional<grammar::GrammarMatcher> matcher;
-  std::vector<uint32_t> grammar_mask;
-  std::vector<float> masked_row;
-  bool grammar_ended = false;
-  std::optional<StreamDecoder> decoder;
-  StopChecker stop_checker;
-  Clock::time_point arrival, first_token;
-  bool finished = false;
-  // prompt_logprobs / prompt_logits: the next prompt token whose predicting row is wanted (the row
-  // of position p predicts token p + 1; token 0 has none), the rows computed but not yet reported
-  // (they go out with the first sampled token), and whether a prompt row held non-finite logits.
-  int64_t next_prompt_target = 1;
-  std::vector<LogprobSummary> pending_prompt_logprobs;
-  std::vector<float> pending_prompt_logits;
-  bool prompt_nan = false;
-  // The drafter's q for the draft tokens at the end of seq.tokens ([seq.n_draft, n_vocab]), empty
-  // when they are one-hot (Draft::q).
-  std::vector<float> draft_q;
-  bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
-  // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
-  // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
-  // parent's prompt is computed it forks the parent's blocks and samples its first token from the
-  // parent's last logits row, so the prompt is prefilled once.
-  RequestState* parent = nullptr;         // set while waiting for the parent's prompt
-  std::vector<RequestState*> children;    // children waiting for this request's prompt
-  uint64_t prompt_hash = 0;
-};
 }  // namespace
 
-struct Engine::Impl {
-  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r, DraftModel draft)
-      : model(m),
-        tokenizer(t),
-        config(resolve(c, m.hparams(), r.get())),
-        runner(r ? std::move(r) : cpu_runner(m, config)),
-        manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
-        scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback()},
-                  manager) {
-    stats.n_kv_blocks = config.n_kv_blocks;
-    stats.kv_block_size = config.block_size;
-    stats.kv_dtype = runner->kv_dtype();
-    stats.kv_bytes_per_token = runner->kv_bytes_per_token();
-    const ModelHparams& hp = m.hparams();
-    if (hp.moe.enabled()) {
-      stats.moe_n_expert = static_cast<int32_t>(hp.moe.routing.n_expert);
-      for (int64_t l = 0; l < hp.n_layer; ++l)
-        if (hp.moe.is_moe_layer(l)) stats.moe_layers.push_back(static_cast<int32_t>(l));
-      stats.expert_tokens = runner->expert_token_counts();  // zeros: counters exist from the start
-    }
-    if (config.speculative.enabled()) {
-      DrafterContext dc;
-      dc.target = &m;
-      dc.target_tokenizer = t;
-      dc.max_num_seqs = config.max_num_seqs;
-      dc.max_model_len = config.max_model_len;
-      dc.max_num_batched_tokens = config.max_num_batched_tokens;
-      dc.block_size = config.block_size;
-      dc.enable_prefix_caching = config.enable_prefix_caching;
-      dc.kv_dtype = config.kv_dtype;
-      dc.n_threads = config.n_threads;
-      drafter = make_drafter(config.speculative, dc, std::move(draft));
-      stats.spec_accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
-    }
-    refresh_kv_stats();
+Engine::Impl::Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r,
+                   DraftModel draft)
+    : model(m),
+      tokenizer(t),
+      config(resolve(c, m.hparams(), r.get())),
+      runner(r ? std::move(r) : cpu_runner(m, config)),
+      manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
+      scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback()},
+                manager) {
+  stats.n_kv_blocks = config.n_kv_blocks;
+  stats.kv_block_size = config.block_size;
+  stats.kv_dtype = runner->kv_dtype();
+  stats.kv_bytes_per_token = runner->kv_bytes_per_token();
+  const ModelHparams& hp = m.hparams();
+  if (hp.moe.enabled()) {
+    stats.moe_n_expert = static_cast<int32_t>(hp.moe.routing.n_expert);
+    for (int64_t l = 0; l < hp.n_layer; ++l)
+      if (hp.moe.is_moe_layer(l)) stats.moe_layers.push_back(static_cast<int32_t>(l));
+    stats.expert_tokens = runner->expert_token_counts();  // zeros: counters exist from the start
   }
+  if (config.speculative.enabled()) {
+    DrafterContext dc;
+    dc.target = &m;
+    dc.target_tokenizer = t;
+    dc.max_num_seqs = config.max_num_seqs;
+    dc.max_model_len = config.max_model_len;
+    dc.max_num_batched_tokens = config.max_num_batched_tokens;
+    dc.block_size = config.block_size;
+    dc.enable_prefix_caching = config.enable_prefix_caching;
+    dc.kv_dtype = config.kv_dtype;
+    dc.n_threads = config.n_threads;
+    drafter = make_drafter(config.speculative, dc, std::move(draft));
+    stats.spec_accepted_per_pos.assign(static_cast<size_t>(config.speculative.num_speculative_tokens), 0);
+  }
+  refresh_kv_stats();
+}
 
-  // Speculative decoding: drafts for the running decodes (seq.n_draft, draft_q), before schedule().
-  void propose_drafts();
-  // Drops the drafts of a sequence that did not run them (they are proposals for one step).
-  static void drop_drafts(RequestState& r) {
-    r.seq.tokens.resize(r.seq.tokens.size() - static_cast<size_t>(r.seq.n_draft));
-    r.seq.n_draft = 0;
-    r.draft_q.clear();
-  }
-  // After verification: the rejected drafts' K/V go back to the pool, the accepted ones stay
-  // computed, and the tokens return to the settled ones (post_process appends v.tokens).
-  void settle_drafts(RequestState& r, const Verification& v);
-  void build_batch(const SchedulerOutput& out);
-  void refresh_kv_stats() {
-    stats.kv_blocks_used = manager.n_used_blocks();
-    stats.kv_blocks_free = manager.n_free_blocks();
-    stats.kv_blocks_cached = manager.n_cached_blocks();
-    stats.peak_kv_blocks_used = std::max(stats.peak_kv_blocks_used, stats.kv_blocks_used);
-    stats.prefix_cache_queried_tokens = manager.prefix_queried_tokens();
-    stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
-  }
-  void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
-  // A request that can share the prompt of `r` (queued, never scheduled, not a child), or null.
-  RequestState* prompt_parent_for(const RequestState& r);
-  // Hands r's waiting children to the scheduler on their own (r ends before its prompt is done).
-  void release_children(RequestState& r);
-  // Appends the tokens a step emitted for r (one, or accepted drafts and the token after them) and
-  // reports them in one output; ends r at the first that stops it (the rest are dropped).
-  // logprobs: [tokens.size()] or empty.
-  void post_process(RequestState& r, std::span<const int32_t> tokens, std::vector<RequestOutput>& outputs,
-                    std::vector<LogprobSummary> logprobs = {});
-
-  const LlamaModel& model;
-  const Tokenizer* tokenizer;
-  EngineConfig config;
-  std::unique_ptr<ModelRunner> runner;
-  std::unique_ptr<Drafter> drafter;  // null without speculative decoding
-  std::vector<DraftRequest> draft_requests;
-  std::vector<RequestState*> draft_owners;
-  std::vector<Draft> drafts;
-  KvManager manager;
-  Scheduler scheduler;
-  std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests;
-  std::vector<RequestOutput> pending;  // aborts reported by the next step
-  RequestId next_id = 1;
-  EngineStats stats;
-  // Unstarted requests by the hash of their prompt (prompt_parent_for); entries may be stale.
-  std::unordered_map<uint64_t, RequestId> unstarted_prompts;
-  // The flat batch of the current step.
-  StepBatch batch;
-  // Requests that sample this step and the logits row each samples from; children of a parent
-  // whose prompt completes follow, each with a copy of the parent's row.
-  struct SampleRow {
-    RequestState* r;
-    int32_t row;          // the last of its rows: the one the token after its drafts is sampled from
-    int64_t n_draft = 0;  // rows row - n_draft .. row - 1 verify its draft tokens
-  };
-  std::vector<SampleRow> sampling;
-  // Logits rows after those: prompt positions whose logprobs or logits a request wants, each row
-  // predicting prompt token `target` of `r`.
-  struct PromptRow {
-    RequestState* r;
-    int64_t target;
-    int32_t row;
-  };
-  std::vector<PromptRow> prompt_rows;
-  void prompt_logprobs_from(std::span<const float> logits);
-  std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
-};
 
 Engine::Engine(const LlamaModel& model, const Tokenizer* tokenizer, const EngineConfig& config,
                std::unique_ptr<ModelRunner> runner, DraftModel draft)
@@ -287,6 +189,7 @@ RequestId Engine::add_request(Request request) {
     r->seq.max_chunk = kMaxPromptLogprobRowsPerStep;
   }
   r->req = std::move(request);
+  if (r->req.beam.enabled()) m.start_beams(*r);
   r->arrival = Clock::now();
   r->prompt_hash = std::hash<std::string_view>{}(std::string_view(
       reinterpret_cast<const char*>(r->seq.tokens.data()), r->seq.tokens.size() * sizeof(int32_t)));
@@ -306,6 +209,7 @@ void Engine::abort_request(RequestId id) {
   Impl& m = *impl_;
   const auto it = m.requests.find(id);
   if (it == m.requests.end()) return;
+  if (it->second->group != nullptr && it->second->group->owner != it->second.get()) return;  // a beam's own sequence
   RequestOutput o;
   o.id = id;
   m.finish(*it->second, "abort", m.pending, &o);
@@ -351,14 +255,19 @@ void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vecto
     drop_drafts(r);
   }
   if (drafter) drafter->release(r.id);
+  o->finish_reason = reason;
+  if (r.own_group) end_beams(r, o);  // the other beams end; a finished search's hypotheses and reason
   scheduler.finish(&r.seq);
   r.finished = true;
   o->finished = true;
-  o->finish_reason = reason;
   RequestMetrics& mt = o->metrics;
   mt.n_prompt_tokens = r.seq.n_prompt;
   mt.n_cached_prompt_tokens = std::max<int64_t>(0, r.seq.n_cached_prompt);
   mt.n_output_tokens = r.seq.n_generated();
+  if (r.own_group) {
+    mt.n_output_tokens = 0;
+    for (const BeamHypothesis& h : o->beams) mt.n_output_tokens += static_cast<int64_t>(h.tokens.size());
+  }
   mt.n_preemptions = r.seq.n_preemptions;
   mt.e2e_s = seconds(r.arrival, now);
   if (mt.n_output_tokens > 0) mt.ttft_s = seconds(r.arrival, r.first_token);
@@ -434,8 +343,9 @@ void Engine::Impl::propose_drafts() {
     RequestState& r = *rp;
     const Sequence& s = r.seq;
     if (s.status != SeqStatus::Running || s.n_draft != 0 || !s.is_decode()) continue;
-    // A grammar-constrained request samples under its token mask one token at a time: no drafts.
-    if (r.matcher) continue;
+    // A grammar-constrained request samples under its token mask one token at a time: no drafts;
+    // a beam's next token is the search's.
+    if (r.matcher || r.group) continue;
     // Never more than the request may still emit: the drafts and the token after them count
     // toward max_tokens and max_model_len.
     int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
@@ -556,7 +466,7 @@ std::vector<RequestOutput> Engine::step() {
   // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
     const RequestState& r = *m.sampling[i].r;
-    on_device = r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
+    on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
                 !r.matcher;
   }
   std::span<const float> logits;
@@ -618,6 +528,10 @@ std::vector<RequestOutput> Engine::step() {
                           r.req.logprobs);
       } else {
         auto row = logits.subspan(row_index * static_cast<size_t>(n_vocab), static_cast<size_t>(n_vocab));
+        if (r.group) {  // a beam: the search picks its next token once every beam has its row
+          m.take_beam_row(r, row);
+          continue;
+        }
         if (r.req.prompt_logits && r.seq.n_generated() == 0)
           r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
         if (r.matcher) {  // grammar: blocked tokens get -inf before the chain (logprobs then see the masked row)
@@ -667,6 +581,7 @@ std::vector<RequestOutput> Engine::step() {
     o.error = std::string(NonFiniteLogitsError(NonFiniteLogitsError::Source::Model).what()) + " (prompt)";
     m.finish(*it->second, "error", outputs, &o);
   }
+  m.step_beams(outputs);
   m.refresh_kv_stats();
   return outputs;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/model_runner.h"
+#include "engine/beam_search.h"
 #include "model/llama_weights.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampling_params.h"
@@ -70,6 +71,12 @@ struct Request {
   // "stop". Its vocabulary must be the model's tokenizer's. Null: unconstrained. Such a request
   // samples on the host (the per-row bitmask is the form a device sampler would take).
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
+  // Beam search (beam_search.h) when beam.enabled(): the request owns beam_width live sequences
+  // that fork the prompt's KV blocks copy-on-write and share their prefixes; sampling params are
+  // not used (beams rank the raw logits' log-softmax). It ends at a stop id, max_tokens or
+  // max_model_len, and reports one finished output with RequestOutput::beams. Not with logprobs,
+  // prompt_logprobs, prompt_logits, stop strings or a grammar (add_request refuses them).
+  BeamSearchParams beam;
 };
 
 inline constexpr int32_t kMaxRequestLogprobs = 20;
@@ -81,7 +88,7 @@ inline constexpr int64_t kMaxPromptLogprobRowsPerStep = 256;
 struct RequestMetrics {
   int64_t n_prompt_tokens = 0;
   int64_t n_cached_prompt_tokens = 0;   // prompt tokens whose KV came from the prefix cache (first schedule)
-  int64_t n_output_tokens = 0;
+  int64_t n_output_tokens = 0;          // beam search: the returned hypotheses' tokens together
   int32_t n_preemptions = 0;
   double ttft_s = 0;                    // seconds from add_request to the first output token
   double tpot_s = 0;                    // mean seconds per output token after the first (0 when <= 1 token)
@@ -100,6 +107,9 @@ struct RequestOutput {
   // With the first sampled token of a request that asked for prompt_logits: [n_prompt, n_vocab] f32.
   std::vector<float> prompt_logits;
   std::string text_delta;               // new text that is final (whole UTF-8 characters, never part of a stop string); empty without a tokenizer
+  // Beam search, on the finished output: the best beam.n_best hypotheses, best first, each with
+  // its text; new_token_ids and text_delta then hold the best one's. Empty on every other output.
+  std::vector<BeamHypothesis> beams;
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"
   std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
@@ -183,7 +193,7 @@ class Engine {
 
   // Validates and queues a request. Errors (kestrel::Error, nothing queued): empty prompt, a token
   // id outside the vocabulary, prompt + 1 longer than max_model_len, invalid sampling params,
-  // stop strings without a tokenizer.
+  // stop strings without a tokenizer, invalid beam params or fields beam search does not take.
   RequestId add_request(Request request);
   // Ends a waiting or running request and frees its blocks; the next step() reports it finished
   // with "abort". Unknown or finished ids are ignored.

@@ -361,7 +361,7 @@ def test_echo_lists_the_first_word_as_the_text_it_covers(server):
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}}},
      "response_format", "uniqueItems"),
     ("completions", {"suffix": " The end."}, "suffix", "suffix is not supported"),
-    ("completions", {"n": 2, "best_of": 3}, "best_of", "best_of"),
+    ("chat", {"n": 2, "best_of": 3}, "best_of", "completions field"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "\"auto\""),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice",
      "structured output"),

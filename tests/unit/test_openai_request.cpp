@@ -368,9 +368,12 @@ TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {
   EXPECT_EQ(parse(R"({"prompt": "a", "n": 3, "best_of": 3})", RequestApi::Completions).n, 3);
   EXPECT_EQ(failure_of(R"({"prompt": "a", "best_of": null})", RequestApi::Completions), "<none>");
   EXPECT_EQ(failure_of(R"({"prompt": "a", "best_of": 1})", RequestApi::Batch), "<none>");
-  EXPECT_EQ(param_of(R"({"prompt": "a", "n": 2, "best_of": 4})", RequestApi::Completions), "best_of");
+  EXPECT_EQ(parse(R"({"prompt": "a", "n": 2, "best_of": 4})", RequestApi::Completions).best_of, 4);
+  EXPECT_EQ(param_of(R"({"prompt": "a", "n": 2, "best_of": 1})", RequestApi::Completions), "best_of");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "n": 2, "best_of": 4, "stream": true})", RequestApi::Completions), "best_of");
   EXPECT_EQ(param_of(R"({"prompt": "a", "best_of": 2})", RequestApi::Batch), "best_of");
   EXPECT_EQ(param_of("{" + m + R"(, "best_of": 0})", RequestApi::Chat), "best_of");
+  EXPECT_EQ(param_of("{" + m + R"(, "best_of": 2})", RequestApi::Chat), "best_of");
 
   EXPECT_EQ(failure_of(R"({"prompt": "a", "suffix": "b"})", RequestApi::Completions),
             "suffix: suffix is not supported, got \"b\"");
@@ -378,6 +381,32 @@ TEST(OpenAiRequest, FieldsThatAskForWhatTheServerDoesNotDo) {
   EXPECT_EQ(failure_of(R"({"prompt": "a", "suffix": null})", RequestApi::Completions), "<none>");
   for (const char* f : {"response_format", "best_of", "suffix", "tools", "tool_choice"})
     EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
+}
+
+// Beam search: width best_of, else n; n beams returned; sampling fields other than their neutral
+// values, stop strings and logprobs refused, naming the field.
+TEST(OpenAiRequest, BeamSearchFields) {
+  const OpenAiRequest a = parse(
+      R"({"prompt": "a", "use_beam_search": true, "n": 2, "best_of": 4, "length_penalty": 0.5, "early_stopping": "never",
+          "temperature": 0})",
+      RequestApi::Completions);
+  EXPECT_EQ(a.beam_width(), 4);
+  EXPECT_EQ(a.length_penalty, 0.5);
+  EXPECT_EQ(a.early_stopping, EarlyStopping::Never);
+  EXPECT_EQ(parse(R"({"prompt": "a", "use_beam_search": true, "n": 3})", RequestApi::Completions).beam_width(), 3);
+  EXPECT_EQ(parse(R"({"prompt": "a", "use_beam_search": true, "best_of": 3})", RequestApi::Batch).beam_width(), 3);
+  EXPECT_EQ(parse(R"({"prompt": "a", "early_stopping": true})", RequestApi::Batch).early_stopping, EarlyStopping::Done);
+  EXPECT_EQ(parse(R"({"prompt": "a", "n": 2})", RequestApi::Completions).beam_width(), 0);
+  for (const char* f : {R"("temperature": 0.5)", R"("top_p": 0.9)", R"("top_k": 5)", R"("min_p": 0.1)",
+                        R"("presence_penalty": 1)", R"("frequency_penalty": 1)", R"("repetition_penalty": 1.2)",
+                        R"("logit_bias": {"5": 1})", R"("stop": ["x"])", R"("logprobs": 1)"}) {
+    const std::string body = std::string(R"({"prompt": "a", "use_beam_search": true, )") + f + "}";
+    const std::string name = std::string(f).substr(1, std::string(f).find('"', 1) - 1);
+    EXPECT_EQ(param_of(body, RequestApi::Completions), name) << f;
+  }
+  EXPECT_EQ(param_of(R"({"prompt": "a", "use_beam_search": true, "early_stopping": "sometimes"})", RequestApi::Completions),
+            "early_stopping");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "length_penalty": "x"})", RequestApi::Completions), "length_penalty");
 }
 
 // Structured output: each field of OpenAI, vLLM and llama.cpp becomes one constraint; two are refused.

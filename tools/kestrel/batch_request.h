@@ -40,10 +40,11 @@ struct BatchResult {
   std::string text;                 // the text deltas joined (stop strings cut off)
   std::string finish_reason;        // "stop", "length" or "abort"
   RequestMetrics metrics;
+  std::optional<double> cumulative_logprob;  // beam search: the best beam's (output_ids and text are its)
 };
 
 // {"id", "output_ids", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens",
-// "total_tokens", "cached_tokens"}, "ttft_ms", "tpot_ms"}
+// "total_tokens", "cached_tokens"}, "ttft_ms", "tpot_ms"}, and with beam search "cumulative_logprob"
 Json result_json(const Json& id, const BatchResult& result);
 // {"id", "error": {"message", "line"}}; line is 1-based, as editors count.
 Json error_json(const Json& id, const std::string& message, int64_t line_number);

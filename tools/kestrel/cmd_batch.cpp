@@ -162,6 +162,7 @@ class BatchRun {
     } else {
       r.finish_reason = o.finish_reason;
       r.metrics = o.metrics;
+      if (!o.beams.empty()) r.cumulative_logprob = o.beams.front().sum_logprobs;
       summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
       emit(result_json(slot.id, r));
       ++n_done_;

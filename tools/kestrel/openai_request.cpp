@@ -347,15 +347,47 @@ void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
   if (const json& v = field(j, "response_format"); !v.is_null() && v.is_object() && v.contains("type") &&
                                                    v["type"] == "structural_tag")
     throw RequestError("response_format", "response_format type \"structural_tag\" is not supported");
-  // best_of: the best n of best_of sampled choices; without it being n every choice is returned.
-  if (const json& v = field(j, "best_of"); !v.is_null()) {
-    const int64_t best_of = integer("best_of", v, 1, kMaxN, "in [1, " + std::to_string(kMaxN) + "]");
-    if (best_of != r.n)
-      throw RequestError("best_of", "best_of (" + shown(v) + ") other than n (" + std::to_string(r.n) +
-                                        ") is not supported: every sampled choice is returned");
-  }
   if (api != RequestApi::Chat && !r.is_chat && !field(j, "suffix").is_null())
     throw RequestError("suffix", "suffix is not supported, got " + shown(field(j, "suffix")));
+}
+
+// use_beam_search, best_of, length_penalty, early_stopping (after n and the sampling fields).
+void beam_fields(const json& j, RequestApi api, OpenAiRequest& r) {
+  if (const json& v = field(j, "use_beam_search"); !v.is_null()) r.use_beam_search = boolean("use_beam_search", v);
+  if (const json& v = field(j, "best_of"); !v.is_null()) {
+    r.best_of = static_cast<int32_t>(integer("best_of", v, 1, kMaxN, "in [1, " + std::to_string(kMaxN) + "]"));
+    if (r.best_of < r.n) bad("best_of", "must be >= n (" + std::to_string(r.n) + ")", v);
+    if (r.best_of > r.n && !r.use_beam_search) {
+      if (api == RequestApi::Chat) bad("best_of", "above n is a completions field (or give use_beam_search)", v);
+      if (api == RequestApi::Batch) bad("best_of", "above n is served by `kestrel serve` (or give use_beam_search)", v);
+      if (r.stream) bad("best_of", "above n cannot be streamed (the best are known only at the end)", v);
+    }
+  }
+  if (const json& v = field(j, "length_penalty"); !v.is_null()) r.length_penalty = number("length_penalty", v);
+  if (const json& v = field(j, "early_stopping"); !v.is_null()) {
+    if (v.is_boolean()) r.early_stopping = v.get<bool>() ? EarlyStopping::Done : EarlyStopping::Heuristic;
+    else if (v == "never") r.early_stopping = EarlyStopping::Never;
+    else bad("early_stopping", "must be true, false or \"never\"", v);
+  }
+  if (!r.use_beam_search) return;
+  // Beams rank the raw log-probabilities (vLLM refused the same sampling fields with beam search).
+  const SamplingParams neutral;
+  const SamplingParams& s = r.sampling;
+  if (const json& v = field(j, "temperature"); !v.is_null() && s.temperature != 0.0f)
+    bad("temperature", "must be 0 (or absent) with use_beam_search: beams rank the model's log-probabilities", v);
+  auto refuse = [&](const char* name, bool set) {
+    if (set) bad(name, "cannot be used with use_beam_search (beams rank the model's log-probabilities)", field(j, name));
+  };
+  refuse("top_p", s.top_p != neutral.top_p);
+  refuse("top_k", s.top_k != neutral.top_k);
+  refuse("min_p", s.min_p != neutral.min_p);
+  refuse("presence_penalty", s.presence_penalty != neutral.presence_penalty);
+  refuse("frequency_penalty", s.frequency_penalty != neutral.frequency_penalty);
+  refuse("repetition_penalty", s.repetition_penalty != neutral.repetition_penalty);
+  refuse("logit_bias", !s.logit_bias.empty());
+  refuse("stop", !r.stop.empty());
+  refuse("logprobs", r.logprobs >= 0);
+  if (r.constraint) bad(r.constraint_param, "cannot be used with use_beam_search", field(j, r.constraint_param.c_str()));
 }
 
 // Fields only the server reads.
@@ -563,7 +595,8 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "top_k",      "min_p",    "seed",             "stop",                  "ignore_eos",  "n",
       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user",
       "response_format", "best_of", "suffix", "tools", "tool_choice", "structured_outputs", "guided_json",
-      "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema"};
+      "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "use_beam_search",
+      "length_penalty", "early_stopping"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -611,6 +644,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   }
   unsupported_fields(j, api, r);
   structured_output_fields(j, r);
+  beam_fields(j, api, r);
   return r;
 }
 
@@ -689,6 +723,12 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
       out.stop_ids.push_back(*format.end_of_turn_id);
   }
   out.stop = request.stop;
+  if (request.use_beam_search) {
+    out.beam.beam_width = request.beam_width();
+    out.beam.n_best = request.n;
+    out.beam.length_penalty = request.length_penalty;
+    out.beam.early_stopping = request.early_stopping;
+  }
   if (request.constraint) {
     if (!format.grammars) throw RequestError(request.constraint_param, "structured output needs the model's tokenizer");
     try {

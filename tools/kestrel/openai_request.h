@@ -112,14 +112,26 @@ struct OpenAiRequest {
   // (vLLM), or grammar / json_schema (llama.cpp); constraint_param names the field it came from.
   std::optional<grammar::Constraint> constraint;
   std::string constraint_param;
+  // Beam search (vLLM's use_beam_search): beam width best_of if given, else n; n beams returned
+  // (batch: the best one). length_penalty and early_stopping as transformers' generate takes them.
+  // Beams rank the model's raw log-probabilities: sampling fields other than their neutral values
+  // (temperature 0 or absent, top_p 1, top_k and min_p off, no penalties, no logit_bias) are
+  // refused, and so are stop strings, logprobs and structured output.
+  bool use_beam_search = false;
+  int32_t best_of = 0;  // 0: not given. Without beam search (completions): the best n of best_of sampled choices by cumulative logprob
+  double length_penalty = 1.0;
+  EarlyStopping early_stopping = EarlyStopping::Heuristic;
+  // The beam width of a beam-search request (0 otherwise).
+  int32_t beam_width() const { return use_beam_search ? (best_of > 0 ? best_of : n) : 0; }
 };
 
 // Validates one request object (j must be an object, as parse_request_body returns it). Throws
 // RequestError naming the field for a missing field, a wrong type or an out-of-range value (NaN and
 // infinities are not JSON, so they arrive as huge numbers or strings and are rejected as such).
 // Unknown fields are ignored. Fields asking for what the server does not do are refused (vLLM's
-// answers where it has them): response_format type structural_tag, best_of other than n,
-// a completions `suffix`, and tool_choice other than "none" (chat_request.h).
+// answers where it has them): response_format type structural_tag, best_of below n (or above it
+// for chat without beam search, or streamed), a completions `suffix`, and tool_choice other than
+// "none" (chat_request.h).
 OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
 // Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for

@@ -84,6 +84,8 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     bool finished = false;
     std::string finish_reason, error;
     int64_t n_output = 0;
+    double cumulative_logprob = 0;                // best_of: the sum of the chosen tokens' logprobs
+    std::vector<BeamHypothesis> beams;            // beam search: the prompt's returned beams
   };
 
   Prepared prepare_checked(const std::string& body, RequestApi which);
@@ -95,7 +97,12 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   void complete(HttpSession& s, std::vector<ChoiceOutput>& outputs);
   void stream(HttpSession& s, std::vector<ChoiceOutput>& outputs);
   std::string chunks_for(ChoiceOutput& o);
+  std::string beam_chunks(ChoiceOutput& o);
+  std::optional<HttpResponse> failed() const;
+  std::vector<FinalChoice> returned_choices();
   const PromptInfo& prompt_of(size_t choice) const { return prompts_[choice / static_cast<size_t>(n_)]; }
+  // Choices the response lists: n per prompt (beam search: the prompt's beams; best_of: the best n).
+  size_t n_listed() const { return prompts_.size() * static_cast<size_t>(n_return_); }
   void finish(Choice& c, const RequestOutput& o) {
     c.finished = true;
     c.finish_reason = o.finish_reason;
@@ -120,7 +127,10 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   ResponseHeader header_;
   std::vector<int32_t> stop_ids_;
   std::vector<PromptInfo> prompts_;
-  int32_t n_ = 1;  // choices per prompt
+  int32_t n_ = 1;  // engine requests per prompt: n, best_of (ranked), or 1 (beam search)
+  int32_t n_return_ = 1;  // choices per prompt in the response (n)
+  bool beam_ = false;          // use_beam_search: one engine request per prompt, its beams the choices
+  bool rank_best_of_ = false;  // best_of > n: the n of best_of with the highest cumulative logprob
   bool want_logprobs_ = false;
   bool echo_scored_ = false;  // echo with logprobs (completions)
   bool include_usage_ = false;
@@ -265,12 +275,18 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
   // fork choice 0's KV blocks when its prompt is computed and sample from its last logits row. Echo with
   // logprobs: only choice 0 computes the prompt's logprobs (every prompt position's logits row) and every
   // choice echoes them.
+  // Beam search: one engine request per prompt, whose beams share the prompt's blocks and are the
+  // choices. best_of > n: best_of choices (each with its chosen tokens' logprobs), the best n returned.
   if (auto e = check_logprob_volume(r, bases)) return fail(std::move(*e));
-  n_ = r.n;
+  beam_ = r.use_beam_search;
+  rank_best_of_ = !beam_ && r.best_of > r.n;
+  n_return_ = r.n;
+  n_ = beam_ ? 1 : rank_best_of_ ? r.best_of : r.n;
   for (size_t p = 0; p < bases.size(); ++p)
-    for (int32_t i = 0; i < r.n; ++i) {
+    for (int32_t i = 0; i < n_; ++i) {
       Request q = bases[p];
       q.sampling.seed = r.seed ? *r.seed + static_cast<uint64_t>(i) : api_.random_seed();
+      if (rank_best_of_) q.logprobs = std::max(q.logprobs, 0);
       if (i > 0) q.prompt_logprobs = -1;
       out.requests.push_back(std::move(q));
     }
@@ -343,16 +359,65 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
       c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
       c.logged.logprobs.insert(c.logged.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
     }
-    if (o.output.finished) finish(c, o.output);
+    if (rank_best_of_)
+      for (const LogprobSummary& l : o.output.logprobs) c.cumulative_logprob += l.chosen.logprob;
+    if (o.output.finished) {
+      finish(c, o.output);
+      c.beams = std::move(o.output.beams);
+    }
   }
   if (n_finished_ < choices_.size()) return;
-  std::vector<FinalChoice> finals;
-  for (size_t i = 0; i < choices_.size(); ++i) {
-    Choice& c = choices_[i];
+  if (auto e = failed()) return respond(s, std::move(*e));
+  std::vector<FinalChoice> finals = returned_choices();
+  HttpResponse r;
+  r.body = dump(full_response(header_, finals, usage()));
+  // A large answer's JSON (logprobs: a tree of small objects, many times the text's size) leaves freed
+  // memory that glibc keeps; it is handed back once the tree is gone. The text itself, this large, is
+  // its own mapping, unmapped when written.
+  const bool large = r.body.size() > kTrimAbove;
+  std::vector<FinalChoice>().swap(finals);
+  respond(s, std::move(r));
+  if (large) malloc_trim(0);
+}
+
+std::optional<HttpResponse> Generation::failed() const {
+  for (const Choice& c : choices_) {
     if (c.finish_reason == "error")
-      return respond(s, error_json(500, "generation failed: " + c.error, "", "", "server_error"));
+      return error_json(500, "generation failed: " + c.error, "", "", "server_error");
     if (c.finish_reason == "abort")
-      return respond(s, error_json(503, "the server is shutting down", "", "unavailable", "server_error"));
+      return error_json(503, "the server is shutting down", "", "unavailable", "server_error");
+  }
+  return std::nullopt;
+}
+
+// The choices of a finished non-streamed response, index order.
+std::vector<FinalChoice> Generation::returned_choices() {
+  std::vector<FinalChoice> finals;
+  if (beam_) {
+    for (size_t p = 0; p < choices_.size(); ++p)
+      for (size_t k = 0; k < choices_[p].beams.size(); ++k) {
+        const BeamHypothesis& h = choices_[p].beams[k];
+        FinalChoice f;
+        f.index = static_cast<int32_t>(p * static_cast<size_t>(n_return_) + k);
+        f.text = prompts_[p].echo_text + h.text;
+        f.finish_reason = h.stopped ? "stop" : "length";
+        f.cumulative_logprob = h.sum_logprobs;
+        finals.push_back(std::move(f));
+      }
+    return finals;
+  }
+  // best_of: each prompt's choices ranked by cumulative logprob (stable: earlier choices first on a tie).
+  std::vector<size_t> order(choices_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const auto per = static_cast<size_t>(n_);
+  if (rank_best_of_)
+    for (size_t p = 0; p < prompts_.size(); ++p)
+      std::stable_sort(order.begin() + static_cast<ptrdiff_t>(p * per), order.begin() + static_cast<ptrdiff_t>((p + 1) * per),
+                       [&](size_t a, size_t b) { return choices_[a].cumulative_logprob > choices_[b].cumulative_logprob; });
+  for (size_t j = 0; j < order.size(); ++j) {
+    if (j % per >= static_cast<size_t>(n_return_)) continue;
+    const size_t i = order[j];
+    Choice& c = choices_[i];
     const PromptInfo& p = prompt_of(i);
     FinalChoice f;
     f.index = static_cast<int32_t>(i);
@@ -367,17 +432,46 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
       append_completion_logprobs(f.logprobs, completion_logprobs(*api_.format.tokenizer, c.logged, &c.text_offset));
     }
     f.finish_reason = c.finish_reason;
+    if (rank_best_of_) {
+      f.index = static_cast<int32_t>(j / per * static_cast<size_t>(n_return_) + j % per);
+      f.cumulative_logprob = c.cumulative_logprob;
+    }
     finals.push_back(std::move(f));
   }
-  HttpResponse r;
-  r.body = dump(full_response(header_, finals, usage()));
-  // A large answer's JSON (logprobs: a tree of small objects, many times the text's size) leaves freed
-  // memory that glibc keeps; it is handed back once the tree is gone. The text itself, this large, is
-  // its own mapping, unmapped when written.
-  const bool large = r.body.size() > kTrimAbove;
-  std::vector<FinalChoice>().swap(finals);
-  respond(s, std::move(r));
-  if (large) malloc_trim(0);
+  return finals;
+}
+
+// Beam search, streamed: the prompt's beams when its search ends, each as one chunk of text (the
+// echo went out first) with its finish reason and cumulative logprob.
+std::string Generation::beam_chunks(ChoiceOutput& co) {
+  Choice& c = choices_[static_cast<size_t>(co.index)];
+  const RequestOutput& o = co.output;
+  if (!o.finished) return "";
+  finish(c, o);
+  if (o.finish_reason == "error") return sse_event(error_body("generation failed: " + o.error, "server_error"));
+  std::string out;
+  for (size_t k = 0; k < o.beams.size(); ++k) {
+    const BeamHypothesis& h = o.beams[k];
+    ChunkChoice chunk;
+    chunk.index = static_cast<int32_t>(static_cast<size_t>(co.index) * static_cast<size_t>(n_return_) + k);
+    chunk.cumulative_logprob = h.sum_logprobs;
+    chunk.text = h.text;
+    if (header_.chat) {
+      out += sse_event(stream_chunk(header_, chunk, include_usage_));
+      chunk.text.reset();
+      chunk.cumulative_logprob.reset();
+    }
+    chunk.finish_reason = h.stopped ? "stop" : "length";
+    out += sse_event(stream_chunk(header_, chunk, include_usage_));
+  }
+  if (o.finish_reason == "abort")
+    for (int32_t k = 0; k < n_return_; ++k) {  // shutdown: every listed choice ends
+      ChunkChoice last;
+      last.index = co.index * n_return_ + k;
+      last.finish_reason = "abort";
+      out += sse_event(stream_chunk(header_, last, include_usage_));
+    }
+  return out;
 }
 
 std::string Generation::chunks_for(ChoiceOutput& co) {
@@ -436,14 +530,15 @@ void Generation::stream(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
     head.content_type = "text/event-stream";
     head.headers = {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}};
     s.start_stream(std::move(head));
-    for (size_t i = 0; i < choices_.size(); ++i) {
+    for (size_t i = 0; i < n_listed(); ++i) {
       ChunkChoice first;
       first.index = static_cast<int32_t>(i);
+      const PromptInfo& p = prompts_[i / static_cast<size_t>(n_return_)];
       if (header_.chat) {
         first.role = true;
         first.text = "";
-      } else if (!prompt_of(i).echo_text.empty() && !want_logprobs_) {  // with logprobs: see chunks_for
-        first.text = prompt_of(i).echo_text;
+      } else if (!p.echo_text.empty() && !want_logprobs_) {  // with logprobs: see chunks_for
+        first.text = p.echo_text;
       } else {
         continue;
       }
@@ -451,6 +546,10 @@ void Generation::stream(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
     }
   }
   for (ChoiceOutput& o : outputs) {
+    if (beam_) {
+      buf += beam_chunks(o);
+      continue;
+    }
     const size_t first = static_cast<size_t>(o.index) / static_cast<size_t>(n_) * static_cast<size_t>(n_);
     const bool was_scored = prompts_[first / static_cast<size_t>(n_)].scored;
     if (!note_prompt_logprobs(o)) {  // the echo of this choice waits for the prompt's logprobs

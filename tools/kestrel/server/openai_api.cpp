@@ -174,6 +174,7 @@ Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage
   }
   choice["logprobs"] = c.logprobs;
   choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
+  if (c.cumulative_logprob) choice["cumulative_logprob"] = *c.cumulative_logprob;
   Json j{{"id", h.id},
          {"object", h.chat ? "chat.completion.chunk" : "text_completion"},
          {"created", h.created},
@@ -203,6 +204,7 @@ Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choi
       choice["text"] = c.text;
     choice["logprobs"] = c.logprobs;
     choice["finish_reason"] = c.finish_reason;
+    if (c.cumulative_logprob) choice["cumulative_logprob"] = *c.cumulative_logprob;
     list.push_back(std::move(choice));
   }
   return Json{{"id", h.id},

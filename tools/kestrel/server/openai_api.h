@@ -74,6 +74,7 @@ struct ChunkChoice {
   bool role = false;                         // chat: the first chunk of a choice names the role
   Json logprobs;                             // null or a logprobs object
   std::optional<std::string> finish_reason;  // null until the last chunk of the choice
+  std::optional<double> cumulative_logprob;  // beam search: the beam's sum of log-probabilities (vLLM's name)
 };
 Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage_null);
 // The last chunk of an include_usage stream: "choices": [] and the usage.
@@ -85,6 +86,9 @@ struct FinalChoice {
   std::string text;
   Json logprobs;  // null or a logprobs object
   std::string finish_reason;
+  // Beam search and best_of: the choice's sum of token log-probabilities (natural log), as vLLM's
+  // CompletionOutput names it; absent otherwise.
+  std::optional<double> cumulative_logprob;
 };
 Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choices, const Json& usage);
 

@@ -1,0 +1,171 @@
+// The engine's internals (engine.cpp; beam groups in engine_beam.cpp): a request's state and
+// Engine::Impl. Not part of the API: only the engine's own sources include it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/beam_search.h"
+#include "engine/engine.h"
+#include "engine/stop_checker.h"
+#include "memory/kv_manager.h"
+#include "sampling/grammar/matcher.h"
+#include "sampling/sampler.h"
+#include "scheduler/scheduler.h"
+#include "scheduler/step_batch.h"
+#include "spec/drafter.h"
+#include "spec/verifier.h"
+#include "tokenizer/stream_decoder.h"
+
+namespace kestrel {
+namespace engine_detail {
+
+using Clock = std::chrono::steady_clock;
+struct BeamGroup;
+
+struct RequestState {
+  RequestId id = 0;
+  Request req;
+  Sequence seq;
+  std::optional<Sampler> sampler;
+  // Request::grammar's state, its token bitmask and the masked logits row (reused every step).
+  std::optional<grammar::GrammarMatcher> matcher;
+  std::vector<uint32_t> grammar_mask;
+  std::vector<float> masked_row;
+  bool grammar_ended = false;
+  std::optional<StreamDecoder> decoder;
+  StopChecker stop_checker;
+  Clock::time_point arrival, first_token;
+  bool finished = false;
+  // prompt_logprobs / prompt_logits: the next prompt token whose predicting row is wanted (the row
+  // of position p predicts token p + 1; token 0 has none), the rows computed but not yet reported
+  // (they go out with the first sampled token), and whether a prompt row held non-finite logits.
+  int64_t next_prompt_target = 1;
+  std::vector<LogprobSummary> pending_prompt_logprobs;
+  std::vector<float> pending_prompt_logits;
+  bool prompt_nan = false;
+  // The drafter's q for the draft tokens at the end of seq.tokens ([seq.n_draft, n_vocab]), empty
+  // when they are one-hot (Draft::q).
+  std::vector<float> draft_q;
+  bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
+  // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
+  // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
+  // parent's prompt is computed it forks the parent's blocks and samples its first token from the
+  // parent's last logits row, so the prompt is prefilled once.
+  RequestState* parent = nullptr;         // set while waiting for the parent's prompt
+  std::vector<RequestState*> children;    // children waiting for this request's prompt
+  uint64_t prompt_hash = 0;
+  // Beam search: the group whose beam this sequence is (null otherwise); the request's own state
+  // owns it. beam_row: the beam's best next tokens, valid while has_beam_row; the sequence, fully
+  // computed, is then not scheduled until every live beam of its group has its row.
+  BeamGroup* group = nullptr;
+  std::unique_ptr<BeamGroup> own_group;
+  bool has_beam_row = false;
+  BeamRow beam_row;
+};
+
+// A beam-search request's beams. slots: the states whose sequences beams use, the request's own
+// first; a slot whose beam is not continued frees its blocks and takes the next fork. live[i]:
+// the slot of the search's live beam i.
+struct BeamGroup {
+  BeamGroup(const BeamSearchParams& p, std::vector<int32_t> stop_ids, int64_t max_new_tokens)
+      : search(p, std::move(stop_ids), max_new_tokens) {}
+  BeamSearch search;
+  RequestState* owner = nullptr;
+  std::vector<RequestState*> slots;
+  std::vector<RequestState*> live;
+  std::string error;  // a beam's logits were not finite: the request ends with it after the step
+};
+
+}  // namespace engine_detail
+
+struct Engine::Impl {
+  using RequestState = engine_detail::RequestState;
+  using BeamGroup = engine_detail::BeamGroup;
+  Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& c, std::unique_ptr<ModelRunner> r, DraftModel draft);
+
+  // Speculative decoding: drafts for the running decodes (seq.n_draft, draft_q), before schedule().
+  void propose_drafts();
+  // Drops the drafts of a sequence that did not run them (they are proposals for one step).
+  static void drop_drafts(RequestState& r) {
+    r.seq.tokens.resize(r.seq.tokens.size() - static_cast<size_t>(r.seq.n_draft));
+    r.seq.n_draft = 0;
+    r.draft_q.clear();
+  }
+  // After verification: the rejected drafts' K/V go back to the pool, the accepted ones stay
+  // computed, and the tokens return to the settled ones (post_process appends v.tokens).
+  void settle_drafts(RequestState& r, const Verification& v);
+  void build_batch(const SchedulerOutput& out);
+  void refresh_kv_stats() {
+    stats.kv_blocks_used = manager.n_used_blocks();
+    stats.kv_blocks_free = manager.n_free_blocks();
+    stats.kv_blocks_cached = manager.n_cached_blocks();
+    stats.peak_kv_blocks_used = std::max(stats.peak_kv_blocks_used, stats.kv_blocks_used);
+    stats.prefix_cache_queried_tokens = manager.prefix_queried_tokens();
+    stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
+  }
+  void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
+  // A request that can share the prompt of `r` (queued, never scheduled, not a child), or null.
+  RequestState* prompt_parent_for(const RequestState& r);
+  // Hands r's waiting children to the scheduler on their own (r ends before its prompt is done).
+  void release_children(RequestState& r);
+  // Appends the tokens a step emitted for r (one, or accepted drafts and the token after them) and
+  // reports them in one output; ends r at the first that stops it (the rest are dropped).
+  // logprobs: [tokens.size()] or empty.
+  void post_process(RequestState& r, std::span<const int32_t> tokens, std::vector<RequestOutput>& outputs,
+                    std::vector<LogprobSummary> logprobs = {});
+
+  // Beam search (engine_beam.cpp). start_beams: add_request's part. take_beam_row: a beam's
+  // logits row in the sampling loop (its best tokens kept; the group marked for step_beams).
+  // step_beams: after the sampling loop, one search step for every group whose live beams all
+  // have their rows: beams not continued free their blocks, a beam continued k times forks k - 1
+  // sequences sharing its blocks copy-on-write, each appends its token; a finished search ends
+  // the request with its hypotheses. end_beams: finish's part (the other slots' sequences end).
+  void start_beams(RequestState& r);
+  void take_beam_row(RequestState& r, std::span<const float> row);
+  void step_beams(std::vector<RequestOutput>& outputs);
+  void end_beams(RequestState& owner, RequestOutput* o);
+  std::vector<RequestId> beam_groups_ready;  // owners whose group got a row this step
+
+  const LlamaModel& model;
+  const Tokenizer* tokenizer;
+  EngineConfig config;
+  std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<Drafter> drafter;  // null without speculative decoding
+  std::vector<DraftRequest> draft_requests;
+  std::vector<RequestState*> draft_owners;
+  std::vector<Draft> drafts;
+  KvManager manager;
+  Scheduler scheduler;
+  std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests;
+  std::vector<RequestOutput> pending;  // aborts reported by the next step
+  RequestId next_id = 1;
+  EngineStats stats;
+  // Unstarted requests by the hash of their prompt (prompt_parent_for); entries may be stale.
+  std::unordered_map<uint64_t, RequestId> unstarted_prompts;
+  // The flat batch of the current step.
+  StepBatch batch;
+  // Requests that sample this step and the logits row each samples from; children of a parent
+  // whose prompt completes follow, each with a copy of the parent's row.
+  struct SampleRow {
+    RequestState* r;
+    int32_t row;          // the last of its rows: the one the token after its drafts is sampled from
+    int64_t n_draft = 0;  // rows row - n_draft .. row - 1 verify its draft tokens
+  };
+  std::vector<SampleRow> sampling;
+  // Logits rows after those: prompt positions whose logprobs or logits a request wants, each row
+  // predicting prompt token `target` of `r`.
+  struct PromptRow {
+    RequestState* r;
+    int64_t target;
+    int32_t row;
+  };
+  std::vector<PromptRow> prompt_rows;
+  void prompt_logprobs_from(std::span<const float> logits);
+  std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
+};
+
+}  // namespace kestrel
