@@ -54,7 +54,8 @@ __device__ __forceinline__ uint32_t ld_stream2(const void* p) {
 #endif
 }
 // 4 bytes of a weight stream that neighbouring lanes and units read again (a K-quant super-block's
-// scales): the read-only path with L1 allocation.
+// scales): the read-only path, no L1 allocation (the repeats are served from L2). The no-allocate
+// form is also what marks a load issued before pdl_wait() as a weight stream (pdl_audit.py).
 __device__ __forceinline__ uint32_t ld_shared_weight4(const void* p) {
 #if defined(KESTREL_CUDA_EMULATE)
   uint32_t v;
@@ -62,7 +63,7 @@ __device__ __forceinline__ uint32_t ld_shared_weight4(const void* p) {
   return v;
 #else
   uint32_t v;
-  asm("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 #endif
 }
