@@ -72,8 +72,9 @@ TEST(CpuAttention, QueryGroupSplitGivesTheSameBits) {
       a.head_offset = 0;
       a.block_table = table.data();
       a.block_size = static_cast<int32_t>(kBlockSize);
-      a.n_ctx = kCtx;
-      a.kv_begin = 5;
+      const int64_t n_ctx = kCtx, kv_begin = 5;
+      a.n_ctx = &n_ctx;
+      a.kv_begin = &kv_begin;
       a.head_dim = kHeadDim;
       a.group = n;
       a.scale = 0.0625f;
