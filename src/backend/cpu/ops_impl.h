@@ -217,6 +217,7 @@ struct AttentionScratch {
   std::vector<float> st;     // [rows, 2 + v_dim]: the chunk's state
   std::vector<int32_t> lo, hi;  // [rows]: the row's keys in the tile, lanes [lo, hi)
   std::vector<int32_t> live;    // rows with keys in the tile
+  std::vector<float> corr;      // [rows]: the tile's rescaling of each row's state
   template <class V>
   static V* take(std::vector<V>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
@@ -228,93 +229,118 @@ inline AttentionScratch& attention_scratch() {
   return s;
 }
 
-// kt[d * 16 + j] = key j's element d for j < nk, 0 for the lanes past nk; keys row-major, stride hd.
+// kt[d * 16 + lane0 + j] = key j's element d for j < nk, 0 in the other lanes; keys row-major,
+// stride hd.
 template <class T>
-void load_keys_transposed(const T* k, int64_t nk, int64_t hd, float* kt) {
+void load_keys_transposed(const T* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
   for (int64_t j0 = 0; j0 < kKeyTile; j0 += 8) {
-    const int64_t nr = std::clamp<int64_t>(nk - j0, 0, 8);
+    const auto valid = [&](int64_t i) { return j0 + i >= lane0 && j0 + i < lane0 + nk; };
+    const T* base = k + (j0 - lane0) * hd;  // lane j0's row (only valid lanes' rows are read)
     int64_t d = 0;
     for (; d + 8 <= hd; d += 8) {
       v8f r[8];
-      for (int64_t i = 0; i < 8; ++i) r[i] = i < nr ? load8(k + (j0 + i) * hd + d) : v8f{};
+      for (int64_t i = 0; i < 8; ++i) r[i] = valid(i) ? load8(base + i * hd + d) : v8f{};
       transpose8(r);
       for (int64_t i = 0; i < 8; ++i) store8(kt + (d + i) * kKeyTile + j0, r[i]);
     }
     for (; d < hd; ++d)
-      for (int64_t i = 0; i < 8; ++i) kt[d * kKeyTile + j0 + i] = i < nr ? to_f32(k[(j0 + i) * hd + d]) : 0.0f;
+      for (int64_t i = 0; i < 8; ++i) kt[d * kKeyTile + j0 + i] = valid(i) ? to_f32(base[i * hd + d]) : 0.0f;
   }
 }
 
-// acc[r][h] = sum over d in [d0, d1) of q_r[d] x kt[d][8h .. 8h + 8): per lane two FMA chains, over
-// the even and the odd offsets d - d0 in ascending order, added at the end (two chains per vector so
-// that one row alone keeps four FMAs in flight). Row r's scores do not depend on the other rows.
+// 16 floats: one AVX-512 register, two AVX registers elsewhere (the lanes' arithmetic is the same).
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+inline v16f load16(const float* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_loadu_ps(p));
+#else
+  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline void store16(float* p, v16f v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, reinterpret_cast<__m512>(v));
+#else
+  store8(p, __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7));
+  store8(p + 8, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#endif
+}
+// (Not v16f{} + x: that is a scalar add per call, and turns -0 into +0.)
+inline v16f splat16(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_set1_ps(x));
+#else
+  const v8f h = v8f{x, x, x, x, x, x, x, x};
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  const v8f lo = fma8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                      __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8f hi = fma8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                      __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                      __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+// acc[r] = sum over d in [d0, d1) of q_r[d] x kt[d][0 .. 16): per lane two FMA chains, over the even
+// and the odd offsets d - d0 in ascending order, added at the end (two chains per row so that one
+// row alone keeps FMAs in flight). Row r's scores do not depend on the other rows of the block.
 template <int NR>
-inline void score_rows(const float* const* q, const float* kt, int64_t d0, int64_t d1, v8f (*acc)[2]) {
-  v8f e[NR][2] = {}, o[NR][2] = {};
+inline void score_rows(const float* const* q, const float* kt, int64_t d0, int64_t d1, v16f* acc) {
+  v16f e[NR] = {}, o[NR] = {};
   int64_t d = d0;
   for (; d + 2 <= d1; d += 2) {
-    const v8f k0 = load8(kt + d * kKeyTile), k1 = load8(kt + d * kKeyTile + 8);
-    const v8f k2 = load8(kt + (d + 1) * kKeyTile), k3 = load8(kt + (d + 1) * kKeyTile + 8);
+    const v16f k0 = load16(kt + d * kKeyTile), k1 = load16(kt + (d + 1) * kKeyTile);
     for (int r = 0; r < NR; ++r) {
-      const v8f qe = splat8(q[r][d]), qo = splat8(q[r][d + 1]);
-      e[r][0] = fma8(qe, k0, e[r][0]);
-      e[r][1] = fma8(qe, k1, e[r][1]);
-      o[r][0] = fma8(qo, k2, o[r][0]);
-      o[r][1] = fma8(qo, k3, o[r][1]);
+      e[r] = fma16(splat16(q[r][d]), k0, e[r]);
+      o[r] = fma16(splat16(q[r][d + 1]), k1, o[r]);
     }
   }
   if (d < d1) {
-    const v8f k0 = load8(kt + d * kKeyTile), k1 = load8(kt + d * kKeyTile + 8);
-    for (int r = 0; r < NR; ++r) {
-      const v8f qe = splat8(q[r][d]);
-      e[r][0] = fma8(qe, k0, e[r][0]);
-      e[r][1] = fma8(qe, k1, e[r][1]);
-    }
+    const v16f k0 = load16(kt + d * kKeyTile);
+    for (int r = 0; r < NR; ++r) e[r] = fma16(splat16(q[r][d]), k0, e[r]);
   }
-  for (int r = 0; r < NR; ++r) acc[r][0] = e[r][0] + o[r][0], acc[r][1] = e[r][1] + o[r][1];
+  for (int r = 0; r < NR; ++r) acc[r] = e[r] + o[r];
 }
 
 // s[r] = the scaled scores of NR rows against the tile (ks, krs: the keys' int8 scales, or null).
 template <int NR>
 inline void tile_scores(const AttentionArgs& a, const float* const* q, const float* kt, const float* ks,
                         const float* krs, int64_t vd, float* const* s) {
-  v8f acc[NR][2];
+  v16f acc[NR];
   if (krs != nullptr) {  // MLA int8: the latent and the RoPE key each with their own scale
-    v8f rope[NR][2];
+    v16f rope[NR];
     score_rows<NR>(q, kt, 0, vd, acc);
     score_rows<NR>(q, kt, vd, a.head_dim, rope);
-    const v8f k0 = load8(ks), k1 = load8(ks + 8), r0 = load8(krs), r1 = load8(krs + 8);
-    for (int r = 0; r < NR; ++r) {
-      store8(s[r], (acc[r][0] * k0 + rope[r][0] * r0) * a.scale);
-      store8(s[r] + 8, (acc[r][1] * k1 + rope[r][1] * r1) * a.scale);
-    }
+    const v16f k = load16(ks), kr = load16(krs);
+    for (int r = 0; r < NR; ++r) store16(s[r], (acc[r] * k + rope[r] * kr) * a.scale);
     return;
   }
   score_rows<NR>(q, kt, 0, a.head_dim, acc);
-  for (int r = 0; r < NR; ++r) {
-    if (ks != nullptr) {
-      store8(s[r], acc[r][0] * load8(ks) * a.scale);
-      store8(s[r] + 8, acc[r][1] * load8(ks + 8) * a.scale);
-    } else {
-      store8(s[r], acc[r][0] * a.scale);
-      store8(s[r] + 8, acc[r][1] * a.scale);
-    }
-  }
+  for (int r = 0; r < NR; ++r) store16(s[r], ks != nullptr ? acc[r] * load16(ks) * a.scale : acc[r] * a.scale);
 }
 
-// o = o x c + sum over j in [lo, hi) of p[j] x v[j], j ascending (v rows of stride vs), vd elements.
+// o = o x c + sum over j in [lo, hi) of p[j] x v[j], j ascending (v rows of stride vs), for
+// elements [d, vd). The path an element takes depends only on d and vd.
 inline void accumulate_values(float* o, float c, const float* p, int64_t lo, int64_t hi, const float* v, int64_t vs,
-                              int64_t vd) {
-  int64_t d = 0;
+                              int64_t d, int64_t vd) {
   for (; d + 64 <= vd; d += 64) {
-    v8f acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = load8(o + d + 8 * i) * c;
+    v16f acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = load16(o + d + 16 * i) * c;
     for (int64_t j = lo; j < hi; ++j) {
-      const v8f pj = splat8(p[j]);
+      const v16f pj = splat16(p[j]);
       const float* vr = v + j * vs + d;
-      for (int i = 0; i < 8; ++i) acc[i] = fma8(pj, load8(vr + 8 * i), acc[i]);
+      for (int i = 0; i < 4; ++i) acc[i] = fma16(pj, load16(vr + 16 * i), acc[i]);
     }
-    for (int i = 0; i < 8; ++i) store8(o + d + 8 * i, acc[i]);
+    for (int i = 0; i < 4; ++i) store16(o + d + 16 * i, acc[i]);
   }
   for (; d + 8 <= vd; d += 8) {
     v8f acc = load8(o + d) * c;
@@ -326,6 +352,28 @@ inline void accumulate_values(float* o, float c, const float* p, int64_t lo, int
     for (int64_t j = lo; j < hi; ++j) acc = fma1(p[j], v[j * vs + d], acc);
     o[d] = acc;
   }
+}
+
+// The same for two rows over the same keys: each value vector loaded once for both.
+inline void accumulate_values2(float* o0, float c0, const float* p0, float* o1, float c1, const float* p1, int64_t lo,
+                               int64_t hi, const float* v, int64_t vs, int64_t vd) {
+  int64_t d = 0;
+  for (; d + 64 <= vd; d += 64) {
+    v16f a0[4], a1[4];
+    for (int i = 0; i < 4; ++i) a0[i] = load16(o0 + d + 16 * i) * c0, a1[i] = load16(o1 + d + 16 * i) * c1;
+    for (int64_t j = lo; j < hi; ++j) {
+      const v16f q0 = splat16(p0[j]), q1 = splat16(p1[j]);
+      const float* vr = v + j * vs + d;
+      for (int i = 0; i < 4; ++i) {
+        const v16f x = load16(vr + 16 * i);
+        a0[i] = fma16(q0, x, a0[i]);
+        a1[i] = fma16(q1, x, a1[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) store16(o0 + d + 16 * i, a0[i]), store16(o1 + d + 16 * i, a1[i]);
+  }
+  accumulate_values(o0, c0, p0, lo, hi, v, vs, d, vd);
+  accumulate_values(o1, c1, p1, lo, hi, v, vs, d, vd);
 }
 
 // One chunk's online softmax for every row of the call: st rows [max, sum, output[vd]].
@@ -358,9 +406,13 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     const int64_t off = ta % bs, block_start = ta - off;
     const int64_t tb = std::min({c_end, block_start + bs, block_start + (off / kKeyTile + 1) * kKeyTile});
     const int64_t nk = tb - ta;
+    // Lane j holds key t_abs + j, t_abs being where the tile starts whatever the rows' ranges (the
+    // partition's cut before ta): so a row's lanes, and its sums over them, are the same in any call.
+    const int64_t t_abs = std::max(block_start + off / kKeyTile * kKeyTile, c_abs * kAttentionChunk);
+    const int64_t lane0 = ta - t_abs;
     int64_t n_live = 0;
     for (int64_t i = 0; i < a.n_tokens; ++i) {
-      const int64_t l = std::max(ta, a.kv_begin[i]) - ta, h = std::min(tb, a.n_ctx[i]) - ta;
+      const int64_t l = std::max(ta, a.kv_begin[i]) - t_abs, h = std::min(tb, a.n_ctx[i]) - t_abs;
       for (int64_t g = 0; g < g_n; ++g) {
         const int64_t r = i * g_n + g;
         lo[r] = static_cast<int32_t>(l), hi[r] = static_cast<int32_t>(h);
@@ -378,16 +430,17 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
       __builtin_prefetch(kc + next);
       __builtin_prefetch(vc + next);
     }
-    load_keys_transposed(kc + elem, nk, hd, kt);
+    load_keys_transposed(kc + elem, lane0, nk, hd, kt);
+    // Lane j's value row at v + j * v_stride (only the rows' lanes [lo, hi) are read).
     const float* v;
     int64_t v_stride = vd;
     if constexpr (std::is_same_v<T, float>) {
-      v = vc + elem;
+      v = vc + elem - lane0 * hd;
       v_stride = hd;
     } else {
       for (int64_t j = 0; j < nk; ++j) {
         const T* src = vc + elem + j * hd;
-        float* dst = vt + j * vd;
+        float* dst = vt + (lane0 + j) * vd;
         int64_t d = 0;
         for (; d + 8 <= vd; d += 8) store8(dst + d, load8(src + d));
         for (; d < vd; ++d) dst[d] = to_f32(src[d]);
@@ -397,46 +450,77 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     const float* ksp = nullptr;
     const float* krsp = nullptr;
     if constexpr (kQuantized) {
-      const int64_t row0 = elem / hd;
+      const int64_t row0 = elem / hd - lane0;  // lane 0's row
       for (int64_t j = 0; j < kKeyTile; ++j) {
-        ks[j] = j < nk ? a.k_scale[row0 + j] : 0.0f;
-        vs[j] = j < nk ? a.v_scale[row0 + j] : 0.0f;
-        if (a.k_rope_scale != nullptr) krs[j] = j < nk ? a.k_rope_scale[row0 + j] : 0.0f;
+        const bool in = j >= lane0 && j < lane0 + nk;
+        ks[j] = in ? a.k_scale[row0 + j] : 0.0f;
+        vs[j] = in ? a.v_scale[row0 + j] : 0.0f;
+        if (a.k_rope_scale != nullptr) krs[j] = in ? a.k_rope_scale[row0 + j] : 0.0f;
       }
       ksp = ks;
       krsp = a.k_rope_scale != nullptr ? krs : nullptr;
     }
-    // Scores, two rows at a time.
+    // Scores, four rows at a time.
     int64_t li = 0;
-    const float* qr[2];
-    float* sr[2];
+    const float* qr[4];
+    float* sr[4];
     auto row_q = [&](int64_t r) { return a.q + (r / g_n) * a.q_stride + (r % g_n) * hd; };
-    for (; li + 2 <= n_live; li += 2) {
+    for (; li + 4 <= n_live; li += 4) {
+      for (int k = 0; k < 4; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
+      tile_scores<4>(a, qr, kt, ksp, krsp, vd, sr);
+    }
+    if (li + 2 <= n_live) {
       for (int k = 0; k < 2; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
       tile_scores<2>(a, qr, kt, ksp, krsp, vd, sr);
+      li += 2;
     }
     for (; li < n_live; ++li) {
       qr[0] = row_q(live[li]), sr[0] = s + live[li] * kKeyTile;
       tile_scores<1>(a, qr, kt, ksp, krsp, vd, sr);
     }
-    // Online softmax and the values, row by row.
+    // Online softmax row by row (over lanes [lo, hi); the others masked: -inf for the max, 0 for
+    // the sum, whose tree over the 16 lanes is fixed), then the values, two rows at a time where
+    // their keys agree.
+    float* corr = AttentionScratch::take(w.corr, rows);
+    typedef int32_t v16i __attribute__((vector_size(64)));
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f neg_inf = splat16(-INFINITY), zero = {};
     for (int64_t k = 0; k < n_live; ++k) {
       const int64_t r = live[k];
       float* sp = s + r * kKeyTile;
       float* state = st + r * sw;
-      float tile_max = -INFINITY;
-      for (int64_t j = lo[r]; j < hi[r]; ++j) tile_max = std::max(tile_max, sp[j]);
+      const v16i in = (lane >= lo[r]) & (lane < hi[r]);
+      const v16f sv = load16(sp);
+      const v16f mx = in ? sv : neg_inf;
+      const v8f mlo = __builtin_shufflevector(mx, mx, 0, 1, 2, 3, 4, 5, 6, 7);
+      const v8f mhi = __builtin_shufflevector(mx, mx, 8, 9, 10, 11, 12, 13, 14, 15);
+      const v8f m8 = mlo > mhi ? mlo : mhi;
+      float tile_max = std::max(std::max(std::max(m8[0], m8[1]), std::max(m8[2], m8[3])),
+                                std::max(std::max(m8[4], m8[5]), std::max(m8[6], m8[7])));
       const float m_new = std::max(state[0], tile_max);
-      const float correction = std::exp(state[0] - m_new);  // exp(-inf) = 0 on the row's first tile
-      store8(sp, exp8(load8(sp) - m_new));
-      store8(sp + 8, exp8(load8(sp + 8) - m_new));
-      float l = state[1] * correction;
-      for (int64_t j = lo[r]; j < hi[r]; ++j) l += sp[j];
-      if constexpr (kQuantized)
-        for (int64_t j = lo[r]; j < hi[r]; ++j) sp[j] *= vs[j];
-      accumulate_values(state + 2, correction, sp, lo[r], hi[r], v, v_stride, vd);
+      corr[r] = std::exp(state[0] - m_new);  // exp(-inf) = 0 on the row's first tile
+      const v16f shifted = sv - m_new;
+      const v8f e0 = exp8(__builtin_shufflevector(shifted, shifted, 0, 1, 2, 3, 4, 5, 6, 7));
+      const v8f e1 = exp8(__builtin_shufflevector(shifted, shifted, 8, 9, 10, 11, 12, 13, 14, 15));
+      v16f p = __builtin_shufflevector(e0, e1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      p = in ? p : zero;
+      const v8f p8 = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+      state[1] = state[1] * corr[r] + hsum8(p8);
+      if constexpr (kQuantized) p = p * load16(vs);
+      store16(sp, p);
       state[0] = m_new;
-      state[1] = l;
+    }
+    for (int64_t k = 0; k < n_live;) {
+      const int64_t r = live[k];
+      if (k + 1 < n_live && lo[live[k + 1]] == lo[r] && hi[live[k + 1]] == hi[r]) {
+        const int64_t r1 = live[k + 1];
+        accumulate_values2(st + r * sw + 2, corr[r], s + r * kKeyTile, st + r1 * sw + 2, corr[r1], s + r1 * kKeyTile,
+                           lo[r], hi[r], v, v_stride, vd);
+        k += 2;
+      } else {
+        accumulate_values(st + r * sw + 2, corr[r], s + r * kKeyTile, lo[r], hi[r], v, v_stride, 0, vd);
+        k += 1;
+      }
     }
     ta = tb;
   }
