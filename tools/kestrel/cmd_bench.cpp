@@ -287,8 +287,9 @@ std::vector<DepthResult> run_depths(const BenchArgs& a, const LoadedModel& lm, s
                   std::to_string(hp.n_ctx_train));
     const int64_t bs = c.cache.block_size;
     c.model.max_model_len = n_ctx;
-    // A test's tokens plus the context's partial last block run in one pass.
-    c.scheduler.max_num_batched_tokens = p_max + (d > 0 ? bs : 0);
+    // A test's tokens plus the context's partial last block run in one pass (the untimed context
+    // itself in passes of up to 2048).
+    c.scheduler.max_num_batched_tokens = d > 0 ? std::max<int64_t>(p_max + bs, 2048) : std::max<int64_t>(p_max, 1);
     c.cache.enable_prefix_caching = d > 0;
     // Room for the cached context beside a whole request, so the context is never evicted.
     if (d > 0 && c.cache.num_kv_blocks == 0)
@@ -318,6 +319,7 @@ std::vector<DepthResult> run_depths(const BenchArgs& a, const LoadedModel& lm, s
     const std::string at = d > 0 ? " @ d" + std::to_string(d) : "";
     uint64_t seed = 1;
     for (const int64_t p : a.n_prompts) {
+      if (p == 0) continue;
       DepthResult r{"pp" + std::to_string(p) + at, p, 0, d, {}};
       for (int rep = 0; rep <= a.reps; ++rep) {  // rep 0 warms up (pages in the weights, grows buffers)
         std::vector<int32_t> prompt = context;
@@ -348,13 +350,13 @@ void run_bench(BenchArgs a) {
   const auto positive = [](const std::vector<int64_t>& v, int64_t min) {
     return !v.empty() && std::all_of(v.begin(), v.end(), [&](int64_t x) { return x >= min; });
   };
-  if (!positive(a.n_prompts, 1) || !positive(a.n_gens, 0) || !positive(a.depths, 0) || a.reps <= 0)
-    throw Error("bench: -p values must be > 0, -n and -d values >= 0, and --reps > 0");
+  if (!positive(a.n_prompts, 0) || !positive(a.n_gens, 0) || !positive(a.depths, 0) || a.reps <= 0)
+    throw Error("bench: -p, -n and -d values must be >= 0 and --reps > 0");
   a.n_prompt = a.n_prompts.front();
   a.n_gen = a.n_gens.front();
   const bool one_shape = a.n_prompts.size() == 1 && a.n_gens.size() == 1 && a.depths.size() == 1 && a.depths[0] == 0;
-  if (!one_shape && (!a.prompts_file.empty() || a.shared_prefix > 0 || !a.parallel.empty()))
-    throw Error("bench: --prompts, --shared-prefix and --parallel take one -p and one -n value and no -d");
+  if ((!one_shape || a.n_prompt == 0) && (!a.prompts_file.empty() || a.shared_prefix > 0 || !a.parallel.empty()))
+    throw Error("bench: --prompts, --shared-prefix and --parallel take one -p value > 0, one -n value and no -d");
   LoadedModel lm = load_model(a.model, a.config);
   if (!a.prompts_file.empty()) {
     run_prompts(a, lm);
@@ -401,7 +403,7 @@ void register_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* sub = app.add_subcommand("bench", "Measure prefill and decode speed (batch 1)");
   sub->add_option("-m,--model", a->model, kModelHelp);
-  sub->add_option("-p,--n-prompt", a->n_prompts, "Prompt tokens, one pp test per value (e.g. 128,2048)")
+  sub->add_option("-p,--n-prompt", a->n_prompts, "Prompt tokens, one pp test per value (e.g. 128,2048; 0: none)")
       ->delimiter(',')
       ->capture_default_str();
   sub->add_option("-n,--n-gen", a->n_gens, "Generated tokens, one tg test per value (0: none)")
