@@ -1,6 +1,6 @@
 // CPU element-wise ops (ops.h) on each SIMD table this CPU has: GeGLU's GELU against float64, and
-// the property the runner's split of a query-head group over threads relies on (attention of a
-// sub-group gives the same bits as inside the whole group).
+// attention of a sub-group of query heads giving the same bits as inside the whole group (a row's
+// bits do not depend on the rows sharing its call).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -49,13 +49,14 @@ struct AttentionArgs {
   int64_t out_stride;          // elements from one token's output heads to the next (unused for one token)
 };
 
-// Keys are visited in tiles that never straddle an absolute position that is a multiple of 16, of
-// the block size or of kAttentionChunk, and in chunks of kAttentionChunk positions (multiples of
-// it), each with its own online-softmax state (max, sum, unnormalized output) merged into the
-// row's state in key order. The tiles and chunks a row visits depend only on its own key range, so
-// its bits do not depend on which rows share the call, and a chunk's state is the same whether it
-// is computed in the loop of attention() or apart by attention_chunks() on another thread (split-KV,
-// FlashDecoding, Dao et al. 2023) and then merged by attention_merge().
+// Keys are visited in tiles cut at fixed positions (block boundaries, every 16 keys from a block's
+// start, multiples of kAttentionChunk; a tile's lane j holds the key j places after its cut), and
+// in chunks of kAttentionChunk positions (from multiples of it), each with its own online-softmax
+// state (max, sum, unnormalized output) merged into the row's state in key order. The tiles, lanes
+// and chunks a row visits depend only on its own key range, so its bits do not depend on which rows
+// share the call, and a chunk's state is the same whether it is computed in the loop of attention()
+// or apart by attention_chunks() on another thread (split-KV, FlashDecoding, Dao et al. 2023) and
+// then merged by attention_merge().
 constexpr int64_t kAttentionChunk = 128;
 
 // The union of the call's rows' key ranges, [begin, end) (begin == end when empty).
