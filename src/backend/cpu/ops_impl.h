@@ -425,10 +425,17 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     }
     // The tile's keys: nk rows of head_dim, contiguous within the block.
     const int64_t elem = static_cast<int64_t>(a.block_table[ta / bs]) * a.block_stride + a.head_offset + off * hd;
-    if (tb == block_start + bs && tb < c_end) {  // the next block is elsewhere in memory: start fetching it
+    if (tb == block_start + bs && tb < hi_all) {
+      // The next block is elsewhere in memory: fetch this head's keys and values of it while this
+      // tile is computed (decode reads each once, from memory; one line ahead is not enough).
       const int64_t next = static_cast<int64_t>(a.block_table[tb / bs]) * a.block_stride + a.head_offset;
-      __builtin_prefetch(kc + next);
-      __builtin_prefetch(vc + next);
+      const char* kn = reinterpret_cast<const char*>(kc + next);
+      const char* vn = reinterpret_cast<const char*>(vc + next);
+      const int64_t bytes = bs * hd * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
     }
     load_keys_transposed(kc + elem, lane0, nk, hd, kt);
     // Lane j's value row at v + j * v_stride (only the rows' lanes [lo, hi) are read).
