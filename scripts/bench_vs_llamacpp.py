@@ -8,14 +8,17 @@ seconds) until the 1-minute load average is below --max-load, since the VM is sh
 seen at the start of each run is printed beside it.
 
 Tests, named as llama-bench names them:
-  ppP    P prompt tokens in one forward pass, for each P in --prompts (tok/s)
-  tgN    N tokens decoded one at a time (tok/s); kestrel decodes after the first prompt of
-         --prompts (greedy sampling through its engine), llama-bench from an empty context
-         without sampling.
+  ppP @ dD   P prompt tokens in one forward pass after a D-token context (tok/s), for each P in
+             --prompts and D in --depths ("ppP" alone when D is 0)
+  tgN @ dD   N tokens decoded one at a time after a D-token context (tok/s); kestrel samples
+             greedily through its engine, llama-bench does not sample.
+Both tools get the same -p, -n and -d lists (llama-bench's -d, --n-depth; `kestrel bench -d`): the
+context is computed before the timing starts.
 
   scripts/bench_vs_llamacpp.py --kestrel build/kestrel \\
       --llama-bench ../peer/llama.cpp/build/bin/llama-bench \\
-      --model models/gemma-3-270m-q4_k_m.gguf --threads 2 --prompts 16,512 --n-gen 128 --rounds 3
+      --model models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 --prompts 128,2048 --n-gen 128 \\
+      --depths 0,512,2048,4096 --rounds 3
 
 Exit status 0 when every run succeeded and gave every test, 1 otherwise. Python 3 standard library only.
 """
@@ -51,32 +54,38 @@ def run(cmd: list[str]) -> str:
     return p.stdout
 
 
-KESTREL_ROW = re.compile(r"^\|(?:[^|]*\|){3,4}\s*((?:pp|tg)\d+)\s*\|\s*([0-9.]+)")
+KESTREL_ROW = re.compile(r"^\|(?:[^|]*\|){3,4}\s*((?:pp|tg)\d+(?: @ d\d+)?)\s*\|\s*([0-9.]+)")
+
+
+def lists(a: argparse.Namespace) -> list[str]:
+    """The -p, -n and -d arguments both tools take."""
+    return ["-p", ",".join(map(str, a.prompts)), "-n", str(a.n_gen), "-d", ",".join(map(str, a.depths))]
+
+
+def test_name(n_prompt: int, n_gen: int, n_depth: int) -> str:
+    name = f"pp{n_prompt}" if n_gen == 0 else f"tg{n_gen}"
+    return name + (f" @ d{n_depth}" if n_depth else "")
 
 
 def kestrel_runs(a: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
-    for i, p in enumerate(a.prompts):
-        n_gen = a.n_gen if i == 0 else 0
-        text = run([a.kestrel, "bench", "-m", a.model, "-t", str(a.threads), "-p", str(p), "-n", str(n_gen), "-r", "1"])
-        for line in text.splitlines():
-            m = KESTREL_ROW.match(line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
+    text = run([a.kestrel, "bench", "-m", a.model, "-t", str(a.threads), *lists(a), "-r", "1"])
+    for line in text.splitlines():
+        m = KESTREL_ROW.match(line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
     return out
 
 
 def llama_runs(a: argparse.Namespace) -> dict[str, float]:
-    text = run([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", ",".join(map(str, a.prompts)),
-                "-n", str(a.n_gen), "-r", "1", "-o", "csv"])
+    text = run([a.llama_bench, "-m", a.model, "-t", str(a.threads), *lists(a), "-r", "1", "-o", "csv"])
     out: dict[str, float] = {}
     for row in csv.DictReader(io.StringIO(text)):
         if not a.llama_build_shown:  # which llama.cpp and model file the figures belong to
             print(f"llama.cpp build {row['build_commit']} ({row['build_number']}), backends {row['backends']}, "
                   f"model {row['model_type']}", flush=True)
             a.llama_build_shown = True
-        n_prompt, n_gen = int(row["n_prompt"]), int(row["n_gen"])
-        name = f"pp{n_prompt}" if n_gen == 0 else f"tg{n_gen}"
+        name = test_name(int(row["n_prompt"]), int(row["n_gen"]), int(row.get("n_depth") or 0))
         out[name] = float(row["avg_ts"])
     return out
 
@@ -89,11 +98,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default="16,512", help="prompt lengths, comma-separated")
     ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--depths", default="0", help="context lengths before each test, comma-separated (-d of both tools)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-load", type=float, default=0.7, help="wait for the 1-minute load average to drop below this")
     ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for it before running anyway")
     a = ap.parse_args()
     a.prompts = [int(p) for p in a.prompts.split(",")]
+    a.depths = [int(d) for d in a.depths.split(",")]
     a.llama_build_shown = False
 
     engines = [("kestrel", kestrel_runs), ("llama.cpp", llama_runs)]
@@ -114,7 +125,7 @@ def main() -> int:
         return 1
 
     print(f"\nloads at the starts of the runs: {min(loads):.2f}-{max(loads):.2f}")
-    tests = [f"pp{p}" for p in a.prompts] + [f"tg{a.n_gen}"]
+    tests = [test_name(p, 0, d) for d in a.depths for p in a.prompts] + [test_name(0, a.n_gen, d) for d in a.depths]
     print("| test | kestrel (median, runs) | llama.cpp (median, runs) | ratio |")
     print("| --- | --- | --- | --- |")
     missing = False

@@ -1,6 +1,6 @@
 // CPU element-wise ops (ops.h) on each SIMD table this CPU has: GeGLU's GELU against float64, and
-// the property the runner's split of a query-head group over threads relies on (attention of a
-// sub-group gives the same bits as inside the whole group).
+// attention of a sub-group of query heads giving the same bits as inside the whole group (a row's
+// bits do not depend on the rows sharing its call).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -72,8 +72,9 @@ TEST(CpuAttention, QueryGroupSplitGivesTheSameBits) {
       a.head_offset = 0;
       a.block_table = table.data();
       a.block_size = static_cast<int32_t>(kBlockSize);
-      a.n_ctx = kCtx;
-      a.kv_begin = 5;
+      const int64_t n_ctx = kCtx, kv_begin = 5;
+      a.n_ctx = &n_ctx;
+      a.kv_begin = &kv_begin;
       a.head_dim = kHeadDim;
       a.group = n;
       a.scale = 0.0625f;

@@ -252,8 +252,8 @@ TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
       a.head_offset = kvh * L.block_size * hd;
       a.block_table = table.data();
       a.block_size = static_cast<int32_t>(L.block_size);
-      a.n_ctx = n_ctx;
-      a.kv_begin = begin;
+      a.n_ctx = &n_ctx;
+      a.kv_begin = &begin;
       a.head_dim = hd;
       a.v_dim = mla ? vd : 0;
       a.group = group;

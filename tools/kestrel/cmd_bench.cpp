@@ -1,5 +1,6 @@
 // kestrel bench: prefill and decode speed at batch 1, in the manner of llama-bench's pp/tg tests
-// (pp: a prompt of P tokens in one forward pass; tg: N tokens decoded one at a time after it),
+// (pp: a prompt of P tokens in one forward pass; tg: N tokens decoded one at a time; with -d D both
+// run after a D-token context that is computed before the timing starts, as llama-bench's -d),
 // and with --parallel, aggregate speed of many concurrent sequences through the serving engine,
 // in the manner of llama-batched-bench (S_TG: all sequences' decode tokens over the decode time).
 #include <algorithm>
@@ -22,8 +23,12 @@ namespace kestrel::cli {
 namespace {
 struct BenchArgs {
   std::string model;
-  int64_t n_prompt = 128;
-  int64_t n_gen = 128;
+  std::vector<int64_t> n_prompts = {128};  // -p: one pp test each
+  std::vector<int64_t> n_gens = {128};     // -n: one tg test each (0: none)
+  std::vector<int64_t> depths = {0};       // -d: context tokens before each test
+  int64_t n_prompt = 128;                  // the first -p (the --parallel, --shared-prefix and --prompts modes)
+  int64_t n_gen = 128;                     // the first -n (likewise)
+  bool json = false;
   int reps = 3;
   std::vector<int> parallel;  // concurrent sequences per run (engine mode)
   int64_t max_batched_tokens = 2048;
@@ -256,9 +261,102 @@ void run_prompts(const BenchArgs& a, const LoadedModel& lm) {
   }
 }
 
+// One pp or tg test's figures (tokens per second of each timed repetition).
+struct DepthResult {
+  std::string test;  // llama-bench's name: pp512, tg128, pp512 @ d2048
+  int64_t n_prompt = 0, n_gen = 0, n_depth = 0;
+  std::vector<double> samples;
+};
+
+// pp and tg tests at each depth, one request at a time through the engine: a pp test's P tokens
+// in one forward pass, a tg test's N tokens one decode step each, EOS ignored. At depth D > 0 the
+// D context tokens are computed once and reused through the prefix cache (their whole blocks; a
+// partial last block is recomputed and counted), so a test times only its own tokens, with the
+// prompt after the context drawn anew for every repetition (nothing else is reused).
+std::vector<DepthResult> run_depths(const BenchArgs& a, const LoadedModel& lm, std::string& kv) {
+  const auto& hp = lm.model->hparams();
+  const int64_t p_max = *std::max_element(a.n_prompts.begin(), a.n_prompts.end());
+  const int64_t n_max = *std::max_element(a.n_gens.begin(), a.n_gens.end());
+  std::vector<DepthResult> out;
+  for (const int64_t d : a.depths) {
+    KestrelConfig c = a.config;
+    const int64_t n_ctx = d + std::max(p_max, n_max + 1) + 1;  // what the tests need, whatever -c says
+    if (n_ctx > hp.n_ctx_train)
+      throw Error("bench: -d " + std::to_string(d) + " with -p " + std::to_string(p_max) + " / -n " +
+                  std::to_string(n_max) + " needs " + std::to_string(n_ctx) + " tokens of context, beyond the model's " +
+                  std::to_string(hp.n_ctx_train));
+    const int64_t bs = c.cache.block_size;
+    c.model.max_model_len = n_ctx;
+    // A test's tokens plus the context's partial last block run in one pass (the untimed context
+    // itself in passes of up to 2048).
+    c.scheduler.max_num_batched_tokens = d > 0 ? std::max<int64_t>(p_max + bs, 2048) : std::max<int64_t>(p_max, 1);
+    c.cache.enable_prefix_caching = d > 0;
+    // Room for the cached context beside a whole request, so the context is never evicted.
+    if (d > 0 && c.cache.num_kv_blocks == 0)
+      c.cache.num_kv_blocks = static_cast<int32_t>(2 * ((n_ctx + bs - 1) / bs) + 2);
+    std::unique_ptr<Engine> engine = make_engine(lm, c);
+    kv = kv_dtype_name(engine->runner().kv_dtype());
+    const std::vector<int32_t> context = random_prompt(d, hp.n_vocab, 0x5eed);
+    // Context tokens the prefix cache gives back: its whole blocks, less the block of a prompt's
+    // last token (always computed, for its logits).
+    const auto reused = [&](int64_t n_prompt) { return std::min(d, n_prompt - 1) / bs * bs; };
+    const auto run = [&](const std::vector<int32_t>& prompt, int64_t max_tokens, bool timed) {
+      Request req;
+      req.prompt = prompt;
+      req.sampling.temperature = 0;
+      req.max_tokens = max_tokens;
+      const SingleResult res = run_single(*engine, req, nullptr);
+      if (timed && d > 0 && res.metrics.n_cached_prompt_tokens < reused(static_cast<int64_t>(prompt.size())))
+        throw Error("bench: only " + std::to_string(res.metrics.n_cached_prompt_tokens) + " of the " +
+                    std::to_string(d) + " context tokens came from the prefix cache");
+      return res;
+    };
+    if (d > 0) {  // computes the context once (and warms up); one token more, so its last block is full and cached
+      std::vector<int32_t> warm = context;
+      warm.push_back(0);
+      run(warm, 1, false);
+    }
+    const std::string at = d > 0 ? " @ d" + std::to_string(d) : "";
+    uint64_t seed = 1;
+    for (const int64_t p : a.n_prompts) {
+      if (p == 0) continue;
+      DepthResult r{"pp" + std::to_string(p) + at, p, 0, d, {}};
+      for (int rep = 0; rep <= a.reps; ++rep) {  // rep 0 warms up (pages in the weights, grows buffers)
+        std::vector<int32_t> prompt = context;
+        const std::vector<int32_t> own = random_prompt(p, hp.n_vocab, seed++);
+        prompt.insert(prompt.end(), own.begin(), own.end());
+        const SingleResult res = run(prompt, 1, true);
+        if (rep > 0) r.samples.push_back(res.prefill_tok_per_s());
+      }
+      out.push_back(std::move(r));
+    }
+    for (const int64_t n : a.n_gens) {
+      if (n == 0) continue;
+      DepthResult r{"tg" + std::to_string(n) + at, 0, n, d, {}};
+      // The first token comes from the prompt's logits; the N decode steps after it are timed.
+      // At depth 0 the prompt is one token (llama-bench decodes from an empty context).
+      const std::vector<int32_t> prompt = d > 0 ? context : random_prompt(1, hp.n_vocab, seed++);
+      for (int rep = 0; rep <= a.reps; ++rep) {
+        const SingleResult res = run(prompt, n + 1, true);
+        if (rep > 0) r.samples.push_back(res.decode_tok_per_s());
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
 void run_bench(BenchArgs a) {
-  if (a.n_prompt <= 0 || a.n_gen < 0 || a.reps <= 0)
-    throw Error("bench: -p must be > 0, -n >= 0 and --reps > 0");
+  const auto positive = [](const std::vector<int64_t>& v, int64_t min) {
+    return !v.empty() && std::all_of(v.begin(), v.end(), [&](int64_t x) { return x >= min; });
+  };
+  if (!positive(a.n_prompts, 0) || !positive(a.n_gens, 0) || !positive(a.depths, 0) || a.reps <= 0)
+    throw Error("bench: -p, -n and -d values must be >= 0 and --reps > 0");
+  a.n_prompt = a.n_prompts.front();
+  a.n_gen = a.n_gens.front();
+  const bool one_shape = a.n_prompts.size() == 1 && a.n_gens.size() == 1 && a.depths.size() == 1 && a.depths[0] == 0;
+  if ((!one_shape || a.n_prompt == 0) && (!a.prompts_file.empty() || a.shared_prefix > 0 || !a.parallel.empty()))
+    throw Error("bench: --prompts, --shared-prefix and --parallel take one -p value > 0, one -n value and no -d");
   LoadedModel lm = load_model(a.model, a.config);
   if (!a.prompts_file.empty()) {
     run_prompts(a, lm);
@@ -272,29 +370,8 @@ void run_bench(BenchArgs a) {
     run_parallel(a, lm);
     return;
   }
-  // One request at a time through the engine: the whole prompt in one forward pass, as
-  // llama-bench does, then -n decode steps; EOS ignored, nothing reused between repetitions.
-  KestrelConfig c = a.config;
-  const int64_t n_ctx = a.n_prompt + a.n_gen + 1;  // what the test needs, whatever -c says
-  if (n_ctx > lm.model->hparams().n_ctx_train)
-    throw Error("bench: -p + -n = " + std::to_string(n_ctx - 1) + " tokens exceeds the model's context of " +
-                std::to_string(lm.model->hparams().n_ctx_train));
-  c.model.max_model_len = n_ctx;
-  c.scheduler.max_num_batched_tokens = a.n_prompt;
-  c.cache.enable_prefix_caching = false;
-  std::unique_ptr<Engine> engine = make_engine(lm, c);
-  Request req;
-  req.prompt = random_prompt(a.n_prompt, lm.model->hparams().n_vocab, 0);  // the ids do not change the cost
-  req.sampling.temperature = 0;
-  req.max_tokens = a.n_gen + 1;  // the first token comes from the prefill logits
-  std::vector<double> pp, tg;
-  // One warm-up run (page in the weights, grow buffers), then the timed repetitions.
-  for (int r = 0; r <= a.reps; ++r) {
-    const SingleResult res = run_single(*engine, req, nullptr);
-    if (r == 0) continue;
-    pp.push_back(res.prefill_tok_per_s());
-    tg.push_back(res.decode_tok_per_s());
-  }
+  std::string kv;
+  const std::vector<DepthResult> results = run_depths(a, lm, kv);
   auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
   auto sd = [&](const std::vector<double>& v) {
     const double m = mean(v);
@@ -302,16 +379,23 @@ void run_bench(BenchArgs a) {
     for (double e : v) s += (e - m) * (e - m);
     return v.size() > 1 ? std::sqrt(s / (v.size() - 1)) : 0.0;
   };
-  // The KV cache's element type is a column: at long contexts decode reads mostly KV.
-  std::printf("| model | threads | simd | kv | test | tok/s |\n|---|---|---|---|---|---|\n");
   const auto& hp = lm.model->hparams();
   const std::string name = hp.name.empty() ? hp.arch : hp.name;
-  const std::string kv(kv_dtype_name(engine->runner().kv_dtype()));
-  std::printf("| %s | %d | %s | %s | pp%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
-              simd_level_name(simd_level()), kv.c_str(), static_cast<long long>(a.n_prompt), mean(pp), sd(pp));
-  if (a.n_gen > 0)
-    std::printf("| %s | %d | %s | %s | tg%lld | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
-                simd_level_name(simd_level()), kv.c_str(), static_cast<long long>(a.n_gen), mean(tg), sd(tg));
+  if (a.json) {  // llama-bench's -o json field names where they exist
+    Json arr = Json::array();
+    for (const DepthResult& r : results)
+      arr.push_back({{"model", name}, {"n_threads", bench_threads(a)}, {"simd", simd_level_name(simd_level())},
+                     {"kv_type", kv}, {"test", r.test}, {"n_prompt", r.n_prompt}, {"n_gen", r.n_gen},
+                     {"n_depth", r.n_depth}, {"avg_ts", mean(r.samples)}, {"stddev_ts", sd(r.samples)},
+                     {"samples_ts", r.samples}});
+    std::printf("%s\n", arr.dump(2).c_str());
+    return;
+  }
+  // The KV cache's element type is a column: at long contexts decode reads mostly KV.
+  std::printf("| model | threads | simd | kv | test | tok/s |\n|---|---|---|---|---|---|\n");
+  for (const DepthResult& r : results)
+    std::printf("| %s | %d | %s | %s | %s | %.1f ± %.1f |\n", name.c_str(), bench_threads(a),
+                simd_level_name(simd_level()), kv.c_str(), r.test.c_str(), mean(r.samples), sd(r.samples));
 }
 }  // namespace
 
@@ -319,8 +403,17 @@ void register_bench(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* sub = app.add_subcommand("bench", "Measure prefill and decode speed (batch 1)");
   sub->add_option("-m,--model", a->model, kModelHelp);
-  sub->add_option("-p,--n-prompt", a->n_prompt, "Prompt tokens (pp test)")->capture_default_str();
-  sub->add_option("-n,--n-gen", a->n_gen, "Generated tokens (tg test)")->capture_default_str();
+  sub->add_option("-p,--n-prompt", a->n_prompts, "Prompt tokens, one pp test per value (e.g. 128,2048; 0: none)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("-n,--n-gen", a->n_gens, "Generated tokens, one tg test per value (0: none)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("-d,--n-depth", a->depths,
+                  "Context tokens computed before each pp and tg test, untimed (llama-bench's -d), e.g. 0,512,2048")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_flag("--json", a->json, "Print the pp/tg results as a JSON array (with n_depth) instead of a table");
   sub->add_option("-r,--reps", a->reps, "Timed repetitions")->capture_default_str();
   sub->add_option("--parallel", a->parallel,
                   "Concurrent sequences, e.g. 1,4,16,64: aggregate speed through the serving engine")

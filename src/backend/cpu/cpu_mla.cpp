@@ -99,36 +99,22 @@ void CpuModelRunner::mla_attention(int32_t layer, Act in, Act out) {
       std::copy_n(qn + nope, rope_d, ql + r);
     }
   });
-  // All heads over the one latent row (MQA), at most 64 heads per task (the kernel's group bound).
-  constexpr int64_t kMaxGroup = 64;
-  const int64_t chunks = (H + kMaxGroup - 1) / kMaxGroup;
-  const float scale = hp_.softmax_scale();
-  pool_.parallel_for(n * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / chunks, h0 = (task % chunks) * kMaxGroup;
-      const int64_t s = token_seq_[static_cast<size_t>(t)];
-      AttentionArgs a{};
-      a.q = mla_q_.data() + (t * H + h0) * row;
-      a.k_cache = kv_.k(layer);
-      a.v_cache = kv_.k(layer);
-      a.kv_dtype = kv_.dtype();
-      a.k_scale = kv_.k_scale(layer);
-      a.v_scale = kv_.k_scale(layer);  // the values are the latent
-      a.k_rope_scale = kv_.rope_scale(layer);
-      a.block_stride = static_cast<int64_t>(kv_.block_size()) * row;
-      a.head_offset = 0;
-      a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
-      a.block_size = kv_.block_size();
-      a.n_ctx = b.positions[t] + 1;
-      a.kv_begin = 0;
-      a.head_dim = row;
-      a.v_dim = r;
-      a.group = std::min(kMaxGroup, H - h0);
-      a.scale = scale;
-      a.out = mla_o_.data() + (t * H + h0) * r;
-      op.attention(a);
-    }
-  });
+  // All heads over the one latent row (MQA): one KV head whose group is every query head.
+  AttentionArgs a{};
+  a.k_cache = kv_.k(layer);
+  a.v_cache = kv_.k(layer);
+  a.kv_dtype = kv_.dtype();
+  a.k_scale = kv_.k_scale(layer);
+  a.v_scale = kv_.k_scale(layer);  // the values are the latent
+  a.k_rope_scale = kv_.rope_scale(layer);
+  a.block_stride = static_cast<int64_t>(kv_.block_size()) * row;
+  a.block_size = kv_.block_size();
+  a.head_dim = row;
+  a.v_dim = r;
+  a.group = H;
+  a.scale = hp_.softmax_scale();
+  set_key_ranges(b, 0);
+  paged_attention(pool_, a, attention_batch(b, mla_q_.data(), H * row, mla_o_.data(), H * r, 1, 0), attn_states_);
   // out[t, h, i] = W_UV_h[i] . o_lat[t, h].
   float* o = act(out);
   pool_.parallel_for(n * H, 1, [&](int64_t begin, int64_t end) {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/paged_attention.h"
 #include "core/error.h"
 #include "backend/kv_geometry.h"
 
@@ -45,49 +46,42 @@ void CpuModelRunner::check(const ForwardBatch& b) const {
 void CpuModelRunner::attention(int32_t layer, Act qkv, Act out) {
   KESTREL_ASSERT(qkv == Act::Qkv && out == Act::Attn, "CPU attention: reads Act::Qkv, writes Act::Attn");
   const ForwardBatch& b = *batch_;
-  const int64_t n = b.n_tokens();
   const int64_t hd = hp_.head_dim;
-  const int64_t group = hp_.n_head / hp_.n_head_kv;
-  const float scale = hp_.softmax_scale();
   const int64_t window = hp_.layer_window(layer);
-  const auto& op = ops();
-  const void* kc = kv_.k(layer);
-  const void* vc = kv_.v(layer);
   const int64_t head_stride = static_cast<int64_t>(kv_.block_size()) * hd;
-  // One task per (token, KV head): the group of query heads that share the KV head reads each
-  // key and value once. With fewer such tasks than threads (decode with MQA or few KV heads),
-  // the group is split into `parts` sub-groups so every thread gets work; a query head's result
-  // does not depend on the other heads of its task, so the split changes no output bit.
-  int64_t parts = 1;
-  while (n * hp_.n_head_kv * parts < pool_.size() && group % (2 * parts) == 0) parts *= 2;
-  const int64_t sub = group / parts;
-  pool_.parallel_for(n * hp_.n_head_kv * parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / (hp_.n_head_kv * parts);
-      const int64_t kvh = task / parts % hp_.n_head_kv;
-      const int64_t q0 = kvh * group + task % parts * sub;  // first query head of the task
-      const int64_t s = token_seq_[static_cast<size_t>(t)];
-      AttentionArgs a{};
-      a.q = q_.data() + t * hp_.q_dim() + q0 * hd;
-      a.k_cache = kc;
-      a.v_cache = vc;
-      a.kv_dtype = kv_.dtype();
-      a.k_scale = kv_.k_scale(layer);
-      a.v_scale = kv_.v_scale(layer);
-      a.block_stride = hp_.n_head_kv * head_stride;
-      a.head_offset = kvh * head_stride;
-      a.block_table = b.block_tables.data() + s * b.max_blocks_per_seq;
-      a.block_size = kv_.block_size();
-      a.n_ctx = b.positions[t] + 1;  // causal: a token sees itself and everything before it
-      // A sliding window of W keys: positions (pos - W, pos], as Mistral's reference attends.
-      a.kv_begin = window > 0 ? std::max<int64_t>(0, a.n_ctx - window) : 0;
-      a.head_dim = hd;
-      a.group = sub;
-      a.scale = scale;
-      a.out = attn_.data() + t * hp_.q_dim() + q0 * hd;
-      op.attention(a);
-    }
-  });
+  AttentionArgs a{};
+  a.k_cache = kv_.k(layer);
+  a.v_cache = kv_.v(layer);
+  a.kv_dtype = kv_.dtype();
+  a.k_scale = kv_.k_scale(layer);
+  a.v_scale = kv_.v_scale(layer);
+  a.block_stride = hp_.n_head_kv * head_stride;
+  a.block_size = kv_.block_size();
+  a.head_dim = hd;
+  a.group = hp_.n_head / hp_.n_head_kv;
+  a.scale = hp_.softmax_scale();
+  // Causal: a token sees itself and everything before it; a sliding window of W keys: positions
+  // (pos - W, pos], as Mistral's reference attends.
+  set_key_ranges(b, window);
+  paged_attention(pool_, a, attention_batch(b, q_.data(), hp_.q_dim(), attn_.data(), hp_.q_dim(), hp_.n_head_kv, head_stride),
+                  attn_states_);
+}
+
+void CpuModelRunner::set_key_ranges(const ForwardBatch& b, int64_t window) {
+  const size_t n = static_cast<size_t>(b.n_tokens());
+  attn_n_ctx_.resize(n);
+  attn_kv_begin_.resize(n);
+  for (size_t t = 0; t < n; ++t) {
+    attn_n_ctx_[t] = b.positions[t] + 1;
+    attn_kv_begin_[t] = window > 0 ? std::max<int64_t>(0, attn_n_ctx_[t] - window) : 0;
+  }
+}
+
+AttentionBatch CpuModelRunner::attention_batch(const ForwardBatch& b, const float* q, int64_t q_stride, float* out,
+                                               int64_t out_stride, int64_t n_head_kv, int64_t head_stride) const {
+  return AttentionBatch{b.n_seqs(), b.query_start.data(), b.block_tables.data(), b.max_blocks_per_seq,
+                        attn_n_ctx_.data(), attn_kv_begin_.data(), q, q_stride, out, out_stride, n_head_kv,
+                        head_stride};
 }
 
 void CpuModelRunner::write_kv(const ForwardBatch& b, int64_t layer) {

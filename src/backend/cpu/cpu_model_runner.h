@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/paged_attention.h"
 #include "core/thread_pool.h"
 #include "memory/kv_cache.h"
 #include "model/forward_batch.h"
@@ -66,6 +67,11 @@ class CpuModelRunner final : private ForwardOps {
   void check(const ForwardBatch& b) const;
   // Stores the batch's K and V rows of `layer` in their slots (converted to the cache's dtype).
   void write_kv(const ForwardBatch& b, int64_t layer);
+  // attn_n_ctx_ / attn_kv_begin_ for the batch's tokens: causal, from a window of `window` keys (0: all).
+  void set_key_ranges(const ForwardBatch& b, int64_t window);
+  // The batch's sequences and those key ranges, for paged_attention.
+  AttentionBatch attention_batch(const ForwardBatch& b, const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                                 int64_t n_head_kv, int64_t head_stride) const;
   // RMSNorm of n rows of n_embd with weight w, split over the pool.
   void rms_norm_rows(const float* x, const float* w, float* y, int64_t n);
 
@@ -82,6 +88,8 @@ class CpuModelRunner final : private ForwardOps {
   // o and down the block outputs not yet added to x.
   std::vector<float> x_, h_, q_, k_, v_, attn_, o_, down_, gate_, up_, logits_in_, logits_;
   std::vector<int32_t> token_seq_;  // [n_tokens] sequence index of each token
+  std::vector<int64_t> attn_n_ctx_, attn_kv_begin_;  // [n_tokens] each token's keys [kv_begin, n_ctx)
+  std::vector<float> attn_states_;  // split-KV chunk states
   // MoE scratch (cpu_moe.cpp): router logits, each (token, slot)'s expert and weight, the rows
   // grouped by expert, and the shared expert's activations.
   std::vector<float> router_logits_, moe_weights_, moe_x_, moe_gate_, moe_up_, moe_y_, shared_gate_, shared_up_,

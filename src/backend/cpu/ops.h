@@ -12,8 +12,16 @@
 
 namespace kestrel::cpu {
 
+// Attention of the query rows of one sequence's tokens for one KV head: n_tokens tokens x `group`
+// query heads (the heads that share the KV head), rows ordered token-major.
 struct AttentionArgs {
-  const float* q;              // [group, head_dim]: the query heads that share one KV head
+  const float* q;              // row (token i, head g) at q + i * q_stride + g * head_dim
+  int64_t q_stride;            // elements from one token's query heads to the next (unused for one token)
+  int64_t n_tokens = 1;        // query tokens of the sequence in this call
+  // Per token: keys at positions [kv_begin[i], n_ctx[i]) are attended (n_ctx = position + 1 for
+  // causal attention; kv_begin past a sliding window's start, else 0).
+  const int64_t* n_ctx;
+  const int64_t* kv_begin;
   // The layer's K and V storage, [n_blocks, n_head_kv, block_size, head_dim] of kv_dtype
   // (KvCache's layout).
   const void* k_cache;
@@ -29,18 +37,45 @@ struct AttentionArgs {
   const float* k_rope_scale;   // nullptr: one scale for the whole key row
   int64_t block_stride;        // elements per block: n_head_kv * block_size * head_dim
   int64_t head_offset;         // kv_head * block_size * head_dim
-  const int32_t* block_table;  // [>= ceil(n_ctx / block_size)] block ids of the sequence
+  const int32_t* block_table;  // [>= ceil(max n_ctx / block_size)] block ids of the sequence
   int32_t block_size;
-  int64_t n_ctx;               // keys at positions [kv_begin, n_ctx) are attended (causal bound applied)
-  int64_t kv_begin;            // first key position attended: 0, or past a sliding window's start
   int64_t head_dim;
   // Values are the first v_dim elements of each row of v_cache (row stride head_dim); 0 = head_dim.
   // MLA attends over its latent rows: v_cache == k_cache, v_dim = kv_lora_rank.
   int64_t v_dim;
   int64_t group;               // query heads per KV head (1 = MHA, n_head = MQA)
   float scale;                 // softmax scale, 1/sqrt(head_dim)
-  float* out;                  // [group, v_dim]
+  float* out;                  // row (token i, head g) at out + i * out_stride + g * v_dim
+  int64_t out_stride;          // elements from one token's output heads to the next (unused for one token)
 };
+
+// Keys are visited in tiles cut at fixed positions (block boundaries, every 16 keys from a block's
+// start, multiples of kAttentionChunk; a tile's lane j holds the key j places after its cut), and
+// in chunks of kAttentionChunk positions (from multiples of it), each with its own online-softmax
+// state (max, sum, unnormalized output) merged into the row's state in key order. The tiles, lanes
+// and chunks a row visits depend only on its own key range, so its bits do not depend on which rows
+// share the call, and a chunk's state is the same whether it is computed in the loop of attention()
+// or apart by attention_chunks() on another thread (split-KV, FlashDecoding, Dao et al. 2023) and
+// then merged by attention_merge().
+constexpr int64_t kAttentionChunk = 128;
+
+// The union of the call's rows' key ranges, [begin, end) (begin == end when empty).
+inline void attention_key_range(const AttentionArgs& a, int64_t& begin, int64_t& end) {
+  begin = INT64_MAX, end = 0;
+  for (int64_t i = 0; i < a.n_tokens; ++i)
+    if (a.kv_begin[i] < a.n_ctx[i]) begin = begin < a.kv_begin[i] ? begin : a.kv_begin[i], end = end > a.n_ctx[i] ? end : a.n_ctx[i];
+  if (begin >= end) begin = end = 0;
+}
+// Chunks of that range: chunk c covers positions [(begin / C + c) x C, + C) of it, C = kAttentionChunk.
+inline int64_t attention_chunk_count(const AttentionArgs& a) {
+  int64_t begin, end;
+  attention_key_range(a, begin, end);
+  return begin == end ? 0 : (end - 1) / kAttentionChunk - begin / kAttentionChunk + 1;
+}
+// Floats of one chunk's state for the call's rows: rows x (2 + v_dim), each row [max, sum, output].
+inline int64_t attention_state_floats(const AttentionArgs& a) {
+  return a.n_tokens * a.group * (2 + (a.v_dim > 0 ? a.v_dim : a.head_dim));
+}
 
 struct OpsTable {
   // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for n_rows rows of dim floats (RMSNorm,
@@ -50,10 +85,16 @@ struct OpsTable {
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
   // x[i] += y[i]
   void (*add)(float* x, const float* y, int64_t n);
-  // Exact causal attention of `group` query heads over one KV head through the block table,
-  // tiled by KV block with online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao 2022):
-  // O(head_dim) extra memory, no n x n score matrix.
+  // Exact attention of the call's query rows over one KV head through the block table, with online
+  // softmax in f32 (Milakov & Gimelshein 2018; FlashAttention-2, Dao 2023): each key tile is
+  // converted once (keys transposed, so a vector holds one dimension of 16 keys) and used by every
+  // row, no n x n score matrix. Writes the normalized output rows (zeros for a row without keys).
   void (*attention)(const AttentionArgs& a);
+  // Split-KV: the states of chunks [chunk_begin, chunk_end) of attention_chunk_count(a), one after
+  // the other, attention_state_floats(a) floats each; a row without keys in a chunk has max -inf.
+  void (*attention_chunks)(const AttentionArgs& a, int64_t chunk_begin, int64_t chunk_end, float* states);
+  // Merges the states of all n_chunks chunks in order and writes the output rows as attention() does.
+  void (*attention_merge)(const AttentionArgs& a, int64_t n_chunks, const float* states);
   // y[i] = x[i] rounded to IEEE half precision, nearest even (bit-identical on every ISA).
   void (*f32_to_f16)(const float* x, uint16_t* y, int64_t n);
   // out[i] = gelu(gate[i]) * up[i] with GELU's tanh approximation,

@@ -1,7 +1,9 @@
 // One source for the CPU ops, compiled once per ISA (see ops.h). Included only by ops_*.cpp, each
 // of which defines KESTREL_OPS_NS before including it.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 #include <string>
 #include <type_traits>
 
@@ -167,92 +169,457 @@ void add(float* x, const float* y, int64_t n) {
   for (; i < n; ++i) x[i] += y[i];
 }
 
-template <class T>
-void attention_impl(const AttentionArgs& a) {
-  constexpr bool kQuantized = std::is_same_v<T, int8_t>;
-  constexpr int kMaxGroup = 64;
-  constexpr int kMaxTile = 64;
-  const int64_t hd = a.head_dim;
-  const int64_t vd = a.v_dim > 0 ? a.v_dim : hd;
-  const int64_t g_n = a.group;
-  const T* kc = static_cast<const T*>(a.k_cache) + a.head_offset;
-  const T* vc = static_cast<const T*>(a.v_cache) + a.head_offset;
-  float m[kMaxGroup];  // running max of the scores of each query head
-  float l[kMaxGroup];  // running sum of exp(score - m)
-  float s[kMaxTile + 8] = {};  // + 8: the vector exp reads whole lanes past the tile's end
-  for (int64_t g = 0; g < g_n; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-    std::memset(a.out + g * vd, 0, sizeof(float) * static_cast<size_t>(vd));
+// a * b + c: one rounding where the ISA has FMA (the AVX2 and AVX-512 builds), two otherwise.
+inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8f>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
+inline float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// r[i][k] -> r[k][i] for an 8 x 8 block.
+inline void transpose8(v8f* r) {
+  v8f t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
-  const int64_t bs = a.block_size;
-  // Block by block from kv_begin (a window may start inside a block): n keys from offset `first`.
-  for (int64_t start = a.kv_begin; start < a.n_ctx;) {
-    const int64_t first = start % bs;
-    const int64_t n = std::min<int64_t>(bs - first, a.n_ctx - start);
-    // This KV head's keys of the block: n rows of head_dim, contiguous.
-    const int64_t base = static_cast<int64_t>(a.block_table[start / bs]) * a.block_stride + first * hd;
-    // INT8: the scale index of the block's first key row (element offset / head_dim).
-    const int64_t scale_row = (a.head_offset + base) / hd;
-    if (start - first + bs < a.n_ctx) {  // the next block is elsewhere in memory: start fetching it
-      const int64_t next = static_cast<int64_t>(a.block_table[start / bs + 1]) * a.block_stride;
-      __builtin_prefetch(kc + next);
-      __builtin_prefetch(vc + next);
-    }
-    // Tiles of at most kMaxTile keys, so any block size works.
-    for (int64_t t0 = 0; t0 < n; t0 += kMaxTile) {
-      const int64_t tn = std::min<int64_t>(kMaxTile, n - t0);
-      for (int64_t g = 0; g < g_n; ++g) {
-        const float* q = a.q + g * hd;
-        float tile_max = -INFINITY;
-        for (int64_t j = 0; j < tn; ++j) {
-          const T* kr = kc + base + (t0 + j) * hd;
-          if constexpr (kQuantized) {
-            const int64_t r = scale_row + t0 + j;
-            if (a.k_rope_scale != nullptr) {
-              s[j] = (dot(q, kr, vd) * a.k_scale[r] + dot(q + vd, kr + vd, hd - vd) * a.k_rope_scale[r]) * a.scale;
-            } else {
-              s[j] = dot(q, kr, hd) * a.k_scale[r] * a.scale;
-            }
-          } else {
-            s[j] = dot(q, kr, hd) * a.scale;
-          }
-          tile_max = std::max(tile_max, s[j]);
-        }
-        const float m_new = std::max(m[g], tile_max);
-        const float correction = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
-        // Probabilities of the tile, 8 lanes at a time (padding lanes are never read).
-        float pr[kMaxTile];
-        for (int64_t j = 0; j < tn; j += 8) {
-          v8f sv = load8(s + j) - m_new;
-          store8(pr + j, exp8(sv));
-        }
-        float* o = a.out + g * vd;
-        l[g] *= correction;
-        for (int64_t j = 0; j < tn; ++j) {
-          l[g] += pr[j];
-          const float p = kQuantized ? pr[j] * a.v_scale[scale_row + t0 + j] : pr[j];
-          scale_add(o, j == 0 ? correction : 1.0f, p, vc + base + (t0 + j) * hd, vd);
-        }
-        m[g] = m_new;
-      }
-    }
-    start += n;
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
   }
-  for (int64_t g = 0; g < g_n; ++g) {
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    float* o = a.out + g * vd;
-    for (int64_t i = 0; i < vd; ++i) o[i] *= inv;
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   }
 }
 
-void attention(const AttentionArgs& a) {
-  switch (a.kv_dtype) {
-    case KvDtype::F32: attention_impl<float>(a); break;
-    case KvDtype::F16: attention_impl<uint16_t>(a); break;
-    case KvDtype::INT8: attention_impl<int8_t>(a); break;
-    default: KESTREL_ASSERT(false, "CPU attention: KV dtype " + std::string(kv_dtype_name(a.kv_dtype)) + " has no kernel");
+constexpr int64_t kKeyTile = 16;  // keys per tile: two vectors of scores per query row
+
+// Per-thread scratch of the attention kernel (grown to the largest call seen).
+struct AttentionScratch {
+  std::vector<float> kt;     // [head_dim, 16]: the tile's keys transposed, f32 (int8: the codes)
+  std::vector<float> vt;     // [16, v_dim]: the tile's values, f32 (int8: the codes)
+  std::vector<float> s;      // [rows, 16]: scores, then probabilities
+  std::vector<float> acc;    // [rows, 2 + v_dim]: the merged state
+  std::vector<float> st;     // [rows, 2 + v_dim]: the chunk's state
+  std::vector<int32_t> lo, hi;  // [rows]: the row's keys in the tile, lanes [lo, hi)
+  std::vector<int32_t> live;    // rows with keys in the tile
+  std::vector<float> corr;      // [rows]: the tile's rescaling of each row's state
+  template <class V>
+  static V* take(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+    return v.data();
   }
+};
+inline AttentionScratch& attention_scratch() {
+  thread_local AttentionScratch s;
+  return s;
+}
+
+// kt[d * 16 + lane0 + j] = key j's element d for j < nk, 0 in the other lanes; keys row-major,
+// stride hd.
+template <class T>
+void load_keys_transposed(const T* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
+  for (int64_t j0 = 0; j0 < kKeyTile; j0 += 8) {
+    const auto valid = [&](int64_t i) { return j0 + i >= lane0 && j0 + i < lane0 + nk; };
+    const T* base = k + (j0 - lane0) * hd;  // lane j0's row (only valid lanes' rows are read)
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+      v8f r[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = valid(i) ? load8(base + i * hd + d) : v8f{};
+      transpose8(r);
+      for (int64_t i = 0; i < 8; ++i) store8(kt + (d + i) * kKeyTile + j0, r[i]);
+    }
+    for (; d < hd; ++d)
+      for (int64_t i = 0; i < 8; ++i) kt[d * kKeyTile + j0 + i] = valid(i) ? to_f32(base[i * hd + d]) : 0.0f;
+  }
+}
+
+// 16 floats: one AVX-512 register, two AVX registers elsewhere (the lanes' arithmetic is the same).
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+inline v16f load16(const float* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_loadu_ps(p));
+#else
+  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline void store16(float* p, v16f v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, reinterpret_cast<__m512>(v));
+#else
+  store8(p, __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7));
+  store8(p + 8, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#endif
+}
+// (Not v16f{} + x: that is a scalar add per call, and turns -0 into +0.)
+inline v16f splat16(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_set1_ps(x));
+#else
+  const v8f h = v8f{x, x, x, x, x, x, x, x};
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  const v8f lo = fma8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                      __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const v8f hi = fma8(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                      __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                      __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+// acc[r] = sum over d in [d0, d1) of q_r[d] x kt[d][0 .. 16): per lane two FMA chains, over the even
+// and the odd offsets d - d0 in ascending order, added at the end (two chains per row so that one
+// row alone keeps FMAs in flight). Row r's scores do not depend on the other rows of the block.
+template <int NR>
+inline void score_rows(const float* const* q, const float* kt, int64_t d0, int64_t d1, v16f* acc) {
+  v16f e[NR] = {}, o[NR] = {};
+  int64_t d = d0;
+  for (; d + 2 <= d1; d += 2) {
+    const v16f k0 = load16(kt + d * kKeyTile), k1 = load16(kt + (d + 1) * kKeyTile);
+    for (int r = 0; r < NR; ++r) {
+      e[r] = fma16(splat16(q[r][d]), k0, e[r]);
+      o[r] = fma16(splat16(q[r][d + 1]), k1, o[r]);
+    }
+  }
+  if (d < d1) {
+    const v16f k0 = load16(kt + d * kKeyTile);
+    for (int r = 0; r < NR; ++r) e[r] = fma16(splat16(q[r][d]), k0, e[r]);
+  }
+  for (int r = 0; r < NR; ++r) acc[r] = e[r] + o[r];
+}
+
+// s[r] = the scaled scores of NR rows against the tile (ks, krs: the keys' int8 scales, or null).
+template <int NR>
+inline void tile_scores(const AttentionArgs& a, const float* const* q, const float* kt, const float* ks,
+                        const float* krs, int64_t vd, float* const* s) {
+  v16f acc[NR];
+  if (krs != nullptr) {  // MLA int8: the latent and the RoPE key each with their own scale
+    v16f rope[NR];
+    score_rows<NR>(q, kt, 0, vd, acc);
+    score_rows<NR>(q, kt, vd, a.head_dim, rope);
+    const v16f k = load16(ks), kr = load16(krs);
+    for (int r = 0; r < NR; ++r) store16(s[r], (acc[r] * k + rope[r] * kr) * a.scale);
+    return;
+  }
+  score_rows<NR>(q, kt, 0, a.head_dim, acc);
+  for (int r = 0; r < NR; ++r) store16(s[r], ks != nullptr ? acc[r] * load16(ks) * a.scale : acc[r] * a.scale);
+}
+
+// o = o x c + sum over j in [lo, hi) of p[j] x v[j], j ascending (v rows of stride vs), for
+// elements [d, vd). The path an element takes depends only on d and vd.
+inline void accumulate_values(float* o, float c, const float* p, int64_t lo, int64_t hi, const float* v, int64_t vs,
+                              int64_t d, int64_t vd) {
+  for (; d + 64 <= vd; d += 64) {
+    v16f acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = load16(o + d + 16 * i) * c;
+    for (int64_t j = lo; j < hi; ++j) {
+      const v16f pj = splat16(p[j]);
+      const float* vr = v + j * vs + d;
+      for (int i = 0; i < 4; ++i) acc[i] = fma16(pj, load16(vr + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < 4; ++i) store16(o + d + 16 * i, acc[i]);
+  }
+  for (; d + 8 <= vd; d += 8) {
+    v8f acc = load8(o + d) * c;
+    for (int64_t j = lo; j < hi; ++j) acc = fma8(splat8(p[j]), load8(v + j * vs + d), acc);
+    store8(o + d, acc);
+  }
+  for (; d < vd; ++d) {
+    float acc = o[d] * c;
+    for (int64_t j = lo; j < hi; ++j) acc = fma1(p[j], v[j * vs + d], acc);
+    o[d] = acc;
+  }
+}
+
+// The same for two rows over the same keys: each value vector loaded once for both.
+inline void accumulate_values2(float* o0, float c0, const float* p0, float* o1, float c1, const float* p1, int64_t lo,
+                               int64_t hi, const float* v, int64_t vs, int64_t vd) {
+  int64_t d = 0;
+  for (; d + 64 <= vd; d += 64) {
+    v16f a0[4], a1[4];
+    for (int i = 0; i < 4; ++i) a0[i] = load16(o0 + d + 16 * i) * c0, a1[i] = load16(o1 + d + 16 * i) * c1;
+    for (int64_t j = lo; j < hi; ++j) {
+      const v16f q0 = splat16(p0[j]), q1 = splat16(p1[j]);
+      const float* vr = v + j * vs + d;
+      for (int i = 0; i < 4; ++i) {
+        const v16f x = load16(vr + 16 * i);
+        a0[i] = fma16(q0, x, a0[i]);
+        a1[i] = fma16(q1, x, a1[i]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) store16(o0 + d + 16 * i, a0[i]), store16(o1 + d + 16 * i, a1[i]);
+  }
+  accumulate_values(o0, c0, p0, lo, hi, v, vs, d, vd);
+  accumulate_values(o1, c1, p1, lo, hi, v, vs, d, vd);
+}
+
+// One chunk's online softmax for every row of the call: st rows [max, sum, output[vd]].
+template <class T>
+void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, AttentionScratch& w) {
+  constexpr bool kQuantized = std::is_same_v<T, int8_t>;
+  const int64_t hd = a.head_dim, vd = a.v_dim > 0 ? a.v_dim : hd, g_n = a.group;
+  const int64_t rows = a.n_tokens * g_n, sw = 2 + vd;
+  for (int64_t r = 0; r < rows; ++r) {
+    st[r * sw] = -INFINITY;
+    st[r * sw + 1] = 0.0f;
+    std::memset(st + r * sw + 2, 0, sizeof(float) * static_cast<size_t>(vd));
+  }
+  int64_t lo_all, hi_all;
+  attention_key_range(a, lo_all, hi_all);
+  const int64_t c_abs = lo_all / kAttentionChunk + chunk;
+  const int64_t c_begin = std::max(lo_all, c_abs * kAttentionChunk);
+  const int64_t c_end = std::min(hi_all, (c_abs + 1) * kAttentionChunk);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  const int64_t bs = a.block_size;
+  float* kt = AttentionScratch::take(w.kt, hd * kKeyTile);
+  float* vt = std::is_same_v<T, float> ? nullptr : AttentionScratch::take(w.vt, kKeyTile * vd);
+  float* s = AttentionScratch::take(w.s, rows * kKeyTile);
+  int32_t* lo = AttentionScratch::take(w.lo, rows);
+  int32_t* hi = AttentionScratch::take(w.hi, rows);
+  int32_t* live = AttentionScratch::take(w.live, rows);
+  float ks[kKeyTile] = {}, krs[kKeyTile] = {}, vs[kKeyTile] = {};
+  for (int64_t ta = c_begin; ta < c_end;) {
+    const int64_t off = ta % bs, block_start = ta - off;
+    const int64_t tb = std::min({c_end, block_start + bs, block_start + (off / kKeyTile + 1) * kKeyTile});
+    const int64_t nk = tb - ta;
+    // Lane j holds key t_abs + j, t_abs being where the tile starts whatever the rows' ranges (the
+    // partition's cut before ta): so a row's lanes, and its sums over them, are the same in any call.
+    const int64_t t_abs = std::max(block_start + off / kKeyTile * kKeyTile, c_abs * kAttentionChunk);
+    const int64_t lane0 = ta - t_abs;
+    int64_t n_live = 0;
+    for (int64_t i = 0; i < a.n_tokens; ++i) {
+      const int64_t l = std::max(ta, a.kv_begin[i]) - t_abs, h = std::min(tb, a.n_ctx[i]) - t_abs;
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t r = i * g_n + g;
+        lo[r] = static_cast<int32_t>(l), hi[r] = static_cast<int32_t>(h);
+        if (l < h) live[n_live++] = static_cast<int32_t>(r);
+      }
+    }
+    if (n_live == 0) {
+      ta = tb;
+      continue;
+    }
+    // The tile's keys: nk rows of head_dim, contiguous within the block.
+    const int64_t elem = static_cast<int64_t>(a.block_table[ta / bs]) * a.block_stride + a.head_offset + off * hd;
+    if (tb == block_start + bs && tb < hi_all) {
+      // The next block is elsewhere in memory: fetch this head's keys and values of it while this
+      // tile is computed (decode reads each once, from memory; one line ahead is not enough).
+      const int64_t next = static_cast<int64_t>(a.block_table[tb / bs]) * a.block_stride + a.head_offset;
+      const char* kn = reinterpret_cast<const char*>(kc + next);
+      const char* vn = reinterpret_cast<const char*>(vc + next);
+      const int64_t bytes = bs * hd * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
+    }
+    load_keys_transposed(kc + elem, lane0, nk, hd, kt);
+    // Lane j's value row at v + j * v_stride (only the rows' lanes [lo, hi) are read).
+    const float* v;
+    int64_t v_stride = vd;
+    if constexpr (std::is_same_v<T, float>) {
+      v = vc + elem - lane0 * hd;
+      v_stride = hd;
+    } else {
+      for (int64_t j = 0; j < nk; ++j) {
+        const T* src = vc + elem + j * hd;
+        float* dst = vt + (lane0 + j) * vd;
+        int64_t d = 0;
+        for (; d + 8 <= vd; d += 8) store8(dst + d, load8(src + d));
+        for (; d < vd; ++d) dst[d] = to_f32(src[d]);
+      }
+      v = vt;
+    }
+    const float* ksp = nullptr;
+    const float* krsp = nullptr;
+    if constexpr (kQuantized) {
+      const int64_t row0 = elem / hd - lane0;  // lane 0's row
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        const bool in = j >= lane0 && j < lane0 + nk;
+        ks[j] = in ? a.k_scale[row0 + j] : 0.0f;
+        vs[j] = in ? a.v_scale[row0 + j] : 0.0f;
+        if (a.k_rope_scale != nullptr) krs[j] = in ? a.k_rope_scale[row0 + j] : 0.0f;
+      }
+      ksp = ks;
+      krsp = a.k_rope_scale != nullptr ? krs : nullptr;
+    }
+    // Scores, four rows at a time.
+    int64_t li = 0;
+    const float* qr[4];
+    float* sr[4];
+    auto row_q = [&](int64_t r) { return a.q + (r / g_n) * a.q_stride + (r % g_n) * hd; };
+    for (; li + 4 <= n_live; li += 4) {
+      for (int k = 0; k < 4; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
+      tile_scores<4>(a, qr, kt, ksp, krsp, vd, sr);
+    }
+    if (li + 2 <= n_live) {
+      for (int k = 0; k < 2; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
+      tile_scores<2>(a, qr, kt, ksp, krsp, vd, sr);
+      li += 2;
+    }
+    for (; li < n_live; ++li) {
+      qr[0] = row_q(live[li]), sr[0] = s + live[li] * kKeyTile;
+      tile_scores<1>(a, qr, kt, ksp, krsp, vd, sr);
+    }
+    // Online softmax row by row (over lanes [lo, hi); the others masked: -inf for the max, 0 for
+    // the sum, whose tree over the 16 lanes is fixed), then the values, two rows at a time where
+    // their keys agree.
+    float* corr = AttentionScratch::take(w.corr, rows);
+    typedef int32_t v16i __attribute__((vector_size(64)));
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f neg_inf = splat16(-INFINITY), zero = {};
+    for (int64_t k = 0; k < n_live; ++k) {
+      const int64_t r = live[k];
+      float* sp = s + r * kKeyTile;
+      float* state = st + r * sw;
+      const v16i in = (lane >= lo[r]) & (lane < hi[r]);
+      const v16f sv = load16(sp);
+      const v16f mx = in ? sv : neg_inf;
+      const v8f mlo = __builtin_shufflevector(mx, mx, 0, 1, 2, 3, 4, 5, 6, 7);
+      const v8f mhi = __builtin_shufflevector(mx, mx, 8, 9, 10, 11, 12, 13, 14, 15);
+      const v8f m8 = mlo > mhi ? mlo : mhi;
+      float tile_max = std::max(std::max(std::max(m8[0], m8[1]), std::max(m8[2], m8[3])),
+                                std::max(std::max(m8[4], m8[5]), std::max(m8[6], m8[7])));
+      const float m_new = std::max(state[0], tile_max);
+      corr[r] = std::exp(state[0] - m_new);  // exp(-inf) = 0 on the row's first tile
+      const v16f shifted = sv - m_new;
+      const v8f e0 = exp8(__builtin_shufflevector(shifted, shifted, 0, 1, 2, 3, 4, 5, 6, 7));
+      const v8f e1 = exp8(__builtin_shufflevector(shifted, shifted, 8, 9, 10, 11, 12, 13, 14, 15));
+      v16f p = __builtin_shufflevector(e0, e1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      p = in ? p : zero;
+      const v8f p8 = __builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+      state[1] = state[1] * corr[r] + hsum8(p8);
+      if constexpr (kQuantized) p = p * load16(vs);
+      store16(sp, p);
+      state[0] = m_new;
+    }
+    for (int64_t k = 0; k < n_live;) {
+      const int64_t r = live[k];
+      if (k + 1 < n_live && lo[live[k + 1]] == lo[r] && hi[live[k + 1]] == hi[r]) {
+        const int64_t r1 = live[k + 1];
+        accumulate_values2(st + r * sw + 2, corr[r], s + r * kKeyTile, st + r1 * sw + 2, corr[r1], s + r1 * kKeyTile,
+                           lo[r], hi[r], v, v_stride, vd);
+        k += 2;
+      } else {
+        accumulate_values(st + r * sw + 2, corr[r], s + r * kKeyTile, lo[r], hi[r], v, v_stride, 0, vd);
+        k += 1;
+      }
+    }
+    ta = tb;
+  }
+}
+
+// acc row = merge(acc row, st row) for every row, in that order; an empty state (max -inf) is skipped.
+inline void merge_states(float* acc, const float* st, int64_t rows, int64_t vd) {
+  const int64_t sw = 2 + vd;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* A = acc + r * sw;
+    const float* B = st + r * sw;
+    if (B[0] == -INFINITY) continue;
+    if (A[0] == -INFINITY) {
+      std::memcpy(A, B, sizeof(float) * static_cast<size_t>(sw));
+      continue;
+    }
+    const float m = std::max(A[0], B[0]);
+    const float ea = std::exp(A[0] - m), eb = std::exp(B[0] - m);
+    A[0] = m;
+    A[1] = fma1(B[1], eb, A[1] * ea);
+    int64_t d = 0;
+    for (; d + 8 <= vd; d += 8) store8(A + 2 + d, fma8(load8(B + 2 + d), splat8(eb), load8(A + 2 + d) * ea));
+    for (; d < vd; ++d) A[2 + d] = fma1(B[2 + d], eb, A[2 + d] * ea);
+  }
+}
+
+// out rows = acc output / acc sum (zeros for a row without keys).
+inline void write_output(const AttentionArgs& a, const float* acc, int64_t vd) {
+  const int64_t sw = 2 + vd;
+  for (int64_t r = 0; r < a.n_tokens * a.group; ++r) {
+    float* o = a.out + (r / a.group) * a.out_stride + (r % a.group) * vd;
+    const float* A = acc + r * sw;
+    const float inv = A[0] != -INFINITY && A[1] > 0.0f ? 1.0f / A[1] : 0.0f;
+    if (inv == 0.0f) {
+      std::memset(o, 0, sizeof(float) * static_cast<size_t>(vd));
+      continue;
+    }
+    int64_t d = 0;
+    for (; d + 8 <= vd; d += 8) store8(o + d, load8(A + 2 + d) * inv);
+    for (; d < vd; ++d) o[d] = A[2 + d] * inv;
+  }
+}
+
+inline void init_states(float* acc, int64_t rows, int64_t vd) {
+  for (int64_t r = 0; r < rows; ++r) acc[r * (2 + vd)] = -INFINITY;
+}
+
+template <class T>
+void attention_impl(const AttentionArgs& a) {
+  AttentionScratch& w = attention_scratch();
+  const int64_t vd = a.v_dim > 0 ? a.v_dim : a.head_dim, rows = a.n_tokens * a.group;
+  const int64_t n = attention_state_floats(a);
+  float* acc = AttentionScratch::take(w.acc, n);
+  float* st = AttentionScratch::take(w.st, n);
+  init_states(acc, rows, vd);
+  const int64_t chunks = attention_chunk_count(a);
+  for (int64_t c = 0; c < chunks; ++c) {
+    attention_chunk<T>(a, c, st, w);
+    merge_states(acc, st, rows, vd);
+  }
+  write_output(a, acc, vd);
+}
+
+template <class T>
+void attention_chunks_impl(const AttentionArgs& a, int64_t c0, int64_t c1, float* states) {
+  AttentionScratch& w = attention_scratch();
+  for (int64_t c = c0; c < c1; ++c) attention_chunk<T>(a, c, states + (c - c0) * attention_state_floats(a), w);
+}
+
+#define KESTREL_KV_DISPATCH(fn, ...)                                                                       \
+  switch (a.kv_dtype) {                                                                                    \
+    case KvDtype::F32: fn<float>(__VA_ARGS__); break;                                                      \
+    case KvDtype::F16: fn<uint16_t>(__VA_ARGS__); break;                                                   \
+    case KvDtype::INT8: fn<int8_t>(__VA_ARGS__); break;                                                    \
+    default:                                                                                               \
+      KESTREL_ASSERT(false, "CPU attention: KV dtype " + std::string(kv_dtype_name(a.kv_dtype)) + " has no kernel"); \
+  }
+
+void attention(const AttentionArgs& a) { KESTREL_KV_DISPATCH(attention_impl, a) }
+void attention_chunks(const AttentionArgs& a, int64_t c0, int64_t c1, float* states) {
+  KESTREL_KV_DISPATCH(attention_chunks_impl, a, c0, c1, states)
+}
+#undef KESTREL_KV_DISPATCH
+
+void attention_merge(const AttentionArgs& a, int64_t n_chunks, const float* states) {
+  AttentionScratch& w = attention_scratch();
+  const int64_t vd = a.v_dim > 0 ? a.v_dim : a.head_dim, rows = a.n_tokens * a.group;
+  const int64_t n = attention_state_floats(a);
+  float* acc = AttentionScratch::take(w.acc, n);
+  init_states(acc, rows, vd);
+  for (int64_t c = 0; c < n_chunks; ++c) merge_states(acc, states + c * n, rows, vd);
+  write_output(a, acc, vd);
 }
 
 void f32_to_f16(const float* x, uint16_t* y, int64_t n) {
@@ -261,6 +628,6 @@ void f32_to_f16(const float* x, uint16_t* y, int64_t n) {
   for (; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
 }
 
-const OpsTable kTable{rms_norm, silu_mul, add, attention, f32_to_f16, gelu_mul};
+const OpsTable kTable{rms_norm, silu_mul, add, attention, attention_chunks, attention_merge, f32_to_f16, gelu_mul};
 
 }  // namespace kestrel::cpu::KESTREL_OPS_NS
