@@ -209,7 +209,9 @@ def test_a_completion_does_not_wait_for_big_tokenize_requests():
         t0 = time.monotonic()
         rc, out = s.stop(timeout=60)
         assert rc == 0, out
-        assert time.monotonic() - t0 < time_limit(4.0)
+        # Stopping while eight tokenizations run: 1-2 s on a quiet machine, 5.2 s measured with a
+        # sanitizer build and ctest sharing both cores; waiting for the tokenizations took 14.5 s.
+        assert time.monotonic() - t0 < time_limit(8.0)
 
 
 # SIGTERM waited for the tokenizations running on the pool (14.5 s for eight 8 MB /tokenize; the
