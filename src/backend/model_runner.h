@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -55,14 +56,25 @@ struct RunnerOptions {
 // What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,
 // min_p and temperature (Sampler::device_compatible), and the uniform draw it would have used
 // (Sampler::take_uniform), so the device picks the token the CPU sampler would pick from the
-// same logits.
+// same logits. A masked row (structured output) first has every token its mask disallows set to
+// -inf, as grammar::apply_token_bitmask does on the host; the chain then runs on what is left
+// (top_k counts allowed tokens only).
 struct RowSampling {
   float temperature = 0.0f;  // 0 = greedy
   int32_t top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
   double uniform = 0.0;      // in [0, 1)
+  int32_t masked = 0;        // 1: the row's token mask (TokenMaskFill) applies
 };
+
+// Writes the token masks of one forward_sample call into `masks`: [n_rows, (n_vocab + 31) / 32]
+// uint32 words, row i at i * words, bit (id % 32) of word (id / 32) set = token id allowed (the
+// layout of grammar::bitmask_words). Only the rows with RowSampling::masked need writing; the
+// others are not read. forward_sample calls it once, after the pass over the layers is launched and
+// before the sampling, so a backend that runs asynchronously (CUDA) has the host compute the masks
+// while the device computes the logits.
+using TokenMaskFill = std::function<void(std::span<uint32_t> masks)>;
 
 class ModelRunner {
  public:
@@ -74,11 +86,15 @@ class ModelRunner {
   // True when forward_sample() is implemented (the CUDA backend): the logits then never leave the
   // device.
   virtual bool samples_on_device() const { return false; }
-  // forward(), then one token per logits row sampled on the device with rows[i]'s settings
-  // (rows.size() == batch.logits_indices.size()). Returns the token ids in host memory, valid until
-  // the next call; -1 marks a row whose logits hold a NaN. Errors: those of forward(); kestrel::Error
-  // from backends without device sampling.
-  virtual std::span<const int32_t> forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows);
+  // forward(), then one token per logits row sampled with rows[i]'s settings (rows.size() ==
+  // batch.logits_indices.size()), the masked rows under the masks fill_masks writes. Returns the
+  // token ids in host memory, valid until the next call; -1 marks a row whose (masked) logits hold
+  // a NaN or no finite value. The CUDA backend samples on the device (the logits never leave it);
+  // the default samples forward()'s logits on the host with Sampler::sample_with_uniform, the
+  // device sampler's reference. Errors: those of forward(); kestrel::Error for a row count that
+  // differs from the logits rows, or a masked row without fill_masks.
+  virtual std::span<const int32_t> forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows,
+                                                  const TokenMaskFill& fill_masks = {});
   // Copies whole KV blocks (copy-on-write after a fork), in every layer, before the next forward.
   virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
   virtual int32_t n_kv_blocks() const = 0;
@@ -91,6 +107,18 @@ class ModelRunner {
   virtual std::string description() const = 0;
   // Tokens routed to each expert since start-up, [n_layer * n_expert] row-major (layer-major); empty for a model without MoE layers (dense layers' rows stay 0).
   virtual std::vector<uint64_t> expert_token_counts() const { return {}; }
+
+ protected:
+  // forward_sample's host implementation (host_sampling.cpp) over logits [rows.size(), n_vocab] f32,
+  // each row masked first where rows[i].masked. Returns the ids, valid until the next call (-1 for
+  // a row without a distribution). For wrappers that compute the logits another way (tests).
+  std::span<const int32_t> sample_on_host(std::span<const float> logits, std::span<const RowSampling> rows,
+                                          const TokenMaskFill& fill_masks);
+
+ private:
+  std::vector<int32_t> sampled_;
+  std::vector<uint32_t> host_masks_;
+  std::vector<float> masked_row_;
 };
 
 // The CPU backend (src/backend/cpu). options.n_kv_blocks must be positive. Errors: kestrel::Error

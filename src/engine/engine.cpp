@@ -466,21 +466,27 @@ std::vector<RequestOutput> Engine::step() {
   // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
     const RequestState& r = *m.sampling[i].r;
-    on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 && !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
-                !r.matcher;
+    on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 &&
+                !(r.req.prompt_logits && r.seq.n_generated() == 0);
   }
   std::span<const float> logits;
   std::span<const int32_t> device_tokens;
   if (on_device) {
     // One setting per logits row; every row is a sampling row here (no prompt rows, no drafts).
+    // A grammar row samples under its token mask, which depends only on the tokens accepted so
+    // far: the runner has it computed (Impl::fill_token_masks) while the device runs the layers.
     m.row_sampling.assign(m.batch.logits_indices.size(), RowSampling{});
+    bool masked = false;
     for (const Impl::SampleRow& sr : m.sampling) {
       RequestState* r = sr.r;
       const SamplingParams& p = r->sampler->params();
       m.row_sampling[static_cast<size_t>(sr.row)] =
-          RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform()};
+          RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform(), r->matcher ? 1 : 0};
+      masked |= r->matcher.has_value();
     }
-    device_tokens = m.runner->forward_sample(fb, m.row_sampling);
+    TokenMaskFill fill;
+    if (masked) fill = [&m](std::span<uint32_t> masks) { m.fill_token_masks(masks); };
+    device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
   } else {
     logits = m.runner->forward(fb);
   }

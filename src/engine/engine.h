@@ -68,8 +68,9 @@ struct Request {
   // Structured output (sampling/grammar/matcher.h): the grammar the generated text must follow.
   // Each step, the tokens it cannot take get -inf before the sampling chain; the sampled token
   // advances it; once it has ended (EOS taken, or nothing can follow) the request finishes with
-  // "stop". Its vocabulary must be the model's tokenizer's. Null: unconstrained. Such a request
-  // samples on the host (the per-row bitmask is the form a device sampler would take).
+  // "stop". Its vocabulary must be the model's tokenizer's. Null: unconstrained. Where the backend
+  // samples on the device, the mask goes with the row (ModelRunner::forward_sample), computed while
+  // the device runs the layers; with logprobs or a host-only chain the row is sampled on the host.
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
   // Beam search (beam_search.h) when beam.enabled(): the request owns beam_width live sequences
   // that fork the prompt's KV blocks copy-on-write and share their prefixes; sampling params are

@@ -165,6 +165,14 @@ struct Engine::Impl {
   };
   std::vector<PromptRow> prompt_rows;
   void prompt_logprobs_from(std::span<const float> logits);
+  // The token masks of this step's grammar rows for forward_sample: [n_rows, bitmask_words] words,
+  // row sr.row of each sampling request with a matcher (the other rows are not read).
+  void fill_token_masks(std::span<uint32_t> masks) {
+    const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
+    for (const SampleRow& sr : sampling)
+      if (sr.r->matcher)
+        sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
+  }
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
 };
 

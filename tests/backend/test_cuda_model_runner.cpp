@@ -13,6 +13,9 @@
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "engine/engine.h"
+#include "grammar_mix.h"
+#include "sampling/grammar/constraint.h"
+#include "sampling_runner.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 
@@ -84,6 +87,34 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
       if (sorted[0] - sorted[1] > 0.1f)
         EXPECT_EQ(std::max_element(g, g + n_vocab) - g, std::max_element(w, w + n_vocab) - w) << "row " << row;
     }
+  }
+}
+
+// Structured output on the device sampler: grammar requests mixed with plain ones, greedy and
+// seeded, each grammar row sampled by the CUDA kernel under the mask the engine computes while the
+// layers run, against the host path over the same CUDA logits (a wrapper that keeps sampling on
+// the host: forward(), the mask applied to the row, the request's own Sampler). The same tokens
+// and finish reasons for every request, eagerly and through the graph path; every constrained
+// output that ended valid.
+TEST(CudaModelRunner, GrammarMasksOnTheDeviceSamplerGiveTheHostPathsTokens) {
+  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const auto tok = Tokenizer::from_gguf(model->file());
+  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
+  const std::vector<Request> requests = test::mixed_grammar_requests(*tok, *cache, 40);
+  for (const bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "graph path");
+    Engine host(*model, tok.get(), config(),
+                std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/false));
+    const auto want = test::run_requests(host, requests);
+    test::expect_outputs_follow_their_constraints(*tok, want, /*require_stop=*/false);
+    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/true);
+    test::SamplingRunner* dev = runner.get();
+    Engine device(*model, tok.get(), config(), std::move(runner));
+    EXPECT_EQ(test::run_requests(device, requests), want);
+    EXPECT_EQ(dev->host_calls, 0);
+    EXPECT_GT(dev->masked_rows, 0);
   }
 }
 

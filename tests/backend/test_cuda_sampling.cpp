@@ -6,6 +6,7 @@
 // threshold); then every token must be equal. The emulation runs the full parameter grid on small
 // vocabularies and a few rows of the large ones; the GPU runs the grid on 128256 (Llama 3) too.
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <limits>
 #include <numeric>
@@ -56,15 +57,22 @@ std::vector<float> make_logits(Kind kind, int64_t n, std::mt19937& rng) {
 
 SampleParams to_device(const ReferenceParams& p, double u) { return SampleParams{p.temperature, p.top_k, p.top_p, p.min_p, u}; }
 
+// masks: empty, or [params.size(), (n_vocab + 31) / 32] words read for the rows with masked set.
 std::vector<int32_t> sample_on_device(const std::vector<float>& logits, const std::vector<SampleParams>& params,
-                                      int64_t n_vocab) {
+                                      int64_t n_vocab, const std::vector<uint32_t>& masks = {}) {
   const auto n_rows = static_cast<int64_t>(params.size());
   DeviceBuffer<float> d_logits(logits);
   DeviceBuffer<SampleParams> d_params(params);
+  DeviceBuffer<uint32_t> d_masks(masks);
   DeviceBuffer<int32_t> d_tokens(params.size());
   DeviceBuffer<unsigned char> workspace(cuda::sampling_workspace_bytes(n_rows, n_vocab));
   d_tokens.poison();
-  cuda::sample_tokens(d_logits.get(), d_params.get(), n_rows, n_vocab, d_tokens.get(), workspace.get(), nullptr);
+  cuda::sample_tokens(d_logits.get(), d_params.get(), n_rows, n_vocab, d_tokens.get(), workspace.get(), nullptr,
+                      masks.empty() ? nullptr : d_masks.get());
+  const std::vector<float> after = d_logits.download();
+  EXPECT_TRUE(std::equal(after.begin(), after.end(), logits.begin(), [](float a, float b) {
+    return std::memcmp(&a, &b, sizeof a) == 0;
+  })) << "the sampler wrote to the logits";
   return d_tokens.download();
 }
 
@@ -255,6 +263,122 @@ TEST(CudaSampling, GridOfUniformsReproducesTheFilteredSoftmax) {
       }
     }
   }
+}
+
+// Token masks (structured output): the kernel must give the reference's token for the logits with
+// every disallowed token at -inf (grammar::apply_token_bitmask on the host), mask rows mixed with
+// unmasked ones in one call. Masks: a random half of the vocabulary; one allowed token; only tokens
+// ranked below the unmasked row's top 50 (so top_k must count allowed tokens, as on the host);
+// and the window, radix and slice paths on a 20000-token vocabulary. A NaN at a disallowed id is
+// masked away, as on the host.
+struct MaskedRow {
+  Kind kind;
+  ReferenceParams params;
+  enum class Mask { kNone, kHalf, kOne, kBelowTopK, kMostBanned } mask;
+};
+
+void expect_masked_reference_tokens(int64_t n_vocab, const std::vector<MaskedRow>& rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const size_t words = (static_cast<size_t>(n_vocab) + 31) / 32;
+  std::vector<float> logits;
+  std::vector<SampleParams> params;
+  std::vector<uint32_t> masks;
+  std::vector<int32_t> expected;
+  std::vector<size_t> index;  // rows kept (data away from every boundary)
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const MaskedRow& row = rows[i];
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      std::vector<float> l = make_logits(row.kind, n_vocab, rng);
+      std::vector<uint32_t> m(words, 0u);
+      auto allow = [&](int64_t id) { m[static_cast<size_t>(id) / 32] |= 1u << (id % 32); };
+      switch (row.mask) {
+        case MaskedRow::Mask::kNone: std::fill(m.begin(), m.end(), ~0u); break;
+        case MaskedRow::Mask::kHalf:
+          for (int64_t id = 0; id < n_vocab; ++id)
+            if (rng() % 2 == 0) allow(id);
+          break;
+        case MaskedRow::Mask::kOne: allow(static_cast<int64_t>(rng() % static_cast<uint32_t>(n_vocab))); break;
+        case MaskedRow::Mask::kBelowTopK: {
+          std::vector<int32_t> order(static_cast<size_t>(n_vocab));
+          std::iota(order.begin(), order.end(), 0);
+          std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+          for (size_t r = 50; r < order.size(); r += 3) allow(order[r]);
+          break;
+        }
+        case MaskedRow::Mask::kMostBanned:
+          for (int64_t id = 0; id < n_vocab; ++id)
+            if (rng() % 64 == 0) allow(id);
+          break;
+      }
+      if (std::all_of(m.begin(), m.end(), [](uint32_t w) { return w == 0; })) allow(0);
+      std::vector<float> masked = l;
+      for (int64_t id = 0; id < n_vocab; ++id)
+        if (((m[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) == 0) masked[static_cast<size_t>(id)] = -INFINITY;
+      if (row.mask != MaskedRow::Mask::kNone) {  // a NaN where the mask bans: the row stays valid
+        for (int64_t id = 0; id < n_vocab; ++id)
+          if (masked[static_cast<size_t>(id)] == -INFINITY && row.kind != Kind::kNegInf) {
+            l[static_cast<size_t>(id)] = std::numeric_limits<float>::quiet_NaN();
+            break;
+          }
+      }
+      const double u = uniform(rng);
+      const ReferenceDraw ref = reference_sample(masked.data(), n_vocab, row.params, u);
+      if (ref.margin < kBoundary) continue;
+      logits.insert(logits.end(), l.begin(), l.end());
+      masks.insert(masks.end(), m.begin(), m.end());
+      SampleParams p = to_device(row.params, u);
+      p.masked = row.mask != MaskedRow::Mask::kNone;
+      params.push_back(p);
+      expected.push_back(ref.token);
+      index.push_back(i);
+      break;
+    }
+  }
+  EXPECT_LE((rows.size() - index.size()) * 10, rows.size()) << "too many rows without data away from the boundaries";
+  const std::vector<int32_t> tokens = sample_on_device(logits, params, n_vocab, masks);
+  for (size_t r = 0; r < index.size(); ++r) {
+    const MaskedRow& row = rows[index[r]];
+    EXPECT_GE(expected[r], 0);
+    EXPECT_EQ(tokens[r], expected[r]) << "n_vocab " << n_vocab << " row " << index[r] << " mask "
+                                      << static_cast<int>(row.mask) << " temperature " << row.params.temperature
+                                      << " top_k " << row.params.top_k << " top_p " << row.params.top_p << " min_p "
+                                      << row.params.min_p;
+    if (row.mask != MaskedRow::Mask::kNone && tokens[r] >= 0)
+      EXPECT_TRUE((masks[r * words + static_cast<size_t>(tokens[r]) / 32] >> (tokens[r] % 32)) & 1u)
+          << "row " << index[r] << " drew a disallowed token";
+  }
+}
+
+std::vector<MaskedRow> masked_grid(const std::vector<Kind>& kinds) {
+  std::vector<MaskedRow> rows;
+  using M = MaskedRow::Mask;
+  for (Kind kind : kinds)
+    for (M mask : {M::kNone, M::kHalf, M::kOne, M::kBelowTopK, M::kMostBanned})
+      for (float t : {0.0f, 0.7f, 1.0f})
+        for (int32_t k : {0, 5, 50})
+          for (float p : {1.0f, 0.9f})
+            for (float mp : {0.0f, 0.05f}) rows.push_back(MaskedRow{kind, ReferenceParams{t, k, p, mp}, mask});
+  return rows;
+}
+
+TEST(CudaSampling, TokenMasksGiveTheHostSamplersTokensOnTheMaskedLogits) {
+  KESTREL_REQUIRE_CUDA();
+  // 1001: rows that are no multiple of 4 (scalar loads) and a mask word cut by the row's end.
+  for (const int64_t n_vocab : {1000, 1001}) {
+    SCOPED_TRACE("n_vocab " + std::to_string(n_vocab));
+    expect_masked_reference_tokens(n_vocab, masked_grid({Kind::kPeaked, Kind::kTies}), static_cast<uint32_t>(n_vocab));
+  }
+  // Past the shared-memory window: flat rows under a half mask keep ~10000 tokens (radix select and
+  // slices); peaked ones stay in the window.
+  using M = MaskedRow::Mask;
+  const std::vector<MaskedRow> wide = {
+      {Kind::kFlat, {1.0f, 0, 0.9f, 0.0f}, M::kHalf},       {Kind::kFlat, {0.7f, 9000, 1.0f, 0.0f}, M::kHalf},
+      {Kind::kFlat, {0.5f, 0, 1.0f, 0.0f}, M::kHalf},       {Kind::kFlat, {1.0f, 0, 1.0f, 0.05f}, M::kHalf},
+      {Kind::kPeaked, {0.8f, 40, 0.95f, 0.05f}, M::kBelowTopK}, {Kind::kPeaked, {1.0f, 0, 1.0f, 0.0f}, M::kOne},
+      {Kind::kPeaked, {0.0f, 0, 1.0f, 0.0f}, M::kMostBanned},   {Kind::kOctave, {1.0f, 0, 0.9f, 0.0f}, M::kHalf},
+  };
+  expect_masked_reference_tokens(20000, wide, 23);
 }
 
 TEST(CudaSampling, RejectsBadShapes) {

@@ -15,6 +15,7 @@
 #include "io/gguf.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampler.h"
+#include "sampling_runner.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -571,53 +572,15 @@ TEST(Engine, PromptLogprobsPrefillInBoundedChunks) {
 
 namespace {
 
-// A backend that "samples on the device" the way the CUDA runner must: forward() on the CPU, then
-// each row's token picked by Sampler::sample_with_uniform (the host reference of
-// cuda::sample_tokens) from the row's settings and uniform alone. If the engine hands over the
-// uniform each request's own sampler would have drawn, its outputs match the CPU path exactly.
-class DeviceSamplingRunner final : public ModelRunner {
- public:
-  DeviceSamplingRunner(const LlamaModel& model, int32_t n_blocks)
-      : n_vocab_(static_cast<int32_t>(model.hparams().n_vocab)) {
-    RunnerOptions o;
-    o.n_kv_blocks = n_blocks;
-    inner_ = make_cpu_model_runner(model, o);
-  }
-  std::span<const float> forward(const ForwardBatch& b) override {
-    ++host_calls;
-    return inner_->forward(b);
-  }
-  bool samples_on_device() const override { return true; }
-  std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows) override {
-    ++device_calls;
-    const std::span<const float> logits = inner_->forward(b);
-    EXPECT_EQ(rows.size(), b.logits_indices.size());
-    tokens_.clear();
-    for (size_t i = 0; i < rows.size(); ++i) {
-      SamplingParams p;
-      p.temperature = rows[i].temperature;
-      p.top_k = rows[i].top_k;
-      p.top_p = rows[i].top_p;
-      p.min_p = rows[i].min_p;
-      Sampler s(p, n_vocab_);
-      tokens_.push_back(s.sample_with_uniform(logits.subspan(i * n_vocab_, n_vocab_), rows[i].uniform));
-    }
-    return tokens_;
-  }
-  void copy_blocks(std::span<const BlockCopy> copies) override { inner_->copy_blocks(copies); }
-  int32_t n_kv_blocks() const override { return inner_->n_kv_blocks(); }
-  int32_t block_size() const override { return inner_->block_size(); }
-  KvDtype kv_dtype() const override { return inner_->kv_dtype(); }
-  int64_t kv_bytes_per_token() const override { return inner_->kv_bytes_per_token(); }
-  std::string description() const override { return "device-sampling wrapper over " + inner_->description(); }
-
-  int host_calls = 0, device_calls = 0;
-
- private:
-  int32_t n_vocab_;
-  std::unique_ptr<ModelRunner> inner_;
-  std::vector<int32_t> tokens_;
-};
+// A CPU backend that "samples on the device" the way the CUDA runner must: forward() on the CPU,
+// then each row's token picked from the row's settings and uniform alone (test::SamplingRunner).
+// If the engine hands over the uniform each request's own sampler would have drawn, its outputs
+// match the CPU path exactly.
+std::unique_ptr<test::SamplingRunner> device_sampling_runner(const LlamaModel& model, int32_t n_blocks) {
+  RunnerOptions o;
+  o.n_kv_blocks = n_blocks;
+  return std::make_unique<test::SamplingRunner>(make_cpu_model_runner(model, o), /*on_device=*/true);
+}
 
 std::vector<std::vector<int32_t>> run_sampled(Engine& e, const std::vector<std::vector<int32_t>>& prompts,
                                               const std::vector<SamplingParams>& params) {
@@ -660,8 +623,8 @@ TEST(Engine, DeviceSamplingGivesTheHostSamplersTokens) {
   c.n_kv_blocks = 256;
   Engine host(*l.model, l.tokenizer.get(), c);
   const auto want = run_sampled(host, prompts, params);
-  auto runner = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
-  DeviceSamplingRunner* dev = runner.get();
+  auto runner = device_sampling_runner(*l.model, c.n_kv_blocks);
+  test::SamplingRunner* dev = runner.get();
   Engine device(*l.model, l.tokenizer.get(), c, std::move(runner));
   EXPECT_EQ(run_sampled(device, prompts, params), want);
   EXPECT_GT(dev->device_calls, 0);
@@ -677,8 +640,8 @@ TEST(Engine, DeviceSamplingGivesTheHostSamplersTokens) {
   params[2].repetition_penalty = 1.3f;
   Engine host2(*l.model, l.tokenizer.get(), c);
   const auto want2 = run_sampled(host2, prompts, params);
-  auto runner2 = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
-  DeviceSamplingRunner* dev2 = runner2.get();
+  auto runner2 = device_sampling_runner(*l.model, c.n_kv_blocks);
+  test::SamplingRunner* dev2 = runner2.get();
   Engine device2(*l.model, l.tokenizer.get(), c, std::move(runner2));
   EXPECT_EQ(run_sampled(device2, prompts, params), want2);
   EXPECT_GT(dev2->host_calls, 0);
@@ -691,8 +654,8 @@ TEST(Engine, LogprobsTakeTheHostPathOnADeviceSamplingBackend) {
   const Loaded l = load(stories_path());
   EngineConfig c;
   c.n_kv_blocks = 256;
-  auto runner = std::make_unique<DeviceSamplingRunner>(*l.model, c.n_kv_blocks);
-  DeviceSamplingRunner* dev = runner.get();
+  auto runner = device_sampling_runner(*l.model, c.n_kv_blocks);
+  test::SamplingRunner* dev = runner.get();
   Engine e(*l.model, l.tokenizer.get(), c, std::move(runner));
   Request r;
   r.prompt = l.tokenizer->encode("Once upon a time", true, false);

@@ -13,7 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
+#include "grammar_mix.h"
 #include "sampling/grammar/constraint.h"
+#include "sampling_runner.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -108,6 +110,34 @@ TEST(EngineGrammar, RegexAndChoiceOutputsMatch) {
     EXPECT_EQ(o.finish_reason, "stop") << o.text;
     EXPECT_TRUE(o.text == "happy" || o.text == "sad" || o.text == "sleepy dog") << o.text;
   }
+}
+
+// Grammar rows sampled through forward_sample, each under the token mask the engine computes for
+// it, against the host path (forward(), the mask applied to the logits row, the request's own
+// Sampler): the same logits (the CPU backend), so the same tokens and finish reasons for every
+// request, constrained and plain, greedy and seeded, in one batch; every constrained output valid.
+TEST(EngineGrammar, DeviceSamplingUnderTokenMasksGivesTheHostPathsTokens) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  auto tok = Tokenizer::from_gguf(model->file());
+  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
+  const std::vector<Request> requests = test::mixed_grammar_requests(*tok, *cache, 300);
+  EngineConfig cfg;
+  cfg.max_model_len = 512;
+  cfg.n_kv_blocks = 256;
+  cfg.max_num_batched_tokens = 32;  // prompts in chunks beside decodes
+  Engine host(*model, tok.get(), cfg);
+  const auto want = test::run_requests(host, requests);
+  test::expect_outputs_follow_their_constraints(*tok, want, /*require_stop=*/true);
+
+  RunnerOptions o;
+  o.n_kv_blocks = cfg.n_kv_blocks;
+  auto runner = std::make_unique<test::SamplingRunner>(make_cpu_model_runner(*model, o), /*on_device=*/true);
+  test::SamplingRunner* dev = runner.get();
+  Engine device(*model, tok.get(), cfg, std::move(runner));
+  EXPECT_EQ(test::run_requests(device, requests), want);
+  EXPECT_EQ(dev->host_calls, 0);
+  EXPECT_GT(dev->masked_rows, 0);
 }
 
 }  // namespace

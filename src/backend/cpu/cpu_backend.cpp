@@ -12,10 +12,6 @@
 
 namespace kestrel {
 
-std::span<const int32_t> ModelRunner::forward_sample(const ForwardBatch&, std::span<const RowSampling>) {
-  throw Error("this backend (" + description() + ") does not sample on the device");
-}
-
 namespace {
 class CpuBackend final : public ModelRunner {
  public:

@@ -53,12 +53,9 @@ BatchArrays CudaModelRunner::stage(const ForwardBatch& b, std::span<const RowSam
   return h;
 }
 
-const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample) {
+BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample) {
   validate_forward_batch(b, hp_.n_vocab, n_blocks_, block_size_, hp_.kv_lookback());
   const int64_t n = b.n_tokens(), n_seqs = b.n_seqs(), n_out = static_cast<int64_t>(b.logits_indices.size());
-  if (sample && static_cast<int64_t>(rows.size()) != n_out)
-    throw Error("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " + std::to_string(n_out) +
-                " logits rows");
   bool identity = n_out == n;
   for (int64_t i = 0; identity && i < n_out; ++i) identity = b.logits_indices[static_cast<size_t>(i)] == i;
   int32_t max_context = 0, max_query = 0, min_query = INT32_MAX;
@@ -104,7 +101,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
                                          stream_));
       enqueue_forward(g->dev, s);
 #if defined(KESTREL_CUDA_EMULATE)
-      return g->dev.tokens;  // no capture on the CPU emulation: replays run the same pass eagerly
+      return g->dev;  // no capture on the CPU emulation: replays run the same pass eagerly
 #endif
       cudaGraph_t graph = nullptr;
       KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -120,7 +117,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
       const cudaError_t err = cudaGraphInstantiate(&g->exec, graph, 0);
       cudaGraphDestroy(graph);
       KESTREL_CUDA_CHECK(err);
-      return g->dev.tokens;
+      return g->dev;
     }
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(g->arrays.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice,
                                        stream_));
@@ -129,7 +126,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
 #else
     KESTREL_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
 #endif
-    return g->dev.tokens;
+    return g->dev;
   }
 
   PassShape s;
@@ -148,7 +145,7 @@ const int32_t* CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSa
   const BatchArrays d = BatchArrays::layout(arrays_.as<unsigned char>(), n, n_seqs, s.width, n_out);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(arrays_.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice, stream_));
   enqueue_forward(d, s);
-  return d.tokens;
+  return d;
 }
 
 std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
@@ -167,16 +164,35 @@ std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
   return {logits_h_.as<const float>(), static_cast<size_t>(n_out * nv)};
 }
 
-std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows) {
-  const int32_t* tokens = run(b, rows, true);
+std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows,
+                                                         const TokenMaskFill& fill_masks) {
   const size_t n_out = b.logits_indices.size();
+  if (rows.size() != n_out)
+    throw Error("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " + std::to_string(n_out) +
+                " logits rows");
+  const bool masked = std::any_of(rows.begin(), rows.end(), [](const RowSampling& r) { return r.masked != 0; });
+  if (masked && !fill_masks) throw Error("forward_sample: a masked sampling row without token masks");
+  const BatchArrays d = run(b, rows, !masked);
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (prof_ != nullptr) prof_->collect();
     return {};
   }
+  if (masked) {
+    // The pass is in flight: the masks are computed meanwhile, then go up behind it on the stream.
+    const size_t words = (static_cast<size_t>(hp_.n_vocab) + 31) / 32, bytes = n_out * words * sizeof(uint32_t);
+    masks_h_.reserve(bytes);
+    masks_.reserve(bytes);
+    fill_masks(std::span<uint32_t>(masks_h_.as<uint32_t>(), n_out * words));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(masks_.as<void>(), masks_h_.as<void>(), bytes, cudaMemcpyHostToDevice, stream_));
+    cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(d.sampling),
+                        static_cast<int64_t>(n_out), hp_.n_vocab, d.tokens, sample_ws_.as<void>(), stream_,
+                        masks_.as<uint32_t>());
+    mark("sample");
+  }
   tokens_h_.reserve(n_out * sizeof(int32_t));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(tokens_h_.as<void>(), tokens, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  KESTREL_CUDA_CHECK(
+      cudaMemcpyAsync(tokens_h_.as<void>(), d.tokens, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (prof_ != nullptr) prof_->collect();
   return {tokens_h_.as<const int32_t>(), n_out};

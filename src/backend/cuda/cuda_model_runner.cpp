@@ -43,7 +43,8 @@ static_assert(sizeof(RowSampling) == sizeof(cuda::SampleParams) &&
                   offsetof(RowSampling, top_k) == offsetof(cuda::SampleParams, top_k) &&
                   offsetof(RowSampling, top_p) == offsetof(cuda::SampleParams, top_p) &&
                   offsetof(RowSampling, min_p) == offsetof(cuda::SampleParams, min_p) &&
-                  offsetof(RowSampling, uniform) == offsetof(cuda::SampleParams, uniform),
+                  offsetof(RowSampling, uniform) == offsetof(cuda::SampleParams, uniform) &&
+                  offsetof(RowSampling, masked) == offsetof(cuda::SampleParams, masked),
               "RowSampling and cuda::SampleParams differ in layout");
 
 CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o)

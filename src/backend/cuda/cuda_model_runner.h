@@ -141,7 +141,11 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
 
   std::span<const float> forward(const ForwardBatch& b) override;
   bool samples_on_device() const override { return true; }
-  std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows) override;
+  // Masked rows: the pass runs (its graph replays) without the sampling kernel, fill_masks writes
+  // the masks into pinned memory while the device computes the logits, one copy takes them up and
+  // the sampling kernel runs after it, outside the graph (cuda_graph_runner.cpp).
+  std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows,
+                                          const TokenMaskFill& fill_masks = {}) override;
   void copy_blocks(std::span<const BlockCopy> copies) override;
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
@@ -166,8 +170,8 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   bool reserve_moe(int64_t n_tokens);  // the MoE buffers for n_tokens rows; true when one grew
   void allocate_kv(const RunnerOptions& o);
   // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
-  // the device and returns where the tokens are.
-  const int32_t* run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample);
+  // the device and returns the device arrays of the pass (its sampling rows, where the tokens go).
+  BatchArrays run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample);
   // Sizes every activation buffer for n_tokens rows and n_out logits rows; a reallocation
   // invalidates the captured graphs (they hold the old addresses).
   void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
@@ -389,6 +393,8 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   PinnedMem staging_;  // their host copy
   PinnedMem logits_h_;
   PinnedMem tokens_h_;
+  PinnedMem masks_h_;  // forward_sample's token masks, [n_out, (n_vocab + 31) / 32], as fill_masks writes them
+  DevMem masks_;       // their device copy, read by the sampling kernel
   // Keyed by (batch size, block table width, samples on the device).
   // Keyed by (batch size, tokens per sequence, block table width, samples on the device).
   std::map<std::tuple<int64_t, int32_t, int32_t, bool>, std::unique_ptr<DecodeGraph>> graphs_;

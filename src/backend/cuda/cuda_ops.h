@@ -278,8 +278,11 @@ void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);
 // prefix mass near top_p, a logit within an ulp of the min_p threshold). Deterministic: the same
 // inputs give the same tokens on every run (no floating-point atomics).
 // logits [n_rows, n_vocab] f32; params [n_rows]; tokens [n_rows] int32 out: a token id, or -1 for a
-// row with a NaN logit, or (temperature > 0) whose largest logit is +inf or -inf (no distribution;
-// the CPU Sampler throws for both). n_vocab <= INT32_MAX.
+// row with a NaN logit, or whose largest logit is +inf or -inf (no distribution; the CPU Sampler
+// throws for both). n_vocab <= INT32_MAX. masks: [n_rows, (n_vocab + 31) / 32] uint32, bit id % 32 of
+// word id / 32 set = token id allowed (grammar::bitmask_words' layout), read only for the rows with
+// params.masked (null when no row has): a disallowed token counts as -inf before the chain, as
+// grammar::apply_token_bitmask makes it on the host; the logits are not written.
 // workspace: sampling_workspace_bytes(n_rows, n_vocab) bytes (0 today; may be null then).
 // Errors: kestrel::Error if n_rows < 0, n_vocab <= 0 or n_vocab > INT32_MAX.
 // Algorithm and costs: sampling.cuh.
@@ -289,9 +292,10 @@ struct SampleParams {
   float top_p;        // 1 = off
   float min_p;        // 0 = off
   double uniform;     // the draw, in [0, 1): Sampler::take_uniform(); unused when greedy
+  int32_t masked;     // 1: the row's mask in `masks` applies
 };
 size_t sampling_workspace_bytes(int64_t n_rows, int64_t n_vocab);
 void sample_tokens(const float* logits, const SampleParams* params, int64_t n_rows, int64_t n_vocab,
-                   int32_t* tokens, void* workspace, cudaStream_t stream);
+                   int32_t* tokens, void* workspace, cudaStream_t stream, const uint32_t* masks = nullptr);
 
 }  // namespace kestrel::cuda

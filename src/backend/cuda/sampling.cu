@@ -16,7 +16,7 @@ size_t sampling_workspace_bytes(int64_t n_rows, int64_t n_vocab) {
 }
 
 void sample_tokens(const float* logits, const SampleParams* params, int64_t n_rows, int64_t n_vocab,
-                   int32_t* tokens, void* workspace, cudaStream_t stream) {
+                   int32_t* tokens, void* workspace, cudaStream_t stream, const uint32_t* masks) {
   (void)workspace;
   if (n_rows < 0 || n_rows > INT32_MAX)
     throw Error("sample_tokens: n_rows = " + std::to_string(n_rows) + " must be in [0, 2^31)");
@@ -30,7 +30,7 @@ void sample_tokens(const float* logits, const SampleParams* params, int64_t n_ro
   const size_t smem = sizeof(sampling::Shared);
   set_max_dynamic_smem(kernel, smem);
   KESTREL_LAUNCH(kernel, dim3(static_cast<unsigned>(n_rows)), dim3(sampling::kThreads), smem, stream, logits, params,
-                 n_vocab, fixed_scale, tokens);
+                 masks, n_vocab, fixed_scale, tokens);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -46,6 +46,7 @@ namespace kestrel::cuda::sampling {
 
 struct Row {
   const float* x;
+  const uint32_t* mask;  // the row's token bitmask, or null (load_group)
   int64_t n;
   bool vec;
   float max;
@@ -185,7 +186,7 @@ __device__ Cut select_cut(const Row& r, u64 min_code, const SelectSpec& s, Share
       sh.digits.mass[i / kDigits][i % kDigits] = 0;
     }
     __syncthreads();
-    for_each_logit<1>(r.x, r.n, r.vec, [&](int64_t i, float l) {
+    for_each_logit<1>(r.x, r.mask, r.n, r.vec, [&](int64_t i, float l) {
       const u64 c = rank_code(l, i);
       if (c < min_code || (n_bits > 0 && (c >> (64 - n_bits)) != prefix)) return;
       const int d = static_cast<int>((c >> shift) & 0xffu);
@@ -234,7 +235,7 @@ __device__ Cut select_cut(const Row& r, u64 min_code, const SelectSpec& s, Share
     const int nb = n_bits;
     const u64 pre = prefix;
     const uint32_t n_bin = gather(
-        r.x, r.n, r.vec,
+        r.x, r.mask, r.n, r.vec,
         [&](int64_t i, float l) {
           const u64 c = rank_code(l, i);
           return c >= min_code && (c >> (64 - nb)) == pre;
@@ -288,7 +289,7 @@ __device__ int32_t rank_path(const Row& r, Shared& sh) {
   const bool need_sum = r.top_p_on && !r.top_k_on;
   const int copy = warp_id() % kBinCopies;
   float sum_f = 0.0f;
-  for_each_logit<1>(r.x, r.n, r.vec, [&](int64_t, float l) {
+  for_each_logit<1>(r.x, r.mask, r.n, r.vec, [&](int64_t, float l) {
     const int b = dist_bin(r.max, l);
     if (b < kBins - 1) atomicAdd(&sh.bins[copy][b], 1u);
     if (need_sum) sum_f += r.raw_w(l);  // f32 is enough for the window's bound (1e-4 slack)
@@ -336,7 +337,7 @@ __device__ int32_t rank_path(const Row& r, Shared& sh) {
   // Pass C: gather the window (and sum the mass outside it for top_p without top_k).
   double s_out = 0.0;
   const uint32_t n_got = gather(
-      r.x, r.n, r.vec,
+      r.x, r.mask, r.n, r.vec,
       [&](int64_t, float l) {
         if (dist_bin(r.max, l) <= w) return true;
         if (need_sum) s_out += r.raw_w(l);
@@ -365,7 +366,7 @@ struct Piece {
 
 __device__ __forceinline__ void group_weights(const Row& r, int64_t g, float (&e)[4]) {
   float v[4];
-  load_group(r.x, r.n, g, r.vec, v);
+  load_group(r.x, r.mask, r.n, g, r.vec, v);
 #pragma unroll
   for (int j = 0; j < 4; ++j) e[j] = 4 * g + j < r.n && v[j] >= r.min_p_threshold ? r.draw_w(v[j]) : 0.0f;
 }
@@ -452,13 +453,14 @@ __device__ int32_t draw_by_slices(const Row& r, Shared& sh) {
 __device__ int32_t id_path(const Row& r, Shared& sh) {
   // MinP::remove_below keeps id order; with min_p off every token stays (-inf ones with weight 0).
   if (!r.min_p_on && r.n <= kWindow) {
-    for (int64_t i = threadIdx.x; i < r.n; i += kThreads) sh.window[i] = (static_cast<u64>(i) << 32) | order_key(r.x[i]);
+    for (int64_t i = threadIdx.x; i < r.n; i += kThreads)
+      sh.window[i] = (static_cast<u64>(i) << 32) | order_key(load_one(r.x, r.mask, i));
     __syncthreads();
     return draw_from_window(r, static_cast<uint32_t>(r.n), true, sh);
   }
   if (r.min_p_on) {
     const uint32_t n_kept = gather(
-        r.x, r.n, r.vec, [&](int64_t, float l) { return l >= r.min_p_threshold; },
+        r.x, r.mask, r.n, r.vec, [&](int64_t, float l) { return l >= r.min_p_threshold; },
         [](int64_t i, float l) { return (static_cast<u64>(i) << 32) | order_key(l); }, sh);
     if (n_kept <= kWindow) {
       sort_window(sh, n_kept);
@@ -470,11 +472,12 @@ __device__ int32_t id_path(const Row& r, Shared& sh) {
 
 // ---- kernel -------------------------------------------------------------------------------------
 
-// logits [n_rows, n] f32, params [n_rows], tokens [n_rows]. grid (n_rows), block (kThreads),
-// dynamic shared memory sizeof(Shared).
+// logits [n_rows, n] f32, params [n_rows], masks [n_rows, (n + 31) / 32] (read where
+// params[row].masked; may be null when no row is), tokens [n_rows]. grid (n_rows), block
+// (kThreads), dynamic shared memory sizeof(Shared).
 __global__ void __launch_bounds__(kThreads)
-    sample_kernel(const float* __restrict__ logits, const SampleParams* __restrict__ params, int64_t n,
-                  float fixed_scale, int32_t* __restrict__ tokens) {
+    sample_kernel(const float* __restrict__ logits, const SampleParams* __restrict__ params,
+                  const uint32_t* __restrict__ masks, int64_t n, float fixed_scale, int32_t* __restrict__ tokens) {
   KESTREL_PDL_ENTRY();
   KESTREL_DYNAMIC_SMEM(smem);
   Shared& sh = *reinterpret_cast<Shared*>(smem);
@@ -482,13 +485,14 @@ __global__ void __launch_bounds__(kThreads)
   const SampleParams p = params[row];
   Row r{};
   r.x = logits + row * n;
+  r.mask = p.masked != 0 ? masks + row * ((n + 31) / 32) : nullptr;
   r.n = n;
   r.vec = n % 4 == 0 && reinterpret_cast<uintptr_t>(r.x) % 16 == 0;
 
   // Pass A: the largest rank code is the max with the lowest id among equals (argmax); a NaN
   // counts as ~0, above every code.
   u64 best = 0;
-  for_each_logit<4>(r.x, n, r.vec, [&](int64_t i, float l) {
+  for_each_logit<4>(r.x, r.mask, n, r.vec, [&](int64_t i, float l) {
     const u64 c = l != l ? ~0ull : rank_code(l, i);
     best = c > best ? c : best;
   });

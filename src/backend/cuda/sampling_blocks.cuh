@@ -219,8 +219,11 @@ __device__ T block_exclusive_scan(T v, Shared& sh, T* total) {
 // ---- row access -------------------------------------------------------------------------------
 
 // Tokens 4g .. 4g + 3 (a 16-byte load when vec: n % 4 == 0 and a 16-byte aligned row); 0 past n.
-__device__ __forceinline__ void load_group(const float* __restrict__ x, int64_t n, int64_t g, bool vec,
-                                           float (&v)[4]) {
+// mask (null: none): the row's token bitmask, bit i % 32 of word i / 32 set = token i allowed; a
+// disallowed token reads as -inf, as grammar::apply_token_bitmask leaves it on the host. The four
+// bits of a group lie in one word (bits 4g % 32 .. + 3 of word g / 8).
+__device__ __forceinline__ void load_group(const float* __restrict__ x, const uint32_t* __restrict__ mask, int64_t n,
+                                           int64_t g, bool vec, float (&v)[4]) {
   if (vec) {
     const float4 q = reinterpret_cast<const float4*>(x)[g];
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
@@ -228,18 +231,31 @@ __device__ __forceinline__ void load_group(const float* __restrict__ x, int64_t 
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = 4 * g + j < n ? x[4 * g + j] : 0.0f;
   }
+  if (mask != nullptr) {
+    const uint32_t bits = mask[g >> 3] >> ((g & 7) * 4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (((bits >> j) & 1u) == 0) v[j] = -INFINITY;
+  }
 }
 
-// f(i, logit) for every token, each thread taking groups threadIdx.x, + kThreads, ... (increasing
-// ids), kUnroll loads in flight.
+// Token i's logit under the mask (as load_group).
+__device__ __forceinline__ float load_one(const float* __restrict__ x, const uint32_t* __restrict__ mask, int64_t i) {
+  if (mask != nullptr && ((mask[i >> 5] >> (i & 31)) & 1u) == 0) return -INFINITY;
+  return x[i];
+}
+
+// f(i, logit) for every token (masked as load_group), each thread taking groups threadIdx.x, + kThreads,
+// ... (increasing ids), kUnroll loads in flight.
 template <int kUnroll, class F>
-__device__ __forceinline__ void for_each_logit(const float* __restrict__ x, int64_t n, bool vec, F&& f) {
+__device__ __forceinline__ void for_each_logit(const float* __restrict__ x, const uint32_t* __restrict__ mask,
+                                               int64_t n, bool vec, F&& f) {
   const int64_t n_groups = (n + 3) / 4;
   int64_t g = threadIdx.x;
   for (; g + (kUnroll - 1) * kThreads < n_groups; g += kUnroll * kThreads) {
     float v[kUnroll][4];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_group(x, n, g + u * kThreads, vec, v[u]);
+    for (int u = 0; u < kUnroll; ++u) load_group(x, mask, n, g + u * kThreads, vec, v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -250,7 +266,7 @@ __device__ __forceinline__ void for_each_logit(const float* __restrict__ x, int6
   }
   for (; g < n_groups; g += kThreads) {
     float v[4];
-    load_group(x, n, g, vec, v);
+    load_group(x, mask, n, g, vec, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       if (4 * g + j < n) f(4 * g + j, v[j]);
@@ -261,7 +277,8 @@ __device__ __forceinline__ void for_each_logit(const float* __restrict__ x, int6
 // may accumulate), in no particular order: one atomic per warp and step hands out the slots.
 // Returns how many matched, also when more than the window holds (the excess is not written).
 template <class Keep, class Code>
-__device__ uint32_t gather(const float* __restrict__ x, int64_t n, bool vec, Keep&& keep, Code&& code, Shared& sh) {
+__device__ uint32_t gather(const float* __restrict__ x, const uint32_t* __restrict__ mask, int64_t n, bool vec,
+                           Keep&& keep, Code&& code, Shared& sh) {
   if (threadIdx.x == 0) sh.slot = 0;
   __syncthreads();
   const int lane = lane_id();
@@ -270,7 +287,7 @@ __device__ uint32_t gather(const float* __restrict__ x, int64_t n, bool vec, Kee
   for (int64_t base = static_cast<int64_t>(warp_id()) * kWarpSize; base < n_groups; base += kThreads) {
     const int64_t g = base + lane;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (g < n_groups) load_group(x, n, g, vec, v);
+    if (g < n_groups) load_group(x, mask, n, g, vec, v);
     bool match[4];
     unsigned ballot[4];
     uint32_t n_step = 0;
