@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <map>
 #include <ostream>
 #include <memory>
@@ -84,12 +85,18 @@ inline std::vector<MixOutcome> run_requests(Engine& e, const std::vector<Request
 inline void expect_outputs_follow_their_constraints(const Tokenizer& tok, const std::vector<MixOutcome>& outs,
                                                     bool require_stop) {
   ASSERT_EQ(outs.size(), 12u);
-  for (size_t i = 0; i < 9; ++i) {
+  int n_stop = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
     const MixOutcome& o = outs[i];
+    EXPECT_TRUE(o.finish_reason == "stop" || o.finish_reason == "length") << "request " << i << ": " << o;
+    EXPECT_FALSE(o.ids.empty()) << "request " << i;
+    if (i >= 9) continue;  // unconstrained
     std::vector<int32_t> ids;
     for (int32_t id : o.ids)
       if (id != tok.eos_id()) ids.push_back(id);
     const std::string text = tok.decode(ids, true, true);
+    std::printf("request %zu (%s): %s\n", i, o.finish_reason.c_str(), text.c_str());
+    n_stop += o.finish_reason == "stop";
     if (require_stop) EXPECT_EQ(o.finish_reason, "stop") << "request " << i << ": " << text;
     if (o.finish_reason != "stop") continue;
     if (i < 3) {
@@ -104,6 +111,7 @@ inline void expect_outputs_follow_their_constraints(const Tokenizer& tok, const 
       EXPECT_TRUE(text == "happy" || text == "sad" || text == "sleepy dog") << text;
     }
   }
+  EXPECT_GE(n_stop, 6) << "too few constrained outputs ended to check them";
 }
 
 }  // namespace kestrel::test
