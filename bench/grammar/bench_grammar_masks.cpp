@@ -1,5 +1,7 @@
 // Token-mask time of the grammar engine (src/sampling/grammar) on JSON schemas: per-token
-// fill_next_token_bitmask time (p50 / p99 / max) and schema compile time, per vocabulary.
+// fill_next_token_bitmask and accept_token time (p50 / p99 / max; the engine fills the masks while
+// the GPU runs a step's layers and accepts the sampled tokens after it) and schema compile time, per
+// vocabulary.
 //
 // Each schema drives random walks: at each step the mask is filled (timed), then a token is drawn
 // from it (half the time among all allowed tokens, half among those of at most two bytes, so the
@@ -42,7 +44,7 @@ void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vect
   auto t0 = Clock::now();
   auto vocab = grammar::TokenVocab::from_tokenizer(tok);
   const double vocab_ms = us_since(t0) / 1000.0;
-  std::vector<double> compile_us, cold, warm;
+  std::vector<double> compile_us, cold, warm, accept;
   for (const auto& path : schemas) {
     std::ifstream in(path);
     std::stringstream ss;
@@ -81,7 +83,10 @@ void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vect
         }
         const auto& pool = (rng() % 2 == 0 && !short_allowed.empty()) ? short_allowed : allowed;
         const int32_t id = pool[rng() % pool.size()];
-        if (!m.accept_token(id)) {
+        t = Clock::now();
+        const bool ok = m.accept_token(id);
+        if (!first_pass) accept.push_back(us_since(t));
+        if (!ok) {
           std::fprintf(stderr, "%s: %s: masked token %d not accepted\n", label.c_str(), path.filename().c_str(), id);
           break;
         }
@@ -94,6 +99,8 @@ void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vect
               pct(cold, 99), pct(cold, 100));
   std::printf("  mask, warm grammar: %zu tokens, p50 %.1f us, p99 %.1f us, max %.1f us\n", warm.size(), pct(warm, 50),
               pct(warm, 99), pct(warm, 100));
+  std::printf("  accept, warm grammar: %zu tokens, p50 %.1f us, p99 %.1f us, max %.1f us\n", accept.size(),
+              pct(accept, 50), pct(accept, 99), pct(accept, 100));
 }
 
 }  // namespace
