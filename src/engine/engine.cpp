@@ -407,6 +407,23 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
   }
 }
 
+void Engine::Impl::fill_token_masks(std::span<uint32_t> masks) {
+  const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
+  grammar_rows.clear();
+  for (const SampleRow& sr : sampling)
+    if (sr.r->matcher) grammar_rows.push_back(&sr);
+  auto fill = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const SampleRow& sr = *grammar_rows[static_cast<size_t>(i)];
+      sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
+    }
+  };
+  const auto n = static_cast<int64_t>(grammar_rows.size());
+  if (n < 2) return fill(0, n);
+  if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(config.n_threads);
+  mask_pool->parallel_for(n, 1, fill);
+}
+
 // The prompt rows (after the sampling rows in `logits`): their logprobs and raw logits into each
 // request's pending lists; a row with a NaN, +inf or no finite logit marks its request (step()
 // ends it with an error).

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "engine/beam_search.h"
 #include "engine/engine.h"
 #include "engine/stop_checker.h"
@@ -166,13 +167,12 @@ struct Engine::Impl {
   std::vector<PromptRow> prompt_rows;
   void prompt_logprobs_from(std::span<const float> logits);
   // The token masks of this step's grammar rows for forward_sample: [n_rows, bitmask_words] words,
-  // row sr.row of each sampling request with a matcher (the other rows are not read).
-  void fill_token_masks(std::span<uint32_t> masks) {
-    const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
-    for (const SampleRow& sr : sampling)
-      if (sr.r->matcher)
-        sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
-  }
+  // row sr.row of each sampling request with a matcher (the other rows are not read). Requests
+  // are filled in parallel on mask_pool (each matcher is its own; a grammar's shared token splits
+  // are computed under its lock), which matters most for the first masks of a fresh grammar.
+  void fill_token_masks(std::span<uint32_t> masks);
+  std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
+  std::vector<const SampleRow*> grammar_rows;
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
 };
 
