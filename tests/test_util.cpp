@@ -132,4 +132,22 @@ std::string write_perturbed_gguf(const std::string& src, double rel_noise, uint6
   return write_file(temp_path("perturbed_" + std::to_string(seed), ".gguf"), bytes);
 }
 
+std::vector<int32_t> eog_ids(const Tokenizer& tok) {
+  std::vector<int32_t> ids;
+  for (int32_t id = 0; id < tok.n_vocab(); ++id)
+    if (tok.is_eog(id)) ids.push_back(id);
+  return ids;
+}
+
+std::vector<std::string> story_prompts() {
+  const char* who[] = {"a little girl named Lily", "a big dog", "a small bird", "a boy named Tim",
+                       "an old cat", "a happy frog", "a shy bunny", "a brave knight"};
+  const char* what[] = {"Once upon a time, there was ", "One day, ", "In a small town, there lived ",
+                        "Long ago, "};
+  std::vector<std::string> out;
+  for (const char* a : what)
+    for (const char* b : who) out.push_back(std::string(a) + b);
+  return out;
+}
+
 }  // namespace kestrel::test

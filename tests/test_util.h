@@ -77,6 +77,12 @@ std::vector<float> prompt_logits(Engine& engine, const std::vector<int32_t>& ids
 std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
                                              int64_t max_tokens);
 
+// The tokenizer's end-of-generation ids (Tokenizer::is_eog), ascending: a request's stop_ids.
+std::vector<int32_t> eog_ids(const Tokenizer& tok);
+
+// 32 different story openings (4 starts x 8 characters) for stories260K-style prompts.
+std::vector<std::string> story_prompts();
+
 }  // namespace kestrel::test
 
 // Skips (loudly) when a data file is absent: the shared data and the default model are outside the

@@ -22,6 +22,9 @@ using namespace kestrel;
 
 namespace {
 
+using test::eog_ids;
+using test::story_prompts;
+
 struct Loaded {
   std::unique_ptr<LlamaModel> model;
   std::unique_ptr<Tokenizer> tokenizer;
@@ -34,25 +37,6 @@ Loaded load(const std::string& path) {
 }
 std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
 std::string smollm2_path() { return test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
-
-std::vector<int32_t> eog_ids(const Tokenizer& tok) {
-  std::vector<int32_t> ids;
-  for (int32_t id = 0; id < tok.n_vocab(); ++id)
-    if (tok.is_eog(id)) ids.push_back(id);
-  return ids;
-}
-
-// 32 different story openings.
-std::vector<std::string> story_prompts() {
-  const char* who[] = {"a little girl named Lily", "a big dog", "a small bird", "a boy named Tim",
-                       "an old cat", "a happy frog", "a shy bunny", "a brave knight"};
-  const char* what[] = {"Once upon a time, there was ", "One day, ", "In a small town, there lived ",
-                        "Long ago, "};
-  std::vector<std::string> out;
-  for (const char* a : what)
-    for (const char* b : who) out.push_back(std::string(a) + b);
-  return out;
-}
 
 // Greedy ids of each prompt run alone: a fresh engine per prompt, the whole prompt in one pass.
 std::vector<std::vector<int32_t>> run_alone(const Loaded& l, const std::vector<std::vector<int32_t>>& prompts,

@@ -19,6 +19,9 @@ using namespace kestrel;
 
 namespace {
 
+using test::eog_ids;
+using test::story_prompts;
+
 std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
 
 struct Loaded {
@@ -56,23 +59,6 @@ SpeculativeConfig draft_config(int32_t k) {
   s.model = stories_path();
   s.num_speculative_tokens = k;
   return s;
-}
-
-std::vector<int32_t> eog_ids(const Tokenizer& tok) {
-  std::vector<int32_t> ids;
-  for (int32_t id = 0; id < tok.n_vocab(); ++id)
-    if (tok.is_eog(id)) ids.push_back(id);
-  return ids;
-}
-
-std::vector<std::string> story_prompts() {
-  const char* who[] = {"a little girl named Lily", "a big dog", "a small bird", "a boy named Tim",
-                       "an old cat", "a happy frog", "a shy bunny", "a brave knight"};
-  const char* what[] = {"Once upon a time, there was ", "One day, ", "In a small town, there lived ", "Long ago, "};
-  std::vector<std::string> out;
-  for (const char* a : what)
-    for (const char* b : who) out.push_back(std::string(a) + b);
-  return out;
 }
 
 Request greedy(const std::string& text, int64_t max_tokens) {
