@@ -34,6 +34,8 @@ struct Case {
   std::string name;
 };
 
+std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+
 std::vector<Case> load_cases() {
   const json doc = json::parse(test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/data/beam_stories260k.json"));
   std::vector<Case> out;
@@ -108,7 +110,8 @@ void expect_matches(const std::vector<Case>& cases, const std::vector<std::vecto
 }  // namespace
 
 TEST(BeamSearchEngine, MatchesTransformersOnStories260K) {
-  const auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
   const std::vector<Case> cases = load_cases();
   ASSERT_EQ(cases.size(), 50u);
   EngineConfig c;
@@ -129,7 +132,8 @@ TEST(BeamSearchEngine, MatchesTransformersOnStories260K) {
 // preempted and recompute their tokens, forks find no sequence slot (the child computes its
 // tokens itself), beams with their rows step aside for waiting siblings. The beams are the same.
 TEST(BeamSearchEngine, PreemptionAndRefusedForksChangeNothing) {
-  const auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
   const std::vector<Case> cases = load_cases();
   EngineConfig c;
   c.max_num_seqs = 6;
@@ -146,6 +150,7 @@ TEST(BeamSearchEngine, PreemptionAndRefusedForksChangeNothing) {
 // `kestrel batch` lines with use_beam_search: the best beam of transformers' search (the cases that
 // stop at the model's EOS, as batch does), with its cumulative logprob.
 TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
+  KESTREL_REQUIRE_FILE(stories_path());
   const json doc = json::parse(test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/data/beam_stories260k.json"));
   const std::string in = test::temp_path("beam_batch", ".jsonl"), out = test::temp_path("beam_batch_out", ".jsonl");
   {
@@ -160,8 +165,7 @@ TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
     }
   }
   std::string log;
-  ASSERT_EQ(test::run_command(test::kestrel_binary() + " batch -m " + test::data_dir() +
-                                  "/stories260K/stories260K.gguf -i " + in + " -o " + out + " 2>&1",
+  ASSERT_EQ(test::run_command(test::kestrel_binary() + " batch -m " + stories_path() + " -i " + in + " -o " + out + " 2>&1",
                               &log),
             0)
       << log;
@@ -179,7 +183,8 @@ TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
 }
 
 TEST(BeamSearchEngine, RefusesWhatBeamsDoNotTake) {
-  const auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
   const auto tok = Tokenizer::from_gguf(model->file());
   Engine engine(*model, tok.get(), EngineConfig{});
   Request r;
