@@ -143,8 +143,10 @@ bool DraftModelDrafter::reserve(SeqState& st, int64_t n_tokens, std::span<const 
     // Free the draft KV of sequences not drafting now (preempted or over disable_by_batch_size);
     // they catch up from their tokens when they draft again.
     std::vector<SeqId> idle;
-    for (const auto& [id, other] : seqs_)
+    for (const auto& entry : seqs_) {
+      const SeqId id = entry.first;
       if (std::none_of(keep.begin(), keep.end(), [&](const DraftRequest& r) { return r.id == id; })) idle.push_back(id);
+    }
     if (idle.empty()) break;
     for (const SeqId id : idle) release(id);
   }
