@@ -39,36 +39,46 @@ foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
 endforeach()
 if(NOT KESTREL_CUDA_CORE_TARGET)
   set(KESTREL_CUDA_KERNEL_SOURCES ${KESTREL_CUDA_OP_SOURCES})
-  list(FILTER KESTREL_CUDA_HOST_SOURCES INCLUDE REGEX "/(cuda_check|gemm)\\.cpp$")
+  list(FILTER KESTREL_CUDA_HOST_SOURCES INCLUDE REGEX "/(cuda_check|gemm|cublaslt_api)\\.cpp$")
 endif()
 
 # cuBLASLt: the toolkit's, else one named by KESTREL_CUBLAS_ROOT (a folder with include/cublasLt.h
-# and lib/libcublasLt.so*, as the nvidia-cublas Python wheel lays it out). Without it the GEMM
-# wrapper (gemm.cpp) is left out and KESTREL_CUDA_NO_GEMM is defined; the kernels still build.
+# and lib/libcublasLt.so*, as the nvidia-cublas Python wheel lays it out). Only its header is used
+# at build time: gemm.cpp calls it through cublaslt_api.cpp, which loads the library with dlopen on
+# first use (a CPU run never maps it), by soname and then at the path found here. Without it the
+# GEMM wrapper is left out and KESTREL_CUDA_NO_GEMM is defined; the kernels still build.
 set(KESTREL_CUBLAS_ROOT "" CACHE PATH "cuBLAS outside the CUDA toolkit (include/, lib/)")
-set(kestrel_cublaslt "")
+set(kestrel_cublaslt_include "")
+set(kestrel_cublaslt_library "")
 if(TARGET CUDA::cublasLt)
-  set(kestrel_cublaslt CUDA::cublasLt)
+  get_target_property(kestrel_cublaslt_library CUDA::cublasLt IMPORTED_LOCATION)
+  set(kestrel_cublaslt_include ${CUDAToolkit_INCLUDE_DIRS})
 elseif(KESTREL_CUBLAS_ROOT)
   find_library(KESTREL_CUBLASLT_LIBRARY NAMES cublasLt libcublasLt.so.13 libcublasLt.so.12
                HINTS ${KESTREL_CUBLAS_ROOT}/lib NO_DEFAULT_PATH)
   find_path(KESTREL_CUBLASLT_INCLUDE cublasLt.h HINTS ${KESTREL_CUBLAS_ROOT}/include NO_DEFAULT_PATH)
   if(KESTREL_CUBLASLT_LIBRARY AND KESTREL_CUBLASLT_INCLUDE)
-    add_library(kestrel_cublaslt_external SHARED IMPORTED)
-    set_target_properties(kestrel_cublaslt_external PROPERTIES IMPORTED_LOCATION ${KESTREL_CUBLASLT_LIBRARY}
-                          INTERFACE_INCLUDE_DIRECTORIES ${KESTREL_CUBLASLT_INCLUDE})
-    set(kestrel_cublaslt kestrel_cublaslt_external)
+    set(kestrel_cublaslt_library ${KESTREL_CUBLASLT_LIBRARY})
+    set(kestrel_cublaslt_include ${KESTREL_CUBLASLT_INCLUDE})
   endif()
 endif()
-if(NOT kestrel_cublaslt)
+if(NOT kestrel_cublaslt_include)
   message(WARNING "cuBLASLt not found: kestrel_cuda is built without the GEMM wrapper (gemm.cpp)")
-  list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/gemm\\.cpp$")
+  list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/(gemm|cublaslt_api)\\.cpp$")
 endif()
 
 add_library(kestrel_cuda STATIC ${KESTREL_CUDA_KERNEL_SOURCES} ${KESTREL_CUDA_HOST_SOURCES})
 target_include_directories(kestrel_cuda PUBLIC ${CMAKE_SOURCE_DIR}/src)
-target_link_libraries(kestrel_cuda PUBLIC CUDA::cudart_static ${kestrel_cublaslt})
-target_compile_definitions(kestrel_cuda PUBLIC KESTREL_HAS_CUDA=1 $<$<NOT:$<BOOL:${kestrel_cublaslt}>>:KESTREL_CUDA_NO_GEMM=1>)
+target_link_libraries(kestrel_cuda PUBLIC CUDA::cudart_static ${CMAKE_DL_LIBS})
+target_compile_definitions(kestrel_cuda PUBLIC KESTREL_HAS_CUDA=1
+                           $<$<NOT:$<BOOL:${kestrel_cublaslt_include}>>:KESTREL_CUDA_NO_GEMM=1>)
+if(kestrel_cublaslt_include)
+  target_include_directories(kestrel_cuda PRIVATE ${kestrel_cublaslt_include})
+  if(kestrel_cublaslt_library)
+    set_source_files_properties(${CMAKE_SOURCE_DIR}/src/backend/cuda/cublaslt_api.cpp PROPERTIES
+                                COMPILE_DEFINITIONS KESTREL_CUBLASLT_LIBRARY_PATH="${kestrel_cublaslt_library}")
+  endif()
+endif()
 # -lineinfo: source lines in ncu and compute-sanitizer reports, no effect on the code.
 target_compile_options(kestrel_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>
                        $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)

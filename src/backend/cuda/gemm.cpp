@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/cuda/cublaslt_api.h"
 #include "backend/cuda/cuda_check.h"
 
 namespace kestrel::cuda {
@@ -60,17 +61,17 @@ struct GemmPlan {
   GemmPlan(const GemmPlan&) = delete;
   GemmPlan& operator=(const GemmPlan&) = delete;
   ~GemmPlan() {
-    if (y != nullptr) cublasLtMatrixLayoutDestroy(y);
-    if (x != nullptr) cublasLtMatrixLayoutDestroy(x);
-    if (w != nullptr) cublasLtMatrixLayoutDestroy(w);
-    if (desc != nullptr) cublasLtMatmulDescDestroy(desc);
+    if (y != nullptr) cublaslt_api().MatrixLayoutDestroy(y);
+    if (x != nullptr) cublaslt_api().MatrixLayoutDestroy(x);
+    if (w != nullptr) cublaslt_api().MatrixLayoutDestroy(w);
+    if (desc != nullptr) cublaslt_api().MatmulDescDestroy(desc);
   }
 };
 
 struct Preference {
   cublasLtMatmulPreference_t pref = nullptr;
-  Preference() { KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref)); }
-  ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
+  Preference() { KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulPreferenceCreate(&pref)); }
+  ~Preference() { cublaslt_api().MatmulPreferenceDestroy(pref); }
   Preference(const Preference&) = delete;
   Preference& operator=(const Preference&) = delete;
 };
@@ -93,43 +94,43 @@ struct Gemm::Impl {
     auto it = plans.find(key);
     if (it != plans.end()) return *it->second;
     auto p = std::make_unique<GemmPlan>();
-    KESTREL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t trans_w = CUBLAS_OP_T, trans_x = CUBLAS_OP_N;
     KESTREL_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof trans_w));
+        cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof trans_w));
     KESTREL_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof trans_x));
+        cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof trans_x));
     if (fp8) {
       const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       for (const auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
-        KESTREL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attr, &mode, sizeof mode));
+        KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulDescSetAttribute(p->desc, attr, &mode, sizeof mode));
       KESTREL_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
+          cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
       KESTREL_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
+          cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
     }
     const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     // Column-major views of the row-major tensors: W is [n_in, n_out] (ld n_in), x is
     // [n_in, n_tokens] (ld n_in), y is [n_out, n_tokens] (ld n_out).
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->w, in_type, static_cast<uint64_t>(n_in),
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatrixLayoutCreate(&p->w, in_type, static_cast<uint64_t>(n_in),
                                                     static_cast<uint64_t>(n_out), n_in));
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->x, in_type, static_cast<uint64_t>(n_in),
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatrixLayoutCreate(&p->x, in_type, static_cast<uint64_t>(n_in),
                                                     static_cast<uint64_t>(n_tokens), n_in));
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->y, out == GemmOutput::F32 ? CUDA_R_32F : CUDA_R_16BF,
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatrixLayoutCreate(&p->y, out == GemmOutput::F32 ? CUDA_R_32F : CUDA_R_16BF,
                                                     static_cast<uint64_t>(n_out), static_cast<uint64_t>(n_tokens),
                                                     n_out));
     Preference pref;
     const uint64_t ws = workspace_bytes;
-    KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                               &ws, sizeof ws));
     // run() checks 16-byte alignment, so the heuristic may rely on it (and no more).
     const uint32_t align = 16;
     for (const auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, attr, &align, sizeof align));
+      KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulPreferenceSetAttribute(pref.pref, attr, &align, sizeof align));
     cublasLtMatmulHeuristicResult_t results[Gemm::kTuneCandidates]{};
     int n_results = 0;
-    KESTREL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->w, p->x, p->y, p->y, pref.pref,
+    KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulAlgoGetHeuristic(handle, p->desc, p->w, p->x, p->y, p->y, pref.pref,
                                                         Gemm::kTuneCandidates, results, &n_results));
     if (n_results == 0)
       throw Error("cuBLASLt has no algorithm for the GEMM n_tokens " + std::to_string(n_tokens) + ", n_in " +
@@ -143,12 +144,12 @@ struct Gemm::Impl {
 };
 
 Gemm::Gemm(size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
-  KESTREL_CUBLAS_CHECK(cublasLtCreate(&impl_->handle));
+  KESTREL_CUBLAS_CHECK(cublaslt_api().Create(&impl_->handle));
   impl_->workspace_bytes = workspace_bytes;
   if (workspace_bytes > 0) {
     const cudaError_t err = cudaMalloc(&impl_->workspace, workspace_bytes);
     if (err != cudaSuccess) {
-      cublasLtDestroy(impl_->handle);
+      cublaslt_api().Destroy(impl_->handle);
       KESTREL_CUDA_CHECK(err);
     }
   }
@@ -157,7 +158,7 @@ Gemm::Gemm(size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
 Gemm::~Gemm() {
   impl_->plans.clear();
   if (impl_->workspace != nullptr) (void)cudaFree(impl_->workspace);
-  cublasLtDestroy(impl_->handle);
+  cublaslt_api().Destroy(impl_->handle);
 }
 
 size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
@@ -177,15 +178,15 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
     int32_t supported = 0;
     uint32_t schemes = 0, current = 1;
     size_t written = 0;
-    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &supported, sizeof supported,
+    if (cublaslt_api().MatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &supported, sizeof supported,
                                           &written) != CUBLAS_STATUS_SUCCESS ||
         supported == 0)
       continue;
-    if (cublasLtMatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes,
+    if (cublaslt_api().MatmulAlgoCapGetAttribute(&base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes,
                                           &written) != CUBLAS_STATUS_SUCCESS ||
         (schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) == 0)
       continue;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &current, sizeof current,
+    if (cublaslt_api().MatmulAlgoConfigGetAttribute(&base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &current, sizeof current,
                                              &written) != CUBLAS_STATUS_SUCCESS ||
         current > 1)
       continue;
@@ -194,11 +195,11 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
       cublasLtMatmulAlgo_t v = base;
       const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
       cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &slices, sizeof slices) !=
+      if (cublaslt_api().MatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &slices, sizeof slices) !=
               CUBLAS_STATUS_SUCCESS ||
-          cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) !=
+          cublaslt_api().MatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) !=
               CUBLAS_STATUS_SUCCESS ||
-          cublasLtMatmulAlgoCheck(handle, p.desc, p.w, p.x, p.y, p.y, &v, &check) != CUBLAS_STATUS_SUCCESS ||
+          cublaslt_api().MatmulAlgoCheck(handle, p.desc, p.w, p.x, p.y, p.y, &v, &check) != CUBLAS_STATUS_SUCCESS ||
           check.workspaceSize > workspace_bytes)
         continue;
       out.push_back(v);
@@ -229,7 +230,7 @@ int Gemm::tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmO
     for (size_t c = 0; c < p.candidates.size(); ++c) {
       auto pass = [&]() {
         for (size_t i = 0; i < n_ws; ++i)
-          if (cublasLtMatmul(impl_->handle, p.desc, &alpha, ws[i], p.w, x, p.x, &beta, y, p.y, y, p.y,
+          if (cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, ws[i], p.w, x, p.x, &beta, y, p.y, y, p.y,
                              &p.candidates[c], impl_->workspace, impl_->workspace_bytes,
                              stream) != CUBLAS_STATUS_SUCCESS)
             return false;
@@ -267,7 +268,7 @@ void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm: operand not 16-byte aligned");
   const GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
   const float alpha = 1.0f, beta = 0.0f;
-  KESTREL_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo,
+  KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo,
                                       impl_->workspace, impl_->workspace_bytes, stream));
 }
 
@@ -281,11 +282,11 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
   const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, /*fp8=*/true, w_scale, x_scale);
   KESTREL_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
+      cublaslt_api().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
   KESTREL_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
+      cublaslt_api().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
   const float alpha = 1.0f, beta = 0.0f;
-  KESTREL_CUBLAS_CHECK(cublasLtMatmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y, &p.algo,
+  KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y, &p.algo,
                                       impl_->workspace, impl_->workspace_bytes, stream));
 }
 
