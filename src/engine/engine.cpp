@@ -477,26 +477,38 @@ std::vector<RequestOutput> Engine::step() {
   // sampler would pick from the same logits.
   // A request that wants logprobs needs the logits on the host (the device sampler returns ids).
   // Prompt rows need the logits on the host too.
-  // Verifying drafts needs the logits too.
-  bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
-  for (size_t i = 0; on_device && i < m.sampling.size(); ++i) on_device = m.sampling[i].n_draft == 0;
   // So does the first sample of a request that wants its prompt's raw logits (that row is the last).
+  // Drafts are verified on the device when q is one-hot (accept_sampled_drafts): each of the
+  // 1 + n_draft rows is sampled with the uniform the host verifier would draw there; a draft
+  // model's sampled q needs p and q together, on the host (verify_drafts).
+  bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
   for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
     const RequestState& r = *m.sampling[i].r;
     on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 &&
-                !(r.req.prompt_logits && r.seq.n_generated() == 0);
+                !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
+                (m.sampling[i].n_draft == 0 || (m.config.speculative_verify_on_device && r.draft_q.empty()));
   }
   std::span<const float> logits;
   std::span<const int32_t> device_tokens;
   if (on_device) {
-    // One setting per logits row; every row is a sampling row here (no prompt rows, no drafts).
-    // A grammar row samples under its token mask, which depends only on the tokens accepted so
-    // far: the runner has it computed (Impl::fill_token_masks) while the device runs the layers.
+    // One setting per logits row; every row is a sampling row here (no prompt rows). A grammar
+    // row samples under its token mask, which depends only on the tokens accepted so far: the
+    // runner has it computed (Impl::fill_token_masks) while the device runs the layers (grammar
+    // requests get no drafts). A verified sequence's rows take the uniforms its next draws would
+    // be; accept_sampled_drafts takes those its emitted tokens used.
     m.row_sampling.assign(m.batch.logits_indices.size(), RowSampling{});
     bool masked = false;
     for (const Impl::SampleRow& sr : m.sampling) {
       RequestState* r = sr.r;
       const SamplingParams& p = r->sampler->params();
+      if (sr.n_draft > 0) {
+        m.draft_uniforms.resize(static_cast<size_t>(sr.n_draft + 1));
+        r->sampler->peek_uniforms(m.draft_uniforms);
+        for (int64_t j = 0; j <= sr.n_draft; ++j)
+          m.row_sampling[static_cast<size_t>(sr.row - sr.n_draft + j)] =
+              RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, m.draft_uniforms[static_cast<size_t>(j)], 0};
+        continue;
+      }
       m.row_sampling[static_cast<size_t>(sr.row)] =
           RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform(), r->matcher ? 1 : 0};
       masked |= r->matcher.has_value();
@@ -541,7 +553,11 @@ std::vector<RequestOutput> Engine::step() {
     const int64_t n_draft = m.sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
-      if (on_device) {
+      if (on_device && n_draft > 0) {
+        const size_t first = row_index - static_cast<size_t>(n_draft);
+        v = accept_sampled_drafts(*r.sampler, device_tokens.subspan(first, static_cast<size_t>(n_draft + 1)),
+                                  std::span<const int32_t>(r.seq.tokens).last(static_cast<size_t>(n_draft)));
+      } else if (on_device) {
         v.tokens.push_back(device_tokens[row_index]);
         if (v.tokens[0] < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       } else if (n_draft > 0) {

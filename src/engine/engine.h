@@ -43,6 +43,11 @@ struct EngineConfig {
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
   SpeculativeConfig speculative;
+  // Where drafts are verified when the runner samples on the device (CUDA): true = there, each of
+  // the 1 + k rows sampled by the device sampler and only token ids copied back, for requests whose
+  // chain it implements, without logprobs and with a one-hot q (n-gram, greedy draft model);
+  // false = every verify step copies its logits to the host (verify_drafts).
+  bool speculative_verify_on_device = true;
 };
 
 using RequestId = uint64_t;

@@ -174,6 +174,7 @@ struct Engine::Impl {
   std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
   std::vector<const SampleRow*> grammar_rows;
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
+  std::vector<double> draft_uniforms;      // one verified sequence's peeked uniforms (Sampler::peek_uniforms)
 };
 
 }  // namespace kestrel

@@ -109,6 +109,11 @@ double Sampler::take_uniform() {
   return rng_.next_double();                    // draw()'s one next_double()
 }
 
+void Sampler::peek_uniforms(std::span<double> out) const {
+  Rng copy = rng_;
+  for (double& u : out) u = params_.temperature == 0.0f ? 0.0 : copy.next_double();
+}
+
 int32_t Sampler::draw(double uniform) {
   candidates_.softmax();
   // Inverse CDF over the list in its current order, which every processor leaves deterministic.

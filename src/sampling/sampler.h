@@ -58,6 +58,10 @@ class Sampler {
   // instead of sample() (not as well) when the token is drawn on the device, so the sequence's
   // random stream stays the one the CPU path would have used.
   double take_uniform();
+  // The uniforms the next out.size() take_uniform() calls would return, in order, without
+  // advancing the RNG (greedy: zeros). Speculative verification on the device draws one row per
+  // draft position with them and then takes as many as the emitted tokens used.
+  void peek_uniforms(std::span<double> out) const;
   // What sample() returns for these logits when its draw is `uniform` (in [0, 1)), for a
   // device_compatible() chain, without touching the RNG: the host reference of the device sampler
   // (cuda::sample_tokens). Errors: asserts device_compatible() and the size; NonFiniteLogitsError

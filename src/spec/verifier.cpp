@@ -86,4 +86,19 @@ Verification verify_drafts(Sampler& sampler, std::span<const float> rows, std::s
   return v;
 }
 
+Verification accept_sampled_drafts(Sampler& sampler, std::span<const int32_t> sampled,
+                                   std::span<const int32_t> drafts) {
+  KESTREL_ASSERT(sampled.size() == drafts.size() + 1, "accept_sampled_drafts: sampled not [n_draft + 1]");
+  KESTREL_ASSERT(sampler.device_compatible(), "accept_sampled_drafts: a chain that reads previous tokens");
+  Verification v;
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    if (sampled[i] < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+    sampler.take_uniform();  // the draw sample() would have made for this row
+    v.tokens.push_back(sampled[i]);
+    if (i == drafts.size() || sampled[i] != drafts[i]) break;
+    ++v.n_accepted;
+  }
+  return v;
+}
+
 }  // namespace kestrel

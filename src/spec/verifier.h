@@ -46,4 +46,17 @@ struct Verification {
 Verification verify_drafts(Sampler& sampler, std::span<const float> rows, std::span<const int32_t> sequence,
                            int64_t n_draft, size_t n_prompt, std::span<const float> q, int32_t n_logprobs);
 
+// verify_drafts for a one-hot q (a deterministic drafter, or a draft model's greedy drafts) from
+// tokens sampled elsewhere (the CUDA sampler, ModelRunner::forward_sample): sampled[i] is what
+// sampler.sample() returns for row i when its draw is the i-th of sampler.peek_uniforms(), for a
+// device_compatible() chain (which reads no previous tokens, so a row's token does not depend on
+// the drafts accepted before it). Walks the rows as verify_drafts does (accept draft i while
+// sampled[i] equals it; the first mismatch, or the last row, is the emitted token after them) and
+// takes one take_uniform() per emitted token, so the sampler's stream ends where verify_drafts
+// leaves it: the same tokens for the same logits and seed. sampled: [drafts.size() + 1]; no
+// logprobs (they need the logits on the host). Errors: NonFiniteLogitsError for a -1 (a row
+// without a distribution) at a row the walk reaches; asserts the sizes.
+Verification accept_sampled_drafts(Sampler& sampler, std::span<const int32_t> sampled,
+                                   std::span<const int32_t> drafts);
+
 }  // namespace kestrel

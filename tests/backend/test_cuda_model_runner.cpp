@@ -118,6 +118,48 @@ TEST(CudaModelRunner, GrammarMasksOnTheDeviceSamplerGiveTheHostPathsTokens) {
   }
 }
 
+// Speculative decoding with n-gram drafts (k = 4): every verify step's 1 + k rows sampled by the
+// CUDA kernel (inside the decode graph on the graph path) with the uniforms the host verifier
+// would draw, accepted by accept_sampled_drafts, against verify_drafts on the host over the same
+// CUDA logits (the wrapper that keeps sampling on the host). Greedy and seeded requests of every
+// chain the device sampler implements: the same tokens and finish reasons, eagerly and through the
+// graph path; no logits copied to the host on the device side; drafts accepted.
+TEST(CudaModelRunner, DraftsVerifiedOnTheDeviceSamplerGiveTheHostVerifiersTokens) {
+  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const auto tok = Tokenizer::from_gguf(model->file());
+  std::vector<Request> requests;
+  const std::vector<std::string> prompts = test::story_prompts();
+  for (size_t i = 0; i < 8 && i < prompts.size(); ++i) {
+    Request r;
+    r.prompt = tok->encode(prompts[i], true, false);
+    r.max_tokens = 20 + static_cast<int64_t>(i % 3) * 7;
+    r.stop_ids = test::eog_ids(*tok);
+    r.sampling.temperature = 0;
+    if (i % 3 == 1) r.sampling.temperature = 0.8f, r.sampling.top_p = 0.9f, r.sampling.seed = 40 + i;
+    if (i % 3 == 2) r.sampling.temperature = 1.2f, r.sampling.top_k = 8, r.sampling.min_p = 0.05f, r.sampling.seed = 70 + i;
+    requests.push_back(r);
+  }
+  EngineConfig c = config();
+  c.speculative.method = SpecMethod::Ngram;
+  c.speculative.num_speculative_tokens = 4;
+  c.speculative.prompt_lookup_min = 1;
+  c.speculative.prompt_lookup_max = 3;
+  for (const bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "graph path");
+    Engine host(*model, tok.get(), c, std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), false));
+    const auto want = test::run_requests(host, requests);
+    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/true);
+    test::SamplingRunner* dev = runner.get();
+    Engine device(*model, tok.get(), c, std::move(runner));
+    EXPECT_EQ(test::run_requests(device, requests), want);
+    EXPECT_EQ(dev->host_calls, 0);
+    EXPECT_GT(device.stats().spec_num_accepted_tokens, 0);
+    EXPECT_EQ(device.stats().spec_num_accepted_tokens, host.stats().spec_num_accepted_tokens);
+  }
+}
+
 // llama-2-tiny-random has head_dim 4, which the attention kernels do not cover (a multiple of 8
 // from 8 to 256): the runner refuses it at start with a message naming head_dim, never computes.
 TEST(CudaModelRunner, AHeadDimTheKernelsLackIsRefusedAtStart) {

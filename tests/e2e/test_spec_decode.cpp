@@ -2,7 +2,9 @@
 // output is token-identical to decoding without them, greedy and seeded sampling alike (with a
 // one-hot q the verifier takes exactly the draws the sampler would), for single requests and
 // batches, under preemption and prefix-cache hits, with stop strings, max_tokens, logprobs, n > 1
-// and aborts; every request ends with its blocks returned.
+// and aborts; every request ends with its blocks returned. Verification from device-sampled rows
+// (ModelRunner::forward_sample, accept_sampled_drafts) on a CPU backend that samples the way the
+// CUDA runner does gives the same tokens.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -10,6 +12,7 @@
 
 #include "engine/engine.h"
 #include "io/gguf.h"
+#include "sampling_runner.h"
 #include "test_util.h"
 
 using namespace kestrel;
@@ -378,4 +381,57 @@ TEST(SpecDecode, DefaultModelGroundedPromptsAreTokenIdentical) {
   expect_same(got, want, "SmolLM2");
   expect_consistent(on_stats, 6);
   EXPECT_GT(on_stats.spec_acceptance_rate(), 0.3);
+}
+
+// Verification on a backend that samples on the device (test::SamplingRunner over the CPU runner:
+// each of the 1 + k rows drawn from its settings and uniform alone, Sampler::sample_with_uniform,
+// the CUDA sampler's reference): greedy and seeded requests of every chain the device sampler
+// implements give exactly the tokens of decoding without drafts, the verify steps never copy
+// logits to the host, and with speculative_verify_on_device off they all do.
+TEST(SpecDecode, VerificationFromDeviceSampledRowsMatchesSpeculationOff) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto prompts = story_prompts();
+  std::vector<Request> reqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    Request r = greedy(prompts[i], 24 + static_cast<int64_t>(i % 4) * 11);
+    if (i % 3 == 1) {
+      r.sampling.temperature = 0.8f;
+      r.sampling.top_p = 0.9f;
+      r.sampling.seed = 500 + i;
+    }
+    if (i % 3 == 2) {
+      r.sampling.temperature = 1.1f;
+      r.sampling.top_k = 12;
+      r.sampling.min_p = 0.02f;
+      r.sampling.seed = 900 + i;
+    }
+    reqs.push_back(r);
+  }
+  EngineConfig off;
+  off.max_num_batched_tokens = 96;
+  off.max_num_seqs = 12;
+  off.n_kv_blocks = 256;
+  const auto want = run(off, reqs);
+  for (const bool device_verify : {true, false}) {
+    for (int32_t k : {2, 6}) {
+      SCOPED_TRACE("k " + std::to_string(k) + (device_verify ? ", device verification" : ", host verification"));
+      EngineConfig on = off;
+      on.speculative = ngram(k);
+      on.speculative_verify_on_device = device_verify;
+      RunnerOptions o;
+      o.n_kv_blocks = on.n_kv_blocks;
+      auto runner = std::make_unique<test::SamplingRunner>(make_cpu_model_runner(*stories().model, o), true);
+      test::SamplingRunner* dev = runner.get();
+      Engine e(*stories().model, stories().tokenizer.get(), on, std::move(runner));
+      const auto got = run(e, reqs);
+      expect_same(got, want, "ngram");
+      EXPECT_GT(e.stats().spec_num_accepted_tokens, 0);
+      expect_consistent(e.stats(), k);
+      EXPECT_GT(dev->device_calls, 0);
+      if (device_verify)
+        EXPECT_EQ(dev->host_calls, 0);
+      else
+        EXPECT_GT(dev->host_calls, 0);
+    }
+  }
 }

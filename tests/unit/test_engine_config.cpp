@@ -144,6 +144,8 @@ TEST_F(EngineConfigTest, SpeculativeConfigReachesTheEngine) {
   EXPECT_EQ(s.prompt_lookup_max, 3);
   EXPECT_EQ(s.prompt_lookup_min, 3);  // a lone max sets the min to it
   EXPECT_EQ(s.disable_by_batch_size, 8);
+  EXPECT_TRUE(c.engine_config(*model_).speculative_verify_on_device);  // --speculative-verify device by default
+  EXPECT_FALSE(parse(EngineMode::Serving, {"--speculative-verify", "host"}).engine_config(*model_).speculative_verify_on_device);
   const SpeculativeConfig d = parse_speculative_config(R"({"prompt_lookup_min": 1, "num_speculative_tokens": 2})");
   EXPECT_EQ(d.method, SpecMethod::Ngram);  // implied by the lookup sizes
   EXPECT_EQ(d.prompt_lookup_min, 1);
@@ -190,7 +192,7 @@ TEST(EngineConfigFlags, OutOfRangeValuesAreRefusedAsTheyAreParsed) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--max-num-seqs", "0"}, {"--block-size", "0"}, {"--kv-cache-dtype", "f12"},
         {"--gpu-memory-utilization", "1.5"}, {"--tensor-parallel-size", "0"}, {"--device", "tpu"},
-        {"--quantization", "int4"}}) {
+        {"--quantization", "int4"}, {"--speculative-verify", "gpu"}}) {
     EXPECT_THROW(parse(EngineMode::Serving, args), CLI::ValidationError) << args[0];
   }
   // Each mode offers its own flags only.

@@ -1,9 +1,13 @@
 // verify_drafts on hand-made logits rows: greedy accepts exactly the argmax whatever q says, a
 // draft with p(x) = 0 is never accepted and the correction then comes from max(0, p - q), and
-// penalties at a draft position count the drafts accepted before it.
+// penalties at a draft position count the drafts accepted before it; accept_sampled_drafts (rows
+// sampled elsewhere with the peeked uniforms) gives verify_drafts' tokens and leaves the RNG where
+// it does.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "spec/verifier.h"
 
@@ -73,4 +77,59 @@ TEST(Verifier, PenaltiesAtADraftPositionCountTheAcceptedDraftsBeforeIt) {
   const Verification v = verify_drafts(s, rows, std::vector<int32_t>{1, 3}, 1, 1, {}, -1);
   EXPECT_EQ(v.n_accepted, 1);
   EXPECT_EQ(v.tokens, (std::vector<int32_t>{3, 2}));
+}
+
+// 300 random cases (vocab 6, k 1..4, greedy and seeded chains the device sampler implements,
+// drafts that agree with the target's draw or not): each row sampled with Sampler::sample_with_uniform
+// from the i-th peeked uniform, then accept_sampled_drafts, against verify_drafts on a twin sampler
+// of the same seed with q one-hot: the same tokens and accepted count, and the same next draw.
+TEST(Verifier, DeviceSampledRowsGiveVerifyDraftsTokensAndRngState) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> logit(-3.0f, 3.0f);
+  int accepted_some = 0, rejected_some = 0;
+  for (int t = 0; t < 300; ++t) {
+    SamplingParams p;
+    p.temperature = t % 4 == 0 ? 0.0f : 0.5f + static_cast<float>(t % 3) * 0.4f;
+    p.top_k = t % 5 == 1 ? 3 : 0;
+    p.top_p = t % 7 == 2 ? 0.8f : 1.0f;
+    p.min_p = t % 6 == 3 ? 0.1f : 0.0f;
+    p.seed = static_cast<uint64_t>(t);
+    Sampler ref(p, kVocab), dev(p, kVocab);
+    const int64_t k = 1 + t % 4;
+    std::vector<float> rows(static_cast<size_t>((k + 1) * kVocab));
+    for (float& x : rows) x = logit(gen);
+    std::vector<int32_t> seq = {0, 1};
+    // Drafts: the target's argmax (often accepted) or a fixed token.
+    for (int64_t i = 0; i < k; ++i) {
+      const float* r = rows.data() + i * kVocab;
+      seq.push_back(gen() % 2 == 0 ? static_cast<int32_t>(std::max_element(r, r + kVocab) - r) : 5);
+    }
+    const Verification want = verify_drafts(ref, rows, seq, k, 2, {}, -1);
+    std::vector<double> u(static_cast<size_t>(k + 1));
+    dev.peek_uniforms(u);
+    std::vector<int32_t> sampled;
+    for (int64_t i = 0; i <= k; ++i)
+      sampled.push_back(dev.sample_with_uniform(std::span<const float>(rows).subspan(i * kVocab, kVocab), u[i]));
+    const Verification got = accept_sampled_drafts(dev, sampled, std::span<const int32_t>(seq).last(k));
+    EXPECT_EQ(got.tokens, want.tokens) << "case " << t;
+    EXPECT_EQ(got.n_accepted, want.n_accepted) << "case " << t;
+    EXPECT_EQ(dev.take_uniform(), ref.take_uniform()) << "case " << t;
+    accepted_some += want.n_accepted > 0;
+    rejected_some += want.n_accepted < k;
+  }
+  EXPECT_GT(accepted_some, 30);
+  EXPECT_GT(rejected_some, 30);
+}
+
+// A row without a distribution (-1) ends the request only where the walk reaches it: after a
+// rejection the rows are not read.
+TEST(Verifier, DeviceSampledRowsReadNothingPastTheFirstRejection) {
+  SamplingParams g;
+  g.temperature = 0;
+  Sampler s(g, kVocab);
+  const std::vector<int32_t> drafts = {2, 4};
+  const Verification v = accept_sampled_drafts(s, std::vector<int32_t>{2, 3, -1}, drafts);
+  EXPECT_EQ(v.tokens, (std::vector<int32_t>{2, 3}));
+  EXPECT_EQ(v.n_accepted, 1);
+  EXPECT_THROW(accept_sampled_drafts(s, std::vector<int32_t>{2, -1, 0}, drafts), NonFiniteLogitsError);
 }

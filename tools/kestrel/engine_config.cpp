@@ -177,6 +177,12 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
                  "\"prompt_lookup_min\": N (default 2), \"prompt_lookup_max\": M (default 5), "
                  "\"disable_by_batch_size\": B (off when more than B sequences run; 0 = never)}; "
                  "the output distribution is the model's own");
+  app.add_option("--speculative-verify", speculative.verify,
+                 "Where drafts are verified on a backend that samples on the device (CUDA): device (each of the "
+                 "1 + k rows sampled there, only token ids copied back; requests with logprobs, penalties, bias "
+                 "or a draft model's sampled q stay on the host) or host (the logits copied back)")
+      ->check(CLI::IsMember({"device", "host"}))
+      ->capture_default_str();
   add_kernel_choice_flags(app, device.cuda);
 }
 
@@ -258,6 +264,7 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.n_threads = device.threads;
   c.populate_kv = cache.populate_kv;
   c.speculative = resolve_speculative_config(speculative.config);
+  c.speculative_verify_on_device = speculative.verify == "device";
   return c;
 }
 

@@ -70,6 +70,9 @@ struct KestrelConfig {
     // --speculative-config: vLLM's JSON object ({"method": "ngram", "num_speculative_tokens": K,
     // ...}; parse_speculative_config); empty = no speculative decoding.
     std::string config;
+    // --speculative-verify: device (CUDA: verify rows sampled there, token ids back) or host
+    // (logits back, verify_drafts); EngineConfig::speculative_verify_on_device.
+    std::string verify = "device";
   } speculative;
 
   // Adds the flags of `mode` to a subcommand and sets this config's defaults for it. The CPU
