@@ -5,6 +5,7 @@
 // block is free at the end, aborts of swapped-out requests included.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <map>
 
 #include "core/error.h"
@@ -102,6 +103,7 @@ TEST(EngineSwap, SwapAndRecomputeGiveTheTokensOfAnUnconstrainedPool) {
   ASSERT_EQ(reference.stats().n_preemptions, 0);
 
   const int64_t bytes = block_bytes(l, tight_config());
+  int64_t recomputed_prompt_tokens = 0;
   struct Case {
     const char* name;
     PreemptionMode mode;
@@ -119,11 +121,20 @@ TEST(EngineSwap, SwapAndRecomputeGiveTheTokensOfAnUnconstrainedPool) {
     for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(got[i], want[i]) << k.name << ", request " << i;
     const EngineStats& s = e.stats();
     EXPECT_GT(s.n_preemptions, 0) << k.name;
-    if (k.mode == PreemptionMode::Recompute) EXPECT_EQ(s.n_swap_preemptions, 0);
+    if (k.mode == PreemptionMode::Recompute) {
+      EXPECT_EQ(s.n_swap_preemptions, 0);
+      recomputed_prompt_tokens = s.n_prompt_tokens_computed;
+    }
     if (k.mode == PreemptionMode::Swap) {
       EXPECT_GT(s.n_swap_preemptions, 0) << k.name;
       EXPECT_GT(s.n_swapped_out_blocks, 0) << k.name;
+      // A swapped sequence's K/V come back instead of being prefilled again.
+      EXPECT_LT(s.n_prompt_tokens_computed, recomputed_prompt_tokens) << k.name;
     }
+    std::printf("%s: %lld preemptions (%lld by swap), %lld blocks out, %lld in, %lld prompt tokens computed\n", k.name,
+                static_cast<long long>(s.n_preemptions), static_cast<long long>(s.n_swap_preemptions),
+                static_cast<long long>(s.n_swapped_out_blocks), static_cast<long long>(s.n_swapped_in_blocks),
+                static_cast<long long>(s.n_prompt_tokens_computed));
     if (k.swap_blocks == 6) EXPECT_GT(s.n_preemptions, s.n_swap_preemptions) << "a full host pool recomputes";
     EXPECT_EQ(s.n_swapped_in_blocks, s.n_swapped_out_blocks) << k.name;
     expect_all_free(e);
@@ -134,8 +145,8 @@ TEST(EngineSwap, AbortingSwappedOutRequestsFreesTheirHostBlocks) {
   KESTREL_REQUIRE_FILE(stories_path());
   const Loaded l = load_stories();
   EngineConfig c = tight_config();
-  c.preemption_mode = PreemptionMode::Swap;
   c.swap_space_bytes = 64 * block_bytes(l, c);
+  c.preemption_mode = PreemptionMode::Swap;
   Engine e(*l.model, l.tokenizer.get(), c);
   std::vector<RequestId> ids;
   for (const Request& r : mixed_requests(l)) ids.push_back(e.add_request(r));
