@@ -3,7 +3,8 @@
 // read back through the block table, and the position's token), applies a step's copies in the
 // engine's order (swap-outs, copy-on-write copies, swap-ins) and samples from the last slot. Any
 // K/V a swap or a copy loses or misplaces then changes a later token, and the reference is the
-// same chain computed directly over the token ids (no cache at all).
+// same chain computed directly over the token ids (no cache at all). The CPU backend's own swap
+// copies are checked through its forward pass (swap_roundtrip.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,8 +12,12 @@
 #include <memory>
 #include <random>
 
+#include "backend/model_runner.h"
 #include "core/error.h"
+#include "model/llama_weights.h"
 #include "scheduler/scheduler.h"
+#include "swap_roundtrip.h"
+#include "test_util.h"
 
 namespace kestrel {
 namespace {
@@ -251,4 +256,24 @@ TEST(SchedulerSwap, ThousandRandomOperationsWithSwapLeakNothing) {
 }
 
 }  // namespace
+}  // namespace kestrel
+
+namespace kestrel {
+
+TEST(CpuBackendSwap, SwappedBlocksComeBackWithTheirKeysAndValues) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  for (const KvDtype dtype : {KvDtype::F32, KvDtype::F16, KvDtype::INT8}) {
+    SCOPED_TRACE(kv_dtype_name(dtype));
+    RunnerOptions o;
+    o.block_size = 16;
+    o.n_kv_blocks = 8;
+    o.kv_dtype = dtype;
+    o.n_threads = 1;
+    test::expect_swap_roundtrip_keeps_logits([&] { return make_cpu_model_runner(*model, o); },
+                                             static_cast<int32_t>(model->hparams().n_vocab));
+  }
+}
+
 }  // namespace kestrel
