@@ -47,9 +47,9 @@ std::vector<int32_t> prompt_of(int32_t n, int32_t salt) {
 
 struct SwapSim {
   SwapSim(int32_t n_blocks, int32_t n_swap, int32_t block_size, int32_t max_seqs, int64_t budget, PreemptionMode mode,
-          bool caching = true)
+          bool caching = true, int64_t window = 0)
       : kv({n_blocks, block_size, caching, n_swap}),
-        sched({max_seqs, budget, 0, mode}, kv),
+        sched({max_seqs, budget, window, mode}, kv),
         device(static_cast<size_t>(n_blocks) * block_size, 0),
         host(static_cast<size_t>(n_swap) * block_size, 0) {}
 
@@ -209,6 +209,20 @@ TEST(SchedulerSwap, AutoSwapsOnlyWhenTheCostModelSaysSo) {
     EXPECT_EQ(sim.n_swapped > 0, swap_cheaper);
     for (int i = 0; i < 6; ++i) EXPECT_EQ(sim.results.at(static_cast<SeqId>(i + 1)), expected(prompt_of(8, i), 16));
   }
+}
+
+// Window 8 (every block wholly before a sequence's window is released after each step): swapped
+// tables keep their leading holes, and only held blocks take host blocks.
+TEST(SchedulerSwap, WindowedSequencesSwapOnlyTheBlocksTheyHold) {
+  SwapSim sim(12, 64, 4, 6, 12, PreemptionMode::Swap, true, 8);
+  for (int i = 0; i < 6; ++i) sim.submit(prompt_of(24, i), 30);
+  sim.run_to_end();
+  EXPECT_GT(sim.n_swapped, 0);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(sim.results.at(static_cast<SeqId>(i + 1)), expected(prompt_of(24, i), 30));
+  // A 54-token sequence spans 14 blocks; with the window it holds at most ceil((8 + 12) / 4) + 1.
+  EXPECT_LE(sim.kv.n_swapped_out_blocks(), sim.n_swapped * 6);
+  EXPECT_EQ(sim.kv.n_used_blocks(), 0);
+  EXPECT_EQ(sim.kv.n_free_swap_blocks(), 64);
 }
 
 // Random submits (shared prefixes, so prefix-cache hits and copy-on-write), aborts (of swapped-out
