@@ -250,7 +250,12 @@ int64_t KvManager::n_held_blocks(SeqId seq) const {
 }
 
 bool KvManager::can_swap_out(SeqId seq) const {
-  return has(seq) && n_held_blocks(seq) <= static_cast<int64_t>(swap_free_.size());
+  if (!has(seq) || n_held_blocks(seq) > static_cast<int64_t>(swap_free_.size())) return false;
+  // A block another sequence holds stays on the device anyway: such a sequence is recomputed,
+  // and its re-admission takes the shared blocks again as prefix-cache hits.
+  for (int32_t b : seqs_.at(seq).blocks)
+    if (b != kNoBlock && pool_.ref_count(b) > 1) return false;
+  return true;
 }
 
 std::vector<BlockSwap> KvManager::swap_out(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed) {

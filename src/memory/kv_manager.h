@@ -25,11 +25,13 @@
 // gives each held block of a sequence a host block and releases the device block (its computed
 // full blocks are published first, so they stay in the prefix cache as evictable hits); the
 // sequence's table then lists host blocks and it is "swapped" (has() is false). swap_in takes
-// fresh device blocks for them and frees the host blocks. A block shared with another sequence
-// (fork, n > 1, beams) or held by the prefix cache is copied like any other: the swapped sequence
-// gets a private host copy and, on swap in, a private device block, while the other holders keep
-// the device block with its reference count less this sequence's. So a shared block can cost one
-// host block per swapped holder, and sharing is not restored on swap in (K/V are equal either way).
+// fresh device blocks for them and frees the host blocks. A sequence that shares a block with
+// another sequence (fork, n > 1, beams: reference count > 1) is not swapped (can_swap_out is
+// false): the block would stay on the device for its other holders, cost a host block, and come
+// back as a private copy, so sharing would be lost and the group would need more device blocks
+// than before (with beams waiting for each other's rows, enough to stall); recomputing it takes
+// the shared blocks again as prefix-cache hits. A block only the prefix cache also indexes is
+// swapped like any other (its device copy stays in the cache, evictable).
 #pragma once
 
 #include <cstdint>
@@ -141,7 +143,8 @@ class KvManager {
   bool is_swapped(SeqId seq) const { return swapped_.count(seq) != 0; }
   // Blocks of the sequence's table that it holds (not kNoBlock), device or host.
   int64_t n_held_blocks(SeqId seq) const;
-  // Whether swap_out(seq) finds a host block for every block `seq` (on the device) holds.
+  // Whether swap_out(seq) may run: `seq` is on the device, holds no block another sequence holds,
+  // and finds a host block for every block it holds.
   bool can_swap_out(SeqId seq) const;
   // Moves `seq` to the host pool (see the header comment); tokens / n_computed as for free().
   // Returns the copies to do, in table order, before any later copy or pass writes the device

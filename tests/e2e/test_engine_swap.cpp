@@ -141,6 +141,35 @@ TEST(EngineSwap, SwapAndRecomputeGiveTheTokensOfAnUnconstrainedPool) {
   }
 }
 
+// With n-gram speculation (drafts proposed before the step, dropped when their sequence is
+// preempted): swap gives recompute's tokens, and both the greedy ones of the unconstrained pool.
+TEST(EngineSwap, SwapWithSpeculativeDecodingGivesRecomputesTokens) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load_stories();
+  const std::vector<Request> requests = mixed_requests(l);
+  EngineConfig c = tight_config();
+  const int64_t bytes = block_bytes(l, c);
+  c.speculative.method = SpecMethod::Ngram;
+  c.speculative.num_speculative_tokens = 3;
+  EngineConfig roomy = c;
+  roomy.n_kv_blocks = 0;
+  Engine reference(*l.model, l.tokenizer.get(), roomy);
+  const auto unconstrained = run_all(reference, requests);
+  Engine recompute(*l.model, l.tokenizer.get(), c);
+  const auto want = run_all(recompute, requests);
+  c.swap_space_bytes = 64 * bytes;
+  c.preemption_mode = PreemptionMode::Swap;
+  Engine swap(*l.model, l.tokenizer.get(), c);
+  const auto got = run_all(swap, requests);
+  EXPECT_GT(swap.stats().n_swap_preemptions, 0);
+  EXPECT_GT(swap.stats().spec_num_accepted_tokens, 0);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(got[i], want[i]) << "request " << i;
+    if (requests[i].sampling.temperature == 0) EXPECT_EQ(got[i], unconstrained[i]) << "request " << i;
+  }
+  expect_all_free(swap);
+}
+
 TEST(EngineSwap, AbortingSwappedOutRequestsFreesTheirHostBlocks) {
   KESTREL_REQUIRE_FILE(stories_path());
   const Loaded l = load_stories();

@@ -153,21 +153,24 @@ TEST(KvManagerSwap, SwapOutFreesTheDeviceBlocksAndSwapInBringsThemBack) {
   EXPECT_EQ(kv.n_used_blocks(), 0);
 }
 
-TEST(KvManagerSwap, ASharedBlockKeepsItsOtherHolderAndTheHostPoolBoundsSwapOut) {
+TEST(KvManagerSwap, ASequenceSharingABlockIsNotSwappedAndTheHostPoolBoundsSwapOut) {
   KvManager kv({8, 4, false, 3});
   const std::vector<int32_t> t = prompt_of(8, 2);
   kv.allocate(1, t, 8);  // 2 blocks
   kv.fork(1, 2);
-  EXPECT_EQ(kv.n_used_blocks(), 2);
-  kv.swap_out(2, t, 8);
-  EXPECT_EQ(kv.n_used_blocks(), 2);  // sequence 1 still holds both
+  EXPECT_FALSE(kv.can_swap_out(1));
+  EXPECT_FALSE(kv.can_swap_out(2));
+  kv.free(2);
+  ASSERT_TRUE(kv.can_swap_out(1));
+  kv.swap_out(1, t, 8);
   EXPECT_EQ(kv.n_free_swap_blocks(), 1);
+  kv.allocate(3, prompt_of(8, 3), 8);
+  EXPECT_FALSE(kv.can_swap_out(3));  // 2 blocks, 1 host block free
   kv.check_invariants();
-  EXPECT_FALSE(kv.can_swap_out(1));  // 2 blocks, 1 host block free
-  kv.free_swapped(2);
+  kv.free_swapped(1);
   EXPECT_EQ(kv.n_free_swap_blocks(), 3);
-  EXPECT_TRUE(kv.can_swap_out(1));
-  kv.free(1);
+  EXPECT_TRUE(kv.can_swap_out(3));
+  kv.free(3);
   kv.check_invariants();
   EXPECT_EQ(kv.n_used_blocks(), 0);
   EXPECT_THROW(KvManager(KvManagerConfig{8, 4, true, -1}), Error);
