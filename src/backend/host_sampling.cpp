@@ -13,6 +13,16 @@
 
 namespace kestrel {
 
+void ModelRunner::allocate_swap_space(int32_t) {
+  throw Error("the " + description() + " backend has no host swap space");
+}
+void ModelRunner::swap_out(std::span<const BlockSwap>) {
+  throw Error("the " + description() + " backend has no host swap space");
+}
+void ModelRunner::swap_in(std::span<const BlockSwap>) {
+  throw Error("the " + description() + " backend has no host swap space");
+}
+
 std::span<const int32_t> ModelRunner::forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows,
                                                      const TokenMaskFill& fill_masks) {
   if (rows.size() != batch.logits_indices.size())

@@ -97,6 +97,19 @@ class ModelRunner {
                                                   const TokenMaskFill& fill_masks = {});
   // Copies whole KV blocks (copy-on-write after a fork), in every layer, before the next forward.
   virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
+  // Host swap space for preemption by swap (KvManager::swap_out): n_blocks blocks of the KV pool's
+  // geometry and dtype in host memory (CUDA: pinned, so copies run asynchronously). Called once,
+  // before any swap. Errors: kestrel::Error when the backend has none or cannot allocate it.
+  virtual void allocate_swap_space(int32_t n_blocks);
+  // Copies every layer's K/V (and scales) of each swaps[i].device block to host block
+  // swaps[i].host (swap_out) or back (swap_in). The engine calls swap_out before the step's
+  // copy_blocks and swap_in after them; a backend that copies asynchronously makes the next
+  // forward pass wait for them. Errors: kestrel::Error without swap space (the default).
+  virtual void swap_out(std::span<const BlockSwap> swaps);
+  virtual void swap_in(std::span<const BlockSwap> swaps);
+  // Bytes per second one direction of the device <-> host link moves, for the swap-or-recompute
+  // choice (PreemptionMode::Auto).
+  virtual double host_link_bytes_per_s() const { return 0; }
   virtual int32_t n_kv_blocks() const = 0;
   virtual int32_t block_size() const = 0;
   virtual KvDtype kv_dtype() const = 0;

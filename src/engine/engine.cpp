@@ -68,6 +68,10 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
     const int64_t cap = std::max<int64_t>(blocks_per_seq, kDefaultKvBytes / bytes_per_block);
     c.n_kv_blocks = static_cast<int32_t>(std::min<int64_t>(blocks_per_seq * std::max(1, c.max_num_seqs), cap));
   }
+  if (c.swap_space_bytes < 0)
+    throw Error("swap_space must be >= 0 bytes, got " + std::to_string(c.swap_space_bytes));
+  if (c.preemption_mode == PreemptionMode::Swap && c.swap_space_bytes == 0)
+    throw Error("preemption_mode swap needs swap_space > 0 (host memory for the swapped KV blocks)");
   if (c.n_kv_blocks < blocks_per_seq) {
     if (lookback > 0 && blocks_per_seq < (c.max_model_len + c.block_size - 1) / c.block_size)
       throw Error("a KV pool of " + std::to_string(c.n_kv_blocks) + " blocks of " + std::to_string(c.block_size) +
@@ -80,6 +84,15 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
                 " (needs " + std::to_string(blocks_per_seq) + " blocks): raise the blocks or lower max_model_len");
   }
   return c;
+}
+
+// Blocks of the runner's geometry that swap_space_bytes holds.
+int32_t swap_blocks(const EngineConfig& c, const ModelRunner& runner) {
+  const int64_t block_bytes = runner.kv_bytes_per_token() * c.block_size;
+  const int64_t n = c.swap_space_bytes / block_bytes;
+  if (n > INT32_MAX)
+    throw Error("swap_space of " + std::to_string(c.swap_space_bytes) + " bytes is over 2^31 KV blocks");
+  return static_cast<int32_t>(n);
 }
 
 std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig& c) {
@@ -100,9 +113,13 @@ Engine::Impl::Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& 
       tokenizer(t),
       config(resolve(c, m.hparams(), r.get())),
       runner(r ? std::move(r) : cpu_runner(m, config)),
-      manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching}),
-      scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback()},
+      manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching,
+                              swap_blocks(config, *runner)}),
+      scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback(),
+                                config.preemption_mode},
                 manager) {
+  stats.n_swap_blocks = manager.n_swap_blocks();
+  if (stats.n_swap_blocks > 0) runner->allocate_swap_space(stats.n_swap_blocks);
   stats.n_kv_blocks = config.n_kv_blocks;
   stats.kv_block_size = config.block_size;
   stats.kv_dtype = runner->kv_dtype();
@@ -447,6 +464,20 @@ void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
   }
 }
 
+void Engine::Impl::measure_prefill(const SchedulerOutput& out, double s) {
+  if (config.preemption_mode != PreemptionMode::Auto || manager.n_swap_blocks() == 0) return;
+  // Prefill-dominated steps only: a decode token costs the pass's weight reads, not a prefill
+  // token's arithmetic. Both backends return from forward() with the pass done.
+  if (out.n_tokens == 0 || 2 * out.n_prefill_tokens < out.n_tokens) return;
+  const double per_token = s / static_cast<double>(out.n_tokens);
+  prefill_seconds_per_token =
+      prefill_seconds_per_token == 0 ? per_token : 0.75 * prefill_seconds_per_token + 0.25 * per_token;
+  const double link = runner->host_link_bytes_per_s();
+  const double block_bytes = static_cast<double>(runner->kv_bytes_per_token()) * config.block_size;
+  scheduler.set_preemption_costs(
+      PreemptionCosts{link > 0 ? 2.0 * block_bytes / link : 0.0, link > 0 ? prefill_seconds_per_token : 0.0});
+}
+
 std::vector<RequestOutput> Engine::step() {
   Impl& m = *impl_;
   std::vector<RequestOutput> outputs = std::move(m.pending);
@@ -454,6 +485,9 @@ std::vector<RequestOutput> Engine::step() {
   m.propose_drafts();
   const SchedulerOutput out = m.scheduler.schedule();
   m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
+  m.stats.n_swap_preemptions += out.n_swapped;
+  // Before anything else: the swapped-out blocks are free, and this step's copies may take them.
+  if (!out.swap_out.empty()) m.runner->swap_out(out.swap_out);
   if (m.drafter) {
     for (Sequence* s : out.preempted) m.drafter->release(s->id);  // the scheduler dropped its drafts
     for (RequestState* r : m.draft_owners) {
@@ -468,6 +502,7 @@ std::vector<RequestOutput> Engine::step() {
   if (out.empty()) return outputs;
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
+  if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
   m.build_batch(out);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
   const ForwardBatch fb = m.batch.view();
@@ -490,6 +525,7 @@ std::vector<RequestOutput> Engine::step() {
   }
   std::span<const float> logits;
   std::span<const int32_t> device_tokens;
+  const auto pass_start = Clock::now();
   if (on_device) {
     // One setting per logits row; every row is a sampling row here (no prompt rows). A grammar
     // row samples under its token mask, which depends only on the tokens accepted so far: the
@@ -519,6 +555,7 @@ std::vector<RequestOutput> Engine::step() {
   } else {
     logits = m.runner->forward(fb);
   }
+  m.measure_prefill(out, seconds(pass_start, Clock::now()));
   m.scheduler.on_step_done(out);
   if (!m.stats.moe_layers.empty()) m.stats.expert_tokens = m.runner->expert_token_counts();
   m.prompt_logprobs_from(logits);

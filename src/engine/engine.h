@@ -17,6 +17,7 @@
 #include "model/llama_weights.h"
 #include "sampling/logprobs.h"
 #include "sampling/sampling_params.h"
+#include "scheduler/scheduler.h"
 #include "spec/drafter.h"
 #include "spec/speculative_config.h"
 #include "tokenizer/tokenizer.h"
@@ -40,6 +41,11 @@ struct EngineConfig {
   KvDtype kv_dtype = KvDtype::F16;       // element type of the cached K and V
   int n_threads = 0;                     // CPU threads; 0 = all hardware threads
   bool populate_kv = false;              // CPU: the whole KV pool resident at start (the server's choice; see KvCache)
+  // Preemption by swap (vLLM's --swap-space and --preemption-mode): bytes of host memory for
+  // swapped-out KV blocks (0 = none: every preemption recomputes), and how a preempted sequence's
+  // K/V are kept (scheduler.h states the auto rule). Swap needs swap_space_bytes > 0.
+  int64_t swap_space_bytes = 0;
+  PreemptionMode preemption_mode = PreemptionMode::Auto;
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
   SpeculativeConfig speculative;
@@ -128,6 +134,11 @@ struct EngineStats {
   int64_t n_prompt_tokens_computed = 0;  // prefill tokens run through the model (recompute included)
   int64_t n_generated_tokens = 0;
   int64_t n_preemptions = 0;
+  int64_t n_swap_preemptions = 0;           // of those, by swap to host memory
+  int64_t n_swapped_out_blocks = 0;         // KV blocks copied to the host swap pool
+  int64_t n_swapped_in_blocks = 0;          // KV blocks copied back from it
+  int32_t n_swap_blocks = 0;                // blocks in the host swap pool
+  int32_t swap_blocks_free = 0;             // of those, free now
   int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;
@@ -187,7 +198,8 @@ class Engine {
   // strings). runner: the backend (make_cpu_model_runner, or CUDA's), whose KV pool then sets
   // n_kv_blocks and must use config.block_size; null = a CPU runner made from the config.
   // Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than one
-  // sequence: kv_blocks_per_sequence).
+  // sequence: kv_blocks_per_sequence), a negative swap_space_bytes or one over 2^31 blocks,
+  // preemption_mode swap without swap space, or a backend without host swap space.
   // draft: the draft model of config.speculative's draft_model method (its drafter owns it; its
   // runner, when given, runs on the target's device with a pool of draft_kv_blocks). Errors also:
   // those of make_drafter (draft_model without a draft, a draft whose vocabulary differs).

@@ -107,7 +107,14 @@ struct Engine::Impl {
     stats.peak_kv_blocks_used = std::max(stats.peak_kv_blocks_used, stats.kv_blocks_used);
     stats.prefix_cache_queried_tokens = manager.prefix_queried_tokens();
     stats.prefix_cache_hit_tokens = manager.prefix_hit_tokens();
+    stats.n_swapped_out_blocks = manager.n_swapped_out_blocks();
+    stats.n_swapped_in_blocks = manager.n_swapped_in_blocks();
+    stats.swap_blocks_free = manager.n_free_swap_blocks();
   }
+  // PreemptionMode::Auto's costs: the swap's from the runner's host link, the recompute's from
+  // the measured forward time per token of prefill-dominated steps (an exponential average).
+  void measure_prefill(const SchedulerOutput& out, double seconds);
+  double prefill_seconds_per_token = 0;
   void finish(RequestState& r, const std::string& reason, std::vector<RequestOutput>& outputs, RequestOutput* o);
   // A request that can share the prompt of `r` (queued, never scheduled, not a child), or null.
   RequestState* prompt_parent_for(const RequestState& r);

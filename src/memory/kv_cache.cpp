@@ -72,17 +72,25 @@ int64_t KvCache::bytes_per_token() const {
   return n_layer_ * per_layer;
 }
 
-void KvCache::copy_block(int32_t src, int32_t dst) {
-  KESTREL_ASSERT(src >= 0 && src < n_blocks_ && dst >= 0 && dst < n_blocks_, "KV copy outside the cache");
-  const size_t n = static_cast<size_t>(block_size_) * static_cast<size_t>(kv_dim()) *
-                   static_cast<size_t>(kv_dtype_bytes(dtype_));
-  for (auto& a : k_) std::memcpy(a.get() + static_cast<size_t>(dst) * n, a.get() + static_cast<size_t>(src) * n, n);
-  for (auto& a : v_) std::memcpy(a.get() + static_cast<size_t>(dst) * n, a.get() + static_cast<size_t>(src) * n, n);
-  const size_t n_scales = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_);
-  for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
-    for (auto& a : *s)
-      std::memcpy(a.get() + static_cast<size_t>(dst) * n_scales, a.get() + static_cast<size_t>(src) * n_scales,
-                  n_scales * sizeof(float));
+void KvCache::copy_block(const KvCache& from, int32_t src, KvCache& to, int32_t dst) {
+  KESTREL_ASSERT(from.n_layer_ == to.n_layer_ && from.n_head_kv_ == to.n_head_kv_ && from.head_dim_ == to.head_dim_ &&
+                     from.block_size_ == to.block_size_ && from.dtype_ == to.dtype_ && from.has_v() == to.has_v() &&
+                     from.rope_scale_.size() == to.rope_scale_.size(),
+                 "KV copy between caches of different geometry");
+  KESTREL_ASSERT(src >= 0 && src < from.n_blocks_ && dst >= 0 && dst < to.n_blocks_, "KV copy outside the cache");
+  const size_t n = static_cast<size_t>(from.block_size_) * static_cast<size_t>(from.kv_dim()) *
+                   static_cast<size_t>(kv_dtype_bytes(from.dtype_));
+  const auto copy = [&](const auto& a, auto& b, size_t bytes) {
+    for (size_t l = 0; l < a.size(); ++l)
+      std::memcpy(reinterpret_cast<std::byte*>(b[l].get()) + static_cast<size_t>(dst) * bytes,
+                  reinterpret_cast<const std::byte*>(a[l].get()) + static_cast<size_t>(src) * bytes, bytes);
+  };
+  copy(from.k_, to.k_, n);
+  copy(from.v_, to.v_, n);
+  const size_t n_scales = static_cast<size_t>(from.block_size_) * static_cast<size_t>(from.n_head_kv_) * sizeof(float);
+  copy(from.k_scale_, to.k_scale_, n_scales);
+  copy(from.v_scale_, to.v_scale_, n_scales);
+  copy(from.rope_scale_, to.rope_scale_, n_scales);
 }
 
 }  // namespace kestrel

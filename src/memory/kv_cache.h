@@ -79,7 +79,10 @@ class KvCache {
   const float* rope_scale(int64_t layer) const { return scale_of(rope_scale_, layer); }
   // Copies the K and V of every layer (and their scales) from block src to block dst
   // (copy-on-write).
-  void copy_block(int32_t src, int32_t dst);
+  void copy_block(int32_t src, int32_t dst) { copy_block(*this, src, *this, dst); }
+  // Copies block src of `from` to block dst of `to` (swapping between a pool and its host swap
+  // pool). KESTREL_ASSERT unless both caches have the same geometry, block size and dtype.
+  static void copy_block(const KvCache& from, int32_t src, KvCache& to, int32_t dst);
 
  private:
   int64_t n_layer_;

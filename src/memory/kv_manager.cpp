@@ -11,6 +11,11 @@ KvManager::KvManager(const KvManagerConfig& config)
     : block_size_(config.block_size), caching_(config.enable_prefix_caching), pool_(config.n_blocks) {
   if (config.block_size <= 0)
     throw Error("KV block size must be positive, got " + std::to_string(config.block_size));
+  if (config.n_swap_blocks < 0)
+    throw Error("KV swap blocks must be >= 0, got " + std::to_string(config.n_swap_blocks));
+  n_swap_blocks_ = config.n_swap_blocks;
+  swap_free_.reserve(static_cast<size_t>(n_swap_blocks_));
+  for (int32_t b = n_swap_blocks_ - 1; b >= 0; --b) swap_free_.push_back(b);  // hands out 0, 1, 2, ...
 }
 
 const std::vector<int32_t>& KvManager::block_table(SeqId seq) const {
@@ -233,8 +238,106 @@ int32_t KvManager::release_before(SeqId seq, int64_t first_needed, std::span<con
   return n;
 }
 
+int64_t KvManager::n_held_blocks(SeqId seq) const {
+  const auto on_device = seqs_.find(seq);
+  const SeqBlocks* s = on_device != seqs_.end() ? &on_device->second : nullptr;
+  if (s == nullptr) {
+    const auto on_host = swapped_.find(seq);
+    KESTREL_ASSERT(on_host != swapped_.end(), "KvManager: unknown sequence " + std::to_string(seq));
+    s = &on_host->second;
+  }
+  return static_cast<int64_t>(s->blocks.size()) - s->n_released;
+}
+
+bool KvManager::can_swap_out(SeqId seq) const {
+  if (!has(seq) || n_held_blocks(seq) > static_cast<int64_t>(swap_free_.size())) return false;
+  // A block another sequence holds stays on the device anyway: such a sequence is recomputed,
+  // and its re-admission takes the shared blocks again as prefix-cache hits.
+  for (int32_t b : seqs_.at(seq).blocks)
+    if (b != kNoBlock && pool_.ref_count(b) > 1) return false;
+  return true;
+}
+
+std::vector<BlockSwap> KvManager::swap_out(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed) {
+  KESTREL_ASSERT(can_swap_out(seq), "KvManager: swap_out of sequence " + std::to_string(seq) +
+                                        " without enough free host blocks");
+  const auto it = seqs_.find(seq);
+  SeqBlocks& s = it->second;
+  PoolChange change;
+  plan_publish(s, tokens, n_computed, change);
+  release_held(s, 0, s.blocks.size(), change.release);
+  pool_.commit(change);
+  std::vector<BlockSwap> swaps;
+  for (int32_t& b : s.blocks) {
+    if (b == kNoBlock) continue;
+    const int32_t h = swap_free_.back();
+    swap_free_.pop_back();
+    swaps.push_back({b, h});
+    b = h;
+  }
+  n_swapped_out_ += static_cast<int64_t>(swaps.size());
+  swapped_.emplace(seq, std::move(s));
+  seqs_.erase(it);
+  return swaps;
+}
+
+bool KvManager::can_swap_in(SeqId seq, int64_t n_tokens) const {
+  const auto it = swapped_.find(seq);
+  if (it == swapped_.end()) return false;
+  const SeqBlocks& s = it->second;
+  const int64_t n_grow = std::max<int64_t>(0, blocks_for(n_tokens) - static_cast<int64_t>(s.blocks.size()));
+  return n_held_blocks(seq) + n_grow <= pool_.n_free();
+}
+
+std::vector<BlockSwap> KvManager::swap_in(SeqId seq) {
+  const auto it = swapped_.find(seq);
+  KESTREL_ASSERT(it != swapped_.end(), "KvManager: swap_in of sequence " + std::to_string(seq) + ", not swapped out");
+  SeqBlocks& s = it->second;
+  PoolChange change;
+  change.n_take = static_cast<int32_t>(n_held_blocks(seq));
+  KESTREL_ASSERT(change.n_take <= pool_.n_free(), "KvManager: swap_in without enough free blocks");
+  const std::vector<int32_t> taken = pool_.commit(change);
+  std::vector<BlockSwap> swaps;
+  size_t t = 0;
+  for (int32_t& b : s.blocks) {
+    if (b == kNoBlock) continue;
+    swaps.push_back({taken[t], b});
+    swap_free_.push_back(b);
+    b = taken[t++];
+  }
+  n_swapped_in_ += static_cast<int64_t>(swaps.size());
+  seqs_.emplace(seq, std::move(s));
+  swapped_.erase(it);
+  return swaps;
+}
+
+void KvManager::free_swapped(SeqId seq) {
+  const auto it = swapped_.find(seq);
+  KESTREL_ASSERT(it != swapped_.end(), "KvManager: free_swapped of sequence " + std::to_string(seq) + ", not swapped out");
+  for (int32_t b : it->second.blocks)
+    if (b != kNoBlock) swap_free_.push_back(b);
+  swapped_.erase(it);
+}
+
 void KvManager::check_invariants() const {
   pool_.check_invariants();
+  std::vector<int32_t> host(static_cast<size_t>(n_swap_blocks_), 0);
+  for (int32_t b : swap_free_) {
+    KESTREL_ASSERT(b >= 0 && b < n_swap_blocks_, "KvManager: free host block outside the swap pool");
+    ++host[static_cast<size_t>(b)];
+  }
+  for (const auto& [id, s] : swapped_) {
+    KESTREL_ASSERT(!has(id), "KvManager: sequence " + std::to_string(id) + " both swapped and on the device");
+    for (int32_t b : s.blocks)
+      if (b != kNoBlock) {
+        KESTREL_ASSERT(b >= 0 && b < n_swap_blocks_, "KvManager: host block outside the swap pool");
+        ++host[static_cast<size_t>(b)];
+      }
+  }
+  for (int32_t b = 0; b < n_swap_blocks_; ++b)
+    KESTREL_ASSERT(host[static_cast<size_t>(b)] == 1, "KvManager: host block " + std::to_string(b) + " is in " +
+                                                          std::to_string(host[static_cast<size_t>(b)]) +
+                                                          " places (free list and swapped tables)");
   std::vector<int32_t> refs(static_cast<size_t>(pool_.n_blocks()), 0);
   for (const auto& [id, s] : seqs_)
     for (size_t i = 0; i < s.blocks.size(); ++i) {

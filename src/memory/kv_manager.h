@@ -19,6 +19,19 @@
 // not take prefix-cache hits that lie wholly before the window (lookback). Their table entries
 // become kNoBlock: a table then starts with such holes, and the kernels must never read them
 // (they start at the window).
+//
+// Swapping (preemption by swap, vLLM's --swap-space): a host pool of n_swap_blocks blocks of the
+// KV pool's geometry, whose contents the backend holds (ModelRunner::swap_out / swap_in). swap_out
+// gives each held block of a sequence a host block and releases the device block (its computed
+// full blocks are published first, so they stay in the prefix cache as evictable hits); the
+// sequence's table then lists host blocks and it is "swapped" (has() is false). swap_in takes
+// fresh device blocks for them and frees the host blocks. A sequence that shares a block with
+// another sequence (fork, n > 1, beams: reference count > 1) is not swapped (can_swap_out is
+// false): the block would stay on the device for its other holders, cost a host block, and come
+// back as a private copy, so sharing would be lost and the group would need more device blocks
+// than before (with beams waiting for each other's rows, enough to stall); recomputing it takes
+// the shared blocks again as prefix-cache hits. A block only the prefix cache also indexes is
+// swapped like any other (its device copy stays in the cache, evictable).
 #pragma once
 
 #include <cstdint>
@@ -36,12 +49,20 @@ struct KvManagerConfig {
   int32_t n_blocks = 0;
   int32_t block_size = 16;            // tokens per block
   bool enable_prefix_caching = true;
+  int32_t n_swap_blocks = 0;          // host swap pool; 0 = no swapping
 };
 
 // K/V of block src must be copied to block dst before the next forward pass (copy-on-write).
 struct BlockCopy {
   int32_t src;
   int32_t dst;
+};
+
+// K/V of device block `device` and host swap block `host`: copied device -> host by swap out,
+// host -> device by swap in.
+struct BlockSwap {
+  int32_t device;
+  int32_t host;
 };
 
 class KvManager {
@@ -118,6 +139,30 @@ class KvManager {
   // references, last block first so a sequence's tail is evicted before its shared head.
   void free(SeqId seq, std::span<const int32_t> tokens = {}, int64_t n_computed = 0);
 
+  // --- swapping (host blocks) ---
+  bool is_swapped(SeqId seq) const { return swapped_.count(seq) != 0; }
+  // Blocks of the sequence's table that it holds (not kNoBlock), device or host.
+  int64_t n_held_blocks(SeqId seq) const;
+  // Whether swap_out(seq) may run: `seq` is on the device, holds no block another sequence holds,
+  // and finds a host block for every block it holds.
+  bool can_swap_out(SeqId seq) const;
+  // Moves `seq` to the host pool (see the header comment); tokens / n_computed as for free().
+  // Returns the copies to do, in table order, before any later copy or pass writes the device
+  // blocks (they are free from here on). KESTREL_ASSERT unless can_swap_out.
+  std::vector<BlockSwap> swap_out(SeqId seq, std::span<const int32_t> tokens, int64_t n_computed);
+  // Whether swap_in(seq) and then append(seq, ..., n_tokens) find enough device blocks.
+  bool can_swap_in(SeqId seq, int64_t n_tokens) const;
+  // Brings swapped `seq` back: fresh device blocks for its host blocks, which become free. Returns
+  // the copies to do before the next pass reads them. KESTREL_ASSERT unless swapped and there are
+  // enough free blocks for its held entries.
+  std::vector<BlockSwap> swap_in(SeqId seq);
+  // Ends swapped `seq`: its host blocks become free.
+  void free_swapped(SeqId seq);
+  int32_t n_swap_blocks() const { return n_swap_blocks_; }
+  int32_t n_free_swap_blocks() const { return static_cast<int32_t>(swap_free_.size()); }
+  int64_t n_swapped_out_blocks() const { return n_swapped_out_; }  // blocks copied to the host so far
+  int64_t n_swapped_in_blocks() const { return n_swapped_in_; }    // blocks copied back so far
+
   // --- counters ---
   int32_t block_size() const { return block_size_; }
   int32_t n_blocks() const { return pool_.n_blocks(); }
@@ -129,7 +174,8 @@ class KvManager {
   int64_t prefix_hit_tokens() const { return n_hit_; }          // of those, found in the cache
   int64_t n_evictions() const { return pool_.n_evictions(); }
   bool prefix_caching() const { return caching_; }
-  // Pool invariants plus: every reference is held by exactly the tables that list the block.
+  // Pool invariants plus: every reference is held by exactly the tables that list the block, and
+  // every host block is either free or in exactly one swapped table.
   void check_invariants() const;
 
  private:
@@ -162,6 +208,10 @@ class KvManager {
   BlockPool pool_;
   std::unordered_map<SeqId, SeqBlocks> seqs_;
   int64_t n_queried_ = 0, n_hit_ = 0;
+  int32_t n_swap_blocks_ = 0;
+  std::vector<int32_t> swap_free_;                  // stack of free host blocks
+  std::unordered_map<SeqId, SeqBlocks> swapped_;    // tables of host blocks
+  int64_t n_swapped_out_ = 0, n_swapped_in_ = 0;
 };
 
 }  // namespace kestrel

@@ -14,25 +14,58 @@ Scheduler::Scheduler(const SchedulerConfig& config, KvManager& kv) : config_(con
     throw Error("max_num_batched_tokens must be positive, got " + std::to_string(config.max_num_batched_tokens));
 }
 
+PreemptionMode parse_preemption_mode(const std::string& name) {
+  if (name == "recompute") return PreemptionMode::Recompute;
+  if (name == "swap") return PreemptionMode::Swap;
+  if (name == "auto") return PreemptionMode::Auto;
+  throw Error("preemption mode must be recompute, swap or auto, got '" + name + "'");
+}
+
+const char* preemption_mode_name(PreemptionMode mode) {
+  switch (mode) {
+    case PreemptionMode::Recompute: return "recompute";
+    case PreemptionMode::Swap: return "swap";
+    case PreemptionMode::Auto: return "auto";
+  }
+  return "?";
+}
+
 void Scheduler::add(Sequence* seq) {
   KESTREL_ASSERT(seq != nullptr && !seq->tokens.empty(), "Scheduler: empty sequence");
-  KESTREL_ASSERT(!kv_.has(seq->id), "Scheduler: sequence already holds blocks");
+  KESTREL_ASSERT(!kv_.has(seq->id) && !kv_.is_swapped(seq->id), "Scheduler: sequence already holds blocks");
   seq->status = SeqStatus::Waiting;
   seq->n_computed = 0;
   waiting_.push_back(seq);
 }
 
+bool Scheduler::swap_preferred(const Sequence& seq) const {
+  if (config_.preemption_mode == PreemptionMode::Recompute || seq.n_computed <= 0 || !kv_.can_swap_out(seq.id))
+    return false;
+  if (config_.preemption_mode == PreemptionMode::Swap) return true;
+  const double swap_s = static_cast<double>(kv_.n_held_blocks(seq.id)) * costs_.swap_seconds_per_block;
+  const double recompute_s = static_cast<double>(seq.n_computed) * costs_.recompute_seconds_per_token;
+  return swap_s < recompute_s;
+}
+
 void Scheduler::preempt(Sequence* seq, SchedulerOutput& out) {
-  // Recompute: the K/V go, but full computed blocks stay in the prefix cache, so unless they are
-  // evicted meanwhile the re-admission finds most of them again. Drafts are proposals for this
-  // step only: they go.
+  // Drafts are proposals for this step only: they go (their slots were never computed).
   if (seq->n_draft > 0) {
     seq->tokens.resize(seq->tokens.size() - static_cast<size_t>(seq->n_draft));
     seq->n_draft = 0;
     seq->n_computed = std::min<int64_t>(seq->n_computed, static_cast<int64_t>(seq->tokens.size()));
   }
-  kv_.free(seq->id, seq->tokens, seq->n_computed);
-  seq->n_computed = 0;
+  if (swap_preferred(*seq)) {
+    // Swap: the K/V wait in the host pool and come back unchanged, so the sequence runs on from
+    // n_computed as if never preempted.
+    const std::vector<BlockSwap> swaps = kv_.swap_out(seq->id, seq->tokens, seq->n_computed);
+    out.swap_out.insert(out.swap_out.end(), swaps.begin(), swaps.end());
+    ++out.n_swapped;
+  } else {
+    // Recompute: the K/V go, but full computed blocks stay in the prefix cache, so unless they
+    // are evicted meanwhile the re-admission finds most of them again.
+    kv_.free(seq->id, seq->tokens, seq->n_computed);
+    seq->n_computed = 0;
+  }
   seq->status = SeqStatus::Waiting;
   ++seq->n_preemptions;
   waiting_.push_front(seq);
@@ -97,6 +130,10 @@ SchedulerOutput Scheduler::schedule() {
   while (out.preempted.empty() && !waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* s = waiting_.front();
+    if (kv_.is_swapped(s->id)) {
+      if (!admit_swapped(s, budget, out)) break;
+      continue;
+    }
     const bool reuse = s->reuse_prefix_cache;
     const int64_t n_cached = reuse ? kv_.cached_prefix_len(s->tokens) : 0;
     int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
@@ -118,6 +155,22 @@ SchedulerOutput Scheduler::schedule() {
     if (static_cast<int64_t>(i) >= out.n_decodes) out.n_prefill_tokens += out.scheduled[i].n_new;
   }
   return out;
+}
+
+bool Scheduler::admit_swapped(Sequence* s, int64_t& budget, SchedulerOutput& out) {
+  int64_t n_new = std::min(s->n_uncomputed(), budget);
+  if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
+  const int64_t n_end = s->n_computed + n_new;
+  if (n_new <= 0 || !kv_.can_swap_in(s->id, n_end)) return false;
+  const std::vector<BlockSwap> swaps = kv_.swap_in(s->id);
+  out.swap_in.insert(out.swap_in.end(), swaps.begin(), swaps.end());
+  kv_.append(s->id, s->tokens, s->n_computed, n_end, out.copies);
+  waiting_.pop_front();
+  s->status = SeqStatus::Running;
+  running_.push_back(s);
+  out.scheduled.push_back({s, s->n_computed, n_new});
+  budget -= n_new;
+  return true;
 }
 
 void Scheduler::on_step_done(const SchedulerOutput& out) {
@@ -172,6 +225,7 @@ void Scheduler::finish(Sequence* seq) {
     running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   }
   if (kv_.has(seq->id)) kv_.free(seq->id, seq->tokens, seq->n_computed);
+  if (kv_.is_swapped(seq->id)) kv_.free_swapped(seq->id);
   seq->status = SeqStatus::Finished;
 }
 

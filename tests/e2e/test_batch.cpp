@@ -183,7 +183,8 @@ TEST(CliBatch, SmolLM2PromptsTogetherMatchGenerateAlone) {
 }
 
 // (b) A pool of 12 blocks of 16 tokens holds at most one full sequence of 128 tokens: sequences
-// are preempted (recomputed later) and still give the tokens of an unconstrained run.
+// are preempted (recomputed later, or swapped to host memory and back) and still give the tokens
+// of an unconstrained run.
 TEST(CliBatch, PreemptionKeepsOutputsIdentical) {
   KESTREL_REQUIRE_FILE(stories_model());
   std::vector<std::string> prompts;  // short ones, so prompt + 100 tokens fit in 128
@@ -217,6 +218,17 @@ TEST(CliBatch, PreemptionKeepsOutputsIdentical) {
     EXPECT_TRUE(std::equal(gen.begin(), gen.end(), bat.begin()));
   }
   EXPECT_NE(tight.err.find("preemptions"), std::string::npos) << tight.err;
+  // The same pool with --swap-space: sequences are swapped out and back, the same tokens again.
+  const BatchRun swapped =
+      run_batch(dir, requests, common + " --num-kv-blocks 12 --swap-space 0.01 --preemption-mode swap");
+  ASSERT_EQ(swapped.rc, 0) << swapped.err;
+  EXPECT_GT(swapped.stats["swap_preemptions"].get<int>(), 0);
+  EXPECT_GT(swapped.stats["swapped_out_blocks"].get<int>(), 0);
+  EXPECT_EQ(swapped.stats["swapped_in_blocks"], swapped.stats["swapped_out_blocks"]);
+  EXPECT_LT(swapped.stats["prefill_tokens_computed"].get<int>(), tight.stats["prefill_tokens_computed"].get<int>());
+  ASSERT_EQ(swapped.results.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(swapped.results[i]["output_ids"], roomy.results[i]["output_ids"]) << i;
+  EXPECT_NE(swapped.err.find("by swap"), std::string::npos) << swapped.err;
 }
 
 // (c) Every kind of bad line gets an error result (naming its line); the good lines still run;

@@ -147,6 +147,27 @@ TEST(BeamSearchEngine, PreemptionAndRefusedForksChangeNothing) {
   EXPECT_GT(stats.n_prompt_tokens_computed, 1000) << "recomputation";
 }
 
+// The same pool with a host swap space: a preempted beam that holds no block a sibling shares is
+// swapped out and back, the others are recomputed. The beams are the same.
+TEST(BeamSearchEngine, PreemptionBySwapChangesNothing) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const std::vector<Case> cases = load_cases();
+  EngineConfig c;
+  c.max_num_seqs = 6;
+  c.block_size = 8;
+  c.n_kv_blocks = 8;
+  c.max_num_batched_tokens = 64;
+  c.swap_space_bytes = int64_t{1} << 20;  // stories260K's blocks of 8 tokens are a few KiB
+  c.preemption_mode = PreemptionMode::Swap;
+  EngineStats stats;
+  const auto got = run(*model, cases, c, &stats);
+  expect_matches(cases, got);
+  EXPECT_GT(stats.n_swap_preemptions, 0);
+  EXPECT_EQ(stats.n_swapped_in_blocks, stats.n_swapped_out_blocks);
+  EXPECT_EQ(stats.swap_blocks_free, stats.n_swap_blocks);
+}
+
 // `kestrel batch` lines with use_beam_search: the best beam of transformers' search (the cases that
 // stop at the model's EOS, as batch does), with its cumulative logprob.
 TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {

@@ -305,6 +305,9 @@ def test_metrics(server):
     assert m["kestrel_kv_blocks_used"] == 0 and m["kestrel_kv_blocks_total"] > 0
     assert 0 < m["kestrel_prefix_cache_hit_rate"] <= 1
     assert m["kestrel_preemptions_total"] >= 0
+    # Without --swap-space there is no host pool and no preemption goes by swap.
+    assert m["kestrel_swap_blocks"] == 0 and m["kestrel_swap_preemptions_total"] == 0
+    assert m["kestrel_kv_blocks_swapped_out_total"] == m["kestrel_kv_blocks_swapped_in_total"] == 0
     text = requests.get(server.url + "/metrics", timeout=10).text
     assert "# TYPE kestrel_time_to_first_token_seconds histogram" in text
 

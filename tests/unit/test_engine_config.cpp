@@ -64,7 +64,8 @@ TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
   const KestrelConfig c = parse(EngineMode::Serving,
                                 {"--max-model-len", "300", "--max-num-seqs", "5", "--max-num-batched-tokens", "64",
                                  "--num-kv-blocks", "40", "--no-prefix-cache", "--kv-cache-dtype", "f16", "-t", "2",
-                                 "--gpu-memory-utilization", "0.5", "--enforce-eager", "--cuda-pdl", "off"});
+                                 "--gpu-memory-utilization", "0.5", "--enforce-eager", "--cuda-pdl", "off",
+                                 "--swap-space", "1.5", "--preemption-mode", "swap"});
   const EngineConfig e = c.engine_config(*model_);
   EXPECT_EQ(e.max_model_len, 300);
   EXPECT_EQ(e.max_num_seqs, 5);
@@ -73,6 +74,8 @@ TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
   EXPECT_FALSE(e.enable_prefix_caching);
   EXPECT_EQ(e.kv_dtype, KvDtype::F16);
   EXPECT_EQ(e.n_threads, 2);
+  EXPECT_EQ(e.swap_space_bytes, int64_t{3} << 29);  // 1.5 GiB
+  EXPECT_EQ(e.preemption_mode, PreemptionMode::Swap);
   const RunnerOptions o = c.runner_options(e);
   EXPECT_EQ(o.n_kv_blocks, 40);
   EXPECT_EQ(o.kv_dtype, KvDtype::F16);
@@ -106,6 +109,8 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "fp8"}, "", ""},
       {EngineMode::Single, {"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype", "CPU backend's KV cache stores f16, f32 or int8"},
       {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "int8"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16 or fp8"},
+      {EngineMode::Serving, {"--preemption-mode", "swap"}, "--preemption-mode", "swap needs --swap-space > 0"},
+      {EngineMode::Serving, {"--preemption-mode", "swap", "--swap-space", "0.25"}, "", ""},
       {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "--tensor-parallel-size", "one device"},
       {EngineMode::Single, {"--pipeline-parallel-size", "4"}, "--pipeline-parallel-size", "one device"},
       {EngineMode::Serving, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 3})"}, "", ""},
@@ -192,11 +197,13 @@ TEST(EngineConfigFlags, OutOfRangeValuesAreRefusedAsTheyAreParsed) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--max-num-seqs", "0"}, {"--block-size", "0"}, {"--kv-cache-dtype", "f12"},
         {"--gpu-memory-utilization", "1.5"}, {"--tensor-parallel-size", "0"}, {"--device", "tpu"},
-        {"--quantization", "int4"}, {"--speculative-verify", "gpu"}}) {
+        {"--quantization", "int4"}, {"--speculative-verify", "gpu"}, {"--swap-space", "-1"},
+        {"--preemption-mode", "never"}}) {
     EXPECT_THROW(parse(EngineMode::Serving, args), CLI::ValidationError) << args[0];
   }
   // Each mode offers its own flags only.
   EXPECT_THROW(parse(EngineMode::Single, {"--num-kv-blocks", "8"}), CLI::ExtrasError);
+  EXPECT_THROW(parse(EngineMode::Single, {"--swap-space", "1"}), CLI::ExtrasError);
   EXPECT_THROW(parse(EngineMode::Serving, {"--prefill-chunk", "8"}), CLI::ExtrasError);
 }
 

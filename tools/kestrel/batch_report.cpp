@@ -31,11 +31,13 @@ std::string BatchSummary::text() const {
                 per_s(static_cast<double>(n_prompt_tokens)));
   out += buf;
   std::snprintf(buf, sizeof buf,
-                "kestrel batch: prefix cache hit rate %.1f%%, peak KV blocks %d/%d (KV %s, %.1f MiB), %lld preemptions, "
-                "mean TTFT %.1f ms, mean TPOT %.2f ms\n",
+                "kestrel batch: prefix cache hit rate %.1f%%, peak KV blocks %d/%d (KV %s, %.1f MiB), %lld preemptions "
+                "(%lld by swap: %lld blocks out, %lld in), mean TTFT %.1f ms, mean TPOT %.2f ms\n",
                 100.0 * engine.prefix_cache_hit_rate(), engine.peak_kv_blocks_used, engine.n_kv_blocks,
                 std::string(kv_dtype_name(engine.kv_dtype)).c_str(), static_cast<double>(engine.kv_cache_bytes()) / (1 << 20),
-                static_cast<long long>(engine.n_preemptions), mean_ttft_ms(), mean_tpot_ms());
+                static_cast<long long>(engine.n_preemptions), static_cast<long long>(engine.n_swap_preemptions),
+                static_cast<long long>(engine.n_swapped_out_blocks), static_cast<long long>(engine.n_swapped_in_blocks),
+                mean_ttft_ms(), mean_tpot_ms());
   out += buf;
   if (engine.spec_num_drafts > 0) {
     std::snprintf(buf, sizeof buf,
@@ -75,6 +77,10 @@ Json BatchSummary::to_json() const {
   j["kv_bytes_per_token"] = engine.kv_bytes_per_token;
   j["kv_cache_bytes"] = engine.kv_cache_bytes();
   j["preemptions"] = engine.n_preemptions;
+  j["swap_preemptions"] = engine.n_swap_preemptions;
+  j["swapped_out_blocks"] = engine.n_swapped_out_blocks;
+  j["swapped_in_blocks"] = engine.n_swapped_in_blocks;
+  j["swap_blocks"] = engine.n_swap_blocks;
   j["steps"] = engine.n_steps;
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;

@@ -130,6 +130,17 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
         ->capture_default_str();
     app.add_flag_callback("--no-prefix-cache", [this] { cache.enable_prefix_caching = false; },
                           "Do not reuse the KV of identical prompt prefixes");
+    app.add_option("--swap-space", cache.swap_space_gib,
+                   "GiB of host memory (CUDA: pinned) for the KV blocks of sequences preempted by swap; 0 = none, "
+                   "every preemption recomputes")
+        ->check(CLI::Range(0.0, 1048576.0))
+        ->capture_default_str();
+    app.add_option("--preemption-mode", scheduler.preemption_mode,
+                   "How a preempted sequence's KV is kept: recompute (freed, prefilled again), swap (copied to "
+                   "--swap-space and back), auto (swap when cheaper by the measured prefill time and the host "
+                   "link's bandwidth; recompute when the swap space is full)")
+        ->check(CLI::IsMember({"auto", "recompute", "swap"}))
+        ->capture_default_str();
     app.add_option("--max-model-len", model.max_model_len,
                    "Prompt + output tokens per request at most; 0 = the model's context (at most 8192)")
         ->check(CLI::Range(int64_t{0}, int64_t{1} << 30))
@@ -215,6 +226,9 @@ void KestrelConfig::validate(const LlamaModel& m) const {
                                std::to_string(cache.block_size) + " tokens cannot hold one sequence of " +
                                std::to_string(max_model_len) + " tokens (--max-model-len; needs " +
                                std::to_string(blocks_per_seq) + " blocks): raise --num-kv-blocks or lower --max-model-len");
+  if (scheduler.preemption_mode == "swap" && cache.swap_space_gib <= 0)
+    throw CLI::ValidationError("--preemption-mode", "swap needs --swap-space > 0 (GiB of host memory for the swapped "
+                                                    "KV blocks)");
   const KvDtype kv = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
   if (device.device == "cuda" && kv != KvDtype::BF16 && kv != KvDtype::FP8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
@@ -263,6 +277,8 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.kv_dtype = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
   c.n_threads = device.threads;
   c.populate_kv = cache.populate_kv;
+  c.swap_space_bytes = static_cast<int64_t>(cache.swap_space_gib * static_cast<double>(int64_t{1} << 30));
+  c.preemption_mode = parse_preemption_mode(scheduler.preemption_mode);
   c.speculative = resolve_speculative_config(speculative.config);
   c.speculative_verify_on_device = speculative.verify == "device";
   return c;

@@ -25,7 +25,7 @@ enum class EngineMode {
   // model's context) is the context; the KV pool holds one sequence of it; --prefill-chunk.
   Single,
   // batch, serve: --max-model-len, --max-num-seqs, --max-num-batched-tokens, --num-kv-blocks,
-  // --no-prefix-cache.
+  // --no-prefix-cache, --swap-space, --preemption-mode.
   Serving,
 };
 
@@ -51,10 +51,12 @@ struct KestrelConfig {
     bool enable_prefix_caching = true;    // --no-prefix-cache turns it off
     double gpu_memory_utilization = 0.9;  // --gpu-memory-utilization (CUDA)
     bool populate_kv = false;             // CPU: the whole pool resident at start (serve's choice)
+    double swap_space_gib = 0;            // --swap-space: GiB of host memory for swapped-out KV blocks
   } cache;
   struct Scheduler {
     int32_t max_num_seqs = 64;             // --max-num-seqs (Single: 1)
     int64_t max_num_batched_tokens = 512;  // --max-num-batched-tokens; --prefill-chunk in Single mode
+    std::string preemption_mode = "auto";  // --preemption-mode: auto, recompute or swap
   } scheduler;
   struct Device {
     std::string device = "cpu";  // --device: cpu or cuda

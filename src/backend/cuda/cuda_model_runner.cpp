@@ -100,6 +100,12 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
 
 CudaModelRunner::~CudaModelRunner() {
   graphs_.clear();
+  if (swap_stream_ != nullptr) {
+    cudaStreamSynchronize(swap_stream_);
+    cudaStreamDestroy(swap_stream_);
+  }
+  for (cudaEvent_t e : {swap_after_pass_, swap_done_})
+    if (e != nullptr) cudaEventDestroy(e);
   if (side_stream_ != nullptr) {
     cudaStreamSynchronize(side_stream_);
     cudaStreamDestroy(side_stream_);
@@ -253,6 +259,8 @@ void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
   const int64_t block_bytes = cache_block_bytes(hp_, block_size_, kv_dtype_);
   const int64_t scale_bytes = scale_block_bytes(hp_, block_size_, kv_dtype_);  // 0 for bf16
   const bool has_v = !kv_geometry(hp_).is_mla();
+  cache_block_bytes_ = block_bytes;
+  scale_block_bytes_ = scale_bytes;
   const int64_t bytes_per_block = n_cache_tensors(hp_) * (block_bytes + scale_bytes);
   int64_t n = o.n_kv_blocks;
   if (n <= 0) {

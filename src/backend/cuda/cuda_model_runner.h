@@ -147,6 +147,14 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows,
                                           const TokenMaskFill& fill_masks = {}) override;
   void copy_blocks(std::span<const BlockCopy> copies) override;
+  // Host swap space (cuda_swap.cpp): pinned memory, copies by cudaMemcpyAsync on swap_stream_
+  // after the work already on stream_, and stream_ waits for them before its next kernel.
+  void allocate_swap_space(int32_t n_blocks) override;
+  void swap_out(std::span<const BlockSwap> swaps) override;
+  void swap_in(std::span<const BlockSwap> swaps) override;
+  // PCIe Gen5 x16, the H200 SXM's host link: 64 GB/s a direction by the standard; 50e9 taken as
+  // what pinned cudaMemcpyAsync reaches (a lead, not measured here).
+  double host_link_bytes_per_s() const override { return 50e9; }
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
   KvDtype kv_dtype() const override { return kv_dtype_; }
@@ -340,6 +348,16 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::vector<DevMem> k_cache_, v_cache_, k_scale_, v_scale_;
   DevMem cache_ptrs_;  // every cache tensor's device pointer (2 per layer, MLA 1), for copy_blocks
   DevMem scale_ptrs_;  // FP8: every scale tensor's device pointer (2 per layer)
+  int64_t cache_block_bytes_ = 0;  // one block of one cache tensor (the codes, for FP8)
+  int64_t scale_block_bytes_ = 0;  // one block of one FP8 scale tensor; 0 for bf16
+  // Swap space: [tensor][n_swap_blocks_][its block bytes], the cache tensors in k_cache_ / v_cache_
+  // order per layer, then (FP8) the scale tensors likewise; swap_tensors() lists them.
+  PinnedMem swap_host_;
+  int32_t n_swap_blocks_ = 0;
+  cudaStream_t swap_stream_ = nullptr;
+  cudaEvent_t swap_after_pass_ = nullptr, swap_done_ = nullptr;
+  // Copies every tensor's block of each pair, device -> host (out) or back, on swap_stream_.
+  void swap_copy(std::span<const BlockSwap> swaps, bool out);
   // Layer l's FP8 cache (kv_dtype_ FP8).
   cuda::Fp8KvCache fp8_cache(int32_t layer) {
     const auto l = static_cast<size_t>(layer);

@@ -165,8 +165,19 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_kv_blocks_cached", snap.stats.kv_blocks_cached);
   header(&out, "kestrel_prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / tokens looked up.");
   sample(&out, "kestrel_prefix_cache_hit_rate", snap.stats.prefix_cache_hit_rate());
-  header(&out, "kestrel_preemptions_total", "counter", "Sequences preempted (to be recomputed) for lack of KV blocks.");
+  header(&out, "kestrel_preemptions_total", "counter",
+         "Sequences preempted for lack of KV blocks (recomputed, or swapped to host memory).");
   sample(&out, "kestrel_preemptions_total", static_cast<double>(snap.stats.n_preemptions));
+  header(&out, "kestrel_swap_preemptions_total", "counter", "Of those, preempted by swap to host memory (--swap-space).");
+  sample(&out, "kestrel_swap_preemptions_total", static_cast<double>(snap.stats.n_swap_preemptions));
+  header(&out, "kestrel_kv_blocks_swapped_out_total", "counter", "KV blocks copied to the host swap space.");
+  sample(&out, "kestrel_kv_blocks_swapped_out_total", static_cast<double>(snap.stats.n_swapped_out_blocks));
+  header(&out, "kestrel_kv_blocks_swapped_in_total", "counter", "KV blocks copied back from the host swap space.");
+  sample(&out, "kestrel_kv_blocks_swapped_in_total", static_cast<double>(snap.stats.n_swapped_in_blocks));
+  header(&out, "kestrel_swap_blocks", "gauge", "Blocks of the host swap space (--swap-space).");
+  sample(&out, "kestrel_swap_blocks", snap.stats.n_swap_blocks);
+  header(&out, "kestrel_swap_blocks_free", "gauge", "Of those, free.");
+  sample(&out, "kestrel_swap_blocks_free", snap.stats.swap_blocks_free);
   render_spec_decode(snap.stats, &out);
   render_expert_tokens(snap.stats, &out);
   return out;

@@ -1,0 +1,76 @@
+// A backend's swap copies checked through its own forward pass: a prompt's K/V written into
+// device blocks 0 and 1, swapped out to host blocks 2 and 0, the device blocks overwritten by
+// another prompt, swapped back in to device blocks 5 and 3, and the next token's logits read
+// through the table [5, 3]; the reference is a fresh runner of the same options that decodes the
+// same token straight after the same prompt in blocks [0, 1]. The two decode passes have the same
+// shape, so the same kernels run on K/V that must be equal: the logits must be bitwise equal.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/model_runner.h"
+
+namespace kestrel::test {
+
+// One sequence's pass: tokens at positions [pos0, pos0 + tokens.size()) through `table`, logits
+// of the last token.
+inline std::vector<float> run_one(ModelRunner& r, const std::vector<int32_t>& tokens, int32_t pos0,
+                                  const std::vector<int32_t>& table) {
+  const int32_t bs = r.block_size();
+  std::vector<int32_t> positions, query_start = {0, static_cast<int32_t>(tokens.size())};
+  std::vector<int64_t> slots;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int32_t p = pos0 + static_cast<int32_t>(i);
+    positions.push_back(p);
+    slots.push_back(int64_t{table[static_cast<size_t>(p / bs)]} * bs + p % bs);
+  }
+  const std::vector<int32_t> context = {pos0 + static_cast<int32_t>(tokens.size())};
+  const std::vector<int32_t> logits_at = {static_cast<int32_t>(tokens.size()) - 1};
+  ForwardBatch b;
+  b.token_ids = tokens;
+  b.positions = positions;
+  b.slot_mapping = slots;
+  b.query_start = query_start;
+  b.context_lens = context;
+  b.block_tables = table;
+  b.max_blocks_per_seq = static_cast<int32_t>(table.size());
+  b.logits_indices = logits_at;
+  const std::span<const float> logits = r.forward(b);
+  return {logits.begin(), logits.end()};
+}
+
+// make_runner: a runner with block_size 16 and at least 6 KV blocks.
+inline void expect_swap_roundtrip_keeps_logits(const std::function<std::unique_ptr<ModelRunner>()>& make_runner,
+                                               int32_t n_vocab) {
+  std::vector<int32_t> prompt, other;
+  for (int32_t i = 0; i < 20; ++i) {
+    prompt.push_back(1 + (i * 37) % (n_vocab - 1));
+    other.push_back(1 + (i * 53 + 11) % (n_vocab - 1));
+  }
+  const std::vector<int32_t> next = {7 % n_vocab};
+  const auto reference = make_runner();
+  ASSERT_EQ(reference->block_size(), 16);
+  run_one(*reference, prompt, 0, {0, 1});
+  const std::vector<float> want = run_one(*reference, next, 20, {0, 1});
+
+  const auto r = make_runner();
+  r->allocate_swap_space(3);
+  run_one(*r, prompt, 0, {0, 1});
+  const std::vector<BlockSwap> out = {{0, 2}, {1, 0}};
+  r->swap_out(out);
+  run_one(*r, other, 0, {0, 1});  // overwrites both device blocks
+  const std::vector<BlockSwap> in = {{5, 2}, {3, 0}};
+  r->swap_in(in);
+  const std::vector<float> got = run_one(*r, next, 20, {5, 3});
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(got, want);
+  // The overwritten blocks read instead give other logits, so the comparison can fail.
+  const std::vector<float> stale = run_one(*r, next, 20, {0, 1});
+  EXPECT_NE(stale, want);
+}
+
+}  // namespace kestrel::test
