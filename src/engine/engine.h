@@ -40,6 +40,7 @@ struct EngineConfig {
   KvDtype kv_dtype = KvDtype::F16;       // element type of the cached K and V
   int n_threads = 0;                     // CPU threads; 0 = all hardware threads
   bool populate_kv = false;              // CPU: the whole KV pool resident at start (the server's choice; see KvCache)
+  int tensor_parallel_size = 1;          // CPU: ranks the model is split over (RunnerOptions::tensor_parallel_size)
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
   SpeculativeConfig speculative;

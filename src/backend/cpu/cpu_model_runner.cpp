@@ -11,8 +11,8 @@
 
 namespace kestrel::cpu {
 
-CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
-    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
+CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm)
+    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), comm_(comm), arch_(architecture(model.hparams().arch)) {
   const KvGeometry g = kv_geometry(hp_);
   KESTREL_ASSERT(kv.kv_dim() == (g.is_mla() ? g.kv_lora_rank + g.rope_dim : hp_.kv_dim()) && kv.has_v() == !g.is_mla(),
                  "KV cache shape does not match the model");
@@ -136,7 +136,7 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   arch_.forward(*this, hp_);
   batch_ = nullptr;
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
-  return {logits_.data(), static_cast<size_t>(n_out * hp_.n_vocab)};
+  return {logits_.data(), static_cast<size_t>(n_out * logits_width_)};
 }
 
 void CpuModelRunner::embed() {
@@ -261,6 +261,10 @@ void CpuModelRunner::glu_linear(bool gelu, WeightId proj, Act out) {
   project(proj, gate_.data(), n, &y);
 }
 
+void CpuModelRunner::all_reduce(Act a) {
+  if (comm_ != nullptr) comm_->all_reduce_sum(act(a), batch_->n_tokens() * hp_.n_embd);
+}
+
 void CpuModelRunner::qk_norm(int32_t layer, Act qkv) {
   KESTREL_ASSERT(qkv == Act::Qkv, "CPU qk_norm: reads Act::Qkv");
   const int64_t n = batch_->n_tokens(), hd = hp_.head_dim;
@@ -287,7 +291,8 @@ void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
   add_to_residual(add);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   grow(logits_in_, n_out * d);
-  grow(logits_, n_out * hp_.n_vocab);
+  logits_width_ = w.at(head).matrix.n_out;
+  grow(logits_, n_out * logits_width_);
   for (int64_t i = 0; i < n_out; ++i)
     ops().rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.at(norm).vector.data(),
                    logits_in_.data() + i * d, 1, d, hp_.rms_eps);

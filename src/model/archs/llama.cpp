@@ -24,6 +24,7 @@ void ffn_block(ForwardOps& ops, const ModelHparams& hp, int32_t l) {
   } else {
     ops.add_norm_linear(Act::AttnOut, {l, WeightRole::FfnNorm}, {l, WeightRole::GateUp}, Act::GateUp);
     ops.swiglu_linear(Act::GateUp, {l, WeightRole::Down}, Act::Down);
+    ops.all_reduce(Act::Down);
   }
 }
 
@@ -61,6 +62,7 @@ void llama_forward(ForwardOps& ops, const ModelHparams& hp) {
     ops.rope_write_kv(l, Act::Qkv);
     ops.attention(l, Act::Qkv, Act::Attn);
     ops.linear(Act::Attn, {l, WeightRole::AttnOut}, Act::AttnOut);
+    ops.all_reduce(Act::AttnOut);
     ffn_block(ops, hp, l);
     pending = Act::Down;
   }
