@@ -197,19 +197,26 @@ TEST(TensorParallel, MistralSlidingWindowEqualsOneRankAndTransformers) {
 }
 
 // SmolLM2-135M Q4_1: 9 query heads over 3 KV heads, FFN 1536, so 3 ranks; the output and down
-// projections' column slices (192 and 512 columns) are whole Q4_1 blocks of 32, and the 16-bit
-// activation blocks the same as on one rank. Measured max relative difference 2e-7; bound 1e-5.
+// projections' column slices (192 and 512 columns) are whole Q4_1 blocks of 32, so the 16-bit
+// activation blocks are those of one rank. This model magnifies f32 reorders (its residual stream
+// has a few very large channels): measured max relative difference 1.3e-4 between 3 ranks and
+// one, and 1.8e-4 between one rank's AVX-512 and scalar kernels (another summation order of the
+// same arithmetic). Bound 5e-4, near the 3.3e-4 the 16-bit activations give against float64
+// (backend/cpu/matmul.h); a wrong slice or a missing all-reduce moves the logits by O(1).
 TEST(TensorParallel, QuantizedSmolLM2EqualsOneRank) {
   const std::string path = test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
   KESTREL_REQUIRE_FILE(path);
   const auto model = LlamaModel::load_gguf(path);
-  const std::vector<int32_t> prompt = random_prompts(model->hparams().n_vocab, 1, 12)[0];
+  const auto prompts = random_prompts(model->hparams().n_vocab, 2, 12);
   for (int64_t chunk : {int64_t{512}, int64_t{1}}) {
-    const double rel = rel_diff(test::prompt_logits(*model, prompt, tp_config(1, chunk)),
-                                test::prompt_logits(*model, prompt, tp_config(3, chunk)));
+    const double rel = rel_diff(test::prompt_logits(*model, prompts[0], tp_config(1, chunk)),
+                                test::prompt_logits(*model, prompts[0], tp_config(3, chunk)));
     std::printf("SmolLM2 tp 3, %lld-token steps: %.3g\n", static_cast<long long>(chunk), rel);
-    EXPECT_LT(rel, 1e-5);
+    EXPECT_LT(rel, 5e-4);
   }
+  Engine one(*model, nullptr, tp_config(1, 64));
+  Engine split(*model, nullptr, tp_config(3, 64));
+  EXPECT_EQ(test::greedy_ids(split, prompts, 12), test::greedy_ids(one, prompts, 12));
 }
 
 TEST(TensorParallel, InvalidSplitsAreErrors) {
