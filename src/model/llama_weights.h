@@ -108,9 +108,9 @@ class LlamaModel {
   // Megatron-LM's layout, Shoeybi et al. 2019): Q, K, V, gate and up by output rows (whole heads;
   // when n_head_kv < size each KV head is replicated on the size / n_head_kv ranks whose query
   // heads read it), the output and down projections by input columns (their biases on rank 0
-  // only), the LM head by vocabulary rows; norms and the token embedding whole. hparams() gives
-  // the rank's n_head, n_head_kv and n_ff; n_vocab stays the whole vocabulary (token ids) and the
-  // LM head's rows are the rank's n_vocab / size logits. Row slices are views into this model's
+  // only), the token embedding and the LM head by vocabulary rows (weights().vocab_begin); norms
+  // whole. hparams() gives the rank's n_head, n_head_kv and n_ff; n_vocab stays the whole
+  // vocabulary (token ids) and the LM head's rows are the rank's n_vocab / size logits. Row slices are views into this model's
   // memory, column slices owned copies: this model must outlive the shard. Makes the host weights
   // first (ensure_host_weights). Errors: validate_tensor_parallel's, and kestrel::Error when a
   // column slice would split a quantization block.

@@ -123,16 +123,14 @@ std::unique_ptr<LlamaModel> LlamaModel::tensor_parallel_shard(int rank, int size
           break;
         case WeightRole::Down: m->weights_.put({l, role}, column_slice(*t, sl.ff_begin, sl.n_ff, what)); break;
         case WeightRole::Output: m->weights_.put({l, role}, row_slice(*t, sl.vocab_begin, sl.n_vocab)); break;
-        case WeightRole::TokenEmbd: {
-          LayerTensor e = *t;
-          e.matrix = plain(e.matrix);
-          m->weights_.put({l, role}, std::move(e));
+        case WeightRole::TokenEmbd:
+          m->weights_.put({l, role}, row_slice(*t, sl.vocab_begin, sl.n_vocab));
           break;
-        }
         default: m->weights_.put({l, role}, *t); break;  // norm vectors, replicated
       }
     }
-  m->weights_.tied_output = false;  // the LM head is the shard's own vocabulary slice
+  m->weights_.tied_output = weights_.tied_output;
+  m->weights_.vocab_begin = sl.vocab_begin;
   return m;
 }
 

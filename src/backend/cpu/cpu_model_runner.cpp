@@ -143,12 +143,21 @@ void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
   const WeightView& e = model_.weights().at({-1, WeightRole::TokenEmbd}).matrix;
+  // A tensor-parallel shard holds the rows of its vocabulary slice: the other ranks' tokens get
+  // zeros here and their rows from the all-reduce (one nonzero term: exact).
+  const int64_t begin = model_.weights().vocab_begin;
   for (int64_t t = 0; t < b.n_tokens(); ++t) {
     float* x = x_.data() + t * d;
-    dequantize_row(e.type.storage, e.row(b.token_ids[t]), x, d);
+    const int64_t row = b.token_ids[t] - begin;
+    if (row < 0 || row >= e.n_out) {
+      std::fill(x, x + d, 0.0f);
+      continue;
+    }
+    dequantize_row(e.type.storage, e.row(row), x, d);
     if (hp_.embd_scale != 1.0f)
       for (int64_t i = 0; i < d; ++i) x[i] *= hp_.embd_scale;
   }
+  if (comm_ != nullptr) comm_->all_reduce_sum(x_.data(), b.n_tokens() * d);
 }
 
 float* CpuModelRunner::act(Act a) {

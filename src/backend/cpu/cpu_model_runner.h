@@ -21,7 +21,8 @@ class CpuModelRunner final : private ForwardOps {
  public:
   // The model, the KV cache, the pool and the communicator must outlive the runner. `comm`: this
   // rank's communicator when `model` is one rank's shard of a tensor-parallel group
-  // (LlamaModel::tensor_parallel_shard), which all_reduce sums over; null for the whole model.
+  // (LlamaModel::tensor_parallel_shard), over which all_reduce and the vocabulary-parallel embed
+  // sum; null for the whole model.
   CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm = nullptr);
 
   // Runs every layer over the batch, writes each token's K and V into its slot
