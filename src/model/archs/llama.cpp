@@ -4,7 +4,8 @@
 // the backends' attention applies) are the same graph; what differs (biases, RoPE pairing, GQA
 // widths, the window) is in the weights and the hyperparameters the backends read. Mixtral
 // (Jiang et al. 2024) and Qwen2-MoE replace the MLP of their MoE layers (hparams.moe) with routed
-// experts (and Qwen2-MoE's gated shared expert).
+// experts (and Qwen2-MoE's gated shared expert). all_reduce after the output and down projections
+// sums a tensor-parallel rank's partial rows (LlamaModel::tensor_parallel_shard); a no-op otherwise.
 #include "model/archs/archs.h"
 
 namespace kestrel::archs {
