@@ -1,6 +1,6 @@
 // Communicator over NCCL for tensor parallelism on the GPUs of one host, one rank per GPU, the
-// ranks threads of this process. Built when CMake finds NCCL (KESTREL_HAS_NCCL); no runner drives
-// it yet (the CPU backend's ranks use the in-process communicator, backend/communicator.h).
+// ranks threads of this process. The kestrel_nccl library, built when CMake finds NCCL; no runner
+// drives it yet (the CPU backend's ranks use the in-process communicator, backend/communicator.h).
 // Buffers are device pointers on the rank's GPU; each collective is enqueued on the rank's stream
 // (set_stream) and ordered with the work around it there, so it can be captured in a CUDA graph.
 // NVLink multicast (NVLS) is left to the launch environment: the device scripts export
