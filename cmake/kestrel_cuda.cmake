@@ -30,6 +30,8 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
 list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate[a-z_]*\\.cpp$")  # the emulation's own files
+# NCCL's communicator is its own library (kestrel_nccl, below): the binary does not link NCCL.
+list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/nccl_communicator\\.cpp$")
 set(KESTREL_CUDA_OP_SOURCES "")
 foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
   string(REGEX REPLACE "\\.cu$" ".cuh" cuh ${cu})
@@ -86,6 +88,17 @@ if(KESTREL_CUDA_CORE_TARGET)
   target_link_libraries(kestrel_cuda PUBLIC ${KESTREL_CUDA_CORE_TARGET})
 else()
   target_sources(kestrel_cuda PRIVATE ${CMAKE_SOURCE_DIR}/src/core/error.cpp)
+endif()
+
+# kestrel_nccl: tensor parallelism's GPU communicator (nccl_communicator.cpp), built when NCCL is
+# found (the toolkit's or a system one). No runner drives it yet, so nothing links it.
+find_path(KESTREL_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+find_library(KESTREL_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+if(KESTREL_NCCL_INCLUDE AND KESTREL_NCCL_LIBRARY AND KESTREL_CUDA_CORE_TARGET)
+  add_library(kestrel_nccl STATIC ${CMAKE_SOURCE_DIR}/src/backend/cuda/nccl_communicator.cpp)
+  target_include_directories(kestrel_nccl PRIVATE ${KESTREL_NCCL_INCLUDE})
+  target_link_libraries(kestrel_nccl PUBLIC kestrel_cuda ${KESTREL_NCCL_LIBRARY})
+  target_compile_options(kestrel_nccl PRIVATE -Wall -Wextra)
 endif()
 
 if(KESTREL_CUDA_EMULATION)

@@ -51,6 +51,9 @@ struct RunnerOptions {
   bool populate_kv = false;         // CPU: make the whole KV pool resident at start (KvCache's populate)
   bool quantize_fp8 = false;        // CUDA: dense projections as FP8 E4M3, per-channel scales (--quantization fp8)
   CudaTuning cuda;                  // CUDA: kernel choices
+  // Ranks the model is split over (--tensor-parallel-size; model/tensor_parallel.h). CPU: one
+  // thread per rank, n_threads shared among them; CUDA: one GPU per rank.
+  int tensor_parallel_size = 1;
 };
 
 // What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,
@@ -136,7 +139,7 @@ class ModelRunner {
 
 // The CPU backend (src/backend/cpu). options.n_kv_blocks must be positive. Errors: kestrel::Error
 // for a weight type the CPU kernels lack, a KV dtype other than f16/f32, or a pool too large for
-// memory.
+// memory, and validate_tensor_parallel's for options.tensor_parallel_size.
 std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options);
 
 }  // namespace kestrel

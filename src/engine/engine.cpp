@@ -102,6 +102,7 @@ std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig&
   o.kv_dtype = c.kv_dtype;
   o.n_threads = c.n_threads;
   o.populate_kv = c.populate_kv;
+  o.tensor_parallel_size = c.tensor_parallel_size;
   return make_cpu_model_runner(m, o);
 }
 

@@ -46,6 +46,7 @@ struct EngineConfig {
   // K/V are kept (scheduler.h states the auto rule). Swap needs swap_space_bytes > 0.
   int64_t swap_space_bytes = 0;
   PreemptionMode preemption_mode = PreemptionMode::Auto;
+  int tensor_parallel_size = 1;          // CPU: ranks the model is split over (RunnerOptions::tensor_parallel_size)
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
   SpeculativeConfig speculative;

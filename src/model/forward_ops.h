@@ -52,6 +52,11 @@ class ForwardOps {
   // w(head)^T, [n_rows, n_vocab] f32.
   virtual void final_norm_logits(Act add, WeightId norm, WeightId head) = 0;
 
+  // Tensor parallelism: `a` [n, d], this rank's partial sum of a row-parallel projection (its
+  // slice of the input columns), becomes the sum over the ranks (Communicator::all_reduce_sum). A
+  // backend that runs the whole model on one rank has the sum already: nothing to do.
+  virtual void all_reduce(Act a) { (void)a; }
+
   // Ops of some architectures only. A backend without one throws kestrel::Error naming it.
   // residual += add, then out = RMSNorm(residual) * w(norm).
   virtual void add_norm(Act add, WeightId norm, Act out);

@@ -104,6 +104,18 @@ class LlamaModel {
   // the CPU backend calls it), nothing for other models read from files. Thread-safe. Throws kestrel::Error when the host memory cannot be had.
   void ensure_host_weights() const;
 
+  // Rank `rank` of `size`'s slice of the model for tensor parallelism (model/tensor_parallel.cpp;
+  // Megatron-LM's layout, Shoeybi et al. 2019): Q, K, V, gate and up by output rows (whole heads;
+  // when n_head_kv < size each KV head is replicated on the size / n_head_kv ranks whose query
+  // heads read it), the output and down projections by input columns (their biases on rank 0
+  // only), the token embedding and the LM head by vocabulary rows (weights().vocab_begin); norms
+  // whole. hparams() gives the rank's n_head, n_head_kv and n_ff; n_vocab stays the whole
+  // vocabulary (token ids) and the LM head's rows are the rank's n_vocab / size logits. Row slices are views into this model's
+  // memory, column slices owned copies: this model must outlive the shard. Makes the host weights
+  // first (ensure_host_weights). Errors: validate_tensor_parallel's, and kestrel::Error when a
+  // column slice would split a quantization block.
+  std::unique_ptr<LlamaModel> tensor_parallel_shard(int rank, int size) const;
+
  private:
   LlamaModel();  // defined where every owned type is complete (llama_weights.cpp)
   // Replaces the dense projections by FP8 or RTN INT4 matrices (model/load_quantize.cpp).
@@ -118,6 +130,8 @@ class LlamaModel {
   // Matrices the GGUF loader assembles (f32) from tensors the file lays out otherwise: DeepSeek-V2's
   // kv_b from attn_k_b and attn_v_b.
   std::vector<std::vector<float>> assembled_;
+  // A tensor-parallel shard's column slices (tensor_parallel_shard), in their file type.
+  std::vector<std::vector<uint8_t>> shard_columns_;
   std::string chat_template_;
   ModelHparams hparams_;
   ModelWeights weights_;

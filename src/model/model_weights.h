@@ -91,6 +91,9 @@ class ModelWeights {
   void put(WeightId id, LayerTensor t);
 
   bool tied_output = false;              // Output is TokenEmbd's view
+  // A tensor-parallel shard's first vocabulary row: its TokenEmbd and Output hold token ids
+  // [vocab_begin, vocab_begin + n_out) (LlamaModel::tensor_parallel_shard); 0 for a whole model.
+  int64_t vocab_begin = 0;
   std::vector<float> rope_freq_factors;  // [rope_dim/2] divisors of the RoPE frequencies (Llama 3 scaling), or empty
 
  private:

@@ -65,7 +65,8 @@ TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
                                 {"--max-model-len", "300", "--max-num-seqs", "5", "--max-num-batched-tokens", "64",
                                  "--num-kv-blocks", "40", "--no-prefix-cache", "--kv-cache-dtype", "f16", "-t", "2",
                                  "--gpu-memory-utilization", "0.5", "--enforce-eager", "--cuda-pdl", "off",
-                                 "--swap-space", "1.5", "--preemption-mode", "swap"});
+                                 "--swap-space", "1.5", "--preemption-mode", "swap",
+                                 "--tensor-parallel-size", "2"});
   const EngineConfig e = c.engine_config(*model_);
   EXPECT_EQ(e.max_model_len, 300);
   EXPECT_EQ(e.max_num_seqs, 5);
@@ -76,7 +77,9 @@ TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
   EXPECT_EQ(e.n_threads, 2);
   EXPECT_EQ(e.swap_space_bytes, int64_t{3} << 29);  // 1.5 GiB
   EXPECT_EQ(e.preemption_mode, PreemptionMode::Swap);
+  EXPECT_EQ(e.tensor_parallel_size, 2);
   const RunnerOptions o = c.runner_options(e);
+  EXPECT_EQ(o.tensor_parallel_size, 2);
   EXPECT_EQ(o.n_kv_blocks, 40);
   EXPECT_EQ(o.kv_dtype, KvDtype::F16);
   EXPECT_DOUBLE_EQ(o.gpu_memory_utilization, 0.5);
@@ -111,7 +114,9 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "int8"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16 or fp8"},
       {EngineMode::Serving, {"--preemption-mode", "swap"}, "--preemption-mode", "swap needs --swap-space > 0"},
       {EngineMode::Serving, {"--preemption-mode", "swap", "--swap-space", "0.25"}, "", ""},
-      {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "--tensor-parallel-size", "one device"},
+      {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "", ""},
+      {EngineMode::Serving, {"--tensor-parallel-size", "3"}, "--tensor-parallel-size", "does not divide the model's attention heads (8)"},
+      {EngineMode::Single, {"--device", "cuda", "--tensor-parallel-size", "2"}, "--tensor-parallel-size", "CUDA backend runs a model on one GPU"},
       {EngineMode::Single, {"--pipeline-parallel-size", "4"}, "--pipeline-parallel-size", "one device"},
       {EngineMode::Serving, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 3})"}, "", ""},
       {EngineMode::Single, {"--speculative-config", R"({"method": "ngram"})"}, "--speculative-config", "\"num_speculative_tokens\" is missing"},

@@ -6,6 +6,7 @@
 #include "backend/cpu/matmul.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "model/tensor_parallel.h"
 
 namespace kestrel::cli {
 
@@ -177,7 +178,8 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
       ->check(CLI::Range(0.05, 1.0))
       ->capture_default_str();
   app.add_flag("--enforce-eager", device.enforce_eager, "CUDA: launch every step's kernels eagerly (no CUDA graphs)");
-  app.add_option("--tensor-parallel-size", parallel.tensor_parallel_size, "GPUs a model's layers are split across")
+  app.add_option("--tensor-parallel-size", parallel.tensor_parallel_size, "Ranks a model's layers are split across (Megatron-style tensor parallelism; CPU: one thread per rank, "
+                 "--threads shared among them)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size, "Pipeline stages (groups of layers)")
@@ -239,9 +241,16 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32 && kv != KvDtype::INT8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
                                                  ": the CPU backend's KV cache stores f16, f32 or int8 (or auto)");
-  if (parallel.tensor_parallel_size != 1)
-    throw CLI::ValidationError("--tensor-parallel-size", std::to_string(parallel.tensor_parallel_size) +
-                                                             ": this kestrel runs a model on one device (1)");
+  if (parallel.tensor_parallel_size != 1 && device.device == "cuda")
+    throw CLI::ValidationError("--tensor-parallel-size",
+                               std::to_string(parallel.tensor_parallel_size) +
+                                   ": the CUDA backend runs a model on one GPU (tensor parallelism runs on the CPU "
+                                   "backend, one thread per rank)");
+  try {
+    validate_tensor_parallel(hp, parallel.tensor_parallel_size);
+  } catch (const Error& e) {
+    throw CLI::ValidationError("--tensor-parallel-size", e.what());
+  }
   if (parallel.pipeline_parallel_size != 1)
     throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(parallel.pipeline_parallel_size) +
                                                                ": this kestrel runs a model on one device (1)");
@@ -279,6 +288,7 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.populate_kv = cache.populate_kv;
   c.swap_space_bytes = static_cast<int64_t>(cache.swap_space_gib * static_cast<double>(int64_t{1} << 30));
   c.preemption_mode = parse_preemption_mode(scheduler.preemption_mode);
+  c.tensor_parallel_size = parallel.tensor_parallel_size;
   c.speculative = resolve_speculative_config(speculative.config);
   c.speculative_verify_on_device = speculative.verify == "device";
   return c;
@@ -291,6 +301,7 @@ RunnerOptions KestrelConfig::runner_options(const EngineConfig& engine) const {
   o.kv_dtype = engine.kv_dtype;
   o.n_threads = engine.n_threads;
   o.populate_kv = engine.populate_kv;
+  o.tensor_parallel_size = engine.tensor_parallel_size;
   o.gpu_memory_utilization = cache.gpu_memory_utilization;
   o.enforce_eager = device.enforce_eager;
   o.cuda = device.cuda;

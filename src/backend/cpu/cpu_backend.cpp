@@ -1,26 +1,37 @@
 // The CPU backend behind the ModelRunner interface: a thread pool, the host KV cache and the
-// CpuModelRunner that computes on them.
+// CpuModelRunner that computes on them; with RunnerOptions::tensor_parallel_size > 1, one such
+// backend per rank over the rank's shard of the model, each driven by its own thread.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 
+#include "backend/communicator.h"
 #include "backend/cpu/cpu_model_runner.h"
+#include "backend/kv_geometry.h"
 #include "backend/model_runner.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "memory/kv_cache.h"
-#include "backend/kv_geometry.h"
+#include "model/tensor_parallel.h"
 
 namespace kestrel {
 
 namespace {
 class CpuBackend final : public ModelRunner {
  public:
-  CpuBackend(const LlamaModel& model, const RunnerOptions& o)
+  CpuBackend(const LlamaModel& model, const RunnerOptions& o, Communicator* comm = nullptr)
       : pool_(o.n_threads),
         geometry_(kv_geometry(model.hparams())),
         kv_(geometry_, o.block_size, o.n_kv_blocks, o.kv_dtype, o.populate_kv),
-        runner_(model, kv_, pool_) {}
+        runner_(model, kv_, pool_, comm) {}
 
   std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }
   void copy_blocks(std::span<const BlockCopy> copies) override {
@@ -59,12 +70,154 @@ class CpuBackend final : public ModelRunner {
   std::unique_ptr<KvCache> swap_;  // host swap pool; null until allocate_swap_space
   cpu::CpuModelRunner runner_;
 };
+
+// One thread per rank beyond the caller's (rank 0): run(fn) calls fn(r) for every rank at once and
+// returns when all are done, rethrowing the lowest rank's exception.
+class RankThreads {
+ public:
+  explicit RankThreads(int n) : errors_(static_cast<size_t>(n)) {
+    for (int r = 1; r < n; ++r) threads_.emplace_back([this, r] { loop(r); });
+  }
+  ~RankThreads() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    start_.notify_all();
+    call(0, fn);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    for (std::exception_ptr& e : errors_)
+      if (e) std::rethrow_exception(std::exchange(e, nullptr));
+  }
+
+ private:
+  void call(int r, const std::function<void(int)>& fn) {
+    try {
+      fn(r);
+    } catch (...) {
+      errors_[static_cast<size_t>(r)] = std::current_exception();
+    }
+  }
+  void loop(int r) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        fn = fn_;
+      }
+      call(r, *fn);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable start_, done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::thread> threads_;
+};
+
+// Tensor parallelism on the CPU: rank r's CpuBackend runs the same batch over shard r of the model
+// (LlamaModel::tensor_parallel_shard) with its own KV cache (its heads), the ranks' row-parallel
+// outputs summed through in-process communicators, and the vocabulary slices of the logits
+// all-gathered into [n_rows, n_vocab].
+class TensorParallelCpuBackend final : public ModelRunner {
+ public:
+  TensorParallelCpuBackend(const LlamaModel& model, const RunnerOptions& o)
+      : size_(o.tensor_parallel_size), comms_(make_in_process_communicators(size_)), threads_(size_) {
+    RunnerOptions ro = o;
+    const int total = o.n_threads > 0 ? o.n_threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    ro.n_threads = std::max(1, total / size_);
+    for (int r = 0; r < size_; ++r) {
+      shards_.push_back(model.tensor_parallel_shard(r, size_));
+      ranks_.push_back(std::make_unique<CpuBackend>(*shards_.back(), ro, comms_[static_cast<size_t>(r)].get()));
+    }
+    gathered_.resize(static_cast<size_t>(size_));
+    n_vocab_ = model.hparams().n_vocab;
+  }
+
+  std::span<const float> forward(const ForwardBatch& batch) override {
+    const int64_t n_rows = static_cast<int64_t>(batch.logits_indices.size());
+    const int64_t slice = n_vocab_ / size_;
+    threads_.run([&](int r) {
+      const std::span<const float> part = ranks_[static_cast<size_t>(r)]->forward(batch);
+      KESTREL_ASSERT(static_cast<int64_t>(part.size()) == n_rows * slice, "tensor parallel: logits slice size");
+      std::vector<float>& g = gathered_[static_cast<size_t>(r)];
+      if (static_cast<int64_t>(g.size()) < size_ * n_rows * slice) g.resize(static_cast<size_t>(size_ * n_rows * slice));
+      comms_[static_cast<size_t>(r)]->all_gather(part.data(), n_rows * slice, g.data());
+    });
+    // gathered [rank, row, slice] -> logits [row, rank * slice + j]
+    logits_.resize(static_cast<size_t>(n_rows * n_vocab_));
+    const std::vector<float>& g = gathered_[0];
+    for (int r = 0; r < size_; ++r)
+      for (int64_t i = 0; i < n_rows; ++i)
+        std::memcpy(logits_.data() + i * n_vocab_ + r * slice, g.data() + (r * n_rows + i) * slice,
+                    sizeof(float) * static_cast<size_t>(slice));
+    return logits_;
+  }
+  void copy_blocks(std::span<const BlockCopy> copies) override {
+    for (auto& r : ranks_) r->copy_blocks(copies);
+  }
+  // Each rank swaps its own heads of the same blocks.
+  void allocate_swap_space(int32_t n_blocks) override {
+    for (auto& r : ranks_) r->allocate_swap_space(n_blocks);
+  }
+  void swap_out(std::span<const BlockSwap> swaps) override {
+    for (auto& r : ranks_) r->swap_out(swaps);
+  }
+  void swap_in(std::span<const BlockSwap> swaps) override {
+    for (auto& r : ranks_) r->swap_in(swaps);
+  }
+  double host_link_bytes_per_s() const override { return ranks_[0]->host_link_bytes_per_s(); }
+  int32_t n_kv_blocks() const override { return ranks_[0]->n_kv_blocks(); }
+  int32_t block_size() const override { return ranks_[0]->block_size(); }
+  KvDtype kv_dtype() const override { return ranks_[0]->kv_dtype(); }
+  // All ranks' caches together (replicated KV heads counted on every rank that holds them).
+  int64_t kv_bytes_per_token() const override {
+    int64_t b = 0;
+    for (const auto& r : ranks_) b += r->kv_bytes_per_token();
+    return b;
+  }
+  std::string description() const override {
+    return "tensor parallel " + std::to_string(size_) + " x " + ranks_[0]->description();
+  }
+
+ private:
+  int size_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<std::unique_ptr<LlamaModel>> shards_;
+  std::vector<std::unique_ptr<ModelRunner>> ranks_;
+  std::vector<std::vector<float>> gathered_;  // each rank's all_gather output [size, n_rows, slice]
+  std::vector<float> logits_;
+  int64_t n_vocab_ = 0;
+  RankThreads threads_;  // last: joined before the ranks they drive are destroyed
+};
 }  // namespace
 
 std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options) {
   if (options.n_kv_blocks <= 0)
     throw Error("the CPU backend needs a positive number of KV blocks, got " + std::to_string(options.n_kv_blocks));
+  validate_tensor_parallel(model.hparams(), options.tensor_parallel_size);
   model.ensure_host_weights();  // the kernels read every weight on the host
+  if (options.tensor_parallel_size > 1) return std::make_unique<TensorParallelCpuBackend>(model, options);
   return std::make_unique<CpuBackend>(model, options);
 }
 

@@ -11,8 +11,8 @@
 
 namespace kestrel::cpu {
 
-CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool)
-    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), arch_(architecture(model.hparams().arch)) {
+CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm)
+    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), comm_(comm), arch_(architecture(model.hparams().arch)) {
   const KvGeometry g = kv_geometry(hp_);
   KESTREL_ASSERT(kv.kv_dim() == (g.is_mla() ? g.kv_lora_rank + g.rope_dim : hp_.kv_dim()) && kv.has_v() == !g.is_mla(),
                  "KV cache shape does not match the model");
@@ -136,19 +136,28 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   arch_.forward(*this, hp_);
   batch_ = nullptr;
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
-  return {logits_.data(), static_cast<size_t>(n_out * hp_.n_vocab)};
+  return {logits_.data(), static_cast<size_t>(n_out * logits_width_)};
 }
 
 void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
   const WeightView& e = model_.weights().at({-1, WeightRole::TokenEmbd}).matrix;
+  // A tensor-parallel shard holds the rows of its vocabulary slice: the other ranks' tokens get
+  // zeros here and their rows from the all-reduce (one nonzero term: exact).
+  const int64_t begin = model_.weights().vocab_begin;
   for (int64_t t = 0; t < b.n_tokens(); ++t) {
     float* x = x_.data() + t * d;
-    dequantize_row(e.type.storage, e.row(b.token_ids[t]), x, d);
+    const int64_t row = b.token_ids[t] - begin;
+    if (row < 0 || row >= e.n_out) {
+      std::fill(x, x + d, 0.0f);
+      continue;
+    }
+    dequantize_row(e.type.storage, e.row(row), x, d);
     if (hp_.embd_scale != 1.0f)
       for (int64_t i = 0; i < d; ++i) x[i] *= hp_.embd_scale;
   }
+  if (comm_ != nullptr) comm_->all_reduce_sum(x_.data(), b.n_tokens() * d);
 }
 
 float* CpuModelRunner::act(Act a) {
@@ -261,6 +270,10 @@ void CpuModelRunner::glu_linear(bool gelu, WeightId proj, Act out) {
   project(proj, gate_.data(), n, &y);
 }
 
+void CpuModelRunner::all_reduce(Act a) {
+  if (comm_ != nullptr) comm_->all_reduce_sum(act(a), batch_->n_tokens() * hp_.n_embd);
+}
+
 void CpuModelRunner::qk_norm(int32_t layer, Act qkv) {
   KESTREL_ASSERT(qkv == Act::Qkv, "CPU qk_norm: reads Act::Qkv");
   const int64_t n = batch_->n_tokens(), hd = hp_.head_dim;
@@ -287,7 +300,8 @@ void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
   add_to_residual(add);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   grow(logits_in_, n_out * d);
-  grow(logits_, n_out * hp_.n_vocab);
+  logits_width_ = w.at(head).matrix.n_out;
+  grow(logits_, n_out * logits_width_);
   for (int64_t i = 0; i < n_out; ++i)
     ops().rms_norm(x_.data() + static_cast<int64_t>(b.logits_indices[i]) * d, w.at(norm).vector.data(),
                    logits_in_.data() + i * d, 1, d, hp_.rms_eps);

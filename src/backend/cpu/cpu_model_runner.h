@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/communicator.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/paged_attention.h"
 #include "core/thread_pool.h"
@@ -18,12 +19,16 @@ namespace kestrel::cpu {
 
 class CpuModelRunner final : private ForwardOps {
  public:
-  // The model, the KV cache and the pool must outlive the runner.
-  CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool);
+  // The model, the KV cache, the pool and the communicator must outlive the runner. `comm`: this
+  // rank's communicator when `model` is one rank's shard of a tensor-parallel group
+  // (LlamaModel::tensor_parallel_shard), over which all_reduce and the vocabulary-parallel embed
+  // sum; null for the whole model.
+  CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm = nullptr);
 
   // Runs every layer over the batch, writes each token's K and V into its slot
   // (batch.slot_mapping), and returns the logits of the rows batch.logits_indices:
-  // [logits_indices.size(), n_vocab], f32, valid until the next call. Throws kestrel::Error on an
+  // [logits_indices.size(), n_vocab], f32, valid until the next call (n_vocab: the LM head's rows,
+  // this rank's vocabulary slice in a tensor-parallel shard). Throws kestrel::Error on an
   // inconsistent batch (token id outside the vocabulary, slot outside the cache, ...).
   std::span<const float> forward(const ForwardBatch& batch);
 
@@ -48,6 +53,7 @@ class CpuModelRunner final : private ForwardOps {
   void qk_norm(int32_t layer, Act qkv) override;
   void norm(Act a, WeightId w) override;
   void geglu_linear(Act in, WeightId proj, Act out) override;
+  void all_reduce(Act a) override;
   // (silu or gelu_tanh)(gate) * up -> gate, then out = gate . w(proj)^T.
   void glu_linear(bool gelu, WeightId proj, Act out);
   void prepare_mla();  // the absorbed per-head matrices of every layer, from KvB
@@ -79,6 +85,7 @@ class CpuModelRunner final : private ForwardOps {
   const ModelHparams& hp_;
   KvCache& kv_;
   ThreadPool& pool_;
+  Communicator* comm_;
   MatmulWorkspace ws_;
   const Architecture& arch_;
   std::vector<float> inv_freq_;      // [rope_dim / 2]
@@ -87,6 +94,7 @@ class CpuModelRunner final : private ForwardOps {
   // Activations, sized for the largest batch seen: x is the residual stream, h the normed rows,
   // o and down the block outputs not yet added to x.
   std::vector<float> x_, h_, q_, k_, v_, attn_, o_, down_, gate_, up_, logits_in_, logits_;
+  int64_t logits_width_ = 0;  // the LM head's rows: n_vocab, or a shard's slice of it
   std::vector<int32_t> token_seq_;  // [n_tokens] sequence index of each token
   std::vector<int64_t> attn_n_ctx_, attn_kv_begin_;  // [n_tokens] each token's keys [kv_begin, n_ctx)
   std::vector<float> attn_states_;  // split-KV chunk states

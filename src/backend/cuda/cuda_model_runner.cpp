@@ -27,6 +27,9 @@ int cuda_device_count() {
 }
 
 std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, const RunnerOptions& options) {
+  if (options.tensor_parallel_size != 1)
+    throw Error("tensor parallelism (" + std::to_string(options.tensor_parallel_size) +
+                " ranks) runs on the CPU backend; the CUDA backend runs a model on one GPU");
   return std::make_unique<cuda_runner::CudaModelRunner>(model, options);
 }
 

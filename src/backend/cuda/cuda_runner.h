@@ -15,7 +15,7 @@ int cuda_device_count();
 // dequantized on the host first), a bf16 paged KV cache in device memory sized from
 // options.n_kv_blocks or, when 0, from options.gpu_memory_utilization of the device's memory.
 // Errors: kestrel::Error when no device is present, memory runs out, or the model's shape is one
-// the kernels do not cover (head_dim other than 64 or 128).
+// the kernels do not cover (head_dim other than 64 or 128), options.tensor_parallel_size other than 1.
 std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, const RunnerOptions& options);
 
 }  // namespace kestrel

@@ -4,7 +4,8 @@
 // the backends' attention applies) are the same graph; what differs (biases, RoPE pairing, GQA
 // widths, the window) is in the weights and the hyperparameters the backends read. Mixtral
 // (Jiang et al. 2024) and Qwen2-MoE replace the MLP of their MoE layers (hparams.moe) with routed
-// experts (and Qwen2-MoE's gated shared expert).
+// experts (and Qwen2-MoE's gated shared expert). all_reduce after the output and down projections
+// sums a tensor-parallel rank's partial rows (LlamaModel::tensor_parallel_shard); a no-op otherwise.
 #include "model/archs/archs.h"
 
 namespace kestrel::archs {
@@ -24,6 +25,7 @@ void ffn_block(ForwardOps& ops, const ModelHparams& hp, int32_t l) {
   } else {
     ops.add_norm_linear(Act::AttnOut, {l, WeightRole::FfnNorm}, {l, WeightRole::GateUp}, Act::GateUp);
     ops.swiglu_linear(Act::GateUp, {l, WeightRole::Down}, Act::Down);
+    ops.all_reduce(Act::Down);
   }
 }
 
@@ -61,6 +63,7 @@ void llama_forward(ForwardOps& ops, const ModelHparams& hp) {
     ops.rope_write_kv(l, Act::Qkv);
     ops.attention(l, Act::Qkv, Act::Attn);
     ops.linear(Act::Attn, {l, WeightRole::AttnOut}, Act::AttnOut);
+    ops.all_reduce(Act::AttnOut);
     ffn_block(ops, hp, l);
     pending = Act::Down;
   }
