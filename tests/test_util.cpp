@@ -29,6 +29,15 @@ std::string model_dir() {
   return KESTREL_DEFAULT_MODEL_DIR;
 }
 
+std::string stories_path() { return data_dir() + "/stories260K/stories260K.gguf"; }
+
+LoadedModel load_model(const std::string& gguf_path) {
+  LoadedModel l;
+  l.model = LlamaModel::load_gguf(gguf_path);
+  l.tokenizer = Tokenizer::from_gguf(l.model->file());
+  return l;
+}
+
 std::string kestrel_binary() { return KESTREL_BINARY; }
 
 std::string read_file(const std::string& path) {

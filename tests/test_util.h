@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
+#include "tokenizer/tokenizer.h"
 
 namespace kestrel::test {
 
@@ -17,6 +18,15 @@ namespace kestrel::test {
 std::string data_dir();
 // models/ from the repo root, or $KESTREL_MODEL_DIR.
 std::string model_dir();
+// data_dir()/stories260K/stories260K.gguf: the tiny trained Llama most engine tests run.
+std::string stories_path();
+
+// A GGUF model and the tokenizer it carries, loaded together. Errors: as LlamaModel::load_gguf.
+struct LoadedModel {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+LoadedModel load_model(const std::string& gguf_path);
 // The kestrel CLI binary built beside the tests.
 std::string kestrel_binary();
 std::string read_file(const std::string& path);

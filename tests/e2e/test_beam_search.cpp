@@ -34,7 +34,7 @@ struct Case {
   std::string name;
 };
 
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 
 std::vector<Case> load_cases() {
   const json doc = json::parse(test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/data/beam_stories260k.json"));

@@ -25,17 +25,9 @@ namespace {
 using test::eog_ids;
 using test::story_prompts;
 
-struct Loaded {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-Loaded load(const std::string& path) {
-  Loaded l;
-  l.model = LlamaModel::load_gguf(path);
-  l.tokenizer = Tokenizer::from_gguf(l.model->file());
-  return l;
-}
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using Loaded = test::LoadedModel;
+Loaded load(const std::string& path) { return test::load_model(path); }
+using test::stories_path;
 std::string smollm2_path() { return test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 
 // Greedy ids of each prompt run alone: a fresh engine per prompt, the whole prompt in one pass.

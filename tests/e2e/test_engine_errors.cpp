@@ -17,16 +17,8 @@ using namespace kestrel;
 
 namespace {
 
-struct Loaded {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-Loaded load_stories() {
-  Loaded l;
-  l.model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
-  l.tokenizer = Tokenizer::from_gguf(l.model->file());
-  return l;
-}
+using Loaded = test::LoadedModel;
+Loaded load_stories() { return test::load_model(test::stories_path()); }
 
 // What FaultyRunner does to a sequence's logits rows.
 enum class Fault {

@@ -19,17 +19,9 @@ namespace {
 using test::eog_ids;
 using test::story_prompts;
 
-struct Loaded {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-Loaded load_stories() {
-  Loaded l;
-  l.model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
-  l.tokenizer = Tokenizer::from_gguf(l.model->file());
-  return l;
-}
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using Loaded = test::LoadedModel;
+Loaded load_stories() { return test::load_model(test::stories_path()); }
+using test::stories_path;
 
 // Request i of 32: i % 4 == 0 greedy; 1 seeded sampling; 2 and 3 two seeded choices of request
 // (i - i % 4 + 2)'s prompt (n = 2: the second shares the first's prompt blocks copy-on-write).

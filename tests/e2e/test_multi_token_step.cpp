@@ -25,7 +25,7 @@ using namespace kestrel;
 
 namespace {
 
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 
 // A CPU runner, its KV manager and a scheduler over them, driven step by step.
 struct Stepper {

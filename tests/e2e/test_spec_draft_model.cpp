@@ -22,19 +22,11 @@ namespace {
 using test::eog_ids;
 using test::story_prompts;
 
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 
-struct Loaded {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
+using Loaded = test::LoadedModel;
 const Loaded& stories() {
-  static const Loaded l = [] {
-    Loaded x;
-    x.model = LlamaModel::load_gguf(stories_path());
-    x.tokenizer = Tokenizer::from_gguf(x.model->file());
-    return x;
-  }();
+  static const Loaded l = test::load_model(test::stories_path());
   return l;
 }
 

@@ -247,16 +247,8 @@ TEST(BatchRequest, ResultLineKeepsIdFirstAndUsageTotals) {
 // ---------------------------------------------------------------------------------------------
 // Engine requests (need a real tokenizer)
 
-struct Loaded {
-  std::unique_ptr<LlamaModel> model;
-  std::unique_ptr<Tokenizer> tokenizer;
-};
-Loaded load(const std::string& path) {
-  Loaded l;
-  l.model = LlamaModel::load_gguf(path);
-  l.tokenizer = Tokenizer::from_gguf(l.model->file());
-  return l;
-}
+using Loaded = test::LoadedModel;
+Loaded load(const std::string& path) { return test::load_model(path); }
 
 TEST(BatchRequest, EngineRequestFromPrompt) {
   const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";

@@ -15,7 +15,7 @@ namespace {
 
 using test::data_dir;
 
-std::string stories_path() { return data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 
 // The config a subcommand with these flags ends up with.
 KestrelConfig parse(EngineMode mode, std::vector<std::string> args) {

@@ -19,7 +19,7 @@ using namespace kestrel;
 using namespace kestrel::test::gguf;
 
 namespace {
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 }  // namespace
 
 TEST(GgufGolden, Stories260K) {

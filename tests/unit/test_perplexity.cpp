@@ -16,7 +16,7 @@
 namespace kestrel {
 namespace {
 
-std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
+using test::stories_path;
 
 const char* kText =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
