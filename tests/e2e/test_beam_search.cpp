@@ -107,6 +107,16 @@ void expect_matches(const std::vector<Case>& cases, const std::vector<std::vecto
   }
 }
 
+// 8 blocks of 8 tokens, at most 6 sequences and 64 tokens a step: far too small for the cases.
+EngineConfig tight_pool() {
+  EngineConfig c;
+  c.max_num_seqs = 6;
+  c.block_size = 8;
+  c.n_kv_blocks = 8;
+  c.max_num_batched_tokens = 64;
+  return c;
+}
+
 }  // namespace
 
 TEST(BeamSearchEngine, MatchesTransformersOnStories260K) {
@@ -135,11 +145,7 @@ TEST(BeamSearchEngine, PreemptionAndRefusedForksChangeNothing) {
   KESTREL_REQUIRE_FILE(stories_path());
   const auto model = LlamaModel::load_gguf(stories_path());
   const std::vector<Case> cases = load_cases();
-  EngineConfig c;
-  c.max_num_seqs = 6;
-  c.block_size = 8;
-  c.n_kv_blocks = 8;
-  c.max_num_batched_tokens = 64;
+  const EngineConfig c = tight_pool();
   EngineStats stats;
   const auto got = run(*model, cases, c, &stats);
   expect_matches(cases, got);
@@ -153,11 +159,7 @@ TEST(BeamSearchEngine, PreemptionBySwapChangesNothing) {
   KESTREL_REQUIRE_FILE(stories_path());
   const auto model = LlamaModel::load_gguf(stories_path());
   const std::vector<Case> cases = load_cases();
-  EngineConfig c;
-  c.max_num_seqs = 6;
-  c.block_size = 8;
-  c.n_kv_blocks = 8;
-  c.max_num_batched_tokens = 64;
+  EngineConfig c = tight_pool();
   c.swap_space_bytes = int64_t{1} << 20;  // stories260K's blocks of 8 tokens are a few KiB
   c.preemption_mode = PreemptionMode::Swap;
   EngineStats stats;
