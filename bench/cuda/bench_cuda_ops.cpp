@@ -349,6 +349,19 @@ void bench_fp8() {
         report("fp8 stream s" + std::to_string(stages), shape, ms, static_cast<double>(w8_bytes + x.bytes + y.bytes),
                flops);
       }
+      if (kestrel::cuda::stream_gemv_w8a8_supports(m, sh.in, sh.out)) {
+        kestrel::cuda::StreamGemvFp8Args a;
+        static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,
+                                                               sh.in,        sh.out, false, false};
+        a.w_scale = w_scale.as<float>();
+        const double ms = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            a.w8 = ws[next++ % n_copies]->as<uint8_t>();
+            kestrel::cuda::stream_gemv_w8a8(a, nullptr);
+          }
+        }) / kCalls;
+        report("fp8 stream w8a8", shape, ms, static_cast<double>(w8_bytes + x.bytes + y.bytes), flops);
+      }
       if (m >= kestrel::cuda::kSkinnyFp8MaxTokens) {
         const double ms = time_ms([&] {
           for (int c = 0; c < kCalls; ++c) {

@@ -25,7 +25,7 @@ struct CudaTuning {
   bool stream_gemv = true;           // streaming GEMV for one- and two-token projections
   int stream_gemv_stages = 0;        // its pipeline depth: 0 = the kernel's default (4), else 3, 4 or 6
   int64_t stream_gemv_min_mb = 40;   // weights smaller than this (MiB of bf16) keep the skinny GEMM
-  bool stream_gemv_fp8 = false;      // FP8 weights on the streaming GEMV too (INT4 always where it fits)
+  bool stream_gemv_fp8 = true;       // FP8 weights on the W8A8 streaming GEMV (off: the W8A16 skinny GEMM)
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
   int64_t skinny_max_tokens = 8;     // token counts up to which the skinny GEMM runs; 0 = never

@@ -188,6 +188,62 @@ TEST(CudaStreamGemvNarrow, Fp8MatchesFloat64Reference) {
   }
 }
 
+// W8A8 (stream_gemv_w8a8): the reference quantizes each token's activation as quantize_rows_fp8
+// does (scale = max |a| / 448, e4m3(a / scale) in f32 with core/fp8.h's rounding) and sums the
+// exact products of the codes in float64. The kernel's products are exact too; its sums are the
+// tensor cores' over 32 products, then f32: |y - ref| <= 2^-8 |ref| + 1e-5 sum_k |products|. The
+// fused norm's bf16 input may be an ulp off the reference's (the header comment), and such an
+// element may round to the neighbouring code: a slack of 2^-6 there.
+TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(64);
+  for (const Shape& s : shapes()) {
+    SCOPED_TRACE(trace(s));
+    ASSERT_TRUE(cuda::stream_gemv_w8a8_supports(s.n_tokens, s.n_in, s.n_out, s.blocks));
+    const auto codes = random_e4m3(static_cast<size_t>(s.n_out * s.n_in), rng);
+    const auto scale = random_f32(static_cast<size_t>(s.n_out), rng, 1e-3f, 4e-3f);
+    const Inputs in(s, rng);
+    // The activation as the kernel multiplies it: codes times the token's scale.
+    std::vector<double> aq(in.a.size());
+    for (int64_t t = 0; t < s.n_tokens; ++t) {
+      float amax = 0;
+      for (int64_t k = 0; k < s.n_in; ++k)
+        amax = std::max(amax, std::fabs(static_cast<float>(in.a[static_cast<size_t>(t * s.n_in + k)])));
+      const float xs = amax > 0 ? amax / kFp8E4m3Max : 1.0f;
+      for (int64_t k = 0; k < s.n_in; ++k) {
+        const size_t i = static_cast<size_t>(t * s.n_in + k);
+        aq[i] = static_cast<double>(xs) * e4m3_to_float(float_to_e4m3(static_cast<float>(in.a[i]) / xs));
+      }
+    }
+    std::vector<double> w(codes.size());
+    for (int64_t o = 0; o < s.n_out; ++o)
+      for (int64_t k = 0; k < s.n_in; ++k) {
+        const size_t i = static_cast<size_t>(o * s.n_in + k);
+        w[i] = static_cast<double>(scale[static_cast<size_t>(o)]) * e4m3_to_float(codes[i]);
+      }
+    DeviceBuffer<uint8_t> d_w(codes);
+    DeviceBuffer<float> d_scale(scale);
+    DeviceBuffer<uint16_t> d_y(static_cast<size_t>(s.n_tokens * s.n_out)), d_y2(d_y.size());
+    d_y.poison();
+    cuda::StreamGemvFp8Args g;
+    in.set(g, s, d_y.get());
+    g.w8 = d_w.get();
+    g.w_scale = d_scale.get();
+    cuda::stream_gemv_w8a8(g, nullptr);
+    const auto y = d_y.download();
+    EXPECT_EQ(count_bad(bf16_to_f32(y), aq, w, s, s.input == Input::Norm ? std::ldexp(1.0, -6) : 0.0), 0);
+    if (s.input == Input::Norm) {  // the residual sum, exactly
+      const auto r = in.d_res_out.download();
+      for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(r[i], in.res[i] + from_bf16(in.add[i])) << i;
+    }
+    g.blocks = other_blocks(s);
+    g.y = d_y2.get();
+    d_y2.poison();
+    cuda::stream_gemv_w8a8(g, nullptr);
+    EXPECT_EQ(d_y2.download(), y);
+  }
+}
+
 TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(62);
@@ -252,6 +308,15 @@ TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {
   EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
   bad = f, bad.norm_residual_in = res.get(), bad.norm_weight = x.bf16(), bad.norm_residual_out = res.get();
   EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
+  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(3, 4096, 64));
+  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(1, 3072, 64));
+  EXPECT_TRUE(cuda::stream_gemv_w8a8_supports(2, 14336, 4096, 132));
+  bad = f, bad.n_tokens = 3;
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
+  bad = f, bad.f32_out = true;
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
+  bad = f, bad.w_scale = nullptr;
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
   cuda::StreamGemvInt4Args q;
   static_cast<cuda::StreamGemvArgs&>(q) = f;
   q.w4 = dact.m;

@@ -40,7 +40,8 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->group(group);
   toggle("--cuda-stream-gemv", t.stream_gemv, "CUDA: streaming GEMV for one- and two-token projections");
   toggle("--cuda-stream-gemv-fp8", t.stream_gemv_fp8,
-         "CUDA: FP8 weights on the streaming GEMV too (off: the FP8 skinny GEMM, faster in decode on the H200)");
+         "CUDA: FP8 weights at one and two tokens on the W8A8 streaming GEMV (activations as E4M3 codes, as in "
+         "prefill; off: the W8A16 FP8 skinny GEMM)");
   app.add_option("--cuda-stream-gemv-stages", t.stream_gemv_stages, "CUDA: its pipeline stages; 0 = the kernel's default")
       ->check(CLI::IsMember({0, 3, 4, 6}))
       ->capture_default_str()

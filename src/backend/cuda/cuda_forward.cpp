@@ -355,10 +355,9 @@ void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGem
   if (W.fp8) {
     cuda::StreamGemvFp8Args f;
     static_cast<cuda::StreamGemvArgs&>(f) = a;
-    f.stages = stream_gemv_stages_;
     f.w8 = W.w.as<uint8_t>();
     f.w_scale = W.scale.as<float>();
-    cuda::stream_gemv_fp8(f, stream_);
+    cuda::stream_gemv_w8a8(f, stream_);
     return;
   }
   cuda::StreamGemvInt4Args q;

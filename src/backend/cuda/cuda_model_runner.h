@@ -267,13 +267,14 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
     return stream_gemv_ && n_in * n_out >= stream_gemv_min_elems_ &&
            cuda::stream_gemv_supports(n, n_in, n_out, 0, stream_gemv_stages_);
   }
-  // Whether an FP8 or INT4 weight takes the narrow streaming GEMV at n tokens (one or two, n_in a
+  // Whether an FP8 or INT4 weight takes a narrow streaming GEMV at n tokens (one or two, n_in a
   // multiple of 2048, INT4 groups of 128 or more; act order gathers x first): every such INT4
-  // projection of the 8B, the O projection included; FP8 only with stream_gemv_fp8_.
+  // projection of the 8B, the O projection included, on the INT4 form of stream_gemv_narrow; every
+  // such FP8 one on the W8A8 streaming GEMV (stream_gemv_w8a8) unless stream_gemv_fp8_ is off.
   // CudaTuning::stream_gemv off: never.
   bool uses_stream_gemv_narrow(const DeviceWeight& W, int64_t n) const {
     if (!stream_gemv_) return false;
-    if (W.fp8) return stream_gemv_fp8_ && cuda::stream_gemv_fp8_supports(n, W.n_in, W.n_out, 0, stream_gemv_stages_);
+    if (W.fp8) return stream_gemv_fp8_ && cuda::stream_gemv_w8a8_supports(n, W.n_in, W.n_out);
     if (!W.int4) return false;
     cuda::Int4Matrix m = W.int4_matrix();
     m.perm = nullptr;
@@ -299,10 +300,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).
   int64_t skinny_max_tokens_ = 8;
   bool stream_gemv_ = true;
-  // FP8 weights on the narrow streaming GEMV (CudaTuning::stream_gemv_fp8): off, as it was slower in
-  // decode. H200, the 8B at batch 1: 250.9 tok/s with it, 292.8 on the FP8 skinny GEMM; INT4 on
-  // its streaming GEMV 304.2 against 282.1 on the int4 skinny GEMM (docs/performance.md).
-  bool stream_gemv_fp8_ = false;
+  // FP8 weights at one and two tokens on the W8A8 streaming GEMV (CudaTuning::stream_gemv_fp8; off:
+  // the W8A16 FP8 skinny GEMM).
+  bool stream_gemv_fp8_ = true;
   // Residual add + RMSNorm folded into the streaming GEMV of QKV and gate/up when both take it
   // (one or two tokens), alternating residual_ and residual_alt_ (CudaTuning::fused_norm).
   // H200, the 8B at batch 1: 235.0 tok/s with it, 225.6 without (docs/performance.md).

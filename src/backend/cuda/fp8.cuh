@@ -1,5 +1,6 @@
-// FP8 E4M3 on the device: the scalar conversions of core/fp8.h, and four codes at a time into the
-// bf16x2 fragments the tensor-core kernels multiply (weights stored as E4M3, activations bf16).
+// FP8 E4M3 on the device: the scalar conversions of core/fp8.h, four codes at a time into the
+// bf16x2 fragments the tensor-core kernels multiply (weights stored as E4M3, activations bf16), and
+// the FP8 tensor-core product itself (weights and activations both E4M3).
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
@@ -25,6 +26,68 @@ __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t w, uint32_t& lo, uint3
   b = __hmul2(b, k);
   std::memcpy(&lo, &a, 4);
   std::memcpy(&hi, &b, 4);
+}
+
+// Two floats to E4M3 codes (round to nearest even, saturating to +-448, NaN to 0x7F: float_to_e4m3
+// of core/fp8.h, which the emulation runs), lo in bits 0..7 and hi in bits 8..15.
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
+#if defined(KESTREL_CUDA_EMULATE)
+  return static_cast<uint32_t>(float_to_e4m3(lo)) | (static_cast<uint32_t>(float_to_e4m3(hi)) << 8);
+#else
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+
+#if defined(KESTREL_CUDA_EMULATE)
+// mma.m16n8k32 with E4M3 A and B on the host: the fragment layouts of the PTX ISA ("Matrix
+// fragments for mma.m16n8k32"), each product exact, the sums in f32 in k order.
+inline void emu_mma_e4m3_16832(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  struct Frag {
+    uint32_t a[4], b[2];
+  };
+  const Frag mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  Frag all[32];
+  emu::warp_exchange(&mine, sizeof mine, all);
+  float A[16][32], B[32][8];
+  auto code = [](uint32_t w, int i) { return e4m3_to_float(static_cast<uint8_t>(w >> (8 * i))); };
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, c = (l % 4) * 4;
+    for (int i = 0; i < 4; ++i) {
+      A[g][c + i] = code(all[l].a[0], i);
+      A[g + 8][c + i] = code(all[l].a[1], i);
+      A[g][c + 16 + i] = code(all[l].a[2], i);
+      A[g + 8][c + 16 + i] = code(all[l].a[3], i);
+      B[c + i][g] = code(all[l].b[0], i);
+      B[c + 16 + i][g] = code(all[l].b[1], i);
+    }
+  }
+  const int lane = emu::lane_id();
+  const int g = lane / 4, c = (lane % 4) * 2;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = c + (i & 1);
+    float s = 0.0f;
+    for (int k = 0; k < 32; ++k) s += A[row][k] * B[k][col];
+    d[i] += s;
+  }
+}
+#endif
+
+// d += A (16x32 E4M3, row-major fragment a) * B (32x8 E4M3, column fragment b), f32 accumulate
+// (sm_89+). Fragments (PTX ISA, "Matrix fragments for mma.m16n8k32", g = lane / 4, t = lane % 4):
+// a[0] rows g, k 4t..4t+3 (byte i = k 4t + i); a[1] row g + 8, the same k; a[2], a[3] as a[0],
+// a[1] at k + 16; b[0] column g, k 4t..4t+3; b[1] k + 16; d as mma_bf16_16816's.
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(KESTREL_CUDA_EMULATE)
+  emu_mma_e4m3_16832(d, a, b);
+#else
+  asm(  // no side effects: the compiler may interleave independent mmas
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 }  // namespace kestrel::cuda

@@ -1,5 +1,6 @@
 #include "backend/cuda/stream_gemv.cuh"
 #include "backend/cuda/stream_gemv_narrow.cuh"
+#include "backend/cuda/stream_gemv_w8a8.cuh"
 
 #include <algorithm>
 #include <map>
@@ -211,6 +212,57 @@ void stream_gemv_fp8(const StreamGemvFp8Args& a, cudaStream_t stream) {
   check_gemv_operands("stream_gemv_fp8", checked);
   const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in, false, a.blocks, a.stages);
   launch_narrow<NarrowFormat::Fp8>(a, a.w8, a.w_scale, 0, false, a.n_in, l, stream);
+}
+
+namespace {
+
+Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
+  Layout l = layout(n_tokens, n_in, n_out, blocks, kW8a8Stages);
+  l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), l.k_lines, l.rows_per_block);
+  return l;
+}
+
+}  // namespace
+
+bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
+  if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
+      n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)
+    return false;
+  const Layout l = w8a8_layout(n_tokens, n_in, n_out, blocks);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
+}
+
+void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
+  if (!stream_gemv_w8a8_supports(a.n_tokens, a.n_in, a.n_out, a.blocks))
+    throw Error("stream_gemv_w8a8: unsupported shape " + narrow_shape(a));
+  if (a.f32_out) throw Error("stream_gemv_w8a8: bf16 output only");
+  if (a.w_scale == nullptr) throw Error("stream_gemv_w8a8: no weight scales");
+  check_norm_operands("stream_gemv_w8a8", a);
+  ProjectionOperands checked = a;
+  checked.w = reinterpret_cast<const bf16*>(a.w8);
+  check_gemv_operands("stream_gemv_w8a8", checked);
+  const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
+  const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+  auto* y = static_cast<__nv_bfloat16*>(a.y);
+  auto by_input = [&]<int kM>() {
+    auto go = [&](auto* k) {
+      raise_smem_limit(k, l.smem);
+      KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
+                     l.k_lines, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
+                     a.norm_eps);
+    };
+    if (a.norm_residual_in != nullptr)
+      go(&stream_gemv_w8a8_kernel<kM, false, true>);
+    else if (a.swiglu)
+      go(&stream_gemv_w8a8_kernel<kM, true, false>);
+    else
+      go(&stream_gemv_w8a8_kernel<kM, false, false>);
+  };
+  if (a.n_tokens == 1)
+    by_input.template operator()<1>();
+  else
+    by_input.template operator()<2>();
+  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stages) {

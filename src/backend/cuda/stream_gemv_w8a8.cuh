@@ -1,0 +1,185 @@
+// Streaming GEMV over FP8 E4M3 weight rows with E4M3 activations (W8A8) for one or two tokens:
+// y[t, o] = w_scale[o] * x_scale[t] * sum_k e4m3(w[o, k]) * e4m3(a(x)[t, k] / x_scale[t]), with
+// x_scale[t] = max_k |a(x)[t, k]| / 448 (quantize_rows_fp8's per-token scale and rounding, so a
+// decode step multiplies as the W8A8 prefill GEMM does). The frame is stream_gemv.cuh's: one block
+// per SM over a contiguous range of whole rows, the weights streamed through a cp.async ring
+// whose first stages are requested before griddepcontrol.wait, the input formed in shared memory
+// (x, SwiGLU or the fused residual + RMSNorm of stream_gemv_input). What differs is the product:
+// - The block walks its rows in tiles of 8 and each tile's n_in in slabs of 2048 columns (16 KB,
+//   one ring stage; rows past the block's range are zero-filled, not read). In shared memory a
+//   slab is row-major, 16-byte chunk c of row r stored at chunk c ^ 4 (r & 1) so that the quarter
+//   warps' 16-byte loads below hit 32 distinct banks.
+// - Warp w takes columns 256 w .. 256 w + 255 of every slab, four mma.m16n8k32 (E4M3 in, f32
+//   out) of 64 columns each. Lane (g, t) loads the 16 codes 16 t .. 16 t + 15 of row g in one
+//   load: bytes 0..7 are its A fragment's row g (a[0], a[2]) and bytes 8..15 its row g + 8 (a[1],
+//   a[3]). So A's 16 rows are the tile's 8 rows twice, over two halves of the columns, and B's
+//   column 2 m + h holds token m's activation codes at the columns of half h (lanes g = 2 m + h
+//   load them; a dot product does not care in which order its k come as long as A and B share
+//   it): C[g][2 m] + C[g + 8][2 m + 1] is row g's sum for token m, with no product wasted on A.
+// - Each mma starts from zero and its four sums are added to f32 registers (the FP8 tensor
+//   cores' internal accumulation is narrower than f32; 32 products per mma, then f32 adds); a
+//   tile's per-warp sums meet in shared memory and are added in warp order at the end, so a row's
+//   value depends on neither the launch nor its place in the block.
+// Source: PTX ISA 8.x ("mma.m16n8k32" fragments, "cvt" e4m3x2, "cp.async"); the per-token dynamic
+// activation scale is the FP8 W8A8 scheme of vLLM's and TensorRT-LLM's FP8 linear layers.
+#pragma once
+
+#include "backend/cuda/fp8.cuh"
+#include "backend/cuda/stream_gemv.cuh"
+
+namespace kestrel::cuda {
+
+constexpr int kW8a8SlabRows = 8;
+constexpr int kW8a8SlabBytes = kW8a8SlabRows * kGemvLine;  // 16 KB: 8 rows x 2048 codes
+constexpr int kW8a8Stages = 6;  // ring depth: 96 KB, five slabs in flight
+
+// The ring slots x [kM][n_in] bf16 borrows while the input is formed and quantized (the last
+// ones: their slabs are requested only after it).
+__host__ __device__ constexpr int w8a8_x_slots(int m, int k_lines) {
+  return (m * k_lines * kGemvLine * 2 + kW8a8SlabBytes - 1) / kW8a8SlabBytes;
+}
+
+// Dynamic shared memory of stream_gemv_w8a8_kernel: the ring (x inside it at first), x's codes
+// [kM][n_in], the per-warp row sums [rows][kM][8], the token scales, and 32 floats of scratch. At
+// one token and the 8B's shapes it stays under half an SM's shared memory, so the next
+// projection's block can be resident beside this one and stream its first slabs while this one
+// finishes (programmatic dependent launch).
+constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int k_lines, int rows_per_block) {
+  const int slots = kW8a8Stages > w8a8_x_slots(m, k_lines) ? kW8a8Stages : w8a8_x_slots(m, k_lines);
+  return static_cast<size_t>(slots) * kW8a8SlabBytes + static_cast<size_t>(m) * k_lines * kGemvLine +
+         (static_cast<size_t>(rows_per_block) * m * kGemvWarps + 2 + kWarpSize) * 4;
+}
+
+// w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
+// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out / rows_per_block)
+// blocks of 256; n_in = k_lines x 2048.
+template <int kM, bool kSwiGLU, bool kNormIn>
+__global__ void __launch_bounds__(kGemvThreads, 2)
+    stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
+                            const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
+                            int rows_per_block, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                            const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
+  static_assert(kM == 1 || kM == 2, "one or two tokens");
+  constexpr int kStages = kW8a8Stages;
+  KESTREL_DYNAMIC_SMEM(smem);
+  const int t = static_cast<int>(threadIdx.x);
+  const int warp = t / kWarpSize, lane = t % kWarpSize;
+  const int n_in = k_lines * kGemvLine;
+  const int x_slots = w8a8_x_slots(kM, k_lines);
+  const int slots = kStages > x_slots ? kStages : x_slots;
+  uint8_t* ring = smem;                                                       // [kStages][8][2048]
+  uint4* xs = reinterpret_cast<uint4*>(ring + (slots - x_slots) * kW8a8SlabBytes);  // [kM][n_in] bf16
+  uint8_t* xq = ring + slots * kW8a8SlabBytes;                                // [kM][n_in] codes
+  float* part = reinterpret_cast<float*>(xq + kM * n_in);                     // [rows][kM][warps]
+  float* x_scale = part + rows_per_block * kM * kGemvWarps;                  // [kM]
+  float* scratch = x_scale + 2;                                             // [32]
+
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
+
+  // Slab q (tile q / k_lines, columns 2048 (q % k_lines) ..) into ring slot q % kStages: thread t
+  // copies chunk t % 128 of rows t / 128, + 2, + 4, + 6 (a warp: 512 contiguous bytes of a row).
+  auto issue = [&](int q) {
+    if (q < n_slabs) {
+      const int tile = q / k_lines, kb = q % k_lines, c = t % 128;
+      uint8_t* dst = ring + (q % kStages) * kW8a8SlabBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = 2 * j + t / 128;
+        const int row = tile * kW8a8SlabRows + r;
+        const bool live = row < rows;
+        const uint8_t* src = w + (row0 + (live ? row : 0)) * n_in + kb * kGemvLine + 16 * c;
+        cp_async16(dst + r * kGemvLine + 16 * (c ^ ((r & 1) << 2)), src, live);
+      }
+    }
+    cp_async_commit();
+  };
+  // The first slabs before the wait, into the slots x does not borrow; the rest once x is coded.
+  const int early = kStages - 1 < slots - x_slots ? kStages - 1 : slots - x_slots;
+  for (int s = 0; s < early; ++s) issue(s);
+  pdl_wait();
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
+
+  // Per-token scale (the largest |a| over the block's threads, each holding 8 columns a line)
+  // and the codes, each thread writing its own columns.
+  {
+    const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
+    float amax[kM];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      amax[m] = 0.0f;
+      for (int kb = 0; kb < k_lines; ++kb) {
+        float f[8];
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax[m] = fmaxf(amax[m], fabsf(f[e]));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax[m] = fmaxf(amax[m], __shfl_xor_sync(0xffffffffu, amax[m], o));
+    }
+    __syncthreads();  // the norm's last use of scratch is over
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < kM; ++m) scratch[warp * kM + m] = amax[m];
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kGemvWarps; ++i) a = fmaxf(a, scratch[i * kM + m]);
+      const float s = a > 0.0f ? a / kFp8E4m3Max : 1.0f;
+      if (t == 0) x_scale[m] = s;
+      for (int kb = 0; kb < k_lines; ++kb) {
+        float f[8];
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
+        const uint32_t lo = f32x2_to_e4m3x2(f[0] / s, f[1] / s) | (f32x2_to_e4m3x2(f[2] / s, f[3] / s) << 16);
+        const uint32_t hi = f32x2_to_e4m3x2(f[4] / s, f[5] / s) | (f32x2_to_e4m3x2(f[6] / s, f[7] / s) << 16);
+        *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = make_uint2(lo, hi);
+      }
+    }
+  }
+  __syncthreads();  // every thread's codes are read by others; x's slots are free
+  pdl_launch_next();
+  for (int s = early; s < kStages - 1; ++s) issue(s);
+
+  const int g = lane / 4, tq = lane % 4;
+  const int swz = (g & 1) << 2;
+  const bool x_lane = g < 2 * kM;  // lanes g = 2 m + h feed B's column of token m, half h
+  const uint8_t* xrow = xq + (x_lane ? g / 2 : 0) * n_in + 8 * (g & 1);
+  float acc = 0.0f;  // row g's sum for token tq (lanes tq < kM)
+  for (int q = 0; q < n_slabs; ++q) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
+    issue(q + kStages - 1);
+    const int tile = q / k_lines, kb = q % k_lines;
+    const uint8_t* slab = ring + (q % kStages) * kW8a8SlabBytes + g * kGemvLine;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = 16 * warp + 4 * i + tq;
+      const uint4 a = *reinterpret_cast<const uint4*>(slab + 16 * (c ^ swz));
+      const uint2 b = x_lane ? *reinterpret_cast<const uint2*>(xrow + kb * kGemvLine + 16 * c) : make_uint2(0, 0);
+      const uint32_t fa[4] = {a.x, a.z, a.y, a.w};
+      const uint32_t fb[2] = {b.x, b.y};
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_e4m3_16832(d, fa, fb);
+      acc += d[0] + d[3];
+    }
+    if (kb == k_lines - 1) {
+      const int row = tile * kW8a8SlabRows + g;
+      if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = acc;
+      acc = 0.0f;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  for (int i = t; i < rows * kM; i += kGemvThreads) {
+    const int r = i / kM, m = i % kM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
+    y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * w_scale[row0 + r]);
+  }
+}
+
+}  // namespace kestrel::cuda
