@@ -54,7 +54,7 @@ void stream_gemv_fp8(const StreamGemvFp8Args& args, cudaStream_t stream);
 // * e4m3(a(x)[t, k] / x_scale[t]), x_scale[t] = max_k |a(x)[t, k]| / 448 (1 for a zero row), the
 // activation quantized as quantize_rows_fp8 does, f32 sums (the tensor cores' over 32 products,
 // then f32 adds in a fixed order: the same bits for a row whatever the launch), one rounding to
-// bf16. Operands as stream_gemv_fp8's (`stages` unused: a ring of 6 slabs of 16 KB).
+// bf16. Operands as stream_gemv_fp8's (`stages` unused: a ring of 8 slabs of 16 KB at one token, 6 at two).
 // Errors: kestrel::Error for an unsupported shape or a bad operand.
 bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0);
 void stream_gemv_w8a8(const StreamGemvFp8Args& args, cudaStream_t stream);

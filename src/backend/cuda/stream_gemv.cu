@@ -217,8 +217,9 @@ void stream_gemv_fp8(const StreamGemvFp8Args& a, cudaStream_t stream) {
 namespace {
 
 Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
-  Layout l = layout(n_tokens, n_in, n_out, blocks, kW8a8Stages);
-  l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), l.k_lines, l.rows_per_block);
+  const int stages = n_tokens == 1 ? kW8a8Stages1 : kW8a8Stages2;
+  Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
+  l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), stages, l.k_lines, l.rows_per_block);
   return l;
 }
 
@@ -244,7 +245,7 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
   const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
   const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
   auto* y = static_cast<__nv_bfloat16*>(a.y);
-  auto by_input = [&]<int kM>() {
+  auto by_input = [&]<int kM, int kStages>() {
     auto go = [&](auto* k) {
       raise_smem_limit(k, l.smem);
       KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
@@ -252,16 +253,16 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
                      a.norm_eps);
     };
     if (a.norm_residual_in != nullptr)
-      go(&stream_gemv_w8a8_kernel<kM, false, true>);
+      go(&stream_gemv_w8a8_kernel<kM, kStages, false, true>);
     else if (a.swiglu)
-      go(&stream_gemv_w8a8_kernel<kM, true, false>);
+      go(&stream_gemv_w8a8_kernel<kM, kStages, true, false>);
     else
-      go(&stream_gemv_w8a8_kernel<kM, false, false>);
+      go(&stream_gemv_w8a8_kernel<kM, kStages, false, false>);
   };
   if (a.n_tokens == 1)
-    by_input.template operator()<1>();
+    by_input.template operator()<1, kW8a8Stages1>();
   else
-    by_input.template operator()<2>();
+    by_input.template operator()<2, kW8a8Stages2>();
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

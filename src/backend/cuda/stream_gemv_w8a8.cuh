@@ -31,46 +31,36 @@ namespace kestrel::cuda {
 
 constexpr int kW8a8SlabRows = 8;
 constexpr int kW8a8SlabBytes = kW8a8SlabRows * kGemvLine;  // 16 KB: 8 rows x 2048 codes
-constexpr int kW8a8Stages = 6;  // ring depth: 96 KB, five slabs in flight
+constexpr int kW8a8Stages1 = 8;  // ring depth at one token (128 KB, seven slabs in flight)
+constexpr int kW8a8Stages2 = 6;  // at two (x and its codes take more)
 
-// The ring slots x [kM][n_in] bf16 borrows while the input is formed and quantized (the last
-// ones: their slabs are requested only after it).
-__host__ __device__ constexpr int w8a8_x_slots(int m, int k_lines) {
-  return (m * k_lines * kGemvLine * 2 + kW8a8SlabBytes - 1) / kW8a8SlabBytes;
-}
-
-// Dynamic shared memory of stream_gemv_w8a8_kernel: the ring (x inside it at first), x's codes
-// [kM][n_in], the per-warp row sums [rows][kM][8], the token scales, and 32 floats of scratch. At
-// one token and the 8B's shapes it stays under half an SM's shared memory, so the next
-// projection's block can be resident beside this one and stream its first slabs while this one
-// finishes (programmatic dependent launch).
-constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int k_lines, int rows_per_block) {
-  const int slots = kW8a8Stages > w8a8_x_slots(m, k_lines) ? kW8a8Stages : w8a8_x_slots(m, k_lines);
-  return static_cast<size_t>(slots) * kW8a8SlabBytes + static_cast<size_t>(m) * k_lines * kGemvLine +
+// Dynamic shared memory of stream_gemv_w8a8_kernel: the ring, x [kM][n_in] bf16, its codes
+// [kM][n_in], the per-warp row sums [rows][kM][8], the token scales, and 32 floats of scratch.
+// One block per SM: a ring that left room for the next projection's block beside it (six slabs,
+// 2 blocks an SM) made the 8B's batch-1 decode slower on the H200 (258.6 against 325.3 tok/s).
+constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines, int rows_per_block) {
+  return static_cast<size_t>(stages) * kW8a8SlabBytes + static_cast<size_t>(m) * k_lines * kGemvLine * 3 +
          (static_cast<size_t>(rows_per_block) * m * kGemvWarps + 2 + kWarpSize) * 4;
 }
 
 // w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
 // operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out / rows_per_block)
 // blocks of 256; n_in = k_lines x 2048.
-template <int kM, bool kSwiGLU, bool kNormIn>
-__global__ void __launch_bounds__(kGemvThreads, 2)
+template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
+__global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                             const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
                             int rows_per_block, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
                             const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
-  constexpr int kStages = kW8a8Stages;
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
   const int n_in = k_lines * kGemvLine;
-  const int x_slots = w8a8_x_slots(kM, k_lines);
-  const int slots = kStages > x_slots ? kStages : x_slots;
-  uint8_t* ring = smem;                                                       // [kStages][8][2048]
-  uint4* xs = reinterpret_cast<uint4*>(ring + (slots - x_slots) * kW8a8SlabBytes);  // [kM][n_in] bf16
-  uint8_t* xq = ring + slots * kW8a8SlabBytes;                                // [kM][n_in] codes
-  float* part = reinterpret_cast<float*>(xq + kM * n_in);                     // [rows][kM][warps]
+  uint8_t* ring = smem;                                                        // [kStages][8][2048]
+  uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);       // [kM][n_in] bf16
+  uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * k_lines * kGemvThreads);  // [kM][n_in] codes
+  float* part = reinterpret_cast<float*>(xq + kM * n_in);                      // [rows][kM][warps]
   float* x_scale = part + rows_per_block * kM * kGemvWarps;                  // [kM]
   float* scratch = x_scale + 2;                                             // [32]
 
@@ -95,9 +85,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
     }
     cp_async_commit();
   };
-  // The first slabs before the wait, into the slots x does not borrow; the rest once x is coded.
-  const int early = kStages - 1 < slots - x_slots ? kStages - 1 : slots - x_slots;
-  for (int s = 0; s < early; ++s) issue(s);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
   pdl_wait();
   stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
 
@@ -139,9 +128,8 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
       }
     }
   }
-  __syncthreads();  // every thread's codes are read by others; x's slots are free
+  __syncthreads();  // every thread's codes are read by others
   pdl_launch_next();
-  for (int s = early; s < kStages - 1; ++s) issue(s);
 
   const int g = lane / 4, tq = lane % 4;
   const int swz = (g & 1) << 2;
