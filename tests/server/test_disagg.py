@@ -62,7 +62,7 @@ def token_texts(response_json):
 
 def used(server):
     m = server.metrics()
-    return m["kestrel_kv_blocks_used"], m["kestrel_kv_transfer_held_requests"] if "kestrel_kv_transfer_held_requests" in m else 0
+    return m["kestrel_kv_blocks_used"], m["kestrel_kv_transfer_held_requests"]
 
 
 def wait_idle(server, timeout=10):
@@ -77,6 +77,7 @@ def wait_idle(server, timeout=10):
 def test_32_requests_match_one_process(sides):
     producer, consumer, single = sides
     bodies = [request_body(i) for i in range(32)]
+    computed_before = consumer.metrics()["kestrel_prompt_tokens_computed_total"]
     with ThreadPoolExecutor(8) as pool:
         want = list(pool.map(lambda b: single.post("/v1/completions", b), bodies))
         got = list(pool.map(lambda b: disaggregated(producer, consumer, b), bodies))
@@ -85,6 +86,8 @@ def test_32_requests_match_one_process(sides):
         assert token_texts(g.json()) == token_texts(w.json()), f"request {i}"
         assert g.json()["choices"][0]["text"] == w.json()["choices"][0]["text"]
         assert g.json()["usage"] == w.json()["usage"]
+    # The consumer computed only each prompt's last token; the K/V of the rest came from the producer.
+    assert consumer.metrics()["kestrel_prompt_tokens_computed_total"] - computed_before == len(bodies)
     assert wait_idle(producer) and wait_idle(consumer)
 
 
