@@ -2,12 +2,17 @@
 --kv-transfer-config '{"kv_role": "kv_producer"}'` prefills each request (max_tokens 1,
 kv_transfer_params.do_remote_decode) and holds its K/V; a consumer (kv_role kv_consumer) gets the
 original request with the producer's kv_transfer_params, pulls the K/V over HTTP and decodes. The
-reference is one plain `kestrel serve` of the same model: greedy outputs must be token-identical.
+reference is one plain `kestrel serve` of the same model: greedy outputs must be token-identical,
+called directly the way `kestrel router` calls the two sides, and through the router.
 Aborts anywhere (a pull that never comes, a client that leaves the consumer, a producer that is
 gone) end with an error or a freed block, never a hang: afterwards both sides hold no block."""
 
 import json
+import re
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +37,44 @@ def sides():
     for s in (producer, consumer, single):
         rc, out = s.stop()
         assert rc == 0, out
+
+
+class Router:
+    """A running `kestrel router` in front of the given producers and consumers."""
+
+    def __init__(self, prefill, decode, *args):
+        self.log = tempfile.NamedTemporaryFile(prefix="kestrel-router-", suffix=".log", delete=False)
+        cmd = [str(kestrel_binary()), "router", "--port", "0", *args]
+        for p in prefill:
+            cmd += ["--prefill", p]
+        for d in decode:
+            cmd += ["--decode", d]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            m = re.search(r"on http://[^:]+:(\d+)", Path(self.log.name).read_text())
+            if m:
+                self.url = f"http://127.0.0.1:{m.group(1)}"
+                return
+            assert self.proc.poll() is None, Path(self.log.name).read_text()
+            time.sleep(0.05)
+        raise RuntimeError("kestrel router did not start")
+
+    def post(self, path, body, **kw):
+        return requests.post(self.url + path, json=body, timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        Path(self.log.name).unlink()
+
+
+@pytest.fixture(scope="module")
+def router(sides):
+    producer, consumer, _ = sides
+    r = Router([producer.url], [consumer.url], "--timeout", "20")
+    yield r
+    r.stop()
 
 
 def prefill(producer, body):
@@ -88,6 +131,54 @@ def test_32_requests_match_one_process(sides):
         assert g.json()["usage"] == w.json()["usage"]
     # The consumer computed only each prompt's last token; the K/V of the rest came from the producer.
     assert consumer.metrics()["kestrel_prompt_tokens_computed_total"] - computed_before == len(bodies)
+    assert wait_idle(producer) and wait_idle(consumer)
+
+
+def test_router_32_requests_streamed_or_not_match_one_process(sides, router):
+    producer, consumer, single = sides
+    bodies = [request_body(i) for i in range(32)]
+
+    def through_router(i_body):
+        i, body = i_body
+        if i % 2 == 0:
+            r = router.post("/v1/completions", body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        r = router.post("/v1/completions", {**body, "stream": True}, stream=True)
+        assert r.status_code == 200, r.text
+        text = ""
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    with ThreadPoolExecutor(8) as pool:
+        want = [r.json()["choices"][0]["text"] for r in pool.map(lambda b: single.post("/v1/completions", b), bodies)]
+        got = list(pool.map(through_router, enumerate(bodies)))
+    assert got == want
+    assert wait_idle(producer) and wait_idle(consumer)
+
+
+def test_router_answers_errors_of_either_side(sides, router):
+    producer, consumer, _ = sides
+    # A client error from the producer is relayed as it is.
+    r = router.post("/v1/completions", {**request_body(1), "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    # A side that is not there: an OpenAI error, quickly.
+    gone = Server(stories_model(), *COMMON, name="stories")
+    url = gone.url
+    gone.stop()
+    for prefill_url, decode_url in ((url, consumer.url), (producer.url, url)):
+        lost = Router([prefill_url], [decode_url], "--timeout", "5")
+        try:
+            t0 = time.time()
+            r = lost.post("/v1/completions", request_body(2), timeout=30)
+            assert r.status_code == 502 and r.json()["error"]["type"] == "server_error", r.text
+            assert time.time() - t0 < 10
+        finally:
+            lost.stop()
+    # The producer's blocks of the request whose consumer was gone are freed by its timeout.
+    time.sleep(HOLD_TIMEOUT_S + 0.5)
     assert wait_idle(producer) and wait_idle(consumer)
 
 
