@@ -150,6 +150,19 @@ TEST(EngineKvTransfer, PrefixCacheHitOnTheProducerTransfersEveryBlock) {
   EXPECT_EQ(run(consumer).at(id), want);
   EXPECT_EQ(producer.stats().kv_blocks_used, 0);
   EXPECT_EQ(consumer.stats().kv_blocks_used, 0);
+
+  // The consumer's own prefix cache now holds the longer prompt's full blocks: a second import of
+  // it takes them from there and writes only the blocks after them; the tokens stay the same.
+  const RequestId again = prefill_all(producer, {longer})[0];
+  Request r2 = longer;
+  r2.kv_import = std::make_shared<KvImport>(producer.export_held_kv(again));
+  producer.release_held_kv(again);
+  const int64_t hits_before = consumer.stats().prefix_cache_hit_tokens;
+  const RequestId id2 = consumer.add_request(std::move(r2));
+  EXPECT_EQ(run(consumer).at(id2), want);
+  EXPECT_EQ(consumer.stats().prefix_cache_hit_tokens - hits_before,
+            static_cast<int64_t>(longer.prompt.size() - 1) / 8 * 8);
+  EXPECT_EQ(consumer.stats().kv_blocks_used, 0);
 }
 
 // Aborts: a held request released without a pull, a consumer request aborted before and after

@@ -182,6 +182,30 @@ def test_router_answers_errors_of_either_side(sides, router):
     assert wait_idle(producer) and wait_idle(consumer)
 
 
+def test_consumer_killed_mid_decode_ends_the_routed_stream(sides):
+    producer, _, _ = sides
+    consumer = Server(stories_model(), *COMMON, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer"}),
+                      name="stories")
+    lost = Router([producer.url], [consumer.url], "--timeout", "5")
+    try:
+        r = lost.post("/v1/completions", {**request_body(3), "max_tokens": 400, "stream": True}, stream=True,
+                      timeout=30)
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(l for l in lines if l.startswith(b"data: "))
+        consumer.proc.kill()  # the consumer dies mid-decode
+        t0 = time.time()
+        with pytest.raises(requests.exceptions.RequestException):
+            for line in lines:
+                assert line != b"data: [DONE]"
+        assert time.time() - t0 < 10
+    finally:
+        lost.stop()
+        consumer.stop()
+    # The producer's blocks went with the pull: nothing is held there.
+    assert wait_idle(producer)
+
+
 def test_streamed_consumer_and_producer_prefix_cache(sides):
     producer, consumer, single = sides
     body = request_body(5)
