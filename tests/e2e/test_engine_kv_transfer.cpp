@@ -151,7 +151,7 @@ TEST(EngineKvTransfer, PrefixCacheHitOnTheProducerTransfersEveryBlock) {
   EXPECT_EQ(producer.stats().kv_blocks_used, 0);
   EXPECT_EQ(consumer.stats().kv_blocks_used, 0);
 
-  // The consumer's own prefix cache now holds the longer prompt's full blocks: a second import of
+  // The consumer's own prefix cache then holds the longer prompt's full blocks: a second import of
   // it takes them from there and writes only the blocks after them; the tokens stay the same.
   const RequestId again = prefill_all(producer, {longer})[0];
   Request r2 = longer;
