@@ -159,6 +159,17 @@ def test_router_32_requests_streamed_or_not_match_one_process(sides, router):
     assert wait_idle(producer) and wait_idle(consumer)
 
 
+def test_router_chat_completions_match_one_process(sides, router):
+    _, _, single = sides
+    body = {"model": "stories", "messages": [{"role": "user", "content": "Tell me about a cat."}],
+            "max_completion_tokens": 30, "temperature": 0}
+    want = single.post("/v1/chat/completions", body)
+    got = router.post("/v1/chat/completions", body)
+    assert want.status_code == 200 and got.status_code == 200, (want.text, got.text)
+    assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
+    assert got.json()["usage"] == want.json()["usage"]
+
+
 def test_router_answers_errors_of_either_side(sides, router):
     producer, consumer, _ = sides
     # A client error from the producer is relayed as it is.
