@@ -125,7 +125,7 @@ if(KESTREL_CUDA_EMULATION)
     set(runner_dir ${CMAKE_SOURCE_DIR}/src/backend/cuda)
     add_library(kestrel_cuda_runner_emu STATIC
       ${runner_dir}/cuda_model_runner.cpp ${runner_dir}/cuda_forward.cpp ${runner_dir}/cuda_graph_runner.cpp
-      ${runner_dir}/cuda_moe_ffn.cpp ${runner_dir}/cuda_swap.cpp
+      ${runner_dir}/cuda_moe_ffn.cpp ${runner_dir}/cuda_swap.cpp ${runner_dir}/cuda_kv_transfer.cpp
       ${runner_dir}/cuda_mla.cpp ${runner_dir}/cuda_int4_weights.cpp ${runner_dir}/cuda_gguf_weights.cpp
       ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp
       ${runner_dir}/emulate_gemm.cpp ${runner_dir}/emulate_runtime.cpp)

@@ -8,11 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "backend/model_runner.h"
+#include "core/error.h"
 
 namespace kestrel::test {
 
@@ -71,6 +73,34 @@ inline void expect_swap_roundtrip_keeps_logits(const std::function<std::unique_p
   // The overwritten blocks read instead give other logits, so the comparison can fail.
   const std::vector<float> stale = run_one(*r, next, 20, {0, 1});
   EXPECT_NE(stale, want);
+}
+
+// Disaggregated prefill's block transfer checked the same way: a prompt's K/V read from blocks
+// [0, 1] of one runner (read_kv_blocks), written into blocks [5, 3] of another one
+// (write_kv_blocks) that never ran the prompt, and the next token's logits read there through
+// [5, 3] must equal those of the runner that ran it. make_runner as above.
+inline void expect_kv_transfer_keeps_logits(const std::function<std::unique_ptr<ModelRunner>()>& make_runner,
+                                            int32_t n_vocab) {
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 20; ++i) prompt.push_back(1 + (i * 37) % (n_vocab - 1));
+  const std::vector<int32_t> next = {7 % n_vocab};
+  const auto producer = make_runner();
+  run_one(*producer, prompt, 0, {0, 1});
+  const std::vector<int32_t> held = {0, 1};
+  std::vector<std::byte> bytes(2 * static_cast<size_t>(producer->block_size()) *
+                               static_cast<size_t>(producer->kv_bytes_per_token()));
+  producer->read_kv_blocks(held, bytes);
+  const std::vector<float> want = run_one(*producer, next, 20, {0, 1});
+
+  const auto consumer = make_runner();
+  const std::vector<int32_t> fresh = {5, 3};
+  consumer->write_kv_blocks(fresh, bytes);
+  EXPECT_EQ(run_one(*consumer, next, 20, {5, 3}), want);
+  // Blocks that received nothing give other logits, so the comparison can fail.
+  EXPECT_NE(run_one(*consumer, next, 20, {0, 1}), want);
+  // A buffer of the wrong size is an error, not a partial copy.
+  bytes.pop_back();
+  EXPECT_THROW(consumer->write_kv_blocks(fresh, bytes), Error);
 }
 
 }  // namespace kestrel::test

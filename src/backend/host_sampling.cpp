@@ -22,6 +22,12 @@ void ModelRunner::swap_out(std::span<const BlockSwap>) {
 void ModelRunner::swap_in(std::span<const BlockSwap>) {
   throw Error("the " + description() + " backend has no host swap space");
 }
+void ModelRunner::read_kv_blocks(std::span<const int32_t>, std::span<std::byte>) const {
+  throw Error("the " + description() + " backend cannot export KV blocks (KV transfer)");
+}
+void ModelRunner::write_kv_blocks(std::span<const int32_t>, std::span<const std::byte>) {
+  throw Error("the " + description() + " backend cannot import KV blocks (KV transfer)");
+}
 
 std::span<const int32_t> ModelRunner::forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows,
                                                      const TokenMaskFill& fill_masks) {

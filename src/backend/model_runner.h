@@ -113,6 +113,14 @@ class ModelRunner {
   // Bytes per second one direction of the device <-> host link moves, for the swap-or-recompute
   // choice (PreemptionMode::Auto).
   virtual double host_link_bytes_per_s() const { return 0; }
+  // Disaggregated prefill (a prefill process's K/V decoded in another): each block of `blocks` as
+  // block_size() x kv_bytes_per_token() bytes, in order, into `out`
+  // (blocks.size() x that many bytes); write_kv_blocks is the reverse. The CPU's record is
+  // KvCache::read_block's (tensor parallel: each rank's, in rank order); a reader of the same model,
+  // block size, dtype and parallel layout gets back exactly what was read. Errors: kestrel::Error
+  // when the backend cannot (the default) or the span's size is wrong.
+  virtual void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const;
+  virtual void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in);
   virtual int32_t n_kv_blocks() const = 0;
   virtual int32_t block_size() const = 0;
   virtual KvDtype kv_dtype() const = 0;

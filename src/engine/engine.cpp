@@ -182,6 +182,7 @@ RequestId Engine::add_request(Request request) {
     throw Error("prompt_logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
                 std::to_string(request.prompt_logprobs));
   if (!request.stop.empty() && m.tokenizer == nullptr) throw Error("stop strings need a tokenizer");
+  if (request.kv_import) m.check_import(request, n_prompt);
   for (const std::string& s : request.stop)
     if (s.empty()) throw Error("stop strings must not be empty");
   auto r = std::make_unique<RequestState>();
@@ -200,6 +201,8 @@ RequestId Engine::add_request(Request request) {
   r->seq.id = r->id;
   r->seq.tokens = request.prompt;
   r->seq.n_prompt = n_prompt;
+  // The last prompt token is computed here: its logits give the first token, as in one engine.
+  if (request.kv_import) r->seq.n_imported = std::min(request.kv_import->n_tokens, n_prompt - 1);
   if (request.prompt_logprobs >= 0 || request.prompt_logits) {
     r->seq.reuse_prefix_cache = false;  // cached positions would have no logits
     // Every prompt position of a chunk is a logits row: bound the rows (n_vocab floats each, on
@@ -235,7 +238,7 @@ void Engine::abort_request(RequestId id) {
 }
 
 RequestState* Engine::Impl::prompt_parent_for(const RequestState& r) {
-  if (r.wants_prompt_rows()) return nullptr;  // it needs rows of its own
+  if (r.wants_prompt_rows() || r.req.kv_import) return nullptr;  // it needs rows of its own, or brings its K/V
   const auto it = unstarted_prompts.find(r.prompt_hash);
   if (it == unstarted_prompts.end()) return nullptr;
   const auto p = requests.find(it->second);
@@ -275,6 +278,7 @@ void Engine::Impl::finish(RequestState& r, const std::string& reason, std::vecto
   if (drafter) drafter->release(r.id);
   o->finish_reason = reason;
   if (r.own_group) end_beams(r, o);  // the other beams end; a finished search's hypotheses and reason
+  if (r.req.do_remote_decode && (reason == "stop" || reason == "length")) hold_kv(r, *o);
   scheduler.finish(&r.seq);
   r.finished = true;
   o->finished = true;
@@ -504,6 +508,7 @@ std::vector<RequestOutput> Engine::step() {
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
+  for (const SchedulerOutput::Import& im : out.imported) m.write_import(im);
   m.build_batch(out);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
   const ForwardBatch fb = m.batch.view();

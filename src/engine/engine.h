@@ -7,12 +7,14 @@
 // (the batch command, the HTTP server's engine thread) owns it and calls step() in a loop.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backend/model_runner.h"
+#include "memory/kv_dtype.h"
 #include "engine/beam_search.h"
 #include "model/llama_weights.h"
 #include "sampling/logprobs.h"
@@ -59,6 +61,29 @@ struct EngineConfig {
 
 using RequestId = uint64_t;
 
+// Disaggregated prefill (vLLM's prefill/decode disaggregation with a KV connector): the layout of
+// a transferred KV block, which both engines must share. A block's bytes are
+// ModelRunner::read_kv_blocks's record: bytes_per_token x block_size.
+struct KvTransferFormat {
+  int32_t block_size = 0;
+  KvDtype kv_dtype = KvDtype::F16;
+  int64_t bytes_per_token = 0;   // over all layers (ModelRunner::kv_bytes_per_token)
+  int64_t n_layer = 0, n_head_kv = 0, head_dim = 0;
+  int32_t tensor_parallel_size = 1;
+  int64_t bytes_per_block() const { return bytes_per_token * block_size; }
+};
+// Errors: kestrel::Error naming the first field in which `remote` differs from `local`.
+void check_kv_transfer_format(const KvTransferFormat& local, const KvTransferFormat& remote);
+
+// K/V of a sequence's leading tokens, computed by another engine: the whole blocks that hold
+// positions [0, n_tokens), each block's record in order (kv_transfer_format().bytes_per_block()
+// bytes each).
+struct KvImport {
+  KvTransferFormat format;
+  int64_t n_tokens = 0;
+  std::vector<std::byte> bytes;
+};
+
 // What a client asks for, already tokenized.
 struct Request {
   std::vector<int32_t> prompt;          // token ids, at least one
@@ -90,6 +115,16 @@ struct Request {
   // max_model_len, and reports one finished output with RequestOutput::beams. Not with logprobs,
   // prompt_logprobs, prompt_logits, stop strings or a grammar (add_request refuses them).
   BeamSearchParams beam;
+  // Disaggregated prefill, producer side (vLLM's kv_transfer_params.do_remote_decode): when the
+  // request finishes by "stop" or "length", the K/V blocks of its computed tokens stay held (not
+  // freed) under its id until release_held_kv, so another engine can pull them (export_held_kv).
+  bool do_remote_decode = false;
+  // Consumer side (do_remote_prefill): the K/V of the prompt's first kv_import->n_tokens tokens;
+  // the engine computes only the prompt's rest (at least its last token) and decodes as if it had
+  // prefilled. Its format must equal kv_transfer_format(), n_tokens be in [1, n_prompt] and its
+  // prompt the one the K/V were computed from (the caller's word: the producer's tokens). Not with
+  // prompt_logprobs, prompt_logits or beam search.
+  std::shared_ptr<const KvImport> kv_import;
 };
 
 inline constexpr int32_t kMaxRequestLogprobs = 20;
@@ -123,6 +158,11 @@ struct RequestOutput {
   // Beam search, on the finished output: the best beam.n_best hypotheses, best first, each with
   // its text; new_token_ids and text_delta then hold the best one's. Empty on every other output.
   std::vector<BeamHypothesis> beams;
+  // Request::do_remote_decode, on the finished output: the blocks held for a pull
+  // (Engine::held_kv_blocks, vLLM's remote_block_ids) and how many tokens they hold; empty and 0
+  // when nothing is held (the request was aborted or failed).
+  std::vector<int32_t> kv_held_blocks;
+  int64_t kv_held_tokens = 0;
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"
   std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
@@ -223,6 +263,17 @@ class Engine {
   bool has_unfinished() const;
   size_t n_waiting() const;
   size_t n_running() const;
+
+  // Disaggregated prefill. kv_transfer_format: this engine's block layout. export_held_kv: the
+  // held K/V of finished do_remote_decode request `id` (n_tokens: its computed tokens; the
+  // tokens themselves in `tokens` when given). release_held_kv: frees them (their full blocks stay
+  // in the prefix cache); an unknown id is ignored. Errors: kestrel::Error when `id` holds none.
+  KvTransferFormat kv_transfer_format() const;
+  KvImport export_held_kv(RequestId id, std::vector<int32_t>* tokens = nullptr) const;
+  // The physical blocks request `id` holds (vLLM's remote_block_ids), empty when none.
+  std::vector<int32_t> held_kv_blocks(RequestId id) const;
+  void release_held_kv(RequestId id);
+  size_t n_held_kv() const;
 
   const EngineStats& stats() const;
   const EngineConfig& config() const;  // with 0-defaults resolved

@@ -138,6 +138,21 @@ struct Engine::Impl {
   void end_beams(RequestState& owner, RequestOutput* o);
   std::vector<RequestId> beam_groups_ready;  // owners whose group got a row this step
 
+  // Disaggregated prefill (engine_kv_transfer.cpp). hold_kv: finish's part for a do_remote_decode
+  // request (its blocks shared by a held sequence, so freeing the request keeps them).
+  // check_import: add_request's checks of Request::kv_import. write_import: the imported bytes
+  // into the blocks admission gave the sequence, before the pass.
+  struct HeldKv {
+    SeqId seq = 0;  // the held sequence in the KvManager: the request id with kHeldSeqBit
+    std::vector<int32_t> tokens;  // its computed tokens
+  };
+  static constexpr SeqId kHeldSeqBit = SeqId{1} << 63;
+  std::unordered_map<RequestId, HeldKv> held_kv;
+  void hold_kv(RequestState& r, RequestOutput& o);
+  void check_import(const Request& req, int64_t n_prompt) const;
+  void write_import(const SchedulerOutput::Import& im);
+  KvTransferFormat kv_format() const;
+
   const LlamaModel& model;
   const Tokenizer* tokenizer;
   EngineConfig config;

@@ -93,4 +93,45 @@ void KvCache::copy_block(const KvCache& from, int32_t src, KvCache& to, int32_t 
   copy(from.rope_scale_, to.rope_scale_, n_scales);
 }
 
+void KvCache::read_block(int32_t block, std::span<std::byte> out) const {
+  KESTREL_ASSERT(block >= 0 && block < n_blocks_, "KV block read outside the cache");
+  KESTREL_ASSERT(static_cast<int64_t>(out.size()) == bytes_per_block(), "KV block read: wrong buffer size");
+  const size_t code = static_cast<size_t>(block_size_) * static_cast<size_t>(kv_dim()) *
+                      static_cast<size_t>(kv_dtype_bytes(dtype_));
+  const size_t scale = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_) * sizeof(float);
+  std::byte* dst = out.data();
+  // Layer-major (every part of layer l before layer l + 1), the order write_block reads.
+  const std::vector<std::unique_ptr<float[]>>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
+  for (size_t l = 0; l < k_.size(); ++l) {
+    const auto put = [&](const void* base, size_t n) {
+      std::memcpy(dst, static_cast<const std::byte*>(base) + static_cast<size_t>(block) * n, n);
+      dst += n;
+    };
+    put(k_[l].get(), code);
+    if (has_v()) put(v_[l].get(), code);
+    for (const auto* p : parts)
+      if (!p->empty()) put((*p)[l].get(), scale);
+  }
+}
+
+void KvCache::write_block(int32_t block, std::span<const std::byte> in) {
+  KESTREL_ASSERT(block >= 0 && block < n_blocks_, "KV block write outside the cache");
+  KESTREL_ASSERT(static_cast<int64_t>(in.size()) == bytes_per_block(), "KV block write: wrong buffer size");
+  const size_t code = static_cast<size_t>(block_size_) * static_cast<size_t>(kv_dim()) *
+                      static_cast<size_t>(kv_dtype_bytes(dtype_));
+  const size_t scale = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_) * sizeof(float);
+  const std::byte* src = in.data();
+  std::vector<std::unique_ptr<float[]>>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
+  for (size_t l = 0; l < k_.size(); ++l) {
+    const auto get = [&](void* base, size_t n) {
+      std::memcpy(static_cast<std::byte*>(base) + static_cast<size_t>(block) * n, src, n);
+      src += n;
+    };
+    get(k_[l].get(), code);
+    if (has_v()) get(v_[l].get(), code);
+    for (auto* p : parts)
+      if (!p->empty()) get((*p)[l].get(), scale);
+  }
+}
+
 }  // namespace kestrel

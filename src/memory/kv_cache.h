@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,14 @@ class KvCache {
   // Copies block src of `from` to block dst of `to` (swapping between a pool and its host swap
   // pool). KESTREL_ASSERT unless both caches have the same geometry, block size and dtype.
   static void copy_block(const KvCache& from, int32_t src, KvCache& to, int32_t dst);
+  // A block's bytes as one flat record (disaggregated prefill moves them between processes):
+  // for each layer, K [n_head_kv, block_size, head_dim] of dtype(), then V (none for MLA), then
+  // INT8 only the f32 scales [n_head_kv, block_size] of K, V (MLA: of the latent, then of the
+  // RoPE key). block_size x bytes_per_token() bytes. KESTREL_ASSERT when block is outside the pool
+  // or the span's size differs.
+  void read_block(int32_t block, std::span<std::byte> out) const;
+  void write_block(int32_t block, std::span<const std::byte> in);
+  int64_t bytes_per_block() const { return static_cast<int64_t>(block_size_) * bytes_per_token(); }
 
  private:
   int64_t n_layer_;

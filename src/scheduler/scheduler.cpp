@@ -136,17 +136,24 @@ SchedulerOutput Scheduler::schedule() {
     }
     const bool reuse = s->reuse_prefix_cache;
     const int64_t n_cached = reuse ? kv_.cached_prefix_len(s->tokens) : 0;
-    int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_cached, budget);
+    // Imported K/V count as computed; cached blocks before them are not overwritten.
+    const int64_t n_start = std::max(n_cached, s->n_imported);
+    int64_t n_new = std::min(static_cast<int64_t>(s->tokens.size()) - n_start, budget);
     if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
-    if (!kv_.can_allocate(s->tokens, n_cached + n_new, reuse, config_.window)) break;
-    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_cached + n_new, reuse, config_.window);
+    if (!kv_.can_allocate(s->tokens, n_start + n_new, reuse, config_.window)) break;
+    const int64_t n_hit = kv_.allocate(s->id, s->tokens, n_start + n_new, reuse, config_.window);
     KESTREL_ASSERT(n_hit == n_cached, "Scheduler: prefix cache changed between query and commit");
     waiting_.pop_front();
-    s->n_computed = n_hit;
+    if (s->n_imported > n_hit) {
+      const int64_t bs = kv_.block_size();
+      out.imported.push_back({s, n_hit / bs, (s->n_imported + bs - 1) / bs - n_hit / bs});
+    }
+    s->n_imported = 0;
+    s->n_computed = n_start;
     s->status = SeqStatus::Running;
     if (s->n_cached_prompt < 0) s->n_cached_prompt = std::min(n_hit, s->n_prompt);
     running_.push_back(s);
-    out.scheduled.push_back({s, n_hit, n_new});
+    out.scheduled.push_back({s, n_start, n_new});
     budget -= n_new;
   }
 

@@ -82,6 +82,15 @@ struct SchedulerOutput {
   std::vector<BlockSwap> swap_out;      // device -> host copies, first of all (also when scheduled is empty)
   std::vector<BlockCopy> copies;        // copy-on-write K/V copies to do before the forward pass
   std::vector<BlockSwap> swap_in;       // host -> device copies, after `copies`, before the pass
+  // Sequences admitted with imported K/V (Sequence::n_imported): their table's blocks
+  // [first_block, first_block + n_blocks) must receive the imported bytes of those blocks before the
+  // forward pass (the blocks before first_block were prefix-cache hits).
+  struct Import {
+    Sequence* seq;
+    int64_t first_block;
+    int64_t n_blocks;
+  };
+  std::vector<Import> imported;
   std::vector<Sequence*> preempted;     // sequences preempted in this step (now waiting), swapped ones too
   int64_t n_swapped = 0;                // of those, preempted by swap
   int64_t n_tokens = 0;

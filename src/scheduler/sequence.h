@@ -28,6 +28,11 @@ struct Sequence {
   // same step as the sampled token before them, each with its own logits row, and rolled back with
   // Scheduler::truncate when rejected. 0 without speculation.
   int64_t n_draft = 0;
+  // Disaggregated prefill: leading prompt tokens whose K/V arrive from another engine (at most
+  // n_prompt - 1, so the last prompt token is computed here and gives the first token's logits).
+  // Admission starts the sequence computed up to here and reports its blocks in
+  // SchedulerOutput::imported; then it is 0 (a preemption by recompute computes everything).
+  int64_t n_imported = 0;
 
   int64_t n_generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
   int64_t n_uncomputed() const { return static_cast<int64_t>(tokens.size()) - n_computed; }

@@ -293,4 +293,23 @@ TEST(CpuBackendSwap, SwappedBlocksComeBackWithTheirKeysAndValues) {
   }
 }
 
+TEST(CpuBackendKvTransfer, TransferredBlocksGiveTheLogitsOfTheRunnerThatComputedThem) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  for (const KvDtype dtype : {KvDtype::F32, KvDtype::F16, KvDtype::INT8}) {
+    for (const int tp : {1, 2}) {
+      SCOPED_TRACE(std::string(kv_dtype_name(dtype)) + ", tensor parallel " + std::to_string(tp));
+      RunnerOptions o;
+      o.block_size = 16;
+      o.n_kv_blocks = 8;
+      o.kv_dtype = dtype;
+      o.n_threads = 2;
+      o.tensor_parallel_size = tp;
+      test::expect_kv_transfer_keeps_logits([&] { return make_cpu_model_runner(*model, o); },
+                                            static_cast<int32_t>(model->hparams().n_vocab));
+    }
+  }
+}
+
 }  // namespace kestrel

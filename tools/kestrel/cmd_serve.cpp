@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "core/error.h"
+#include "kv_transfer_config.h"
 #include "openai_request.h"
 #include "server/engine_loop.h"
 #include "server/http_server.h"
@@ -31,6 +32,7 @@ struct ServeArgs {
   KestrelConfig config;
   double keep_alive_s = 5;
   uint64_t max_body_bytes = 8 << 20;
+  std::string kv_transfer_config;  // --kv-transfer-config JSON; "" = no disaggregation
 };
 
 // Descriptors kept for everything but client connections (model files, the listening socket,
@@ -86,8 +88,11 @@ void run_serve(ServeArgs a) {
     throw Error("the model's chat template (tokenizer.chat_template) does not parse: " + format.template_error);
   const EngineConfig& config = engine->config();
 
+  if (!a.kv_transfer_config.empty()) a.server.kv_transfer = parse_kv_transfer_config(a.kv_transfer_config);
+
   ServerMetrics metrics;
   EngineLoop loop(*engine, [&metrics](const RequestOutput& o) { metrics.on_finished(o); });
+  if (a.server.kv_transfer) loop.set_kv_hold_timeout(a.server.kv_transfer->abort_request_timeout);
   HttpServer http(a.server, format, config.max_model_len, loop, metrics);
   const int port = http.bind();
   std::cerr << "kestrel serve: " << a.server.served_model_name << " on http://" << a.server.host << ":" << port
@@ -95,6 +100,10 @@ void run_serve(ServeArgs a) {
             << config.block_size << " tokens, max_num_seqs " << config.max_num_seqs << ", "
             << a.server.http_threads << " HTTP threads, at most " << a.server.max_connections << " connections"
             << (a.server.api_key.empty() ? "" : ", API key required")
+            << (!a.server.kv_transfer ? ""
+                : a.server.kv_transfer->kv_role == KvRole::Producer ? ", KV producer"
+                : a.server.kv_transfer->kv_role == KvRole::Consumer ? ", KV consumer"
+                                                                    : ", KV producer and consumer")
             << ")" << std::endl;
 
   std::thread signals([&] {
@@ -151,6 +160,19 @@ void register_serve(CLI::App& app) {
       ->transform(CLI::AsSizeValue(true))
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32))
       ->default_str("8MiB");
+  sub->add_option("--kv-transfer-config", a->kv_transfer_config,
+                  "Disaggregated prefill (vLLM's spelling), a JSON object: {\"kv_role\": \"kv_producer\" | "
+                  "\"kv_consumer\" | \"kv_both\", \"kv_ip\": host consumers pull from (127.0.0.1), "
+                  "\"engine_id\", \"abort_request_timeout\": seconds unpulled K/V stay held (480), "
+                  "\"kv_pull_timeout\": seconds a pull may take (60)}")
+      ->check([](const std::string& v) {
+        try {
+          parse_kv_transfer_config(v);
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      });
   a->config.add_flags(*sub, EngineMode::Serving);
   sub->callback([a] { run_serve(*a); });
 }

@@ -96,6 +96,7 @@ void register_batch(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_plan(CLI::App& app);
 void register_serve(CLI::App& app);
+void register_router(CLI::App& app);
 void register_perplexity(CLI::App& app);
 
 }  // namespace kestrel::cli

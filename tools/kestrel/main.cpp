@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_bench(app);
   kestrel::cli::register_plan(app);
   kestrel::cli::register_serve(app);
+  kestrel::cli::register_router(app);
   kestrel::cli::register_perplexity(app);
   try {
     if (argc > 1 && argv[1][0] != '-' && !has_subcommand(app, argv[1])) {

@@ -50,6 +50,16 @@ class CpuBackend final : public ModelRunner {
     if (!swap_) ModelRunner::swap_in(swaps);
     for (const BlockSwap& s : swaps) KvCache::copy_block(*swap_, s.host, kv_, s.device);
   }
+  void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override {
+    const size_t n = static_cast<size_t>(kv_.bytes_per_block());
+    if (out.size() != blocks.size() * n) throw Error("read_kv_blocks: buffer size does not match the blocks");
+    for (size_t i = 0; i < blocks.size(); ++i) kv_.read_block(checked_block(blocks[i]), out.subspan(i * n, n));
+  }
+  void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in) override {
+    const size_t n = static_cast<size_t>(kv_.bytes_per_block());
+    if (in.size() != blocks.size() * n) throw Error("write_kv_blocks: buffer size does not match the blocks");
+    for (size_t i = 0; i < blocks.size(); ++i) kv_.write_block(checked_block(blocks[i]), in.subspan(i * n, n));
+  }
   // One thread's memcpy within host memory: a round figure for a current x86 server core (the
   // choice only weighs it against the measured prefill time per token).
   double host_link_bytes_per_s() const override { return 10e9; }
@@ -68,6 +78,10 @@ class CpuBackend final : public ModelRunner {
   KvGeometry geometry_;
   KvCache kv_;
   std::unique_ptr<KvCache> swap_;  // host swap pool; null until allocate_swap_space
+  int32_t checked_block(int32_t b) const {
+    if (b < 0 || b >= kv_.n_blocks()) throw Error("KV transfer: block " + std::to_string(b) + " is outside the pool");
+    return b;
+  }
   cpu::CpuModelRunner runner_;
 };
 
@@ -186,6 +200,21 @@ class TensorParallelCpuBackend final : public ModelRunner {
   void swap_in(std::span<const BlockSwap> swaps) override {
     for (auto& r : ranks_) r->swap_in(swaps);
   }
+  // A block's record is each rank's record of its heads, in rank order.
+  void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override {
+    each_rank_part(blocks, out.size(), [&](size_t r, std::span<const int32_t> b, size_t off, size_t n) {
+      std::vector<std::byte> part(n * blocks.size());
+      ranks_[r]->read_kv_blocks(b, part);
+      for (size_t i = 0; i < blocks.size(); ++i) std::memcpy(out.data() + i * block_bytes() + off, part.data() + i * n, n);
+    });
+  }
+  void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in) override {
+    each_rank_part(blocks, in.size(), [&](size_t r, std::span<const int32_t> b, size_t off, size_t n) {
+      std::vector<std::byte> part(n * blocks.size());
+      for (size_t i = 0; i < blocks.size(); ++i) std::memcpy(part.data() + i * n, in.data() + i * block_bytes() + off, n);
+      ranks_[r]->write_kv_blocks(b, part);
+    });
+  }
   double host_link_bytes_per_s() const override { return ranks_[0]->host_link_bytes_per_s(); }
   int32_t n_kv_blocks() const override { return ranks_[0]->n_kv_blocks(); }
   int32_t block_size() const override { return ranks_[0]->block_size(); }
@@ -195,6 +224,18 @@ class TensorParallelCpuBackend final : public ModelRunner {
     int64_t b = 0;
     for (const auto& r : ranks_) b += r->kv_bytes_per_token();
     return b;
+  }
+  size_t block_bytes() const { return static_cast<size_t>(block_size()) * static_cast<size_t>(kv_bytes_per_token()); }
+  // fn(rank, blocks, offset of the rank's part in a block's record, its bytes) for every rank.
+  template <class Fn>
+  void each_rank_part(std::span<const int32_t> blocks, size_t total, Fn&& fn) const {
+    if (total != blocks.size() * block_bytes()) throw Error("KV transfer: buffer size does not match the blocks");
+    size_t off = 0;
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      const size_t n = static_cast<size_t>(block_size()) * static_cast<size_t>(ranks_[r]->kv_bytes_per_token());
+      fn(r, blocks, off, n);
+      off += n;
+    }
   }
   std::string description() const override {
     return "tensor parallel " + std::to_string(size_) + " x " + ranks_[0]->description();

@@ -155,6 +155,11 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // PCIe Gen5 x16, the H200 SXM's host link: 64 GB/s a direction by the standard; 50e9 taken as
   // what pinned cudaMemcpyAsync reaches (a lead, not measured here).
   double host_link_bytes_per_s() const override { return 50e9; }
+  // Disaggregated prefill's K/V through host memory (cuda_kv_transfer.cpp): a block's record is
+  // each cache tensor's block bytes in the swap buffer's order (per layer K, V; then the FP8
+  // scales per layer K, V); copies on stream_, which is synchronized after them.
+  void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override;
+  void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in) override;
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
   KvDtype kv_dtype() const override { return kv_dtype_; }
@@ -350,6 +355,13 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   DevMem scale_ptrs_;  // FP8: every scale tensor's device pointer (2 per layer)
   int64_t cache_block_bytes_ = 0;  // one block of one cache tensor (the codes, for FP8)
   int64_t scale_block_bytes_ = 0;  // one block of one FP8 scale tensor; 0 for bf16
+  // Every cache tensor's device base and its bytes per block, in the swap buffer's order.
+  struct CacheTensor {
+    std::byte* device;
+    size_t bytes;
+  };
+  std::vector<CacheTensor> cache_tensors() const;
+  void kv_transfer_copy(std::span<const int32_t> blocks, std::byte* host, size_t host_bytes, bool to_host) const;
   // Swap space: [tensor][n_swap_blocks_][its block bytes], the cache tensors in k_cache_ / v_cache_
   // order per layer, then (FP8) the scale tensors likewise; swap_tensors() lists them.
   PinnedMem swap_host_;

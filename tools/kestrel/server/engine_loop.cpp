@@ -1,7 +1,10 @@
 #include "server/engine_loop.h"
 
+#include <algorithm>
 #include <exception>
 #include <iostream>
+
+#include "kv_transfer_config.h"
 
 namespace kestrel::cli {
 
@@ -99,7 +102,48 @@ EngineSnapshot EngineLoop::snapshot() const {
   return snapshot_;
 }
 
+void EngineLoop::pull_kv(RequestId id, KvPullDone done) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_) {
+      Command c{Command::Kind::PullKv, nullptr, {}, id, std::move(done)};
+      commands_.push_back(std::move(c));
+      cv_.notify_one();
+      return;
+    }
+  }
+  done({}, "the server is shutting down");
+}
+
+void EngineLoop::apply_pull(Command& c) {
+  std::string body, error;
+  try {
+    std::vector<int32_t> tokens;
+    const KvImport kv = engine_.export_held_kv(c.kv_id, &tokens);
+    body = encode_kv_blocks(kv, tokens);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Pulled or not pullable: either way the blocks are not held any longer.
+  engine_.release_held_kv(c.kv_id);
+  held_until_.erase(c.kv_id);
+  c.kv_done(std::move(body), std::move(error));
+}
+
+void EngineLoop::release_expired_kv() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = held_until_.begin(); it != held_until_.end();) {
+    if (it->second <= now) {
+      engine_.release_held_kv(it->first);
+      it = held_until_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void EngineLoop::apply(Command& c) {
+  if (c.kind == Command::Kind::PullKv) return apply_pull(c);
   RequestChannel& ch = *c.channel;
   if (c.kind == Command::Kind::Abort) {
     for (RequestId id : ch.ids_)
@@ -126,6 +170,12 @@ void EngineLoop::route(std::vector<RequestOutput>& outputs) {
     if (it == routes_.end()) continue;
     const Route r = it->second;
     if (o.finished) {
+      if (!o.kv_held_blocks.empty()) {
+        const auto timeout = hold_timeout_s_ > 0 ? std::chrono::duration<double>(hold_timeout_s_)
+                                                 : std::chrono::duration<double>(1e9);
+        held_until_[o.id] = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
+      }
       on_finished_(o);
       routes_.erase(it);
     }
@@ -138,6 +188,7 @@ void EngineLoop::publish() {
   s.stats = engine_.stats();
   s.n_running = engine_.n_running();
   s.n_waiting = engine_.n_waiting();
+  s.n_held_kv = engine_.n_held_kv();
   s.alive = true;
   std::lock_guard lock(snapshot_mutex_);
   snapshot_ = s;
@@ -163,12 +214,26 @@ void EngineLoop::run() {
     {
       std::unique_lock lock(mutex_);
       // Sleep only when the engine has nothing to do (has_unfinished is read by this thread only).
-      if (!engine_.has_unfinished()) cv_.wait(lock, [&] { return !commands_.empty() || stopping_; });
+      if (!engine_.has_unfinished()) {
+        const auto wake = [&] { return !commands_.empty() || stopping_; };
+        if (held_until_.empty()) {
+          cv_.wait(lock, wake);
+        } else {  // wake for the first held K/V to expire
+          auto first = held_until_.begin()->second;
+          for (const auto& [id, t] : held_until_) first = std::min(first, t);
+          cv_.wait_until(lock, first, wake);
+        }
+      }
       commands.swap(commands_);
       stopping = stopping_;
     }
     try {
+      release_expired_kv();
       for (Command& c : commands) {
+        if (stopping && c.kind == Command::Kind::PullKv) {
+          c.kv_done({}, "the server is shutting down");
+          continue;
+        }
         if (stopping && c.kind == Command::Kind::Submit) {
           c.channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
           continue;
@@ -203,9 +268,11 @@ void EngineLoop::run() {
     std::lock_guard lock(mutex_);
     left.swap(commands_);
   }
-  for (Command& c : left)
+  for (Command& c : left) {
     if (c.kind == Command::Kind::Submit)
       c.channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
+    if (c.kind == Command::Kind::PullKv) c.kv_done({}, "the server is shutting down");
+  }
   fail_all("the server is shutting down");
   std::lock_guard lock(snapshot_mutex_);
   snapshot_.alive = false;

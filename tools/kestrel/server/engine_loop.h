@@ -10,6 +10,7 @@
 // when there is something to take, and the HTTP side takes it on its own thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -75,6 +76,7 @@ struct EngineSnapshot {
   EngineStats stats;
   size_t n_running = 0;
   size_t n_waiting = 0;
+  size_t n_held_kv = 0;  // do_remote_decode requests whose K/V blocks wait for a pull
   bool alive = true;  // false once the engine thread stopped (shutdown or an engine failure)
 };
 
@@ -98,14 +100,25 @@ class EngineLoop {
   // and ends the engine thread. Idempotent.
   void shutdown();
   bool accepting() const;
+  // Disaggregated prefill, producer side. Held K/V no one pulls within `seconds` of its
+  // request's end are freed (kv_transfer_config's abort_request_timeout); 0 = never.
+  void set_kv_hold_timeout(double seconds) { hold_timeout_s_ = seconds; }
+  // A consumer's pull of request `id`'s held K/V: on the engine thread, the blocks' record
+  // (encode_kv_blocks) is made and the blocks are freed; `done` gets the body, or an empty body and
+  // the error (unknown id: never held, already pulled, or timed out). done runs on the engine
+  // thread and must not block.
+  using KvPullDone = std::function<void(std::string body, std::string error)>;
+  void pull_kv(RequestId id, KvPullDone done);
 
   EngineSnapshot snapshot() const;
 
  private:
   struct Command {
-    enum class Kind { Submit, Abort } kind;
+    enum class Kind { Submit, Abort, PullKv } kind;
     std::shared_ptr<RequestChannel> channel;
     std::vector<Request> requests;  // Submit
+    RequestId kv_id = 0;            // PullKv
+    KvPullDone kv_done;
   };
   struct Route {
     std::shared_ptr<RequestChannel> channel;
@@ -117,6 +130,8 @@ class EngineLoop {
   void route(std::vector<RequestOutput>& outputs);
   void publish();
   void fail_all(const std::string& error);
+  void apply_pull(Command& c);
+  void release_expired_kv();
 
   Engine& engine_;
   std::function<void(const RequestOutput&)> on_finished_;
@@ -125,6 +140,9 @@ class EngineLoop {
   std::deque<Command> commands_;
   bool stopping_ = false;
   std::unordered_map<RequestId, Route> routes_;  // engine thread only
+  double hold_timeout_s_ = 0;
+  // Held K/V by request id: when each is freed unpulled (engine thread only).
+  std::unordered_map<RequestId, std::chrono::steady_clock::time_point> held_until_;
   mutable std::mutex snapshot_mutex_;
   EngineSnapshot snapshot_;
   std::thread thread_;

@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <ctime>
 
@@ -191,6 +192,34 @@ size_t longest_token(const Tokenizer& tok) {
   return n;
 }
 
+// GET /v1/kv_transfer/{id}: the held K/V of producer request id, answered from the engine thread
+// (EngineLoop::pull_kv); the blocks are freed once read.
+void answer_kv_pull(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& id_text) {
+  if (!api.kv_transfer || !api.kv_transfer->produces())
+    return session->respond(error_json(404, "this server is not a KV producer (--kv-transfer-config kv_role)",
+                                       "remote_request_id", "kv_transfer_unavailable"));
+  RequestId id = 0;
+  const auto [end, ec] = std::from_chars(id_text.data(), id_text.data() + id_text.size(), id);
+  if (ec != std::errc() || end != id_text.data() + id_text.size())
+    return session->respond(error_json(404, "no held K/V for request \"" + id_text + "\"", "remote_request_id",
+                                       "kv_transfer_not_found"));
+  auto pending = std::make_shared<OffloadedRequest>();
+  session->attach(pending);
+  api.loop.pull_kv(id, [weak = std::weak_ptr<HttpSession>(session), ex = session->executor(), pending](
+                           std::string body, std::string error) mutable {
+    boost::asio::post(ex, [weak, pending, body = std::move(body), error = std::move(error)]() mutable {
+      auto s = weak.lock();
+      if (!s || pending->cancelled) return;
+      if (!error.empty())
+        return s->respond(error_json(404, error, "remote_request_id", "kv_transfer_not_found"));
+      HttpResponse r;
+      r.content_type = "application/octet-stream";
+      r.body = std::move(body);
+      s->respond(std::move(r));
+    });
+  });
+}
+
 }  // namespace
 
 ApiState::ApiState(std::string name, const PromptFormat& f, int64_t len, EngineLoop& l, ServerMetrics& m)
@@ -243,6 +272,8 @@ void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, 
                                [&api](const std::string& b, const std::atomic<bool>*) { return detokenize(api, b); });
       case Route::TokenizerInfo:
         return session->respond(tokenizer_info(api));
+      case Route::KvTransfer:
+        return answer_kv_pull(api, session, req.model_id);
     }
   } catch (const std::exception& e) {
     // Not expected: every handler answers bad input itself. The connection still gets an answer.

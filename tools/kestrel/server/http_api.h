@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 
+#include "kv_transfer_config.h"
 #include "openai_request.h"
 #include "server/engine_loop.h"
 #include "server/http_session.h"
@@ -40,6 +42,10 @@ struct ApiState {
   ServerMetrics& metrics;
   int64_t started;  // Unix seconds, /v1/models' "created"
   std::atomic<int64_t> open_generations{0};  // generations whose responses are not written yet
+  // Disaggregated prefill (kv_transfer_config.h): the role and settings, and the port this server
+  // listens on (remote_port in a producer's answers), set before it serves.
+  std::optional<KvTransferConfig> kv_transfer;
+  int port = 0;
 
   uint64_t random_seed();  // for requests without a seed
 

@@ -8,6 +8,7 @@
 #include <ctime>
 
 #include "chat_prompt.h"
+#include "server/kv_transfer.h"
 #include "server/openai_api.h"
 #include "server/work_pool.h"
 
@@ -86,9 +87,14 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     int64_t n_output = 0;
     double cumulative_logprob = 0;                // best_of: the sum of the chosen tokens' logprobs
     std::vector<BeamHypothesis> beams;            // beam search: the prompt's returned beams
+    KvTransferParams kv_held;                     // do_remote_decode: what a consumer pulls
   };
 
   Prepared prepare_checked(const std::string& body, RequestApi which);
+  // kv_transfer_params (kv_transfer_config.h): a producer's request is marked to hold its K/V; a
+  // consumer's pulls them from the producer into every request (the pull blocks this WorkPool
+  // thread up to kv_pull_timeout). Returns the error to answer, if any.
+  std::optional<HttpResponse> apply_kv_transfer(const RequestJson& j, const OpenAiRequest& r, std::vector<Request>& bases);
   std::optional<HttpResponse> check_logprob_volume(const OpenAiRequest& r, const std::vector<Request>& bases) const;
   std::optional<HttpResponse> check_prompt_bytes(const OpenAiRequest& r) const;
   void submit(HttpSession& s, std::vector<Request> requests);
@@ -140,6 +146,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   bool started_ = false;  // streamed: the head and the first chunks are written
   bool done_ = false;     // the whole answer is written
   std::atomic<bool> cancelled_{false};  // also read by prepare, off the strand
+  bool kv_producer_ = false;  // do_remote_decode: the answer carries kv_transfer_params
 };
 
 Prepared Generation::prepare(const std::string& body, RequestApi which) {
@@ -278,6 +285,8 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
   // Beam search: one engine request per prompt, whose beams share the prompt's blocks and are the
   // choices. best_of > n: best_of choices (each with its chosen tokens' logprobs), the best n returned.
   if (auto e = check_logprob_volume(r, bases)) return fail(std::move(*e));
+  if (auto e = apply_kv_transfer(j, r, bases)) return fail(std::move(*e));
+  if (cancelled_) return out;
   beam_ = r.use_beam_search;
   rank_best_of_ = !beam_ && r.best_of > r.n;
   n_return_ = r.n;
@@ -299,6 +308,48 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
   streamed_ = r.stream;
   choices_.resize(out.requests.size());
   return out;
+}
+
+std::optional<HttpResponse> Generation::apply_kv_transfer(const RequestJson& j, const OpenAiRequest& r,
+                                                         std::vector<Request>& bases) {
+  std::optional<KvTransferParams> p;
+  try {
+    p = parse_kv_transfer_params(j);
+  } catch (const RequestError& e) {
+    return error_json(400, e.what(), e.param());
+  }
+  if (!p || (!p->do_remote_decode && !p->do_remote_prefill)) return std::nullopt;
+  const char* role = p->do_remote_decode ? "do_remote_decode" : "do_remote_prefill";
+  const std::string param = std::string("kv_transfer_params.") + role;
+  const auto& kv = api_.kv_transfer;
+  if (!kv || (p->do_remote_decode ? !kv->produces() : !kv->consumes()))
+    return error_json(400,
+                      std::string(role) + " needs a server started with --kv-transfer-config kv_role " +
+                          (p->do_remote_decode ? "kv_producer" : "kv_consumer") + " (or kv_both)",
+                      param);
+  if (bases.size() != 1 || r.n != 1 || r.use_beam_search || r.best_of > 1 || r.echo)
+    return error_json(400, std::string(role) + " takes one prompt, n 1, no best_of, beam search or echo", param);
+  if (p->do_remote_decode) {
+    if (r.stream) return error_json(400, "do_remote_decode takes stream false (the answer carries kv_transfer_params)", param);
+    bases[0].do_remote_decode = true;
+    kv_producer_ = true;
+    return std::nullopt;
+  }
+  std::vector<int32_t> tokens;
+  try {
+    auto im = std::make_shared<KvImport>(
+        pull_kv_blocks(p->remote_host, p->remote_port, p->remote_request_id, kv->kv_pull_timeout, &tokens));
+    const std::vector<int32_t>& prompt = bases[0].prompt;
+    if (tokens.size() != static_cast<size_t>(im->n_tokens) || tokens.size() > prompt.size() ||
+        !std::equal(tokens.begin(), tokens.end(), prompt.begin()))
+      return error_json(400, "kv_transfer_params: the producer's K/V are of another prompt (its " +
+                                 std::to_string(tokens.size()) + " tokens are not this prompt's first ones)",
+                        "kv_transfer_params.remote_request_id");
+    bases[0].kv_import = std::move(im);
+  } catch (const Error& e) {
+    return error_json(502, e.what(), "kv_transfer_params", "kv_transfer_failed", "server_error");
+  }
+  return std::nullopt;
 }
 
 void Generation::start(Prepared p) {
@@ -364,13 +415,27 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
     if (o.output.finished) {
       finish(c, o.output);
       c.beams = std::move(o.output.beams);
+      if (kv_producer_ && !o.output.kv_held_blocks.empty()) {
+        c.kv_held.do_remote_prefill = true;
+        c.kv_held.remote_host = api_.kv_transfer->kv_ip;
+        c.kv_held.remote_port = api_.port;
+        c.kv_held.remote_engine_id =
+            api_.kv_transfer->engine_id.empty() ? "kestrel-" + std::to_string(api_.port) : api_.kv_transfer->engine_id;
+        c.kv_held.remote_request_id = std::to_string(o.output.id);
+        c.kv_held.remote_block_ids = std::move(o.output.kv_held_blocks);
+        c.kv_held.num_computed_tokens = o.output.kv_held_tokens;
+      }
     }
   }
   if (n_finished_ < choices_.size()) return;
   if (auto e = failed()) return respond(s, std::move(*e));
   std::vector<FinalChoice> finals = returned_choices();
   HttpResponse r;
-  r.body = dump(full_response(header_, finals, usage()));
+  Json response = full_response(header_, finals, usage());
+  // vLLM's producer answer: the consumer's kv_transfer_params (null when nothing is held).
+  if (kv_producer_)
+    response["kv_transfer_params"] = choices_[0].kv_held.do_remote_prefill ? kv_transfer_params_json(choices_[0].kv_held) : Json();
+  r.body = dump(response);
   // A large answer's JSON (logprobs: a tree of small objects, many times the text's size) leaves freed
   // memory that glibc keeps; it is handed back once the tree is gone. The text itself, this large, is
   // its own mapping, unmapped when written.

@@ -183,6 +183,12 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
     info = &kModel;
     d.model_id = std::string(path.substr(kModelPrefix.size()));
   }
+  static constexpr std::string_view kKvPrefix = "/v1/kv_transfer/";
+  static constexpr RouteInfo kKv{kKvPrefix, Route::KvTransfer, "GET", false};
+  if (info == nullptr && path.size() > kKvPrefix.size() && path.substr(0, kKvPrefix.size()) == kKvPrefix) {
+    info = &kKv;
+    d.model_id = std::string(path.substr(kKvPrefix.size()));
+  }
 
   // The key guards every /v1/ path (as vLLM does), known or not, so an unknown one tells nothing.
   if (!api_key.empty() && path.substr(0, 4) == "/v1/") {

@@ -32,6 +32,7 @@ enum class Route {
   Tokenize,         // POST /tokenize (vLLM's shape)
   Detokenize,       // POST /detokenize
   TokenizerInfo,    // GET /tokenizer_info
+  KvTransfer,       // GET /v1/kv_transfer/{remote_request_id}: a producer's held K/V (kv_transfer_config.h)
 };
 
 // An error the HTTP layer answers itself, as an OpenAI error body {"error": {message, type, param,
@@ -62,7 +63,7 @@ struct HeadFields {
 
 struct HeadDecision {
   Route route = Route::Health;
-  std::string model_id;  // Route::Model: the {id} part
+  std::string model_id;  // Route::Model and Route::KvTransfer: the {id} part
   std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
 };
 

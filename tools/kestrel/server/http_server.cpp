@@ -51,6 +51,7 @@ struct HttpServer::Impl {
         stop_timer(ioc),
         work(ioc.get_executor()) {
     ctx.limits = o.limits;
+    api.kv_transfer = o.kv_transfer;
     ctx.api_key = o.api_key;
     ctx.metrics = &m;
     ctx.dispatch = [this](const std::shared_ptr<HttpSession>& s, HttpRequest r) {
@@ -101,7 +102,8 @@ int HttpServer::bind() {
   // A burst of clients connecting at once must not lose SYNs to a short backlog.
   if (!ec) m.acceptor.listen(4096, ec);
   if (ec) fail(ec.message());
-  return m.acceptor.local_endpoint().port();
+  m.api.port = m.acceptor.local_endpoint().port();
+  return m.api.port;
 }
 
 void HttpServer::Impl::accept() {

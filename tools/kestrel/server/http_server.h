@@ -8,8 +8,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "kv_transfer_config.h"
 #include "openai_request.h"
 #include "server/engine_loop.h"
 #include "server/http_head.h"
@@ -25,6 +27,7 @@ struct ServerOptions {
   int http_threads = 4;           // threads running the event loop and the handlers
   int64_t max_connections = 0;    // open connections at most; more get a 503 and are closed
   HttpLimits limits;
+  std::optional<KvTransferConfig> kv_transfer;  // --kv-transfer-config: disaggregated prefill
 };
 
 class HttpServer {

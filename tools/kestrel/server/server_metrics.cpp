@@ -149,6 +149,9 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_num_requests_waiting", static_cast<double>(snap.n_waiting));
   header(&out, "kestrel_kv_blocks_used", "gauge", "KV cache blocks held by sequences.");
   sample(&out, "kestrel_kv_blocks_used", snap.stats.kv_blocks_used);
+  header(&out, "kestrel_kv_transfer_held_requests", "gauge",
+         "Finished prefills (do_remote_decode) whose K/V blocks wait for a consumer's pull.");
+  sample(&out, "kestrel_kv_transfer_held_requests", static_cast<int64_t>(snap.n_held_kv));
   header(&out, "kestrel_kv_blocks_total", "gauge", "KV cache blocks in the pool.");
   sample(&out, "kestrel_kv_blocks_total", snap.stats.n_kv_blocks);
   header(&out, "kestrel_kv_cache_bytes_total", "gauge",

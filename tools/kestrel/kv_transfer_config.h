@@ -1,0 +1,68 @@
+// Disaggregated prefill on the server side, the JSON parts (vLLM's names): the --kv-transfer-config
+// flag (KVTransferConfig), a request's kv_transfer_params, and the header of the K/V block record a
+// producer answers a consumer's pull with. Pure functions; the transport is server/kv_transfer.h.
+//
+// The flow (vLLM's disaggregated serving, pull model as its NIXL connector):
+//   1. a prefill request with max_tokens 1 and kv_transfer_params {"do_remote_decode": true} to a
+//      producer: it prefills, answers, and holds the request's K/V blocks; its answer carries
+//      kv_transfer_params {do_remote_prefill, remote_host, remote_port, remote_engine_id,
+//      remote_request_id, remote_block_ids, num_computed_tokens};
+//   2. the same request with those kv_transfer_params to a consumer: it pulls the blocks
+//      (GET /v1/kv_transfer/<remote_request_id> on the producer, which then frees them), computes
+//      the last prompt token and decodes.
+// A producer frees blocks no consumer pulled after abort_request_timeout seconds.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/engine.h"
+#include "openai_request.h"
+
+namespace kestrel::cli {
+
+enum class KvRole { Producer, Consumer, Both };
+
+struct KvTransferConfig {
+  KvRole kv_role = KvRole::Both;
+  std::string kv_connector = "KestrelConnector";
+  std::string engine_id;                // remote_engine_id in answers; "" = "kestrel-<port>"
+  std::string kv_ip = "127.0.0.1";      // the host consumers pull from (remote_host)
+  double abort_request_timeout = 480;   // seconds a producer holds unpulled blocks (vLLM's default)
+  double kv_pull_timeout = 60;          // seconds a consumer's pull may take
+  bool produces() const { return kv_role != KvRole::Consumer; }
+  bool consumes() const { return kv_role != KvRole::Producer; }
+};
+
+// Parses --kv-transfer-config's JSON object: kv_role ("kv_producer", "kv_consumer", "kv_both";
+// required), kv_connector ("KestrelConnector"), engine_id, kv_ip, and in kv_connector_extra_config
+// or at the top: abort_request_timeout, kv_pull_timeout (seconds, > 0). Errors: kestrel::Error naming
+// the field, for a wrong type or value or an unknown field.
+KvTransferConfig parse_kv_transfer_config(std::string_view json);
+
+// A request's kv_transfer_params.
+struct KvTransferParams {
+  bool do_remote_decode = false;   // producer: prefill and hold the K/V
+  bool do_remote_prefill = false;  // consumer: pull the K/V from remote_*
+  std::string remote_host;
+  int32_t remote_port = 0;
+  std::string remote_engine_id;
+  std::string remote_request_id;
+  std::vector<int32_t> remote_block_ids;
+  int64_t num_computed_tokens = 0;
+};
+// Absent or null: nullopt. Errors: RequestError naming "kv_transfer_params.<field>"; both
+// do_remote_* set, or do_remote_prefill without remote_host, remote_port or remote_request_id.
+std::optional<KvTransferParams> parse_kv_transfer_params(const RequestJson& request);
+Json kv_transfer_params_json(const KvTransferParams& p);
+
+// The pull's answer body: one line of JSON (the producer's KvTransferFormat, n_tokens and the
+// token ids whose K/V follow), '\n', then the blocks' bytes (KvImport::bytes).
+std::string encode_kv_blocks(const KvImport& kv, const std::vector<int32_t>& tokens);
+// Errors: kestrel::Error for a malformed header or a byte count that does not match it.
+KvImport decode_kv_blocks(std::string_view body, std::vector<int32_t>* tokens);
+
+}  // namespace kestrel::cli
