@@ -571,6 +571,12 @@ std::vector<RequestOutput> Engine::step() {
     logits = m.runner->forward(fb);
   }
   m.measure_prefill(out, seconds(pass_start, Clock::now()));
+  if (!out.swap_in.empty() || !out.load.empty()) {
+    // After the pass, which waited for the copies: reading their timing does not stall them.
+    const ModelRunner::HostCopyTotals h2d = m.runner->host_to_device_totals();
+    m.stats.host_to_device_bytes = h2d.bytes;
+    m.stats.host_to_device_seconds = h2d.seconds;
+  }
   m.scheduler.on_step_done(out);
   if (!m.stats.moe_layers.empty()) m.stats.expert_tokens = m.runner->expert_token_counts();
   m.prompt_logprobs_from(logits);

@@ -148,6 +148,10 @@ struct EngineStats {
   int64_t n_offload_hit_blocks = 0;         // host tier blocks copied back for prefix hits
   int32_t n_offload_blocks = 0;             // blocks in the host tier
   int32_t offload_blocks_held = 0;          // of those, holding a cached block now
+  // Host -> device KV copies (swap-ins and host tier hits): bytes, and the seconds they took on
+  // the device (ModelRunner::host_to_device_totals; 0 where the backend does not time them).
+  int64_t host_to_device_bytes = 0;
+  double host_to_device_seconds = 0;
   int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;

@@ -91,6 +91,8 @@ Json BatchSummary::to_json() const {
   j["offloaded_blocks"] = engine.n_offloaded_blocks;
   j["offload_hit_blocks"] = engine.n_offload_hit_blocks;
   j["offload_blocks"] = engine.n_offload_blocks;
+  j["host_to_device_bytes"] = engine.host_to_device_bytes;
+  j["host_to_device_seconds"] = engine.host_to_device_seconds;
   j["steps"] = engine.n_steps;
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;

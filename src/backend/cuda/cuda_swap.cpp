@@ -23,6 +23,23 @@ void CudaModelRunner::allocate_swap_space(int32_t n_blocks) {
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&swap_stream_, cudaStreamNonBlocking));
   KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&swap_after_pass_, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&swap_done_, cudaEventDisableTiming));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&h2d_start_));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&h2d_stop_));
+}
+
+void CudaModelRunner::collect_h2d_timing() {
+  if (!h2d_pending_) return;
+  // The pass after the copies waited for them, so this rarely blocks.
+  KESTREL_CUDA_CHECK(cudaEventSynchronize(h2d_stop_));
+  float ms = 0;
+  KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, h2d_start_, h2d_stop_));
+  h2d_.seconds += 1e-3 * static_cast<double>(ms);
+  h2d_pending_ = false;
+}
+
+ModelRunner::HostCopyTotals CudaModelRunner::host_to_device_totals() {
+  collect_h2d_timing();
+  return h2d_;
 }
 
 void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
@@ -52,6 +69,10 @@ void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
   }
   KESTREL_CUDA_CHECK(cudaEventRecord(swap_after_pass_, stream_));
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(swap_stream_, swap_after_pass_, 0));
+  if (!out) {
+    collect_h2d_timing();
+    KESTREL_CUDA_CHECK(cudaEventRecord(h2d_start_, swap_stream_));
+  }
   // Runs of pairs consecutive on both sides go as one copy per tensor.
   for (size_t i = 0; i < swaps.size();) {
     size_t n = 1;
@@ -71,6 +92,11 @@ void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
       }
     }
     i += n;
+  }
+  if (!out) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(h2d_stop_, swap_stream_));
+    h2d_pending_ = true;
+    for (const Tensor& t : tensors) h2d_.bytes += static_cast<int64_t>(swaps.size() * t.bytes);
   }
   KESTREL_CUDA_CHECK(cudaEventRecord(swap_done_, swap_stream_));
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(stream_, swap_done_, 0));
