@@ -66,6 +66,8 @@ inline void expect_swap_roundtrip_keeps_logits(const std::function<std::unique_p
   const std::vector<BlockSwap> in = {{5, 2}, {3, 0}};
   r->swap_in(in);
   const std::vector<float> got = run_one(*r, next, 20, {5, 3});
+  // Two whole blocks of every layer came in.
+  EXPECT_EQ(r->host_to_device_totals().bytes, 2 * r->kv_bytes_per_token() * r->block_size());
   ASSERT_EQ(got.size(), want.size());
   EXPECT_EQ(got, want);
   // The overwritten blocks read instead give other logits, so the comparison can fail.

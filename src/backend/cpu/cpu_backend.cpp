@@ -49,7 +49,10 @@ class CpuBackend final : public ModelRunner {
   void swap_in(std::span<const BlockSwap> swaps) override {
     if (!swap_) ModelRunner::swap_in(swaps);
     for (const BlockSwap& s : swaps) KvCache::copy_block(*swap_, s.host, kv_, s.device);
+    h2d_bytes_ += static_cast<int64_t>(swaps.size()) * kv_.bytes_per_token() * kv_.block_size();
   }
+  // Bytes only: a host memcpy here, not a link worth timing.
+  HostCopyTotals host_to_device_totals() override { return {h2d_bytes_, 0}; }
   // One thread's memcpy within host memory: a round figure for a current x86 server core (the
   // choice only weighs it against the measured prefill time per token).
   double host_link_bytes_per_s() const override { return 10e9; }
@@ -68,6 +71,7 @@ class CpuBackend final : public ModelRunner {
   KvGeometry geometry_;
   KvCache kv_;
   std::unique_ptr<KvCache> swap_;  // host swap pool; null until allocate_swap_space
+  int64_t h2d_bytes_ = 0;          // swap_in copies so far
   cpu::CpuModelRunner runner_;
 };
 
@@ -185,6 +189,11 @@ class TensorParallelCpuBackend final : public ModelRunner {
   }
   void swap_in(std::span<const BlockSwap> swaps) override {
     for (auto& r : ranks_) r->swap_in(swaps);
+  }
+  HostCopyTotals host_to_device_totals() override {
+    HostCopyTotals t;
+    for (auto& r : ranks_) t.bytes += r->host_to_device_totals().bytes;
+    return t;
   }
   double host_link_bytes_per_s() const override { return ranks_[0]->host_link_bytes_per_s(); }
   int32_t n_kv_blocks() const override { return ranks_[0]->n_kv_blocks(); }
