@@ -1,6 +1,7 @@
 #include "memory/host_block_tier.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <string>
 
 #include "core/error.h"
@@ -39,33 +40,66 @@ void HostBlockTier::unpin_all() {
   pinned_.clear();
 }
 
-int32_t HostBlockTier::insert(const BlockKey& key) {
-  if (n_blocks_ == 0) return -1;
-  const auto it = index_.find(key.hash);
-  if (it != index_.end()) {
-    if (lookup(key.hash, key.parent_hash, key.tokens) >= 0) lru_.splice(lru_.end(), lru_, slot(it->second).lru);
-    return -1;
-  }
-  int32_t h = -1;
+int32_t HostBlockTier::take_block() {
   if (!free_.empty()) {
-    h = free_.back();
+    const int32_t h = free_.back();
     free_.pop_back();
-  } else {
-    // The least recently used block that no pending copy reads.
-    const auto victim = std::find_if(lru_.begin(), lru_.end(), [&](int32_t b) { return !slot(b).pinned; });
-    if (victim == lru_.end()) return -1;
-    h = *victim;
-    lru_.erase(victim);
-    index_.erase(slot(h).key.hash);
-    ++n_dropped_;
+    return h;
   }
-  Slot& s = slot(h);
-  s.held = true;
-  s.pinned = false;
-  s.key = key;
-  s.lru = lru_.insert(lru_.end(), h);
-  index_.emplace(key.hash, h);
+  const auto victim = std::find_if(lru_.begin(), lru_.end(), [&](int32_t b) { return !slot(b).pinned; });
+  if (victim == lru_.end()) return -1;
+  const int32_t h = *victim;
+  lru_.erase(victim);
+  index_.erase(slot(h).key.hash);
+  slot(h).held = false;
+  ++n_dropped_;
   return h;
+}
+
+int32_t HostBlockTier::insert(const BlockKey& key) {
+  const int32_t device = 0;
+  return insert_all(std::span<const BlockKey>(&key, 1), std::span<const int32_t>(&device, 1))[0];
+}
+
+std::vector<int32_t> HostBlockTier::insert_all(std::span<const BlockKey> keys, std::span<const int32_t> device) {
+  KESTREL_ASSERT(device.size() == keys.size(), "host KV tier: a device block per key");
+  std::vector<int32_t> out(keys.size(), -1);
+  if (n_blocks_ == 0) return out;
+  std::vector<size_t> todo;  // keys to store, in order
+  std::unordered_map<uint64_t, size_t> batch;  // hash -> its key among todo (two equal blocks evicted at once)
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const BlockKey& k = keys[i];
+    const auto it = index_.find(k.hash);
+    if (it != index_.end()) {
+      if (lookup(k.hash, k.parent_hash, k.tokens) >= 0) lru_.splice(lru_.end(), lru_, slot(it->second).lru);
+      continue;
+    }
+    if (batch.emplace(k.hash, i).second) todo.push_back(i);
+  }
+  const size_t n_avail = free_.size() + lru_.size() - pinned_.size();
+  if (todo.size() > n_avail) todo.erase(todo.begin(), todo.begin() + static_cast<std::ptrdiff_t>(todo.size() - n_avail));
+  std::vector<int32_t> ids;
+  for (size_t k = 0; k < todo.size(); ++k) ids.push_back(take_block());
+  std::sort(ids.begin(), ids.end());
+  // LRU order stays eviction order; the ids follow the device ids.
+  std::vector<size_t> by_device(todo.size());
+  for (size_t k = 0; k < todo.size(); ++k) by_device[k] = k;
+  std::stable_sort(by_device.begin(), by_device.end(),
+                   [&](size_t a, size_t b) { return device[todo[a]] < device[todo[b]]; });
+  std::vector<int32_t> id_of(todo.size());
+  for (size_t r = 0; r < todo.size(); ++r) id_of[by_device[r]] = ids[r];
+  for (size_t k = 0; k < todo.size(); ++k) {
+    const int32_t h = id_of[k];
+    KESTREL_ASSERT(h >= 0, "host KV tier: fewer blocks than counted");
+    Slot& s = slot(h);
+    s.held = true;
+    s.pinned = false;
+    s.key = keys[todo[k]];
+    s.lru = lru_.insert(lru_.end(), h);
+    index_.emplace(s.key.hash, h);
+    out[todo[k]] = h;
+  }
+  return out;
 }
 
 void HostBlockTier::check_invariants() const {

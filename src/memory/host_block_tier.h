@@ -37,6 +37,13 @@ class HostBlockTier {
   // used), its hash is held under another key (a collision: the newer block is not kept), or
   // every block is pinned.
   int32_t insert(const BlockKey& key);
+  // insert() of each key, in order (keys[0] evicted first), with two differences: when the keys
+  // needing a block outnumber the blocks that can be had, the first ones are left out (the last
+  // evicted are kept); and the host ids handed out ascend with `device` (the device block each
+  // key leaves, [keys.size()]), so that the copies out, and the copies back into a table taken in
+  // ascending order, run over consecutive blocks on both sides (one copy per run and tensor).
+  // Returns each key's block or -1.
+  std::vector<int32_t> insert_all(std::span<const BlockKey> keys, std::span<const int32_t> device);
 
   int32_t n_blocks() const { return n_blocks_; }
   int32_t n_held() const { return static_cast<int32_t>(index_.size()); }
@@ -60,8 +67,10 @@ class HostBlockTier {
   std::vector<int32_t> free_;                    // stack of free host ids
   std::list<int32_t> lru_;                       // held host ids, least recently used first
   std::unordered_map<uint64_t, int32_t> index_;  // hash -> host id
-  std::vector<int32_t> pinned_;
+  std::vector<int32_t> pinned_;  // each pinned block once
   int64_t n_dropped_ = 0;
+  // A free block, else the least recently used unpinned one (dropped); -1 when all are pinned.
+  int32_t take_block();
 };
 
 }  // namespace kestrel

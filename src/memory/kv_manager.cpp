@@ -26,10 +26,18 @@ std::vector<int32_t> KvManager::commit(const PoolChange& change) {
   std::vector<int32_t> taken = pool_.commit(change);
   if (tier_.n_blocks() == 0) return taken;
   // The evicted blocks still hold their keys' K/V: nothing of this step has written them yet.
-  for (auto& [block, key] : pool_.take_evictions()) {
-    const int32_t h = tier_.insert(key);
-    if (h < 0) continue;
-    offloads_.push_back({block, h});
+  const std::vector<std::pair<int32_t, BlockKey>> evicted = pool_.take_evictions();
+  if (evicted.empty()) return taken;
+  std::vector<BlockKey> keys;
+  std::vector<int32_t> devices;
+  for (const auto& e : evicted) {
+    devices.push_back(e.first);
+    keys.push_back(e.second);
+  }
+  const std::vector<int32_t> hosts = tier_.insert_all(keys, devices);
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (hosts[i] < 0) continue;
+    offloads_.push_back({evicted[i].first, hosts[i]});
     ++n_offloaded_;
   }
   return taken;

@@ -94,6 +94,19 @@ TEST(HostBlockTier, RandomOperationsMatchAModelOfLruAndPins) {
   EXPECT_GT(n_refused, 0);
 }
 
+TEST(HostBlockTier, InsertAllFollowsTheDeviceOrderAndKeepsTheLastEvicted) {
+  HostBlockTier tier(8, 10);
+  const std::vector<BlockKey> keys = {key_of({1}), key_of({2}), key_of({3})};
+  const std::vector<int32_t> got = tier.insert_all(keys, std::vector<int32_t>{7, 3, 5});
+  EXPECT_EQ(got, (std::vector<int32_t>{12, 10, 11}));  // host ids ascend with the device ids
+  HostBlockTier small(2, 0);
+  const std::vector<int32_t> kept = small.insert_all(keys, std::vector<int32_t>{0, 1, 2});
+  EXPECT_EQ(kept, (std::vector<int32_t>{-1, 0, 1}));  // room for two: the first evicted is left out
+  small.check_invariants();
+  EXPECT_EQ(small.lookup(keys[0].hash, 0, keys[0].tokens), -1);
+  EXPECT_EQ(small.lookup(keys[2].hash, 0, keys[2].tokens), 1);
+}
+
 TEST(HostBlockTier, BadSizesAreAnError) {
   EXPECT_THROW(HostBlockTier(-1, 0), Error);
   EXPECT_THROW(HostBlockTier(4, -2), Error);

@@ -73,18 +73,24 @@ void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
     collect_h2d_timing();
     KESTREL_CUDA_CHECK(cudaEventRecord(h2d_start_, swap_stream_));
   }
-  // Runs of pairs consecutive on both sides go as one copy per tensor.
+  // Runs of pairs consecutive on both sides, ascending or descending (a prefix evicted tail
+  // first), go as one copy per tensor from the run's lowest pair.
   for (size_t i = 0; i < swaps.size();) {
     size_t n = 1;
-    while (i + n < swaps.size() && swaps[i + n].device == swaps[i].device + static_cast<int32_t>(n) &&
-           swaps[i + n].host == swaps[i].host + static_cast<int32_t>(n))
-      ++n;
-    KESTREL_ASSERT(swaps[i].device >= 0 && swaps[i].device + static_cast<int64_t>(n) <= n_blocks_ && swaps[i].host >= 0 &&
-                       swaps[i].host + n <= n_swap,
+    for (const int32_t step : {1, -1}) {
+      while (i + n < swaps.size() && swaps[i + n].device == swaps[i].device + step * static_cast<int32_t>(n) &&
+             swaps[i + n].host == swaps[i].host + step * static_cast<int32_t>(n))
+        ++n;
+      if (n > 1) break;
+    }
+    const bool down = n > 1 && swaps[i + 1].device < swaps[i].device;
+    const int32_t d0 = down ? swaps[i + n - 1].device : swaps[i].device;
+    const int32_t h0 = down ? swaps[i + n - 1].host : swaps[i].host;
+    KESTREL_ASSERT(d0 >= 0 && d0 + static_cast<int64_t>(n) <= n_blocks_ && h0 >= 0 && h0 + n <= n_swap,
                    "CUDA: swap of a block outside the pools");
     for (const Tensor& t : tensors) {
-      std::byte* d = t.device + static_cast<size_t>(swaps[i].device) * t.bytes;
-      std::byte* h = t.host + static_cast<size_t>(swaps[i].host) * t.bytes;
+      std::byte* d = t.device + static_cast<size_t>(d0) * t.bytes;
+      std::byte* h = t.host + static_cast<size_t>(h0) * t.bytes;
       if (out) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(h, d, n * t.bytes, cudaMemcpyDeviceToHost, swap_stream_));
       } else {
