@@ -1,6 +1,7 @@
 // A backend's swap copies checked through its own forward pass: a prompt's K/V written into
-// device blocks 0 and 1, swapped out to host blocks 2 and 0, the device blocks overwritten by
-// another prompt, swapped back in to device blocks 5 and 3, and the next token's logits read
+// device blocks 0 and 1, swapped out to host blocks 1 and 2 (listed last first: a descending run,
+// which CUDA copies as one), the device blocks overwritten by another prompt, swapped back in to
+// device blocks 5 and 3, and the next token's logits read
 // through the table [5, 3]; the reference is a fresh runner of the same options that decodes the
 // same token straight after the same prompt in blocks [0, 1]. The two decode passes have the same
 // shape, so the same kernels run on K/V that must be equal: the logits must be bitwise equal.
@@ -62,12 +63,14 @@ inline void expect_swap_roundtrip_keeps_logits(const std::function<std::unique_p
   const auto r = make_runner();
   r->allocate_swap_space(3);
   run_one(*r, prompt, 0, {0, 1});
-  const std::vector<BlockSwap> out = {{0, 2}, {1, 0}};
+  const std::vector<BlockSwap> out = {{1, 2}, {0, 1}};
   r->swap_out(out);
   run_one(*r, other, 0, {0, 1});  // overwrites both device blocks
-  const std::vector<BlockSwap> in = {{5, 2}, {3, 0}};
+  const std::vector<BlockSwap> in = {{5, 1}, {3, 2}};
   r->swap_in(in);
   const std::vector<float> got = run_one(*r, next, 20, {5, 3});
+  // Two whole blocks of every layer came in.
+  EXPECT_EQ(r->host_to_device_totals().bytes, 2 * r->kv_bytes_per_token() * r->block_size());
   ASSERT_EQ(got.size(), want.size());
   EXPECT_EQ(got, want);
   // The overwritten blocks read instead give other logits, so the comparison can fail.

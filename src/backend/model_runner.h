@@ -110,6 +110,14 @@ class ModelRunner {
   // forward pass wait for them. Errors: kestrel::Error without swap space (the default).
   virtual void swap_out(std::span<const BlockSwap> swaps);
   virtual void swap_in(std::span<const BlockSwap> swaps);
+  // Host -> device block copies (swap_in) so far: bytes, and seconds the copies took on the
+  // device (CUDA: CUDA events around each call's copies on its copy stream; 0 where not timed).
+  // Call it after a pass that waited for the copies (it waits for the last one). For benchmarks.
+  struct HostCopyTotals {
+    int64_t bytes = 0;
+    double seconds = 0;
+  };
+  virtual HostCopyTotals host_to_device_totals() { return {}; }
   // Bytes per second one direction of the device <-> host link moves, for the swap-or-recompute
   // choice (PreemptionMode::Auto).
   virtual double host_link_bytes_per_s() const { return 0; }

@@ -70,6 +70,13 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
   }
   if (c.swap_space_bytes < 0)
     throw Error("swap_space must be >= 0 bytes, got " + std::to_string(c.swap_space_bytes));
+  if (c.cpu_offload_kv_bytes < 0)
+    throw Error("cpu_offload_kv_bytes must be >= 0, got " + std::to_string(c.cpu_offload_kv_bytes));
+  if (c.cpu_offload_kv_bytes > 0 && !c.enable_prefix_caching)
+    throw Error("cpu_offload_kv_bytes needs prefix caching (the host tier holds prefix-cache blocks)");
+  if (c.cpu_offload_kv_bytes > 0 && lookback > 0)
+    throw Error("cpu_offload_kv_bytes does not apply to a model whose every layer has a sliding window of " +
+                std::to_string(lookback) + " tokens (its sequences skip cached blocks before the window)");
   if (c.preemption_mode == PreemptionMode::Swap && c.swap_space_bytes == 0)
     throw Error("preemption_mode swap needs swap_space > 0 (host memory for the swapped KV blocks)");
   if (c.n_kv_blocks < blocks_per_seq) {
@@ -86,12 +93,12 @@ EngineConfig resolve(const EngineConfig& in, const ModelHparams& hp, const Model
   return c;
 }
 
-// Blocks of the runner's geometry that swap_space_bytes holds.
-int32_t swap_blocks(const EngineConfig& c, const ModelRunner& runner) {
+// Blocks of the runner's geometry that `bytes` of host memory hold (`what` names the setting).
+int32_t host_blocks(int64_t bytes, const char* what, const EngineConfig& c, const ModelRunner& runner) {
   const int64_t block_bytes = runner.kv_bytes_per_token() * c.block_size;
-  const int64_t n = c.swap_space_bytes / block_bytes;
-  if (n > INT32_MAX)
-    throw Error("swap_space of " + std::to_string(c.swap_space_bytes) + " bytes is over 2^31 KV blocks");
+  const int64_t n = bytes / block_bytes;
+  if (n > INT32_MAX / 2)
+    throw Error(std::string(what) + " of " + std::to_string(bytes) + " bytes is over 2^30 KV blocks");
   return static_cast<int32_t>(n);
 }
 
@@ -115,12 +122,16 @@ Engine::Impl::Impl(const LlamaModel& m, const Tokenizer* t, const EngineConfig& 
       config(resolve(c, m.hparams(), r.get())),
       runner(r ? std::move(r) : cpu_runner(m, config)),
       manager(KvManagerConfig{config.n_kv_blocks, config.block_size, config.enable_prefix_caching,
-                              swap_blocks(config, *runner)}),
+                              host_blocks(config.swap_space_bytes, "swap_space", config, *runner),
+                              host_blocks(config.cpu_offload_kv_bytes, "cpu_offload_kv_bytes", config, *runner)}),
       scheduler(SchedulerConfig{config.max_num_seqs, config.max_num_batched_tokens, m.hparams().kv_lookback(),
                                 config.preemption_mode},
                 manager) {
   stats.n_swap_blocks = manager.n_swap_blocks();
-  if (stats.n_swap_blocks > 0) runner->allocate_swap_space(stats.n_swap_blocks);
+  stats.n_offload_blocks = manager.host_tier().n_blocks();
+  // One host buffer: the swap pool's blocks, then the host tier's (KvManager's ids).
+  if (stats.n_swap_blocks + stats.n_offload_blocks > 0)
+    runner->allocate_swap_space(stats.n_swap_blocks + stats.n_offload_blocks);
   stats.n_kv_blocks = config.n_kv_blocks;
   stats.kv_block_size = config.block_size;
   stats.kv_dtype = runner->kv_dtype();
@@ -493,6 +504,8 @@ std::vector<RequestOutput> Engine::step() {
   m.stats.n_swap_preemptions += out.n_swapped;
   // Before anything else: the swapped-out blocks are free, and this step's copies may take them.
   if (!out.swap_out.empty()) m.runner->swap_out(out.swap_out);
+  // Evicted cached blocks to the host tier, before this step's copies and pass reuse them.
+  if (!out.offload.empty()) m.runner->swap_out(out.offload);
   if (m.drafter) {
     for (Sequence* s : out.preempted) m.drafter->release(s->id);  // the scheduler dropped its drafts
     for (RequestState* r : m.draft_owners) {
@@ -508,6 +521,7 @@ std::vector<RequestOutput> Engine::step() {
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
+  if (!out.load.empty()) m.runner->swap_in(out.load);
   for (const SchedulerOutput::Import& im : out.imported) m.write_import(im);
   m.build_batch(out);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
@@ -562,6 +576,12 @@ std::vector<RequestOutput> Engine::step() {
     logits = m.runner->forward(fb);
   }
   m.measure_prefill(out, seconds(pass_start, Clock::now()));
+  if (!out.swap_in.empty() || !out.load.empty()) {
+    // After the pass, which waited for the copies: reading their timing does not stall them.
+    const ModelRunner::HostCopyTotals h2d = m.runner->host_to_device_totals();
+    m.stats.host_to_device_bytes = h2d.bytes;
+    m.stats.host_to_device_seconds = h2d.seconds;
+  }
   m.scheduler.on_step_done(out);
   if (!m.stats.moe_layers.empty()) m.stats.expert_tokens = m.runner->expert_token_counts();
   m.prompt_logprobs_from(logits);

@@ -48,6 +48,10 @@ struct EngineConfig {
   // K/V are kept (scheduler.h states the auto rule). Swap needs swap_space_bytes > 0.
   int64_t swap_space_bytes = 0;
   PreemptionMode preemption_mode = PreemptionMode::Auto;
+  // Host tier of the prefix cache (--cpu-offload-kv-gb): bytes of host memory (CUDA: pinned) for
+  // cached KV blocks the device pool evicts, brought back on a prefix hit instead of recomputed
+  // (KvManager's header). 0 = none. Needs prefix caching and a model without sliding windows.
+  int64_t cpu_offload_kv_bytes = 0;
   int tensor_parallel_size = 1;          // CPU: ranks the model is split over (RunnerOptions::tensor_parallel_size)
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
@@ -180,6 +184,14 @@ struct EngineStats {
   int64_t n_swapped_in_blocks = 0;          // KV blocks copied back from it
   int32_t n_swap_blocks = 0;                // blocks in the host swap pool
   int32_t swap_blocks_free = 0;             // of those, free now
+  int64_t n_offloaded_blocks = 0;           // evicted cached KV blocks copied to the host tier
+  int64_t n_offload_hit_blocks = 0;         // host tier blocks copied back for prefix hits
+  int32_t n_offload_blocks = 0;             // blocks in the host tier
+  int32_t offload_blocks_held = 0;          // of those, holding a cached block now
+  // Host -> device KV copies (swap-ins and host tier hits): bytes, and the seconds they took on
+  // the device (ModelRunner::host_to_device_totals; 0 where the backend does not time them).
+  int64_t host_to_device_bytes = 0;
+  double host_to_device_seconds = 0;
   int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;
@@ -240,7 +252,8 @@ class Engine {
   // n_kv_blocks and must use config.block_size; null = a CPU runner made from the config.
   // Errors: kestrel::Error on a bad config (non-positive sizes, a KV pool smaller than one
   // sequence: kv_blocks_per_sequence), a negative swap_space_bytes or one over 2^31 blocks,
-  // preemption_mode swap without swap space, or a backend without host swap space.
+  // preemption_mode swap without swap space, or a backend without host swap space; a negative
+  // cpu_offload_kv_bytes, or a positive one without prefix caching or with a windowed model.
   // draft: the draft model of config.speculative's draft_model method (its drafter owns it; its
   // runner, when given, runs on the target's device with a pool of draft_kv_blocks). Errors also:
   // those of make_drafter (draft_model without a draft, a draft whose vocabulary differs).

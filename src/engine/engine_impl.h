@@ -110,6 +110,9 @@ struct Engine::Impl {
     stats.n_swapped_out_blocks = manager.n_swapped_out_blocks();
     stats.n_swapped_in_blocks = manager.n_swapped_in_blocks();
     stats.swap_blocks_free = manager.n_free_swap_blocks();
+    stats.n_offloaded_blocks = manager.n_offloaded_blocks();
+    stats.n_offload_hit_blocks = manager.n_offload_hit_blocks();
+    stats.offload_blocks_held = manager.host_tier().n_held();
   }
   // PreemptionMode::Auto's costs: the swap's from the runner's host link, the recompute's from
   // the measured forward time per token of prefill-dominated steps (an exponential average).

@@ -56,6 +56,7 @@ int32_t BlockPool::take_one() {
   lru_remove(b);
   auto& slot = keys_[static_cast<size_t>(b)];
   index_.erase(slot.key.hash);
+  if (record_evictions_) evicted_.emplace_back(b, std::move(slot.key));
   slot = Slot{};
   ++n_evictions_;
   ref_count_[static_cast<size_t>(b)] = 1;

@@ -58,6 +58,11 @@ class BlockPool {
   int32_t lookup(uint64_t hash, uint64_t parent_hash, std::span<const int32_t> tokens) const;
   bool is_indexed(int32_t block) const { return keys_[static_cast<size_t>(block)].has_value; }
   int64_t n_evictions() const { return n_evictions_; }
+  // With recording on, each cached block that commit() evicts to hand it out again is listed with
+  // the key it held (before any K/V of the new owner is written), for the host tier to keep.
+  void set_record_evictions(bool on) { record_evictions_ = on; }
+  // The evictions recorded since the last call, in eviction order; clears the list.
+  std::vector<std::pair<int32_t, BlockKey>> take_evictions() { return std::move(evicted_); }
   // Recounts every state and list from scratch; KESTREL_ASSERT on any inconsistency (tests).
   void check_invariants() const;
 
@@ -78,6 +83,8 @@ class BlockPool {
   std::vector<int32_t> lru_prev_, lru_next_;
   int32_t n_lru_ = 0;
   int64_t n_evictions_ = 0;
+  bool record_evictions_ = false;
+  std::vector<std::pair<int32_t, BlockKey>> evicted_;
 };
 
 }  // namespace kestrel

@@ -8,7 +8,10 @@
 namespace kestrel {
 
 KvManager::KvManager(const KvManagerConfig& config)
-    : block_size_(config.block_size), caching_(config.enable_prefix_caching), pool_(config.n_blocks) {
+    : block_size_(config.block_size),
+      caching_(config.enable_prefix_caching),
+      pool_(config.n_blocks),
+      tier_(config.n_offload_blocks, std::max(0, config.n_swap_blocks)) {
   if (config.block_size <= 0)
     throw Error("KV block size must be positive, got " + std::to_string(config.block_size));
   if (config.n_swap_blocks < 0)
@@ -16,6 +19,35 @@ KvManager::KvManager(const KvManagerConfig& config)
   n_swap_blocks_ = config.n_swap_blocks;
   swap_free_.reserve(static_cast<size_t>(n_swap_blocks_));
   for (int32_t b = n_swap_blocks_ - 1; b >= 0; --b) swap_free_.push_back(b);  // hands out 0, 1, 2, ...
+  pool_.set_record_evictions(caching_ && tier_.n_blocks() > 0);
+}
+
+std::vector<int32_t> KvManager::commit(const PoolChange& change) {
+  std::vector<int32_t> taken = pool_.commit(change);
+  if (tier_.n_blocks() == 0) return taken;
+  // The evicted blocks still hold their keys' K/V: nothing of this step has written them yet.
+  const std::vector<std::pair<int32_t, BlockKey>> evicted = pool_.take_evictions();
+  if (evicted.empty()) return taken;
+  std::vector<BlockKey> keys;
+  std::vector<int32_t> devices;
+  for (const auto& e : evicted) {
+    devices.push_back(e.first);
+    keys.push_back(e.second);
+  }
+  const std::vector<int32_t> hosts = tier_.insert_all(keys, devices);
+  for (size_t i = 0; i < evicted.size(); ++i) {
+    if (hosts[i] < 0) continue;
+    offloads_.push_back({evicted[i].first, hosts[i]});
+    ++n_offloaded_;
+  }
+  return taken;
+}
+
+std::vector<BlockSwap> KvManager::take_offloads() { return std::move(offloads_); }
+
+std::vector<BlockSwap> KvManager::take_loads() {
+  tier_.unpin_all();
+  return std::move(loads_);
 }
 
 const std::vector<int32_t>& KvManager::block_table(SeqId seq) const {
@@ -60,18 +92,30 @@ KvManager::PrefixHit KvManager::find_prefix(std::span<const int32_t> tokens) con
     hit.hashes.push_back(h);
     parent = h;
   }
+  for (auto i = static_cast<int64_t>(hit.blocks.size()); i < max_blocks && tier_.n_blocks() > 0; ++i) {
+    const auto blk = tokens.subspan(static_cast<size_t>(i * block_size_), static_cast<size_t>(block_size_));
+    const uint64_t h = block_hash(parent, blk);
+    const int32_t b = tier_.lookup(h, parent, blk);
+    if (b < 0) break;
+    hit.host.push_back(b);
+    hit.hashes.push_back(h);
+    parent = h;
+  }
   return hit;
 }
 
 int64_t KvManager::cached_prefix_len(std::span<const int32_t> tokens) const {
-  return static_cast<int64_t>(find_prefix(tokens).blocks.size()) * block_size_;
+  const PrefixHit hit = find_prefix(tokens);
+  return static_cast<int64_t>(hit.blocks.size() + hit.host.size()) * block_size_;
 }
 
 bool KvManager::can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix,
                              int64_t lookback) const {
   const PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
-  const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - n_hit);
+  // Host tier hits need fresh device blocks, like the positions after the hits.
+  const int64_t n_new =
+      std::max<int64_t>(blocks_for(n_tokens), n_hit + static_cast<int64_t>(hit.host.size())) - n_hit;
   // A hit on an evictable block takes it out of the free count (hits before the window are not taken).
   const int64_t n_revived =
       std::count_if(hit.blocks.begin() + hits_before_window(n_hit, lookback), hit.blocks.end(),
@@ -85,23 +129,45 @@ int64_t KvManager::allocate(SeqId seq, std::span<const int32_t> tokens, int64_t 
   KESTREL_ASSERT(can_allocate(tokens, n_tokens, reuse_prefix, lookback),
                  "KvManager: allocate without enough free blocks");
   PrefixHit hit = reuse_prefix ? find_prefix(tokens) : PrefixHit{};
+  KESTREL_ASSERT(hit.host.empty() || lookback <= 0, "KvManager: host tier hits with a sliding window");
   const int64_t n_hit = static_cast<int64_t>(hit.blocks.size());
+  const auto n_host = static_cast<int64_t>(hit.host.size());
   const int64_t n_skip = hits_before_window(n_hit, lookback);
   std::fill(hit.blocks.begin(), hit.blocks.begin() + n_skip, kNoBlock);
+  // The host hits must survive this commit's evictions, which feed the tier.
+  for (int32_t h : hit.host) tier_.pin(h);
   PoolChange change;
   change.ref.assign(hit.blocks.begin() + n_skip, hit.blocks.end());
-  change.n_take = static_cast<int32_t>(std::max<int64_t>(0, blocks_for(n_tokens) - n_hit));
-  const std::vector<int32_t> taken = pool_.commit(change);
+  change.n_take = static_cast<int32_t>(std::max<int64_t>(blocks_for(n_tokens), n_hit + n_host) - n_hit);
+  const std::vector<int32_t> taken = commit(change);
   SeqBlocks& s = seqs_[seq];
   s.blocks = std::move(hit.blocks);
   s.blocks.insert(s.blocks.end(), taken.begin(), taken.end());
   s.n_released = n_skip;
+  if (n_host > 0) {
+    // The host hits' fresh blocks are published at once: the copies that fill them run before
+    // the pass that could read them.
+    PoolChange publish;
+    for (int64_t i = 0; i < n_host; ++i) {
+      const auto at = static_cast<size_t>(n_hit + i);
+      loads_.push_back({s.blocks[at], hit.host[static_cast<size_t>(i)]});
+      BlockKey key;
+      key.hash = hit.hashes[at];
+      key.parent_hash = at == 0 ? 0 : hit.hashes[at - 1];
+      const auto blk = tokens.subspan(at * static_cast<size_t>(block_size_), static_cast<size_t>(block_size_));
+      key.tokens.assign(blk.begin(), blk.end());
+      publish.publish.emplace_back(s.blocks[at], std::move(key));
+    }
+    commit(publish);
+    n_offload_hits_ += n_host;
+  }
   s.hashes = std::move(hit.hashes);
+  const int64_t n_cached = (n_hit + n_host) * block_size_;
   if (caching_ && reuse_prefix) {
     n_queried_ += static_cast<int64_t>(tokens.size());
-    n_hit_ += n_hit * block_size_;
+    n_hit_ += n_cached;
   }
-  return n_hit * block_size_;
+  return n_cached;
 }
 
 int64_t KvManager::n_copies_needed(const SeqBlocks& s, int64_t n_computed, int64_t n_tokens) const {
@@ -157,7 +223,7 @@ void KvManager::append(SeqId seq, std::span<const int32_t> tokens, int64_t n_com
   const int64_t n_new = std::max<int64_t>(0, blocks_for(n_tokens) - static_cast<int64_t>(s.blocks.size()));
   change.n_take = static_cast<int32_t>(n_new + static_cast<int64_t>(copy_at.size()));
   if (change.n_take == 0 && change.publish.empty()) return;
-  const std::vector<int32_t> taken = pool_.commit(change);
+  const std::vector<int32_t> taken = commit(change);
   size_t t = 0;
   for (int64_t i : copy_at) {
     int32_t& b = s.blocks[static_cast<size_t>(i)];
@@ -174,7 +240,7 @@ void KvManager::fork(SeqId parent, SeqId child) {
   PoolChange change;
   for (int32_t b : copy.blocks)
     if (b != kNoBlock) change.ref.push_back(b);
-  pool_.commit(change);
+  commit(change);
   seqs_.emplace(child, std::move(copy));
 }
 
@@ -194,7 +260,7 @@ void KvManager::truncate(SeqId seq, int64_t n_tokens) {
   if (n_keep < n_held) {
     PoolChange change;
     release_held(s, static_cast<size_t>(n_keep), static_cast<size_t>(n_held), change.release);
-    pool_.commit(change);
+    commit(change);
     s.blocks.resize(static_cast<size_t>(n_keep));
   }
   if (n_keep == 0) s.n_released = 0;
@@ -213,7 +279,7 @@ void KvManager::free(SeqId seq, std::span<const int32_t> tokens, int64_t n_compu
   PoolChange change;
   if (!tokens.empty()) plan_publish(s, tokens, n_computed, change);
   release_held(s, 0, s.blocks.size(), change.release);
-  pool_.commit(change);
+  commit(change);
   seqs_.erase(it);
 }
 
@@ -231,7 +297,7 @@ int32_t KvManager::release_before(SeqId seq, int64_t first_needed, std::span<con
   PoolChange change;
   if (!tokens.empty()) plan_publish(s, tokens, n_computed, change);
   release_held(s, static_cast<size_t>(s.n_released), static_cast<size_t>(n_drop), change.release);
-  pool_.commit(change);
+  commit(change);
   std::fill(s.blocks.begin() + s.n_released, s.blocks.begin() + n_drop, kNoBlock);
   const auto n = static_cast<int32_t>(n_drop - s.n_released);
   s.n_released = n_drop;
@@ -266,7 +332,7 @@ std::vector<BlockSwap> KvManager::swap_out(SeqId seq, std::span<const int32_t> t
   PoolChange change;
   plan_publish(s, tokens, n_computed, change);
   release_held(s, 0, s.blocks.size(), change.release);
-  pool_.commit(change);
+  commit(change);
   std::vector<BlockSwap> swaps;
   for (int32_t& b : s.blocks) {
     if (b == kNoBlock) continue;
@@ -296,7 +362,7 @@ std::vector<BlockSwap> KvManager::swap_in(SeqId seq) {
   PoolChange change;
   change.n_take = static_cast<int32_t>(n_held_blocks(seq));
   KESTREL_ASSERT(change.n_take <= pool_.n_free(), "KvManager: swap_in without enough free blocks");
-  const std::vector<int32_t> taken = pool_.commit(change);
+  const std::vector<int32_t> taken = commit(change);
   std::vector<BlockSwap> swaps;
   size_t t = 0;
   for (int32_t& b : s.blocks) {
@@ -321,6 +387,7 @@ void KvManager::free_swapped(SeqId seq) {
 
 void KvManager::check_invariants() const {
   pool_.check_invariants();
+  tier_.check_invariants();
   std::vector<int32_t> host(static_cast<size_t>(n_swap_blocks_), 0);
   for (int32_t b : swap_free_) {
     KESTREL_ASSERT(b >= 0 && b < n_swap_blocks_, "KvManager: free host block outside the swap pool");

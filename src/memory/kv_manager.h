@@ -32,6 +32,17 @@
 // than before (with beams waiting for each other's rows, enough to stall); recomputing it takes
 // the shared blocks again as prefix-cache hits. A block only the prefix cache also indexes is
 // swapped like any other (its device copy stays in the cache, evictable).
+//
+// Host tier of the prefix cache (--cpu-offload-kv-gb): n_offload_blocks more host blocks, ids
+// after the swap pool's in the same backend buffer (so swapping and offloading never take each
+// other's memory), indexed by HostBlockTier. When the device pool evicts a cached block to hand it
+// out again, its key goes to the tier and a device -> host copy is queued (take_offloads(); the
+// caller issues it before anything of the step writes device blocks). A prefix lookup that
+// leaves the device cache goes on in the tier: allocate() gives those blocks fresh device blocks,
+// queues host -> device copies (take_loads(); issued before the step's pass) and publishes them
+// at once, so they count as cached tokens. The tier needs lookback == 0: a windowed sequence
+// skips the hits before its window, and cached_prefix_len cannot tell (the engine refuses the
+// combination).
 #pragma once
 
 #include <cstdint>
@@ -40,6 +51,7 @@
 #include <vector>
 
 #include "memory/block_pool.h"
+#include "memory/host_block_tier.h"
 
 namespace kestrel {
 
@@ -50,6 +62,7 @@ struct KvManagerConfig {
   int32_t block_size = 16;            // tokens per block
   bool enable_prefix_caching = true;
   int32_t n_swap_blocks = 0;          // host swap pool; 0 = no swapping
+  int32_t n_offload_blocks = 0;       // host tier of the prefix cache (ids after the swap pool's); 0 = none
 };
 
 // K/V of block src must be copied to block dst before the next forward pass (copy-on-write).
@@ -75,8 +88,9 @@ class KvManager {
   explicit KvManager(const KvManagerConfig& config);
 
   // --- queries ---
-  // Tokens at the start of `tokens` whose K/V are in the prefix cache: whole blocks, and never
-  // all of `tokens` (the last token is always computed, so its logits exist). 0 when caching is off.
+  // Tokens at the start of `tokens` whose K/V are in the prefix cache (device blocks, then host
+  // tier blocks): whole blocks, and never all of `tokens` (the last token is always computed, so
+  // its logits exist). 0 when caching is off.
   int64_t cached_prefix_len(std::span<const int32_t> tokens) const;
   // Whether allocate(seq, tokens, n_tokens, reuse_prefix, lookback) would find enough blocks.
   bool can_allocate(std::span<const int32_t> tokens, int64_t n_tokens, bool reuse_prefix = true,
@@ -163,6 +177,19 @@ class KvManager {
   int64_t n_swapped_out_blocks() const { return n_swapped_out_; }  // blocks copied to the host so far
   int64_t n_swapped_in_blocks() const { return n_swapped_in_; }    // blocks copied back so far
 
+  // --- host tier of the prefix cache ---
+  // Device -> host copies of evicted cached blocks queued since the last call, in eviction order.
+  // The caller issues them before any copy or pass of the step writes device blocks (the evicted
+  // blocks are handed out again). Clears the queue.
+  std::vector<BlockSwap> take_offloads();
+  // Host -> device copies of host-tier hits queued since the last call; the caller issues them
+  // after take_offloads()' copies and before the pass that reads them. Clears the queue and unpins
+  // the host blocks they read.
+  std::vector<BlockSwap> take_loads();
+  const HostBlockTier& host_tier() const { return tier_; }
+  int64_t n_offloaded_blocks() const { return n_offloaded_; }      // device -> host copies queued so far
+  int64_t n_offload_hit_blocks() const { return n_offload_hits_; }  // host -> device copies queued so far
+
   // --- counters ---
   int32_t block_size() const { return block_size_; }
   int32_t n_blocks() const { return pool_.n_blocks(); }
@@ -187,9 +214,12 @@ class KvManager {
     std::vector<uint64_t> hashes;
   };
   struct PrefixHit {
-    std::vector<int32_t> blocks;
-    std::vector<uint64_t> hashes;
+    std::vector<int32_t> blocks;  // device blocks of the leading hits
+    std::vector<int32_t> host;    // host tier blocks of the hits after them
+    std::vector<uint64_t> hashes;  // [blocks.size() + host.size()]
   };
+  // pool_.commit(), then the evicted blocks' keys go to the host tier (queued offloads).
+  std::vector<int32_t> commit(const PoolChange& change);
   PrefixHit find_prefix(std::span<const int32_t> tokens) const;
   // Leading blocks of a hit of n_hit blocks that a sequence with this lookback does not read.
   int64_t hits_before_window(int64_t n_hit, int64_t lookback) const;
@@ -212,6 +242,9 @@ class KvManager {
   std::vector<int32_t> swap_free_;                  // stack of free host blocks
   std::unordered_map<SeqId, SeqBlocks> swapped_;    // tables of host blocks
   int64_t n_swapped_out_ = 0, n_swapped_in_ = 0;
+  HostBlockTier tier_;
+  std::vector<BlockSwap> offloads_, loads_;
+  int64_t n_offloaded_ = 0, n_offload_hits_ = 0;
 };
 
 }  // namespace kestrel

@@ -157,6 +157,8 @@ SchedulerOutput Scheduler::schedule() {
     budget -= n_new;
   }
 
+  out.offload = kv_.take_offloads();
+  out.load = kv_.take_loads();
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     out.n_tokens += out.scheduled[i].n_new;
     if (static_cast<int64_t>(i) >= out.n_decodes) out.n_prefill_tokens += out.scheduled[i].n_new;

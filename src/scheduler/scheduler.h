@@ -22,7 +22,8 @@
 // measured by the engine; 0 until measured, and then auto recomputes). Either way a full host
 // pool means recompute. The copies of a step go: swap-outs first (the freed blocks may be taken
 // by the same step's appends and copy-on-write copies), then copy-on-write copies, then swap-ins,
-// then the forward pass.
+// then the forward pass. The host tier's copies go with them: offloads of evicted cached blocks
+// beside the swap-outs, loads of host-tier hits beside the swap-ins.
 // A long prompt therefore never stalls the decodes: it advances one chunk per step beside them.
 //
 // With a window (every layer of the model attends to at most `window` positions back), each
@@ -91,6 +92,11 @@ struct SchedulerOutput {
     int64_t n_blocks;
   };
   std::vector<Import> imported;
+  // Host tier of the prefix cache (KvManager::take_offloads / take_loads): device -> host copies
+  // of evicted cached blocks, issued with swap_out; host -> device copies of host-tier hits,
+  // issued with swap_in.
+  std::vector<BlockSwap> offload;
+  std::vector<BlockSwap> load;
   std::vector<Sequence*> preempted;     // sequences preempted in this step (now waiting), swapped ones too
   int64_t n_swapped = 0;                // of those, preempted by swap
   int64_t n_tokens = 0;

@@ -229,6 +229,15 @@ TEST(CliBatch, PreemptionKeepsOutputsIdentical) {
   ASSERT_EQ(swapped.results.size(), 8u);
   for (size_t i = 0; i < 8; ++i) EXPECT_EQ(swapped.results[i]["output_ids"], roomy.results[i]["output_ids"]) << i;
   EXPECT_NE(swapped.err.find("by swap"), std::string::npos) << swapped.err;
+  // With a host tier: blocks the pool evicts come back for recomputed sequences, the same tokens.
+  const BatchRun tiered = run_batch(dir, requests, common + " --num-kv-blocks 12 --cpu-offload-kv-gb 0.01");
+  ASSERT_EQ(tiered.rc, 0) << tiered.err;
+  EXPECT_GT(tiered.stats["offloaded_blocks"].get<int>(), 0);
+  EXPECT_GT(tiered.stats["offload_hit_blocks"].get<int>(), 0);
+  EXPECT_LT(tiered.stats["prefill_tokens_computed"].get<int>(), tight.stats["prefill_tokens_computed"].get<int>());
+  ASSERT_EQ(tiered.results.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(tiered.results[i]["output_ids"], roomy.results[i]["output_ids"]) << i;
+  EXPECT_NE(tiered.err.find("host KV tier"), std::string::npos) << tiered.err;
 }
 
 // (c) Every kind of bad line gets an error result (naming its line); the good lines still run;

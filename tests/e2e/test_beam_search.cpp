@@ -170,6 +170,21 @@ TEST(BeamSearchEngine, PreemptionBySwapChangesNothing) {
   EXPECT_EQ(stats.swap_blocks_free, stats.n_swap_blocks);
 }
 
+// The same pool with the prefix cache's host tier: prompt blocks the tight pool evicts come back
+// from host memory for later requests and recomputed beams. The beams are transformers'.
+TEST(BeamSearchEngine, HostTierHitsChangeNothing) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const std::vector<Case> cases = load_cases();
+  EngineConfig c = tight_pool();
+  c.cpu_offload_kv_bytes = int64_t{1} << 20;
+  EngineStats stats;
+  const auto got = run(*model, cases, c, &stats);
+  expect_matches(cases, got);
+  EXPECT_GT(stats.n_offloaded_blocks, 0);
+  EXPECT_GT(stats.n_offload_hit_blocks, 0);
+}
+
 // `kestrel batch` lines with use_beam_search: the best beam of transformers' search (the cases that
 // stop at the model's EOS, as batch does), with its cumulative logprob.
 TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {

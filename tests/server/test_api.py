@@ -308,6 +308,9 @@ def test_metrics(server):
     # Without --swap-space there is no host pool and no preemption goes by swap.
     assert m["kestrel_swap_blocks"] == 0 and m["kestrel_swap_preemptions_total"] == 0
     assert m["kestrel_kv_blocks_swapped_out_total"] == m["kestrel_kv_blocks_swapped_in_total"] == 0
+    # Without --cpu-offload-kv-gb there is no host tier.
+    assert m["kestrel_kv_offload_blocks"] == 0 and m["kestrel_kv_blocks_offloaded_total"] == 0
+    assert m["kestrel_kv_offload_hits_total"] == 0
     text = requests.get(server.url + "/metrics", timeout=10).text
     assert "# TYPE kestrel_time_to_first_token_seconds histogram" in text
 

@@ -88,6 +88,12 @@ TEST_F(EngineConfigTest, ServingFlagsReachTheEngineAndTheRunner) {
   EXPECT_TRUE(o.cuda.fused_norm);  // untouched choices keep their defaults
 }
 
+TEST_F(EngineConfigTest, HostTierFlagReachesTheEngine) {
+  const EngineConfig e = parse(EngineMode::Serving, {"--cpu-offload-kv-gb", "0.5"}).engine_config(*model_);
+  EXPECT_EQ(e.cpu_offload_kv_bytes, int64_t{1} << 29);
+  EXPECT_EQ(parse(EngineMode::Serving, {}).engine_config(*model_).cpu_offload_kv_bytes, 0);
+}
+
 TEST_F(EngineConfigTest, ServingDefaultContextIsTheModels) {
   EXPECT_EQ(parse(EngineMode::Serving, {}).engine_config(*model_).max_model_len, 2048);
 }
@@ -114,6 +120,8 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Single, {"--device", "cuda", "--kv-cache-dtype", "int8"}, "--kv-cache-dtype", "CUDA backend's KV cache stores bf16 or fp8"},
       {EngineMode::Serving, {"--preemption-mode", "swap"}, "--preemption-mode", "swap needs --swap-space > 0"},
       {EngineMode::Serving, {"--preemption-mode", "swap", "--swap-space", "0.25"}, "", ""},
+      {EngineMode::Serving, {"--cpu-offload-kv-gb", "1", "--no-prefix-cache"}, "--cpu-offload-kv-gb", "needs the prefix cache"},
+      {EngineMode::Serving, {"--cpu-offload-kv-gb", "0.25", "--swap-space", "0.25"}, "", ""},
       {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "", ""},
       {EngineMode::Serving, {"--tensor-parallel-size", "3"}, "--tensor-parallel-size", "does not divide the model's attention heads (8)"},
       {EngineMode::Single, {"--device", "cuda", "--tensor-parallel-size", "2"}, "--tensor-parallel-size", "CUDA backend runs a model on one GPU"},

@@ -39,6 +39,13 @@ std::string BatchSummary::text() const {
                 static_cast<long long>(engine.n_swapped_out_blocks), static_cast<long long>(engine.n_swapped_in_blocks),
                 mean_ttft_ms(), mean_tpot_ms());
   out += buf;
+  if (engine.n_offload_blocks > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "kestrel batch: host KV tier: %d blocks, %lld offloaded, %lld brought back for prefix hits\n",
+                  engine.n_offload_blocks, static_cast<long long>(engine.n_offloaded_blocks),
+                  static_cast<long long>(engine.n_offload_hit_blocks));
+    out += buf;
+  }
   if (engine.spec_num_drafts > 0) {
     std::snprintf(buf, sizeof buf,
                   "kestrel batch: speculative decoding: %lld draft tokens in %lld drafts, %lld accepted (%.1f%%), "
@@ -81,6 +88,11 @@ Json BatchSummary::to_json() const {
   j["swapped_out_blocks"] = engine.n_swapped_out_blocks;
   j["swapped_in_blocks"] = engine.n_swapped_in_blocks;
   j["swap_blocks"] = engine.n_swap_blocks;
+  j["offloaded_blocks"] = engine.n_offloaded_blocks;
+  j["offload_hit_blocks"] = engine.n_offload_hit_blocks;
+  j["offload_blocks"] = engine.n_offload_blocks;
+  j["host_to_device_bytes"] = engine.host_to_device_bytes;
+  j["host_to_device_seconds"] = engine.host_to_device_seconds;
   j["steps"] = engine.n_steps;
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;

@@ -60,42 +60,74 @@ std::vector<int32_t> random_prompt(int64_t n, int64_t n_vocab, uint64_t seed) {
 void run_shared_prefix(const BenchArgs& a, const LoadedModel& lm) {
   const auto& hp = lm.model->hparams();
   const int64_t n_suffix = a.n_prompt;
-  std::printf("| threads | shared prefix | new tokens | prefix cache | TTFT ms | prefill tokens run | hit tokens |\n"
-              "|---|---|---|---|---|---|---|\n");
+  // With a host tier (--cpu-offload-kv-gb), the prefix is also measured evicted from the device
+  // pool: recomputed without the tier, copied back from host memory with it.
+  const bool tiers = a.config.cache.cpu_offload_kv_gib > 0;
+  std::printf("| threads | shared prefix | new tokens | prefix cache | TTFT ms | prefill tokens run | hit tokens | "
+              "host tier blocks in | H2D GB/s |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
   const std::vector<int32_t> prefix = random_prompt(a.shared_prefix, hp.n_vocab, 7);
-  for (bool caching : {false, true}) {
+  struct Mode {
+    const char* name;
+    bool caching, evict, offload;
+  };
+  const std::vector<Mode> modes =
+      tiers ? std::vector<Mode>{{"on, on the device", true, false, false},
+                                {"on, evicted: recomputed", true, true, false},
+                                {"on, evicted: host tier", true, true, true}}
+            : std::vector<Mode>{{"off", false, false, false}, {"on", true, false, false}};
+  for (const Mode& mode : modes) {
     KestrelConfig c = a.config;
     c.scheduler.max_num_seqs = 2;  // a pool of two sequences: the cached request's blocks beside the running one's
     c.scheduler.max_num_batched_tokens = std::max<int64_t>(a.max_batched_tokens, a.shared_prefix + n_suffix);
     c.model.max_model_len = std::min<int64_t>(hp.n_ctx_train, a.shared_prefix + n_suffix + 2);
-    c.cache.enable_prefix_caching = caching;
+    c.cache.enable_prefix_caching = mode.caching;
+    if (!mode.offload) c.cache.cpu_offload_kv_gib = 0;
     const std::unique_ptr<Engine> engine = make_engine(lm, c);
     Engine& e = *engine;
-    std::vector<double> ttft;
-    int64_t run_tokens = 0, hits = 0;
-    for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
+    auto run = [&](std::vector<int32_t> prompt) {
       Request req;
-      req.prompt = prefix;
-      const auto suffix = random_prompt(n_suffix, hp.n_vocab, static_cast<uint64_t>(100 + r));
-      req.prompt.insert(req.prompt.end(), suffix.begin(), suffix.end());
+      req.prompt = std::move(prompt);
       req.max_tokens = 1;
       req.sampling.temperature = 0;
       e.add_request(std::move(req));
-      const int64_t prompt0 = e.stats().n_prompt_tokens_computed;
       RequestMetrics m;
       while (e.has_unfinished())
         for (const RequestOutput& o : e.step())
           if (o.finished) m = o.metrics;
+      return m;
+    };
+    std::vector<double> ttft;
+    int64_t run_tokens = 0, hits = 0, blocks_in = 0, h2d_bytes = 0;
+    double h2d_s = 0;
+    for (int r = 0; r <= a.reps + 1; ++r) {  // r == 0 fills the cache, r == 1 warms up
+      // Three requests as long as the measured one, of other tokens, evict the prefix from a pool
+      // of two such sequences (least recently released first).
+      if (mode.evict && r > 0)
+        for (uint64_t k = 0; k < 3; ++k)
+          run(random_prompt(a.shared_prefix + n_suffix, hp.n_vocab, 1000 + 10 * static_cast<uint64_t>(r) + k));
+      std::vector<int32_t> prompt = prefix;
+      const auto suffix = random_prompt(n_suffix, hp.n_vocab, static_cast<uint64_t>(100 + r));
+      prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+      const EngineStats before = e.stats();
+      const RequestMetrics m = run(std::move(prompt));
       if (r < 2) continue;
+      const EngineStats& after = e.stats();
       ttft.push_back(1e3 * m.ttft_s);
-      run_tokens = e.stats().n_prompt_tokens_computed - prompt0;
+      run_tokens = after.n_prompt_tokens_computed - before.n_prompt_tokens_computed;
       hits = m.n_cached_prompt_tokens;
+      blocks_in = after.n_offload_hit_blocks - before.n_offload_hit_blocks;
+      h2d_bytes += after.host_to_device_bytes - before.host_to_device_bytes;
+      h2d_s += after.host_to_device_seconds - before.host_to_device_seconds;
     }
     const int threads = bench_threads(a);
     std::sort(ttft.begin(), ttft.end());
-    std::printf("| %d | %lld | %lld | %s | %.1f (median of %zu) | %lld | %lld |\n", threads,
-                static_cast<long long>(a.shared_prefix), static_cast<long long>(n_suffix), caching ? "on" : "off",
-                ttft[ttft.size() / 2], ttft.size(), static_cast<long long>(run_tokens), static_cast<long long>(hits));
+    char rate[32] = "-";
+    if (h2d_s > 0) std::snprintf(rate, sizeof rate, "%.1f", static_cast<double>(h2d_bytes) / h2d_s / 1e9);
+    std::printf("| %d | %lld | %lld | %s | %.1f (median of %zu) | %lld | %lld | %lld | %s |\n", threads,
+                static_cast<long long>(a.shared_prefix), static_cast<long long>(n_suffix), mode.name,
+                ttft[ttft.size() / 2], ttft.size(), static_cast<long long>(run_tokens), static_cast<long long>(hits),
+                static_cast<long long>(blocks_in), rate);
     std::fflush(stdout);
   }
 }
@@ -421,6 +453,11 @@ void register_bench(CLI::App& app) {
   sub->add_option("--shared-prefix", a->shared_prefix,
                   "Prefix-cache test: TTFT of a request sharing this many tokens with an earlier one "
                   "(cache on and off); -p is then the request's own new tokens");
+  sub->add_option("--cpu-offload-kv-gb", a->config.cache.cpu_offload_kv_gib,
+                  "With --shared-prefix: GiB of host memory for the prefix cache's host tier; the prefix is then "
+                  "also measured evicted from the device, recomputed and copied back from the host tier (with "
+                  "the copies' host -> device GB/s)")
+      ->check(CLI::Range(0.0, 1048576.0));
   sub->add_option("--prompts", a->prompts_file,
                   "Real prompts, JSON lines of {\"messages\": [...]} or {\"prompt\": \"...\"}: batch-1 greedy decode of "
                   "each (-n tokens at most), speculation off and then as --speculative-config says, with the "

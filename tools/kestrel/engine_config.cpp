@@ -137,6 +137,11 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
                    "every preemption recomputes")
         ->check(CLI::Range(0.0, 1048576.0))
         ->capture_default_str();
+    app.add_option("--cpu-offload-kv-gb", cache.cpu_offload_kv_gib,
+                   "GiB of host memory (CUDA: pinned) for prefix-cache KV blocks evicted from the device pool, copied "
+                   "back on a prefix hit instead of recomputed; 0 = none")
+        ->check(CLI::Range(0.0, 1048576.0))
+        ->capture_default_str();
     app.add_option("--preemption-mode", scheduler.preemption_mode,
                    "How a preempted sequence's KV is kept: recompute (freed, prefilled again), swap (copied to "
                    "--swap-space and back), auto (swap when cheaper by the measured prefill time and the host "
@@ -232,6 +237,12 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (scheduler.preemption_mode == "swap" && cache.swap_space_gib <= 0)
     throw CLI::ValidationError("--preemption-mode", "swap needs --swap-space > 0 (GiB of host memory for the swapped "
                                                     "KV blocks)");
+  if (cache.cpu_offload_kv_gib > 0 && !cache.enable_prefix_caching)
+    throw CLI::ValidationError("--cpu-offload-kv-gb", "the host tier holds prefix-cache blocks: it needs the prefix "
+                                                      "cache (drop --no-prefix-cache)");
+  if (cache.cpu_offload_kv_gib > 0 && hp.kv_lookback() > 0)
+    throw CLI::ValidationError("--cpu-offload-kv-gb", "does not apply to a model whose every layer has a sliding "
+                                                      "window (" + std::to_string(hp.kv_lookback()) + " tokens)");
   const KvDtype kv = resolve_kv_dtype(cache.kv_cache_dtype, m, device.device);
   if (device.device == "cuda" && kv != KvDtype::BF16 && kv != KvDtype::FP8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
@@ -288,6 +299,7 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.n_threads = device.threads;
   c.populate_kv = cache.populate_kv;
   c.swap_space_bytes = static_cast<int64_t>(cache.swap_space_gib * static_cast<double>(int64_t{1} << 30));
+  c.cpu_offload_kv_bytes = static_cast<int64_t>(cache.cpu_offload_kv_gib * static_cast<double>(int64_t{1} << 30));
   c.preemption_mode = parse_preemption_mode(scheduler.preemption_mode);
   c.tensor_parallel_size = parallel.tensor_parallel_size;
   c.speculative = resolve_speculative_config(speculative.config);

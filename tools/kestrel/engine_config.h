@@ -52,6 +52,7 @@ struct KestrelConfig {
     double gpu_memory_utilization = 0.9;  // --gpu-memory-utilization (CUDA)
     bool populate_kv = false;             // CPU: the whole pool resident at start (serve's choice)
     double swap_space_gib = 0;            // --swap-space: GiB of host memory for swapped-out KV blocks
+    double cpu_offload_kv_gib = 0;        // --cpu-offload-kv-gb: GiB of host memory for the prefix cache's host tier
   } cache;
   struct Scheduler {
     int32_t max_num_seqs = 64;             // --max-num-seqs (Single: 1)

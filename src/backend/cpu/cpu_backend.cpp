@@ -49,6 +49,7 @@ class CpuBackend final : public ModelRunner {
   void swap_in(std::span<const BlockSwap> swaps) override {
     if (!swap_) ModelRunner::swap_in(swaps);
     for (const BlockSwap& s : swaps) KvCache::copy_block(*swap_, s.host, kv_, s.device);
+    h2d_bytes_ += static_cast<int64_t>(swaps.size()) * kv_.bytes_per_token() * kv_.block_size();
   }
   void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override {
     const size_t n = static_cast<size_t>(kv_.bytes_per_block());
@@ -60,6 +61,8 @@ class CpuBackend final : public ModelRunner {
     if (in.size() != blocks.size() * n) throw Error("write_kv_blocks: buffer size does not match the blocks");
     for (size_t i = 0; i < blocks.size(); ++i) kv_.write_block(checked_block(blocks[i]), in.subspan(i * n, n));
   }
+  // Bytes only: a host memcpy here, not a link worth timing.
+  HostCopyTotals host_to_device_totals() override { return {h2d_bytes_, 0}; }
   // One thread's memcpy within host memory: a round figure for a current x86 server core (the
   // choice only weighs it against the measured prefill time per token).
   double host_link_bytes_per_s() const override { return 10e9; }
@@ -82,6 +85,7 @@ class CpuBackend final : public ModelRunner {
     if (b < 0 || b >= kv_.n_blocks()) throw Error("KV transfer: block " + std::to_string(b) + " is outside the pool");
     return b;
   }
+  int64_t h2d_bytes_ = 0;          // swap_in copies so far
   cpu::CpuModelRunner runner_;
 };
 
@@ -214,6 +218,10 @@ class TensorParallelCpuBackend final : public ModelRunner {
       for (size_t i = 0; i < blocks.size(); ++i) std::memcpy(part.data() + i * n, in.data() + i * block_bytes() + off, n);
       ranks_[r]->write_kv_blocks(b, part);
     });
+  HostCopyTotals host_to_device_totals() override {
+    HostCopyTotals t;
+    for (auto& r : ranks_) t.bytes += r->host_to_device_totals().bytes;
+    return t;
   }
   double host_link_bytes_per_s() const override { return ranks_[0]->host_link_bytes_per_s(); }
   int32_t n_kv_blocks() const override { return ranks_[0]->n_kv_blocks(); }

@@ -107,7 +107,7 @@ CudaModelRunner::~CudaModelRunner() {
     cudaStreamSynchronize(swap_stream_);
     cudaStreamDestroy(swap_stream_);
   }
-  for (cudaEvent_t e : {swap_after_pass_, swap_done_})
+  for (cudaEvent_t e : {swap_after_pass_, swap_done_, h2d_start_, h2d_stop_})
     if (e != nullptr) cudaEventDestroy(e);
   if (side_stream_ != nullptr) {
     cudaStreamSynchronize(side_stream_);

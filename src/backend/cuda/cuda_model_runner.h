@@ -152,6 +152,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void allocate_swap_space(int32_t n_blocks) override;
   void swap_out(std::span<const BlockSwap> swaps) override;
   void swap_in(std::span<const BlockSwap> swaps) override;
+  HostCopyTotals host_to_device_totals() override;
   // PCIe Gen5 x16, the H200 SXM's host link: 64 GB/s a direction by the standard; 50e9 taken as
   // what pinned cudaMemcpyAsync reaches (a lead, not measured here).
   double host_link_bytes_per_s() const override { return 50e9; }
@@ -368,6 +369,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   int32_t n_swap_blocks_ = 0;
   cudaStream_t swap_stream_ = nullptr;
   cudaEvent_t swap_after_pass_ = nullptr, swap_done_ = nullptr;
+  // Timing of the host -> device copies: events (with timing) around the last call's copies,
+  // read (and added to h2d_) at the next call or by host_to_device_totals().
+  cudaEvent_t h2d_start_ = nullptr, h2d_stop_ = nullptr;
+  bool h2d_pending_ = false;
+  HostCopyTotals h2d_;
+  void collect_h2d_timing();
   // Copies every tensor's block of each pair, device -> host (out) or back, on swap_stream_.
   void swap_copy(std::span<const BlockSwap> swaps, bool out);
   // Layer l's FP8 cache (kv_dtype_ FP8).

@@ -23,6 +23,23 @@ void CudaModelRunner::allocate_swap_space(int32_t n_blocks) {
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&swap_stream_, cudaStreamNonBlocking));
   KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&swap_after_pass_, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&swap_done_, cudaEventDisableTiming));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&h2d_start_));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&h2d_stop_));
+}
+
+void CudaModelRunner::collect_h2d_timing() {
+  if (!h2d_pending_) return;
+  // The pass after the copies waited for them, so this rarely blocks.
+  KESTREL_CUDA_CHECK(cudaEventSynchronize(h2d_stop_));
+  float ms = 0;
+  KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, h2d_start_, h2d_stop_));
+  h2d_.seconds += 1e-3 * static_cast<double>(ms);
+  h2d_pending_ = false;
+}
+
+ModelRunner::HostCopyTotals CudaModelRunner::host_to_device_totals() {
+  collect_h2d_timing();
+  return h2d_;
 }
 
 void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
@@ -52,18 +69,28 @@ void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
   }
   KESTREL_CUDA_CHECK(cudaEventRecord(swap_after_pass_, stream_));
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(swap_stream_, swap_after_pass_, 0));
-  // Runs of pairs consecutive on both sides go as one copy per tensor.
+  if (!out) {
+    collect_h2d_timing();
+    KESTREL_CUDA_CHECK(cudaEventRecord(h2d_start_, swap_stream_));
+  }
+  // Runs of pairs consecutive on both sides, ascending or descending (a prefix evicted tail
+  // first), go as one copy per tensor from the run's lowest pair.
   for (size_t i = 0; i < swaps.size();) {
     size_t n = 1;
-    while (i + n < swaps.size() && swaps[i + n].device == swaps[i].device + static_cast<int32_t>(n) &&
-           swaps[i + n].host == swaps[i].host + static_cast<int32_t>(n))
-      ++n;
-    KESTREL_ASSERT(swaps[i].device >= 0 && swaps[i].device + static_cast<int64_t>(n) <= n_blocks_ && swaps[i].host >= 0 &&
-                       swaps[i].host + n <= n_swap,
+    for (const int32_t step : {1, -1}) {
+      while (i + n < swaps.size() && swaps[i + n].device == swaps[i].device + step * static_cast<int32_t>(n) &&
+             swaps[i + n].host == swaps[i].host + step * static_cast<int32_t>(n))
+        ++n;
+      if (n > 1) break;
+    }
+    const bool down = n > 1 && swaps[i + 1].device < swaps[i].device;
+    const int32_t d0 = down ? swaps[i + n - 1].device : swaps[i].device;
+    const int32_t h0 = down ? swaps[i + n - 1].host : swaps[i].host;
+    KESTREL_ASSERT(d0 >= 0 && d0 + static_cast<int64_t>(n) <= n_blocks_ && h0 >= 0 && h0 + n <= n_swap,
                    "CUDA: swap of a block outside the pools");
     for (const Tensor& t : tensors) {
-      std::byte* d = t.device + static_cast<size_t>(swaps[i].device) * t.bytes;
-      std::byte* h = t.host + static_cast<size_t>(swaps[i].host) * t.bytes;
+      std::byte* d = t.device + static_cast<size_t>(d0) * t.bytes;
+      std::byte* h = t.host + static_cast<size_t>(h0) * t.bytes;
       if (out) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(h, d, n * t.bytes, cudaMemcpyDeviceToHost, swap_stream_));
       } else {
@@ -71,6 +98,11 @@ void CudaModelRunner::swap_copy(std::span<const BlockSwap> swaps, bool out) {
       }
     }
     i += n;
+  }
+  if (!out) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(h2d_stop_, swap_stream_));
+    h2d_pending_ = true;
+    for (const Tensor& t : tensors) h2d_.bytes += static_cast<int64_t>(swaps.size() * t.bytes);
   }
   KESTREL_CUDA_CHECK(cudaEventRecord(swap_done_, swap_stream_));
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(stream_, swap_done_, 0));

@@ -181,6 +181,16 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   sample(&out, "kestrel_swap_blocks", snap.stats.n_swap_blocks);
   header(&out, "kestrel_swap_blocks_free", "gauge", "Of those, free.");
   sample(&out, "kestrel_swap_blocks_free", snap.stats.swap_blocks_free);
+  header(&out, "kestrel_kv_blocks_offloaded_total", "counter",
+         "Cached KV blocks evicted from the device pool and copied to the host tier (--cpu-offload-kv-gb).");
+  sample(&out, "kestrel_kv_blocks_offloaded_total", static_cast<double>(snap.stats.n_offloaded_blocks));
+  header(&out, "kestrel_kv_offload_hits_total", "counter",
+         "KV blocks of prefix-cache hits copied back from the host tier instead of recomputed.");
+  sample(&out, "kestrel_kv_offload_hits_total", static_cast<double>(snap.stats.n_offload_hit_blocks));
+  header(&out, "kestrel_kv_offload_blocks", "gauge", "Blocks of the host tier (--cpu-offload-kv-gb).");
+  sample(&out, "kestrel_kv_offload_blocks", snap.stats.n_offload_blocks);
+  header(&out, "kestrel_kv_offload_blocks_held", "gauge", "Of those, holding a cached block.");
+  sample(&out, "kestrel_kv_offload_blocks_held", snap.stats.offload_blocks_held);
   render_spec_decode(snap.stats, &out);
   render_expert_tokens(snap.stats, &out);
   return out;
