@@ -218,6 +218,7 @@ class TensorParallelCpuBackend final : public ModelRunner {
       for (size_t i = 0; i < blocks.size(); ++i) std::memcpy(part.data() + i * n, in.data() + i * block_bytes() + off, n);
       ranks_[r]->write_kv_blocks(b, part);
     });
+  }
   HostCopyTotals host_to_device_totals() override {
     HostCopyTotals t;
     for (auto& r : ranks_) t.bytes += r->host_to_device_totals().bytes;
