@@ -13,6 +13,11 @@ export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PAT
 export PYTHONUNBUFFERED=1
 chmod +x $BIN/kestrel $BIN/kestrel_tests 2>/dev/null
 K="$BIN/kestrel"
+# The op tests that need stories260K find the carried copy here.
+if [ -f $BIN/stories260K.gguf ]; then
+  mkdir -p /tmp/kestrel/data/stories260K && ln -sf $BIN/stories260K.gguf /tmp/kestrel/data/stories260K/
+  export KESTREL_DATA_DIR="${KESTREL_DATA_DIR:-/tmp/kestrel/data}"
+fi
 M8=/tmp/kestrel/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by gpu_bench_8b.sh)
 SUMMARY=/tmp/kestrel/summary.txt
 # note KEY VALUE: one line of the closing table

@@ -46,4 +46,4 @@ print(f"disagg on cuda: {same}/{len(bodies)} outputs equal to one server's; bloc
 PY
 kill $R $P $C $S 2>/dev/null
 wait 2>/dev/null
-tail -2 /tmp/kestrel/p.log /tmp/kestrel/c.log
+tail -n 2 /tmp/kestrel/p.log /tmp/kestrel/c.log

@@ -7,11 +7,11 @@
 # back from the host tier, and the H2D rate of those copies (bytes / seconds between CUDA events
 # around them). Goals: (a) / (b) >= 5 and H2D >= 40 GB/s; one PASS/FAIL line each.
 # usage: bash scripts/device/gpu_offload.sh   (carry devbin: kestrel, kestrel_tests, stories260K.gguf)
-# Knobs: PREFIX (8192), SUFFIX (128), OFFLOAD_GIB (8), REPS (3).
+# Knobs: PREFIX (7936: with the new tokens within the 8B config's 8192-token context), SUFFIX (128), OFFLOAD_GIB (8), REPS (3).
 set -uo pipefail
 source scripts/device/device_env.sh
 begin_run
-PREFIX=${PREFIX:-8192} SUFFIX=${SUFFIX:-128} OFFLOAD_GIB=${OFFLOAD_GIB:-8} REPS=${REPS:-3}
+PREFIX=${PREFIX:-7936} SUFFIX=${SUFFIX:-128} OFFLOAD_GIB=${OFFLOAD_GIB:-8} REPS=${REPS:-3}
 echo "== CUDA swap round trip (kestrel_tests)"
 timeout 120 $BIN/kestrel_tests --gtest_filter='CudaModelRunner.SwappedBlocks*' --gtest_brief=1 \
   2>&1 | tail -4 | tee -a "$SUMMARY"
