@@ -68,25 +68,32 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
   const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
 
-  // Slab q (tile q / k_lines, columns 2048 (q % k_lines) ..) into ring slot q % kStages: thread t
-  // copies chunk t % 128 of rows t / 128, + 2, + 4, + 6 (a warp: 512 contiguous bytes of a row).
-  auto issue = [&](int q) {
-    if (q < n_slabs) {
-      const int tile = q / k_lines, kb = q % k_lines, c = t % 128;
-      uint8_t* dst = ring + (q % kStages) * kW8a8SlabBytes;
+  // Slabs are requested in order by a cursor (no division in the loop): slab q (tile q / k_lines,
+  // columns 2048 (q % k_lines) ..) into ring slot q % kStages; thread t copies chunk t % 128 of
+  // rows t / 128, + 2, + 4, + 6 of the tile (a warp: 512 contiguous bytes of a row).
+  const int c = t % 128, r0 = t / 128;
+  const int dst_off = r0 * kGemvLine + 16 * (c ^ ((r0 & 1) << 2));  // rows r0 + 2 j: + 2 j lines
+  const int64_t row_step = 2 * static_cast<int64_t>(n_in);
+  const uint8_t* i_tile = w + (row0 + r0) * n_in + 16 * c;  // row r0 of the tile being requested
+  int i_q = 0, i_kb = 0, i_row = r0, i_slot = 0;
+  auto issue_next = [&]() {
+    if (i_q < n_slabs) {
+      uint8_t* dst = ring + i_slot * kW8a8SlabBytes + dst_off;
+      const uint8_t* src = i_tile + i_kb * kGemvLine;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int r = 2 * j + t / 128;
-        const int row = tile * kW8a8SlabRows + r;
-        const bool live = row < rows;
-        const uint8_t* src = w + (row0 + (live ? row : 0)) * n_in + kb * kGemvLine + 16 * c;
-        cp_async16(dst + r * kGemvLine + 16 * (c ^ ((r & 1) << 2)), src, live);
+        const bool live = i_row + 2 * j < rows;
+        cp_async16(dst + 2 * j * kGemvLine, live ? src : w, live);
+        src += row_step;
       }
     }
     cp_async_commit();
+    ++i_q;
+    i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
+    if (++i_kb == k_lines) i_kb = 0, i_tile += kW8a8SlabRows * static_cast<int64_t>(n_in), i_row += kW8a8SlabRows;
   };
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (int q = 0; q < kStages - 1; ++q) issue_next();
   pdl_wait();
   stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
 
@@ -135,28 +142,39 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int swz = (g & 1) << 2;
   const bool x_lane = g < 2 * kM;  // lanes g = 2 m + h feed B's column of token m, half h
   const uint8_t* xrow = xq + (x_lane ? g / 2 : 0) * n_in + 8 * (g & 1);
-  float acc = 0.0f;  // row g's sum for token tq (lanes tq < kM)
+  // Chunk 16 warp + 4 i + tq of the slab: lane (g, tq)'s 16 codes of row g for mma i, and x there.
+  int a_off[4], b_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int ch = 16 * warp + 4 * i + tq;
+    a_off[i] = g * kGemvLine + 16 * (ch ^ swz);
+    b_off[i] = 16 * ch;
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row g's sums for token tq (lanes tq < kM), per mma
+  int c_kb = 0, c_row = 0, c_slot = 0;     // the slab computed: its column line, tile row, slot
   for (int q = 0; q < n_slabs; ++q) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
-    issue(q + kStages - 1);
-    const int tile = q / k_lines, kb = q % k_lines;
-    const uint8_t* slab = ring + (q % kStages) * kW8a8SlabBytes + g * kGemvLine;
+    issue_next();
+    const uint8_t* slab = ring + c_slot * kW8a8SlabBytes;
+    const uint8_t* xb = xrow + c_kb * kGemvLine;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int c = 16 * warp + 4 * i + tq;
-      const uint4 a = *reinterpret_cast<const uint4*>(slab + 16 * (c ^ swz));
-      const uint2 b = x_lane ? *reinterpret_cast<const uint2*>(xrow + kb * kGemvLine + 16 * c) : make_uint2(0, 0);
+      const uint4 a = *reinterpret_cast<const uint4*>(slab + a_off[i]);
+      const uint2 b = x_lane ? *reinterpret_cast<const uint2*>(xb + b_off[i]) : make_uint2(0, 0);
       const uint32_t fa[4] = {a.x, a.z, a.y, a.w};
       const uint32_t fb[2] = {b.x, b.y};
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       mma_e4m3_16832(d, fa, fb);
-      acc += d[0] + d[3];
+      acc[i] += d[0] + d[3];
     }
-    if (kb == k_lines - 1) {
-      const int row = tile * kW8a8SlabRows + g;
-      if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = acc;
-      acc = 0.0f;
+    c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
+    if (++c_kb == k_lines) {
+      const int row = c_row + g;
+      if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+      c_kb = 0;
+      c_row += kW8a8SlabRows;
     }
   }
   cp_async_wait<0>();
