@@ -246,8 +246,8 @@ void EngineLoop::run() {
       }
       if (engine_.has_unfinished()) {
         std::vector<RequestOutput> outputs = engine_.step();
+        publish();  // first: a client that has its output sees the step in /metrics too
         route(outputs);
-        publish();
       } else if (stopping) {
         break;
       } else {
