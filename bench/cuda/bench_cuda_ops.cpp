@@ -322,7 +322,7 @@ void bench_fp8() {
                  static_cast<double>(w8_bytes + x.bytes + y.bytes), flops);
         }
       }
-      // The streaming GEMVs at one and two tokens: bf16 (the path without FP8) and FP8, 4 and 6 stages.
+      // The streaming GEMVs at one and two tokens: bf16 (the path without FP8) and FP8 W8A8.
       if (kestrel::cuda::stream_gemv_supports(m, sh.in, sh.out)) {
         kestrel::cuda::StreamGemvArgs a{{x.as<bf16>(), sh.in, nullptr, y.p, m, sh.in, sh.out, false, false}};
         const double ms = time_ms([&] {
@@ -332,22 +332,6 @@ void bench_fp8() {
           }
         }) / kCalls;
         report("stream bf16", shape, ms, static_cast<double>(2 * w8_bytes + x.bytes + y.bytes), flops);
-      }
-      for (const int stages : {4, 6}) {
-        if (!kestrel::cuda::stream_gemv_fp8_supports(m, sh.in, sh.out, 0, stages)) continue;
-        kestrel::cuda::StreamGemvFp8Args a;
-        static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,
-                                                               sh.in,        sh.out, false, false};
-        a.stages = stages;
-        a.w_scale = w_scale.as<float>();
-        const double ms = time_ms([&] {
-          for (int c = 0; c < kCalls; ++c) {
-            a.w8 = ws[next++ % n_copies]->as<uint8_t>();
-            kestrel::cuda::stream_gemv_fp8(a, nullptr);
-          }
-        }) / kCalls;
-        report("fp8 stream s" + std::to_string(stages), shape, ms, static_cast<double>(w8_bytes + x.bytes + y.bytes),
-               flops);
       }
       if (kestrel::cuda::stream_gemv_w8a8_supports(m, sh.in, sh.out)) {
         kestrel::cuda::StreamGemvFp8Args a;

@@ -1,11 +1,11 @@
-// CUDA streaming GEMV over FP8 E4M3 and INT4 weights (stream_gemv_narrow.cuh) against float64
-// references over the exactly dequantized weights (FP8: scale[o] e4m3(w), INT4: s (q - z)), for one
-// and two tokens, the plain, SwiGLU and fused residual + RMSNorm inputs, rows that straddle lines
-// (FP8 n_in 6144: 1.5 lines a row; INT4 n_in 2048: four rows a line), uneven last blocks; the same
-// bits for a row whatever the block count (batch invariance); and the shapes that go elsewhere.
-// Tolerances: every product of x and the widened weight is exact, the sums are f32 (the tensor
-// cores' over a tile of 64 or 128 columns, a butterfly over the 8 tiles of a chunk, at most 32
-// chunks in order), then one rounding to bf16:
+// CUDA streaming GEMVs over narrow weights against float64 references: INT4 (stream_gemv_narrow.cuh,
+// over the exactly dequantized weights s (q - z)) and FP8 W8A8 (stream_gemv_w8a8.cuh, over the
+// codes of the weights and of the activation), for one and two tokens, the plain, SwiGLU and fused
+// residual + RMSNorm inputs, rows that straddle lines (n_in 6144: 1.5 lines of FP8 codes a row;
+// INT4 n_in 2048: four rows a line), uneven last blocks; the same bits for a row whatever the block
+// count (batch invariance); and the shapes that go elsewhere. Tolerances: every product is exact,
+// the sums are f32 (the tensor cores' over a tile, a butterfly over the 8 tiles of a chunk, at most
+// 32 chunks in order), then one rounding to bf16:
 // |y - ref| <= 2^-8 |ref| + 1e-5 sum_k |a_k W_k| (half a bf16 ulp and the f32 sums). The fused
 // norm's input is rounded to bf16 by the kernel from f32 arithmetic: the reference rounds the
 // float64 norm to bf16, and an input one bf16 ulp off adds at most 2^-7 |a_k W_k| to the bound.
@@ -148,52 +148,13 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
   return v;
 }
 
-TEST(CudaStreamGemvNarrow, Fp8MatchesFloat64Reference) {
-  KESTREL_REQUIRE_CUDA();
-  std::mt19937 rng(61);
-  for (const Shape& s : shapes()) {
-    SCOPED_TRACE(trace(s));
-    ASSERT_TRUE(cuda::stream_gemv_fp8_supports(s.n_tokens, s.n_in, s.n_out, s.blocks));
-    const auto codes = random_e4m3(static_cast<size_t>(s.n_out * s.n_in), rng);
-    const auto scale = random_f32(static_cast<size_t>(s.n_out), rng, 1e-3f, 4e-3f);
-    std::vector<double> w(codes.size());
-    for (int64_t o = 0; o < s.n_out; ++o)
-      for (int64_t k = 0; k < s.n_in; ++k) {
-        const size_t i = static_cast<size_t>(o * s.n_in + k);
-        w[i] = static_cast<double>(scale[static_cast<size_t>(o)]) * e4m3_to_float(codes[i]);
-      }
-    const Inputs in(s, rng);
-    DeviceBuffer<uint8_t> d_w(codes);
-    DeviceBuffer<float> d_scale(scale);
-    DeviceBuffer<uint16_t> d_y(static_cast<size_t>(s.n_tokens * s.n_out)), d_y2(d_y.size());
-    d_y.poison();
-    cuda::StreamGemvFp8Args g;
-    in.set(g, s, d_y.get());
-    g.w8 = d_w.get();
-    g.w_scale = d_scale.get();
-    cuda::stream_gemv_fp8(g, nullptr);
-    const auto y = d_y.download();
-    EXPECT_EQ(count_bad(bf16_to_f32(y), in.a, w, s, in.norm_slack), 0);
-    if (s.input == Input::Norm) {  // the residual sum, exactly
-      const auto r = in.d_res_out.download();
-      for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(r[i], in.res[i] + from_bf16(in.add[i])) << i;
-    }
-    // Batch invariance: another block count (another place of each row in its block), the same bits.
-    g.blocks = other_blocks(s);
-    g.y = d_y2.get();
-    if (s.input == Input::Norm) g.norm_residual_out = in.d_res_out.get();
-    d_y2.poison();
-    cuda::stream_gemv_fp8(g, nullptr);
-    EXPECT_EQ(d_y2.download(), y);
-  }
-}
-
-// W8A8 (stream_gemv_w8a8): the reference quantizes each token's activation as quantize_rows_fp8
-// does (scale = max |a| / 448, e4m3(a / scale) in f32 with core/fp8.h's rounding) and sums the
-// exact products of the codes in float64. The kernel's products are exact too; its sums are the
+// W8A8 (stream_gemv_w8a8) against float64: the reference quantizes each token's activation as
+// quantize_rows_fp8 does (scale = max |a| / 448, e4m3(a / scale) in f32 with core/fp8.h's rounding)
+// and sums the exact products of the codes. The kernel's products are exact too; its sums are the
 // tensor cores' over 32 products, then f32: |y - ref| <= 2^-8 |ref| + 1e-5 sum_k |products|. The
 // fused norm's bf16 input may be an ulp off the reference's (the header comment), and such an
-// element may round to the neighbouring code: a slack of 2^-6 there.
+// element may round to the neighbouring code: a slack of 2^-6 there. Also the fused norm's residual
+// sum exactly, and the same bits from another block count (batch invariance).
 TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(64);
@@ -277,11 +238,7 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
 TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(63);
-  EXPECT_FALSE(cuda::stream_gemv_fp8_supports(3, 4096, 64));    // three tokens
-  EXPECT_FALSE(cuda::stream_gemv_fp8_supports(1, 3072, 64));    // n_in not a multiple of 2048
-  EXPECT_FALSE(cuda::stream_gemv_fp8_supports(1, 18432, 64));   // wider than kStreamGemvMaxIn
-  EXPECT_FALSE(cuda::stream_gemv_fp8_supports(1, 2048, 64, 0, 3));  // a ring depth not built
-  EXPECT_TRUE(cuda::stream_gemv_fp8_supports(2, 14336, 4096, 132, 4));  // the 8B's down projection on an H200
+  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(1, 18432, 64));  // wider than kStreamGemvMaxIn
   const Int4Case g64 = make_case(2048, 4, 64, true, false, false, rng);  // a lane's 32 codes span groups
   const Int4Case act = make_case(2048, 4, 128, true, true, false, rng);  // act order: gathered first
   const Int4Case narrow = make_case(1152, 4, 128, true, false, false, rng);
@@ -301,22 +258,16 @@ TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {
   f.w8 = w8.get(), f.w_scale = sc.get();
   cuda::StreamGemvFp8Args bad = f;
   bad.n_tokens = 3;
-  EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
   bad = f, bad.f32_out = true;
-  EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
   bad = f, bad.w_scale = nullptr;
-  EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
+  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
   bad = f, bad.norm_residual_in = res.get(), bad.norm_weight = x.bf16(), bad.norm_residual_out = res.get();
-  EXPECT_THROW(cuda::stream_gemv_fp8(bad, nullptr), Error);
-  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(3, 4096, 64));
-  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(1, 3072, 64));
-  EXPECT_TRUE(cuda::stream_gemv_w8a8_supports(2, 14336, 4096, 132));
-  bad = f, bad.n_tokens = 3;
   EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
-  bad = f, bad.f32_out = true;
-  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
-  bad = f, bad.w_scale = nullptr;
-  EXPECT_THROW(cuda::stream_gemv_w8a8(bad, nullptr), Error);
+  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(3, 4096, 64));   // three tokens
+  EXPECT_FALSE(cuda::stream_gemv_w8a8_supports(1, 3072, 64));   // n_in not a multiple of 2048
+  EXPECT_TRUE(cuda::stream_gemv_w8a8_supports(2, 14336, 4096, 132));  // the 8B's down projection on an H200
   cuda::StreamGemvInt4Args q;
   static_cast<cuda::StreamGemvArgs&>(q) = f;
   q.w4 = dact.m;

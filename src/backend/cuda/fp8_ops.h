@@ -1,4 +1,4 @@
-// FP8 E4M3 weights on the GPU (W8A16 decode, W8A8 prefill): row-wise quantization and the
+// FP8 E4M3 weights on the GPU (W8A16 skinny decode, W8A8 streaming decode and prefill): row-wise quantization and the
 // projections that read E4M3 weight rows with one f32 scale per output row (per-channel
 // scaling, as compressed-tensors' "channel" strategy and vLLM's dynamic FP8 store them).
 // Internal to src/backend/cuda.
@@ -34,27 +34,20 @@ struct SkinnyFp8Args : ProjectionOperands {
 bool skinny_gemm_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out);
 void skinny_gemm_fp8(const SkinnyFp8Args& args, cudaStream_t stream);
 
-// Streaming GEMV over E4M3 weights for one or two tokens (stream_gemv_narrow.cuh has the design):
-// y[t, o] = w_scale[o] * sum_k a(x)[t, k] * e4m3(w8[o, k]), the codes widened to bf16 exactly, f32
-// sums (tensor cores over 64-column tiles, then the tiles in a fixed order: the same bits for a
-// row whatever the launch), one rounding to bf16; off in the runner by default (CudaTuning). The
-// operands and the fused input norm as StreamGemvArgs (`w` unused, bf16 output only); w8
-// [n_out, n_in] codes and w_scale [n_out] f32, 16-byte aligned. n_in a multiple of 2048 up to
-// kStreamGemvMaxIn, at most kStreamGemvMaxRowsPerBlock rows per block; blocks and stages as for
-// stream_gemv. Errors: kestrel::Error for an unsupported shape or a bad operand (as stream_gemv).
+// The operands of the W8A8 streaming GEMV below: StreamGemvArgs (`w` unused, bf16 output only)
+// with w8 [n_out, n_in] codes and w_scale [n_out] f32, 16-byte aligned.
 struct StreamGemvFp8Args : StreamGemvArgs {
   const uint8_t* w8 = nullptr;
   const float* w_scale = nullptr;
 };
-bool stream_gemv_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
-void stream_gemv_fp8(const StreamGemvFp8Args& args, cudaStream_t stream);
 
 // Streaming GEMV over E4M3 weights with E4M3 activations (W8A8) for one or two tokens
 // (stream_gemv_w8a8.cuh has the design): y[t, o] = w_scale[o] * x_scale[t] * sum_k e4m3(w8[o, k])
 // * e4m3(a(x)[t, k] / x_scale[t]), x_scale[t] = max_k |a(x)[t, k]| / 448 (1 for a zero row), the
 // activation quantized as quantize_rows_fp8 does, f32 sums (the tensor cores' over 32 products,
 // then f32 adds in a fixed order: the same bits for a row whatever the launch), one rounding to
-// bf16. Operands as stream_gemv_fp8's (`stages` unused: a ring of 8 slabs of 16 KB at one token, 6 at two).
+// bf16. n_in a multiple of 2048 up to kStreamGemvMaxIn, at most kStreamGemvMaxRowsPerBlock rows per
+// block (`blocks` as for stream_gemv; `stages` unused: a ring of 8 slabs of 16 KB at one token, 6 at two).
 // Errors: kestrel::Error for an unsupported shape or a bad operand.
 bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0);
 void stream_gemv_w8a8(const StreamGemvFp8Args& args, cudaStream_t stream);

@@ -87,21 +87,19 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
 }
 
 // The narrow-weight kernels' layout: rows of row_bytes (a multiple of 512) in chunks of 512.
-Layout narrow_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, bool int4, int blocks,
-                     int stages) {
+Layout narrow_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, int blocks, int stages) {
   Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
-  l.smem = stream_gemv_narrow_smem_bytes(static_cast<int>(n_tokens), l.stages, int4, l.k_lines, l.rows_per_block,
+  l.smem = stream_gemv_narrow_smem_bytes(static_cast<int>(n_tokens), l.stages, l.k_lines, l.rows_per_block,
                                          static_cast<int>(row_bytes / kNarrowChunkBytes));
   return l;
 }
 
-bool narrow_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, bool int4, int blocks,
-                     int stages) {
+bool narrow_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int64_t row_bytes, int blocks, int stages) {
   if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
       n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff || row_bytes % kNarrowChunkBytes != 0)
     return false;
   if (stages != 0 && stages != 4 && stages != 6) return false;
-  const Layout l = narrow_layout(n_tokens, n_in, n_out, row_bytes, int4, blocks, stages);
+  const Layout l = narrow_layout(n_tokens, n_in, n_out, row_bytes, blocks, stages);
   return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
 
@@ -119,7 +117,6 @@ void check_norm_operands(const char* op, const StreamGemvArgs& a) {
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) throw Error(name + ": norm operand not 16-byte aligned");
 }
 
-template <NarrowFormat kFmt>
 void launch_narrow(const StreamGemvArgs& a, const uint8_t* w, const void* scale, int meta_shift, bool scale_f16,
                    int64_t row_bytes, const Layout& l, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
@@ -133,11 +130,11 @@ void launch_narrow(const StreamGemvArgs& a, const uint8_t* w, const void* scale,
                      a.norm_residual_out, a.norm_eps);
     };
     if (a.norm_residual_in != nullptr)
-      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, false, true>);
+      go(&stream_gemv_narrow_kernel<kM, kStages, false, true>);
     else if (a.swiglu)
-      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, true, false>);
+      go(&stream_gemv_narrow_kernel<kM, kStages, true, false>);
     else
-      go(&stream_gemv_narrow_kernel<kM, kStages, kFmt, false, false>);
+      go(&stream_gemv_narrow_kernel<kM, kStages, false, false>);
   };
   auto by_stages = [&]<int kM>() {
     if (l.stages == 6)
@@ -197,23 +194,6 @@ void stream_gemv(const StreamGemvArgs& a, cudaStream_t stream) {
 
 namespace kestrel::cuda {
 
-bool stream_gemv_fp8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
-  return narrow_supports(n_tokens, n_in, n_out, n_in, false, blocks, stages);
-}
-
-void stream_gemv_fp8(const StreamGemvFp8Args& a, cudaStream_t stream) {
-  if (!stream_gemv_fp8_supports(a.n_tokens, a.n_in, a.n_out, a.blocks, a.stages))
-    throw Error("stream_gemv_fp8: unsupported shape " + narrow_shape(a));
-  if (a.f32_out) throw Error("stream_gemv_fp8: bf16 output only");
-  if (a.w_scale == nullptr) throw Error("stream_gemv_fp8: no weight scales");
-  check_norm_operands("stream_gemv_fp8", a);
-  ProjectionOperands checked = a;
-  checked.w = reinterpret_cast<const bf16*>(a.w8);
-  check_gemv_operands("stream_gemv_fp8", checked);
-  const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in, false, a.blocks, a.stages);
-  launch_narrow<NarrowFormat::Fp8>(a, a.w8, a.w_scale, 0, false, a.n_in, l, stream);
-}
-
 namespace {
 
 Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
@@ -269,7 +249,7 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
 bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stages) {
   const int64_t g = w.group_size;
   if (w.perm != nullptr || g < 128 || (g & (g - 1)) != 0 || w.n_in % g != 0) return false;
-  return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, true, blocks, stages);
+  return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, blocks, stages);
 }
 
 void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
@@ -286,8 +266,8 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
   check_gemv_operands("stream_gemv_int4", checked);
   int shift = 0;
   while ((int64_t{1} << (shift + 1)) < w.group_size) ++shift;  // log2(G / 2)
-  const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in / 2, true, a.blocks, a.stages);
-  launch_narrow<NarrowFormat::Int4>(a, reinterpret_cast<const uint8_t*>(w.codes), w.meta, shift, w.scale_f16,
+  const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in / 2, a.blocks, a.stages);
+  launch_narrow(a, reinterpret_cast<const uint8_t*>(w.codes), w.meta, shift, w.scale_f16,
                                     a.n_in / 2, l, stream);
 }
 

@@ -1,25 +1,24 @@
-// Streaming GEMV over narrow weights (FP8 E4M3 with a scale per output row; INT4 in the layout of
-// int4_ops.h) for one or two tokens: stream_gemv.cuh's design (one block per SM over a contiguous
-// range of whole rows, a cp.async ring of 32 KB stages with 16-byte copies, the first stages
-// requested before griddepcontrol.wait, the input in shared memory with the fused SwiGLU or
-// residual + RMSNorm of stream_gemv_input), with W counted in bytes instead of elements:
+// Streaming GEMV over INT4 weights (the layout of int4_ops.h) for one or two tokens:
+// stream_gemv.cuh's design (one block per SM over a contiguous range of whole rows, a cp.async
+// ring of 32 KB stages with 16-byte copies, the first stages requested before
+// griddepcontrol.wait, the input in shared memory with the fused SwiGLU or residual + RMSNorm of
+// stream_gemv_input), with W counted in bytes instead of elements. (FP8 weights have their own
+// kernel, stream_gemv_w8a8.cuh.)
 // - A line is 4 KB of the block's byte range (thread t: bytes 16 t .. + 15), a warp's 512 bytes
-//   a chunk. Rows are a multiple of 512 bytes (FP8: n_in % 512, INT4: n_in % 1024), so a chunk
-//   lies in one row, but a line may hold parts of several rows and a row need not start a line:
-//   each warp keeps the row and the chunk's place in it as it walks its chunks.
-// - A thread's 16 bytes are 16 FP8 codes of columns k .. k + 15 or 32 INT4 codes of the layout's
-//   tile T, lane q (columns 128 T + 32 c + 8 q + e, word c, e = 0..7); x comes from shared memory
-//   (natural order) at those columns. The order in which a lane walks its two 8-column halves
-//   (FP8) or four words (INT4) alternates between neighbouring quads so that a quarter warp's
-//   16-byte shared loads hit 32 distinct banks.
+//   a chunk. Rows are a multiple of 512 bytes (n_in % 1024), so a chunk lies in one row, but a
+//   line may hold parts of several rows and a row need not start a line: each warp keeps the row
+//   and the chunk's place in it as it walks its chunks.
+// - A thread's 16 bytes are 32 INT4 codes of the layout's tile T, lane q (columns 128 T + 32 c +
+//   8 q + e, word c, e = 0..7); x comes from shared memory (natural order) at those columns. The
+//   order in which a lane walks its four words alternates between neighbouring quads so that a
+//   quarter warp's 16-byte shared loads hit 32 distinct banks.
 // - The products are summed on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate): a
 //   chunk's 8 quads (tiles) are the 8 rows of A (rows 8-15 zero) and x at each tile's columns the
-//   8 columns of B, so the diagonal of the 8 x 8 result holds each tile's dot product. A holds the
-//   weights exactly as bf16: FP8 codes widened by fp8.cuh's e4m3x4_to_bf16x2; INT4 q - z from the
-//   {128 + q} pairs of the bf16 exponent trick minus {128 + z} (int4_ops.h). INT4: a tile's sum
-//   (128 columns of one group: G >= 128) times its group scale; FP8: the row scale multiplies the
-//   row's sum at the end. The scale and zero words stream with the codes: a quad's leader copies
-//   its tile's meta word into a small ring beside the code ring (4 bytes, cp.async.ca).
+//   8 columns of B, so the diagonal of the 8 x 8 result holds each tile's dot product. A holds
+//   q - z exactly as bf16: the {128 + q} pairs of the bf16 exponent trick minus {128 + z}
+//   (int4_ops.h); a tile's sum (128 columns of one group: G >= 128) times its group scale. The
+//   scale and zero words stream with the codes: a quad's leader copies its tile's meta word into
+//   a small ring beside the code ring (4 bytes, cp.async.ca).
 // - A stage's 8 lines are computed together (independent mma and shuffle chains); each chunk's 8
 //   tile sums are reduced by a fixed butterfly and kept per (row, token, chunk of the row); a
 //   row's chunk sums are added in chunk order at the end. A row's value depends on neither the
@@ -30,7 +29,6 @@
 
 #include <algorithm>
 
-#include "backend/cuda/fp8.cuh"
 #include "backend/cuda/int4_decode.cuh"
 #include "backend/cuda/stream_gemv.cuh"
 
@@ -39,15 +37,13 @@ namespace kestrel::cuda {
 constexpr int kNarrowLineBytes = kGemvThreads * 16;  // 4 KB
 constexpr int kNarrowChunkBytes = kWarpSize * 16;    // 512 bytes: one warp's part of a line
 
-enum class NarrowFormat { Fp8, Int4 };
-
-// Dynamic shared memory of stream_gemv_narrow_kernel: the code ring, the meta ring (INT4: one
-// word per line, warp and quad), x [kM][n_in] bf16, the chunk sums [rows][kM][chunks of a row]
-// (at least 32 floats: the fused norm's block reduction uses them first).
-constexpr size_t stream_gemv_narrow_smem_bytes(int m, int stages, bool int4, int k_lines, int rows_per_block,
+// Dynamic shared memory of stream_gemv_narrow_kernel: the code ring, the meta ring (one word per
+// line, warp and quad), x [kM][n_in] bf16, the chunk sums [rows][kM][chunks of a row] (at least 32
+// floats: the fused norm's block reduction uses them first).
+constexpr size_t stream_gemv_narrow_smem_bytes(int m, int stages, int k_lines, int rows_per_block,
                                                int chunks_per_row) {
   return static_cast<size_t>(stages) * kGemvLinesPerStage * kNarrowLineBytes +
-         (int4 ? static_cast<size_t>(stages) * kGemvLinesPerStage * (kGemvThreads / 4) * 4 : 0) +
+         static_cast<size_t>(stages) * kGemvLinesPerStage * (kGemvThreads / 4) * 4 +
          static_cast<size_t>(m) * k_lines * kGemvThreads * 16 +
          static_cast<size_t>(std::max(rows_per_block * m * chunks_per_row, kWarpSize)) * 4;
 }
@@ -62,12 +58,12 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 #endif
 }
 
-// w: the codes, [n_out, row_bytes] (FP8: row_bytes = n_in; INT4: the layout's words, n_in / 2).
-// scale: FP8 [n_out] f32 row scales; INT4 the meta words [n_out, n_in / G], meta_shift = log2(G / 2)
+// w: the layout's words, [n_out, row_bytes = n_in / 2]. scale: the meta words [n_out, n_in / G],
+// meta_shift = log2(G / 2)
 // (the meta word of code byte b of the matrix is b >> meta_shift), scale_f16 their scale type.
 // x, x_stride, kSwiGLU, kNormIn and the norm operands as stream_gemv_kernel; y [kM, n_out] bf16.
 // grid: ceil(n_out / rows_per_block) blocks of 256; n_in = k_lines x 2048.
-template <int kM, int kStages, NarrowFormat kFmt, bool kSwiGLU, bool kNormIn>
+template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_narrow_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                               const void* __restrict__ scale, int meta_shift, bool scale_f16,
@@ -75,14 +71,13 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
                               int rows_per_block, const float* __restrict__ res_in,
                               const __nv_bfloat16* __restrict__ add, const __nv_bfloat16* __restrict__ norm_w,
                               float* __restrict__ res_out, float eps) {
-  constexpr bool kInt4 = kFmt == NarrowFormat::Int4;
   constexpr int kMetaLine = kGemvThreads / 4;  // meta words of a line: one per quad
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
   uint4* ring = reinterpret_cast<uint4*>(smem);  // [kStages][lines][256]
   uint32_t* meta_ring = reinterpret_cast<uint32_t*>(ring + kStages * kGemvLinesPerStage * kGemvThreads);
-  uint4* xs = reinterpret_cast<uint4*>(meta_ring + (kInt4 ? kStages * kGemvLinesPerStage * kMetaLine : 0));
+  uint4* xs = reinterpret_cast<uint4*>(meta_ring + kStages * kGemvLinesPerStage * kMetaLine);
   float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);  // [rows][kM][chunks]
   const int chunks_per_row = row_bytes / kNarrowChunkBytes;
 
@@ -102,11 +97,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
         const int64_t off = static_cast<int64_t>(s * kGemvLinesPerStage + j) * kNarrowLineBytes + 16 * t;
         if (off < total) {
           cp_async16(dst + j * kGemvThreads, w + base + off, true);
-          if constexpr (kInt4) {
-            if (lane % 4 == 0)
-              cp_async4(meta_ring + ((s % kStages) * kGemvLinesPerStage + j) * kMetaLine + t / 4,
-                        static_cast<const uint32_t*>(scale) + ((base + off) >> meta_shift));
-          }
+          if (lane % 4 == 0)
+            cp_async4(meta_ring + ((s % kStages) * kGemvLinesPerStage + j) * kMetaLine + t / 4,
+                      static_cast<const uint32_t*>(scale) + ((base + off) >> meta_shift));
         }
       }
     }
@@ -130,7 +123,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   for (int s = 0; s < n_stages; ++s) {
     issue(s + kStages - 1);
     cp_async_wait<kStages - 1>();  // stage s (this thread's part of it) has landed
-    if constexpr (kInt4) __syncwarp();  // the quad leaders' meta words, for their quads
+    __syncwarp();  // the quad leaders' meta words, for their quads
     const uint4* src = ring + (s % kStages) * kGemvLinesPerStage * kGemvThreads + t;
     int line_row[kGemvLinesPerStage], line_cb[kGemvLinesPerStage];
 #pragma unroll
@@ -150,49 +143,28 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       float c[kM][4];
 #pragma unroll
       for (int tok = 0; tok < kM; ++tok) c[tok][0] = c[tok][1] = c[tok][2] = c[tok][3] = 0.0f;
-      float sc = 1.0f;
-      if constexpr (!kInt4) {
-        // Codes of columns k .. k + 15 (k = cb + 16 lane), as two 8-column halves in the order
-        // {swap, 1 - swap}; each half's two words are two mmas (bf16 pairs exactly widened).
-        if (swap) wv = make_uint4(wv.z, wv.w, wv.x, wv.y);
+      // Tile T's lane q: word c holds columns 128 T + 32 c + 8 q .. + 7, its pairs {2 p, 2 p + 1}
+      // (p = 0..3) q - z exactly; words in the order c = i ^ swap; pairs 0, 1 with x words 0, 1
+      // are one mma, pairs 2, 3 with x words 2, 3 another (int4_gemm.cuh's k permutation).
+      const int tile = line_cb[j] / 64 + g;
+      const uint32_t m = meta_ring[((s % kStages) * kGemvLinesPerStage + j) * kMetaLine + t / 4];
+      const uint32_t zz = int4_zero_pair(m);
+      const float sc = int4_scale(m, scale_f16);
+      if (swap) wv = make_uint4(wv.y, wv.x, wv.w, wv.z);
+      const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int kk = line_cb[j] + 16 * lane + 8 * (h ^ swap);
-          uint32_t a0[4] = {0, 0, 0, 0}, a1[4] = {0, 0, 0, 0};
-          e4m3x4_to_bf16x2(h == 0 ? wv.x : wv.z, a0[0], a0[2]);
-          e4m3x4_to_bf16x2(h == 0 ? wv.y : wv.w, a1[0], a1[2]);
+      for (int i = 0; i < 4; ++i) {
+        uint32_t pr[4];
 #pragma unroll
-          for (int tok = 0; tok < kM; ++tok) {
-            const uint4 xv = *reinterpret_cast<const uint4*>(xh + tok * n_in + kk);
-            const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
-            mma_bf16_16816(c[tok], a0, b0);
-            mma_bf16_16816(c[tok], a1, b1);
-          }
-        }
-      } else {
-        // Tile T's lane q: word c holds columns 128 T + 32 c + 8 q .. + 7, its pairs {2 p, 2 p + 1}
-        // (p = 0..3) q - z exactly; words in the order c = i ^ swap; pairs 0, 1 with x words 0, 1
-        // are one mma, pairs 2, 3 with x words 2, 3 another (int4_gemm.cuh's k permutation).
-        const int tile = line_cb[j] / 64 + g;
-        const uint32_t m = meta_ring[((s % kStages) * kGemvLinesPerStage + j) * kMetaLine + t / 4];
-        const uint32_t zz = int4_zero_pair(m);
-        sc = int4_scale(m, scale_f16);
-        if (swap) wv = make_uint4(wv.y, wv.x, wv.w, wv.z);
-        const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+        for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(((words[i] >> (4 * p)) & 0x000F000Fu) | 0x43004300u, zz);
+        const uint32_t a0[4] = {pr[0], 0u, pr[1], 0u}, a1[4] = {pr[2], 0u, pr[3], 0u};
+        const int kk = 128 * tile + 32 * (i ^ swap) + 8 * q;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t pr[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(((words[i] >> (4 * p)) & 0x000F000Fu) | 0x43004300u, zz);
-          const uint32_t a0[4] = {pr[0], 0u, pr[1], 0u}, a1[4] = {pr[2], 0u, pr[3], 0u};
-          const int kk = 128 * tile + 32 * (i ^ swap) + 8 * q;
-#pragma unroll
-          for (int tok = 0; tok < kM; ++tok) {
-            const uint4 xv = *reinterpret_cast<const uint4*>(xh + tok * n_in + kk);
-            const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
-            mma_bf16_16816(c[tok], a0, b0);
-            mma_bf16_16816(c[tok], a1, b1);
-          }
+        for (int tok = 0; tok < kM; ++tok) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xh + tok * n_in + kk);
+          const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+          mma_bf16_16816(c[tok], a0, b0);
+          mma_bf16_16816(c[tok], a1, b1);
         }
       }
       const bool diag = q == g / 2;
@@ -208,7 +180,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
         if (lane == 0 && line_row[j] < rows)
           part[(line_row[j] * kM + tok) * chunks_per_row + line_cb[j] / kNarrowChunkBytes] = v;
       }
-    if constexpr (kInt4) __syncwarp();  // the leaders' next copy into this slot waits for every read
+    __syncwarp();  // the leaders' next copy into this slot waits for every read
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -216,7 +188,6 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     const int r = i / kM, tok = i % kM;
     float sum = 0.0f;
     for (int c = 0; c < chunks_per_row; ++c) sum += part[i * chunks_per_row + c];
-    if constexpr (!kInt4) sum *= static_cast<const float*>(scale)[row0 + r];
     y[static_cast<int64_t>(tok) * n_out + row0 + r] = __float2bfloat16_rn(sum);
   }
 }
