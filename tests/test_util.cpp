@@ -102,24 +102,33 @@ std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int3
   return prompt_logits(engine, ids);
 }
 
-std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                             int64_t max_tokens) {
+std::vector<std::vector<int32_t>> run_to_end(Engine& engine, const std::vector<Request>& requests) {
   std::map<RequestId, size_t> index;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    Request r;
-    r.prompt = prompts[i];
-    r.max_tokens = max_tokens;
-    r.sampling.temperature = 0;
-    index[engine.add_request(r)] = i;
-  }
-  std::vector<std::vector<int32_t>> out(prompts.size());
+  for (size_t i = 0; i < requests.size(); ++i) index[engine.add_request(requests[i])] = i;
+  std::vector<std::vector<int32_t>> out(requests.size());
   while (engine.has_unfinished())
     for (const RequestOutput& o : engine.step()) {
-      EXPECT_NE(o.finish_reason, "error") << o.error;
+      EXPECT_TRUE(!o.finished || o.finish_reason == "stop" || o.finish_reason == "length") << o.error;
       auto& ids = out[index.at(o.id)];
       ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     }
   return out;
+}
+
+std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                             int64_t max_tokens) {
+  std::vector<Request> requests(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    requests[i].prompt = prompts[i];
+    requests[i].max_tokens = max_tokens;
+    requests[i].sampling.temperature = 0;
+  }
+  return run_to_end(engine, requests);
+}
+
+int64_t kv_block_bytes(const LoadedModel& loaded, const EngineConfig& config) {
+  Engine probe(*loaded.model, loaded.tokenizer.get(), config);
+  return probe.stats().kv_bytes_per_token * config.block_size;
 }
 
 std::string write_perturbed_gguf(const std::string& src, double rel_noise, uint64_t seed) {

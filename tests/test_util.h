@@ -82,10 +82,16 @@ std::vector<float> prompt_logits(const LlamaModel& model, const std::vector<int3
 // The same on an existing engine (any backend), as one request.
 std::vector<float> prompt_logits(Engine& engine, const std::vector<int32_t>& ids);
 
-// Submits every prompt at once (greedy, max_tokens new tokens, no stop ids) and steps the engine to
-// the end: each prompt's ids. An output that ends with an error fails the calling test.
+// Submits every request at once and steps the engine to the end: each request's generated ids. An
+// output that ends other than by "stop" or "length" fails the calling test.
+std::vector<std::vector<int32_t>> run_to_end(Engine& engine, const std::vector<Request>& requests);
+
+// run_to_end of greedy requests (max_tokens new tokens, no stop ids) for the prompts.
 std::vector<std::vector<int32_t>> greedy_ids(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
                                              int64_t max_tokens);
+
+// The bytes of one KV block under config (an engine built once to ask its backend).
+int64_t kv_block_bytes(const LoadedModel& loaded, const EngineConfig& config);
 
 // The tokenizer's end-of-generation ids (Tokenizer::is_eog), ascending: a request's stop_ids.
 std::vector<int32_t> eog_ids(const Tokenizer& tok);

@@ -33,11 +33,6 @@ EngineConfig small_pool() {
   return c;
 }
 
-int64_t block_bytes(const Loaded& l, const EngineConfig& c) {
-  Engine probe(*l.model, l.tokenizer.get(), c);
-  return probe.stats().kv_bytes_per_token * c.block_size;
-}
-
 // Runs the requests one after another (each to its end), so each one's blocks are released into
 // the prefix cache before the next arrives.
 std::vector<std::vector<int32_t>> run_in_turn(Engine& e, const std::vector<Request>& requests) {
@@ -49,19 +44,6 @@ std::vector<std::vector<int32_t>> run_in_turn(Engine& e, const std::vector<Reque
       for (const RequestOutput& o : e.step()) ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
     out.push_back(std::move(ids));
   }
-  return out;
-}
-
-std::vector<std::vector<int32_t>> run_all(Engine& e, const std::vector<Request>& requests) {
-  std::map<RequestId, size_t> index;
-  for (size_t i = 0; i < requests.size(); ++i) index[e.add_request(requests[i])] = i;
-  std::vector<std::vector<int32_t>> out(requests.size());
-  while (e.has_unfinished())
-    for (const RequestOutput& o : e.step()) {
-      auto& ids = out[index.at(o.id)];
-      ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-      EXPECT_TRUE(!o.finished || o.finish_reason == "stop" || o.finish_reason == "length") << o.error;
-    }
   return out;
 }
 
@@ -116,7 +98,7 @@ TEST(EngineOffload, AnEvictedPrefixIsBroughtBackFromHostMemory) {
   Engine off(*l.model, l.tokenizer.get(), small_pool());
   const auto got_off = run_in_turn(off, requests);
   EngineConfig c = small_pool();
-  c.cpu_offload_kv_bytes = 64 * block_bytes(l, c);
+  c.cpu_offload_kv_bytes = 64 * test::kv_block_bytes(l, c);
   Engine on(*l.model, l.tokenizer.get(), c);
   EXPECT_EQ(on.stats().n_offload_blocks, 64);
   const auto got_on = run_in_turn(on, requests);
@@ -175,11 +157,11 @@ TEST(EngineOffload, MixedTrafficKeepsItsTokensWithTheHostTier) {
     EngineConfig roomy = c;
     roomy.n_kv_blocks = 0;
     Engine reference(*l.model, l.tokenizer.get(), roomy);
-    const auto want = run_all(reference, requests);
-    const int64_t bytes = block_bytes(l, c);
+    const auto want = test::run_to_end(reference, requests);
+    const int64_t bytes = test::kv_block_bytes(l, c);
     c.cpu_offload_kv_bytes = 48 * bytes;
     Engine e(*l.model, l.tokenizer.get(), c);
-    const auto got = run_all(e, requests);
+    const auto got = test::run_to_end(e, requests);
     for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(got[i], want[i]) << "spec " << spec << ", request " << i;
     const EngineStats& s = e.stats();
     std::printf("spec %d: %lld blocks offloaded, %lld brought back, %lld preemptions\n", spec,

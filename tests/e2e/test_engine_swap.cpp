@@ -56,24 +56,6 @@ EngineConfig tight_config() {
   return c;
 }
 
-std::vector<std::vector<int32_t>> run_all(Engine& e, const std::vector<Request>& requests) {
-  std::map<RequestId, size_t> index;
-  for (size_t i = 0; i < requests.size(); ++i) index[e.add_request(requests[i])] = i;
-  std::vector<std::vector<int32_t>> out(requests.size());
-  while (e.has_unfinished())
-    for (const RequestOutput& o : e.step()) {
-      auto& ids = out[index.at(o.id)];
-      ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-      EXPECT_TRUE(!o.finished || o.finish_reason == "stop" || o.finish_reason == "length") << o.error;
-    }
-  return out;
-}
-
-int64_t block_bytes(const Loaded& l, const EngineConfig& c) {
-  Engine probe(*l.model, l.tokenizer.get(), c);
-  return probe.stats().kv_bytes_per_token * c.block_size;
-}
-
 void expect_all_free(const Engine& e) {
   EXPECT_EQ(e.stats().kv_blocks_used, 0);
   EXPECT_EQ(e.stats().kv_blocks_free, e.stats().n_kv_blocks);
@@ -91,10 +73,10 @@ TEST(EngineSwap, SwapAndRecomputeGiveTheTokensOfAnUnconstrainedPool) {
   EngineConfig roomy = tight_config();
   roomy.n_kv_blocks = 0;  // sized for max_num_seqs whole sequences
   Engine reference(*l.model, l.tokenizer.get(), roomy);
-  const auto want = run_all(reference, requests);
+  const auto want = test::run_to_end(reference, requests);
   ASSERT_EQ(reference.stats().n_preemptions, 0);
 
-  const int64_t bytes = block_bytes(l, tight_config());
+  const int64_t bytes = test::kv_block_bytes(l, tight_config());
   int64_t recomputed_prompt_tokens = 0;
   struct Case {
     const char* name;
@@ -109,7 +91,7 @@ TEST(EngineSwap, SwapAndRecomputeGiveTheTokensOfAnUnconstrainedPool) {
     c.swap_space_bytes = k.swap_blocks * bytes;
     Engine e(*l.model, l.tokenizer.get(), c);
     EXPECT_EQ(e.stats().n_swap_blocks, k.swap_blocks) << k.name;
-    const auto got = run_all(e, requests);
+    const auto got = test::run_to_end(e, requests);
     for (size_t i = 0; i < requests.size(); ++i) EXPECT_EQ(got[i], want[i]) << k.name << ", request " << i;
     const EngineStats& s = e.stats();
     EXPECT_GT(s.n_preemptions, 0) << k.name;
@@ -140,19 +122,19 @@ TEST(EngineSwap, SwapWithSpeculativeDecodingGivesRecomputesTokens) {
   const Loaded l = load_stories();
   const std::vector<Request> requests = mixed_requests(l);
   EngineConfig c = tight_config();
-  const int64_t bytes = block_bytes(l, c);
+  const int64_t bytes = test::kv_block_bytes(l, c);
   c.speculative.method = SpecMethod::Ngram;
   c.speculative.num_speculative_tokens = 3;
   EngineConfig roomy = c;
   roomy.n_kv_blocks = 0;
   Engine reference(*l.model, l.tokenizer.get(), roomy);
-  const auto unconstrained = run_all(reference, requests);
+  const auto unconstrained = test::run_to_end(reference, requests);
   Engine recompute(*l.model, l.tokenizer.get(), c);
-  const auto want = run_all(recompute, requests);
+  const auto want = test::run_to_end(recompute, requests);
   c.swap_space_bytes = 64 * bytes;
   c.preemption_mode = PreemptionMode::Swap;
   Engine swap(*l.model, l.tokenizer.get(), c);
-  const auto got = run_all(swap, requests);
+  const auto got = test::run_to_end(swap, requests);
   EXPECT_GT(swap.stats().n_swap_preemptions, 0);
   EXPECT_GT(swap.stats().spec_num_accepted_tokens, 0);
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -166,7 +148,7 @@ TEST(EngineSwap, AbortingSwappedOutRequestsFreesTheirHostBlocks) {
   KESTREL_REQUIRE_FILE(stories_path());
   const Loaded l = load_stories();
   EngineConfig c = tight_config();
-  c.swap_space_bytes = 64 * block_bytes(l, c);
+  c.swap_space_bytes = 64 * test::kv_block_bytes(l, c);
   c.preemption_mode = PreemptionMode::Swap;
   Engine e(*l.model, l.tokenizer.get(), c);
   std::vector<RequestId> ids;
