@@ -111,7 +111,8 @@ constexpr int64_t kQ41 = static_cast<int64_t>(GgmlType::Q4_1);
 constexpr int64_t kQ80 = static_cast<int64_t>(GgmlType::Q8_0);
 
 void shapes(benchmark::internal::Benchmark* b) {
-  for (int64_t n_tokens : {1, 128}) {
+  // 1: decode GEMV; 2-8: a few sequences decoding (or a 1 + k token verify step); 128: prefill.
+  for (int64_t n_tokens : {1, 2, 4, 8, 128}) {
     for (int64_t amx : {1, 0}) {
       if (n_tokens == 1 && amx == 0) continue;  // the GEMV never uses AMX
       b->Args({kQ41, 576, 576, n_tokens, amx});    // q, o

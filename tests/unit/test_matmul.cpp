@@ -459,11 +459,15 @@ TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
       const auto y_one_thread = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool1);
       EXPECT_EQ(std::memcmp(y_batch.data(), y_one_thread.data(), y_batch.size() * 4), 0)
           << type_name(type) << " " << path.name();
-      // A 5-token call (vpdpbusd tiles even with AMX on) and single tokens (GEMV).
-      const std::vector<float> x5(x.begin() + 14 * n_in, x.begin() + 19 * n_in);
-      const auto y5 = run_matmul(type, wdata, n_in, n_out, x5, 5, pool2);
-      EXPECT_EQ(std::memcmp(y5.data(), y_batch.data() + 14 * n_out, 5 * n_out * 4), 0)
-          << type_name(type) << " " << path.name() << " tokens 14..18";
+      // Calls of 2-7 tokens (the few-token grouped kernel or vpdpbusd tiles, even with AMX on)
+      // and single tokens (GEMV).
+      for (int64_t n : {2, 3, 4, 5, 7}) {
+        const int64_t t0 = 19 - n;
+        const std::vector<float> xn(x.begin() + t0 * n_in, x.end());
+        const auto yn = run_matmul(type, wdata, n_in, n_out, xn, n, pool2);
+        EXPECT_EQ(std::memcmp(yn.data(), y_batch.data() + t0 * n_out, n * n_out * 4), 0)
+            << type_name(type) << " " << path.name() << " tokens " << t0 << "..18";
+      }
       for (int64_t t : {0, 5, 16, 18}) {
         const std::vector<float> xt(x.begin() + t * n_in, x.begin() + (t + 1) * n_in);
         const auto y_alone = run_matmul(type, wdata, n_in, n_out, xt, 1, pool2);
