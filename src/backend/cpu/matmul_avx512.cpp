@@ -204,13 +204,14 @@ void unpack_rows32(const MatmulArgs& a, const Layout16& L, int64_t r0, uint8_t* 
       continue;
     }
     const uint8_t* row = a.w.data + (r0 + i) * a.w_row_bytes;
+    // With a few tokens the GEMM streams the weights from memory as the GEMV does.
+    prefetch_ahead(a.w.data, a.w_row_bytes, r0 + i, a.w.n_out);
     for (int64_t c = 0; c < L.nch; ++c) {
       const int nblk = static_cast<int>(std::min<int64_t>(16, L.nb - 16 * c));
       const uint8_t* p = row + 16 * c * Fmt::kBlockBytes;
       uint8_t* uc = u + c * kChunkBytes;
-      if (is_tail_chunk(L, c)) {
+      if (is_tail_chunk(L, c)) {  // the tiles read only its first ceil(nblk / 4) groups
         ch.sc = _mm512_setzero_si512();
-        std::memset(uc, 0, 512);
         for (int i = 0; 4 * i < nblk; ++i) {
           const Group g = Fmt::load_group(p + 4 * i * Fmt::kBlockBytes, std::min(4, nblk - 4 * i));
           _mm512_store_si512(uc + 128 * i, g.lo);
