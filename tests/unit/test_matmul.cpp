@@ -478,6 +478,35 @@ TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
   }
 }
 
+// Calls longer than the GEMM's token block (kGemmTokenBlock = 128: the tokens go through the rows
+// in passes) give bitwise the outputs of shorter calls and of the GEMV.
+TEST(KernelMatmul, LongCallsMatchShortCalls) {
+  PathGuard guard;
+  ThreadPool pool2(2);
+  std::mt19937 rng(11);
+  for (GgmlType type : kAllTypes) {
+    const int64_t n_in = type_traits(type).block_size == 256 ? 512 : 576;
+    const int64_t n_out = 70, n_tokens = 300;
+    const auto wdata = random_weights(type, n_in, n_out, rng);
+    const auto x = random_activations(n_in * n_tokens, rng);
+    for (const KernelPath& path : available_paths()) {
+      path.select();
+      const auto y_all = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool2);
+      const int64_t t0 = 121;  // a call that starts inside the first pass and spans the second
+      const std::vector<float> xs(x.begin() + t0 * n_in, x.begin() + (t0 + 60) * n_in);
+      const auto ys = run_matmul(type, wdata, n_in, n_out, xs, 60, pool2);
+      EXPECT_EQ(std::memcmp(ys.data(), y_all.data() + t0 * n_out, ys.size() * 4), 0)
+          << type_name(type) << " " << path.name();
+      for (int64_t t : {0, 127, 128, 255, 256, 299}) {
+        const std::vector<float> xt(x.begin() + t * n_in, x.begin() + (t + 1) * n_in);
+        const auto y1 = run_matmul(type, wdata, n_in, n_out, xt, 1, pool2);
+        EXPECT_EQ(std::memcmp(y1.data(), y_all.data() + t * n_out, n_out * 4), 0)
+            << type_name(type) << " " << path.name() << " token " << t;
+      }
+    }
+  }
+}
+
 // Q5_0 rows of whole 4-block groups have a GEMV of their own on AVX-512 CPUs with VBMI (full
 // chunks of 16 blocks, a tail chunk of 1 or 3 groups, two chunks plus a tail); single tokens must
 // still give bitwise the GEMM's outputs.

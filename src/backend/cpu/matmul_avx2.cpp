@@ -230,29 +230,25 @@ template <class F>
 void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   const ActLayout32 L(a.w.n_in);
   const Unpacked32 U(L);
-  for (int64_t r = r0; r < r1; r += 2) {
-    const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
-    for (int i = 0; i < 2; ++i) {
-      uint8_t* u = scratch + i * U.row_bytes;
-      auto* d = reinterpret_cast<float*>(u + U.d_off);
-      auto* c = reinterpret_cast<float*>(u + U.c_off);
-      std::memset(c, 0, static_cast<size_t>(U.n_ch) * 32);
-      // A missing second row repeats the first (its outputs are not stored).
-      const uint8_t* row = a.w.data + (r + std::min(i, n_rows - 1)) * a.w_row_bytes;
-      for (int64_t b = 0; b < L.nb; ++b) {
-        const uint8_t* blk = row + b * F::kBlockBytes;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * b), F::quants(blk));
-        d[b] = F::d(blk);
-        c[b] = F::c(blk);
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t r = r0; r < r1; r += 2) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
+      for (int i = 0; i < 2; ++i) {
+        uint8_t* u = scratch + i * U.row_bytes;
+        auto* d = reinterpret_cast<float*>(u + U.d_off);
+        auto* c = reinterpret_cast<float*>(u + U.c_off);
+        std::memset(c, 0, static_cast<size_t>(U.n_ch) * 32);
+        // A missing second row repeats the first (its outputs are not stored).
+        const uint8_t* row = a.w.data + (r + std::min(i, n_rows - 1)) * a.w_row_bytes;
+        for (int64_t b = 0; b < L.nb; ++b) {
+          const uint8_t* blk = row + b * F::kBlockBytes;
+          _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * b), F::quants(blk));
+          d[b] = F::d(blk);
+          c[b] = F::c(blk);
+        }
       }
-    }
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4) tile32<F, 4>(a, L, U, scratch, t, r, n_rows);
-    switch (a.n_tokens - t) {
-      case 3: tile32<F, 3>(a, L, U, scratch, t, r, n_rows); break;
-      case 2: tile32<F, 2>(a, L, U, scratch, t, r, n_rows); break;
-      case 1: tile32<F, 1>(a, L, U, scratch, t, r, n_rows); break;
-      default: break;
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
+                      [&](auto T, int64_t t) { tile32<F, decltype(T)::value>(a, L, U, scratch, t, r, n_rows); });
     }
   }
 }
@@ -283,15 +279,11 @@ void kquant_tile(const MatmulArgs& a, const ActLayoutK& L, int64_t r, int64_t t0
 template <class F>
 void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const ActLayoutK L(a.w.n_in);
-  for (int64_t r = r0; r < r1; ++r) {
-    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, r, t);
-    switch (a.n_tokens - t) {
-      case 3: kquant_tile<F, 3>(a, L, r, t); break;
-      case 2: kquant_tile<F, 2>(a, L, r, t); break;
-      case 1: kquant_tile<F, 1>(a, L, r, t); break;
-      default: break;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t r = r0; r < r1; ++r) {
+      prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
+                      [&](auto T, int64_t t) { kquant_tile<F, decltype(T)::value>(a, L, r, t); });
     }
   }
 }
@@ -347,17 +339,13 @@ void float_tile(const MatmulArgs& a, int64_t r, int n_rows, int64_t t0) {
 
 template <class F>
 void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; r += 2) {
-    const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
-    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
-    prefetch_ahead(a.w.data, a.w_row_bytes, r + 1, r1);
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4) float_tile<F, 4>(a, r, n_rows, t);
-    switch (a.n_tokens - t) {
-      case 3: float_tile<F, 3>(a, r, n_rows, t); break;
-      case 2: float_tile<F, 2>(a, r, n_rows, t); break;
-      case 1: float_tile<F, 1>(a, r, n_rows, t); break;
-      default: break;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t r = r0; r < r1; r += 2) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(2, r1 - r));
+      prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
+      prefetch_ahead(a.w.data, a.w_row_bytes, r + 1, r1);
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
+                      [&](auto T, int64_t t) { float_tile<F, decltype(T)::value>(a, r, n_rows, t); });
     }
   }
 }

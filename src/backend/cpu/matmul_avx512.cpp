@@ -304,19 +304,13 @@ template <class Fmt>
 void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
   const Layout16 L(a.w.n_in);
   const int64_t ldy = a.w.n_out;
-  for (int64_t rt = r0; rt < r1; rt += 4) {
-    unpack_rows32<Fmt>(a, L, rt, scratch);
-    const int n_rows = static_cast<int>(std::min<int64_t>(4, r1 - rt));
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4)
-      tile32<4>(L, scratch, a.act + t * a.act_stride, a.act_stride, n_rows, a.y + t * ldy + rt, ldy);
-    const uint8_t* at = a.act + t * a.act_stride;
-    float* yt = a.y + t * ldy + rt;
-    switch (a.n_tokens - t) {
-      case 3: tile32<3>(L, scratch, at, a.act_stride, n_rows, yt, ldy); break;
-      case 2: tile32<2>(L, scratch, at, a.act_stride, n_rows, yt, ldy); break;
-      case 1: tile32<1>(L, scratch, at, a.act_stride, n_rows, yt, ldy); break;
-      default: break;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t rt = r0; rt < r1; rt += 4) {
+      unpack_rows32<Fmt>(a, L, rt, scratch);
+      const int n_rows = static_cast<int>(std::min<int64_t>(4, r1 - rt));
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock), [&](auto T, int64_t t) {
+        tile32<decltype(T)::value>(L, scratch, a.act + t * a.act_stride, a.act_stride, n_rows, a.y + t * ldy + rt, ldy);
+      });
     }
   }
 }

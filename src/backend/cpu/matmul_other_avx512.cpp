@@ -237,16 +237,12 @@ template <class F>
 void matmul_kquant(const MatmulArgs& a, int64_t r0, int64_t r1) {
   const ActLayoutK L(a.w.n_in);
   OutputCollector out;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w.data + r * a.w_row_bytes;
-    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4) kquant_tile<F, 4>(a, L, row, t, out, r);
-    switch (a.n_tokens - t) {
-      case 3: kquant_tile<F, 3>(a, L, row, t, out, r); break;
-      case 2: kquant_tile<F, 2>(a, L, row, t, out, r); break;
-      case 1: kquant_tile<F, 1>(a, L, row, t, out, r); break;
-      default: break;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = a.w.data + r * a.w_row_bytes;
+      prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
+                      [&](auto T, int64_t t) { kquant_tile<F, decltype(T)::value>(a, L, row, t, out, r); });
     }
   }
   out.flush();
@@ -313,17 +309,13 @@ void float_tile(const MatmulArgs& a, int64_t r, int n_rows, int64_t t0) {
 template <class F>
 void matmul_float(const MatmulArgs& a, int64_t r0, int64_t r1) {
   if (a.n_tokens == 1) return gemv_float<F>(a, r0, r1);
-  for (int64_t r = r0; r < r1; r += 4) {
-    // A tile past the last row repeats the last row (outputs not stored) rather than reading
-    // beyond the matrix.
-    const int n_rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
-    int64_t t = 0;
-    for (; t + 4 <= a.n_tokens; t += 4) float_tile<F, 4>(a, r, n_rows, t);
-    switch (a.n_tokens - t) {
-      case 3: float_tile<F, 3>(a, r, n_rows, t); break;
-      case 2: float_tile<F, 2>(a, r, n_rows, t); break;
-      case 1: float_tile<F, 1>(a, r, n_rows, t); break;
-      default: break;
+  for (int64_t t0 = 0; t0 < a.n_tokens; t0 += kGemmTokenBlock) {
+    for (int64_t r = r0; r < r1; r += 4) {
+      // A tile past the last row repeats the last row (outputs not stored) rather than reading
+      // beyond the matrix.
+      const int n_rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
+      for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
+                      [&](auto T, int64_t t) { float_tile<F, decltype(T)::value>(a, r, n_rows, t); });
     }
   }
 }
