@@ -20,9 +20,11 @@
 // directly (f32 accumulation).
 //
 // Decode (n_tokens == 1) runs a matrix-vector product split over output rows; prefill
-// (n_tokens > 1) runs a blocked GEMM that unpacks a tile of weight rows once and reuses it for every
-// token (AVX-512: 4 rows x 4 tokens in registers; from 8 tokens on, AMX-INT8 tiles of 16 rows x
-// 16 tokens where the CPU has them). Within one SIMD level a token's output is bitwise the same
+// (n_tokens > 1) runs a blocked GEMM that unpacks a tile of weight rows once per pass of up to 128
+// tokens (whose activations stay in L2) and reuses it for every token of the pass (AVX-512: 4 rows
+// x 4 tokens in registers; from 8 tokens on, AMX-INT8 tiles of 16 rows x 16 tokens where the CPU
+// has them). On AVX-512, 2-4 tokens on the formats whose unpacking takes gathers run the GEMV's
+// arithmetic per token instead, the weights loaded once for all of them. Within one SIMD level a token's output is bitwise the same
 // whatever else is in the call (GEMV, GEMM or AMX) and however many threads run it.
 #pragma once
 

@@ -12,7 +12,8 @@
 // chunk: register k (k < 8) holds bytes 4k..4k+3 of every block, so eight vpdpbusd per plane
 // leave each block's exact integer sum in its own lane and one conversion, one multiply
 // (dw * dx) and two FMAs apply sixteen blocks' scales. The GEMM unpacks a tile of weight rows
-// into that transposed layout once (zmm gathers); the GEMV instead loads 4 contiguous blocks at a
+// into that transposed layout once per pass of tokens (zmm gathers, or permutes for Q4_1); the
+// GEMV, and the few-token kernel for the gathered formats, instead load 4 contiguous blocks at a
 // time (2 vpdpbusd per plane per 4 blocks) and transposes the integer sums into block lanes
 // (groups_to_lanes): integers are exact, so both give the same lanes. matmul_amx.cpp computes
 // the same lanes with AMX tiles.

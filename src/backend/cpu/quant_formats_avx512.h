@@ -68,7 +68,8 @@ inline void quantize_block32(const float* x, bool bits8, int8_t q1[32], int8_t q
 // Weights. Each format provides:
 //   load_chunk(p, nblk, Chunk&): up to 16 blocks -> transposed unsigned quants q[8] (GEMM) and
 //     the raw scale dwords sc (lane j: block j's d in the low half; Q4_1: m in the high half),
-//     by zmm gathers; lanes past nblk are zero (masked gathers stay inside the row).
+//     by zmm gathers (Q4_1's full chunks by permutes); lanes past nblk are zero (masked gathers
+//     stay inside the row).
 //   load_group(p, nblk, Group&): up to 4 contiguous blocks -> lo / hi unsigned quants in the
 //     grouped order (GEMV) and the 4 scale dwords; masked loads keep a short group in the row.
 //   scales(sc, dw, c): dw and c (the offset term) per lane as f32.
