@@ -78,6 +78,47 @@ inline void expect_swap_roundtrip_keeps_logits(const std::function<std::unique_p
   EXPECT_NE(stale, want);
 }
 
+// The host tier's exchange (ModelRunner::swap_out_in), checked the same way: a prompt's K/V in
+// device blocks [0, 1] swapped out to host blocks [1, 2], a second prompt's K/V written over both
+// device blocks, then one call copies the second prompt's blocks out (to host blocks [3, 0]) and
+// the first prompt's back into the same device blocks, crossed (table [1, 0]). The first prompt's
+// next token through [1, 0] must give the reference logits (the copies in landed), and the second
+// prompt's blocks, swapped in from host [3, 0] to device [2, 3], the logits of a fresh runner that
+// ran it in [0, 1] (each copy out read its block before the copy in overwrote it).
+// make_runner: a runner with block_size 16 and at least 4 KV blocks.
+inline void expect_swap_out_in_orders_each_block(const std::function<std::unique_ptr<ModelRunner>()>& make_runner,
+                                                 int32_t n_vocab) {
+  std::vector<int32_t> prompt, other;
+  for (int32_t i = 0; i < 20; ++i) {
+    prompt.push_back(1 + (i * 37) % (n_vocab - 1));
+    other.push_back(1 + (i * 53 + 11) % (n_vocab - 1));
+  }
+  const std::vector<int32_t> next = {7 % n_vocab};
+  std::vector<float> want_prompt, want_other;
+  {
+    const auto reference = make_runner();
+    ASSERT_EQ(reference->block_size(), 16);
+    run_one(*reference, prompt, 0, {0, 1});
+    want_prompt = run_one(*reference, next, 20, {0, 1});
+    run_one(*reference, other, 0, {2, 3});
+    want_other = run_one(*reference, next, 20, {2, 3});
+  }
+  ASSERT_NE(want_prompt, want_other);  // the two prompts are told apart by their logits
+
+  const auto r = make_runner();
+  r->allocate_swap_space(4);
+  run_one(*r, prompt, 0, {0, 1});
+  r->swap_out(std::vector<BlockSwap>{{0, 1}, {1, 2}});
+  run_one(*r, other, 0, {0, 1});  // overwrites both device blocks
+  const std::vector<BlockSwap> out = {{0, 3}, {1, 0}};
+  const std::vector<BlockSwap> in = {{1, 1}, {0, 2}};
+  r->swap_out_in(out, in);
+  EXPECT_EQ(run_one(*r, next, 20, {1, 0}), want_prompt);
+  EXPECT_EQ(r->host_to_device_totals().bytes, 2 * r->kv_bytes_per_token() * r->block_size());
+  r->swap_in(std::vector<BlockSwap>{{2, 3}, {3, 0}});
+  EXPECT_EQ(run_one(*r, next, 20, {2, 3}), want_other);
+}
+
 // Disaggregated prefill's block transfer checked the same way: a prompt's K/V read from blocks
 // [0, 1] of one runner (read_kv_blocks), written into blocks [5, 3] of another one
 // (write_kv_blocks) that never ran the prompt, and the next token's logits read there through

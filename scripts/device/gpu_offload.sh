@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The host tier of the prefix cache (--cpu-offload-kv-gb; docs/architecture.md, "Many requests,
-# traced") on the H200: the CUDA swap round trip test (the pinned host pool and copy path the tier
-# shares, with the host -> device byte count), then kestrel bench --shared-prefix on the Llama-3.1-8B
+# traced") on the H200: the CUDA swap round trip tests (the pinned host pool and copy path the tier
+# shares, with the host -> device byte count, and swap_out_in: blocks copied out and others copied
+# into the same device blocks in one call, the two directions on two streams), then kestrel bench --shared-prefix on the Llama-3.1-8B
 # shape with random weights (--load-format dummy): time to first token of a request whose 8k-token
 # prefix is (c) on the device, (a) evicted and recomputed (no host tier), (b) evicted and copied
 # back from the host tier, and the H2D rate of those copies (bytes / seconds between CUDA events
@@ -12,7 +13,7 @@ set -uo pipefail
 source scripts/device/device_env.sh
 begin_run
 PREFIX=${PREFIX:-7936} SUFFIX=${SUFFIX:-128} OFFLOAD_GIB=${OFFLOAD_GIB:-8} REPS=${REPS:-3}
-echo "== CUDA swap round trip (kestrel_tests)"
+echo "== CUDA swap round trips (kestrel_tests)"
 timeout 120 $BIN/kestrel_tests --gtest_filter='CudaModelRunner.SwappedBlocks*' --gtest_brief=1 \
   2>&1 | tail -4 | tee -a "$SUMMARY"
 

@@ -22,6 +22,10 @@ void ModelRunner::swap_out(std::span<const BlockSwap>) {
 void ModelRunner::swap_in(std::span<const BlockSwap>) {
   throw Error("the " + description() + " backend has no host swap space");
 }
+void ModelRunner::swap_out_in(std::span<const BlockSwap> out, std::span<const BlockSwap> in) {
+  if (!out.empty()) swap_out(out);
+  if (!in.empty()) swap_in(in);
+}
 void ModelRunner::read_kv_blocks(std::span<const int32_t>, std::span<std::byte>) const {
   throw Error("the " + description() + " backend cannot export KV blocks (KV transfer)");
 }

@@ -110,6 +110,11 @@ class ModelRunner {
   // forward pass wait for them. Errors: kestrel::Error without swap space (the default).
   virtual void swap_out(std::span<const BlockSwap> swaps);
   virtual void swap_in(std::span<const BlockSwap> swaps);
+  // swap_out(out) and then swap_in(in), where a block of `in` may be the device block of a pair
+  // of `out` (the prefix cache's host tier: a block evicted to the host takes a hit's copy back).
+  // A backend with a copy stream per direction overlaps the two, each copy in ordered after the
+  // copy out of its own destination (CUDA: per cache tensor). The default runs them in turn.
+  virtual void swap_out_in(std::span<const BlockSwap> out, std::span<const BlockSwap> in);
   // Host -> device block copies (swap_in) so far: bytes, and seconds the copies took on the
   // device (CUDA: CUDA events around each call's copies on its copy stream; 0 where not timed).
   // Call it after a pass that waited for the copies (it waits for the last one). For benchmarks.

@@ -504,8 +504,10 @@ std::vector<RequestOutput> Engine::step() {
   m.stats.n_swap_preemptions += out.n_swapped;
   // Before anything else: the swapped-out blocks are free, and this step's copies may take them.
   if (!out.swap_out.empty()) m.runner->swap_out(out.swap_out);
-  // Evicted cached blocks to the host tier, before this step's copies and pass reuse them.
-  if (!out.offload.empty()) m.runner->swap_out(out.offload);
+  // Evicted cached blocks to the host tier, before this step's copies and pass reuse them, and
+  // the host tier's hits back, each into a block that may be one just evicted: one call, so a
+  // backend with a copy stream per direction overlaps them (ModelRunner::swap_out_in).
+  if (!out.offload.empty() || !out.load.empty()) m.runner->swap_out_in(out.offload, out.load);
   if (m.drafter) {
     for (Sequence* s : out.preempted) m.drafter->release(s->id);  // the scheduler dropped its drafts
     for (RequestState* r : m.draft_owners) {
@@ -521,7 +523,6 @@ std::vector<RequestOutput> Engine::step() {
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
-  if (!out.load.empty()) m.runner->swap_in(out.load);
   for (const SchedulerOutput::Import& im : out.imported) m.write_import(im);
   m.build_batch(out);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;

@@ -183,7 +183,8 @@ class KvManager {
   // blocks are handed out again). Clears the queue.
   std::vector<BlockSwap> take_offloads();
   // Host -> device copies of host-tier hits queued since the last call; the caller issues them
-  // after take_offloads()' copies and before the pass that reads them. Clears the queue and unpins
+  // after take_offloads()' copies of their destination blocks (a hit may take a block just
+  // evicted) and before the pass that reads them. Clears the queue and unpins
   // the host blocks they read.
   std::vector<BlockSwap> take_loads();
   const HostBlockTier& host_tier() const { return tier_; }

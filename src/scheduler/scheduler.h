@@ -22,8 +22,10 @@
 // measured by the engine; 0 until measured, and then auto recomputes). Either way a full host
 // pool means recompute. The copies of a step go: swap-outs first (the freed blocks may be taken
 // by the same step's appends and copy-on-write copies), then copy-on-write copies, then swap-ins,
-// then the forward pass. The host tier's copies go with them: offloads of evicted cached blocks
-// beside the swap-outs, loads of host-tier hits beside the swap-ins.
+// then the forward pass. The host tier's copies go after the swap-outs: offloads of evicted cached
+// blocks and loads of host-tier hits in one call (ModelRunner::swap_out_in), a load into a block
+// just evicted waiting for that block's offload (the loads' destinations are fresh blocks, which
+// no copy-on-write copy or swap-in of the step touches).
 // A long prompt therefore never stalls the decodes: it advances one chunk per step beside them.
 //
 // With a window (every layer of the model attends to at most `window` positions back), each
@@ -93,8 +95,8 @@ struct SchedulerOutput {
   };
   std::vector<Import> imported;
   // Host tier of the prefix cache (KvManager::take_offloads / take_loads): device -> host copies
-  // of evicted cached blocks, issued with swap_out; host -> device copies of host-tier hits,
-  // issued with swap_in.
+  // of evicted cached blocks and host -> device copies of host-tier hits, issued together after
+  // swap_out (ModelRunner::swap_out_in).
   std::vector<BlockSwap> offload;
   std::vector<BlockSwap> load;
   std::vector<Sequence*> preempted;     // sequences preempted in this step (now waiting), swapped ones too

@@ -1,9 +1,11 @@
 // The CUDA backend's copies of K/V blocks through host memory, checked through the runner's
 // forward pass (swap_roundtrip.h), for the bf16 cache and the FP8 one (codes and scales): the host
 // swap space (pinned memory, copies on a stream of their own that the compute stream waits for),
-// where swapped-out blocks come back with their K/V; and the block transfer of disaggregated
-// prefill (read_kv_blocks / write_kv_blocks), where blocks read from one runner and written into
-// other blocks of a fresh runner give the logits of the runner that computed them. On a GPU in
+// where swapped-out blocks come back with their K/V, also when one call copies blocks out and
+// others back into the same device blocks (the two directions on two streams); and the block
+// transfer of disaggregated prefill (read_kv_blocks / write_kv_blocks), where blocks read from one
+// runner and written into other blocks of a fresh runner give the logits of the runner that
+// computed them. On a GPU in
 // kestrel_tests; on the emulated runtime in kestrel_cuda_emu_tests.
 #include <gtest/gtest.h>
 
@@ -39,6 +41,10 @@ void for_each_cache_dtype(Check&& check) {
 
 TEST(CudaModelRunner, SwappedBlocksComeBackWithTheirKeysAndValues) {
   for_each_cache_dtype([](auto make, int32_t n_vocab) { test::expect_swap_roundtrip_keeps_logits(make, n_vocab); });
+}
+
+TEST(CudaModelRunner, SwappedBlocksOutAndInAtOnceCopyEachBlockOutBeforeIn) {
+  for_each_cache_dtype([](auto make, int32_t n_vocab) { test::expect_swap_out_in_orders_each_block(make, n_vocab); });
 }
 
 TEST(CudaModelRunner, TransferredBlocksGiveTheLogitsOfTheRunnerThatComputedThem) {

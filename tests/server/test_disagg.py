@@ -297,3 +297,48 @@ def test_bad_kv_transfer_config_is_refused_at_start():
     require(stories_model())
     with pytest.raises(RuntimeError, match="kv_role"):
         Server(stories_model(), "--kv-transfer-config", '{"kv_role": "decode"}')
+
+
+def test_consumer_pulls_from_a_producer_with_an_api_key(sides):
+    """A producer started with --api-key answers pulls that carry the key: the consumer's own
+    --api-key, or kv_connector_extra_config.remote_api_key; a pull without it gets the producer's
+    401, which the consumer answers as a failed transfer (502)."""
+    _, _, single = sides
+    key = "producer-key"
+    auth = {"Authorization": f"Bearer {key}"}
+    producer = Server(stories_model(), *COMMON, "--api-key", key, "--kv-transfer-config",
+                      json.dumps({"kv_role": "kv_producer"}), name="stories")
+    same_key = Server(stories_model(), *COMMON, "--api-key", key, "--kv-transfer-config",
+                      json.dumps({"kv_role": "kv_consumer", "kv_pull_timeout": 10}), name="stories")
+    own_key = Server(stories_model(), *COMMON, "--api-key", "consumer-key", "--kv-transfer-config",
+                     json.dumps({"kv_role": "kv_consumer", "kv_pull_timeout": 10,
+                                 "kv_connector_extra_config": {"remote_api_key": key}}), name="stories")
+    no_key = Server(stories_model(), *COMMON, "--kv-transfer-config",
+                    json.dumps({"kv_role": "kv_consumer", "kv_pull_timeout": 10}), name="stories")
+    try:
+        body = request_body(5)
+        want = single.post("/v1/completions", body)
+        assert want.status_code == 200, want.text
+
+        def prefill_with_key():
+            r = producer.post("/v1/completions", {**body, "max_tokens": 1, "stream": False,
+                                                  "kv_transfer_params": {"do_remote_decode": True}}, headers=auth)
+            assert r.status_code == 200, r.text
+            return r.json()["kv_transfer_params"]
+
+        for consumer, consumer_auth in ((same_key, auth), (own_key, {"Authorization": "Bearer consumer-key"})):
+            r = consumer.post("/v1/completions", {**body, "kv_transfer_params": prefill_with_key()},
+                              headers=consumer_auth)
+            assert r.status_code == 200, r.text
+            assert token_texts(r.json()) == token_texts(want.json())
+        params = prefill_with_key()
+        r = no_key.post("/v1/completions", {**body, "kv_transfer_params": params})
+        assert r.status_code == 502 and "HTTP 401" in r.json()["error"]["message"], r.text
+        # The refused pull left the blocks held; the right key still gets them.
+        r = same_key.post("/v1/completions", {**body, "kv_transfer_params": params}, headers=auth)
+        assert r.status_code == 200, r.text
+        assert token_texts(r.json()) == token_texts(want.json())
+    finally:
+        for s in (producer, same_key, own_key, no_key):
+            rc, out = s.stop()
+            assert rc == 0, out

@@ -23,6 +23,9 @@ TEST(KvTransferConfig, ParsesRolesAndTimeouts) {
   EXPECT_TRUE(c.produces() && c.consumes());
   EXPECT_EQ(c.kv_ip, "10.0.0.2");
   EXPECT_EQ(c.engine_id, "p0");
+  EXPECT_EQ(c.remote_api_key, "");
+  c = parse_kv_transfer_config(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"remote_api_key": "k1"}})");
+  EXPECT_EQ(c.remote_api_key, "k1");
 }
 
 TEST(KvTransferConfig, BadConfigsNameTheField) {
@@ -37,6 +40,12 @@ TEST(KvTransferConfig, BadConfigsNameTheField) {
   EXPECT_NE(err(R"({"kv_role": "kv_producer", "kv_rank": 0})").find("unknown field kv_rank"), std::string::npos);
   EXPECT_NE(err(R"({"kv_role": "kv_producer", "kv_connector_extra_config": {"x": 1}})")
                 .find("kv_connector_extra_config.x"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"remote_api_key": 5}})")
+                .find("kv_connector_extra_config.remote_api_key must be a string"),
+            std::string::npos);
+  // Only in kv_connector_extra_config, like the connector's other settings.
+  EXPECT_NE(err(R"({"kv_role": "kv_consumer", "remote_api_key": "k"})").find("unknown field remote_api_key"),
             std::string::npos);
 }
 

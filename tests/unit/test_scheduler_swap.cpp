@@ -293,6 +293,18 @@ TEST(CpuBackendSwap, SwappedBlocksComeBackWithTheirKeysAndValues) {
   }
 }
 
+TEST(CpuBackendSwap, SwappedBlocksOutAndInAtOnceCopyEachBlockOutBeforeIn) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  RunnerOptions o;
+  o.block_size = 16;
+  o.n_kv_blocks = 8;
+  o.n_threads = 1;
+  test::expect_swap_out_in_orders_each_block([&] { return make_cpu_model_runner(*model, o); },
+                                             static_cast<int32_t>(model->hparams().n_vocab));
+}
+
 TEST(CpuBackendKvTransfer, TransferredBlocksGiveTheLogitsOfTheRunnerThatComputedThem) {
   const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
   KESTREL_REQUIRE_FILE(path);

@@ -88,7 +88,11 @@ void run_serve(ServeArgs a) {
     throw Error("the model's chat template (tokenizer.chat_template) does not parse: " + format.template_error);
   const EngineConfig& config = engine->config();
 
-  if (!a.kv_transfer_config.empty()) a.server.kv_transfer = parse_kv_transfer_config(a.kv_transfer_config);
+  if (!a.kv_transfer_config.empty()) {
+    a.server.kv_transfer = parse_kv_transfer_config(a.kv_transfer_config);
+    // Without remote_api_key the producer is taken to share this server's key.
+    if (a.server.kv_transfer->remote_api_key.empty()) a.server.kv_transfer->remote_api_key = a.server.api_key;
+  }
 
   ServerMetrics metrics;
   EngineLoop loop(*engine, [&metrics](const RequestOutput& o) { metrics.on_finished(o); });
@@ -164,7 +168,8 @@ void register_serve(CLI::App& app) {
                   "Disaggregated prefill (vLLM's spelling), a JSON object: {\"kv_role\": \"kv_producer\" | "
                   "\"kv_consumer\" | \"kv_both\", \"kv_ip\": host consumers pull from (127.0.0.1), "
                   "\"engine_id\", \"abort_request_timeout\": seconds unpulled K/V stay held (480), "
-                  "\"kv_pull_timeout\": seconds a pull may take (60)}")
+                  "\"kv_pull_timeout\": seconds a pull may take (60), \"kv_connector_extra_config\": "
+                  "{\"remote_api_key\": the producer's --api-key (default: this server's)}}")
       ->check([](const std::string& v) {
         try {
           parse_kv_transfer_config(v);

@@ -53,9 +53,11 @@ KvTransferConfig parse_kv_transfer_config(std::string_view json) {
       if (c.kv_ip.empty()) throw Error("--kv-transfer-config: kv_ip must not be empty");
     } else if (key == "kv_connector_extra_config") {
       if (!v.is_object()) throw Error("--kv-transfer-config: kv_connector_extra_config must be an object");
-      for (const auto& [k2, v2] : v.items())
-        if (!timing(k2, v2, "kv_connector_extra_config." + k2))
+      for (const auto& [k2, v2] : v.items()) {
+        if (k2 == "remote_api_key") c.remote_api_key = string_field(v2, "kv_connector_extra_config." + k2);
+        else if (!timing(k2, v2, "kv_connector_extra_config." + k2))
           throw Error("--kv-transfer-config: unknown field kv_connector_extra_config." + k2);
+      }
     } else if (!timing(key, v, key)) {
       throw Error("--kv-transfer-config: unknown field " + key);
     }

@@ -33,13 +33,18 @@ struct KvTransferConfig {
   std::string kv_ip = "127.0.0.1";      // the host consumers pull from (remote_host)
   double abort_request_timeout = 480;   // seconds a producer holds unpulled blocks (vLLM's default)
   double kv_pull_timeout = 60;          // seconds a consumer's pull may take
+  // A consumer's pulls send "Authorization: Bearer <remote_api_key>" when it is not empty: the
+  // producer's --api-key (kv_connector_extra_config.remote_api_key; `serve` fills in its own
+  // --api-key when the field is absent, one key for a whole deployment as with vLLM's proxy).
+  std::string remote_api_key;
   bool produces() const { return kv_role != KvRole::Consumer; }
   bool consumes() const { return kv_role != KvRole::Producer; }
 };
 
 // Parses --kv-transfer-config's JSON object: kv_role ("kv_producer", "kv_consumer", "kv_both";
 // required), kv_connector ("KestrelConnector"), engine_id, kv_ip, and in kv_connector_extra_config
-// or at the top: abort_request_timeout, kv_pull_timeout (seconds, > 0). Errors: kestrel::Error naming
+// or at the top: abort_request_timeout, kv_pull_timeout (seconds, > 0); remote_api_key (a string,
+// in kv_connector_extra_config only). Errors: kestrel::Error naming
 // the field, for a wrong type or value or an unknown field.
 KvTransferConfig parse_kv_transfer_config(std::string_view json);
 

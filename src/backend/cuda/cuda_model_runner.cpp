@@ -103,12 +103,14 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
 
 CudaModelRunner::~CudaModelRunner() {
   graphs_.clear();
-  if (swap_stream_ != nullptr) {
-    cudaStreamSynchronize(swap_stream_);
-    cudaStreamDestroy(swap_stream_);
+  for (cudaStream_t s : {swap_stream_, load_stream_}) {
+    if (s == nullptr) continue;
+    cudaStreamSynchronize(s);
+    cudaStreamDestroy(s);
   }
-  for (cudaEvent_t e : {swap_after_pass_, swap_done_, h2d_start_, h2d_stop_})
+  for (cudaEvent_t e : {swap_after_pass_, swap_done_, load_done_, h2d_start_, h2d_stop_})
     if (e != nullptr) cudaEventDestroy(e);
+  for (cudaEvent_t e : tensor_out_done_) cudaEventDestroy(e);
   if (side_stream_ != nullptr) {
     cudaStreamSynchronize(side_stream_);
     cudaStreamDestroy(side_stream_);

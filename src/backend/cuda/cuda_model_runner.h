@@ -147,11 +147,13 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::span<const int32_t> forward_sample(const ForwardBatch& b, std::span<const RowSampling> rows,
                                           const TokenMaskFill& fill_masks = {}) override;
   void copy_blocks(std::span<const BlockCopy> copies) override;
-  // Host swap space (cuda_swap.cpp): pinned memory, copies by cudaMemcpyAsync on swap_stream_
-  // after the work already on stream_, and stream_ waits for them before its next kernel.
+  // Host swap space (cuda_swap.cpp): pinned memory, copies by cudaMemcpyAsync after the work
+  // already on stream_ (device -> host on swap_stream_, host -> device on load_stream_), and
+  // stream_ waits for them before its next kernel.
   void allocate_swap_space(int32_t n_blocks) override;
   void swap_out(std::span<const BlockSwap> swaps) override;
   void swap_in(std::span<const BlockSwap> swaps) override;
+  void swap_out_in(std::span<const BlockSwap> out, std::span<const BlockSwap> in) override;
   HostCopyTotals host_to_device_totals() override;
   // PCIe Gen5 x16, the H200 SXM's host link: 64 GB/s a direction by the standard; 50e9 taken as
   // what pinned cudaMemcpyAsync reaches (a lead, not measured here).
@@ -367,16 +369,31 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // order per layer, then (FP8) the scale tensors likewise; swap_tensors() lists them.
   PinnedMem swap_host_;
   int32_t n_swap_blocks_ = 0;
-  cudaStream_t swap_stream_ = nullptr;
-  cudaEvent_t swap_after_pass_ = nullptr, swap_done_ = nullptr;
+  cudaStream_t swap_stream_ = nullptr;  // device -> host copies
+  cudaStream_t load_stream_ = nullptr;  // host -> device copies
+  cudaEvent_t swap_after_pass_ = nullptr, swap_done_ = nullptr, load_done_ = nullptr;
+  // [cache tensor]: recorded on swap_stream_ after that tensor's copies out, for load_stream_.
+  std::vector<cudaEvent_t> tensor_out_done_;
   // Timing of the host -> device copies: events (with timing) around the last call's copies,
   // read (and added to h2d_) at the next call or by host_to_device_totals().
   cudaEvent_t h2d_start_ = nullptr, h2d_stop_ = nullptr;
   bool h2d_pending_ = false;
   HostCopyTotals h2d_;
   void collect_h2d_timing();
-  // Copies every tensor's block of each pair, device -> host (out) or back, on swap_stream_.
-  void swap_copy(std::span<const BlockSwap> swaps, bool out);
+  // A cache tensor's device base, its region of the swap buffer and its bytes per block.
+  struct SwapTensor {
+    std::byte* device;
+    std::byte* host;
+    size_t bytes;
+  };
+  std::vector<SwapTensor> swap_tensors();
+  // `n` block pairs from (device, host) on, consecutive on both sides: one copy per tensor.
+  struct SwapRun {
+    size_t device, host, n;
+  };
+  std::vector<SwapRun> swap_runs(std::span<const BlockSwap> swaps) const;
+  // Tensor t's blocks of `runs`, device -> host (out) or back, on stream s.
+  static void copy_runs(const SwapTensor& t, std::span<const SwapRun> runs, bool out, cudaStream_t s);
   // Layer l's FP8 cache (kv_dtype_ FP8).
   cuda::Fp8KvCache fp8_cache(int32_t layer) {
     const auto l = static_cast<size_t>(layer);

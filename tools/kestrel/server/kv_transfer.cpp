@@ -18,13 +18,14 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 
 KvImport pull_kv_blocks(const std::string& host, int port, const std::string& remote_request_id, double timeout_s,
-                        std::vector<int32_t>* tokens) {
+                        const std::string& api_key, std::vector<int32_t>* tokens) {
   const std::string where = "KV transfer from " + host + ":" + std::to_string(port);
   asio::io_context ioc;
   asio::ip::tcp::resolver resolver(ioc);
   beast::tcp_stream stream(ioc);
   http::request<http::empty_body> req{http::verb::get, "/v1/kv_transfer/" + remote_request_id, 11};
   req.set(http::field::host, host + ":" + std::to_string(port));
+  if (!api_key.empty()) req.set(http::field::authorization, "Bearer " + api_key);
   beast::flat_buffer buffer;
   http::response_parser<http::string_body> parser;
   parser.body_limit(boost::none);  // the record's size is the prompt's K/V

@@ -12,9 +12,11 @@ namespace kestrel::cli {
 
 // Pulls request `remote_request_id`'s K/V from the producer at host:port within timeout_s seconds
 // (connect, request and answer together); *tokens gets the token ids they were computed from.
+// api_key: sent as "Authorization: Bearer <api_key>" (RFC 6750) unless empty.
 // Errors: kestrel::Error saying what failed: the connection (refused, timed out), a non-200 answer
-// (its message), or a malformed record (decode_kv_blocks).
+// (its status and message, e.g. 401 for a missing or wrong key), or a malformed record
+// (decode_kv_blocks).
 KvImport pull_kv_blocks(const std::string& host, int port, const std::string& remote_request_id, double timeout_s,
-                        std::vector<int32_t>* tokens);
+                        const std::string& api_key, std::vector<int32_t>* tokens);
 
 }  // namespace kestrel::cli
