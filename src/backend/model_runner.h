@@ -128,7 +128,8 @@ class ModelRunner {
   // Disaggregated prefill (a prefill process's K/V decoded in another): each block of `blocks` as
   // block_size() x kv_bytes_per_token() bytes, in order, into `out`
   // (blocks.size() x that many bytes); write_kv_blocks is the reverse. The CPU's record is
-  // KvCache::read_block's (tensor parallel: each rank's, in rank order); a reader of the same model,
+  // KvCache::read_block's (tensor parallel: each rank's, in rank order; pipeline parallel:
+  // each stage's, in stage order, which is the one-stage record); a reader of the same model,
   // block size, dtype and parallel layout gets back exactly what was read. Errors: kestrel::Error
   // when the backend cannot (the default) or the span's size is wrong.
   virtual void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const;
