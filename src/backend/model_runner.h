@@ -54,6 +54,10 @@ struct RunnerOptions {
   // Ranks the model is split over (--tensor-parallel-size; model/tensor_parallel.h). CPU: one
   // thread per rank, n_threads shared among them; CUDA: one GPU per rank.
   int tensor_parallel_size = 1;
+  // Stages the layers are split over (--pipeline-parallel-size; model/pipeline_parallel.h). CPU:
+  // one thread per stage, n_threads shared among them, a step's batch in micro-batches through
+  // the stages; not combined with tensor_parallel_size > 1. CUDA: refused (one GPU).
+  int pipeline_parallel_size = 1;
 };
 
 // What sampling one logits row on the device needs: a Sampler whose chain has only top_k, top_p,
@@ -129,7 +133,8 @@ class ModelRunner {
   // Disaggregated prefill (a prefill process's K/V decoded in another): each block of `blocks` as
   // block_size() x kv_bytes_per_token() bytes, in order, into `out`
   // (blocks.size() x that many bytes); write_kv_blocks is the reverse. The CPU's record is
-  // KvCache::read_block's (tensor parallel: each rank's, in rank order); a reader of the same model,
+  // KvCache::read_block's (tensor parallel: each rank's, in rank order; pipeline parallel:
+  // each stage's, in stage order, which is the one-stage record); a reader of the same model,
   // block size, dtype and parallel layout gets back exactly what was read. Errors: kestrel::Error
   // when the backend cannot (the default) or the span's size is wrong.
   virtual void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const;
@@ -160,7 +165,8 @@ class ModelRunner {
 
 // The CPU backend (src/backend/cpu). options.n_kv_blocks must be positive. Errors: kestrel::Error
 // for a weight type the CPU kernels lack, a KV dtype other than f16/f32, or a pool too large for
-// memory, and validate_tensor_parallel's for options.tensor_parallel_size.
+// memory, validate_tensor_parallel's for options.tensor_parallel_size, validate_pipeline_parallel's
+// for options.pipeline_parallel_size, and both above 1 at once.
 std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, const RunnerOptions& options);
 
 }  // namespace kestrel

@@ -110,6 +110,7 @@ std::unique_ptr<ModelRunner> cpu_runner(const LlamaModel& m, const EngineConfig&
   o.n_threads = c.n_threads;
   o.populate_kv = c.populate_kv;
   o.tensor_parallel_size = c.tensor_parallel_size;
+  o.pipeline_parallel_size = c.pipeline_parallel_size;
   return make_cpu_model_runner(m, o);
 }
 

@@ -116,6 +116,14 @@ class LlamaModel {
   // column slice would split a quantization block.
   std::unique_ptr<LlamaModel> tensor_parallel_shard(int rank, int size) const;
 
+  // Stage `stage` of `size` for pipeline parallelism (model/pipeline_parallel.cpp): the layers of
+  // pipeline_stage_layers(hparams(), stage, size), renumbered from 0 (hparams().n_layer is the
+  // stage's count), beside the model-level tensors (embedding, final norm, LM head), all views
+  // into this model's memory: this model must outlive the stage. Makes the host weights first
+  // (ensure_host_weights). Errors: validate_pipeline_parallel's, and kestrel::Error for a stage
+  // outside [0, size).
+  std::unique_ptr<LlamaModel> pipeline_stage(int stage, int size) const;
+
  private:
   LlamaModel();  // defined where every owned type is complete (llama_weights.cpp)
   // Replaces the dense projections by FP8 or RTN INT4 matrices (model/load_quantize.cpp).

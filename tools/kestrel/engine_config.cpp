@@ -6,6 +6,7 @@
 #include "backend/cpu/matmul.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "model/pipeline_parallel.h"
 #include "model/tensor_parallel.h"
 
 namespace kestrel::cli {
@@ -188,7 +189,9 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
                  "--threads shared among them)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size, "Pipeline stages (groups of layers)")
+  app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size,
+                 "Stages a model's layers are split across, a step's sequences in micro-batches through them "
+                 "(CPU: one thread per stage, --threads shared among them)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--speculative-config", speculative.config,
@@ -263,9 +266,22 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   } catch (const Error& e) {
     throw CLI::ValidationError("--tensor-parallel-size", e.what());
   }
-  if (parallel.pipeline_parallel_size != 1)
-    throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(parallel.pipeline_parallel_size) +
-                                                               ": this kestrel runs a model on one device (1)");
+  const int32_t pp = parallel.pipeline_parallel_size;
+  if (pp != 1 && device.device == "cuda")
+    throw CLI::ValidationError("--pipeline-parallel-size",
+                               std::to_string(pp) + ": needs " + std::to_string(pp) +
+                                   " GPUs; the CUDA backend runs a model on one GPU (pipeline parallelism runs on "
+                                   "the CPU backend, one thread per stage)");
+  try {
+    validate_pipeline_parallel(hp, pp);
+  } catch (const Error& e) {
+    throw CLI::ValidationError("--pipeline-parallel-size", e.what());
+  }
+  if (pp != 1 && parallel.tensor_parallel_size != 1)
+    throw CLI::ValidationError("--pipeline-parallel-size",
+                               std::to_string(pp) + " with --tensor-parallel-size " +
+                                   std::to_string(parallel.tensor_parallel_size) +
+                                   ": a model is split one way at a time (tensor or pipeline parallelism)");
   resolve_speculative_config(speculative.config);
 }
 
@@ -302,6 +318,7 @@ EngineConfig KestrelConfig::engine_config(const LlamaModel& m) const {
   c.cpu_offload_kv_bytes = static_cast<int64_t>(cache.cpu_offload_kv_gib * static_cast<double>(int64_t{1} << 30));
   c.preemption_mode = parse_preemption_mode(scheduler.preemption_mode);
   c.tensor_parallel_size = parallel.tensor_parallel_size;
+  c.pipeline_parallel_size = parallel.pipeline_parallel_size;
   c.speculative = resolve_speculative_config(speculative.config);
   c.speculative_verify_on_device = speculative.verify == "device";
   return c;
@@ -315,6 +332,7 @@ RunnerOptions KestrelConfig::runner_options(const EngineConfig& engine) const {
   o.n_threads = engine.n_threads;
   o.populate_kv = engine.populate_kv;
   o.tensor_parallel_size = engine.tensor_parallel_size;
+  o.pipeline_parallel_size = engine.pipeline_parallel_size;
   o.gpu_memory_utilization = cache.gpu_memory_utilization;
   o.enforce_eager = device.enforce_eager;
   o.cuda = device.cuda;

@@ -1,157 +1,22 @@
 // The CPU backend behind the ModelRunner interface: a thread pool, the host KV cache and the
 // CpuModelRunner that computes on them; with RunnerOptions::tensor_parallel_size > 1, one such
-// backend per rank over the rank's shard of the model, each driven by its own thread.
+// backend per rank over the rank's shard of the model, each driven by its own thread (with
+// pipeline_parallel_size > 1, cpu_pipeline_parallel.cpp: one per stage).
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
-#include <utility>
 
-#include "backend/communicator.h"
-#include "backend/cpu/cpu_model_runner.h"
-#include "backend/kv_geometry.h"
-#include "backend/model_runner.h"
-#include "core/cpu_features.h"
-#include "core/error.h"
-#include "core/thread_pool.h"
-#include "memory/kv_cache.h"
+#include "backend/cpu/cpu_backend.h"
+#include "model/pipeline_parallel.h"
 #include "model/tensor_parallel.h"
 
 namespace kestrel {
 
 namespace {
-class CpuBackend final : public ModelRunner {
- public:
-  CpuBackend(const LlamaModel& model, const RunnerOptions& o, Communicator* comm = nullptr)
-      : pool_(o.n_threads),
-        geometry_(kv_geometry(model.hparams())),
-        kv_(geometry_, o.block_size, o.n_kv_blocks, o.kv_dtype, o.populate_kv),
-        runner_(model, kv_, pool_, comm) {}
-
-  std::span<const float> forward(const ForwardBatch& batch) override { return runner_.forward(batch); }
-  void copy_blocks(std::span<const BlockCopy> copies) override {
-    for (const BlockCopy& c : copies) kv_.copy_block(c.src, c.dst);
-  }
-  // The swap pool is a second host KvCache; a swap is a block copy between the two.
-  void allocate_swap_space(int32_t n_blocks) override {
-    KESTREL_ASSERT(!swap_, "CPU backend: swap space allocated twice");
-    swap_ = std::make_unique<KvCache>(geometry_, kv_.block_size(), n_blocks, kv_.dtype());
-  }
-  void swap_out(std::span<const BlockSwap> swaps) override {
-    if (!swap_) ModelRunner::swap_out(swaps);
-    for (const BlockSwap& s : swaps) KvCache::copy_block(kv_, s.device, *swap_, s.host);
-  }
-  void swap_in(std::span<const BlockSwap> swaps) override {
-    if (!swap_) ModelRunner::swap_in(swaps);
-    for (const BlockSwap& s : swaps) KvCache::copy_block(*swap_, s.host, kv_, s.device);
-    h2d_bytes_ += static_cast<int64_t>(swaps.size()) * kv_.bytes_per_token() * kv_.block_size();
-  }
-  void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override {
-    const size_t n = static_cast<size_t>(kv_.bytes_per_block());
-    if (out.size() != blocks.size() * n) throw Error("read_kv_blocks: buffer size does not match the blocks");
-    for (size_t i = 0; i < blocks.size(); ++i) kv_.read_block(checked_block(blocks[i]), out.subspan(i * n, n));
-  }
-  void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in) override {
-    const size_t n = static_cast<size_t>(kv_.bytes_per_block());
-    if (in.size() != blocks.size() * n) throw Error("write_kv_blocks: buffer size does not match the blocks");
-    for (size_t i = 0; i < blocks.size(); ++i) kv_.write_block(checked_block(blocks[i]), in.subspan(i * n, n));
-  }
-  // Bytes only: a host memcpy here, not a link worth timing.
-  HostCopyTotals host_to_device_totals() override { return {h2d_bytes_, 0}; }
-  // One thread's memcpy within host memory: a round figure for a current x86 server core (the
-  // choice only weighs it against the measured prefill time per token).
-  double host_link_bytes_per_s() const override { return 10e9; }
-  int32_t n_kv_blocks() const override { return kv_.n_blocks(); }
-  int32_t block_size() const override { return kv_.block_size(); }
-  KvDtype kv_dtype() const override { return kv_.dtype(); }
-  int64_t kv_bytes_per_token() const override { return kv_.bytes_per_token(); }
-  std::vector<uint64_t> expert_token_counts() const override { return runner_.expert_token_counts(); }
-  std::string description() const override {
-    return "cpu (" + std::to_string(pool_.size()) + " threads, " + simd_level_name(simd_level()) + ", KV " +
-           std::string(kv_dtype_name(kv_.dtype())) + ")";
-  }
-
- private:
-  ThreadPool pool_;
-  KvGeometry geometry_;
-  KvCache kv_;
-  std::unique_ptr<KvCache> swap_;  // host swap pool; null until allocate_swap_space
-  int32_t checked_block(int32_t b) const {
-    if (b < 0 || b >= kv_.n_blocks()) throw Error("KV transfer: block " + std::to_string(b) + " is outside the pool");
-    return b;
-  }
-  int64_t h2d_bytes_ = 0;          // swap_in copies so far
-  cpu::CpuModelRunner runner_;
-};
-
-// One thread per rank beyond the caller's (rank 0): run(fn) calls fn(r) for every rank at once and
-// returns when all are done, rethrowing the lowest rank's exception.
-class RankThreads {
- public:
-  explicit RankThreads(int n) : errors_(static_cast<size_t>(n)) {
-    for (int r = 1; r < n; ++r) threads_.emplace_back([this, r] { loop(r); });
-  }
-  ~RankThreads() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    start_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-  void run(const std::function<void(int)>& fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      pending_ = static_cast<int>(threads_.size());
-      ++generation_;
-    }
-    start_.notify_all();
-    call(0, fn);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    for (std::exception_ptr& e : errors_)
-      if (e) std::rethrow_exception(std::exchange(e, nullptr));
-  }
-
- private:
-  void call(int r, const std::function<void(int)>& fn) {
-    try {
-      fn(r);
-    } catch (...) {
-      errors_[static_cast<size_t>(r)] = std::current_exception();
-    }
-  }
-  void loop(int r) {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* fn;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        fn = fn_;
-      }
-      call(r, *fn);
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable start_, done_;
-  const std::function<void(int)>* fn_ = nullptr;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
-  std::vector<std::exception_ptr> errors_;
-  std::vector<std::thread> threads_;
-};
+using cpu::CpuBackend;
+using cpu::RankThreads;
 
 // Tensor parallelism on the CPU: rank r's CpuBackend runs the same batch over shard r of the model
 // (LlamaModel::tensor_parallel_shard) with its own KV cache (its heads), the ranks' row-parallel
@@ -266,7 +131,13 @@ std::unique_ptr<ModelRunner> make_cpu_model_runner(const LlamaModel& model, cons
   if (options.n_kv_blocks <= 0)
     throw Error("the CPU backend needs a positive number of KV blocks, got " + std::to_string(options.n_kv_blocks));
   validate_tensor_parallel(model.hparams(), options.tensor_parallel_size);
+  validate_pipeline_parallel(model.hparams(), options.pipeline_parallel_size);
+  if (options.tensor_parallel_size > 1 && options.pipeline_parallel_size > 1)
+    throw Error("--tensor-parallel-size " + std::to_string(options.tensor_parallel_size) + " with --pipeline-parallel-size " +
+                std::to_string(options.pipeline_parallel_size) +
+                ": the CPU backend splits a model one way at a time (tensor or pipeline parallelism)");
   model.ensure_host_weights();  // the kernels read every weight on the host
+  if (options.pipeline_parallel_size > 1) return cpu::make_pipeline_parallel_cpu_runner(model, options);
   if (options.tensor_parallel_size > 1) return std::make_unique<TensorParallelCpuBackend>(model, options);
   return std::make_unique<CpuBackend>(model, options);
 }

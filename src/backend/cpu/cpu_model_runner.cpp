@@ -11,8 +11,15 @@
 
 namespace kestrel::cpu {
 
-CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm)
-    : model_(model), hp_(model.hparams()), kv_(kv), pool_(pool), comm_(comm), arch_(architecture(model.hparams().arch)) {
+CpuModelRunner::CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm,
+                               PipelineRole role)
+    : model_(model),
+      hp_(model.hparams()),
+      kv_(kv),
+      pool_(pool),
+      comm_(comm),
+      role_(role),
+      arch_(architecture(model.hparams().arch)) {
   const KvGeometry g = kv_geometry(hp_);
   KESTREL_ASSERT(kv.kv_dim() == (g.is_mla() ? g.kv_lora_rank + g.rope_dim : hp_.kv_dim()) && kv.has_v() == !g.is_mla(),
                  "KV cache shape does not match the model");
@@ -114,10 +121,14 @@ void CpuModelRunner::rms_norm_rows(const float* x, const float* w, float* y, int
   });
 }
 
-std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
+std::span<const float> CpuModelRunner::forward(const ForwardBatch& b, std::span<const float> hidden_in) {
   check(b);
   const int64_t n = b.n_tokens();
   const int64_t d = hp_.n_embd;
+  if (!role_.first && static_cast<int64_t>(hidden_in.size()) != n * d)
+    throw Error("pipeline stage: hidden_in holds " + std::to_string(hidden_in.size()) + " values, the batch needs " +
+                std::to_string(n) + " x " + std::to_string(d));
+  hidden_in_ = hidden_in;
   grow(x_, n * d);
   grow(h_, n * d);
   grow(o_, n * d);
@@ -135,6 +146,8 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
   batch_ = &b;
   arch_.forward(*this, hp_);
   batch_ = nullptr;
+  hidden_in_ = {};
+  if (!role_.last) return {x_.data(), static_cast<size_t>(n * d)};
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   return {logits_.data(), static_cast<size_t>(n_out * logits_width_)};
 }
@@ -142,6 +155,10 @@ std::span<const float> CpuModelRunner::forward(const ForwardBatch& b) {
 void CpuModelRunner::embed() {
   const ForwardBatch& b = *batch_;
   const int64_t d = hp_.n_embd;
+  if (!role_.first) {  // the stage before computed the residual stream
+    std::copy(hidden_in_.begin(), hidden_in_.end(), x_.begin());
+    return;
+  }
   const WeightView& e = model_.weights().at({-1, WeightRole::TokenEmbd}).matrix;
   // A tensor-parallel shard holds the rows of its vocabulary slice: the other ranks' tokens get
   // zeros here and their rows from the all-reduce (one nonzero term: exact).
@@ -298,6 +315,7 @@ void CpuModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
   const int64_t d = hp_.n_embd;
   const ModelWeights& w = model_.weights();
   add_to_residual(add);
+  if (!role_.last) return;  // the residual stream goes to the next stage
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size());
   grow(logits_in_, n_out * d);
   logits_width_ = w.at(head).matrix.n_out;

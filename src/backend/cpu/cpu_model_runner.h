@@ -17,20 +17,34 @@
 
 namespace kestrel::cpu {
 
+// A pipeline-parallel stage's place in the pipeline (LlamaModel::pipeline_stage): a stage after
+// the first takes the residual stream from the stage before instead of embedding the tokens (its
+// builder's embed), a stage before the last hands its residual stream on instead of computing
+// logits (its builder's final_norm_logits adds the pending block output and stops). The default is
+// the whole model.
+struct PipelineRole {
+  bool first = true;
+  bool last = true;
+};
+
 class CpuModelRunner final : private ForwardOps {
  public:
   // The model, the KV cache, the pool and the communicator must outlive the runner. `comm`: this
   // rank's communicator when `model` is one rank's shard of a tensor-parallel group
   // (LlamaModel::tensor_parallel_shard), over which all_reduce and the vocabulary-parallel embed
-  // sum; null for the whole model.
-  CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm = nullptr);
+  // sum; null for the whole model. `role`: the stage's place when `model` is a pipeline stage.
+  CpuModelRunner(const LlamaModel& model, KvCache& kv, ThreadPool& pool, Communicator* comm = nullptr,
+                 PipelineRole role = {});
 
   // Runs every layer over the batch, writes each token's K and V into its slot
   // (batch.slot_mapping), and returns the logits of the rows batch.logits_indices:
   // [logits_indices.size(), n_vocab], f32, valid until the next call (n_vocab: the LM head's rows,
-  // this rank's vocabulary slice in a tensor-parallel shard). Throws kestrel::Error on an
-  // inconsistent batch (token id outside the vocabulary, slot outside the cache, ...).
-  std::span<const float> forward(const ForwardBatch& batch);
+  // this rank's vocabulary slice in a tensor-parallel shard). A pipeline stage that is not the
+  // first reads its input residual stream from `hidden_in` [n_tokens, n_embd] f32 (instead of the
+  // token embeddings); one that is not the last returns its output residual stream [n_tokens,
+  // n_embd] f32 instead of logits. Throws kestrel::Error on an inconsistent batch (token id outside
+  // the vocabulary, slot outside the cache, ..., hidden_in of the wrong size).
+  std::span<const float> forward(const ForwardBatch& batch, std::span<const float> hidden_in = {});
 
   const LlamaModel& model() const { return model_; }
   // Tokens each routed expert has run since construction, [n_layer * n_expert] (layer-major;
@@ -86,6 +100,8 @@ class CpuModelRunner final : private ForwardOps {
   KvCache& kv_;
   ThreadPool& pool_;
   Communicator* comm_;
+  PipelineRole role_;
+  std::span<const float> hidden_in_;  // the pass's input residual stream (a stage after the first)
   MatmulWorkspace ws_;
   const Architecture& arch_;
   std::vector<float> inv_freq_;      // [rope_dim / 2]

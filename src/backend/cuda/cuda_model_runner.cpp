@@ -30,6 +30,10 @@ std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, con
   if (options.tensor_parallel_size != 1)
     throw Error("tensor parallelism (" + std::to_string(options.tensor_parallel_size) +
                 " ranks) runs on the CPU backend; the CUDA backend runs a model on one GPU");
+  if (options.pipeline_parallel_size != 1)
+    throw Error("pipeline parallelism over " + std::to_string(options.pipeline_parallel_size) + " stages needs " +
+                std::to_string(options.pipeline_parallel_size) +
+                " GPUs; the CUDA backend runs a model on one GPU (pipeline parallelism runs on the CPU backend)");
   return std::make_unique<cuda_runner::CudaModelRunner>(model, options);
 }
 
