@@ -4,7 +4,7 @@
 // and on what a chunked body's parser holds back. Only the documented answers may come out: a parse
 // error maps to 400/408/413/431 (or none, for a closed connection), a head to a route or 400/401/
 // 404/405/413/415/431/501/505; a decision that lets a request through must agree with the limits it
-// claims to enforce (one Host, or none in HTTP/1.0; HEAD only where GET is routed).
+// claims to enforce (one Host, or none in HTTP/1.0; HEAD only where GET is routed, never on the KV pull).
 #include <boost/asio/buffer.hpp>
 #include <boost/beast/http/error.hpp>
 
@@ -83,7 +83,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   require(f.host_count == 1 || (f.host_count == 0 && f.version == 10));
   const bool get_route = d.route == Route::Models || d.route == Route::Model || d.route == Route::Health ||
                          d.route == Route::Metrics || d.route == Route::TokenizerInfo;
-  require(f.method == (get_route ? "GET" : "POST") || (get_route && f.method == "HEAD"));
+  // The KV pull is GET alone: it hands the held blocks over once, so a HEAD would lose them.
+  require(f.method == (get_route || d.route == Route::KvTransfer ? "GET" : "POST") ||
+          (get_route && f.method == "HEAD"));
   limit_body(parser, limits);
   parser.eager(true);
   while (!ec && !parser.is_done() && used < size) {

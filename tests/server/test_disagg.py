@@ -286,6 +286,12 @@ def test_errors_from_either_side_are_answers(sides):
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_host"
     r = requests.get(producer.url + "/v1/kv_transfer/999999", timeout=10)
     assert r.status_code == 404
+    # The pull hands the held blocks over once: a HEAD is refused and leaves them for the consumer.
+    params = prefill(producer, body)
+    r = requests.head(producer.url + "/v1/kv_transfer/" + str(params["remote_request_id"]), timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    r = consumer.post("/v1/completions", {**body, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
     assert wait_idle(producer) and wait_idle(consumer)
     # Both sides keep serving.
     r = disaggregated(producer, consumer, request_body(13))

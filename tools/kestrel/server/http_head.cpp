@@ -199,10 +199,11 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
   }
   if (info == nullptr) return fail(404, "no route " + shown_value(head.method) + " " + shown_value(path), "not_found");
   d.route = info->route;
-  // RFC 9110 9.3.2: HEAD is GET without the body, so every GET route answers it (as Starlette's do).
-  const bool get_route = info->method == "GET";
-  if (head.method != info->method && !(get_route && head.method == "HEAD")) {
-    const std::string allow = get_route ? "GET, HEAD" : std::string(info->method);
+  // RFC 9110 9.3.2: HEAD is GET without the body, so GET routes answer it (as Starlette's do); all but
+  // the KV pull, which hands the held blocks over once and frees them: a HEAD there would drop them.
+  const bool answers_head = info->method == "GET" && info->route != Route::KvTransfer;
+  if (head.method != info->method && !(answers_head && head.method == "HEAD")) {
+    const std::string allow = answers_head ? "GET, HEAD" : std::string(info->method);
     HeadDecision e = fail(405, shown_value(head.method) + " is not allowed on " + std::string(info->path) + " (use " +
                                    allow + ")",
                           "method_not_allowed");
