@@ -8,6 +8,12 @@
 #include <type_traits>
 
 #if defined(__AVX__) || defined(__F16C__)
+// GCC 12's AVX-512 intrinsics pass _mm*_undefined_*() placeholders that -Wall reports as
+// uninitialized (GCC bug 105593), as in simd_avx512.h: the warning is about the system header.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #endif
 
@@ -229,14 +235,60 @@ inline AttentionScratch& attention_scratch() {
   return s;
 }
 
+#if defined(__AVX512BW__)
+// The f16 keys' elements [0, hd - hd % 32) into kt as load_keys_transposed below: each 32-element
+// slab of the 16 rows is transposed as 16 x 16 pairs of halves (four rounds of 32- and 64-bit
+// unpacks and 128-bit lane shuffles), the two halves of a pair separated by one word permute, and
+// only then widened to f32 (exact), so a tile costs a third of the shuffles of transposing floats.
+// Returns the elements done.
+inline int64_t load_f16_keys_transposed_avx512(const uint16_t* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
+  const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24, 22,
+                                         20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  int64_t d0 = 0;
+  for (; d0 + 32 <= hd; d0 += 32) {
+    __m512i r[16], a[16];
+    for (int64_t j = 0; j < kKeyTile; ++j)
+      r[j] = j >= lane0 && j < lane0 + nk ? _mm512_loadu_si512(k + (j - lane0) * hd + d0) : _mm512_setzero_si512();
+    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: pairs 4L.. of rows i, i + 1 interleaved
+      a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // r[4G + c] lane L: pair 4L + c of rows 4G .. 4G + 3
+      r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+      r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+      r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i lo01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), hi01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+      const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), hi23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+      // Pair m = 4L + c of all 16 rows, then its two halves apart: elements d0 + 2m and d0 + 2m + 1.
+      const __m512i col[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0x88),
+                              _mm512_shuffle_i32x4(lo01, lo23, 0xDD), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
+      for (int l = 0; l < 4; ++l) {
+        const __m512i x = _mm512_permutexvar_epi16(split, col[l]);
+        const int64_t d = d0 + 2 * (4 * l + c);
+        _mm512_storeu_ps(kt + d * kKeyTile, _mm512_cvtph_ps(_mm512_castsi512_si256(x)));
+        _mm512_storeu_ps(kt + (d + 1) * kKeyTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)));
+      }
+    }
+  }
+  return d0;
+}
+#endif
+
 // kt[d * 16 + lane0 + j] = key j's element d for j < nk, 0 in the other lanes; keys row-major,
 // stride hd.
 template <class T>
 void load_keys_transposed(const T* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
+  int64_t d_begin = 0;
+#if defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>) d_begin = load_f16_keys_transposed_avx512(k, lane0, nk, hd, kt);
+#endif
   for (int64_t j0 = 0; j0 < kKeyTile; j0 += 8) {
     const auto valid = [&](int64_t i) { return j0 + i >= lane0 && j0 + i < lane0 + nk; };
     const T* base = k + (j0 - lane0) * hd;  // lane j0's row (only valid lanes' rows are read)
-    int64_t d = 0;
+    int64_t d = d_begin;
     for (; d + 8 <= hd; d += 8) {
       v8f r[8];
       for (int64_t i = 0; i < 8; ++i) r[i] = valid(i) ? load8(base + i * hd + d) : v8f{};
@@ -253,6 +305,21 @@ typedef float v16f __attribute__((vector_size(64), aligned(4)));
 inline v16f load16(const float* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<v16f>(_mm512_loadu_ps(p));
+#else
+  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+// 16 f16 values or int8 codes widened to f32 (exact).
+inline v16f load16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline v16f load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
 #else
   return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
@@ -425,17 +492,17 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     }
     // The tile's keys: nk rows of head_dim, contiguous within the block.
     const int64_t elem = static_cast<int64_t>(a.block_table[ta / bs]) * a.block_stride + a.head_offset + off * hd;
+    const char* next_v = nullptr;  // the next block's values, fetched after the scores
+    int64_t next_bytes = 0;
     if (tb == block_start + bs && tb < hi_all) {
-      // The next block is elsewhere in memory: fetch this head's keys and values of it while this
-      // tile is computed (decode reads each once, from memory; one line ahead is not enough).
+      // The next block is elsewhere in memory: fetch this head's keys of it now and its values
+      // after this tile's scores (decode reads each once, from memory; one line ahead is not
+      // enough, and all lines at once stall on the line fill buffers).
       const int64_t next = static_cast<int64_t>(a.block_table[tb / bs]) * a.block_stride + a.head_offset;
       const char* kn = reinterpret_cast<const char*>(kc + next);
-      const char* vn = reinterpret_cast<const char*>(vc + next);
-      const int64_t bytes = bs * hd * static_cast<int64_t>(sizeof(T));
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(kn + b);
-        __builtin_prefetch(vn + b);
-      }
+      next_v = reinterpret_cast<const char*>(vc + next);
+      next_bytes = bs * hd * static_cast<int64_t>(sizeof(T));
+      for (int64_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(kn + b);
     }
     load_keys_transposed(kc + elem, lane0, nk, hd, kt);
     // Lane j's value row at v + j * v_stride (only the rows' lanes [lo, hi) are read).
@@ -449,6 +516,7 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
         const T* src = vc + elem + j * hd;
         float* dst = vt + (lane0 + j) * vd;
         int64_t d = 0;
+        for (; d + 16 <= vd; d += 16) store16(dst + d, load16(src + d));
         for (; d + 8 <= vd; d += 8) store8(dst + d, load8(src + d));
         for (; d < vd; ++d) dst[d] = to_f32(src[d]);
       }
@@ -476,6 +544,11 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
       for (int k = 0; k < 4; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
       tile_scores<4>(a, qr, kt, ksp, krsp, vd, sr);
     }
+    if (li + 3 == n_live) {  // a GQA group of three heads at one token: one pass over the keys
+      for (int k = 0; k < 3; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
+      tile_scores<3>(a, qr, kt, ksp, krsp, vd, sr);
+      li += 3;
+    }
     if (li + 2 <= n_live) {
       for (int k = 0; k < 2; ++k) qr[k] = row_q(live[li + k]), sr[k] = s + live[li + k] * kKeyTile;
       tile_scores<2>(a, qr, kt, ksp, krsp, vd, sr);
@@ -485,6 +558,7 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
       qr[0] = row_q(live[li]), sr[0] = s + live[li] * kKeyTile;
       tile_scores<1>(a, qr, kt, ksp, krsp, vd, sr);
     }
+    for (int64_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(next_v + b);
     // Online softmax row by row (over lanes [lo, hi); the others masked: -inf for the max, 0 for
     // the sum, whose tree over the 16 lanes is fixed), then the values, two rows at a time where
     // their keys agree.
