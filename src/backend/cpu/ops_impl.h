@@ -492,19 +492,28 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     }
     // The tile's keys: nk rows of head_dim, contiguous within the block.
     const int64_t elem = static_cast<int64_t>(a.block_table[ta / bs]) * a.block_stride + a.head_offset + off * hd;
-    const char* next_v = nullptr;  // the next block's values, fetched after the scores
+    const char* next_k = nullptr;
+    const char* next_v = nullptr;
     int64_t next_bytes = 0;
+    // Part q of 4 of the next block's lines: keys, keys, values, values.
+    const auto prefetch_part = [&](int q) {
+      const char* p = q < 2 ? next_k : next_v;
+      const int64_t half = next_bytes / 2, b0 = (q % 2) * half, b1 = q % 2 ? next_bytes : half;
+      for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(p + b);
+    };
     if (tb == block_start + bs && tb < hi_all) {
-      // The next block is elsewhere in memory: fetch this head's keys of it now and its values
-      // after this tile's scores (decode reads each once, from memory; one line ahead is not
-      // enough, and all lines at once stall on the line fill buffers).
+      // The next block is elsewhere in memory: fetch this head's keys and values of it while this
+      // tile is computed (decode reads each once, from memory; one line ahead is not enough), in
+      // four parts between the tile's phases: a burst of all its lines stalls on the line fill
+      // buffers, and the tile's work waits behind it.
       const int64_t next = static_cast<int64_t>(a.block_table[tb / bs]) * a.block_stride + a.head_offset;
-      const char* kn = reinterpret_cast<const char*>(kc + next);
+      next_k = reinterpret_cast<const char*>(kc + next);
       next_v = reinterpret_cast<const char*>(vc + next);
       next_bytes = bs * hd * static_cast<int64_t>(sizeof(T));
-      for (int64_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(kn + b);
     }
+    prefetch_part(0);
     load_keys_transposed(kc + elem, lane0, nk, hd, kt);
+    prefetch_part(1);
     // Lane j's value row at v + j * v_stride (only the rows' lanes [lo, hi) are read).
     const float* v;
     int64_t v_stride = vd;
@@ -558,7 +567,7 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
       qr[0] = row_q(live[li]), sr[0] = s + live[li] * kKeyTile;
       tile_scores<1>(a, qr, kt, ksp, krsp, vd, sr);
     }
-    for (int64_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(next_v + b);
+    prefetch_part(2);
     // Online softmax row by row (over lanes [lo, hi); the others masked: -inf for the max, 0 for
     // the sum, whose tree over the 16 lanes is fixed), then the values, two rows at a time where
     // their keys agree.
@@ -591,6 +600,7 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
       store16(sp, p);
       state[0] = m_new;
     }
+    prefetch_part(3);
     for (int64_t k = 0; k < n_live;) {
       const int64_t r = live[k];
       if (k + 1 < n_live && lo[live[k + 1]] == lo[r] && hi[live[k + 1]] == hi[r]) {
