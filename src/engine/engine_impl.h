@@ -154,6 +154,9 @@ struct Engine::Impl {
   void hold_kv(RequestState& r, RequestOutput& o);
   void check_import(const Request& req, int64_t n_prompt) const;
   void write_import(const SchedulerOutput::Import& im);
+  // Requests waiting with a CUDA IPC import; expire_imports ends those past ipc_valid_until.
+  std::vector<RequestId> ipc_imports;
+  void expire_imports(std::vector<RequestOutput>& outputs);
   KvTransferFormat kv_format() const;
 
   const LlamaModel& model;
