@@ -42,7 +42,7 @@ std::unique_ptr<Fixture> fixture(KvDtype dtype) {
   return f;
 }
 
-CudaModelRunner& cuda(ModelRunner& r) { return dynamic_cast<CudaModelRunner&>(r); }
+CudaModelRunner& as_cuda(ModelRunner& r) { return dynamic_cast<CudaModelRunner&>(r); }
 
 std::vector<int32_t> prompt_of(int32_t n_vocab) {
   std::vector<int32_t> prompt;
@@ -62,18 +62,18 @@ TEST(CudaKvIpc, CopiedPeerBlocksGiveTheLogitsOfTheRunnerThatComputedThem) {
     const auto producer = f->make();
     test::run_one(*producer, prompt_of(n_vocab), 0, {1, 2});
     const std::vector<float> want = test::run_one(*producer, next, 20, {1, 2});
-    const std::vector<std::byte*> peer = cuda(*producer).cache_tensor_bases();
+    const std::vector<std::byte*> peer = as_cuda(*producer).cache_tensor_bases();
 
     // Destination blocks 5, 3: two runs; 4, 5: one run of both.
     for (const std::vector<int32_t>& dst : {std::vector<int32_t>{5, 3}, std::vector<int32_t>{4, 5}}) {
       const auto consumer = f->make();
-      cuda(*consumer).copy_kv_blocks_from(peer, producer->n_kv_blocks(), std::vector<int32_t>{1, 2}, dst);
+      as_cuda(*consumer).copy_kv_blocks_from(peer, producer->n_kv_blocks(), std::vector<int32_t>{1, 2}, dst);
       EXPECT_EQ(test::run_one(*consumer, next, 20, dst), want);
       // Blocks that received nothing give other logits, so the comparison can fail.
       EXPECT_NE(test::run_one(*consumer, next, 20, {0, 1}), want);
     }
     const auto consumer = f->make();
-    CudaModelRunner& c = cuda(*consumer);
+    CudaModelRunner& c = as_cuda(*consumer);
     EXPECT_THROW(c.copy_kv_blocks_from(peer, producer->n_kv_blocks(), std::vector<int32_t>{1, 8},
                                        std::vector<int32_t>{1, 2}),
                  Error);  // outside the peer's pool
@@ -95,7 +95,7 @@ TEST(CudaKvIpc, HandlesOfThisProcessDoNotOpenHereAndFailWithAnError) {
   ASSERT_EQ(uuid.size(), 40u) << uuid;  // "GPU-" and 36 characters
   EXPECT_EQ(uuid.substr(0, 4), "GPU-");
   EXPECT_EQ(consumer->device_uuid(), uuid);
-  const size_t n_tensors = cuda(*producer).cache_tensor_bases().size();
+  const size_t n_tensors = as_cuda(*producer).cache_tensor_bases().size();
   KvIpcMemory peer;
   peer.device_uuid = uuid;
   peer.n_blocks = producer->n_kv_blocks();
