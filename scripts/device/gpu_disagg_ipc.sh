@@ -8,10 +8,11 @@
 #     with kv_transport auto (CUDA IPC) and one with "host", 3 hand-offs of a 8000-token prompt to
 #     each: the consumer's pull (HTTP exchange; IPC: with mapping the handles) and its copy into
 #     its blocks (IPC: device to device; host: host to device), ms and GB/s, from /metrics.
-# Carry: devbin (kestrel, kestrel_tests of a -DKESTREL_CUDA=ON build, stories260K.gguf) and
-# devdata/llama3-bpe-vocab (encoder.json, vocab.bpe: the 8B folder's tokenizer).
+# Carry: devbin (kestrel, kestrel_tests of a -DKESTREL_CUDA=ON build, plain or .xz, libpcre2-8.so.0,
+# libxxhash.so.0, stories260K.gguf, llama3-bpe-vocab/ from the shared data: the 8B folder's tokenizer).
 set -uo pipefail
 source scripts/device/device_env.sh
+for f in kestrel kestrel_tests; do [ -f $BIN/$f.xz ] && xz -dkf $BIN/$f.xz && chmod +x $BIN/$f; done
 echo "== CUDA IPC block copy (kestrel_tests)"
 timeout 120 $BIN/kestrel_tests --gtest_filter='CudaKvIpc*:CudaModelRunner.TransferredBlocks*' --gtest_brief=1 2>&1 |
   tail -6 | tee -a "$SUMMARY"
@@ -65,8 +66,8 @@ grep -h "KV transfer\|IPC" /tmp/kestrel/c.log | head -3
 echo "== 8B shape (dummy weights): hand-off of a 8000-token prompt, CUDA IPC against host memory"
 M=/tmp/kestrel/llama8b_serve
 mkdir -p $M && cp scripts/device/configs/llama-3.1-8b/config.json $M/ &&
-  cp devdata/llama3-bpe-vocab/encoder.json devdata/llama3-bpe-vocab/vocab.bpe $M/ 2>/dev/null ||
-  [ -f $M/encoder.json ] || echo "no devdata/llama3-bpe-vocab: carry it"
+  cp $BIN/llama3-bpe-vocab/encoder.json $BIN/llama3-bpe-vocab/vocab.bpe $M/ 2>/dev/null ||
+  [ -f $M/encoder.json ] || echo "no devbin/llama3-bpe-vocab: carry it"
 big=(-m $M --load-format dummy --device cuda --max-model-len 9216 --block-size 16 --num-kv-blocks 2048
      --max-num-batched-tokens 8192)
 "$K" serve "${big[@]}" --port 8111 --kv-transfer-config '{"kv_role": "kv_producer"}' > /tmp/kestrel/p8.log 2>&1 &
