@@ -8,8 +8,9 @@
 //      kv_transfer_params {do_remote_prefill, remote_host, remote_port, remote_engine_id,
 //      remote_request_id, remote_block_ids, num_computed_tokens};
 //   2. the same request with those kv_transfer_params to a consumer: it pulls the blocks
-//      (GET /v1/kv_transfer/<remote_request_id> on the producer, which then frees them), computes
-//      the last prompt token and decodes.
+//      (GET /v1/kv_transfer/<remote_request_id> on the producer, which then frees them; or, on one
+//      GPU, GET .../cuda_ipc for their CUDA IPC handles, copies them device to device and sends
+//      DELETE /v1/kv_transfer/<remote_request_id>), computes the last prompt token and decodes.
 // A producer frees blocks no consumer pulled after abort_request_timeout seconds.
 #pragma once
 
