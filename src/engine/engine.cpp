@@ -620,6 +620,10 @@ std::vector<RequestOutput> Engine::step() {
     const int64_t n_draft = m.sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+      if (!r.import_error.empty()) {
+        r.seq.n_computed = 0;  // its blocks hold no K/V: finish must not publish them to the prefix cache
+        throw Error(r.import_error);
+      }
       if (on_device && n_draft > 0) {
         const size_t first = row_index - static_cast<size_t>(n_draft);
         v = accept_sampled_drafts(*r.sampler, device_tokens.subspan(first, static_cast<size_t>(n_draft + 1)),

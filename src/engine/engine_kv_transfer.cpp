@@ -103,7 +103,13 @@ void Engine::Impl::write_import(const SchedulerOutput::Import& im) {
       src.push_back(from);
       dst.push_back(block);
     }
-    runner->copy_kv_blocks_ipc(*kv.ipc, src, dst);
+    try {
+      runner->copy_kv_blocks_ipc(*kv.ipc, src, dst);
+    } catch (const Error& e) {  // the producer's memory cannot be mapped (any more): this request's failure
+      r.import_error = e.what();
+      r.req.kv_import.reset();
+      return;
+    }
     n_written = static_cast<int64_t>(dst.size());
   } else {
     const std::span<const std::byte> all(kv.bytes);

@@ -5,7 +5,8 @@
 // read_kv_blocks / write_kv_blocks. The reference is one engine running the same requests whole
 // (the CPU pass is batch-invariant: identical tokens); also checked: the producer's blocks stay
 // held until the import is written, an import whose hold ended before admission ends with an
-// error, and either way the consumer's release runs once.
+// error, a copy that fails ends its request (not the engine) with an error, and either way the
+// consumer's release runs once.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -49,6 +50,7 @@ class PeerRunner final : public ModelRunner {
     return m;
   }
   void copy_kv_blocks_ipc(const KvIpcMemory& peer, std::span<const int32_t> src, std::span<const int32_t> dst) override {
+    if (fail_copies) throw Error("CUDA IPC: cudaIpcOpenMemHandle of the producer's KV cache failed: test");
     const PeerRunner* from = nullptr;
     std::memcpy(&from, peer.handles.at(0).data(), sizeof from);
     std::vector<std::byte> block(static_cast<size_t>(peer.block_bytes.at(0)));
@@ -66,6 +68,7 @@ class PeerRunner final : public ModelRunner {
   std::string description() const override { return "peer wrapper over " + inner_->description(); }
 
   int64_t n_copied = 0;
+  bool fail_copies = false;  // as when the producer's memory cannot be mapped
 
  private:
   std::unique_ptr<ModelRunner> inner_;
@@ -229,4 +232,42 @@ TEST(EngineKvIpc, MismatchedBlockListsAndTensorsAreErrors) {
   EXPECT_NE(test::error_of([&] { cpu.export_held_kv_ipc(cpu_held); }).find("no CUDA IPC"), std::string::npos);
   EXPECT_EQ(cpu.n_held_kv(), 1u);
   producer.release_held_kv(held);
+}
+
+TEST(EngineKvIpc, AFailedCopyEndsItsRequestWithAnErrorAndTheEngineServesOn) {
+  KESTREL_REQUIRE_FILE(test::stories_path());
+  const test::LoadedModel l = test::load_model(test::stories_path());
+  const std::vector<Request> requests = requests_of(l, 3);
+  Engine producer(*l.model, l.tokenizer.get(), config(), std::make_unique<PeerRunner>(*l.model));
+  auto consumer_runner = std::make_unique<PeerRunner>(*l.model);
+  PeerRunner& into = *consumer_runner;
+  into.fail_copies = true;
+  Engine consumer(*l.model, l.tokenizer.get(), config(), std::move(consumer_runner));
+  const std::vector<RequestId> held = prefill_all(producer, requests);
+  int released = 0;
+  std::vector<RequestId> ids;
+  for (size_t i = 0; i < 2; ++i) {
+    auto im = std::make_shared<KvImport>(producer.export_held_kv_ipc(held[i]));
+    im->remote_hold = std::shared_ptr<void>(nullptr, [&](void*) { ++released; });
+    Request r = requests[i];
+    r.kv_import = std::move(im);
+    ids.push_back(consumer.add_request(std::move(r)));
+  }
+  const auto got = run(consumer);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(got.at(ids[i]).finish_reason, "error");
+    EXPECT_NE(got.at(ids[i]).error.find("cudaIpcOpenMemHandle"), std::string::npos) << got.at(ids[i]).error;
+    EXPECT_TRUE(got.at(ids[i]).new_token_ids.empty());
+  }
+  EXPECT_EQ(released, 2);
+  EXPECT_EQ(consumer.stats().kv_imports[1], 0);
+  EXPECT_EQ(consumer.stats().kv_blocks_used, 0);
+  // The engine serves on: the third request through host memory gives its tokens.
+  Engine reference(*l.model, l.tokenizer.get(), config());
+  const RequestId ref = reference.add_request(requests[2]);
+  Request r = requests[2];
+  r.kv_import = std::make_shared<KvImport>(producer.export_held_kv(held[2]));
+  const RequestId id = consumer.add_request(std::move(r));
+  EXPECT_EQ(run(consumer).at(id).new_token_ids, run(reference).at(ref).new_token_ids);
+  for (RequestId h : held) producer.release_held_kv(h);
 }
