@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Disaggregated prefill on the H200 (docs/architecture.md, "Disaggregated prefill"): the CUDA block
 # transfer round trip test (read_kv_blocks / write_kv_blocks through host memory), then a producer
-# and a consumer `kestrel serve --device cuda` behind `kestrel router`, 16 greedy stories260K
+# and a consumer `kestrel serve --device cuda` (kv_transport "host": through host memory although
+# both run on this GPU; gpu_disagg_ipc.sh runs the CUDA IPC path) behind `kestrel router`, 16 greedy stories260K
 # requests through the router against one plain server: how many outputs are equal (on the GPU a
 # different batch composition may change bits, so a count), and the blocks both sides still hold.
 # Carry: devbin (kestrel, kestrel_tests, stories260K.gguf).
@@ -14,7 +15,9 @@ timeout 120 $BIN/kestrel_tests --gtest_filter='CudaModelRunner.TransferredBlocks
 common=(-m $BIN/stories260K.gguf --device cuda --max-model-len 512 --block-size 16 --num-kv-blocks 512)
 "$K" serve "${common[@]}" --port 8101 --kv-transfer-config '{"kv_role": "kv_producer"}' > /tmp/kestrel/p.log 2>&1 &
 P=$!
-"$K" serve "${common[@]}" --port 8102 --kv-transfer-config '{"kv_role": "kv_consumer"}' > /tmp/kestrel/c.log 2>&1 &
+"$K" serve "${common[@]}" --port 8102 \
+  --kv-transfer-config '{"kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": "host"}}' \
+  > /tmp/kestrel/c.log 2>&1 &
 C=$!
 "$K" serve "${common[@]}" --port 8103 > /tmp/kestrel/s.log 2>&1 &
 S=$!

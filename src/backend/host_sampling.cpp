@@ -32,6 +32,15 @@ void ModelRunner::read_kv_blocks(std::span<const int32_t>, std::span<std::byte>)
 void ModelRunner::write_kv_blocks(std::span<const int32_t>, std::span<const std::byte>) {
   throw Error("the " + description() + " backend cannot import KV blocks (KV transfer)");
 }
+KvIpcMemory ModelRunner::export_kv_ipc() const {
+  throw Error("the " + description() + " backend has no CUDA IPC (KV transfer)");
+}
+void ModelRunner::open_kv_ipc(const KvIpcMemory&) const {
+  throw Error("the " + description() + " backend has no CUDA IPC (KV transfer)");
+}
+void ModelRunner::copy_kv_blocks_ipc(const KvIpcMemory&, std::span<const int32_t>, std::span<const int32_t>) {
+  throw Error("the " + description() + " backend has no CUDA IPC (KV transfer)");
+}
 
 std::span<const int32_t> ModelRunner::forward_sample(const ForwardBatch& batch, std::span<const RowSampling> rows,
                                                      const TokenMaskFill& fill_masks) {

@@ -83,6 +83,17 @@ struct RowSampling {
 // while the device computes the logits.
 using TokenMaskFill = std::function<void(std::span<uint32_t> masks)>;
 
+// A KV pool's device memory as another process on the same GPU maps it (CUDA IPC,
+// cudaIpcGetMemHandle / cudaIpcOpenMemHandle): one handle per cache tensor, in the order of the
+// read_kv_blocks record (per layer K, V; then FP8 scales per layer K, V), each tensor a
+// [n_blocks, ...] array of block_bytes[t] bytes per block starting at its allocation's base.
+struct KvIpcMemory {
+  std::string device_uuid;               // the exporting GPU, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi -L)
+  std::vector<std::string> handles;      // cudaIpcMemHandle_t bytes (64 each)
+  std::vector<int64_t> block_bytes;      // per tensor: bytes of one block
+  int32_t n_blocks = 0;                  // blocks in the exporting pool
+};
+
 class ModelRunner {
  public:
   virtual ~ModelRunner() = default;
@@ -139,6 +150,21 @@ class ModelRunner {
   // when the backend cannot (the default) or the span's size is wrong.
   virtual void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const;
   virtual void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in);
+  // Disaggregated prefill between processes sharing one GPU (CUDA IPC). device_uuid: this
+  // runner's GPU as KvIpcMemory::device_uuid spells it, "" when the backend has no IPC (the CPU).
+  // export_kv_ipc: this pool's handles (made once). open_kv_ipc: maps a peer's pool into this
+  // process (once per distinct export; later calls find the mapping); thread-safe, so a server
+  // may map while the engine thread runs passes. copy_kv_blocks_ipc: copies the peer's blocks
+  // src[i] into this pool's blocks dst[i] device to device (every cache tensor; runs of
+  // consecutive blocks on both sides as one copy each) and waits for the copies; the peer's
+  // blocks must not change meanwhile (the producer holds them). Errors: kestrel::Error when the
+  // backend has no IPC (the defaults), a handle cannot be opened (another GPU, the CPU emulation,
+  // a producer that exited), the peer's tensors differ from this pool's (count or block bytes),
+  // or a block id is outside either pool.
+  virtual std::string device_uuid() const { return {}; }
+  virtual KvIpcMemory export_kv_ipc() const;
+  virtual void open_kv_ipc(const KvIpcMemory& peer) const;
+  virtual void copy_kv_blocks_ipc(const KvIpcMemory& peer, std::span<const int32_t> src, std::span<const int32_t> dst);
   virtual int32_t n_kv_blocks() const = 0;
   virtual int32_t block_size() const = 0;
   virtual KvDtype kv_dtype() const = 0;

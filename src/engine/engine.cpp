@@ -215,6 +215,7 @@ RequestId Engine::add_request(Request request) {
   r->seq.n_prompt = n_prompt;
   // The last prompt token is computed here: its logits give the first token, as in one engine.
   if (request.kv_import) r->seq.n_imported = std::min(request.kv_import->n_tokens, n_prompt - 1);
+  if (request.kv_import && request.kv_import->ipc) m.ipc_imports.push_back(r->id);
   if (request.prompt_logprobs >= 0 || request.prompt_logits) {
     r->seq.reuse_prefix_cache = false;  // cached positions would have no logits
     // Every prompt position of a chunk is a logits row: bound the rows (n_vocab floats each, on
@@ -499,6 +500,7 @@ std::vector<RequestOutput> Engine::step() {
   Impl& m = *impl_;
   std::vector<RequestOutput> outputs = std::move(m.pending);
   m.pending.clear();
+  m.expire_imports(outputs);
   m.propose_drafts();
   const SchedulerOutput out = m.scheduler.schedule();
   m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
@@ -618,6 +620,10 @@ std::vector<RequestOutput> Engine::step() {
     const int64_t n_draft = m.sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+      if (!r.import_error.empty()) {
+        r.seq.n_computed = 0;  // its blocks hold no K/V: finish must not publish them to the prefix cache
+        throw Error(r.import_error);
+      }
       if (on_device && n_draft > 0) {
         const size_t first = row_index - static_cast<size_t>(n_draft);
         v = accept_sampled_drafts(*r.sampler, device_tokens.subspan(first, static_cast<size_t>(n_draft + 1)),

@@ -7,9 +7,12 @@
 // (the batch command, the HTTP server's engine thread) owns it and calls step() in a loop.
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,12 +84,22 @@ struct KvTransferFormat {
 void check_kv_transfer_format(const KvTransferFormat& local, const KvTransferFormat& remote);
 
 // K/V of a sequence's leading tokens, computed by another engine: the whole blocks that hold
-// positions [0, n_tokens), each block's record in order (kv_transfer_format().bytes_per_block()
-// bytes each).
+// positions [0, n_tokens), either as bytes (each block's record in order,
+// kv_transfer_format().bytes_per_block() bytes each) or, when ipc is set, left in the producer's
+// pool on this GPU (CUDA IPC): ipc_blocks[b] is the producer's block of block b
+// (KvManager::kNoBlock: none, before a sliding window), copied device to device at admission
+// (ModelRunner::copy_kv_blocks_ipc) if that comes before ipc_valid_until (the producer may free
+// them after it; a request still waiting then ends with an error).
 struct KvImport {
   KvTransferFormat format;
   int64_t n_tokens = 0;
   std::vector<std::byte> bytes;
+  std::optional<KvIpcMemory> ipc;
+  std::vector<int32_t> ipc_blocks;
+  std::chrono::steady_clock::time_point ipc_valid_until = std::chrono::steady_clock::time_point::max();
+  // Released with the last copy of this import (the blocks written, the request refused, aborted
+  // or ended): the server's deleter tells the producer it may free its blocks. Null: nothing to tell.
+  std::shared_ptr<void> remote_hold;
 };
 
 // What a client asks for, already tokenized.
@@ -193,6 +206,11 @@ struct EngineStats {
   // the device (ModelRunner::host_to_device_totals; 0 where the backend does not time them).
   int64_t host_to_device_bytes = 0;
   double host_to_device_seconds = 0;
+  // Disaggregated prefill, consumer side: imported K/V written into this engine's blocks, by
+  // transport (0: bytes through host memory, 1: CUDA IPC device to device): imports, bytes, and
+  // the seconds the writes took (wall clock, the copies waited for).
+  std::array<int64_t, 2> kv_imports{}, kv_import_bytes{};
+  std::array<double, 2> kv_import_seconds{};
   int64_t prefix_cache_queried_tokens = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hit_tokens = 0;      // of those, tokens found
   int32_t n_kv_blocks = 0;
@@ -284,6 +302,10 @@ class Engine {
   // in the prefix cache); an unknown id is ignored. Errors: kestrel::Error when `id` holds none.
   KvTransferFormat kv_transfer_format() const;
   KvImport export_held_kv(RequestId id, std::vector<int32_t>* tokens = nullptr) const;
+  // The same without the bytes: the runner's CUDA IPC export (ModelRunner::export_kv_ipc) and the
+  // held blocks (KvImport::ipc, ipc_blocks); the blocks stay held. Errors: export_held_kv's, and
+  // the runner's when it has no IPC.
+  KvImport export_held_kv_ipc(RequestId id, std::vector<int32_t>* tokens = nullptr) const;
   // The physical blocks request `id` holds (vLLM's remote_block_ids), empty when none.
   std::vector<int32_t> held_kv_blocks(RequestId id) const;
   void release_held_kv(RequestId id);

@@ -48,6 +48,10 @@ struct RequestState {
   std::vector<LogprobSummary> pending_prompt_logprobs;
   std::vector<float> pending_prompt_logits;
   bool prompt_nan = false;
+  // Why the copy of its transferred K/V failed (write_import; CUDA IPC): the request ends with
+  // this error in the step of its import, which samples its last prompt token, and its blocks
+  // go without reaching the prefix cache.
+  std::string import_error;
   // The drafter's q for the draft tokens at the end of seq.tokens ([seq.n_draft, n_vocab]), empty
   // when they are one-hot (Draft::q).
   std::vector<float> draft_q;
@@ -154,6 +158,9 @@ struct Engine::Impl {
   void hold_kv(RequestState& r, RequestOutput& o);
   void check_import(const Request& req, int64_t n_prompt) const;
   void write_import(const SchedulerOutput::Import& im);
+  // Requests waiting with a CUDA IPC import; expire_imports ends those past ipc_valid_until.
+  std::vector<RequestId> ipc_imports;
+  void expire_imports(std::vector<RequestOutput>& outputs);
   KvTransferFormat kv_format() const;
 
   const LlamaModel& model;

@@ -4,6 +4,7 @@
 // only the rest of its prompt. The transport between the two is the server's
 // (tools/kestrel/server/kv_transfer.*).
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "backend/kv_geometry.h"
@@ -66,10 +67,21 @@ void Engine::Impl::check_import(const Request& req, int64_t n_prompt) const {
     throw Error("kv_transfer_params: " + std::to_string(im.n_tokens) + " transferred tokens for a prompt of " +
                 std::to_string(n_prompt) + " (must be in [1, n_prompt])");
   const int64_t bs = im.format.block_size;
-  const int64_t want = (im.n_tokens + bs - 1) / bs * im.format.bytes_per_block();
-  if (static_cast<int64_t>(im.bytes.size()) != want)
+  const int64_t n_blocks = (im.n_tokens + bs - 1) / bs;
+  if (im.ipc) {
+    if (static_cast<int64_t>(im.ipc_blocks.size()) != n_blocks)
+      throw Error("kv_transfer_params: " + std::to_string(im.ipc_blocks.size()) + " remote blocks for " +
+                  std::to_string(im.n_tokens) + " tokens, expected " + std::to_string(n_blocks));
+    int64_t record = 0;
+    for (const int64_t b : im.ipc->block_bytes) record += b;
+    if (record != im.format.bytes_per_block())
+      throw Error("kv_transfer_params: the producer's KV cache tensors hold " + std::to_string(record) +
+                  " bytes per block, its format " + std::to_string(im.format.bytes_per_block()));
+  } else if (static_cast<int64_t>(im.bytes.size()) != n_blocks * im.format.bytes_per_block()) {
     throw Error("kv_transfer_params: " + std::to_string(im.bytes.size()) + " bytes of K/V for " +
-                std::to_string(im.n_tokens) + " tokens, expected " + std::to_string(want));
+                std::to_string(im.n_tokens) + " tokens, expected " +
+                std::to_string(n_blocks * im.format.bytes_per_block()));
+  }
   if (req.prompt_logprobs >= 0 || req.prompt_logits || req.beam.enabled())
     throw Error("kv_transfer_params: a request with transferred K/V takes no prompt_logprobs, prompt_logits or beam search");
 }
@@ -79,15 +91,60 @@ void Engine::Impl::write_import(const SchedulerOutput::Import& im) {
   KESTREL_ASSERT(it != requests.end() && it->second->req.kv_import, "engine: an import without its bytes");
   RequestState& r = *it->second;
   const std::vector<int32_t>& table = manager.block_table(r.seq.id);
-  const size_t block_bytes = static_cast<size_t>(r.req.kv_import->format.bytes_per_block());
-  const std::span<const std::byte> all(r.req.kv_import->bytes);
-  for (int64_t b = im.first_block; b < im.first_block + im.n_blocks; ++b) {
-    const int32_t block = table[static_cast<size_t>(b)];
-    if (block == KvManager::kNoBlock) continue;  // before a sliding window: never read
-    runner->write_kv_blocks(std::span<const int32_t>(&block, 1),
-                            all.subspan(static_cast<size_t>(b) * block_bytes, block_bytes));
+  const KvImport& kv = *r.req.kv_import;
+  const size_t block_bytes = static_cast<size_t>(kv.format.bytes_per_block());
+  const auto start = std::chrono::steady_clock::now();
+  int64_t n_written = 0;
+  if (kv.ipc) {
+    std::vector<int32_t> src, dst;
+    for (int64_t b = im.first_block; b < im.first_block + im.n_blocks; ++b) {
+      const int32_t block = table[static_cast<size_t>(b)], from = kv.ipc_blocks[static_cast<size_t>(b)];
+      if (block == KvManager::kNoBlock || from == KvManager::kNoBlock) continue;  // before a sliding window
+      src.push_back(from);
+      dst.push_back(block);
+    }
+    try {
+      runner->copy_kv_blocks_ipc(*kv.ipc, src, dst);
+    } catch (const Error& e) {  // the producer's memory cannot be mapped (any more): this request's failure
+      r.import_error = e.what();
+      r.req.kv_import.reset();
+      return;
+    }
+    n_written = static_cast<int64_t>(dst.size());
+  } else {
+    const std::span<const std::byte> all(kv.bytes);
+    for (int64_t b = im.first_block; b < im.first_block + im.n_blocks; ++b) {
+      const int32_t block = table[static_cast<size_t>(b)];
+      if (block == KvManager::kNoBlock) continue;  // before a sliding window: never read
+      runner->write_kv_blocks(std::span<const int32_t>(&block, 1),
+                              all.subspan(static_cast<size_t>(b) * block_bytes, block_bytes));
+      ++n_written;
+    }
   }
-  r.req.kv_import.reset();  // written: the bytes are not needed again (a recompute computes them)
+  const size_t t = kv.ipc ? 1 : 0;
+  stats.kv_imports[t] += 1;
+  stats.kv_import_bytes[t] += n_written * static_cast<int64_t>(block_bytes);
+  stats.kv_import_seconds[t] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Written: the bytes are not needed again (a recompute computes them), and a producer's blocks
+  // may go (remote_hold's deleter, once the last copy of the import goes).
+  r.req.kv_import.reset();
+}
+
+void Engine::Impl::expire_imports(std::vector<RequestOutput>& outputs) {
+  if (ipc_imports.empty()) return;
+  const auto now = std::chrono::steady_clock::now();
+  std::erase_if(ipc_imports, [&](RequestId id) {
+    const auto it = requests.find(id);
+    if (it == requests.end() || !it->second->req.kv_import) return true;  // ended, or written
+    RequestState& r = *it->second;
+    if (r.seq.status != SeqStatus::Waiting || now < r.req.kv_import->ipc_valid_until) return false;
+    RequestOutput o;
+    o.id = id;
+    o.error = "KV transfer: the producer's hold on the K/V ended before this request was admitted "
+              "(raise abort_request_timeout in --kv-transfer-config)";
+    finish(r, "error", outputs, &o);
+    return true;
+  });
 }
 
 KvTransferFormat Engine::kv_transfer_format() const { return impl_->kv_format(); }
@@ -106,6 +163,19 @@ KvImport Engine::export_held_kv(RequestId id, std::vector<int32_t>* tokens) cons
     if (table[b] != KvManager::kNoBlock)
       m.runner->read_kv_blocks(std::span<const int32_t>(&table[b], 1),
                                std::span<std::byte>(out.bytes).subspan(b * block_bytes, block_bytes));
+  if (tokens != nullptr) *tokens = it->second.tokens;
+  return out;
+}
+
+KvImport Engine::export_held_kv_ipc(RequestId id, std::vector<int32_t>* tokens) const {
+  const Impl& m = *impl_;
+  const auto it = m.held_kv.find(id);
+  if (it == m.held_kv.end()) throw Error("KV transfer: request " + std::to_string(id) + " holds no K/V");
+  KvImport out;
+  out.format = m.kv_format();
+  out.n_tokens = static_cast<int64_t>(it->second.tokens.size());
+  out.ipc = m.runner->export_kv_ipc();
+  out.ipc_blocks = m.manager.block_table(it->second.seq);
   if (tokens != nullptr) *tokens = it->second.tokens;
   return out;
 }

@@ -83,8 +83,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   require(f.host_count == 1 || (f.host_count == 0 && f.version == 10));
   const bool get_route = d.route == Route::Models || d.route == Route::Model || d.route == Route::Health ||
                          d.route == Route::Metrics || d.route == Route::TokenizerInfo;
-  // The KV pull is GET alone: it hands the held blocks over once, so a HEAD would lose them.
-  require(f.method == (get_route || d.route == Route::KvTransfer ? "GET" : "POST") ||
+  // The KV pulls are GET alone: the host pull hands the held blocks over once, so a HEAD would
+  // lose them; the release is DELETE.
+  const bool kv_pull = d.route == Route::KvTransfer || d.route == Route::KvTransferIpc;
+  require(f.method == (get_route || kv_pull ? "GET" : d.route == Route::KvRelease ? "DELETE" : "POST") ||
           (get_route && f.method == "HEAD"));
   limit_body(parser, limits);
   parser.eager(true);

@@ -348,3 +348,62 @@ def test_consumer_pulls_from_a_producer_with_an_api_key(sides):
         for s in (producer, same_key, own_key, no_key):
             rc, out = s.stop()
             assert rc == 0, out
+
+
+def test_cuda_ipc_transport_on_the_cpu():
+    """kv_transport "cuda_ipc" needs a CUDA server: refused at start on the CPU."""
+    require(kestrel_binary())
+    require(stories_model())
+    with pytest.raises(RuntimeError, match='kv_transport "cuda_ipc" needs --device cuda'):
+        Server(stories_model(), "--kv-transfer-config",
+               json.dumps({"kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": "cuda_ipc"}}))
+
+
+def test_cuda_ipc_pull_and_release_routes(sides):
+    """GET /v1/kv_transfer/<id>/cuda_ipc on a CPU producer is a 409 that leaves the blocks held, so
+    a pull through host memory still gets them; DELETE /v1/kv_transfer/<id> frees held blocks once
+    (then 404). A CPU consumer (auto) pulls through host memory, counted by transport in /metrics."""
+    producer, consumer, single = sides
+    body = {**request_body(0), "prompt": "Quietly the old owl sang a song to the moon and the stars"}
+    want = single.post("/v1/completions", body)
+    assert want.status_code == 200
+    params = prefill(producer, body)
+    kv_url = producer.url + "/v1/kv_transfer/" + str(params["remote_request_id"])
+    r = requests.get(kv_url + "/cuda_ipc", timeout=10)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "kv_transport_unavailable", r.text
+    assert "CUDA IPC" in r.json()["error"]["message"]
+    r = requests.head(kv_url + "/cuda_ipc", timeout=10)
+    assert r.status_code == 405
+    assert used(producer)[1] == 1
+    before = consumer.metrics()
+    r = consumer.post("/v1/completions", {**body, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    assert token_texts(r.json()) == token_texts(want.json())
+    after = consumer.metrics()
+    host, ipc = '{kv_transport="host"}', '{kv_transport="cuda_ipc"}'
+    assert after["kestrel_kv_transfer_pulls_total" + host] == before["kestrel_kv_transfer_pulls_total" + host] + 1
+    assert after["kestrel_kv_transfer_imports_total" + host] == before["kestrel_kv_transfer_imports_total" + host] + 1
+    # The whole blocks (8 tokens each) of the producer's tokens, none of them in the consumer's prefix cache.
+    n_tokens = params["num_computed_tokens"]
+    moved = after["kestrel_kv_transfer_import_bytes_total" + host] - before["kestrel_kv_transfer_import_bytes_total" + host]
+    assert moved == (n_tokens + 7) // 8 * 8 * producer_bytes_per_token(producer), (moved, n_tokens)
+    assert after["kestrel_kv_transfer_pulls_total" + ipc] == 0
+    assert wait_idle(producer) and wait_idle(consumer)
+
+    params = prefill(producer, body)
+    kv_url = producer.url + "/v1/kv_transfer/" + str(params["remote_request_id"])
+    assert used(producer)[1] == 1
+    r = requests.delete(kv_url, timeout=10)
+    assert r.status_code == 200 and r.json() == {"released": True}, r.text
+    assert wait_idle(producer)
+    assert requests.delete(kv_url, timeout=10).status_code == 404
+    assert requests.get(kv_url, timeout=10).status_code == 404
+    assert requests.get(kv_url + "/cuda_ipc", timeout=10).status_code == 404
+    r = consumer.post("/v1/completions", {**body, "kv_transfer_params": params})
+    assert r.status_code == 502 and "HTTP 404" in r.json()["error"]["message"], r.text
+    assert wait_idle(consumer)
+
+
+def producer_bytes_per_token(server):
+    m = server.metrics()
+    return m["kestrel_kv_cache_bytes_total"] / (m["kestrel_kv_blocks_total"] * 8)

@@ -26,6 +26,13 @@ TEST(KvTransferConfig, ParsesRolesAndTimeouts) {
   EXPECT_EQ(c.remote_api_key, "");
   c = parse_kv_transfer_config(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"remote_api_key": "k1"}})");
   EXPECT_EQ(c.remote_api_key, "k1");
+  EXPECT_EQ(c.kv_transport, KvTransport::Auto);
+  for (const auto& [name, want] : {std::pair{"auto", KvTransport::Auto}, std::pair{"host", KvTransport::Host},
+                                   std::pair{"cuda_ipc", KvTransport::CudaIpc}}) {
+    c = parse_kv_transfer_config(std::string(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": ")") +
+                                 name + "\"}}");
+    EXPECT_EQ(c.kv_transport, want) << name;
+  }
 }
 
 TEST(KvTransferConfig, BadConfigsNameTheField) {
@@ -38,6 +45,12 @@ TEST(KvTransferConfig, BadConfigsNameTheField) {
   EXPECT_NE(err(R"({"kv_role": "kv_producer", "abort_request_timeout": 0})").find("abort_request_timeout must be"),
             std::string::npos);
   EXPECT_NE(err(R"({"kv_role": "kv_producer", "kv_rank": 0})").find("unknown field kv_rank"), std::string::npos);
+  EXPECT_NE(err(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": "nccl"}})")
+                .find("kv_connector_extra_config.kv_transport must be \"auto\", \"host\" or \"cuda_ipc\""),
+            std::string::npos);
+  EXPECT_NE(err(R"({"kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": 1}})")
+                .find("kv_connector_extra_config.kv_transport must be a string"),
+            std::string::npos);
   EXPECT_NE(err(R"({"kv_role": "kv_producer", "kv_connector_extra_config": {"x": 1}})")
                 .find("kv_connector_extra_config.x"),
             std::string::npos);
@@ -104,4 +117,57 @@ TEST(KvTransferRecord, RoundTripsAndRefusesTruncation) {
                 .find("announces 24 bytes"),
             std::string::npos);
   EXPECT_NE(test::error_of([&] { decode_kv_blocks("no header", nullptr); }).find("no header line"), std::string::npos);
+}
+
+// The CUDA IPC answer carries the handles as bytes (any value, NUL and '\n' included), the block
+// ids (-1 for a block before a sliding window) and the hold; a malformed one is an error.
+TEST(KvTransferRecord, CudaIpcAnswerRoundTripsItsHandlesAndBlocks) {
+  KvImport kv;
+  kv.format.block_size = 16;
+  kv.format.kv_dtype = KvDtype::FP8;
+  kv.format.bytes_per_token = 10;
+  kv.format.n_layer = 1;
+  kv.format.n_head_kv = 1;
+  kv.format.head_dim = 4;
+  kv.n_tokens = 33;
+  KvIpcMemory m;
+  m.device_uuid = "GPU-01234567-89ab-cdef-0123-456789abcdef";
+  for (int t = 0; t < 4; ++t) {
+    std::string h(64, '\0');
+    for (int i = 0; i < 64; ++i) h[static_cast<size_t>(i)] = static_cast<char>((t * 64 + i) * 7 % 256);
+    m.handles.push_back(h);
+  }
+  m.block_bytes = {64, 64, 16, 16};
+  m.n_blocks = 900;
+  kv.ipc = m;
+  kv.ipc_blocks = {-1, 7, 8};
+  const std::vector<int32_t> tokens(33, 5);
+  const std::string body = encode_kv_ipc(kv, tokens, 12.5);
+  std::vector<int32_t> got_tokens;
+  double hold = 0;
+  const KvImport got = decode_kv_ipc(body, &got_tokens, &hold);
+  EXPECT_EQ(got_tokens, tokens);
+  EXPECT_EQ(got.n_tokens, 33);
+  EXPECT_EQ(got.format.kv_dtype, KvDtype::FP8);
+  EXPECT_DOUBLE_EQ(hold, 12.5);
+  ASSERT_TRUE(got.ipc.has_value());
+  EXPECT_EQ(got.ipc->device_uuid, m.device_uuid);
+  EXPECT_EQ(got.ipc->handles, m.handles);
+  EXPECT_EQ(got.ipc->block_bytes, m.block_bytes);
+  EXPECT_EQ(got.ipc->n_blocks, 900);
+  EXPECT_EQ(got.ipc_blocks, kv.ipc_blocks);
+  EXPECT_TRUE(got.bytes.empty());
+
+  const auto err = [](const std::string& b) {
+    double h = 0;
+    return test::error_of([&] { decode_kv_ipc(b, nullptr, &h); });
+  };
+  EXPECT_NE(err("[]").find("not a JSON object"), std::string::npos);
+  std::string bad = body;
+  bad.replace(bad.find("\"handles\":[\"") + 12, 1, "Z");
+  EXPECT_NE(err(bad).find("not lowercase hex"), std::string::npos);
+  bad = body;
+  bad.replace(bad.find("\"block_bytes\":[64,"), 18, "\"block_bytes\":[");
+  EXPECT_NE(err(bad).find("4 CUDA IPC handles for 3 tensors"), std::string::npos);
+  EXPECT_NE(err(encode_kv_blocks(KvImport{}, {})).find("malformed"), std::string::npos);
 }

@@ -77,6 +77,15 @@ void run_serve(ServeArgs a) {
   a.server.limits.keep_alive_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.keep_alive_s * 1000));
   a.server.limits.max_body_bytes = a.max_body_bytes;
 
+  if (!a.kv_transfer_config.empty()) {
+    a.server.kv_transfer = parse_kv_transfer_config(a.kv_transfer_config);
+    // Without remote_api_key the producer is taken to share this server's key.
+    if (a.server.kv_transfer->remote_api_key.empty()) a.server.kv_transfer->remote_api_key = a.server.api_key;
+    if (a.server.kv_transfer->kv_transport == KvTransport::CudaIpc && a.config.device.device != "cuda")
+      throw Error("--kv-transfer-config: kv_connector_extra_config.kv_transport \"cuda_ipc\" needs --device cuda "
+                  "(CUDA IPC maps GPU memory; this server runs on the " + a.config.device.device + ")");
+  }
+
   const std::string path = resolve_model_path(a.model);
   LoadedModel lm = load_model(path, a.config);
   require_tokenizer(lm, "serve");
@@ -88,11 +97,7 @@ void run_serve(ServeArgs a) {
     throw Error("the model's chat template (tokenizer.chat_template) does not parse: " + format.template_error);
   const EngineConfig& config = engine->config();
 
-  if (!a.kv_transfer_config.empty()) {
-    a.server.kv_transfer = parse_kv_transfer_config(a.kv_transfer_config);
-    // Without remote_api_key the producer is taken to share this server's key.
-    if (a.server.kv_transfer->remote_api_key.empty()) a.server.kv_transfer->remote_api_key = a.server.api_key;
-  }
+  a.server.runner = &engine->runner();
 
   ServerMetrics metrics;
   EngineLoop loop(*engine, [&metrics](const RequestOutput& o) { metrics.on_finished(o); });
@@ -169,7 +174,8 @@ void register_serve(CLI::App& app) {
                   "\"kv_consumer\" | \"kv_both\", \"kv_ip\": host consumers pull from (127.0.0.1), "
                   "\"engine_id\", \"abort_request_timeout\": seconds unpulled K/V stay held (480), "
                   "\"kv_pull_timeout\": seconds a pull may take (60), \"kv_connector_extra_config\": "
-                  "{\"remote_api_key\": the producer's --api-key (default: this server's)}}")
+                  "{\"remote_api_key\": the producer's --api-key (default: this server's), \"kv_transport\": "
+                  "\"auto\" (CUDA IPC when both sides run on one GPU, else host memory) | \"host\" | \"cuda_ipc\"}}")
       ->check([](const std::string& v) {
         try {
           parse_kv_transfer_config(v);

@@ -54,9 +54,19 @@ KvTransferConfig parse_kv_transfer_config(std::string_view json) {
     } else if (key == "kv_connector_extra_config") {
       if (!v.is_object()) throw Error("--kv-transfer-config: kv_connector_extra_config must be an object");
       for (const auto& [k2, v2] : v.items()) {
-        if (k2 == "remote_api_key") c.remote_api_key = string_field(v2, "kv_connector_extra_config." + k2);
-        else if (!timing(k2, v2, "kv_connector_extra_config." + k2))
+        if (k2 == "remote_api_key") {
+          c.remote_api_key = string_field(v2, "kv_connector_extra_config." + k2);
+        } else if (k2 == "kv_transport") {
+          const std::string t = string_field(v2, "kv_connector_extra_config." + k2);
+          if (t == "auto") c.kv_transport = KvTransport::Auto;
+          else if (t == "host") c.kv_transport = KvTransport::Host;
+          else if (t == "cuda_ipc") c.kv_transport = KvTransport::CudaIpc;
+          else
+            throw Error("--kv-transfer-config: kv_connector_extra_config.kv_transport must be \"auto\", \"host\" or "
+                        "\"cuda_ipc\", got \"" + t + "\"");
+        } else if (!timing(k2, v2, "kv_connector_extra_config." + k2)) {
           throw Error("--kv-transfer-config: unknown field kv_connector_extra_config." + k2);
+        }
       }
     } else if (!timing(key, v, key)) {
       throw Error("--kv-transfer-config: unknown field " + key);
@@ -133,9 +143,11 @@ Json kv_transfer_params_json(const KvTransferParams& p) {
   return j;
 }
 
-std::string encode_kv_blocks(const KvImport& kv, const std::vector<int32_t>& tokens) {
+namespace {
+
+Json format_json(const KvImport& kv, const std::vector<int32_t>& tokens) {
   const KvTransferFormat& f = kv.format;
-  Json h = {{"block_size", f.block_size},
+  return Json{{"block_size", f.block_size},
             {"kv_dtype", std::string(kv_dtype_name(f.kv_dtype))},
             {"bytes_per_token", f.bytes_per_token},
             {"n_layer", f.n_layer},
@@ -143,8 +155,51 @@ std::string encode_kv_blocks(const KvImport& kv, const std::vector<int32_t>& tok
             {"head_dim", f.head_dim},
             {"tensor_parallel_size", f.tensor_parallel_size},
             {"n_tokens", kv.n_tokens},
-            {"tokens", tokens},
-            {"n_bytes", kv.bytes.size()}};
+            {"tokens", tokens}};
+}
+
+// The header's format fields, n_tokens and tokens into kv and *tokens (nlohmann exceptions for
+// missing or mistyped fields).
+void read_format(const RequestJson& h, KvImport& kv, std::vector<int32_t>* tokens) {
+  KvTransferFormat& f = kv.format;
+  f.block_size = h.at("block_size").get<int32_t>();
+  f.kv_dtype = parse_kv_dtype(h.at("kv_dtype").get<std::string>(), "KV transfer kv_dtype");
+  f.bytes_per_token = h.at("bytes_per_token").get<int64_t>();
+  f.n_layer = h.at("n_layer").get<int64_t>();
+  f.n_head_kv = h.at("n_head_kv").get<int64_t>();
+  f.head_dim = h.at("head_dim").get<int64_t>();
+  f.tensor_parallel_size = h.at("tensor_parallel_size").get<int32_t>();
+  kv.n_tokens = h.at("n_tokens").get<int64_t>();
+  if (tokens != nullptr) *tokens = h.at("tokens").get<std::vector<int32_t>>();
+}
+
+std::string to_hex(const std::string& bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (const char c : bytes) {
+    out += kDigits[static_cast<unsigned char>(c) >> 4];
+    out += kDigits[static_cast<unsigned char>(c) & 15];
+  }
+  return out;
+}
+
+std::string from_hex(const std::string& hex) {
+  const auto digit = [&](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw Error("KV transfer: a CUDA IPC handle is not lowercase hex: \"" + hex.substr(0, 200) + "\"");
+  };
+  if (hex.size() % 2 != 0) throw Error("KV transfer: a CUDA IPC handle has an odd number of hex digits");
+  std::string out;
+  for (size_t i = 0; i < hex.size(); i += 2) out += static_cast<char>(digit(hex[i]) * 16 + digit(hex[i + 1]));
+  return out;
+}
+
+}  // namespace
+
+std::string encode_kv_blocks(const KvImport& kv, const std::vector<int32_t>& tokens) {
+  Json h = format_json(kv, tokens);
+  h["n_bytes"] = kv.bytes.size();
   std::string out = h.dump();
   out += '\n';
   out.append(reinterpret_cast<const char*>(kv.bytes.data()), kv.bytes.size());
@@ -158,16 +213,7 @@ KvImport decode_kv_blocks(std::string_view body, std::vector<int32_t>* tokens) {
   if (h.is_discarded() || !h.is_object()) throw Error("KV transfer: the producer's header is not a JSON object");
   KvImport kv;
   try {
-    KvTransferFormat& f = kv.format;
-    f.block_size = h.at("block_size").get<int32_t>();
-    f.kv_dtype = parse_kv_dtype(h.at("kv_dtype").get<std::string>(), "KV transfer kv_dtype");
-    f.bytes_per_token = h.at("bytes_per_token").get<int64_t>();
-    f.n_layer = h.at("n_layer").get<int64_t>();
-    f.n_head_kv = h.at("n_head_kv").get<int64_t>();
-    f.head_dim = h.at("head_dim").get<int64_t>();
-    f.tensor_parallel_size = h.at("tensor_parallel_size").get<int32_t>();
-    kv.n_tokens = h.at("n_tokens").get<int64_t>();
-    if (tokens != nullptr) *tokens = h.at("tokens").get<std::vector<int32_t>>();
+    read_format(h, kv, tokens);
     const auto n_bytes = h.at("n_bytes").get<uint64_t>();
     if (n_bytes != body.size() - nl - 1)
       throw Error("KV transfer: the header announces " + std::to_string(n_bytes) + " bytes of K/V, " +
@@ -178,6 +224,46 @@ KvImport decode_kv_blocks(std::string_view body, std::vector<int32_t>* tokens) {
   const std::string_view bytes = body.substr(nl + 1);
   kv.bytes.resize(bytes.size());
   std::memcpy(kv.bytes.data(), bytes.data(), bytes.size());
+  return kv;
+}
+
+std::string encode_kv_ipc(const KvImport& kv, const std::vector<int32_t>& tokens, double hold_seconds) {
+  Json h = format_json(kv, tokens);
+  const KvIpcMemory& m = *kv.ipc;
+  Json handles = Json::array();
+  for (const std::string& b : m.handles) handles.push_back(to_hex(b));
+  h["kv_transport"] = "cuda_ipc";
+  h["device_uuid"] = m.device_uuid;
+  h["handles"] = std::move(handles);
+  h["block_bytes"] = m.block_bytes;
+  h["n_pool_blocks"] = m.n_blocks;
+  h["blocks"] = kv.ipc_blocks;
+  h["hold_seconds"] = hold_seconds;
+  return h.dump();
+}
+
+KvImport decode_kv_ipc(std::string_view body, std::vector<int32_t>* tokens, double* hold_seconds) {
+  const RequestJson h = RequestJson::parse(body, nullptr, false);
+  if (h.is_discarded() || !h.is_object()) throw Error("KV transfer: the producer's CUDA IPC answer is not a JSON object");
+  KvImport kv;
+  try {
+    read_format(h, kv, tokens);
+    if (h.at("kv_transport").get<std::string>() != "cuda_ipc")
+      throw Error("KV transfer: the producer's answer is not a CUDA IPC one");
+    KvIpcMemory m;
+    m.device_uuid = h.at("device_uuid").get<std::string>();
+    for (const auto& x : h.at("handles")) m.handles.push_back(from_hex(x.get<std::string>()));
+    m.block_bytes = h.at("block_bytes").get<std::vector<int64_t>>();
+    m.n_blocks = h.at("n_pool_blocks").get<int32_t>();
+    kv.ipc_blocks = h.at("blocks").get<std::vector<int32_t>>();
+    *hold_seconds = h.at("hold_seconds").get<double>();
+    if (m.handles.size() != m.block_bytes.size())
+      throw Error("KV transfer: " + std::to_string(m.handles.size()) + " CUDA IPC handles for " +
+                  std::to_string(m.block_bytes.size()) + " tensors");
+    kv.ipc = std::move(m);
+  } catch (const RequestJson::exception& e) {
+    throw Error(std::string("KV transfer: malformed CUDA IPC answer: ") + e.what());
+  }
   return kv;
 }
 

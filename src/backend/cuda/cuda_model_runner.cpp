@@ -66,6 +66,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   cudaDeviceProp prop{};
   KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   device_name_ = prop.name;
+  device_uuid_ = uuid_text(prop.uuid);
   gemm_ = std::make_unique<cuda::Gemm>();
   const CudaTuning& t = o.cuda;
   if (t.stream_gemv_stages != 0 && t.stream_gemv_stages != 3 && t.stream_gemv_stages != 4 && t.stream_gemv_stages != 6)
@@ -106,6 +107,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
 }
 
 CudaModelRunner::~CudaModelRunner() {
+  close_kv_ipc();
   graphs_.clear();
   for (cudaStream_t s : {swap_stream_, load_stream_}) {
     if (s == nullptr) continue;

@@ -10,6 +10,7 @@
 #include <array>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <span>
 #include <string>
@@ -133,6 +134,9 @@ struct DecodeGraph {
   }
 };
 
+// A GPU's UUID as nvidia-smi -L prints it: "GPU-" and the 16 bytes in hex, grouped 8-4-4-4-12.
+std::string uuid_text(const cudaUUID_t& uuid);
+
 class CudaModelRunner final : public ModelRunner, private ForwardOps {
  public:
   // Errors: kestrel::Error without a device, for an unsupported head_dim or out of memory.
@@ -163,6 +167,19 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // scales per layer K, V); copies on stream_, which is synchronized after them.
   void read_kv_blocks(std::span<const int32_t> blocks, std::span<std::byte> out) const override;
   void write_kv_blocks(std::span<const int32_t> blocks, std::span<const std::byte> in) override;
+  // The same blocks device to device between processes on one GPU (CUDA IPC, cuda_kv_transfer.cpp):
+  // one handle per cache tensor (each its own cudaMalloc), the peer's tensors mapped once and kept
+  // until this runner goes.
+  std::string device_uuid() const override { return device_uuid_; }
+  KvIpcMemory export_kv_ipc() const override;
+  void open_kv_ipc(const KvIpcMemory& peer) const override;
+  void copy_kv_blocks_ipc(const KvIpcMemory& peer, std::span<const int32_t> src, std::span<const int32_t> dst) override;
+  // copy_kv_blocks_ipc's copy from device memory this process can address: peer_bases[t] is the
+  // peer's cache tensor t (cache_tensors() order, the same block bytes as this pool's), with
+  // peer_blocks blocks. Tests give another runner's tensors of the same process.
+  void copy_kv_blocks_from(std::span<std::byte* const> peer_bases, int32_t peer_blocks, std::span<const int32_t> src,
+                           std::span<const int32_t> dst);
+  std::vector<std::byte*> cache_tensor_bases() const;
   int32_t n_kv_blocks() const override { return n_blocks_; }
   int32_t block_size() const override { return block_size_; }
   KvDtype kv_dtype() const override { return kv_dtype_; }
@@ -303,6 +320,13 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   bool eager_;
   cudaStream_t stream_ = nullptr;
   std::string device_name_;
+  std::string device_uuid_;  // KvIpcMemory::device_uuid's spelling
+  // CUDA IPC: this pool's export (made on first use) and the peers' tensors mapped into this
+  // process (cudaIpcOpenMemHandle), by their handles; under ipc_mutex_.
+  mutable std::mutex ipc_mutex_;
+  mutable std::unique_ptr<KvIpcMemory> ipc_export_;
+  mutable std::map<std::vector<std::string>, std::vector<std::byte*>> ipc_peers_;
+  void close_kv_ipc();
   std::unique_ptr<cuda::Gemm> gemm_;
   // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
   // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).

@@ -3,7 +3,8 @@
 // cmake/kestrel_cuda.cmake, which links no CUDA runtime). "Device" memory is host memory, every
 // copy is a memcpy done at once, streams and events are tokens (an emulated kernel has finished
 // when its launch returns), and there is no graph capture: the runner replays its graph-shaped
-// passes eagerly under emulation (cuda_graph_runner.cpp). One emulated device, "CPU emulation".
+// passes eagerly under emulation (cuda_graph_runner.cpp). One emulated device, "CPU emulation";
+// no interprocess memory (the cudaIpc* calls fail).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -94,5 +95,15 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t, unsigned long 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return cudaErrorNotSupported; }
 cudaError_t cudaGraphDestroy(cudaGraph_t) { return cudaSuccess; }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return cudaSuccess; }
+
+// CUDA IPC maps another process's device memory; emulated "device" memory is this process's heap,
+// which another process cannot map: every IPC call is an error, so a KV transfer falls back to
+// host memory (ModelRunner::open_kv_ipc's callers).
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t*, void*) { return cudaErrorNotSupported; }
+cudaError_t cudaIpcOpenMemHandle(void** p, cudaIpcMemHandle_t, unsigned int) {
+  *p = nullptr;
+  return cudaErrorNotSupported;
+}
+cudaError_t cudaIpcCloseMemHandle(void*) { return cudaErrorNotSupported; }
 
 }  // extern "C"

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <exception>
 #include <iostream>
+#include <string>
 
 #include "kv_transfer_config.h"
 
@@ -102,32 +103,66 @@ EngineSnapshot EngineLoop::snapshot() const {
   return snapshot_;
 }
 
-void EngineLoop::pull_kv(RequestId id, KvPullDone done) {
+void EngineLoop::pull_kv(RequestId id, bool cuda_ipc, KvPullDone done) {
   {
     std::lock_guard lock(mutex_);
     if (!stopping_) {
-      Command c{Command::Kind::PullKv, nullptr, {}, id, std::move(done)};
+      Command c{Command::Kind::PullKv, nullptr, {}, id, cuda_ipc, std::move(done), {}};
       commands_.push_back(std::move(c));
       cv_.notify_one();
       return;
     }
   }
-  done({}, "the server is shutting down");
+  done({}, "the server is shutting down", 503);
+}
+
+void EngineLoop::release_kv(RequestId id, std::function<void(bool)> done) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!stopping_) {
+      Command c{Command::Kind::ReleaseKv, nullptr, {}, id, false, {}, std::move(done)};
+      commands_.push_back(std::move(c));
+      cv_.notify_one();
+      return;
+    }
+  }
+  done(false);
+}
+
+void EngineLoop::hold_until(RequestId id) {
+  const auto timeout = hold_timeout_s_ > 0 ? std::chrono::duration<double>(hold_timeout_s_)
+                                           : std::chrono::duration<double>(1e9);
+  held_until_[id] =
+      std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
 }
 
 void EngineLoop::apply_pull(Command& c) {
+  if (engine_.held_kv_blocks(c.kv_id).empty()) {  // never held, already pulled or released, or timed out
+    held_until_.erase(c.kv_id);
+    return c.kv_done({}, "KV transfer: request " + std::to_string(c.kv_id) + " holds no K/V", 404);
+  }
   std::string body, error;
   try {
     std::vector<int32_t> tokens;
+    if (c.kv_ipc) {
+      const KvImport kv = engine_.export_held_kv_ipc(c.kv_id, &tokens);
+      // Held on for the consumer's copy: the hold restarts, so a consumer that admits the request
+      // within it reads blocks no one has reused.
+      hold_until(c.kv_id);
+      return c.kv_done(encode_kv_ipc(kv, tokens, hold_timeout_s_ > 0 ? hold_timeout_s_ : 1e9), {}, 200);
+    }
     const KvImport kv = engine_.export_held_kv(c.kv_id, &tokens);
     body = encode_kv_blocks(kv, tokens);
   } catch (const std::exception& e) {
+    // A CUDA IPC pull this producer cannot answer (no IPC on its backend) leaves the blocks held:
+    // a pull through host memory may follow.
+    if (c.kv_ipc) return c.kv_done({}, e.what(), 409);
     error = e.what();
   }
   // Pulled or not pullable: either way the blocks are not held any longer.
   engine_.release_held_kv(c.kv_id);
   held_until_.erase(c.kv_id);
-  c.kv_done(std::move(body), std::move(error));
+  c.kv_done(std::move(body), std::move(error), error.empty() ? 200 : 500);
 }
 
 void EngineLoop::release_expired_kv() {
@@ -144,6 +179,12 @@ void EngineLoop::release_expired_kv() {
 
 void EngineLoop::apply(Command& c) {
   if (c.kind == Command::Kind::PullKv) return apply_pull(c);
+  if (c.kind == Command::Kind::ReleaseKv) {
+    const bool held = !engine_.held_kv_blocks(c.kv_id).empty();
+    engine_.release_held_kv(c.kv_id);
+    held_until_.erase(c.kv_id);
+    return c.release_done(held);
+  }
   RequestChannel& ch = *c.channel;
   if (c.kind == Command::Kind::Abort) {
     for (RequestId id : ch.ids_)
@@ -170,12 +211,7 @@ void EngineLoop::route(std::vector<RequestOutput>& outputs) {
     if (it == routes_.end()) continue;
     const Route r = it->second;
     if (o.finished) {
-      if (!o.kv_held_blocks.empty()) {
-        const auto timeout = hold_timeout_s_ > 0 ? std::chrono::duration<double>(hold_timeout_s_)
-                                                 : std::chrono::duration<double>(1e9);
-        held_until_[o.id] = std::chrono::steady_clock::now() +
-                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
-      }
+      if (!o.kv_held_blocks.empty()) hold_until(o.id);
       on_finished_(o);
       routes_.erase(it);
     }
@@ -231,7 +267,11 @@ void EngineLoop::run() {
       release_expired_kv();
       for (Command& c : commands) {
         if (stopping && c.kind == Command::Kind::PullKv) {
-          c.kv_done({}, "the server is shutting down");
+          c.kv_done({}, "the server is shutting down", 503);
+          continue;
+        }
+        if (stopping && c.kind == Command::Kind::ReleaseKv) {
+          c.release_done(false);
           continue;
         }
         if (stopping && c.kind == Command::Kind::Submit) {
@@ -271,7 +311,8 @@ void EngineLoop::run() {
   for (Command& c : left) {
     if (c.kind == Command::Kind::Submit)
       c.channel->set_state(RequestChannel::State::Unavailable, "the server is shutting down");
-    if (c.kind == Command::Kind::PullKv) c.kv_done({}, "the server is shutting down");
+    if (c.kind == Command::Kind::PullKv) c.kv_done({}, "the server is shutting down", 503);
+    if (c.kind == Command::Kind::ReleaseKv) c.release_done(false);
   }
   fail_all("the server is shutting down");
   std::lock_guard lock(snapshot_mutex_);

@@ -105,20 +105,29 @@ class EngineLoop {
   void set_kv_hold_timeout(double seconds) { hold_timeout_s_ = seconds; }
   // A consumer's pull of request `id`'s held K/V: on the engine thread, the blocks' record
   // (encode_kv_blocks) is made and the blocks are freed; `done` gets the body, or an empty body and
-  // the error (unknown id: never held, already pulled, or timed out). done runs on the engine
+  // the error and an HTTP status for it (404: unknown id, never held, already pulled or released,
+  // or timed out; 409: no CUDA IPC on this backend; 503: shutting down). done runs on the engine
   // thread and must not block.
-  using KvPullDone = std::function<void(std::string body, std::string error)>;
-  void pull_kv(RequestId id, KvPullDone done);
+  // With cuda_ipc the record is encode_kv_ipc's (the runner's CUDA IPC handles and the block ids)
+  // and the blocks stay held, for hold seconds from now (the hold timeout), until release_kv.
+  using KvPullDone = std::function<void(std::string body, std::string error, int status)>;
+  void pull_kv(RequestId id, bool cuda_ipc, KvPullDone done);
+  // A consumer is done with request `id`'s held K/V (its CUDA IPC copy): they are freed on the
+  // engine thread; done(true) when it held them, (false) for an unknown id. done runs on the engine
+  // thread and must not block.
+  void release_kv(RequestId id, std::function<void(bool)> done);
 
   EngineSnapshot snapshot() const;
 
  private:
   struct Command {
-    enum class Kind { Submit, Abort, PullKv } kind;
+    enum class Kind { Submit, Abort, PullKv, ReleaseKv } kind;
     std::shared_ptr<RequestChannel> channel;
     std::vector<Request> requests;  // Submit
-    RequestId kv_id = 0;            // PullKv
+    RequestId kv_id = 0;            // PullKv, ReleaseKv
+    bool kv_ipc = false;            // PullKv: CUDA IPC
     KvPullDone kv_done;
+    std::function<void(bool)> release_done;
   };
   struct Route {
     std::shared_ptr<RequestChannel> channel;
@@ -131,6 +140,7 @@ class EngineLoop {
   void publish();
   void fail_all(const std::string& error);
   void apply_pull(Command& c);
+  void hold_until(RequestId id);
   void release_expired_kv();
 
   Engine& engine_;

@@ -192,30 +192,68 @@ size_t longest_token(const Tokenizer& tok) {
   return n;
 }
 
-// GET /v1/kv_transfer/{id}: the held K/V of producer request id, answered from the engine thread
-// (EngineLoop::pull_kv); the blocks are freed once read.
-void answer_kv_pull(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& id_text) {
-  if (!api.kv_transfer || !api.kv_transfer->produces())
-    return session->respond(error_json(404, "this server is not a KV producer (--kv-transfer-config kv_role)",
-                                       "remote_request_id", "kv_transfer_unavailable"));
+// The {id} of a /v1/kv_transfer/ route as an engine request id, or nullopt after answering the error
+// (404: not a producer, or not an id).
+std::optional<RequestId> kv_request_id(ApiState& api, const std::shared_ptr<HttpSession>& session,
+                                       const std::string& id_text) {
+  if (!api.kv_transfer || !api.kv_transfer->produces()) {
+    session->respond(error_json(404, "this server is not a KV producer (--kv-transfer-config kv_role)",
+                                "remote_request_id", "kv_transfer_unavailable"));
+    return std::nullopt;
+  }
   RequestId id = 0;
   const auto [end, ec] = std::from_chars(id_text.data(), id_text.data() + id_text.size(), id);
-  if (ec != std::errc() || end != id_text.data() + id_text.size())
-    return session->respond(error_json(404, "no held K/V for request \"" + id_text + "\"", "remote_request_id",
-                                       "kv_transfer_not_found"));
+  if (ec != std::errc() || end != id_text.data() + id_text.size()) {
+    session->respond(error_json(404, "no held K/V for request \"" + id_text + "\"", "remote_request_id",
+                                "kv_transfer_not_found"));
+    return std::nullopt;
+  }
+  return id;
+}
+
+// GET /v1/kv_transfer/{id}: the held K/V of producer request id, answered from the engine thread
+// (EngineLoop::pull_kv); the blocks are freed once read. GET /v1/kv_transfer/{id}/cuda_ipc
+// (cuda_ipc): their CUDA IPC handles and block ids as JSON (encode_kv_ipc); the blocks stay held
+// until DELETE /v1/kv_transfer/{id} or the hold timeout; 409 when this backend has no IPC (the
+// blocks stay held: a pull through host memory may follow).
+void answer_kv_pull(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& id_text,
+                    bool cuda_ipc) {
+  const std::optional<RequestId> id = kv_request_id(api, session, id_text);
+  if (!id) return;
   auto pending = std::make_shared<OffloadedRequest>();
   session->attach(pending);
-  api.loop.pull_kv(id, [weak = std::weak_ptr<HttpSession>(session), ex = session->executor(), pending](
-                           std::string body, std::string error) mutable {
-    boost::asio::post(ex, [weak, pending, body = std::move(body), error = std::move(error)]() mutable {
+  api.loop.pull_kv(*id, cuda_ipc, [weak = std::weak_ptr<HttpSession>(session), ex = session->executor(), pending,
+                                   cuda_ipc](std::string body, std::string error, int status) mutable {
+    boost::asio::post(ex, [weak, pending, body = std::move(body), error = std::move(error), status, cuda_ipc]() mutable {
       auto s = weak.lock();
       if (!s || pending->cancelled) return;
       if (!error.empty())
-        return s->respond(error_json(404, error, "remote_request_id", "kv_transfer_not_found"));
+        return s->respond(error_json(status, error, "remote_request_id",
+                                     status == 409 ? "kv_transport_unavailable" : "kv_transfer_not_found"));
       HttpResponse r;
-      r.content_type = "application/octet-stream";
+      r.content_type = cuda_ipc ? "application/json" : "application/octet-stream";
       r.body = std::move(body);
       s->respond(std::move(r));
+    });
+  });
+}
+
+// DELETE /v1/kv_transfer/{id}: the consumer has copied the held K/V (CUDA IPC); they are freed.
+// 200 {"released": true}, or 404 when nothing was held under id.
+void answer_kv_release(ApiState& api, const std::shared_ptr<HttpSession>& session, const std::string& id_text) {
+  const std::optional<RequestId> id = kv_request_id(api, session, id_text);
+  if (!id) return;
+  auto pending = std::make_shared<OffloadedRequest>();
+  session->attach(pending);
+  api.loop.release_kv(*id, [weak = std::weak_ptr<HttpSession>(session), ex = session->executor(), pending,
+                            id_text](bool held) {
+    boost::asio::post(ex, [weak, pending, held, id_text] {
+      auto s = weak.lock();
+      if (!s || pending->cancelled) return;
+      if (!held)
+        return s->respond(error_json(404, "no held K/V for request \"" + id_text + "\"", "remote_request_id",
+                                     "kv_transfer_not_found"));
+      s->respond(json_response(Json{{"released", true}}));
     });
   });
 }
@@ -273,7 +311,11 @@ void handle_request(ApiState& api, const std::shared_ptr<HttpSession>& session, 
       case Route::TokenizerInfo:
         return session->respond(tokenizer_info(api));
       case Route::KvTransfer:
-        return answer_kv_pull(api, session, req.model_id);
+        return answer_kv_pull(api, session, req.model_id, false);
+      case Route::KvTransferIpc:
+        return answer_kv_pull(api, session, req.model_id, true);
+      case Route::KvRelease:
+        return answer_kv_release(api, session, req.model_id);
     }
   } catch (const std::exception& e) {
     // Not expected: every handler answers bad input itself. The connection still gets an answer.

@@ -20,6 +20,7 @@
 #include "openai_request.h"
 #include "server/engine_loop.h"
 #include "server/http_session.h"
+#include "server/kv_transfer.h"
 #include "server/server_metrics.h"
 
 namespace kestrel::cli {
@@ -46,6 +47,7 @@ struct ApiState {
   // listens on (remote_port in a producer's answers), set before it serves.
   std::optional<KvTransferConfig> kv_transfer;
   int port = 0;
+  std::unique_ptr<KvPuller> kv_puller;  // a consumer's pulls (kv_transfer.h); null unless it consumes
 
   uint64_t random_seed();  // for requests without a seed
 

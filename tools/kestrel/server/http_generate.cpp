@@ -337,9 +337,7 @@ std::optional<HttpResponse> Generation::apply_kv_transfer(const RequestJson& j, 
   }
   std::vector<int32_t> tokens;
   try {
-    auto im = std::make_shared<KvImport>(
-        pull_kv_blocks(p->remote_host, p->remote_port, p->remote_request_id, kv->kv_pull_timeout,
-                       kv->remote_api_key, &tokens));
+    auto im = std::make_shared<KvImport>(api_.kv_puller->pull(*p, &tokens));
     const std::vector<int32_t>& prompt = bases[0].prompt;
     if (tokens.size() != static_cast<size_t>(im->n_tokens) || tokens.size() > prompt.size() ||
         !std::equal(tokens.begin(), tokens.end(), prompt.begin()))

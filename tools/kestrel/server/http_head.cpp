@@ -185,9 +185,17 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
   }
   static constexpr std::string_view kKvPrefix = "/v1/kv_transfer/";
   static constexpr RouteInfo kKv{kKvPrefix, Route::KvTransfer, "GET", false};
+  static constexpr RouteInfo kKvIpc{kKvPrefix, Route::KvTransferIpc, "GET", false};
+  static constexpr RouteInfo kKvRelease{kKvPrefix, Route::KvRelease, "DELETE", false};
+  static constexpr std::string_view kIpcSuffix = "/cuda_ipc";
   if (info == nullptr && path.size() > kKvPrefix.size() && path.substr(0, kKvPrefix.size()) == kKvPrefix) {
-    info = &kKv;
-    d.model_id = std::string(path.substr(kKvPrefix.size()));
+    std::string_view id = path.substr(kKvPrefix.size());
+    info = head.method == "DELETE" ? &kKvRelease : &kKv;
+    if (id.size() > kIpcSuffix.size() && id.substr(id.size() - kIpcSuffix.size()) == kIpcSuffix) {
+      info = &kKvIpc;
+      id.remove_suffix(kIpcSuffix.size());
+    }
+    d.model_id = std::string(id);
   }
 
   // The key guards every /v1/ path (as vLLM does), known or not, so an unknown one tells nothing.
@@ -201,7 +209,7 @@ HeadDecision check_head(const HeadFields& head, const HttpLimits& limits, const 
   d.route = info->route;
   // RFC 9110 9.3.2: HEAD is GET without the body, so GET routes answer it (as Starlette's do); all but
   // the KV pull, which hands the held blocks over once and frees them: a HEAD there would drop them.
-  const bool answers_head = info->method == "GET" && info->route != Route::KvTransfer;
+  const bool answers_head = info->method == "GET" && info->route != Route::KvTransfer && info->route != Route::KvTransferIpc;
   if (head.method != info->method && !(answers_head && head.method == "HEAD")) {
     const std::string allow = answers_head ? "GET, HEAD" : std::string(info->method);
     HeadDecision e = fail(405, shown_value(head.method) + " is not allowed on " + std::string(info->path) + " (use " +

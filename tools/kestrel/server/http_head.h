@@ -33,6 +33,8 @@ enum class Route {
   Detokenize,       // POST /detokenize
   TokenizerInfo,    // GET /tokenizer_info
   KvTransfer,       // GET /v1/kv_transfer/{remote_request_id}: a producer's held K/V (kv_transfer_config.h)
+  KvTransferIpc,    // GET /v1/kv_transfer/{remote_request_id}/cuda_ipc: their CUDA IPC handles, kept held
+  KvRelease,        // DELETE /v1/kv_transfer/{remote_request_id}: the consumer has copied them
 };
 
 // An error the HTTP layer answers itself, as an OpenAI error body {"error": {message, type, param,
@@ -63,7 +65,7 @@ struct HeadFields {
 
 struct HeadDecision {
   Route route = Route::Health;
-  std::string model_id;  // Route::Model and Route::KvTransfer: the {id} part
+  std::string model_id;  // Route::Model and the Route::Kv* routes: the {id} part
   std::optional<HttpError> error;  // set: answer it and close; the route is then meaningless
 };
 

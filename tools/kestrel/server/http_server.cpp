@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "server/http_api.h"
 #include "server/http_session.h"
 #include "server/openai_api.h"
@@ -52,6 +53,10 @@ struct HttpServer::Impl {
         work(ioc.get_executor()) {
     ctx.limits = o.limits;
     api.kv_transfer = o.kv_transfer;
+    if (api.kv_transfer && api.kv_transfer->consumes()) {
+      KESTREL_ASSERT(o.runner != nullptr, "serve: a KV consumer without its runner");
+      api.kv_puller = std::make_unique<KvPuller>(*api.kv_transfer, *o.runner, m);
+    }
     ctx.api_key = o.api_key;
     ctx.metrics = &m;
     ctx.dispatch = [this](const std::shared_ptr<HttpSession>& s, HttpRequest r) {

@@ -28,6 +28,9 @@ struct ServerOptions {
   int64_t max_connections = 0;    // open connections at most; more get a 503 and are closed
   HttpLimits limits;
   std::optional<KvTransferConfig> kv_transfer;  // --kv-transfer-config: disaggregated prefill
+  // The engine's runner: a consumer maps producers' CUDA IPC handles with it (KvPuller); must be
+  // set for a consumer.
+  const ModelRunner* runner = nullptr;
 };
 
 class HttpServer {

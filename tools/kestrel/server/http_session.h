@@ -47,7 +47,7 @@ using tcp = boost::asio::ip::tcp;
 // A complete request, as the API sees it.
 struct HttpRequest {
   Route route = Route::Health;
-  std::string model_id;  // Route::Model, Route::KvTransfer: the {id} part
+  std::string model_id;  // Route::Model, the Route::Kv* routes: the {id} part
   std::string body;
 };
 

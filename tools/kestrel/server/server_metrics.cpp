@@ -114,6 +114,12 @@ void ServerMetrics::on_prompt_logprobs(int64_t n) {
   prompt_logprob_tokens_ += n;
 }
 
+void ServerMetrics::on_kv_pull(bool cuda_ipc, double seconds) {
+  std::lock_guard lock(mutex_);
+  kv_pulls_[cuda_ipc ? 1 : 0] += 1;
+  kv_pull_seconds_[cuda_ipc ? 1 : 0] += seconds;
+}
+
 std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   std::string out;
   std::lock_guard lock(mutex_);
@@ -152,6 +158,25 @@ std::string ServerMetrics::render(const EngineSnapshot& snap) const {
   header(&out, "kestrel_kv_transfer_held_requests", "gauge",
          "Finished prefills (do_remote_decode) whose K/V blocks wait for a consumer's pull.");
   sample(&out, "kestrel_kv_transfer_held_requests", static_cast<int64_t>(snap.n_held_kv));
+  // Per transport: 0 = host (bytes in the pull's answer), 1 = cuda_ipc (device to device).
+  const auto by_transport = [&](const std::string& name, auto value) {
+    for (size_t t = 0; t < 2; ++t)
+      out += name + "{kv_transport=\"" + (t == 1 ? "cuda_ipc" : "host") + "\"} " + value(t) + "\n";
+  };
+  header(&out, "kestrel_kv_transfer_pulls_total", "counter", "K/V pulls from a producer (consumer side).");
+  by_transport("kestrel_kv_transfer_pulls_total", [&](size_t t) { return std::to_string(kv_pulls_[t]); });
+  header(&out, "kestrel_kv_transfer_pull_seconds_total", "counter",
+         "Seconds of the pulls' HTTP exchanges (CUDA IPC: with mapping the producer's handles).");
+  by_transport("kestrel_kv_transfer_pull_seconds_total", [&](size_t t) { return num(kv_pull_seconds_[t]); });
+  header(&out, "kestrel_kv_transfer_imports_total", "counter",
+         "Pulled K/V written into this engine's blocks at admission.");
+  by_transport("kestrel_kv_transfer_imports_total", [&](size_t t) { return std::to_string(snap.stats.kv_imports[t]); });
+  header(&out, "kestrel_kv_transfer_import_bytes_total", "counter", "Bytes of K/V those writes moved.");
+  by_transport("kestrel_kv_transfer_import_bytes_total",
+               [&](size_t t) { return std::to_string(snap.stats.kv_import_bytes[t]); });
+  header(&out, "kestrel_kv_transfer_import_seconds_total", "counter",
+         "Seconds those writes took (host: host to device copies; cuda_ipc: device to device), waited for.");
+  by_transport("kestrel_kv_transfer_import_seconds_total", [&](size_t t) { return num(snap.stats.kv_import_seconds[t]); });
   header(&out, "kestrel_kv_blocks_total", "gauge", "KV cache blocks in the pool.");
   sample(&out, "kestrel_kv_blocks_total", snap.stats.n_kv_blocks);
   header(&out, "kestrel_kv_cache_bytes_total", "gauge",

@@ -6,6 +6,7 @@
 // Thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -42,6 +43,10 @@ class ServerMetrics {
   // Prompt positions whose logprobs the engine computed for echo with logprobs (a prompt of P
   // tokens: P - 1, once per prompt whatever n is).
   void on_prompt_logprobs(int64_t n);
+  // A consumer's pull of a producer's K/V (disaggregated prefill): by CUDA IPC (the handles and
+  // block ids) or through host memory (the bytes), and the seconds the HTTP exchange took (with
+  // the handles' mapping for CUDA IPC).
+  void on_kv_pull(bool cuda_ipc, double seconds);
   // The whole exposition, with the engine's gauges from `snapshot`.
   std::string render(const EngineSnapshot& snapshot) const;
 
@@ -52,6 +57,8 @@ class ServerMetrics {
   int64_t prompt_tokens_ = 0;
   int64_t generation_tokens_ = 0;
   int64_t prompt_logprob_tokens_ = 0;
+  std::array<int64_t, 2> kv_pulls_{};       // [host, cuda_ipc]
+  std::array<double, 2> kv_pull_seconds_{};
   Histogram ttft_, tpot_, e2e_;
 };
 
