@@ -4,7 +4,7 @@
 OUT="${OUT:-/tmp/kestrel_out}"
 mkdir -p "$OUT" /tmp/kestrel
 # devbin/ travels with call 1 only; the later calls use the copy call 1 left in /tmp/kestrel.
-if [ -x devbin/kestrel ]; then
+if [ -x devbin/kestrel ] || [ -f devbin/kestrel.xz ]; then
   rm -rf /tmp/kestrel/devbin && cp -r devbin /tmp/kestrel/devbin
 fi
 BIN=/tmp/kestrel/devbin

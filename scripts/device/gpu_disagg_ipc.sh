@@ -5,7 +5,7 @@
 #     on this GPU, so the blocks move device to device) behind `kestrel router`, 16 greedy requests
 #     against one plain server: outputs equal, pulls by transport, blocks both sides still hold;
 #  2. the Llama-3.1-8B shape (--load-format dummy, random bf16 weights): one producer, a consumer
-#     with kv_transport auto (CUDA IPC) and one with "host", 3 hand-offs of a 8000-token prompt to
+#     with kv_transport auto (CUDA IPC) and one with "host", 3 hand-offs of a 7,900-token prompt to
 #     each: the consumer's pull (HTTP exchange; IPC: with mapping the handles) and its copy into
 #     its blocks (IPC: device to device; host: host to device), ms and GB/s, from /metrics.
 # Carry: devbin (kestrel, kestrel_tests of a -DKESTREL_CUDA=ON build, plain or .xz, libpcre2-8.so.0,
@@ -63,12 +63,12 @@ kill $R $P $C $S 2>/dev/null
 wait 2>/dev/null
 grep -h "KV transfer\|IPC" /tmp/kestrel/c.log | head -3
 
-echo "== 8B shape (dummy weights): hand-off of a 8000-token prompt, CUDA IPC against host memory"
+echo "== 8B shape (dummy weights): hand-off of a 7,900-token prompt, CUDA IPC against host memory"
 M=/tmp/kestrel/llama8b_serve
 mkdir -p $M && cp scripts/device/configs/llama-3.1-8b/config.json $M/ &&
   cp $BIN/llama3-bpe-vocab/encoder.json $BIN/llama3-bpe-vocab/vocab.bpe $M/ 2>/dev/null ||
   [ -f $M/encoder.json ] || echo "no devbin/llama3-bpe-vocab: carry it"
-big=(-m $M --load-format dummy --device cuda --max-model-len 9216 --block-size 16 --num-kv-blocks 2048
+big=(-m $M --load-format dummy --device cuda --max-model-len 8192 --block-size 16 --num-kv-blocks 2048
      --max-num-batched-tokens 8192)
 "$K" serve "${big[@]}" --port 8111 --kv-transfer-config '{"kv_role": "kv_producer"}' > /tmp/kestrel/p8.log 2>&1 &
 P=$!
@@ -89,7 +89,7 @@ def metrics(port):
 rng = random.Random(0)
 for port, t in ((8112, "cuda_ipc"), (8113, "host")):
     for i in range(4):  # the first warms up (graphs, handles), not counted
-        prompt = [rng.randrange(1000, 100000) for _ in range(8000)]
+        prompt = [rng.randrange(1000, 100000) for _ in range(7900)]
         params = post(8111, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
                              "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
         before = metrics(port)
