@@ -27,6 +27,7 @@ std::vector<CudaModelRunner::CacheTensor> CudaModelRunner::cache_tensors() const
 
 void CudaModelRunner::kv_transfer_copy(std::span<const int32_t> blocks, std::byte* host, size_t host_bytes,
                                        bool to_host) const {
+  use_device();
   const std::vector<CacheTensor> tensors = cache_tensors();
   size_t record = 0;
   for (const CacheTensor& t : tensors) record += t.bytes;
