@@ -2,16 +2,17 @@
 # Pipeline parallelism on the CUDA backend (--pipeline-parallel-size; docs/architecture.md,
 # "Pipeline parallelism"): the CudaPipelineParallel tests on the GPU (stories260K in 2 and 3
 # stages, every stage on device 0, against one stage: each logits row within 2% of its largest
-# magnitude, the worst difference printed; greedy tokens equal), the one-GPU runner's tests after
-# the stage changes (CudaModelRunner.*), then the CLI: with one GPU, --pipeline-parallel-size 2 is
+# magnitude, the worst difference printed; greedy tokens equal) and the hand-off's add
+# (CudaAddRmsNorm.AddResidual...), the one-GPU runner's tests
+# (CudaModelRunner.*), then the CLI: with one GPU, --pipeline-parallel-size 2 is
 # refused naming the flag; with two or more, stories260K greedy through 2 stages on GPUs 0 and 1
 # against one stage. Under 4 minutes of device time.
 # Carry: devbin (kestrel, kestrel_tests, their .so files, stories260K.gguf).
 set -uo pipefail
 source scripts/device/device_env.sh
 begin_run
-echo "== CudaPipelineParallel (kestrel_tests)"
-timeout 150 $BIN/kestrel_tests --gtest_filter='CudaPipelineParallel.*' 2>&1 \
+echo "== CudaPipelineParallel, CudaAddRmsNorm (kestrel_tests)"
+timeout 150 $BIN/kestrel_tests --gtest_filter='CudaPipelineParallel.*:CudaAddRmsNorm.*' 2>&1 \
   | grep -E "worst difference|^\[ +(OK|FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|actual" | head -40 \
   | tee /tmp/kestrel/pp_tests.txt
 note "pp tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/pp_tests.txt | tr '\n' ' ')"
