@@ -127,7 +127,7 @@ if(KESTREL_CUDA_EMULATION)
       ${runner_dir}/cuda_model_runner.cpp ${runner_dir}/cuda_forward.cpp ${runner_dir}/cuda_graph_runner.cpp
       ${runner_dir}/cuda_moe_ffn.cpp ${runner_dir}/cuda_swap.cpp ${runner_dir}/cuda_kv_transfer.cpp
       ${runner_dir}/cuda_mla.cpp ${runner_dir}/cuda_int4_weights.cpp ${runner_dir}/cuda_gguf_weights.cpp
-      ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp
+      ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp ${runner_dir}/cuda_pipeline_parallel.cpp
       ${runner_dir}/emulate_gemm.cpp ${runner_dir}/emulate_runtime.cpp)
     target_compile_options(kestrel_cuda_runner_emu PRIVATE -Wno-attributes)
     target_link_libraries(kestrel_cuda_runner_emu PUBLIC kestrel_cuda_emu)

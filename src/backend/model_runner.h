@@ -56,7 +56,7 @@ struct RunnerOptions {
   int tensor_parallel_size = 1;
   // Stages the layers are split over (--pipeline-parallel-size; model/pipeline_parallel.h). CPU:
   // one thread per stage, n_threads shared among them, a step's batch in micro-batches through
-  // the stages; not combined with tensor_parallel_size > 1. CUDA: refused (one GPU).
+  // the stages; not combined with tensor_parallel_size > 1. CUDA: stage s on GPU s (cuda_runner.h).
   int pipeline_parallel_size = 1;
 };
 

@@ -56,7 +56,7 @@ struct EngineConfig {
   // (KvManager's header). 0 = none. Needs prefix caching and a model without sliding windows.
   int64_t cpu_offload_kv_bytes = 0;
   int tensor_parallel_size = 1;          // CPU: ranks the model is split over (RunnerOptions::tensor_parallel_size)
-  int pipeline_parallel_size = 1;        // CPU: stages the layers are split over (RunnerOptions::pipeline_parallel_size)
+  int pipeline_parallel_size = 1;        // stages the layers are split over (RunnerOptions::pipeline_parallel_size)
   // Speculative decoding (src/spec): a drafter proposes up to num_speculative_tokens per running
   // decode, verified in the same step by rejection sampling; the output distribution is unchanged.
   SpeculativeConfig speculative;

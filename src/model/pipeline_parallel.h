@@ -10,6 +10,16 @@
 
 namespace kestrel {
 
+// A stage's place in the pipeline, which a backend's ForwardOps read: a stage after the first takes
+// the residual stream [n_tokens, n_embd] f32 from the stage before instead of embedding the tokens
+// (its builder's embed), a stage before the last hands its residual stream on instead of computing
+// logits (its builder's final_norm_logits adds the pending block output and stops). The default is
+// the whole model.
+struct PipelineRole {
+  bool first = true;
+  bool last = true;
+};
+
 // Stage s's layers [begin, end) of the whole model's numbering.
 struct PipelineStageLayers {
   int64_t begin = 0, end = 0;

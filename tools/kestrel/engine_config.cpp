@@ -8,6 +8,9 @@
 #include "core/error.h"
 #include "model/pipeline_parallel.h"
 #include "model/tensor_parallel.h"
+#if defined(KESTREL_HAS_CUDA)
+#include "backend/cuda/cuda_runner.h"
+#endif
 
 namespace kestrel::cli {
 
@@ -191,7 +194,7 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
       ->capture_default_str();
   app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size,
                  "Stages a model's layers are split across, a step's sequences in micro-batches through them "
-                 "(CPU: one thread per stage, --threads shared among them)")
+                 "(CPU: one thread per stage, --threads shared among them; CUDA: stage s on GPU s)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--speculative-config", speculative.config,
@@ -267,11 +270,18 @@ void KestrelConfig::validate(const LlamaModel& m) const {
     throw CLI::ValidationError("--tensor-parallel-size", e.what());
   }
   const int32_t pp = parallel.pipeline_parallel_size;
-  if (pp != 1 && device.device == "cuda")
-    throw CLI::ValidationError("--pipeline-parallel-size",
-                               std::to_string(pp) + ": needs " + std::to_string(pp) +
-                                   " GPUs; the CUDA backend runs a model on one GPU (pipeline parallelism runs on "
-                                   "the CPU backend, one thread per stage)");
+  if (pp != 1 && device.device == "cuda") {
+    // Stage s runs on GPU s.
+#if defined(KESTREL_HAS_CUDA)
+    const int visible = cuda_device_count();
+#else
+    const int visible = 0;
+#endif
+    if (visible < pp)
+      throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(pp) + ": needs " + std::to_string(pp) +
+                                                                 " GPUs (stage s on GPU s); " +
+                                                                 std::to_string(visible) + " visible");
+  }
   try {
     validate_pipeline_parallel(hp, pp);
   } catch (const Error& e) {

@@ -16,7 +16,6 @@ namespace kestrel {
 
 namespace {
 using cpu::CpuBackend;
-using cpu::RankThreads;
 
 // Tensor parallelism on the CPU: rank r's CpuBackend runs the same batch over shard r of the model
 // (LlamaModel::tensor_parallel_shard) with its own KV cache (its heads), the ranks' row-parallel

@@ -14,18 +14,9 @@
 #include "model/forward_batch.h"
 #include "model/forward_ops.h"
 #include "model/llama_weights.h"
+#include "model/pipeline_parallel.h"
 
 namespace kestrel::cpu {
-
-// A pipeline-parallel stage's place in the pipeline (LlamaModel::pipeline_stage): a stage after
-// the first takes the residual stream from the stage before instead of embedding the tokens (its
-// builder's embed), a stage before the last hands its residual stream on instead of computing
-// logits (its builder's final_norm_logits adds the pending block output and stops). The default is
-// the whole model.
-struct PipelineRole {
-  bool first = true;
-  bool last = true;
-};
 
 class CpuModelRunner final : private ForwardOps {
  public:

@@ -1,5 +1,7 @@
 #include "backend/cuda/add_rms_norm.cuh"
 
+#include <algorithm>
+
 #include "backend/cuda/cuda_ops.h"
 
 namespace kestrel::cuda {
@@ -35,6 +37,16 @@ void add_rms_norm(float* residual, const bf16* add, const bf16* weight, bf16* ou
     KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(n_tokens)), dim3(256), 0, stream, residual, add, weight, out, dim,
                    eps);
   }
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void add_residual(const float* residual, const bf16* add, float* out, int64_t n_tokens, int64_t dim,
+                  cudaStream_t stream) {
+  const int64_t n = n_tokens * dim;
+  if (n <= 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, 256), 4096);
+  auto* k = &add_residual_kernel;
+  KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, residual, add, out, n);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -78,4 +78,13 @@ __global__ void add_rms_norm_scalar_kernel(float* __restrict__ residual, const _
     out[row * dim + i] = __float2bfloat16_rn(res[i] * inv * __bfloat162float(weight[i]));
 }
 
+// out = residual + add, element by element (grid-stride over n elements); add may be null.
+__global__ void add_residual_kernel(const float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
+                                    float* __restrict__ out, int64_t n) {
+  KESTREL_PDL_ENTRY();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = add != nullptr ? residual[i] + __bfloat162float(add[i]) : residual[i];
+}
+
 }  // namespace kestrel::cuda

@@ -86,6 +86,7 @@ bf16* CudaModelRunner::act(Act a) {
 }
 
 void CudaModelRunner::embed() {
+  if (!role_.first) return;  // a later pipeline stage: run() copied the residual stream handed in
   if (embd_q_.in_place()) {
     cuda::gguf_embedding(embd_q_.gguf[0].m, pass_arrays_->ids, pass_.n_tokens, hp_.embd_scale, pass_residual_,
                          stream_);
@@ -232,6 +233,11 @@ void CudaModelRunner::geglu_linear(Act in, WeightId proj, Act out) {
 
 void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
   KESTREL_ASSERT(norm.role == WeightRole::OutputNorm && head.role == WeightRole::Output, "CUDA backend: final norm");
+  if (!role_.last) {  // a pipeline stage before the last hands its residual stream on
+    cuda::add_residual(pass_residual_, act(add), hidden_out_.as<float>(), pass_.n_tokens, hp_.n_embd, stream_);
+    mark("hand on");
+    return;
+  }
   if (pass_.n_out == 0) return;
   const int64_t n = pass_.n_tokens, d = hp_.n_embd;
   bf16* h = h_.as<bf16>();
@@ -286,7 +292,7 @@ void CudaModelRunner::tune_gemms(int64_t n) {
   tune(act_.as<bf16>(), all_layers(WeightRole::Down), down_.as<void>(), false, ff, d);
   // One head matrix: at n_vocab x n_embd it is far larger than the L2 (and tuned in one pass each).
   const bf16* head = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-  if (head != nullptr) tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
+  if (role_.last && head != nullptr) tune(logits_in_.as<bf16>(), {head}, logits_.as<void>(), true, d, nv);
 }
 
 void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_out, int64_t n, int64_t n_in,

@@ -87,6 +87,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
     s.sample = sample;
     cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
     reserve_activations(n_tok, n_tok, cuda::attention_workspace_bytes(probe));
+    hand_in(n, n_tok);
     const BatchArrays h = stage(b, rows, bsz, width, q);
     auto& g = graphs_[{bsz, q, width, sample}];
     if (g == nullptr && tune_gemms_ && n_tok <= kTuneMaxTokens && tuned_sizes_.insert(n_tok).second) tune_gemms(n_tok);
@@ -140,6 +141,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   s.sample = sample;
   cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
   reserve_activations(n, n_out, cuda::attention_workspace_bytes(probe));
+  hand_in(n, n);
   const BatchArrays h = stage(b, rows, n_seqs, s.width);
   arrays_.reserve(BatchArrays::layout(nullptr, n, n_seqs, s.width, n_out).bytes + static_cast<size_t>(n_out) * 4 + 32);
   const BatchArrays d = BatchArrays::layout(arrays_.as<unsigned char>(), n, n_seqs, s.width, n_out);
@@ -148,7 +150,32 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   return d;
 }
 
+void CudaModelRunner::hand_in(int64_t n, int64_t n_padded) {
+  if (role_.first) return;
+  const size_t row = static_cast<size_t>(hp_.n_embd) * sizeof(float);
+  KESTREL_ASSERT(pass_hidden_in_ != nullptr, "CUDA pipeline stage: no residual stream handed in");
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(residual_.as<void>(), pass_hidden_in_, static_cast<size_t>(n) * row,
+                                     cudaMemcpyDeviceToDevice, stream_));
+  // Padded decode rows (their own sequences, discarded) start from zeros.
+  if (n_padded > n)
+    KESTREL_CUDA_CHECK(cudaMemsetAsync(residual_.as<unsigned char>() + static_cast<size_t>(n) * row, 0,
+                                       static_cast<size_t>(n_padded - n) * row, stream_));
+}
+
+std::span<const float> CudaModelRunner::forward_stage(const ForwardBatch& b, const float* hidden_in) {
+  use_device();
+  pass_hidden_in_ = hidden_in;
+  struct Reset {
+    const float*& p;
+    ~Reset() { p = nullptr; }
+  } reset{pass_hidden_in_};
+  if (role_.last) return forward(b);
+  run(b, {}, false);
+  return {};
+}
+
 std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
+  use_device();
   run(b, {}, false);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size()), nv = hp_.n_vocab;
   if (n_out == 0) {
@@ -172,6 +199,7 @@ std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, 
                 " logits rows");
   const bool masked = std::any_of(rows.begin(), rows.end(), [](const RowSampling& r) { return r.masked != 0; });
   if (masked && !fill_masks) throw Error("forward_sample: a masked sampling row without token masks");
+  use_device();
   const BatchArrays d = run(b, rows, !masked);
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -32,6 +32,7 @@ std::vector<CudaModelRunner::CacheTensor> CudaModelRunner::cache_tensors() const
 
 void CudaModelRunner::kv_transfer_copy(std::span<const int32_t> blocks, std::byte* host, size_t host_bytes,
                                        bool to_host) const {
+  use_device();
   const std::vector<CacheTensor> tensors = cache_tensors();
   size_t record = 0;
   for (const CacheTensor& t : tensors) record += t.bytes;
@@ -81,6 +82,7 @@ std::vector<std::byte*> CudaModelRunner::cache_tensor_bases() const {
 }
 
 KvIpcMemory CudaModelRunner::export_kv_ipc() const {
+  use_device();
   std::lock_guard lock(ipc_mutex_);
   if (ipc_export_ == nullptr) {
     auto m = std::make_unique<KvIpcMemory>();
@@ -102,6 +104,7 @@ KvIpcMemory CudaModelRunner::export_kv_ipc() const {
 }
 
 void CudaModelRunner::open_kv_ipc(const KvIpcMemory& peer) const {
+  use_device();
   const std::vector<CacheTensor> tensors = cache_tensors();
   if (peer.handles.size() != tensors.size() || peer.block_bytes.size() != tensors.size())
     throw Error("CUDA IPC: the producer's KV cache has " + std::to_string(peer.handles.size()) +
@@ -158,6 +161,7 @@ void CudaModelRunner::copy_kv_blocks_ipc(const KvIpcMemory& peer, std::span<cons
 
 void CudaModelRunner::copy_kv_blocks_from(std::span<std::byte* const> peer_bases, int32_t peer_blocks,
                                           std::span<const int32_t> src, std::span<const int32_t> dst) {
+  use_device();
   const std::vector<CacheTensor> tensors = cache_tensors();
   if (peer_bases.size() != tensors.size())
     throw Error("CUDA KV copy: " + std::to_string(peer_bases.size()) + " peer tensors for " +

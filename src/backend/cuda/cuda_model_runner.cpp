@@ -30,10 +30,11 @@ std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, con
   if (options.tensor_parallel_size != 1)
     throw Error("tensor parallelism (" + std::to_string(options.tensor_parallel_size) +
                 " ranks) runs on the CPU backend; the CUDA backend runs a model on one GPU");
-  if (options.pipeline_parallel_size != 1)
-    throw Error("pipeline parallelism over " + std::to_string(options.pipeline_parallel_size) + " stages needs " +
-                std::to_string(options.pipeline_parallel_size) +
-                " GPUs; the CUDA backend runs a model on one GPU (pipeline parallelism runs on the CPU backend)");
+  if (options.pipeline_parallel_size != 1) {
+    std::vector<int> devices;
+    for (int s = 0; s < options.pipeline_parallel_size; ++s) devices.push_back(s);
+    return make_pipeline_parallel_cuda_runner(model, options, devices);
+  }
   return std::make_unique<cuda_runner::CudaModelRunner>(model, options);
 }
 
@@ -54,17 +55,26 @@ static_assert(sizeof(RowSampling) == sizeof(cuda::SampleParams) &&
                   offsetof(RowSampling, masked) == offsetof(cuda::SampleParams, masked),
               "RowSampling and cuda::SampleParams differ in layout");
 
-CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o)
-    : model_(model), hp_(model.hparams()), arch_(architecture(model.hparams().arch)), eager_(o.enforce_eager) {
-  if (cuda_device_count() == 0) throw Error("--device cuda: no CUDA device is available");
+CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o, const CudaPlacement& place)
+    : model_(model),
+      hp_(model.hparams()),
+      arch_(architecture(model.hparams().arch)),
+      eager_(o.enforce_eager),
+      device_(place.device),
+      role_(place.role) {
+  const int n_devices = cuda_device_count();
+  if (n_devices == 0) throw Error("--device cuda: no CUDA device is available");
+  if (device_ < 0 || device_ >= n_devices)
+    throw Error("CUDA device " + std::to_string(device_) + " is not visible (" + std::to_string(n_devices) +
+                " visible)");
   if (!cuda::attention_supports_head_dim(static_cast<int32_t>(hp_.head_dim)))
     throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
                 " is not supported (a multiple of 8 from 8 to 256)");
   if (o.block_size <= 0) throw Error("block size must be positive");
-  KESTREL_CUDA_CHECK(cudaSetDevice(0));
+  use_device();
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
-  KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  KESTREL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
   device_name_ = prop.name;
   device_uuid_ = uuid_text(prop.uuid);
   gemm_ = std::make_unique<cuda::Gemm>();
@@ -103,10 +113,14 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   if (fp8_weights_) quantize_fp8_weights();
   weight_bytes_ = count_weight_bytes();
   block_size_ = o.block_size;
-  allocate_kv(o);
+  if (!place.kv_later)
+    allocate_kv_blocks(o.n_kv_blocks > 0 ? o.n_kv_blocks : kv_blocks_that_fit(o, kv_block_bytes(), 1));
 }
 
+void CudaModelRunner::use_device() const { KESTREL_CUDA_CHECK(cudaSetDevice(device_)); }
+
 CudaModelRunner::~CudaModelRunner() {
+  cudaSetDevice(device_);
   close_kv_ipc();
   graphs_.clear();
   for (cudaStream_t s : {swap_stream_, load_stream_}) {
@@ -141,9 +155,11 @@ void CudaModelRunner::upload_weights() {
     const WeightView* one[1] = {&W.at({-1, role}).matrix};
     if (!upload_gguf(role, one, in_place, /*any_role=*/true)) bf16_copy = up.matrices(one);
   };
-  head_or_embd(WeightRole::TokenEmbd, embd_, embd_q_);
-  if (!W.tied_output) head_or_embd(WeightRole::Output, lm_head_, head_q_);
-  out_norm_ = upload_bf16(W.at({-1, WeightRole::OutputNorm}).vector);
+  // A pipeline stage holds the embedding when first (or last, as a tied LM head), the final norm
+  // and the LM head when last.
+  if (role_.first || (role_.last && W.tied_output)) head_or_embd(WeightRole::TokenEmbd, embd_, embd_q_);
+  if (role_.last && !W.tied_output) head_or_embd(WeightRole::Output, lm_head_, head_q_);
+  if (role_.last) out_norm_ = upload_bf16(W.at({-1, WeightRole::OutputNorm}).vector);
   layers_.resize(static_cast<size_t>(hp_.n_layer));
   for (int32_t l = 0; l < static_cast<int32_t>(hp_.n_layer); ++l) {
     Layer& d = layers_[static_cast<size_t>(l)];
@@ -266,28 +282,34 @@ static int64_t scale_block_bytes(const ModelHparams& hp, int32_t block_size, KvD
   return kv_geometry(hp).n_head_kv * block_size * kv_scale_bytes(dtype);
 }
 
-void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
+int64_t CudaModelRunner::kv_block_bytes() const {
+  return n_cache_tensors(hp_) *
+         (cache_block_bytes(hp_, block_size_, kv_dtype_) + scale_block_bytes(hp_, block_size_, kv_dtype_));
+}
+
+int64_t kv_blocks_that_fit(const RunnerOptions& o, int64_t block_bytes, int n_runners) {
+  size_t free_b = 0, total_b = 0;
+  KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  // What the weights left of the allowed share, less the runners' 2 GiB each.
+  const double allowed = o.gpu_memory_utilization * static_cast<double>(total_b);
+  const double used = static_cast<double>(total_b - free_b);
+  const double budget = allowed - used - static_cast<double>(n_runners) * static_cast<double>(int64_t{2} << 30);
+  const int64_t n = budget > 0 ? static_cast<int64_t>(budget / static_cast<double>(block_bytes)) : 0;
+  if (n <= 0)
+    throw Error("CUDA: no device memory left for the KV cache (weights use " + std::to_string(int64_t(used) >> 20) +
+                " MiB of " + std::to_string(total_b >> 20) + " MiB; --gpu-memory-utilization " +
+                std::to_string(o.gpu_memory_utilization) + ")");
+  return n;
+}
+
+void CudaModelRunner::allocate_kv_blocks(int64_t n) {
+  KESTREL_ASSERT(k_cache_.empty() && n > 0, "CUDA: KV cache allocated twice or empty");
+  use_device();
   const int64_t block_bytes = cache_block_bytes(hp_, block_size_, kv_dtype_);
   const int64_t scale_bytes = scale_block_bytes(hp_, block_size_, kv_dtype_);  // 0 for bf16
   const bool has_v = !kv_geometry(hp_).is_mla();
   cache_block_bytes_ = block_bytes;
   scale_block_bytes_ = scale_bytes;
-  const int64_t bytes_per_block = n_cache_tensors(hp_) * (block_bytes + scale_bytes);
-  int64_t n = o.n_kv_blocks;
-  if (n <= 0) {
-    size_t free_b = 0, total_b = 0;
-    KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    // What the weights left of the allowed share, less 2 GiB for activations, cuBLASLt, the
-    // attention workspace and the captured graphs' buffers.
-    const double allowed = o.gpu_memory_utilization * static_cast<double>(total_b);
-    const double used = static_cast<double>(total_b - free_b);
-    const double budget = allowed - used - static_cast<double>(int64_t{2} << 30);
-    n = budget > 0 ? static_cast<int64_t>(budget / static_cast<double>(bytes_per_block)) : 0;
-    if (n <= 0)
-      throw Error("CUDA: no device memory left for the KV cache (weights use " + std::to_string(int64_t(used) >> 20) +
-                  " MiB of " + std::to_string(total_b >> 20) + " MiB; --gpu-memory-utilization " +
-                  std::to_string(o.gpu_memory_utilization) + ")");
-  }
   n_blocks_ = static_cast<int32_t>(std::min<int64_t>(n, INT32_MAX / std::max(1, block_size_)));
   std::vector<void*> ptrs, scale_ptrs;
   for (int64_t l = 0; l < hp_.n_layer; ++l) {
@@ -308,6 +330,7 @@ void CudaModelRunner::allocate_kv(const RunnerOptions& o) {
 
 void CudaModelRunner::copy_blocks(std::span<const BlockCopy> copies) {
   if (copies.empty()) return;
+  use_device();
   std::vector<int32_t> idx;
   for (const BlockCopy& c : copies) idx.push_back(c.src);
   for (const BlockCopy& c : copies) idx.push_back(c.dst);
@@ -348,6 +371,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
   const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
   if (n > cap_tokens_) {
     grow(residual_, static_cast<size_t>(n * d) * 4);
+    if (!role_.last) grow(hidden_out_, static_cast<size_t>(n * d) * 4);
     // The fused norm's second residual: passes of at most kStreamGemvMaxTokens rows only.
     if (fused_norm_) grow(residual_alt_, static_cast<size_t>(std::min(n, cuda::kStreamGemvMaxTokens) * d) * 4);
     grow(h_, static_cast<size_t>(n * d) * 2);

@@ -26,6 +26,7 @@
 #include "backend/cuda/op_profiler.h"
 #include "backend/model_runner.h"
 #include "model/forward_ops.h"
+#include "model/pipeline_parallel.h"
 
 namespace kestrel::cuda_runner {
 
@@ -137,11 +138,36 @@ struct DecodeGraph {
 // A GPU's UUID as nvidia-smi -L prints it: "GPU-" and the 16 bytes in hex, grouped 8-4-4-4-12.
 std::string uuid_text(const cudaUUID_t& uuid);
 
+// Where a runner runs: its device (a CUDA device id), its place in a pipeline when the model is a
+// pipeline stage (LlamaModel::pipeline_stage: a stage uploads the token embedding only when first,
+// the final norm and LM head only when last), and whether the KV cache waits for
+// allocate_kv_blocks (a pipeline sizes its stages' caches together).
+struct CudaPlacement {
+  int device = 0;
+  PipelineRole role;
+  bool kv_later = false;
+};
+
 class CudaModelRunner final : public ModelRunner, private ForwardOps {
  public:
   // Errors: kestrel::Error without a device, for an unsupported head_dim or out of memory.
-  CudaModelRunner(const LlamaModel& model, const RunnerOptions& o);
+  CudaModelRunner(const LlamaModel& model, const RunnerOptions& o, const CudaPlacement& place = {});
   ~CudaModelRunner() override;
+
+  // Pipeline stages (cuda_pipeline_parallel.cpp). The bytes of one KV block over all the runner's
+  // cache tensors; the cache of n blocks (CudaPlacement::kv_later; once).
+  int64_t kv_block_bytes() const;
+  void allocate_kv_blocks(int64_t n);
+  // A stage's pass: a stage after the first takes its residual stream [n_tokens, n_embd] f32 from
+  // hidden_in (this device's memory; copied in on stream() behind what is already there); a stage
+  // before the last leaves its output residual stream in hidden_out() [n_tokens, n_embd] f32 on
+  // stream() and returns at once (nothing synchronized); the last returns forward()'s logits.
+  std::span<const float> forward_stage(const ForwardBatch& b, const float* hidden_in);
+  const float* hidden_out() const { return hidden_out_.as<const float>(); }
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  // Makes the runner's device the calling thread's current device (every public call does).
+  void use_device() const;
 
   std::span<const float> forward(const ForwardBatch& b) override;
   bool samples_on_device() const override { return true; }
@@ -201,10 +227,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void upload_moe(int32_t l, Layer& dl, cuda::WeightUploader& up, std::array<bool, kWeightRoleCount>& done);
   void shared_expert(const Layer& L, const bf16* x, int64_t n, cudaStream_t stream);
   bool reserve_moe(int64_t n_tokens);  // the MoE buffers for n_tokens rows; true when one grew
-  void allocate_kv(const RunnerOptions& o);
   // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
   // the device and returns the device arrays of the pass (its sampling rows, where the tokens go).
   BatchArrays run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample);
+  // A pipeline stage after the first: the n rows handed in (pass_hidden_in_) into residual_, rows
+  // [n, n_padded) zeroed, on stream_ before the pass.
+  void hand_in(int64_t n, int64_t n_padded);
   // Sizes every activation buffer for n_tokens rows and n_out logits rows; a reallocation
   // invalidates the captured graphs (they hold the old addresses).
   void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
@@ -318,6 +346,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   const ModelHparams& hp_;
   const Architecture& arch_;
   bool eager_;
+  int device_ = 0;
+  PipelineRole role_;
+  // forward_stage's input residual stream while its pass is staged; a non-last stage's output
+  // [cap_tokens_, n_embd] f32 (a fixed address, for the captured graphs).
+  const float* pass_hidden_in_ = nullptr;
+  DevMem hidden_out_;
   cudaStream_t stream_ = nullptr;
   std::string device_name_;
   std::string device_uuid_;  // KvIpcMemory::device_uuid's spelling
@@ -478,6 +512,13 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::map<std::tuple<int64_t, int32_t, int32_t, bool>, std::unique_ptr<DecodeGraph>> graphs_;
 };
 
+
+// KV blocks of block_bytes that fit on the calling thread's current device beside what is
+// allocated there: RunnerOptions::gpu_memory_utilization of its memory, less what is in use and
+// 2 GiB for each of the n_runners runners on it (activations, cuBLASLt, the attention workspace,
+// captured graphs). block_bytes: one block of all those runners' caches together. Errors:
+// kestrel::Error when none fits.
+int64_t kv_blocks_that_fit(const RunnerOptions& o, int64_t block_bytes, int n_runners);
 
 // Batch sizes with a captured decode graph: a decode batch is padded up to the next one.
 inline constexpr int64_t kGraphBatchSizes[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512};

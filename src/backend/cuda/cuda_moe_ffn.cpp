@@ -201,6 +201,7 @@ void CudaModelRunner::shared_expert(const Layer& L, const bf16* x, int64_t n, cu
 }
 
 std::vector<uint64_t> CudaModelRunner::expert_token_counts() const {
+  use_device();
   if (moe_counts_.bytes() == 0) return {};
   std::vector<unsigned long long> c(moe_counts_.bytes() / sizeof(unsigned long long));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -43,6 +43,10 @@ void rms_norm_heads(bf16* x, int64_t n_rows, int64_t row_stride, int64_t n_heads
 // out [n_tokens, dim] bf16.
 void add_rms_norm(float* residual, const bf16* add, const bf16* weight, bf16* out, int64_t n_tokens,
                   int64_t dim, float eps, cudaStream_t stream);
+// out = residual + add (f32 + bf16, the sum add_rms_norm makes), [n_tokens, dim]: the residual
+// stream a pipeline stage hands on. add may be null (a copy).
+void add_residual(const float* residual, const bf16* add, float* out, int64_t n_tokens, int64_t dim,
+                  cudaStream_t stream);
 
 // RoPE on q and k (in place), then K and V written into the paged cache at slot_mapping.
 // q [n_tokens, n_head, head_dim] bf16; k, v [n_tokens, n_head_kv, head_dim] bf16;

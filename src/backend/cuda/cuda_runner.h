@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 
 #include "backend/model_runner.h"
 
@@ -14,8 +15,20 @@ int cuda_device_count();
 // The Llama forward pass on CUDA device 0: weights uploaded as bf16 (GGUF quantized weights are
 // dequantized on the host first), a bf16 paged KV cache in device memory sized from
 // options.n_kv_blocks or, when 0, from options.gpu_memory_utilization of the device's memory.
-// Errors: kestrel::Error when no device is present, memory runs out, or the model's shape is one
-// the kernels do not cover (head_dim other than 64 or 128), options.tensor_parallel_size other than 1.
+// With options.pipeline_parallel_size N > 1, make_pipeline_parallel_cuda_runner over devices
+// 0 .. N - 1. Errors: kestrel::Error when no device is present, memory runs out, or the model's
+// shape is one the kernels do not cover (head_dim other than 64 or 128),
+// options.tensor_parallel_size other than 1; make_pipeline_parallel_cuda_runner's.
 std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, const RunnerOptions& options);
+
+// Pipeline parallelism on CUDA (cuda_pipeline_parallel.cpp): options.pipeline_parallel_size
+// stages, stage s (LlamaModel::pipeline_stage) on device devices[s] (a device may hold several
+// stages), each with its weights, its KV cache of its layers (one block count for all stages: the
+// fewest that fit on every device, unless options.n_kv_blocks is set), its stream and graphs.
+// Errors: validate_pipeline_parallel's; kestrel::Error naming --pipeline-parallel-size when
+// devices.size() differs from the stage count or a device is not visible; those of
+// make_cuda_model_runner.
+std::unique_ptr<ModelRunner> make_pipeline_parallel_cuda_runner(const LlamaModel& model, const RunnerOptions& options,
+                                                                std::span<const int> devices);
 
 }  // namespace kestrel

@@ -19,6 +19,7 @@
 namespace kestrel::cuda_runner {
 
 void CudaModelRunner::allocate_swap_space(int32_t n_blocks) {
+  use_device();
   KESTREL_ASSERT(n_swap_blocks_ == 0 && n_blocks > 0, "CUDA: swap space allocated twice or empty");
   const size_t n_tensors = k_cache_.size() + v_cache_.size() + k_scale_.size() + v_scale_.size();
   const size_t per_block = (k_cache_.size() + v_cache_.size()) * static_cast<size_t>(cache_block_bytes_) +
@@ -47,6 +48,7 @@ void CudaModelRunner::collect_h2d_timing() {
 }
 
 ModelRunner::HostCopyTotals CudaModelRunner::host_to_device_totals() {
+  use_device();
   collect_h2d_timing();
   return h2d_;
 }
@@ -98,6 +100,7 @@ void CudaModelRunner::copy_runs(const SwapTensor& t, std::span<const SwapRun> ru
 }
 
 void CudaModelRunner::swap_out_in(std::span<const BlockSwap> out, std::span<const BlockSwap> in) {
+  use_device();
   if (out.empty() && in.empty()) return;
   if (n_swap_blocks_ == 0) throw Error("CUDA: swap without swap space (allocate_swap_space)");
   const std::vector<SwapTensor> tensors = swap_tensors();

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -97,7 +98,10 @@ struct Launch {
   std::vector<int> runnable;      // released, not yet run
 };
 
-Launch* g_launch = nullptr;
+// The launch in progress on this thread. Launches from several host threads (a pipeline's stage
+// threads) run one at a time (launch_mutex): the kernels' shared arrays are static locals.
+thread_local Launch* g_launch = nullptr;
+std::mutex launch_mutex;
 
 Fiber& self() { return g_launch->fibers[static_cast<size_t>(g_launch->current)]; }
 
@@ -289,6 +293,7 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()
   const int n_threads = static_cast<int>(block.x * block.y * block.z);
   if (n_threads < 1 || n_threads > kMaxThreads) throw Error("CUDA emulation: bad block size");
   if (g_launch) throw Error("CUDA emulation: nested launch");
+  const std::lock_guard<std::mutex> lock(launch_mutex);
   static std::vector<Fiber> fiber_pool;  // stacks are reused across launches
   auto L = std::make_unique<Launch>();
   L->grid = grid;

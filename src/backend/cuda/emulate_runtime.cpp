@@ -53,6 +53,18 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind)
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
   return cudaMemcpy(dst, src, bytes, kind);
 }
+cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t bytes, cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  if (bytes > 0) std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int* can, int, int) {
+  *can = 0;  // one emulated device
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int, unsigned int) { return cudaErrorNotSupported; }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
 // Streams and events: distinct non-null handles; everything is complete when enqueued.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 #include <mutex>
 #include <string>
 
@@ -38,13 +39,18 @@ const DeviceShape& device_shape() {
 
 // Raises a kernel's dynamic shared-memory limit to `bytes` if it is below (one instantiation
 // serves several shapes: a smaller shape's launch never lowers what a larger one set, so a graph
-// captured with the larger one stays launchable).
+// captured with the larger one stays launchable). The limit is the current device's (pipeline
+// stages run on several).
 template <class Kernel>
 void raise_smem_limit(Kernel kernel, size_t bytes) {
   static std::mutex mu;
-  static std::map<const void*, size_t> limits;
+  static std::map<std::pair<int, const void*>, size_t> limits;
+  int dev = 0;
+#if !defined(KESTREL_CUDA_EMULATE)
+  KESTREL_CUDA_CHECK(cudaGetDevice(&dev));
+#endif
   const std::lock_guard<std::mutex> lock(mu);
-  size_t& have = limits[reinterpret_cast<const void*>(kernel)];
+  size_t& have = limits[{dev, reinterpret_cast<const void*>(kernel)}];
   if (bytes <= have) return;
   set_max_dynamic_smem(kernel, bytes);
   have = bytes;
