@@ -8,6 +8,9 @@ if [ -x devbin/kestrel ] || [ -f devbin/kestrel.xz ]; then
   rm -rf /tmp/kestrel/devbin && cp -r devbin /tmp/kestrel/devbin
 fi
 BIN=/tmp/kestrel/devbin
+for f in kestrel kestrel_tests; do
+  [ -f $BIN/$f.xz ] && [ ! -f $BIN/$f ] && xz -dkf $BIN/$f.xz
+done
 cublas_dir=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null || true)
 export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
