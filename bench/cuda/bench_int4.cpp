@@ -90,7 +90,7 @@ void bench_int4() {
         w4.meta = metas[i % n4]->as<uint32_t>();
       };
       const double w4_bytes = static_cast<double>(code_bytes + meta_bytes);
-      for (const int stages : {4, 6}) {  // the streaming GEMV at one and two tokens
+      for (const int stages : {0, 4, 6}) {  // the streaming GEMVs at one and two tokens (0: the default)
         if (!kestrel::cuda::stream_gemv_int4_supports(m, w4, 0, stages)) continue;
         kestrel::cuda::StreamGemvInt4Args a;
         static_cast<kestrel::cuda::ProjectionOperands&>(a) = ops;
@@ -102,7 +102,8 @@ void bench_int4() {
             kestrel::cuda::stream_gemv_int4(a, nullptr);
           }
         }) / kCalls;
-        report("int4 stream s" + std::to_string(stages), shape, ms, w4_bytes + io, flops);
+        report(stages == 0 ? std::string("int4 stream default") : "int4 stream s" + std::to_string(stages), shape,
+               ms, w4_bytes + io, flops);
       }
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
         // (unroll, row groups, warps); the first of each list is the default.

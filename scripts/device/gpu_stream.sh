@@ -3,8 +3,9 @@
 # call: its op tests and the tests of the paths around it, the kernel benchmarks (kestrel_cuda_bench
 # fp8 and int4: the streaming GEMVs beside the skinny kernels and bf16 of the same shapes), then
 # batch-1 decode of the Llama-3.1-8B shape with random weights (--load-format dummy): bf16 and
-# --quantization fp8 (configs/llama-3.1-8b), GPTQ 4-bit group 128 (configs/llama-3.1-8b-gptq), and
-# the last two again with --cuda-stream-gemv off (their skinny kernels).
+# --quantization fp8 (configs/llama-3.1-8b), GPTQ 4-bit group 128 (configs/llama-3.1-8b-gptq) on its
+# default streaming GEMV and on stream_gemv_narrow (--cuda-stream-gemv-stages 4), and FP8 and GPTQ
+# again with --cuda-stream-gemv off (their skinny kernels; SKIP_SKINNY=1 leaves those out).
 # usage: gpu_stream.sh DIR [configs-dir]
 #   DIR holds kestrel, kestrel_tests, kestrel_cuda_bench (plain or .xz), libpcre2-8.so.0,
 #   libxxhash.so.0 and optionally data/hf-tiny/...; configs-dir (default scripts/device/configs)
@@ -50,9 +51,13 @@ run() {  # name, config, extra flags...
 run bf16 llama-3.1-8b
 run fp8 llama-3.1-8b --quantization fp8
 run gptq llama-3.1-8b-gptq
-# The same without any streaming GEMV: FP8 and INT4 on their skinny kernels, as before.
-run fp8_skinny llama-3.1-8b --quantization fp8 --cuda-stream-gemv off
-run gptq_skinny llama-3.1-8b-gptq --cuda-stream-gemv off
+# INT4 on the other streaming GEMV (stream_gemv_narrow.cuh: 4 stages of 32 KB).
+run gptq_narrow llama-3.1-8b-gptq --cuda-stream-gemv-stages 4
+if [ "${SKIP_SKINNY:-0}" != 1 ]; then
+  # The same without any streaming GEMV: FP8 and INT4 on their skinny kernels, as before.
+  run fp8_skinny llama-3.1-8b --quantization fp8 --cuda-stream-gemv off
+  run gptq_skinny llama-3.1-8b-gptq --cuda-stream-gemv off
+fi
 [ -n "${EXTRA:-}" ] && eval "$EXTRA"
 echo "== summary"
 cat "$S"

@@ -1,11 +1,11 @@
-// CUDA streaming GEMVs over narrow weights against float64 references: INT4 (stream_gemv_narrow.cuh,
-// over the exactly dequantized weights s (q - z)) and FP8 W8A8 (stream_gemv_w8a8.cuh, over the
-// codes of the weights and of the activation), for one and two tokens, the plain, SwiGLU and fused
-// residual + RMSNorm inputs, rows that straddle lines (n_in 6144: 1.5 lines of FP8 codes a row;
-// INT4 n_in 2048: four rows a line), uneven last blocks; the same bits for a row whatever the block
-// count (batch invariance); and the shapes that go elsewhere. Tolerances: every product is exact,
-// the sums are f32 (the tensor cores' over a tile, a butterfly over the 8 tiles of a chunk, at most
-// 32 chunks in order), then one rounding to bf16:
+// CUDA streaming GEMVs over narrow weights against float64 references: INT4 (stream_gemv_w4a16.cuh
+// and stream_gemv_narrow.cuh, over the exactly dequantized weights s (q - z)) and FP8 W8A8
+// (stream_gemv_w8a8.cuh, over the codes of the weights and of the activation), for one and two
+// tokens, the plain, SwiGLU and fused residual + RMSNorm inputs, rows that straddle lines (n_in
+// 6144: 1.5 lines of FP8 codes a row; INT4 n_in 2048: four rows a line), uneven last blocks; the
+// same bits for a row whatever the block count (batch invariance); and the shapes that go
+// elsewhere. Tolerances: every product is exact, the sums are f32 (the tensor cores' over a tile,
+// then in a fixed order over tiles, chunks or warps), then one rounding to bf16:
 // |y - ref| <= 2^-8 |ref| + 1e-5 sum_k |a_k W_k| (half a bf16 ulp and the f32 sums). The fused
 // norm's input is rounded to bf16 by the kernel from f32 arithmetic: the reference rounds the
 // float64 norm to bf16, and an input one bf16 ulp off adds at most 2^-7 |a_k W_k| to the bound.
@@ -218,20 +218,32 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
     const Int4Case c = make_case(s.n_in, s.n_out, group, f16, false, sym, rng);
     DeviceInt4 d(c);
     ASSERT_TRUE(cuda::stream_gemv_int4_supports(s.n_tokens, d.m, s.blocks));
-    const Inputs in(s, rng);
-    DeviceBuffer<uint16_t> d_y(static_cast<size_t>(s.n_tokens * s.n_out)), d_y2(d_y.size());
-    d_y.poison();
-    cuda::StreamGemvInt4Args g;
-    in.set(g, s, d_y.get());
-    g.w4 = d.m;
-    cuda::stream_gemv_int4(g, nullptr);
-    const auto y = d_y.download();
-    EXPECT_EQ(count_bad(bf16_to_f32(y), in.a, c.w, s, in.norm_slack), 0);
-    g.blocks = other_blocks(s);
-    g.y = d_y2.get();
-    d_y2.poison();
-    cuda::stream_gemv_int4(g, nullptr);
-    EXPECT_EQ(d_y2.download(), y);
+    Inputs in(s, rng);
+    // Stages 0: groups of 128 take stream_gemv_w4a16.cuh, wider groups stream_gemv_narrow.cuh;
+    // stages 4: stream_gemv_narrow.cuh for every group size.
+    for (const int stages : {0, 4}) {
+      SCOPED_TRACE("stages " + std::to_string(stages));
+      ASSERT_TRUE(cuda::stream_gemv_int4_supports(s.n_tokens, d.m, s.blocks, stages));
+      DeviceBuffer<uint16_t> d_y(static_cast<size_t>(s.n_tokens * s.n_out)), d_y2(d_y.size());
+      d_y.poison();
+      in.d_res_out.poison();
+      cuda::StreamGemvInt4Args g;
+      in.set(g, s, d_y.get());
+      g.w4 = d.m;
+      g.stages = stages;
+      cuda::stream_gemv_int4(g, nullptr);
+      const auto y = d_y.download();
+      EXPECT_EQ(count_bad(bf16_to_f32(y), in.a, c.w, s, in.norm_slack), 0);
+      if (s.input == Input::Norm) {  // the residual sum, exactly
+        const auto r = in.d_res_out.download();
+        for (size_t j = 0; j < r.size(); ++j) ASSERT_EQ(r[j], in.res[j] + from_bf16(in.add[j])) << j;
+      }
+      g.blocks = other_blocks(s);
+      g.y = d_y2.get();
+      d_y2.poison();
+      cuda::stream_gemv_int4(g, nullptr);
+      EXPECT_EQ(d_y2.download(), y);
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 #include "backend/cuda/stream_gemv.cuh"
 #include "backend/cuda/stream_gemv_narrow.cuh"
+#include "backend/cuda/stream_gemv_w4a16.cuh"
 #include "backend/cuda/stream_gemv_w8a8.cuh"
 
 #include <algorithm>
@@ -252,7 +253,28 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+Layout w4a16_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
+  Layout l = layout(n_tokens, n_in, n_out, blocks, kW4a16Stages);
+  l.smem = stream_gemv_w4a16_smem_bytes(static_cast<int>(n_tokens), kW4a16Stages, l.k_lines, l.rows_per_block);
+  return l;
+}
+
+// Whether the INT4 matrix takes stream_gemv_w4a16_kernel (groups of 128, the default stages).
+bool w4a16_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stages) {
+  if (stages != 0 || w.perm != nullptr || w.group_size != kW4a16TileCols || n_tokens < 1 ||
+      n_tokens > kStreamGemvMaxTokens || w.n_in <= 0 || w.n_in % kGemvLine != 0 || w.n_in > kStreamGemvMaxIn ||
+      w.n_out <= 0 || w.n_out > 0x7fffffff)
+    return false;
+  const Layout l = w4a16_layout(n_tokens, w.n_in, w.n_out, blocks);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
+}
+
+}  // namespace
+
 bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stages) {
+  if (w4a16_supports(n_tokens, w, blocks, stages)) return true;
   const int64_t g = w.group_size;
   if (w.perm != nullptr || g < 128 || (g & (g - 1)) != 0 || w.n_in % g != 0) return false;
   return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, blocks, stages);
@@ -270,6 +292,31 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
   ProjectionOperands checked = a;
   checked.w = reinterpret_cast<const bf16*>(w.codes);
   check_gemv_operands("stream_gemv_int4", checked);
+  if (w4a16_supports(a.n_tokens, w, a.blocks, a.stages)) {
+    const Layout l = w4a16_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
+    const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+    auto* y = static_cast<__nv_bfloat16*>(a.y);
+    auto by_input = [&]<int kM>() {
+      auto go = [&](auto* k) {
+        raise_smem_limit(k, l.smem);
+        KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(w.codes),
+                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, l.rows_per_block,
+                       a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
+      };
+      if (a.norm_residual_in != nullptr)
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, false, true>);
+      else if (a.swiglu)
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, true, false>);
+      else
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, false, false>);
+    };
+    if (a.n_tokens == 1)
+      by_input.template operator()<1>();
+    else
+      by_input.template operator()<2>();
+    KESTREL_CUDA_CHECK_LAUNCH();
+    return;
+  }
   int shift = 0;
   while ((int64_t{1} << (shift + 1)) < w.group_size) ++shift;  // log2(G / 2)
   const Layout l = narrow_layout(a.n_tokens, a.n_in, a.n_out, a.n_in / 2, a.blocks, a.stages);
