@@ -43,6 +43,19 @@ __device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
 #endif
 }
 
+// The bf16 pair {128 + q0, 128 + q1} of the codes at bits 0-3 and 16-19 of v: (v & 0x000F000F) |
+// 0x43004300, written as one lop3 (the compiler otherwise splits the AND and the OR, an immediate
+// each).
+__device__ __forceinline__ uint32_t int4_bf16_pair(uint32_t v) {
+#if defined(KESTREL_CUDA_EMULATE)
+  return (v & 0x000F000Fu) | 0x43004300u;
+#else
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(v), "r"(0x000F000Fu), "r"(0x43004300u));
+  return r;
+#endif
+}
+
 // The scale of a meta word (its low 16 bits, f16 or bf16) as f32, exactly.
 __device__ __forceinline__ float int4_scale(uint32_t m, bool f16) {
   if (!f16) return __uint_as_float(m << 16);

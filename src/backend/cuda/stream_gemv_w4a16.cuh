@@ -37,7 +37,10 @@ constexpr int kW4a16RowBytes = kGemvLine / 2;                     // 1 KB: 2048 
 constexpr int kW4a16SlabBytes = kW4a16SlabRows * kW4a16RowBytes;  // 16 KB
 constexpr int kW4a16TileCols = 128;                               // the group size it takes
 constexpr int kW4a16SlabMeta = kW4a16SlabRows * (kGemvLine / kW4a16TileCols);  // 256 meta words
-constexpr int kW4a16Stages = 8;  // ring depth (128 KB of codes, seven slabs in flight)
+// Ring depth: 128 KB of codes, one block an SM. Two blocks an SM with rings of 4 or 5 slabs were
+// no faster for the 8B's projections on an H200 (gate|up 24.8-25.8 against 24.3 us) and slower in
+// the model (batch-1 decode 381 against 428 tok/s).
+constexpr int kW4a16Stages = 8;
 
 // Dynamic shared memory of stream_gemv_w4a16_kernel: the code ring, the meta ring, x [kM][n_in]
 // bf16, the per-warp row sums [rows][kM][warps], and 32 floats of scratch.
@@ -129,40 +132,69 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 #pragma unroll
   for (int u = 0; u < 2; ++u) a_off[u] = g * kW4a16RowBytes + 16 * ((4 * (2 * warp + u) + tq) ^ swz);
   float acc[2] = {0.0f, 0.0f};  // rows g and 8 + g of the tile: token tq's sums (lanes tq < kM)
-  int c_kb = 0, c_row = 0, c_slot = 0;  // the slab computed: its column line, tile row, slot
-  for (int q = 0; q < n_slabs; ++q) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
-    issue_next();
-    const uint8_t* slab = ring + c_slot * kW4a16SlabBytes;
-    const uint32_t* slab_meta = meta_ring + c_slot * kW4a16SlabMeta;
-    const __nv_bfloat16* xb = xrow + c_kb * kGemvLine;
+  // A slab's shared loads of this lane: x of its 2 tiles x 4 words, the 2 x 2 (tile, tile row) meta
+  // words and code words. They are loaded one slab ahead of the products (two register sets, the
+  // loop unrolled by two so that neither is copied), so that no warp waits on its shared loads.
+  struct Frag {
+    uint32_t b[2][4][2], m[2][2], w[2][2][4];
+  };
+  auto load = [&](Frag& f, int slot, int kb) {
+    const uint8_t* slab = ring + slot * kW4a16SlabBytes;
+    const uint32_t* slab_meta = meta_ring + slot * kW4a16SlabMeta;
+    const __nv_bfloat16* xb = xrow + kb * kGemvLine;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      uint32_t b[4][2];
 #pragma unroll
       for (int cw = 0; cw < 4; ++cw) {
         const uint2 v = x_lane ? *reinterpret_cast<const uint2*>(xb + 128 * u + 32 * cw) : make_uint2(0, 0);
-        b[cw][0] = v.x, b[cw][1] = v.y;
+        f.b[u][cw][0] = v.x, f.b[u][cw][1] = v.y;
       }
 #pragma unroll
       for (int rt = 0; rt < 2; ++rt) {
-        const uint4 codes = *reinterpret_cast<const uint4*>(slab + rt * 8 * kW4a16RowBytes + a_off[u]);
-        const uint32_t m = slab_meta[(rt * 8 + g) * kTilesPerLine + 2 * warp + u];
-        const uint32_t zz = int4_zero_pair(m);
-        const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int cw = 0; cw < 4; ++cw) {
-          uint32_t pr[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(((words[cw] >> (4 * p)) & 0x000F000Fu) | 0x43004300u, zz);
-          const uint32_t a[4] = {pr[0], pr[2], pr[1], pr[3]};
-          mma_bf16_16816(d, a, b[cw]);
-        }
-        acc[rt] += (d[0] + d[3]) * int4_scale(m, scale_f16);
+        const uint4 v = *reinterpret_cast<const uint4*>(slab + rt * 8 * kW4a16RowBytes + a_off[u]);
+        f.w[u][rt][0] = v.x, f.w[u][rt][1] = v.y, f.w[u][rt][2] = v.z, f.w[u][rt][3] = v.w;
+        f.m[u][rt] = slab_meta[(rt * 8 + g) * kTilesPerLine + 2 * warp + u];
       }
     }
+  };
+  // The four (tile, tile row) chains interleaved word by word: the mma.sync wrapper is volatile, so
+  // the order written is the order issued, and each mma follows the other chains', not its own
+  // accumulator's.
+  auto compute = [&](const Frag& f) {
+    float d[2][2][4] = {};
+#pragma unroll
+    for (int cw = 0; cw < 4; ++cw)
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int rt = 0; rt < 2; ++rt) {
+          const uint32_t word = f.w[u][rt][cw], zz = int4_zero_pair(f.m[u][rt]);
+          uint32_t pr[4];
+#pragma unroll
+          for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(int4_bf16_pair(word >> (4 * p)), zz);
+          const uint32_t a[4] = {pr[0], pr[2], pr[1], pr[3]};
+          mma_bf16_16816(d[u][rt], a, f.b[u][cw]);
+        }
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) acc[rt] += (d[u][rt][0] + d[u][rt][3]) * int4_scale(f.m[u][rt], scale_f16);
+  };
+  int c_kb = 0, c_row = 0, c_slot = 0;  // the slab computed next: its column line, tile row, slot
+  int l_kb = 0, l_slot = 0;             // the slab loaded next
+  // Slab q + 1 (this thread's copies) landed, then the barrier: every thread's copies of it are
+  // visible and every warp's loads of slab q (one iteration earlier) are done, so slab q - 1's
+  // slot may take a new slab. Then slab q + 1's loads, then slab q's products.
+  auto step = [&](Frag& cur, Frag& nxt, int q) {
+    cp_async_wait<kStages - 3>();
+    __syncthreads();
+    issue_next();
+    if (q + 1 < n_slabs) {
+      l_slot = l_slot + 1 == kStages ? 0 : l_slot + 1;
+      if (++l_kb == k_lines) l_kb = 0;
+      load(nxt, l_slot, l_kb);
+    }
+    compute(cur);
     c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
     if (++c_kb == k_lines) {
 #pragma unroll
@@ -174,6 +206,14 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       c_kb = 0;
       c_row += kW4a16SlabRows;
     }
+  };
+  Frag fa, fb;
+  cp_async_wait<kStages - 2>();
+  __syncthreads();  // slab 0 landed for every thread
+  load(fa, 0, 0);
+  for (int q = 0; q < n_slabs; q += 2) {
+    step(fa, fb, q);
+    if (q + 1 < n_slabs) step(fb, fa, q + 1);
   }
   cp_async_wait<0>();
   __syncthreads();
