@@ -37,9 +37,10 @@ constexpr int kW4a16RowBytes = kGemvLine / 2;                     // 1 KB: 2048 
 constexpr int kW4a16SlabBytes = kW4a16SlabRows * kW4a16RowBytes;  // 16 KB
 constexpr int kW4a16TileCols = 128;                               // the group size it takes
 constexpr int kW4a16SlabMeta = kW4a16SlabRows * (kGemvLine / kW4a16TileCols);  // 256 meta words
-// Ring depth: 128 KB of codes, one block an SM. Two blocks an SM with rings of 4 or 5 slabs were
-// no faster for the 8B's projections on an H200 (gate|up 24.8-25.8 against 24.3 us) and slower in
-// the model (batch-1 decode 381 against 428 tok/s).
+// Ring depth: 128 KB of codes, one block an SM. Measured on an H200 for the 8B's projections:
+// two blocks an SM with rings of 4 or 5 slabs were no faster (gate|up 24.8-25.8 against 24.3 us)
+// and slower in the model (batch-1 decode 381 against 428 tok/s); deeper rings of 10 or 12 slabs
+// were no faster either (gate|up 25.3 / 25.8 us; the model 409 tok/s).
 constexpr int kW4a16Stages = 8;
 
 // Dynamic shared memory of stream_gemv_w4a16_kernel: the code ring, the meta ring, x [kM][n_in]
