@@ -322,7 +322,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   }
   // Whether an FP8 or INT4 weight takes a narrow streaming GEMV at n tokens (one or two, n_in a
   // multiple of 2048, INT4 groups of 128 or more; act order gathers x first): every such INT4
-  // projection of the 8B, the O projection included, on stream_gemv_narrow (INT4); every
+  // projection of the 8B, the O projection included, on stream_gemv_int4 (INT4); every
   // such FP8 one on the W8A8 streaming GEMV (stream_gemv_w8a8) unless stream_gemv_fp8_ is off.
   // CudaTuning::stream_gemv off: never.
   bool uses_stream_gemv_narrow(const DeviceWeight& W, int64_t n) const {

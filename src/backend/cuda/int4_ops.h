@@ -84,7 +84,9 @@ struct SkinnyInt4Args : ProjectionOperands {
 bool skinny_gemm_int4_supports(int64_t n_tokens, const Int4Matrix& w);
 void skinny_gemm_int4(const SkinnyInt4Args& args, cudaStream_t stream);
 
-// Streaming GEMV over INT4 weights for one or two tokens (stream_gemv_narrow.cuh has the design):
+// Streaming GEMV over INT4 weights for one or two tokens: groups of 128 on stream_gemv_w4a16.cuh
+// (with stages 0), other group sizes (or stages 4 / 6) on stream_gemv_narrow.cuh; their headers
+// have the designs.
 // y[t, o] = sum_k a(x)[t, k] W[o, k] for a matrix without act order (perm null), the products of x
 // and q - z exact, f32 sums over each 128-column tile (tensor cores) times its group scale, the
 // tiles' sums in a fixed order (the same bits for a row whatever the launch), one rounding to bf16. The operands and the fused
