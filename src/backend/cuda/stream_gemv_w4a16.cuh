@@ -80,40 +80,42 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int n_slabs = (rows + kW4a16SlabRows - 1) / kW4a16SlabRows * k_lines;
 
   // Slab q (tile q / k_lines, columns 2048 (q % k_lines) ..) into ring slot q % kStages: thread t
-  // copies chunk t % 64 of rows t / 64, + 4, + 8, + 12 of the tile (a warp: 512 contiguous bytes
-  // of a row), and threads 0..63 the 16-byte quarter t % 4 of row t / 4's meta words.
-  const int c = t % 64, r0 = t / 64;
-  const int dst_off = r0 * kW4a16RowBytes + 16 * (c ^ ((r0 & 1) << 2));  // rows r0 + 4 j: + 4 j rows
-  const int64_t row_step = 4 * static_cast<int64_t>(row_bytes);
-  const uint8_t* i_tile = w + (row0 + r0) * row_bytes + 16 * c;  // row r0 of the tile being requested
+  // copies row t / 16 of the tile, its 16-byte chunks t % 16 + 16 j (j = 0..3: a warp's copy is two
+  // rows' 256 contiguous bytes), from one source pointer at constant offsets, so a copy costs one
+  // instruction; threads 0..63 also copy the 16-byte quarter t % 4 of row t / 4's meta words.
+  const int cp_row = t / 16, cp_chunk = t % 16;
+  // Chunk cp_chunk + 16 j of the row lands at dst_off + 256 j (the swizzle flips bit 2 of the chunk).
+  const int dst_off = cp_row * kW4a16RowBytes + 16 * (cp_chunk ^ ((cp_row & 1) << 2));
   const int m_row = t / 4, m_quarter = t % 4;
   const bool meta_thread = t < kW4a16SlabRows * 4;
+  const uint8_t* i_src = w + (row0 + cp_row) * row_bytes + 16 * cp_chunk;  // the next slab's first chunk
   const uint32_t* i_meta = meta + (row0 + (meta_thread ? m_row : 0)) * n_groups + 4 * m_quarter;
-  int i_q = 0, i_kb = 0, i_row = r0, i_slot = 0;
+  const int64_t src_tile_step = kW4a16SlabRows * static_cast<int64_t>(row_bytes) - k_lines * kW4a16RowBytes;
+  const int64_t meta_tile_step = kW4a16SlabRows * static_cast<int64_t>(n_groups) - k_lines * kTilesPerLine;
+  bool i_live = cp_row < rows, m_live = meta_thread && m_row < rows;  // rows past the block: zero-filled
+  int i_q = 0, i_kb = 0, i_tile_row = 0, i_slot = 0;
   auto issue_next = [&]() {
     if (i_q < n_slabs) {
       uint8_t* dst = ring + i_slot * kW4a16SlabBytes + dst_off;
-      const uint8_t* src = i_tile + i_kb * kW4a16RowBytes;
+      const uint8_t* src = i_live ? i_src : w;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bool live = i_row + 4 * j < rows;
-        cp_async16(dst + 4 * j * kW4a16RowBytes, live ? src : w, live);
-        src += row_step;
-      }
-      if (meta_thread) {
-        const bool live = i_row - r0 + m_row < rows;
+      for (int j = 0; j < 4; ++j) cp_async16(dst + 256 * j, src + 256 * j, i_live);
+      if (meta_thread)
         cp_async16(meta_ring + i_slot * kW4a16SlabMeta + m_row * kTilesPerLine + 4 * m_quarter,
-                   live ? i_meta + i_kb * kTilesPerLine : meta, live);
-      }
+                   m_live ? i_meta : meta, m_live);
     }
     cp_async_commit();
     ++i_q;
     i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
+    i_src += kW4a16RowBytes;
+    i_meta += kTilesPerLine;
     if (++i_kb == k_lines) {
       i_kb = 0;
-      i_tile += kW4a16SlabRows * static_cast<int64_t>(row_bytes);
-      i_meta += kW4a16SlabRows * static_cast<int64_t>(n_groups);
-      i_row += kW4a16SlabRows;
+      i_src += src_tile_step;
+      i_meta += meta_tile_step;
+      i_tile_row += kW4a16SlabRows;
+      i_live = i_tile_row + cp_row < rows;
+      m_live = meta_thread && i_tile_row + m_row < rows;
     }
   };
 #pragma unroll
