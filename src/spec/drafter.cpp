@@ -12,7 +12,9 @@ std::unique_ptr<Drafter> make_drafter(const SpeculativeConfig& config, const Dra
     throw Error(std::string("speculative config: a draft model was given but \"method\" is \"") +
                 std::string(spec_method_name(config.method)) + "\"");
   switch (config.method) {
-    case SpecMethod::Ngram: return std::make_unique<NgramDrafter>(config.prompt_lookup_min, config.prompt_lookup_max);
+    case SpecMethod::Ngram:
+      return std::make_unique<NgramDrafter>(config.prompt_lookup_min, config.prompt_lookup_max,
+                                            config.adaptive_draft_length ? config.num_speculative_tokens : 0);
     case SpecMethod::DraftModel:
       if (!draft.model)
         throw Error("speculative config: \"method\": \"draft_model\" needs the draft model (" + config.model +

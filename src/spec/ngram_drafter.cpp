@@ -7,7 +7,9 @@
 
 namespace kestrel {
 
-NgramDrafter::NgramDrafter(int32_t min_n, int32_t max_n) : min_n_(min_n), max_n_(max_n) {
+NgramDrafter::NgramDrafter(int32_t min_n, int32_t max_n, int32_t adaptive_k)
+    : min_n_(min_n), max_n_(max_n), adaptive_k_(adaptive_k) {
+  if (adaptive_k < 0) throw Error("ngram drafter: negative draft limit " + std::to_string(adaptive_k));
   if (min_n < 1 || max_n < min_n)
     throw Error("ngram drafter: prompt_lookup_min " + std::to_string(min_n) + " and prompt_lookup_max " +
                 std::to_string(max_n) + " must satisfy 1 <= min <= max");
@@ -38,9 +40,35 @@ std::vector<int32_t> NgramDrafter::lookup(std::span<const int32_t> tokens, int32
 void NgramDrafter::propose(std::span<const DraftRequest> requests, std::vector<Draft>& out) {
   out.resize(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
-    out[i].ids = lookup(requests[i].tokens, requests[i].max_drafts);
+    const DraftRequest& r = requests[i];
+    int32_t n = r.max_drafts;
+    SeqState* st = nullptr;
+    if (adaptive_k_ > 0) {
+      st = &seqs_[r.id];
+      if (st->limit == 0) st->limit = adaptive_k_;
+      n = std::min(n, st->limit);
+    }
+    out[i].ids = lookup(r.tokens, n);
     out[i].q.clear();
+    if (st != nullptr) st->proposed = static_cast<int32_t>(out[i].ids.size());
   }
+}
+
+void NgramDrafter::on_verified(SeqId id, int64_t n_accepted, int64_t /*n_tokens*/) {
+  if (adaptive_k_ <= 0) return;
+  const auto it = seqs_.find(id);
+  if (it == seqs_.end() || it->second.proposed == 0) return;
+  SeqState& st = it->second;
+  if (n_accepted >= st.proposed)
+    st.limit = std::min<int32_t>(2 * st.limit, adaptive_k_);
+  else
+    st.limit = static_cast<int32_t>(n_accepted) + 1;
+  st.proposed = 0;
+}
+
+int32_t NgramDrafter::limit(SeqId id) const {
+  const auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second.limit;
 }
 
 }  // namespace kestrel

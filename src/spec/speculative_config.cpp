@@ -41,14 +41,15 @@ SpeculativeConfig parse_speculative_config(std::string_view json) {
   }
   if (!j.is_object()) throw Error("speculative config: must be a JSON object, got " + json_shown(j));
   static constexpr const char* kFields[] = {"method", "num_speculative_tokens", "prompt_lookup_min",
-                                            "prompt_lookup_max", "disable_by_batch_size", "model", "quantization"};
+                                            "prompt_lookup_max", "disable_by_batch_size", "model", "quantization",
+                                            "draft_length"};
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* f : kFields) known |= key == f;
     if (!known)
       throw Error("speculative config: unknown field \"" + key +
                   "\" (known: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
-                  "disable_by_batch_size, model, quantization)");
+                  "disable_by_batch_size, model, quantization, draft_length)");
   }
   SpeculativeConfig c;
   const bool has_lookup = j.contains("prompt_lookup_min") || j.contains("prompt_lookup_max");
@@ -102,6 +103,15 @@ SpeculativeConfig parse_speculative_config(std::string_view json) {
                 " must be >= \"prompt_lookup_min\" " + std::to_string(c.prompt_lookup_min));
   if (has_lookup && c.method != SpecMethod::Ngram)
     throw Error("speculative config: \"prompt_lookup_min\" and \"prompt_lookup_max\" are for \"method\": \"ngram\"");
+  if (j.contains("draft_length")) {
+    const nlohmann::json& d = j["draft_length"];
+    const std::string v = d.is_string() ? d.get<std::string>() : "";
+    if (v != "adaptive" && v != "fixed")
+      throw Error("speculative config: \"draft_length\" must be \"adaptive\" or \"fixed\", got " + json_shown(d));
+    if (c.method != SpecMethod::Ngram)
+      throw Error("speculative config: \"draft_length\" is for \"method\": \"ngram\"");
+    c.adaptive_draft_length = v == "adaptive";
+  }
   if (j.contains("disable_by_batch_size"))
     c.disable_by_batch_size = int_field(j, "disable_by_batch_size", 0, int64_t{1} << 30);
   return c;

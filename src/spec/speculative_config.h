@@ -26,6 +26,10 @@ struct SpeculativeConfig {
   // Speculation is off for a step in which more sequences than this run (verifying k extra tokens
   // per sequence pays while decode is memory-bound, at small batches); 0 = never off.
   int32_t disable_by_batch_size = 0;
+  // ngram: "draft_length": "adaptive" (the default: each sequence's drafts shrink after a rejection
+  // and grow back after full acceptances, NgramDrafter) or "fixed" (always num_speculative_tokens
+  // where the match allows, as vLLM's ngram proposer). A kestrel field; vLLM has none.
+  bool adaptive_draft_length = true;
   std::string model;  // draft_model: the draft model's path (GGUF file or Hugging Face folder)
   // draft_model: how its weights are quantized at load, as --quantization spells it
   // (parse_quantization: auto, none, fp8, awq, gptq, rtn); vLLM's field of the same name.
@@ -39,11 +43,13 @@ inline constexpr int32_t kMaxSpeculativeTokens = 16;
 
 // Parses vLLM's --speculative-config JSON object: {"method": "ngram" | "draft_model",
 // "num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M,
-// "disable_by_batch_size": B, "model": PATH, "quantization": Q}. "method" may be left out when "model" is given
+// "disable_by_batch_size": B, "model": PATH, "quantization": Q, "draft_length": "adaptive" | "fixed"}.
+// "method" may be left out when "model" is given
 // (draft_model) or when prompt_lookup_* are (ngram). A lone prompt_lookup_min or _max sets the
 // other to the same value. Errors: kestrel::Error naming the field and the bad value (not a JSON
 // object, an unknown field, a wrong type, K outside [1, 16], N < 1, M < N, B < 0, draft_model
-// without "model", "model" or "quantization" with ngram, a Q parse_quantization refuses).
+// without "model", "model" or "quantization" with ngram, "draft_length" with draft_model or not
+// "adaptive" / "fixed", a Q parse_quantization refuses).
 SpeculativeConfig parse_speculative_config(std::string_view json);
 
 // "ngram", "draft_model" or "none".

@@ -116,17 +116,20 @@ TEST(SpecDecode, GreedySingleRequestsAreTokenIdenticalForKOneToEight) {
     EngineConfig off;
     off.max_num_seqs = 1;
     const auto want = run(off, reqs);
-    for (int32_t k = 1; k <= 8; ++k) {
-      EngineConfig on = off;
-      on.speculative = ngram(k);
-      EngineStats st;
-      const auto got = run(on, reqs, &st);
-      expect_same(got, want, "k " + std::to_string(k) + ", prompt " + std::to_string(p));
-      expect_consistent(st, k);
-      EXPECT_GT(st.spec_num_accepted_tokens, 0) << "k " << k << ": the story repeats itself, drafts should land";
-      // Fewer steps than tokens: verified drafts emitted several tokens per step.
-      EXPECT_LT(st.n_steps, 1 + static_cast<int64_t>(want[0].ids.size())) << "k " << k;
-    }
+    for (int32_t k = 1; k <= 8; ++k)
+      for (const bool adaptive : {true, false}) {
+        EngineConfig on = off;
+        on.speculative = ngram(k);
+        on.speculative.adaptive_draft_length = adaptive;
+        EngineStats st;
+        const auto got = run(on, reqs, &st);
+        const std::string what = "k " + std::to_string(k) + (adaptive ? " adaptive" : " fixed");
+        expect_same(got, want, what + ", prompt " + std::to_string(p));
+        expect_consistent(st, k);
+        EXPECT_GT(st.spec_num_accepted_tokens, 0) << what << ": the story repeats itself, drafts should land";
+        // Fewer steps than tokens: verified drafts emitted several tokens per step.
+        EXPECT_LT(st.n_steps, 1 + static_cast<int64_t>(want[0].ids.size())) << what;
+      }
   }
 }
 

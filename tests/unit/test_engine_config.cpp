@@ -143,6 +143,9 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4})"}, "", ""},
       {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4, "quantization": "int3"})"}, "--speculative-config", "\"quantization\": "},
       {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 4, "quantization": "rtn"})"}, "--speculative-config", "\"quantization\" is for"},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 4, "draft_length": "fixed"})"}, "", ""},
+      {EngineMode::Single, {"--speculative-config", R"({"method": "ngram", "num_speculative_tokens": 4, "draft_length": "short"})"}, "--speculative-config", "\"draft_length\" must be \"adaptive\" or \"fixed\", got \"short\""},
+      {EngineMode::Serving, {"--speculative-config", R"({"model": "/m/draft", "num_speculative_tokens": 4, "draft_length": "fixed"})"}, "--speculative-config", "\"draft_length\" is for \"method\": \"ngram\""},
   };
   for (const Case& k : cases) {
     const auto [flag, what] = rejection(parse(k.mode, k.args), *model_);
@@ -165,6 +168,9 @@ TEST_F(EngineConfigTest, SpeculativeConfigReachesTheEngine) {
   EXPECT_EQ(s.prompt_lookup_max, 3);
   EXPECT_EQ(s.prompt_lookup_min, 3);  // a lone max sets the min to it
   EXPECT_EQ(s.disable_by_batch_size, 8);
+  EXPECT_TRUE(s.adaptive_draft_length);  // "draft_length": "adaptive" by default
+  EXPECT_FALSE(parse_speculative_config(R"({"method": "ngram", "num_speculative_tokens": 2, "draft_length": "fixed"})")
+                   .adaptive_draft_length);
   EXPECT_TRUE(c.engine_config(*model_).speculative_verify_on_device);  // --speculative-verify device by default
   EXPECT_FALSE(parse(EngineMode::Serving, {"--speculative-verify", "host"}).engine_config(*model_).speculative_verify_on_device);
   const SpeculativeConfig d = parse_speculative_config(R"({"prompt_lookup_min": 1, "num_speculative_tokens": 2})");

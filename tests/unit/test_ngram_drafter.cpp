@@ -51,3 +51,60 @@ TEST(NgramDrafter, ProposeAnswersEveryRequestWithAOneHotDraft) {
   EXPECT_NE(test::error_of([&] { make_drafter(dm, DrafterContext{}); }).find("needs the draft model (/m) loaded"),
             std::string::npos);
 }
+
+// The adaptive draft length (NgramDrafter with adaptive_k): a sequence starts at k, drops to one
+// past the accepted prefix after a cut draft, doubles after a whole one (capped at k), and a
+// request's own room still caps a proposal; release forgets the sequence. Fixed: always the room.
+TEST(NgramDrafter, AdaptiveDraftLengthFollowsWhatTheVerifierKept) {
+  NgramDrafter d(1, 2, 8);
+  const std::vector<int32_t> t = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 5, 6};  // 5 6 recurs
+  std::vector<Draft> out;
+  auto propose = [&](SeqId id, int32_t room) {
+    const std::vector<DraftRequest> reqs = {{id, t, 4, room}};
+    d.propose(reqs, out);
+    return out[0].ids.size();
+  };
+  EXPECT_EQ(d.limit(1), 0);
+  EXPECT_EQ(propose(1, 16), 8u);  // starts at k
+  d.on_verified(1, 2, 0);         // 2 of 8 kept
+  EXPECT_EQ(d.limit(1), 3);
+  EXPECT_EQ(propose(1, 16), 3u);
+  d.on_verified(1, 0, 0);  // cut at the first
+  EXPECT_EQ(propose(1, 16), 1u);
+  d.on_verified(1, 1, 0);  // whole: doubles
+  EXPECT_EQ(propose(1, 16), 2u);
+  d.on_verified(1, 2, 0);
+  EXPECT_EQ(propose(1, 16), 4u);
+  d.on_verified(1, 4, 0);
+  EXPECT_EQ(propose(1, 16), 8u);
+  d.on_verified(1, 8, 0);
+  EXPECT_EQ(d.limit(1), 8);        // capped at k
+  EXPECT_EQ(propose(1, 3), 3u);    // the request's room caps the proposal
+  d.on_verified(1, 3, 0);          // whole (all 3 it could propose): stays at the cap
+  EXPECT_EQ(d.limit(1), 8);
+  EXPECT_EQ(propose(2, 16), 8u);   // another sequence has its own limit
+  d.on_verified(2, 0, 0);
+  EXPECT_EQ(d.limit(2), 1);
+  EXPECT_EQ(d.limit(1), 8);
+  d.on_verified(2, 5, 0);          // no proposal outstanding: nothing changes
+  EXPECT_EQ(d.limit(2), 1);
+  d.release(2);
+  EXPECT_EQ(d.limit(2), 0);
+  EXPECT_EQ(propose(2, 16), 8u);   // a released sequence starts over
+  // An empty proposal leaves the limit alone.
+  NgramDrafter e(3, 3, 4);
+  const std::vector<DraftRequest> none = {{7, std::span<const int32_t>(t).subspan(0, 5), 2, 4}};
+  e.propose(none, out);
+  EXPECT_TRUE(out[0].ids.empty());
+  e.on_verified(7, 0, 5);
+  EXPECT_EQ(e.limit(7), 4);
+  // Fixed: every proposal as long as the room allows, whatever was kept.
+  NgramDrafter f(1, 2);
+  const std::vector<DraftRequest> reqs = {{1, t, 4, 6}};
+  f.propose(reqs, out);
+  EXPECT_EQ(out[0].ids.size(), 6u);
+  f.on_verified(1, 0, 0);
+  f.propose(reqs, out);
+  EXPECT_EQ(out[0].ids.size(), 6u);
+  EXPECT_NE(test::error_of([] { NgramDrafter(1, 2, -1); }).find("negative draft limit"), std::string::npos);
+}

@@ -200,7 +200,8 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
   app.add_option("--speculative-config", speculative.config,
                  "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": K (1-16), "
                  "\"prompt_lookup_min\": N (default 2), \"prompt_lookup_max\": M (default 5), "
-                 "\"disable_by_batch_size\": B (off when more than B sequences run; 0 = never)}; "
+                 "\"disable_by_batch_size\": B (off when more than B sequences run; 0 = never), "
+                 "\"draft_length\": \"adaptive\" (default) | \"fixed\"}; "
                  "the output distribution is the model's own");
   app.add_option("--speculative-verify", speculative.verify,
                  "Where drafts are verified on a backend that samples on the device (CUDA): device (each of the "
