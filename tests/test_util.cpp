@@ -168,4 +168,27 @@ std::vector<std::string> story_prompts() {
   return out;
 }
 
+std::vector<float> forward_token_ranges(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<int32_t>& tables, int32_t blocks_per_seq,
+                                        int32_t block_size, const std::vector<int32_t>& from,
+                                        const std::vector<int32_t>& to) {
+  std::vector<int32_t> ids, pos, qs = {0}, ctx, rows;
+  std::vector<int64_t> slots;
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    const int32_t* table = tables.data() + s * static_cast<size_t>(blocks_per_seq);
+    for (int32_t p = from[s]; p < to[s]; ++p) {
+      ids.push_back(prompts[s][static_cast<size_t>(p)]);
+      pos.push_back(p);
+      slots.push_back(static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size);
+    }
+    qs.push_back(static_cast<int32_t>(ids.size()));
+    ctx.push_back(to[s]);
+  }
+  for (size_t s = prompts.size(); s-- > 0;)
+    if (to[s] > from[s]) rows.push_back(qs[s + 1] - 1);
+  ForwardBatch b{ids, pos, slots, qs, ctx, tables, blocks_per_seq, rows};
+  const std::span<const float> l = runner.forward(b);
+  return std::vector<float>(l.begin(), l.end());
+}
+
 }  // namespace kestrel::test

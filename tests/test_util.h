@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/model_runner.h"
 #include "core/error.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
@@ -98,6 +99,15 @@ std::vector<int32_t> eog_ids(const Tokenizer& tok);
 
 // 32 different story openings (4 starts x 8 characters) for stories260K-style prompts.
 std::vector<std::string> story_prompts();
+
+// One hand-made forward pass straight to a runner: tokens [from[s], to[s]) of each sequence s of
+// `prompts`, sequence s's blocks tables[s * blocks_per_seq ..] of block_size tokens, the logits of
+// each sequence with tokens in the pass at its last token, listed last sequence first (rows in
+// another order than the tokens'). Returns [rows, n_vocab] f32.
+std::vector<float> forward_token_ranges(ModelRunner& runner, const std::vector<std::vector<int32_t>>& prompts,
+                                        const std::vector<int32_t>& tables, int32_t blocks_per_seq,
+                                        int32_t block_size, const std::vector<int32_t>& from,
+                                        const std::vector<int32_t>& to);
 
 }  // namespace kestrel::test
 

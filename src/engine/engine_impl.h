@@ -155,6 +155,10 @@ struct Engine::Impl {
   };
   static constexpr SeqId kHeldSeqBit = SeqId{1} << 63;
   std::unordered_map<RequestId, HeldKv> held_kv;
+  // What both exports (export_held_kv, export_held_kv_ipc) start from: the held request's entry, out's
+  // format and token count, its tokens copied to *tokens when asked. Errors: kestrel::Error when
+  // the request holds no K/V.
+  const HeldKv& held_export(RequestId id, std::vector<int32_t>* tokens, KvImport& out) const;
   void hold_kv(RequestState& r, RequestOutput& o);
   void check_import(const Request& req, int64_t n_prompt) const;
   void write_import(const SchedulerOutput::Import& im);

@@ -149,34 +149,36 @@ void Engine::Impl::expire_imports(std::vector<RequestOutput>& outputs) {
 
 KvTransferFormat Engine::kv_transfer_format() const { return impl_->kv_format(); }
 
+const Engine::Impl::HeldKv& Engine::Impl::held_export(RequestId id, std::vector<int32_t>* tokens,
+                                                      KvImport& out) const {
+  const auto it = held_kv.find(id);
+  if (it == held_kv.end()) throw Error("KV transfer: request " + std::to_string(id) + " holds no K/V");
+  out.format = kv_format();
+  out.n_tokens = static_cast<int64_t>(it->second.tokens.size());
+  if (tokens != nullptr) *tokens = it->second.tokens;
+  return it->second;
+}
+
 KvImport Engine::export_held_kv(RequestId id, std::vector<int32_t>* tokens) const {
   const Impl& m = *impl_;
-  const auto it = m.held_kv.find(id);
-  if (it == m.held_kv.end()) throw Error("KV transfer: request " + std::to_string(id) + " holds no K/V");
   KvImport out;
-  out.format = m.kv_format();
-  out.n_tokens = static_cast<int64_t>(it->second.tokens.size());
-  const std::vector<int32_t>& table = m.manager.block_table(it->second.seq);
+  const Impl::HeldKv& held = m.held_export(id, tokens, out);
+  const std::vector<int32_t>& table = m.manager.block_table(held.seq);
   const size_t block_bytes = static_cast<size_t>(out.format.bytes_per_block());
   out.bytes.assign(table.size() * block_bytes, std::byte{0});
   for (size_t b = 0; b < table.size(); ++b)  // blocks before a sliding window stay zero: never read
     if (table[b] != KvManager::kNoBlock)
       m.runner->read_kv_blocks(std::span<const int32_t>(&table[b], 1),
                                std::span<std::byte>(out.bytes).subspan(b * block_bytes, block_bytes));
-  if (tokens != nullptr) *tokens = it->second.tokens;
   return out;
 }
 
 KvImport Engine::export_held_kv_ipc(RequestId id, std::vector<int32_t>* tokens) const {
   const Impl& m = *impl_;
-  const auto it = m.held_kv.find(id);
-  if (it == m.held_kv.end()) throw Error("KV transfer: request " + std::to_string(id) + " holds no K/V");
   KvImport out;
-  out.format = m.kv_format();
-  out.n_tokens = static_cast<int64_t>(it->second.tokens.size());
+  const Impl::HeldKv& held = m.held_export(id, tokens, out);
   out.ipc = m.runner->export_kv_ipc();
-  out.ipc_blocks = m.manager.block_table(it->second.seq);
-  if (tokens != nullptr) *tokens = it->second.tokens;
+  out.ipc_blocks = m.manager.block_table(held.seq);
   return out;
 }
 

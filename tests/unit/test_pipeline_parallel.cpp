@@ -134,25 +134,8 @@ TEST(PipelineParallel, MixedStepRowsAndKvRecordEqualOneStage) {
   o.kv_dtype = KvDtype::F32;
   std::vector<int32_t> tables(4 * blocks_per_seq);
   for (size_t i = 0; i < tables.size(); ++i) tables[i] = static_cast<int32_t>(i);
-  // The step over tokens [from[s], to[s]) of each sequence, logits of every sequence's last token,
-  // listed last sequence first.
   auto step = [&](ModelRunner& r, const std::vector<int32_t>& from, const std::vector<int32_t>& to) {
-    std::vector<int32_t> ids, pos, qs = {0}, ctx, rows;
-    std::vector<int64_t> slots;
-    for (int32_t s = 0; s < 4; ++s) {
-      for (int32_t p = from[s]; p < to[s]; ++p) {
-        ids.push_back(prompts[s][static_cast<size_t>(p)]);
-        pos.push_back(p);
-        slots.push_back(static_cast<int64_t>(tables[s * blocks_per_seq + p / bs]) * bs + p % bs);
-      }
-      qs.push_back(static_cast<int32_t>(ids.size()));
-      ctx.push_back(to[s]);
-    }
-    for (int32_t s = 3; s >= 0; --s)
-      if (to[s] > from[s]) rows.push_back(qs[s + 1] - 1);
-    ForwardBatch b{ids, pos, slots, qs, ctx, tables, blocks_per_seq, rows};
-    const std::span<const float> l = r.forward(b);
-    return std::vector<float>(l.begin(), l.end());
+    return test::forward_token_ranges(r, prompts, tables, blocks_per_seq, bs, from, to);
   };
   std::vector<int32_t> zero(4, 0), end(4);
   for (int s = 0; s < 4; ++s) end[s] = cached[s] + fresh[s];
