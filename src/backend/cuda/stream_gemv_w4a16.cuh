@@ -11,16 +11,16 @@
 //   rows past the block's range are zero-filled, not read). In shared memory a slab is row-major,
 //   16-byte chunk c of row r stored at chunk c ^ 4 (r & 1), so that a quarter warp's 16-byte loads
 //   (two rows, the same 64 bytes of each) hit 32 distinct banks.
-// - Warp w takes the 128-column tiles 2 w and 2 w + 1 of every slab (one group each). Lane (g, tq)
-//   loads the 16 bytes of row g (and of row 8 + g) that hold, per word c = 0..3, the 8 columns
-//   32 c + 8 tq .. + 7 of the tile; a shift and a mask of a word give the bf16 pairs {128 + q} of
-//   columns {2 p, 2 p + 1} (p = 0..3), less the pair {128 + z}: q - z exactly. One
-//   mma.m16n8k16 (bf16 in, f32 out) per word: A's rows g and g + 8 are the tile row g over two
-//   halves of the word's columns (pairs 0, 1 and pairs 2, 3), and B's column 2 m + h holds token
-//   m's x at the columns of half h (lanes g = 2 m + h load them, 8 bytes), so C[g][2 m] +
-//   C[g + 8][2 m + 1] is the row's sum for token m over the word's 32 columns of the tile and no
-//   weight is loaded or converted twice. A tile's four mma accumulate in f32 from zero; the sum
-//   times the group scale is added to the row's f32 sum.
+// - Warp w takes the 128-column tiles 2 w and 2 w + 1 of every slab (one group each), the slab's
+//   rows as two halves of 8. Lane (g, tq) loads the 16 bytes of row g of a half that hold, per
+//   word c = 0..3, the 8 columns 32 c + 8 tq .. + 7 of the tile; a shift and a mask of a word give
+//   the bf16 pairs {128 + q} of columns {2 p, 2 p + 1} (p = 0..3), less the pair {128 + z}: q - z
+//   exactly. One mma.m16n8k16 (bf16 in, f32 out) per word and half: the mma's A rows g and g + 8
+//   are both row g of the half, over the word's pairs 0, 1 and 2, 3 respectively, and B's column
+//   2 m + h holds token m's x at the columns of pair set h (lanes g = 2 m + h load them, 8 bytes),
+//   so C[g][2 m] + C[g + 8][2 m + 1] is row g's sum for token m over the 32 columns the four lanes
+//   tq hold, and no weight is loaded or converted twice. A tile's four mma accumulate in f32 from
+//   zero; the sum times the group scale is added to the row's f32 sum.
 // - A tile row's per-warp sums meet in shared memory and are added in warp order at the end, so a
 //   row's value depends on neither the launch nor its place in the block (batch invariant).
 // Source: PTX ISA 8.x ("Matrix fragments for mma.m16n8k16", "cp.async"); the bf16 exponent trick
