@@ -162,8 +162,11 @@ struct Layer {
   bool mla() const { return v_dim < head_dim; }
 };
 
-Layer make_layer(bool mla, std::mt19937& rng) {
-  Layer L{4, mla ? 1 : 2, mla ? 40 : 24, mla ? 32 : 24, 6, {}, {}, {}, {}, {}, {}, {}};
+// head_dim 0: 24 (40 with MLA); a GQA head_dim of 64 or more takes the AVX-512 byte transposition
+// of 64-element slabs of the keys (136: two slabs and a tail).
+Layer make_layer(bool mla, std::mt19937& rng, int64_t head_dim = 0) {
+  const int64_t hd = head_dim > 0 ? head_dim : mla ? 40 : 24;
+  Layer L{4, mla ? 1 : 2, hd, mla ? 32 : hd, 6, {}, {}, {}, {}, {}, {}, {}};
   const int64_t rows = L.n_blocks * L.n_head_kv * L.block_size;
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> mag(0.2f, 3.0f);  // rows of different magnitudes
@@ -194,12 +197,12 @@ Layer make_layer(bool mla, std::mt19937& rng) {
   return L;
 }
 
-class Int8Attention : public ::testing::TestWithParam<bool> {};  // param: MLA
+class Int8Attention : public ::testing::TestWithParam<int> {};  // param: 0 GQA, 1 MLA, 2 GQA of 136
 
 TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
-  const bool mla = GetParam();
+  const bool mla = GetParam() == 1;
   std::mt19937 rng(mla ? 5 : 9);
-  const Layer L = make_layer(mla, rng);
+  const Layer L = make_layer(mla, rng, GetParam() == 2 ? 136 : 0);
   const int64_t group = mla ? 5 : 3, n_ctx = 19, hd = L.head_dim, vd = L.v_dim;
   const std::vector<int32_t> table = {3, 0, 5, 1, 4};  // positions 0-3 in block 3, 4-7 in block 0, ...
   const int64_t kvh = L.n_head_kv - 1;
@@ -295,8 +298,9 @@ TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, Int8Attention, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "Mla" : "Gqa"; });
+INSTANTIATE_TEST_SUITE_P(Layouts, Int8Attention, ::testing::Values(0, 1, 2), [](const auto& info) {
+  return info.param == 1 ? "Mla" : info.param == 2 ? "GqaHeadDim136" : "Gqa";
+});
 
 }  // namespace
 }  // namespace kestrel
