@@ -236,51 +236,61 @@ inline AttentionScratch& attention_scratch() {
 }
 
 #if defined(__AVX512BW__)
+// The 64 bytes at column byte `byte0` of tile lanes 0..15 (rows of `row_bytes`, row 0 at lane
+// lane0, only lanes [lane0, lane0 + nk) read; the others zero) transposed as 16 x 16 dwords: col[m]
+// holds dword m of every lane, lane i in dword i (four rounds of 32- and 64-bit unpacks and 128-bit
+// lane shuffles). The key loaders below widen what each dword holds.
+inline void load_tile_dwords_transposed(const char* k, int64_t lane0, int64_t nk, int64_t row_bytes, int64_t byte0,
+                                        __m512i (&col)[16]) {
+  __m512i r[16], a[16];
+  for (int64_t j = 0; j < kKeyTile; ++j)
+    r[j] = j >= lane0 && j < lane0 + nk ? _mm512_loadu_si512(k + (j - lane0) * row_bytes + byte0)
+                                        : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: dwords 4L.. of rows i, i + 1 interleaved
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4G + c] lane L: dword 4L + c of rows 4G .. 4G + 3
+    r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), hi01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), hi23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    col[c] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);  // dword 4 l + c: l = 0..3
+    col[4 + c] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);
+    col[8 + c] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);
+    col[12 + c] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);
+  }
+}
+
 // The f16 keys' elements [0, hd - hd % 32) into kt as load_keys_transposed below: each 32-element
-// slab of the 16 rows is transposed as 16 x 16 pairs of halves (four rounds of 32- and 64-bit
-// unpacks and 128-bit lane shuffles), the two halves of a pair separated by one word permute, and
-// only then widened to f32 (exact), so a tile costs a third of the shuffles of transposing floats.
-// Returns the elements done.
+// slab of the 16 rows is transposed as 16 x 16 pairs of halves, the two halves of a pair separated
+// by one word permute, and only then widened to f32 (exact), so a tile costs a third of the
+// shuffles of transposing floats. Returns the elements done.
 inline int64_t load_f16_keys_transposed_avx512(const uint16_t* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
   const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26, 24, 22,
                                          20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   int64_t d0 = 0;
   for (; d0 + 32 <= hd; d0 += 32) {
-    __m512i r[16], a[16];
-    for (int64_t j = 0; j < kKeyTile; ++j)
-      r[j] = j >= lane0 && j < lane0 + nk ? _mm512_loadu_si512(k + (j - lane0) * hd + d0) : _mm512_setzero_si512();
-    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: pairs 4L.. of rows i, i + 1 interleaved
-      a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-      a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // r[4G + c] lane L: pair 4L + c of rows 4G .. 4G + 3
-      r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-      r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-      r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-      r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-      const __m512i lo01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), hi01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-      const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), hi23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-      // Pair m = 4L + c of all 16 rows, then its two halves apart: elements d0 + 2m and d0 + 2m + 1.
-      const __m512i col[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0x88),
-                              _mm512_shuffle_i32x4(lo01, lo23, 0xDD), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
-      for (int l = 0; l < 4; ++l) {
-        const __m512i x = _mm512_permutexvar_epi16(split, col[l]);
-        const int64_t d = d0 + 2 * (4 * l + c);
-        _mm512_storeu_ps(kt + d * kKeyTile, _mm512_cvtph_ps(_mm512_castsi512_si256(x)));
-        _mm512_storeu_ps(kt + (d + 1) * kKeyTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)));
-      }
+    __m512i col[16];
+    load_tile_dwords_transposed(reinterpret_cast<const char*>(k), lane0, nk, 2 * hd, 2 * d0, col);
+    for (int m = 0; m < 16; ++m) {  // pair m of all 16 rows: elements d0 + 2m and d0 + 2m + 1
+      const __m512i x = _mm512_permutexvar_epi16(split, col[m]);
+      const int64_t d = d0 + 2 * m;
+      _mm512_storeu_ps(kt + d * kKeyTile, _mm512_cvtph_ps(_mm512_castsi512_si256(x)));
+      _mm512_storeu_ps(kt + (d + 1) * kKeyTile, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1)));
     }
   }
   return d0;
 }
 
 // The int8 keys' elements [0, hd - hd % 64) into kt as load_keys_transposed below: each 64-element
-// slab of the 16 rows is transposed as 16 x 16 dwords (quads of codes; the f16 path's unpacks and
-// 128-bit lane shuffles), the four codes of a quad brought together across the rows by a byte
-// shuffle within each 128-bit lane and a dword permute, and only then widened to f32 (exact).
-// Returns the elements done.
+// slab of the 16 rows is transposed as 16 x 16 dwords (quads of codes), the four codes of a quad
+// brought together across the rows by a byte shuffle within each 128-bit lane and a dword permute,
+// and only then widened to f32 (exact). Returns the elements done.
 inline int64_t load_i8_keys_transposed_avx512(const int8_t* k, int64_t lane0, int64_t nk, int64_t hd, float* kt) {
   // Lane L holds rows 4L .. 4L + 3, byte 4 r + e = row 4L + r's code e: to byte 4 e + r.
   const __m512i by_code = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
@@ -288,33 +298,15 @@ inline int64_t load_i8_keys_transposed_avx512(const int8_t* k, int64_t lane0, in
   const __m512i by_lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t d0 = 0;
   for (; d0 + 64 <= hd; d0 += 64) {
-    __m512i r[16], a[16];
-    for (int64_t j = 0; j < kKeyTile; ++j)
-      r[j] = j >= lane0 && j < lane0 + nk ? _mm512_loadu_si512(k + (j - lane0) * hd + d0) : _mm512_setzero_si512();
-    for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: quads 4L.. of rows i, i + 1 interleaved
-      a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-      a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  // r[4G + c] lane L: quad 4L + c of rows 4G .. 4G + 3
-      r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-      r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-      r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-      r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {
-      const __m512i lo01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), hi01 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-      const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), hi23 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-      // Quad m = 4L + c of all 16 rows (dword i: row i), then its four codes apart: elements d0 + 4m ...
-      const __m512i col[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0x88),
-                              _mm512_shuffle_i32x4(lo01, lo23, 0xDD), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
-      for (int l = 0; l < 4; ++l) {
-        const __m512i x = _mm512_permutexvar_epi32(by_lane, _mm512_shuffle_epi8(col[l], by_code));
-        const int64_t d = d0 + 4 * (4 * l + c);
-        _mm512_storeu_ps(kt + d * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(x))));
-        _mm512_storeu_ps(kt + (d + 1) * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 1))));
-        _mm512_storeu_ps(kt + (d + 2) * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 2))));
-        _mm512_storeu_ps(kt + (d + 3) * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 3))));
-      }
+    __m512i col[16];
+    load_tile_dwords_transposed(reinterpret_cast<const char*>(k), lane0, nk, hd, d0, col);
+    for (int m = 0; m < 16; ++m) {  // quad m of all 16 rows: elements d0 + 4m .. d0 + 4m + 3
+      const __m512i x = _mm512_permutexvar_epi32(by_lane, _mm512_shuffle_epi8(col[m], by_code));
+      float* dst = kt + (d0 + 4 * m) * kKeyTile;
+      _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(x))));
+      _mm512_storeu_ps(dst + kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 1))));
+      _mm512_storeu_ps(dst + 2 * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 2))));
+      _mm512_storeu_ps(dst + 3 * kKeyTile, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(x, 3))));
     }
   }
   return d0;
