@@ -30,8 +30,15 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
 list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate[a-z_]*\\.cpp$")  # the emulation's own files
-# NCCL's communicator is its own library (kestrel_nccl, below): the binary does not link NCCL.
-list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/nccl_communicator\\.cpp$")
+# NCCL (tensor parallelism's communicator, nccl_communicator.cpp): only its header at build time;
+# the library is loaded with dlopen when a tensor-parallel runner starts on GPUs, by soname and then
+# at the path found here. Without the header the communicator is left out (KESTREL_HAS_NCCL unset)
+# and tensor parallelism on GPUs is an error.
+find_path(KESTREL_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+find_library(KESTREL_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+if(NOT KESTREL_NCCL_INCLUDE OR NOT KESTREL_CUDA_CORE_TARGET)
+  list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/nccl_communicator\\.cpp$")
+endif()
 set(KESTREL_CUDA_OP_SOURCES "")
 foreach(cu ${KESTREL_CUDA_KERNEL_SOURCES})
   string(REGEX REPLACE "\\.cu$" ".cuh" cuh ${cu})
@@ -90,15 +97,14 @@ else()
   target_sources(kestrel_cuda PRIVATE ${CMAKE_SOURCE_DIR}/src/core/error.cpp)
 endif()
 
-# kestrel_nccl: tensor parallelism's GPU communicator (nccl_communicator.cpp), built when NCCL is
-# found (the toolkit's or a system one). No runner drives it yet, so nothing links it.
-find_path(KESTREL_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-find_library(KESTREL_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
-if(KESTREL_NCCL_INCLUDE AND KESTREL_NCCL_LIBRARY AND KESTREL_CUDA_CORE_TARGET)
-  add_library(kestrel_nccl STATIC ${CMAKE_SOURCE_DIR}/src/backend/cuda/nccl_communicator.cpp)
-  target_include_directories(kestrel_nccl PRIVATE ${KESTREL_NCCL_INCLUDE})
-  target_link_libraries(kestrel_nccl PUBLIC kestrel_cuda ${KESTREL_NCCL_LIBRARY})
-  target_compile_options(kestrel_nccl PRIVATE -Wall -Wextra)
+if(KESTREL_NCCL_INCLUDE AND KESTREL_CUDA_CORE_TARGET)
+  target_include_directories(kestrel_cuda PRIVATE ${KESTREL_NCCL_INCLUDE})
+  target_compile_definitions(kestrel_cuda PRIVATE KESTREL_HAS_NCCL=1)
+  if(KESTREL_NCCL_LIBRARY)
+    get_filename_component(kestrel_nccl_real ${KESTREL_NCCL_LIBRARY} REALPATH)
+    set_source_files_properties(${CMAKE_SOURCE_DIR}/src/backend/cuda/nccl_communicator.cpp PROPERTIES
+                                COMPILE_DEFINITIONS KESTREL_NCCL_LIBRARY_PATH="${kestrel_nccl_real}")
+  endif()
 endif()
 
 if(KESTREL_CUDA_EMULATION)
@@ -128,6 +134,7 @@ if(KESTREL_CUDA_EMULATION)
       ${runner_dir}/cuda_moe_ffn.cpp ${runner_dir}/cuda_swap.cpp ${runner_dir}/cuda_kv_transfer.cpp
       ${runner_dir}/cuda_mla.cpp ${runner_dir}/cuda_int4_weights.cpp ${runner_dir}/cuda_gguf_weights.cpp
       ${runner_dir}/device_memory.cpp ${runner_dir}/op_profiler.cpp ${runner_dir}/cuda_pipeline_parallel.cpp
+      ${runner_dir}/cuda_tensor_parallel.cpp
       ${runner_dir}/emulate_gemm.cpp ${runner_dir}/emulate_runtime.cpp)
     target_compile_options(kestrel_cuda_runner_emu PRIVATE -Wno-attributes)
     target_link_libraries(kestrel_cuda_runner_emu PUBLIC kestrel_cuda_emu)

@@ -124,7 +124,7 @@ TEST_F(EngineConfigTest, EachRejectionNamesItsFlag) {
       {EngineMode::Serving, {"--cpu-offload-kv-gb", "0.25", "--swap-space", "0.25"}, "", ""},
       {EngineMode::Serving, {"--tensor-parallel-size", "2"}, "", ""},
       {EngineMode::Serving, {"--tensor-parallel-size", "3"}, "--tensor-parallel-size", "does not divide the model's attention heads (8)"},
-      {EngineMode::Single, {"--device", "cuda", "--tensor-parallel-size", "2"}, "--tensor-parallel-size", "CUDA backend runs a model on one GPU"},
+      {EngineMode::Single, {"--device", "cuda", "--tensor-parallel-size", "2"}, "--tensor-parallel-size", "needs 2 GPUs"},
       {EngineMode::Serving, {"--pipeline-parallel-size", "5"}, "", ""},
       {EngineMode::Serving, {"--pipeline-parallel-size", "6"}, "--pipeline-parallel-size", "exceeds the model's layers (5)"},
       {EngineMode::Single, {"--device", "cuda", "--pipeline-parallel-size", "2"}, "--pipeline-parallel-size", "needs 2 GPUs"},

@@ -189,7 +189,7 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
       ->capture_default_str();
   app.add_flag("--enforce-eager", device.enforce_eager, "CUDA: launch every step's kernels eagerly (no CUDA graphs)");
   app.add_option("--tensor-parallel-size", parallel.tensor_parallel_size, "Ranks a model's layers are split across (Megatron-style tensor parallelism; CPU: one thread per rank, "
-                 "--threads shared among them)")
+                 "--threads shared among them; CUDA: rank r on GPU r, NCCL between them)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size,
@@ -260,11 +260,19 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32 && kv != KvDtype::INT8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
                                                  ": the CPU backend's KV cache stores f16, f32 or int8 (or auto)");
-  if (parallel.tensor_parallel_size != 1 && device.device == "cuda")
-    throw CLI::ValidationError("--tensor-parallel-size",
-                               std::to_string(parallel.tensor_parallel_size) +
-                                   ": the CUDA backend runs a model on one GPU (tensor parallelism runs on the CPU "
-                                   "backend, one thread per rank)");
+  const int32_t tp = parallel.tensor_parallel_size;
+  if (tp != 1 && device.device == "cuda") {
+    // Rank r on GPU r.
+#if defined(KESTREL_HAS_CUDA)
+    const int visible = cuda_device_count();
+#else
+    const int visible = 0;
+#endif
+    if (visible < tp)
+      throw CLI::ValidationError("--tensor-parallel-size", std::to_string(tp) + ": needs " + std::to_string(tp) +
+                                                               " GPUs (rank r on GPU r); " + std::to_string(visible) +
+                                                               " visible");
+  }
   try {
     validate_tensor_parallel(hp, parallel.tensor_parallel_size);
   } catch (const Error& e) {

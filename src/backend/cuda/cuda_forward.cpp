@@ -89,13 +89,24 @@ void CudaModelRunner::embed() {
   if (!role_.first) return;  // a later pipeline stage: run() copied the residual stream handed in
   if (embd_q_.in_place()) {
     cuda::gguf_embedding(embd_q_.gguf[0].m, pass_arrays_->ids, pass_.n_tokens, hp_.embd_scale, pass_residual_,
-                         stream_);
-    mark("embedding");
-    return;
+                         stream_, vocab_begin_);
+  } else {
+    cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, hp_.embd_scale, pass_residual_,
+                    stream_, vocab_begin_, n_logits_);
   }
-  cuda::embedding(embd_.as<bf16>(), pass_arrays_->ids, pass_.n_tokens, hp_.n_embd, hp_.embd_scale, pass_residual_,
-                  stream_);
   mark("embedding");
+  // A tensor-parallel rank wrote zeros for the other ranks' tokens: one nonzero term per row, so
+  // the sum is exact.
+  if (comm_ != nullptr) {
+    comm_->all_reduce_sum(pass_residual_, pass_.n_tokens * hp_.n_embd, CommDtype::F32);
+    mark("all-reduce");
+  }
+}
+
+void CudaModelRunner::all_reduce(Act a) {
+  if (comm_ == nullptr) return;
+  comm_->all_reduce_sum(act(a), pass_.n_tokens * hp_.n_embd, CommDtype::BF16);
+  mark("all-reduce");
 }
 
 // residual += add, then y = RMSNorm(residual) * norm_w . W^T: two kernels, or one streaming GEMV
@@ -254,7 +265,7 @@ void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
     project_gguf(rows, head_q, logits_.as<void>(), pass_.n_out, false, true);
   } else {
     const bf16* w = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-    project(rows, w, logits_.as<void>(), true, pass_.n_out, d, hp_.n_vocab);
+    project(rows, w, logits_.as<void>(), true, pass_.n_out, d, n_logits_);
   }
   mark("gemm lm_head");
 }
@@ -265,7 +276,7 @@ void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
 // Scratch inputs and outputs are the activation buffers (sized for n by reserve_activations);
 // their contents do not matter.
 void CudaModelRunner::tune_gemms(int64_t n) {
-  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
+  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = n_logits_;
   auto tune = [&](const bf16* x, const std::vector<const bf16*>& ws, void* y, bool f32_out, int64_t n_in,
                   int64_t n_out) {
     if (ws.empty() || uses_skinny(n, n_in, n_out) || uses_stream_gemv(n, n_in, n_out)) return;

@@ -177,7 +177,7 @@ std::span<const float> CudaModelRunner::forward_stage(const ForwardBatch& b, con
 std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
   use_device();
   run(b, {}, false);
-  const int64_t n_out = static_cast<int64_t>(b.logits_indices.size()), nv = hp_.n_vocab;
+  const int64_t n_out = static_cast<int64_t>(b.logits_indices.size()), nv = n_logits_;
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (prof_ != nullptr) prof_->collect();
@@ -197,6 +197,7 @@ std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, 
   if (rows.size() != n_out)
     throw Error("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " + std::to_string(n_out) +
                 " logits rows");
+  if (comm_ != nullptr) throw Error("forward_sample: a tensor-parallel rank holds a slice of the logits");
   const bool masked = std::any_of(rows.begin(), rows.end(), [](const RowSampling& r) { return r.masked != 0; });
   if (masked && !fill_masks) throw Error("forward_sample: a masked sampling row without token masks");
   use_device();

@@ -17,6 +17,14 @@
 
 namespace kestrel {
 
+namespace {
+#if defined(KESTREL_CUDA_EMULATE)
+constexpr bool kEmulated = true;
+#else
+constexpr bool kEmulated = false;
+#endif
+}  // namespace
+
 int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -27,9 +35,13 @@ int cuda_device_count() {
 }
 
 std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, const RunnerOptions& options) {
-  if (options.tensor_parallel_size != 1)
-    throw Error("tensor parallelism (" + std::to_string(options.tensor_parallel_size) +
-                " ranks) runs on the CPU backend; the CUDA backend runs a model on one GPU");
+  if (options.tensor_parallel_size > 1) {
+    // Rank r on GPU r; under the CPU emulation every rank on its one device.
+    std::vector<int> devices;
+    const bool one_device = cuda_device_count() == 1 && kEmulated;
+    for (int r = 0; r < options.tensor_parallel_size; ++r) devices.push_back(one_device ? 0 : r);
+    return make_tensor_parallel_cuda_runner(model, options, devices);
+  }
   if (options.pipeline_parallel_size != 1) {
     std::vector<int> devices;
     for (int s = 0; s < options.pipeline_parallel_size; ++s) devices.push_back(s);
@@ -61,7 +73,8 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
       arch_(architecture(model.hparams().arch)),
       eager_(o.enforce_eager),
       device_(place.device),
-      role_(place.role) {
+      role_(place.role),
+      comm_(place.comm) {
   const int n_devices = cuda_device_count();
   if (n_devices == 0) throw Error("--device cuda: no CUDA device is available");
   if (device_ < 0 || device_ >= n_devices)
@@ -71,6 +84,12 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     throw Error("CUDA backend: head_dim " + std::to_string(hp_.head_dim) +
                 " is not supported (a multiple of 8 from 8 to 256)");
   if (o.block_size <= 0) throw Error("block size must be positive");
+  {
+    const ModelWeights& W = model.weights();
+    const LayerTensor* head = W.find({-1, W.tied_output ? WeightRole::TokenEmbd : WeightRole::Output});
+    n_logits_ = head != nullptr ? head->matrix.n_out : hp_.n_vocab;
+    vocab_begin_ = W.vocab_begin;
+  }
   use_device();
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
@@ -368,7 +387,7 @@ void CudaModelRunner::reserve_activations(int64_t n, int64_t n_out, size_t atten
     m.reserve(bytes);
     grew = true;
   };
-  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = hp_.n_vocab;
+  const int64_t d = hp_.n_embd, qd = hp_.q_dim(), kvd = hp_.kv_dim(), ff = hp_.n_ff, nv = n_logits_;
   if (n > cap_tokens_) {
     grow(residual_, static_cast<size_t>(n * d) * 4);
     if (!role_.last) grow(hidden_out_, static_cast<size_t>(n * d) * 4);

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/communicator.h"
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/device_memory.h"
 #include "backend/cuda/fp8_ops.h"
@@ -142,10 +143,15 @@ std::string uuid_text(const cudaUUID_t& uuid);
 // pipeline stage (LlamaModel::pipeline_stage: a stage uploads the token embedding only when first,
 // the final norm and LM head only when last), and whether the KV cache waits for
 // allocate_kv_blocks (a pipeline sizes its stages' caches together).
+// `comm`: a tensor-parallel rank's communicator (the model is then LlamaModel::tensor_parallel_shard;
+// null otherwise): the ranks' row-parallel outputs and vocabulary-parallel embedding rows are summed
+// through it on the runner's stream (an NcclCommunicator is set to stream() by its owner), and the
+// logits are the rank's slice of the vocabulary [n_out, n_vocab / size].
 struct CudaPlacement {
   int device = 0;
   PipelineRole role;
   bool kv_later = false;
+  Communicator* comm = nullptr;
 };
 
 class CudaModelRunner final : public ModelRunner, private ForwardOps {
@@ -169,8 +175,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Makes the runner's device the calling thread's current device (every public call does).
   void use_device() const;
 
+  // Logits [n_out, n_logits()] f32 on the host: the whole vocabulary, or a tensor-parallel rank's
+  // slice of it.
   std::span<const float> forward(const ForwardBatch& b) override;
-  bool samples_on_device() const override { return true; }
+  int64_t n_logits() const { return n_logits_; }
+  // A tensor-parallel rank holds a slice of the logits: its owner samples on the host.
+  bool samples_on_device() const override { return comm_ == nullptr; }
   // Masked rows: the pass runs (its graph replays) without the sampling kernel, fill_masks writes
   // the masks into pinned memory while the device computes the logits, one copy takes them up and
   // the sampling kernel runs after it, outside the graph (cuda_graph_runner.cpp).
@@ -252,6 +262,8 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void geglu_linear(Act in, WeightId proj, Act out) override;
   void moe_ffn(int32_t layer, Act in, Act out) override;  // cuda_moe_ffn.cpp
   void final_norm_logits(Act add, WeightId norm, WeightId head) override;
+  // A tensor-parallel rank's partial rows [n, d] bf16 summed over the ranks (comm_); a no-op alone.
+  void all_reduce(Act a) override;
   void mla_attention(int32_t layer, Act in, Act out) override;  // cuda_mla.cpp
   bf16* act(Act a);  // the activation buffer; null for Act::None
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
@@ -348,6 +360,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   bool eager_;
   int device_ = 0;
   PipelineRole role_;
+  Communicator* comm_ = nullptr;  // CudaPlacement::comm
+  // The LM head's rows: n_vocab, or a tensor-parallel rank's slice starting at vocab_begin_ (the
+  // embedding table holds the same rows).
+  int64_t n_logits_ = 0, vocab_begin_ = 0;
   // forward_stage's input residual stream while its pass is staged; a non-last stage's output
   // [cap_tokens_, n_embd] f32 (a fixed address, for the captured graphs).
   const float* pass_hidden_in_ = nullptr;

@@ -25,9 +25,11 @@ using bf16 = __nv_bfloat16;
 // out[t, :] = table[ids[t], :] * scale (Gemma scales its embeddings by sqrt(n_embd); else 1).
 // table [n_vocab, n_embd] bf16; out [n_tokens, n_embd] f32 (the residual stream is kept in f32).
 // ids must lie in [0, n_vocab): the device does not check them (the runner checks token ids on
-// the host, as CpuModelRunner::check does).
+// the host, as CpuModelRunner::check does). A tensor-parallel rank's table holds the rows
+// [vocab_begin, vocab_begin + n_rows) of the vocabulary: row t is table[ids[t] - vocab_begin] for
+// an id inside, zeros for any other (the ranks' rows are then summed).
 void embedding(const bf16* table, const int32_t* ids, int64_t n_tokens, int64_t n_embd, float scale, float* out,
-               cudaStream_t stream);
+               cudaStream_t stream, int64_t vocab_begin = 0, int64_t n_rows = INT64_MAX);
 
 // In-place RMSNorm of heads: for each row t < n_rows and head h < n_heads, the dim values at
 // x + t * row_stride + h * dim = RMSNorm(them) * weight (Gemma 3's QK-norm over the q or k heads

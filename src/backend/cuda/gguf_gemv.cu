@@ -105,10 +105,11 @@ void launch_dequantize(const GgufMatrix& w, bf16* out, int64_t out_stride, cudaS
 
 template <GgufQuant T>
 void launch_embedding(const GgufMatrix& w, const int32_t* ids, int64_t n_tokens, float scale, float* out,
-                      cudaStream_t stream) {
+                      int64_t vocab_begin, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(n_tokens)), block(128);
   auto* k = &gguf_embedding_kernel<T>;
-  KESTREL_LAUNCH(k, grid, block, 0, stream, w.body, w.d, ids, static_cast<int>(w.n_in), scale, out);
+  KESTREL_LAUNCH(k, grid, block, 0, stream, w.body, w.d, ids, static_cast<int>(w.n_in), scale, out, vocab_begin,
+                 w.n_out);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
@@ -135,8 +136,9 @@ struct Dequantize {
 };
 template <GgufQuant T>
 struct Embedding {
-  static void run(const GgufMatrix& w, const int32_t* ids, int64_t n, float scale, float* out, cudaStream_t s) {
-    launch_embedding<T>(w, ids, n, scale, out, s);
+  static void run(const GgufMatrix& w, const int32_t* ids, int64_t n, float scale, float* out, int64_t vocab_begin,
+                  cudaStream_t s) {
+    launch_embedding<T>(w, ids, n, scale, out, vocab_begin, s);
   }
 };
 
@@ -176,11 +178,11 @@ void dequantize_gguf(const GgufMatrix& w, bf16* out, int64_t out_stride, cudaStr
 }
 
 void gguf_embedding(const GgufMatrix& w, const int32_t* ids, int64_t n_tokens, float scale, float* out,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int64_t vocab_begin) {
   check_matrix("gguf_embedding", w);
   if (n_tokens <= 0 || ids == nullptr || out == nullptr)
     throw Error("gguf_embedding: bad shape (n_tokens " + std::to_string(n_tokens) + ")");
-  by_type<Embedding>(w.type, w, ids, n_tokens, scale, out, stream);
+  by_type<Embedding>(w.type, w, ids, n_tokens, scale, out, vocab_begin, stream);
 }
 
 }  // namespace kestrel::cuda

@@ -370,15 +370,21 @@ __global__ void dequantize_gguf_kernel(const uint8_t* __restrict__ body, const u
   }
 }
 
-// One block per token, threads over the units of its row: out[tok, :] = bf16 values * scale (f32).
+// One block per token, threads over the units of its row: out[tok, :] = bf16 values * scale (f32);
+// zeros for an id outside the matrix's rows [vocab_begin, vocab_begin + n_rows).
 template <GgufQuant T>
 __global__ void gguf_embedding_kernel(const uint8_t* __restrict__ body, const uint16_t* __restrict__ d,
-                                      const int32_t* __restrict__ ids, int n_in, float scale, float* __restrict__ out) {
+                                      const int32_t* __restrict__ ids, int n_in, float scale, float* __restrict__ out,
+                                      int64_t vocab_begin, int64_t n_rows) {
   KESTREL_PDL_ENTRY();
   const int64_t tok = blockIdx.x;
   const int n_units = n_in / 32;
   const int64_t blocks_per_row = n_units / kGgufUnitsPerBlock<T>;
-  const int64_t row = ids[tok];
+  const int64_t row = static_cast<int64_t>(ids[tok]) - vocab_begin;
+  if (row < 0 || row >= n_rows) {
+    for (int i = static_cast<int>(threadIdx.x); i < n_in; i += static_cast<int>(blockDim.x)) out[tok * n_in + i] = 0.0f;
+    return;
+  }
   const uint8_t* b_row = body + row * blocks_per_row * kGgufBody<T>;
   const uint16_t* d_row = d + row * blocks_per_row;
   for (int i = static_cast<int>(threadIdx.x); i < 4 * n_units; i += static_cast<int>(blockDim.x)) {

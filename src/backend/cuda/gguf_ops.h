@@ -74,8 +74,10 @@ void gguf_gemv(const GgufGemvArgs& args, cudaStream_t stream);
 void dequantize_gguf(const GgufMatrix& w, bf16* out, int64_t out_stride, cudaStream_t stream);
 
 // out[t, :] = W[ids[t], :] * scale in f32 (W's bf16 values, as embedding() reads the bf16 table):
-// the token embedding kept in place. Errors: kestrel::Error for a bad shape.
+// the token embedding kept in place. A tensor-parallel rank's W holds the vocabulary rows
+// [vocab_begin, vocab_begin + n_out): other ids give zero rows. Errors: kestrel::Error for a bad
+// shape.
 void gguf_embedding(const GgufMatrix& w, const int32_t* ids, int64_t n_tokens, float scale, float* out,
-                    cudaStream_t stream);
+                    cudaStream_t stream, int64_t vocab_begin = 0);
 
 }  // namespace kestrel::cuda

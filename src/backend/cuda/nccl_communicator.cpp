@@ -1,9 +1,12 @@
 #include "backend/cuda/nccl_communicator.h"
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
+#include <set>
 #include <string>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -11,8 +14,58 @@ namespace kestrel::cuda {
 
 namespace {
 
+// The NCCL entry points used here, resolved from the library at first use.
+struct NcclApi {
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclCommInitRank) CommInitRank;
+  decltype(&ncclCommDestroy) CommDestroy;
+  decltype(&ncclGroupStart) GroupStart;
+  decltype(&ncclGroupEnd) GroupEnd;
+  decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclAllGather) AllGather;
+  decltype(&ncclGetErrorString) GetErrorString;
+};
+
+NcclApi load() {
+  const std::string soname = "libnccl.so." + std::to_string(NCCL_MAJOR);
+  std::string tried = soname;
+  void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+  std::string why = lib == nullptr ? dlerror() : "";
+#if defined(KESTREL_NCCL_LIBRARY_PATH)
+  if (lib == nullptr) {
+    tried += ", " + std::string(KESTREL_NCCL_LIBRARY_PATH);
+    lib = dlopen(KESTREL_NCCL_LIBRARY_PATH, RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) why += std::string("; ") + dlerror();
+  }
+#endif
+  if (lib == nullptr)
+    throw Error("NCCL: cannot load the library (tried " + tried + "): " + why +
+                ". Tensor parallelism on GPUs needs NCCL " + std::to_string(NCCL_MAJOR) +
+                ": install it or put the folder holding " + soname + " on LD_LIBRARY_PATH");
+  auto sym = [&](auto& fn, const char* name) {
+    void* p = dlsym(lib, name);
+    if (p == nullptr) throw Error("NCCL: " + soname + " has no symbol " + name);
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+  };
+  NcclApi a{};
+  sym(a.GetUniqueId, "ncclGetUniqueId");
+  sym(a.CommInitRank, "ncclCommInitRank");
+  sym(a.CommDestroy, "ncclCommDestroy");
+  sym(a.GroupStart, "ncclGroupStart");
+  sym(a.GroupEnd, "ncclGroupEnd");
+  sym(a.AllReduce, "ncclAllReduce");
+  sym(a.AllGather, "ncclAllGather");
+  sym(a.GetErrorString, "ncclGetErrorString");
+  return a;  // the library stays open for the life of the process
+}
+
+const NcclApi& nccl() {
+  static const NcclApi api = load();
+  return api;
+}
+
 void nccl_check(ncclResult_t r, const char* what) {
-  if (r != ncclSuccess) throw Error(std::string("NCCL ") + what + ": " + ncclGetErrorString(r));
+  if (r != ncclSuccess) throw Error(std::string("NCCL ") + what + ": " + nccl().GetErrorString(r));
 }
 
 ncclDataType_t nccl_type(CommDtype t) { return t == CommDtype::F32 ? ncclFloat32 : ncclBfloat16; }
@@ -20,16 +73,16 @@ ncclDataType_t nccl_type(CommDtype t) { return t == CommDtype::F32 ? ncclFloat32
 class Nccl final : public NcclCommunicator {
  public:
   Nccl(ncclComm_t comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
-  ~Nccl() override { ncclCommDestroy(comm_); }
+  ~Nccl() override { nccl().CommDestroy(comm_); }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
   void all_reduce_sum(void* data, int64_t n, CommDtype dtype) override {
-    nccl_check(ncclAllReduce(data, data, static_cast<size_t>(n), nccl_type(dtype), ncclSum, comm_, stream_),
+    nccl_check(nccl().AllReduce(data, data, static_cast<size_t>(n), nccl_type(dtype), ncclSum, comm_, stream_),
                "all-reduce");
   }
   void all_gather(const float* in, int64_t n, float* out) override {
-    nccl_check(ncclAllGather(in, out, static_cast<size_t>(n), ncclFloat32, comm_, stream_), "all-gather");
+    nccl_check(nccl().AllGather(in, out, static_cast<size_t>(n), ncclFloat32, comm_, stream_), "all-gather");
   }
 
  private:
@@ -40,21 +93,29 @@ class Nccl final : public NcclCommunicator {
 
 }  // namespace
 
-std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators(int size) {
+std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators(std::span<const int> devices) {
+  const int size = static_cast<int>(devices.size());
   int n_devices = 0;
   if (cudaGetDeviceCount(&n_devices) != cudaSuccess) n_devices = 0;
-  if (size < 1 || size > n_devices)
-    throw Error("tensor parallelism over " + std::to_string(size) + " ranks needs " + std::to_string(size) +
-                " GPUs; " + std::to_string(n_devices) + " visible");
-  ncclUniqueId id;
-  nccl_check(ncclGetUniqueId(&id), "unique id");
-  std::vector<ncclComm_t> comms(static_cast<size_t>(size));
-  nccl_check(ncclGroupStart(), "group start");
-  for (int r = 0; r < size; ++r) {
-    if (cudaSetDevice(r) != cudaSuccess) throw Error("cudaSetDevice(" + std::to_string(r) + ") failed");
-    nccl_check(ncclCommInitRank(&comms[static_cast<size_t>(r)], size, id, r), "init rank");
+  if (size < 1) throw Error("NCCL: a communicator needs at least one rank");
+  std::set<int> seen;
+  for (int d : devices) {
+    if (d < 0 || d >= n_devices)
+      throw Error("NCCL: device " + std::to_string(d) + " is not visible (" + std::to_string(n_devices) + " visible)");
+    if (!seen.insert(d).second)
+      throw Error("NCCL: device " + std::to_string(d) + " holds two ranks (NCCL takes one rank per GPU)");
   }
-  nccl_check(ncclGroupEnd(), "group end");
+  const NcclApi& api = nccl();
+  ncclUniqueId id;
+  nccl_check(api.GetUniqueId(&id), "unique id");
+  std::vector<ncclComm_t> comms(static_cast<size_t>(size));
+  nccl_check(api.GroupStart(), "group start");
+  for (int r = 0; r < size; ++r) {
+    if (cudaSetDevice(devices[static_cast<size_t>(r)]) != cudaSuccess)
+      throw Error("cudaSetDevice(" + std::to_string(devices[static_cast<size_t>(r)]) + ") failed");
+    nccl_check(api.CommInitRank(&comms[static_cast<size_t>(r)], size, id, r), "init rank");
+  }
+  nccl_check(api.GroupEnd(), "group end");
   std::vector<std::unique_ptr<NcclCommunicator>> out;
   for (int r = 0; r < size; ++r) out.push_back(std::make_unique<Nccl>(comms[static_cast<size_t>(r)], r, size));
   return out;
