@@ -36,5 +36,34 @@ TEST(CudaEmbedding, MatchesTableRows) {
   }
 }
 
+// A tensor-parallel rank's table: rows [vocab_begin, vocab_begin + n_rows) of the vocabulary. Ids
+// inside read their row, every other id (below, above, at the slice's ends) gives a zero row.
+TEST(CudaEmbedding, VocabularySliceGivesZerosOutsideIt) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(2);
+  for (const int64_t n_embd : {int64_t{64}, int64_t{100}}) {  // the 16-byte kernel and the scalar one
+    SCOPED_TRACE("n_embd " + std::to_string(n_embd));
+    const int64_t vocab_begin = 256, n_rows = 128;
+    const auto table = random_bf16(static_cast<size_t>(n_rows * n_embd), rng);
+    const std::vector<int32_t> ids = {0, 255, 256, 300, 383, 384, 511, 256};
+    DeviceBuffer<uint16_t> d_table(table);
+    DeviceBuffer<int32_t> d_ids(ids);
+    const int64_t n = static_cast<int64_t>(ids.size());
+    DeviceBuffer<float> d_out(static_cast<size_t>(n * n_embd));
+    d_out.poison();
+    cuda::embedding(d_table.bf16(), d_ids.get(), n, n_embd, 2.0f, d_out.get(), nullptr, vocab_begin, n_rows);
+    const auto out = d_out.download();
+    int64_t mismatches = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t row = ids[static_cast<size_t>(t)] - vocab_begin;
+      for (int64_t i = 0; i < n_embd; ++i) {
+        const float want = row < 0 || row >= n_rows ? 0.0f : 2.0f * from_bf16(table[static_cast<size_t>(row * n_embd + i)]);
+        mismatches += out[static_cast<size_t>(t * n_embd + i)] != want;
+      }
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+}
+
 }  // namespace
 }  // namespace kestrel::test

@@ -128,6 +128,20 @@ TEST(CudaGguf, DequantizeAndEmbeddingEqualTheBf16Upload) {
     for (size_t i = 0; i < ids.size(); ++i)
       for (int64_t k = 0; k < n_in; ++k) bad += e[i * n_in + k] != want[ids[i] * n_in + k] * 1.5f;
     EXPECT_EQ(bad, 0);
+    // As a tensor-parallel rank's slice of the vocabulary [10, 16): other ids give zero rows.
+    const std::vector<int32_t> slice_ids = {13, 9, 10, 16, 15, 0};
+    DeviceBuffer<int32_t> d_slice_ids(slice_ids);
+    DeviceBuffer<float> emb2(slice_ids.size() * n_in);
+    emb2.poison();
+    cuda::gguf_embedding(w.m, d_slice_ids.get(), static_cast<int64_t>(slice_ids.size()), 1.0f, emb2.get(), nullptr, 10);
+    const auto e2 = emb2.download();
+    bad = 0;
+    for (size_t i = 0; i < slice_ids.size(); ++i) {
+      const int64_t row = slice_ids[i] - 10;
+      for (int64_t k = 0; k < n_in; ++k)
+        bad += e2[i * n_in + k] != (row < 0 || row >= n_out ? 0.0f : want[row * n_in + k]);
+    }
+    EXPECT_EQ(bad, 0);
   }
 }
 
