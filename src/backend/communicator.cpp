@@ -1,12 +1,14 @@
 // In-process collectives: every rank publishes its buffer, the ranks wait at a barrier, each rank
 // reduces its own contiguous chunk of the elements over all ranks' buffers into shared scratch
 // (in rank order), and after a second barrier copies the whole sum back into its buffer; a third
-// barrier keeps the buffers and the scratch alive until every rank has read them.
+// barrier keeps the buffers and the scratch alive until every rank has read them. abort() wakes
+// every rank waiting at the barrier with an error.
 #include "backend/communicator.h"
 
 #include <algorithm>
-#include <barrier>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "core/dtype.h"
@@ -16,10 +18,44 @@ namespace kestrel {
 
 namespace {
 
+// A reusable barrier of n threads that abort() breaks for good.
+class AbortableBarrier {
+ public:
+  explicit AbortableBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (aborted_) throw_aborted();
+    const uint64_t gen = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    if (generation_ == gen) throw_aborted();
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  [[noreturn]] static void throw_aborted() {
+    throw Error("tensor parallel: another rank failed, so this collective cannot complete");
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
+};
+
 struct InProcessGroup {
   explicit InProcessGroup(int n) : size(n), barrier(n), ptrs(static_cast<size_t>(n), nullptr) {}
   int size;
-  std::barrier<> barrier;
+  AbortableBarrier barrier;
   std::vector<const void*> ptrs;  // each rank's buffer of the collective in progress
   std::vector<float> sum;         // the reduced elements
 };
@@ -67,6 +103,8 @@ class InProcessCommunicator final : public Communicator {
       std::memcpy(out + r * n, g.ptrs[static_cast<size_t>(r)], sizeof(float) * static_cast<size_t>(n));
     g.barrier.arrive_and_wait();
   }
+
+  void abort() override { g_->barrier.abort(); }
 
  private:
   std::shared_ptr<InProcessGroup> g_;

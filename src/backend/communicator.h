@@ -25,6 +25,11 @@ class Communicator {
   void all_reduce_sum(float* data, int64_t n) { all_reduce_sum(data, n, CommDtype::F32); }
   // in [n] f32 on every rank -> out [size, n] on every rank, rank r's in at row r.
   virtual void all_gather(const float* in, int64_t n, float* out) = 0;
+  // Ends the whole group after a rank failed between collectives, so that the others do not wait
+  // for it forever: collectives in progress on any rank, and every later one, throw kestrel::Error
+  // (in-process) or are cancelled (NCCL: ncclCommAbort of every rank's communicator). The group
+  // cannot be used again. Callable from any thread, more than once.
+  virtual void abort() = 0;
 };
 
 // The communicators of `size` ranks that run as threads of this process (shared buffers and a

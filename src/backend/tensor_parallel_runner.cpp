@@ -1,13 +1,17 @@
 #include "backend/tensor_parallel_runner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
 
 #include "backend/rank_threads.h"
 #include "core/error.h"
+#include "model/forward_batch.h"
 
 namespace kestrel {
 
@@ -16,13 +20,14 @@ namespace {
 class TensorParallelRunner final : public ModelRunner {
  public:
   TensorParallelRunner(std::vector<std::unique_ptr<LlamaModel>> shards, std::vector<std::unique_ptr<Communicator>> comms,
-                       std::vector<std::unique_ptr<ModelRunner>> ranks, int64_t n_vocab)
+                       std::vector<std::unique_ptr<ModelRunner>> ranks, const ModelHparams& hp)
       : size_(static_cast<int>(ranks.size())),
         comms_(std::move(comms)),
         shards_(std::move(shards)),
         ranks_(std::move(ranks)),
         parts_(ranks_.size()),
-        n_vocab_(n_vocab),
+        n_vocab_(hp.n_vocab),
+        kv_lookback_(hp.kv_lookback()),
         threads_(size_) {
     KESTREL_ASSERT(size_ >= 1 && n_vocab_ % size_ == 0, "tensor parallel: ranks and vocabulary");
   }
@@ -30,7 +35,30 @@ class TensorParallelRunner final : public ModelRunner {
   std::span<const float> forward(const ForwardBatch& batch) override {
     const int64_t n_rows = static_cast<int64_t>(batch.logits_indices.size());
     const int64_t slice = n_vocab_ / size_;
-    threads_.run([&](int r) { parts_[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)]->forward(batch); });
+    if (failed_) throw Error("tensor parallel: a rank failed in an earlier step, and its group was aborted");
+    // A bad batch is refused here, before any rank starts: a rank that throws aborts the group.
+    validate_forward_batch(batch, n_vocab_, n_kv_blocks(), block_size(), kv_lookback_);
+    std::mutex mu;
+    std::exception_ptr cause;  // the first rank's failure, not the others' aborted collectives
+    try {
+      threads_.run([&](int r) {
+        try {
+          parts_[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)]->forward(batch);
+        } catch (...) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!cause) cause = std::current_exception();
+          }
+          // The other ranks may be waiting in a collective for this one: end the group for all.
+          failed_ = true;
+          comms_[static_cast<size_t>(r)]->abort();
+          throw;
+        }
+      });
+    } catch (...) {
+      if (cause) std::rethrow_exception(cause);
+      throw;
+    }
     // parts [rank][row, slice] -> logits [row, rank * slice + j]
     logits_.resize(static_cast<size_t>(n_rows * n_vocab_));
     for (int r = 0; r < size_; ++r) {
@@ -109,6 +137,7 @@ class TensorParallelRunner final : public ModelRunner {
   }
 
   int size_;
+  std::atomic<bool> failed_{false};  // a rank's pass threw: the group is aborted
   // Destroyed in reverse: the threads joined first, then the ranks, then the shards and
   // communicators they use.
   std::vector<std::unique_ptr<Communicator>> comms_;
@@ -117,6 +146,7 @@ class TensorParallelRunner final : public ModelRunner {
   std::vector<std::span<const float>> parts_;  // each rank's logits slice of the step
   std::vector<float> logits_;
   int64_t n_vocab_ = 0;
+  int64_t kv_lookback_ = 0;
   RankThreads threads_;
 };
 
@@ -125,11 +155,11 @@ class TensorParallelRunner final : public ModelRunner {
 std::unique_ptr<ModelRunner> make_tensor_parallel_runner(std::vector<std::unique_ptr<LlamaModel>> shards,
                                                          std::vector<std::unique_ptr<Communicator>> comms,
                                                          std::vector<std::unique_ptr<ModelRunner>> ranks,
-                                                         int64_t n_vocab) {
+                                                         const ModelHparams& hp) {
   if (ranks.empty() || shards.size() != ranks.size() || comms.size() != ranks.size())
     throw Error("tensor parallel: " + std::to_string(ranks.size()) + " ranks, " + std::to_string(shards.size()) +
                 " shards, " + std::to_string(comms.size()) + " communicators");
-  return std::make_unique<TensorParallelRunner>(std::move(shards), std::move(comms), std::move(ranks), n_vocab);
+  return std::make_unique<TensorParallelRunner>(std::move(shards), std::move(comms), std::move(ranks), hp);
 }
 
 }  // namespace kestrel

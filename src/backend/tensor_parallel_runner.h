@@ -14,21 +14,26 @@
 
 #include "backend/communicator.h"
 #include "backend/model_runner.h"
+#include "model/hparams.h"
 #include "model/llama_weights.h"
 
 namespace kestrel {
 
 // The ModelRunner over `ranks` (N >= 1, rank r's runner over shards[r] holding comms[r]; one
-// backend; their KV pools of one block count and size), for a model of n_vocab tokens. forward()
-// runs every rank on the batch at once and returns [n_rows, n_vocab] (rank r's logits [n_rows,
+// backend; their KV pools of one block count and size) of a model with hyperparameters `hp` (the
+// whole model's, for the batch checks). forward() checks the batch (validate_forward_batch), runs
+// every rank on it at once and returns [n_rows, n_vocab] (rank r's logits [n_rows,
 // n_vocab / N] at columns [r n_vocab / N, (r + 1) n_vocab / N)); the host samples (no device
 // sampling). Block copies and swaps go to every rank (each holds its heads of every block); a
 // block's K/V record is the ranks' records in rank order, and the bytes per token are the ranks'
 // together (a replicated KV head counted on every rank that holds it). The runner owns shards,
-// comms and ranks and destroys the ranks first. Errors: the ranks' (the lowest rank's first).
+// comms and ranks and destroys the ranks first. Errors: validate_forward_batch's; the first
+// failing rank's: a rank that throws in forward() aborts the communicators (Communicator::abort),
+// so the ranks waiting for it in a collective return too, and every later forward() throws
+// kestrel::Error.
 std::unique_ptr<ModelRunner> make_tensor_parallel_runner(std::vector<std::unique_ptr<LlamaModel>> shards,
                                                          std::vector<std::unique_ptr<Communicator>> comms,
                                                          std::vector<std::unique_ptr<ModelRunner>> ranks,
-                                                         int64_t n_vocab);
+                                                         const ModelHparams& hp);
 
 }  // namespace kestrel

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
 #include <string>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "backend/communicator.h"
+#include "backend/tensor_parallel_runner.h"
 #include "core/dtype.h"
 #include "engine/engine.h"
 #include "hf_tiny_reference.h"
@@ -101,6 +103,82 @@ TEST(InProcessCommunicator, AllGatherOrdersByRank) {
     for (int k = 0; k < size; ++k)
       for (int i = 0; i < n; ++i) EXPECT_EQ(out[r][k * n + i], static_cast<float>(10 * k + i));
   EXPECT_TRUE(error_has([] { make_in_process_communicators(0); }, "at least one rank"));
+}
+
+// A rank that fails between collectives aborts the group: the ranks already waiting in an
+// all-reduce, and every later collective, throw instead of waiting for it forever.
+TEST(InProcessCommunicator, AbortReleasesTheRanksWaitingInACollective) {
+  std::vector<std::string> errors(3);
+  on_ranks(3, [&](int r, Communicator& c) {
+    std::vector<float> buf(64, 1.0f);
+    c.all_reduce_sum(buf.data(), 64);  // one that completes
+    EXPECT_EQ(buf[0], 3.0f);
+    if (r == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the others are waiting by now
+      c.abort();
+      c.abort();  // twice is harmless
+    } else {
+      errors[static_cast<size_t>(r)] = test::error_of([&] { c.all_reduce_sum(buf.data(), 64); });
+    }
+    errors[static_cast<size_t>(r)] += "|" + test::error_of([&] { c.all_reduce_sum(buf.data(), 64, CommDtype::BF16); });
+  });
+  for (const std::string& e : errors) EXPECT_NE(e.find("another rank failed"), std::string::npos) << e;
+  // The waiting all-reduce itself threw (before the '|'), not only the later one.
+  EXPECT_LT(errors[0].find("another rank failed"), errors[0].find('|')) << errors[0];
+}
+
+// The tensor-parallel driver over stand-in ranks that all-reduce inside their pass: one rank
+// throws before its collective; the pass returns that rank's error (not the aborted collectives'
+// of the others, which would otherwise wait forever), and the group refuses later passes. A bad
+// batch is refused before any rank runs, and leaves the group usable.
+TEST(TensorParallelRunner, AFailingRankEndsThePassWithItsErrorInsteadOfAHang) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const auto model = LlamaModel::load_gguf(path);
+  struct StandIn final : ModelRunner {
+    StandIn(Communicator* c, int64_t width, const bool* fail) : comm(c), logits(width), fail(fail) {}
+    std::span<const float> forward(const ForwardBatch& b) override {
+      if (*fail && comm->rank() == 2) throw Error("rank 2 ran out of memory");
+      std::vector<float> x(8, 1.0f);
+      comm->all_reduce_sum(x.data(), 8);
+      std::fill(logits.begin(), logits.end(), x[0] + static_cast<float>(comm->rank()));
+      return {logits.data(), logits.size() * b.logits_indices.size()};
+    }
+    void copy_blocks(std::span<const BlockCopy>) override {}
+    int32_t n_kv_blocks() const override { return 4; }
+    int32_t block_size() const override { return 16; }
+    KvDtype kv_dtype() const override { return KvDtype::F32; }
+    int64_t kv_bytes_per_token() const override { return 8; }
+    std::string description() const override { return "stand-in"; }
+    Communicator* comm;
+    std::vector<float> logits;
+    const bool* fail;
+  };
+  const int size = 4;
+  const int64_t V = model->hparams().n_vocab;
+  bool fail = false;
+  auto comms = make_in_process_communicators(size);
+  std::vector<std::unique_ptr<LlamaModel>> shards;
+  std::vector<std::unique_ptr<ModelRunner>> ranks;
+  for (int r = 0; r < size; ++r) {
+    shards.push_back(model->tensor_parallel_shard(r, size));
+    ranks.push_back(std::make_unique<StandIn>(comms[static_cast<size_t>(r)].get(), V / size, &fail));
+  }
+  const auto tp = make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model->hparams());
+  const std::vector<int32_t> ids = {1}, pos = {0}, qs = {0, 1}, ctx = {1}, table = {0}, rows = {0};
+  const std::vector<int64_t> slots = {0};
+  ForwardBatch b{ids, pos, slots, qs, ctx, table, 1, rows};
+  const std::span<const float> logits = tp->forward(b);
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), V);
+  for (int r = 0; r < size; ++r) EXPECT_EQ(logits[static_cast<size_t>(r * (V / size))], 4.0f + static_cast<float>(r));
+  const std::vector<int32_t> bad_ids = {static_cast<int32_t>(V)};
+  ForwardBatch bad{bad_ids, pos, slots, qs, ctx, table, 1, rows};
+  EXPECT_FALSE(test::error_of([&] { tp->forward(bad); }).empty());
+  EXPECT_EQ(tp->forward(b).size(), logits.size());  // still usable
+  fail = true;
+  EXPECT_EQ(test::error_of([&] { tp->forward(b); }), "rank 2 ran out of memory");
+  fail = false;
+  EXPECT_NE(test::error_of([&] { tp->forward(b); }).find("failed in an earlier step"), std::string::npos);
 }
 
 EngineConfig tp_config(int tp, int64_t chunk) {

@@ -32,7 +32,7 @@ std::unique_ptr<ModelRunner> make_tensor_parallel_cpu_runner(const LlamaModel& m
     shards.push_back(model.tensor_parallel_shard(r, size));
     ranks.push_back(std::make_unique<CpuBackend>(*shards.back(), ro, comms[static_cast<size_t>(r)].get()));
   }
-  return make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model.hparams().n_vocab);
+  return make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model.hparams());
 }
 }  // namespace
 

@@ -89,7 +89,7 @@ std::unique_ptr<ModelRunner> make_tensor_parallel_cuda_runner(const LlamaModel& 
     }
   }
   for (cuda_runner::CudaModelRunner* r : runners) r->allocate_kv_blocks(n);
-  return make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model.hparams().n_vocab);
+  return make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model.hparams());
 }
 
 }  // namespace kestrel

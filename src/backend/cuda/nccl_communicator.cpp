@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <mutex>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -19,6 +20,7 @@ struct NcclApi {
   decltype(&ncclGetUniqueId) GetUniqueId;
   decltype(&ncclCommInitRank) CommInitRank;
   decltype(&ncclCommDestroy) CommDestroy;
+  decltype(&ncclCommAbort) CommAbort;
   decltype(&ncclGroupStart) GroupStart;
   decltype(&ncclGroupEnd) GroupEnd;
   decltype(&ncclAllReduce) AllReduce;
@@ -51,6 +53,7 @@ NcclApi load() {
   sym(a.GetUniqueId, "ncclGetUniqueId");
   sym(a.CommInitRank, "ncclCommInitRank");
   sym(a.CommDestroy, "ncclCommDestroy");
+  sym(a.CommAbort, "ncclCommAbort");
   sym(a.GroupStart, "ncclGroupStart");
   sym(a.GroupEnd, "ncclGroupEnd");
   sym(a.AllReduce, "ncclAllReduce");
@@ -70,24 +73,49 @@ void nccl_check(ncclResult_t r, const char* what) {
 
 ncclDataType_t nccl_type(CommDtype t) { return t == CommDtype::F32 ? ncclFloat32 : ncclBfloat16; }
 
+// The communicators of one group: abort() of any rank aborts them all (a rank whose peer failed
+// would otherwise wait in its collective forever); an aborted communicator is not destroyed again.
+struct NcclGroup {
+  std::vector<ncclComm_t> comms;
+  std::mutex mu;
+  bool aborted = false;
+  ~NcclGroup() {
+    if (!aborted)
+      for (ncclComm_t c : comms) nccl().CommDestroy(c);
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted) return;
+    aborted = true;
+    for (ncclComm_t c : comms) nccl().CommAbort(c);
+  }
+};
+
 class Nccl final : public NcclCommunicator {
  public:
-  Nccl(ncclComm_t comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
-  ~Nccl() override { nccl().CommDestroy(comm_); }
+  Nccl(std::shared_ptr<NcclGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
   int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  int size() const override { return static_cast<int>(g_->comms.size()); }
   void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
   void all_reduce_sum(void* data, int64_t n, CommDtype dtype) override {
-    nccl_check(nccl().AllReduce(data, data, static_cast<size_t>(n), nccl_type(dtype), ncclSum, comm_, stream_),
+    check_open();
+    nccl_check(nccl().AllReduce(data, data, static_cast<size_t>(n), nccl_type(dtype), ncclSum, comm(), stream_),
                "all-reduce");
   }
   void all_gather(const float* in, int64_t n, float* out) override {
-    nccl_check(nccl().AllGather(in, out, static_cast<size_t>(n), ncclFloat32, comm_, stream_), "all-gather");
+    check_open();
+    nccl_check(nccl().AllGather(in, out, static_cast<size_t>(n), ncclFloat32, comm(), stream_), "all-gather");
   }
+  void abort() override { g_->abort(); }
 
  private:
-  ncclComm_t comm_;
-  int rank_, size_;
+  ncclComm_t comm() const { return g_->comms[static_cast<size_t>(rank_)]; }
+  void check_open() {
+    std::lock_guard<std::mutex> lock(g_->mu);
+    if (g_->aborted) throw Error("tensor parallel: the NCCL group was aborted after a rank failed");
+  }
+  std::shared_ptr<NcclGroup> g_;
+  int rank_;
   cudaStream_t stream_ = nullptr;
 };
 
@@ -116,8 +144,10 @@ std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators(std::span
     nccl_check(api.CommInitRank(&comms[static_cast<size_t>(r)], size, id, r), "init rank");
   }
   nccl_check(api.GroupEnd(), "group end");
+  auto group = std::make_shared<NcclGroup>();
+  group->comms = std::move(comms);
   std::vector<std::unique_ptr<NcclCommunicator>> out;
-  for (int r = 0; r < size; ++r) out.push_back(std::make_unique<Nccl>(comms[static_cast<size_t>(r)], r, size));
+  for (int r = 0; r < size; ++r) out.push_back(std::make_unique<Nccl>(group, r));
   return out;
 }
 
