@@ -38,8 +38,7 @@ std::unique_ptr<ModelRunner> make_cuda_model_runner(const LlamaModel& model, con
   if (options.tensor_parallel_size > 1) {
     // Rank r on GPU r; under the CPU emulation every rank on its one device.
     std::vector<int> devices;
-    const bool one_device = cuda_device_count() == 1 && kEmulated;
-    for (int r = 0; r < options.tensor_parallel_size; ++r) devices.push_back(one_device ? 0 : r);
+    for (int r = 0; r < options.tensor_parallel_size; ++r) devices.push_back(kEmulated ? 0 : r);
     return make_tensor_parallel_cuda_runner(model, options, devices);
   }
   if (options.pipeline_parallel_size != 1) {
