@@ -4,11 +4,10 @@
 // barrier keeps the buffers and the scratch alive until every rank has read them. abort() wakes
 // every rank waiting at the barrier with an error.
 #include "backend/communicator.h"
+#include "backend/rank_threads.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "core/dtype.h"
@@ -17,40 +16,6 @@
 namespace kestrel {
 
 namespace {
-
-// A reusable barrier of n threads that abort() breaks for good.
-class AbortableBarrier {
- public:
-  explicit AbortableBarrier(int n) : n_(n) {}
-  void arrive_and_wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (aborted_) throw_aborted();
-    const uint64_t gen = generation_;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
-    if (generation_ == gen) throw_aborted();
-  }
-  void abort() {
-    std::lock_guard<std::mutex> lock(mu_);
-    aborted_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  [[noreturn]] static void throw_aborted() {
-    throw Error("tensor parallel: another rank failed, so this collective cannot complete");
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int n_, arrived_ = 0;
-  uint64_t generation_ = 0;
-  bool aborted_ = false;
-};
 
 struct InProcessGroup {
   explicit InProcessGroup(int n) : size(n), barrier(n), ptrs(static_cast<size_t>(n), nullptr) {}
@@ -104,6 +69,7 @@ class InProcessCommunicator final : public Communicator {
     g.barrier.arrive_and_wait();
   }
 
+  void host_barrier() override { g_->barrier.arrive_and_wait(); }
   void abort() override { g_->barrier.abort(); }
 
  private:

@@ -25,10 +25,16 @@ class Communicator {
   void all_reduce_sum(float* data, int64_t n) { all_reduce_sum(data, n, CommDtype::F32); }
   // in [n] f32 on every rank -> out [size, n] on every rank, rank r's in at row r.
   virtual void all_gather(const float* in, int64_t n, float* out) = 0;
-  // Ends the whole group after a rank failed between collectives, so that the others do not wait
-  // for it forever: collectives in progress on any rank, and every later one, throw kestrel::Error
-  // (in-process) or are cancelled (NCCL: ncclCommAbort of every rank's communicator). The group
-  // cannot be used again. Callable from any thread, more than once.
+  // Returns once every rank has called it: a host-side rendezvous, no device work. The CUDA ranks
+  // meet here after a pass's allocations and before its first collective, since a thread
+  // allocating device memory while another rank's NCCL kernel waits for this one can deadlock
+  // (memory management takes driver locks the waiting device holds up).
+  virtual void host_barrier() = 0;
+  // Ends the whole group after a rank failed, so that the others do not wait for it forever on the
+  // host: host_barrier and the in-process collectives in progress on any rank, and every later
+  // collective, throw kestrel::Error. An NCCL collective already enqueued is not cancelled (its
+  // communicators are aborted when the group is destroyed, after the graphs that captured them).
+  // The group cannot be used again. Callable from any thread, more than once.
   virtual void abort() = 0;
 };
 

@@ -3,12 +3,15 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "core/error.h"
 
 namespace kestrel {
 
@@ -74,6 +77,40 @@ class RankThreads {
   bool stop_ = false;
   std::vector<std::exception_ptr> errors_;
   std::vector<std::thread> threads_;
+};
+
+// A reusable barrier of n threads that abort() breaks for good.
+class AbortableBarrier {
+ public:
+  explicit AbortableBarrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (aborted_) throw_aborted();
+    const uint64_t gen = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    if (generation_ == gen) throw_aborted();
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  [[noreturn]] static void throw_aborted() {
+    throw Error("tensor parallel: another rank failed, so this collective cannot complete");
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
 };
 
 }  // namespace kestrel

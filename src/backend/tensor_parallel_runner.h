@@ -29,8 +29,9 @@ namespace kestrel {
 // together (a replicated KV head counted on every rank that holds it). The runner owns shards,
 // comms and ranks and destroys the ranks first. Errors: validate_forward_batch's; the first
 // failing rank's: a rank that throws in forward() aborts the communicators (Communicator::abort),
-// so the ranks waiting for it in a collective return too, and every later forward() throws
-// kestrel::Error.
+// so the ranks waiting for it on the host (a barrier, an in-process collective) return too, and
+// every later forward() throws kestrel::Error. An NCCL collective another rank already enqueued
+// for it is not cancelled (see Communicator::abort).
 std::unique_ptr<ModelRunner> make_tensor_parallel_runner(std::vector<std::unique_ptr<LlamaModel>> shards,
                                                          std::vector<std::unique_ptr<Communicator>> comms,
                                                          std::vector<std::unique_ptr<ModelRunner>> ranks,

@@ -49,7 +49,7 @@ class ForwardOps {
   // out = (silu(gate) * up) . w(proj)^T, in = [gate | up] rows (SwiGLU, Shazeer 2020).
   virtual void swiglu_linear(Act in, WeightId proj, Act out) = 0;
   // residual += add, then the logits of the batch's logits rows: RMSNorm(row) * w(norm) .
-  // w(head)^T, [n_rows, n_vocab] f32.
+  // w(head)^T, [n_rows, n_vocab] f32 (a tensor-parallel rank: its head rows, [n_rows, n_vocab / N]).
   virtual void final_norm_logits(Act add, WeightId norm, WeightId head) = 0;
 
   // Tensor parallelism: `a` [n, d], this rank's partial sum of a row-parallel projection (its

@@ -100,10 +100,14 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
       g->dev = BatchArrays::layout(g->arrays.as<unsigned char>(), n_tok, bsz, width, n_tok);
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(g->arrays.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice,
                                          stream_));
+      meet_ranks();
       enqueue_forward(g->dev, s);
 #if defined(KESTREL_CUDA_EMULATE)
       return g->dev;  // no capture on the CPU emulation: replays run the same pass eagerly
 #endif
+      // A tensor-parallel rank's collectives finish before the capture and instantiation, which
+      // may allocate (meet_ranks).
+      if (comm_ != nullptr) KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
       cudaGraph_t graph = nullptr;
       KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
@@ -122,6 +126,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
     }
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(g->arrays.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice,
                                        stream_));
+    meet_ranks();
 #if defined(KESTREL_CUDA_EMULATE)
     enqueue_forward(g->dev, s);
 #else
@@ -146,8 +151,13 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   arrays_.reserve(BatchArrays::layout(nullptr, n, n_seqs, s.width, n_out).bytes + static_cast<size_t>(n_out) * 4 + 32);
   const BatchArrays d = BatchArrays::layout(arrays_.as<unsigned char>(), n, n_seqs, s.width, n_out);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(arrays_.as<void>(), staging_.as<void>(), h.bytes, cudaMemcpyHostToDevice, stream_));
+  meet_ranks();
   enqueue_forward(d, s);
   return d;
+}
+
+void CudaModelRunner::meet_ranks() {
+  if (comm_ != nullptr) comm_->host_barrier();
 }
 
 void CudaModelRunner::hand_in(int64_t n, int64_t n_padded) {
@@ -176,15 +186,15 @@ std::span<const float> CudaModelRunner::forward_stage(const ForwardBatch& b, con
 
 std::span<const float> CudaModelRunner::forward(const ForwardBatch& b) {
   use_device();
-  run(b, {}, false);
   const int64_t n_out = static_cast<int64_t>(b.logits_indices.size()), nv = n_logits_;
+  const size_t logit_bytes = static_cast<size_t>(n_out * nv) * sizeof(float);
+  logits_h_.reserve(logit_bytes);  // pinned memory: allocated before the pass (meet_ranks)
+  run(b, {}, false);
   if (n_out == 0) {
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (prof_ != nullptr) prof_->collect();
     return {};
   }
-  const size_t logit_bytes = static_cast<size_t>(n_out * nv) * sizeof(float);
-  logits_h_.reserve(logit_bytes);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits_h_.as<void>(), logits_.as<void>(), logit_bytes, cudaMemcpyDeviceToHost, stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (prof_ != nullptr) prof_->collect();

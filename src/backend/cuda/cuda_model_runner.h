@@ -240,6 +240,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Runs the batch (eagerly or by replaying a graph); leaves logits (and tokens when sampling) on
   // the device and returns the device arrays of the pass (its sampling rows, where the tokens go).
   BatchArrays run(const ForwardBatch& b, std::span<const RowSampling> rows, bool sample);
+  // A tensor-parallel rank waits on the host for the other ranks (Communicator::host_barrier)
+  // after the pass's allocations and before its first collective is enqueued: a rank allocating
+  // device or pinned memory while another's NCCL kernel waits for it can deadlock. Nothing alone.
+  void meet_ranks();
   // A pipeline stage after the first: the n rows handed in (pass_hidden_in_) into residual_, rows
   // [n, n_padded) zeroed, on stream_ before the pass.
   void hand_in(int64_t n, int64_t n_padded);

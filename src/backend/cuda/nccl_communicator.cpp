@@ -4,11 +4,12 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
-#include <mutex>
+#include <atomic>
 #include <set>
 #include <string>
 #include <type_traits>
 
+#include "backend/rank_threads.h"
 #include "core/error.h"
 
 namespace kestrel::cuda {
@@ -21,6 +22,7 @@ struct NcclApi {
   decltype(&ncclCommInitRank) CommInitRank;
   decltype(&ncclCommDestroy) CommDestroy;
   decltype(&ncclCommAbort) CommAbort;
+  decltype(&ncclCommFinalize) CommFinalize;
   decltype(&ncclGroupStart) GroupStart;
   decltype(&ncclGroupEnd) GroupEnd;
   decltype(&ncclAllReduce) AllReduce;
@@ -54,6 +56,7 @@ NcclApi load() {
   sym(a.CommInitRank, "ncclCommInitRank");
   sym(a.CommDestroy, "ncclCommDestroy");
   sym(a.CommAbort, "ncclCommAbort");
+  sym(a.CommFinalize, "ncclCommFinalize");
   sym(a.GroupStart, "ncclGroupStart");
   sym(a.GroupEnd, "ncclGroupEnd");
   sym(a.AllReduce, "ncclAllReduce");
@@ -73,22 +76,25 @@ void nccl_check(ncclResult_t r, const char* what) {
 
 ncclDataType_t nccl_type(CommDtype t) { return t == CommDtype::F32 ? ncclFloat32 : ncclBfloat16; }
 
-// The communicators of one group: abort() of any rank aborts them all (a rank whose peer failed
-// would otherwise wait in its collective forever); an aborted communicator is not destroyed again.
+// The communicators of one group and their host barrier. abort() only marks the group (later
+// collectives throw) and breaks the barrier: ncclCommAbort waits for the CUDA graphs that captured
+// the communicator's work, which the ranks' runners still hold, so the communicators are aborted
+// (or, unaborted, finalized) together when the group goes, after the runners.
 struct NcclGroup {
-  std::vector<ncclComm_t> comms;
-  std::mutex mu;
-  bool aborted = false;
+  explicit NcclGroup(std::vector<ncclComm_t> c) : comms(std::move(c)), barrier(static_cast<int>(comms.size())) {}
   ~NcclGroup() {
+    // One thread ending several ranks' communicators: in one group call (NCCL's rule for a thread
+    // that drives several ranks), finalize before destroy.
+    const NcclApi& api = nccl();
+    api.GroupStart();
+    for (ncclComm_t c : comms) aborted ? api.CommAbort(c) : api.CommFinalize(c);
+    api.GroupEnd();
     if (!aborted)
-      for (ncclComm_t c : comms) nccl().CommDestroy(c);
+      for (ncclComm_t c : comms) api.CommDestroy(c);
   }
-  void abort() {
-    std::lock_guard<std::mutex> lock(mu);
-    if (aborted) return;
-    aborted = true;
-    for (ncclComm_t c : comms) nccl().CommAbort(c);
-  }
+  std::vector<ncclComm_t> comms;
+  AbortableBarrier barrier;
+  std::atomic<bool> aborted{false};
 };
 
 class Nccl final : public NcclCommunicator {
@@ -106,12 +112,15 @@ class Nccl final : public NcclCommunicator {
     check_open();
     nccl_check(nccl().AllGather(in, out, static_cast<size_t>(n), ncclFloat32, comm(), stream_), "all-gather");
   }
-  void abort() override { g_->abort(); }
+  void host_barrier() override { g_->barrier.arrive_and_wait(); }
+  void abort() override {
+    g_->aborted = true;
+    g_->barrier.abort();
+  }
 
  private:
   ncclComm_t comm() const { return g_->comms[static_cast<size_t>(rank_)]; }
-  void check_open() {
-    std::lock_guard<std::mutex> lock(g_->mu);
+  void check_open() const {
     if (g_->aborted) throw Error("tensor parallel: the NCCL group was aborted after a rank failed");
   }
   std::shared_ptr<NcclGroup> g_;
@@ -136,16 +145,29 @@ std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators(std::span
   const NcclApi& api = nccl();
   ncclUniqueId id;
   nccl_check(api.GetUniqueId(&id), "unique id");
-  std::vector<ncclComm_t> comms(static_cast<size_t>(size));
-  nccl_check(api.GroupStart(), "group start");
-  for (int r = 0; r < size; ++r) {
-    if (cudaSetDevice(devices[static_cast<size_t>(r)]) != cudaSuccess)
-      throw Error("cudaSetDevice(" + std::to_string(devices[static_cast<size_t>(r)]) + ") failed");
-    nccl_check(api.CommInitRank(&comms[static_cast<size_t>(r)], size, id, r), "init rank");
+  std::vector<ncclComm_t> comms(static_cast<size_t>(size), nullptr);
+  // The group call is closed and the communicators made so far aborted on any failure.
+  std::string failed;
+  ncclResult_t r0 = api.GroupStart();
+  if (r0 != ncclSuccess) failed = std::string("group start: ") + api.GetErrorString(r0);
+  for (int r = 0; r < size && failed.empty(); ++r) {
+    if (cudaSetDevice(devices[static_cast<size_t>(r)]) != cudaSuccess) {
+      failed = "cudaSetDevice(" + std::to_string(devices[static_cast<size_t>(r)]) + ") failed";
+      break;
+    }
+    const ncclResult_t res = api.CommInitRank(&comms[static_cast<size_t>(r)], size, id, r);
+    if (res != ncclSuccess) failed = std::string("init rank: ") + api.GetErrorString(res);
   }
-  nccl_check(api.GroupEnd(), "group end");
-  auto group = std::make_shared<NcclGroup>();
-  group->comms = std::move(comms);
+  if (r0 == ncclSuccess) {
+    const ncclResult_t end = api.GroupEnd();
+    if (end != ncclSuccess && failed.empty()) failed = std::string("group end: ") + api.GetErrorString(end);
+  }
+  if (!failed.empty()) {
+    for (ncclComm_t c : comms)
+      if (c != nullptr) api.CommAbort(c);
+    throw Error("NCCL " + failed);
+  }
+  auto group = std::make_shared<NcclGroup>(std::move(comms));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
   for (int r = 0; r < size; ++r) out.push_back(std::make_unique<Nccl>(group, r));
   return out;
