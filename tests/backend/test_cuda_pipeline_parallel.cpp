@@ -25,6 +25,7 @@
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "parallel_test_util.h"
 #include "engine/engine.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -49,43 +50,12 @@ std::unique_ptr<ModelRunner> runner(const LlamaModel& m, int pp, bool eager) {
   return make_pipeline_parallel_cuda_runner(m, options(pp, eager), devices);
 }
 
-EngineConfig config(int64_t chunk) {
-  EngineConfig c;
-  c.block_size = 16;
-  c.n_kv_blocks = 96;
-  c.max_model_len = 512;
-  c.max_num_batched_tokens = chunk;
-  return c;
-}
-
-// The largest |a - b| over the rows, each over the row's largest |b|: 0 when equal bit for bit.
-double worst_relative(const std::vector<float>& a, const std::vector<float>& b, int64_t width) {
-  double worst = 0;
-  for (size_t r = 0; r * static_cast<size_t>(width) < b.size(); ++r) {
-    double scale = 1e-30, diff = 0;
-    for (int64_t i = 0; i < width; ++i) {
-      const size_t k = r * static_cast<size_t>(width) + static_cast<size_t>(i);
-      scale = std::max(scale, std::fabs(double(b[k])));
-      diff = std::max(diff, std::fabs(double(a[k]) - double(b[k])));
-    }
-    worst = std::max(worst, diff / scale);
-  }
-  return worst;
-}
-
-template <typename Fn>
-::testing::AssertionResult error_has(Fn&& fn, const std::string& phrase) {
-  const std::string msg = test::error_of(fn);
-  if (msg.find(phrase) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected an error with \"" << phrase << "\", got \"" << msg << "\"";
-}
-
 // Bit for bit on the emulation; within kGpuBound of each row's largest magnitude on a GPU.
 constexpr double kGpuBound = 0.02;
 ::testing::AssertionResult same_logits(const std::vector<float>& got, const std::vector<float>& want, int64_t width,
                                        const std::string& what) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
-  const double worst = worst_relative(got, want, width);
+  const double worst = test::worst_row_relative(got, want, width);
   if (!test::kCudaEmulated) std::printf("%s: worst difference %.3g of the row's largest magnitude\n", what.c_str(), worst);
   if (test::kCudaEmulated ? worst == 0.0 : worst <= kGpuBound) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": worst difference " << worst << " of the row's largest magnitude";
@@ -111,19 +81,19 @@ TEST(CudaPipelineParallel, Stories260KEqualsOneStage) {
   for (const bool eager : {true, false}) {
     // Prompt chunks run eagerly either way; one-token steps take the graph path unless eager.
     for (const int64_t chunk : eager ? std::vector<int64_t>{512, 5, 1} : std::vector<int64_t>{1}) {
-      Engine one(*model, tok.get(), config(chunk), runner(*model, 1, eager));
+      Engine one(*model, tok.get(), test::parallel_engine_config(chunk), runner(*model, 1, eager));
       const std::vector<float> want = test::prompt_logits(one, long_prompt);
       for (const int pp : {2, 3}) {
-        Engine split(*model, tok.get(), config(chunk), runner(*model, pp, eager));
+        Engine split(*model, tok.get(), test::parallel_engine_config(chunk), runner(*model, pp, eager));
         const std::vector<float> got = test::prompt_logits(split, long_prompt);
         EXPECT_TRUE(same_logits(got, want, V, "pp " + std::to_string(pp) + ", " + std::to_string(chunk) +
                                                   "-token steps, " + (eager ? "eager" : "graph path")));
       }
     }
-    Engine one(*model, tok.get(), config(64), runner(*model, 1, eager));
+    Engine one(*model, tok.get(), test::parallel_engine_config(64), runner(*model, 1, eager));
     const auto want = test::greedy_ids(one, prompts, 24);
     for (const int pp : {2, 3}) {
-      Engine split(*model, tok.get(), config(64), runner(*model, pp, eager));
+      Engine split(*model, tok.get(), test::parallel_engine_config(64), runner(*model, pp, eager));
       EXPECT_EQ(test::greedy_ids(split, prompts, 24), want) << "pp " << pp << (eager ? " eager" : " graph path");
     }
   }
@@ -196,13 +166,13 @@ TEST(CudaPipelineParallel, BadPlacementsAreErrors) {
   KESTREL_REQUIRE_FILE(test::stories_path());
   const auto model = LlamaModel::load_gguf(test::stories_path());
   const std::vector<int> far = {0, 1000}, three = {0, 0, 0};
-  EXPECT_TRUE(error_has([&] { make_pipeline_parallel_cuda_runner(*model, options(2, true), far); },
+  EXPECT_TRUE(test::error_contains([&] { make_pipeline_parallel_cuda_runner(*model, options(2, true), far); },
                               "--pipeline-parallel-size 2 needs 2 GPUs (stage 1 on device 1000)"));
-  EXPECT_TRUE(error_has([&] { make_pipeline_parallel_cuda_runner(*model, options(2, true), three); },
+  EXPECT_TRUE(test::error_contains([&] { make_pipeline_parallel_cuda_runner(*model, options(2, true), three); },
                               "3 devices for 2 stages"));
-  EXPECT_TRUE(error_has([&] { make_pipeline_parallel_cuda_runner(*model, options(6, true), three); },
+  EXPECT_TRUE(test::error_contains([&] { make_pipeline_parallel_cuda_runner(*model, options(6, true), three); },
                               "exceeds the model's layers (5)"));
   RunnerOptions both = options(2, true);
   both.tensor_parallel_size = 2;
-  EXPECT_TRUE(error_has([&] { make_cuda_model_runner(*model, both); }, "one way at a time"));
+  EXPECT_TRUE(test::error_contains([&] { make_cuda_model_runner(*model, both); }, "one way at a time"));
 }

@@ -26,6 +26,7 @@
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "parallel_test_util.h"
 #include "engine/engine.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -67,44 +68,13 @@ std::unique_ptr<ModelRunner> runner(const LlamaModel& m, int tp, bool eager) {
   return make_tensor_parallel_cuda_runner(m, options(tp, eager), devices(tp));
 }
 
-EngineConfig config(int64_t chunk) {
-  EngineConfig c;
-  c.block_size = 16;
-  c.n_kv_blocks = 96;
-  c.max_model_len = 512;
-  c.max_num_batched_tokens = chunk;
-  return c;
-}
-
-// The largest |a - b| over the rows, each over the row's largest |b|.
-double worst_relative(const std::vector<float>& a, const std::vector<float>& b, int64_t width) {
-  double worst = 0;
-  for (size_t r = 0; r * static_cast<size_t>(width) < b.size(); ++r) {
-    double scale = 1e-30, diff = 0;
-    for (int64_t i = 0; i < width; ++i) {
-      const size_t k = r * static_cast<size_t>(width) + static_cast<size_t>(i);
-      scale = std::max(scale, std::fabs(double(b[k])));
-      diff = std::max(diff, std::fabs(double(a[k]) - double(b[k])));
-    }
-    worst = std::max(worst, diff / scale);
-  }
-  return worst;
-}
-
 ::testing::AssertionResult close_logits(const std::vector<float>& got, const std::vector<float>& want, int64_t width,
                                         const std::string& what) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
-  const double worst = worst_relative(got, want, width);
+  const double worst = test::worst_row_relative(got, want, width);
   std::printf("%s: worst difference %.3g of the row's largest magnitude\n", what.c_str(), worst);
   if (worst <= kBound) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": worst difference " << worst << " of the row's largest magnitude";
-}
-
-template <typename Fn>
-::testing::AssertionResult error_has(Fn&& fn, const std::string& phrase) {
-  const std::string msg = test::error_of(fn);
-  if (msg.find(phrase) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected an error with \"" << phrase << "\", got \"" << msg << "\"";
 }
 
 // Prompt logits of `long_prompt` (one pass, 5-token chunks and one token a step eagerly; one token
@@ -116,20 +86,20 @@ void expect_close_to_one_rank(const LlamaModel& model, const Tokenizer* tok, con
   const int64_t V = model.hparams().n_vocab;
   for (const bool eager : {true, false}) {
     for (const int64_t chunk : eager ? std::vector<int64_t>{512, 5, 1} : std::vector<int64_t>{1}) {
-      Engine one(model, tok, config(chunk), runner(model, 1, eager));
+      Engine one(model, tok, test::parallel_engine_config(chunk), runner(model, 1, eager));
       const std::vector<float> want = test::prompt_logits(one, long_prompt);
       for (const int tp : tps) {
-        Engine split(model, tok, config(chunk), runner(model, tp, eager));
+        Engine split(model, tok, test::parallel_engine_config(chunk), runner(model, tp, eager));
         EXPECT_TRUE(close_logits(test::prompt_logits(split, long_prompt), want, V,
                                  "tp " + std::to_string(tp) + ", " + std::to_string(chunk) + "-token steps, " +
                                      (eager ? "eager" : "graph path")));
       }
     }
     if (prompts.empty()) continue;
-    Engine one(model, tok, config(64), runner(model, 1, eager));
+    Engine one(model, tok, test::parallel_engine_config(64), runner(model, 1, eager));
     const auto want = test::greedy_ids(one, prompts, 24);
     for (const int tp : tps) {
-      Engine split(model, tok, config(64), runner(model, tp, eager));
+      Engine split(model, tok, test::parallel_engine_config(64), runner(model, tp, eager));
       EXPECT_EQ(test::greedy_ids(split, prompts, 24), want) << "tp " << tp << (eager ? " eager" : " graph path");
     }
   }
@@ -221,18 +191,18 @@ TEST(CudaTensorParallel, BadPlacementsAreErrors) {
   KESTREL_REQUIRE_FILE(test::stories_path());
   const auto model = LlamaModel::load_gguf(test::stories_path());
   const std::vector<int> far = {0, 1000}, three = {0, 0, 0};
-  EXPECT_TRUE(error_has([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), far); },
+  EXPECT_TRUE(test::error_contains([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), far); },
                         "--tensor-parallel-size 2 needs 2 GPUs (rank 1 on device 1000)"));
-  EXPECT_TRUE(error_has([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), three); },
+  EXPECT_TRUE(test::error_contains([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), three); },
                         "--tensor-parallel-size 2: 3 devices for 2 ranks"));
-  EXPECT_TRUE(error_has([&] { make_tensor_parallel_cuda_runner(*model, options(3, true), three); },
+  EXPECT_TRUE(test::error_contains([&] { make_tensor_parallel_cuda_runner(*model, options(3, true), three); },
                         "does not divide the model's attention heads (8)"));
   RunnerOptions both = options(2, true);
   both.pipeline_parallel_size = 2;
-  EXPECT_TRUE(error_has([&] { make_tensor_parallel_cuda_runner(*model, both, devices(2)); }, "one way at a time"));
+  EXPECT_TRUE(test::error_contains([&] { make_tensor_parallel_cuda_runner(*model, both, devices(2)); }, "one way at a time"));
   if (!test::kCudaEmulated) {
     const std::vector<int> same = {0, 0};
-    EXPECT_TRUE(error_has([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), same); },
+    EXPECT_TRUE(test::error_contains([&] { make_tensor_parallel_cuda_runner(*model, options(2, true), same); },
                           "one rank per GPU"));
   }
 }

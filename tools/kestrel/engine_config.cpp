@@ -260,37 +260,26 @@ void KestrelConfig::validate(const LlamaModel& m) const {
   if (device.device != "cuda" && kv != KvDtype::F16 && kv != KvDtype::F32 && kv != KvDtype::INT8)
     throw CLI::ValidationError(kKvDtypeFlag, std::string(kv_dtype_name(kv)) +
                                                  ": the CPU backend's KV cache stores f16, f32 or int8 (or auto)");
-  const int32_t tp = parallel.tensor_parallel_size;
-  if (tp != 1 && device.device == "cuda") {
-    // Rank r on GPU r.
+  // --device cuda places part n of a split on GPU n: n parts need n visible GPUs.
+  auto need_gpus = [&](const char* flag, int32_t n, const char* placement) {
+    if (n == 1 || device.device != "cuda") return;
 #if defined(KESTREL_HAS_CUDA)
     const int visible = cuda_device_count();
 #else
     const int visible = 0;
 #endif
-    if (visible < tp)
-      throw CLI::ValidationError("--tensor-parallel-size", std::to_string(tp) + ": needs " + std::to_string(tp) +
-                                                               " GPUs (rank r on GPU r); " + std::to_string(visible) +
-                                                               " visible");
-  }
+    if (visible < n)
+      throw CLI::ValidationError(flag, std::to_string(n) + ": needs " + std::to_string(n) + " GPUs (" + placement +
+                                           "); " + std::to_string(visible) + " visible");
+  };
+  need_gpus("--tensor-parallel-size", parallel.tensor_parallel_size, "rank r on GPU r");
   try {
     validate_tensor_parallel(hp, parallel.tensor_parallel_size);
   } catch (const Error& e) {
     throw CLI::ValidationError("--tensor-parallel-size", e.what());
   }
   const int32_t pp = parallel.pipeline_parallel_size;
-  if (pp != 1 && device.device == "cuda") {
-    // Stage s runs on GPU s.
-#if defined(KESTREL_HAS_CUDA)
-    const int visible = cuda_device_count();
-#else
-    const int visible = 0;
-#endif
-    if (visible < pp)
-      throw CLI::ValidationError("--pipeline-parallel-size", std::to_string(pp) + ": needs " + std::to_string(pp) +
-                                                                 " GPUs (stage s on GPU s); " +
-                                                                 std::to_string(visible) + " visible");
-  }
+  need_gpus("--pipeline-parallel-size", pp, "stage s on GPU s");
   try {
     validate_pipeline_parallel(hp, pp);
   } catch (const Error& e) {

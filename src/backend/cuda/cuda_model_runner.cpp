@@ -2,6 +2,7 @@
 // matrices dequantized on the host first), the bf16 paged KV cache sized, activation buffers.
 #include <algorithm>
 #include <climits>
+#include <map>
 #include <set>
 #include <cstddef>
 #include <string>
@@ -318,6 +319,24 @@ int64_t kv_blocks_that_fit(const RunnerOptions& o, int64_t block_bytes, int n_ru
                 " MiB of " + std::to_string(total_b >> 20) + " MiB; --gpu-memory-utilization " +
                 std::to_string(o.gpu_memory_utilization) + ")");
   return n;
+}
+
+void allocate_kv_blocks_together(const RunnerOptions& o, std::span<CudaModelRunner* const> runners) {
+  int64_t n = o.n_kv_blocks;
+  if (n <= 0) {
+    std::map<int, std::pair<int64_t, int>> per_device;  // device -> (bytes of a block of its runners, runners)
+    for (const CudaModelRunner* r : runners) {
+      auto& d = per_device[r->device()];
+      d.first += r->kv_block_bytes();
+      d.second += 1;
+    }
+    for (const auto& [device, d] : per_device) {
+      KESTREL_CUDA_CHECK(cudaSetDevice(device));
+      const int64_t fit = kv_blocks_that_fit(o, d.first, d.second);
+      n = n <= 0 ? fit : std::min(n, fit);
+    }
+  }
+  for (CudaModelRunner* r : runners) r->allocate_kv_blocks(n);
 }
 
 void CudaModelRunner::allocate_kv_blocks(int64_t n) {

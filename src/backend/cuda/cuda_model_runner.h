@@ -540,6 +540,12 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
 // kestrel::Error when none fits.
 int64_t kv_blocks_that_fit(const RunnerOptions& o, int64_t block_bytes, int n_runners);
 
+// Allocates the KV caches of runners made with CudaPlacement::kv_later (a pipeline's stages, a
+// tensor-parallel group's ranks), one block count for all (one block pool): o.n_kv_blocks when
+// set, else the fewest that fit on any of their devices, each device's runners' blocks together,
+// once all weights are up. Errors: kv_blocks_that_fit's.
+void allocate_kv_blocks_together(const RunnerOptions& o, std::span<CudaModelRunner* const> runners);
+
 // Batch sizes with a captured decode graph: a decode batch is padded up to the next one.
 inline constexpr int64_t kGraphBatchSizes[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512};
 // Decode steps with up to this many tokens per sequence replay graphs: one sampled token and up to

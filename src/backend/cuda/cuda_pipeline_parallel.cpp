@@ -9,7 +9,6 @@
 // the next stage start. So stage s computes micro-batch m + 1 on its GPU while stage s + 1
 // computes m on its own.
 #include <algorithm>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -113,23 +112,7 @@ std::unique_ptr<ModelRunner> make_pipeline_parallel_cuda_runner(const LlamaModel
     runners.push_back(&stage->cuda());
     stages.push_back(std::move(stage));
   }
-  // One block count for every stage (one block pool): the fewest that fit on any device, its
-  // stages' blocks together, once all weights are up.
-  int64_t n = o.n_kv_blocks;
-  if (n <= 0) {
-    std::map<int, std::pair<int64_t, int>> per_device;  // device -> (bytes of a block of its stages, stages)
-    for (CudaModelRunner* r : runners) {
-      auto& d = per_device[r->device()];
-      d.first += r->kv_block_bytes();
-      d.second += 1;
-    }
-    for (const auto& [device, d] : per_device) {
-      KESTREL_CUDA_CHECK(cudaSetDevice(device));
-      const int64_t fit = cuda_runner::kv_blocks_that_fit(o, d.first, d.second);
-      n = n <= 0 ? fit : std::min(n, fit);
-    }
-  }
-  for (CudaModelRunner* r : runners) r->allocate_kv_blocks(n);
+  cuda_runner::allocate_kv_blocks_together(o, runners);
   return make_pipeline_parallel_runner(std::move(stages), model.hparams());
 }
 

@@ -11,7 +11,6 @@
 // has finished when its launch returns, so a host-side sum between two launches sees what the
 // kernels wrote.
 #include <algorithm>
-#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -72,23 +71,7 @@ std::unique_ptr<ModelRunner> make_tensor_parallel_cuda_runner(const LlamaModel& 
     runners.push_back(runner.get());
     ranks.push_back(std::move(runner));
   }
-  // One block count for every rank (one block pool): the fewest that fit on any device, its ranks'
-  // blocks together, once all weights are up.
-  int64_t n = o.n_kv_blocks;
-  if (n <= 0) {
-    std::map<int, std::pair<int64_t, int>> per_device;  // device -> (bytes of a block of its ranks, ranks)
-    for (cuda_runner::CudaModelRunner* r : runners) {
-      auto& d = per_device[r->device()];
-      d.first += r->kv_block_bytes();
-      d.second += 1;
-    }
-    for (const auto& [device, d] : per_device) {
-      KESTREL_CUDA_CHECK(cudaSetDevice(device));
-      const int64_t fit = cuda_runner::kv_blocks_that_fit(o, d.first, d.second);
-      n = n <= 0 ? fit : std::min(n, fit);
-    }
-  }
-  for (cuda_runner::CudaModelRunner* r : runners) r->allocate_kv_blocks(n);
+  cuda_runner::allocate_kv_blocks_together(o, runners);
   return make_tensor_parallel_runner(std::move(shards), std::move(comms), std::move(ranks), model.hparams());
 }
 
