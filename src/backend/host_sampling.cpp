@@ -4,6 +4,7 @@
 // the CUDA sampler's tokens for the same logits, so the engine's device path can be tested on the
 // CPU backend.
 #include <string>
+#include <utility>
 
 #include "backend/model_runner.h"
 #include "core/error.h"
@@ -13,6 +14,16 @@
 
 namespace kestrel {
 
+void ModelRunner::submit(const ForwardBatch& batch) {
+  if (has_submitted_) throw Error("the " + description() + " backend runs one pass at a time: collect() the pass in flight first");
+  submitted_ = forward(batch);
+  has_submitted_ = true;
+}
+std::span<const float> ModelRunner::collect() {
+  if (!has_submitted_) throw Error("collect(): no pass in flight");
+  has_submitted_ = false;
+  return std::exchange(submitted_, {});
+}
 void ModelRunner::allocate_swap_space(int32_t) {
   throw Error("the " + description() + " backend has no host swap space");
 }

@@ -101,6 +101,22 @@ class ModelRunner {
   // logits of the rows batch.logits_indices: [logits_indices.size(), n_vocab], f32, host memory,
   // valid until the next call. Errors: kestrel::Error on an inconsistent batch.
   virtual std::span<const float> forward(const ForwardBatch& batch) = 0;
+  // Pipelined passes: a runner that keeps several passes in flight (pipeline parallelism: one per
+  // stage, so that no stage idles while the host samples and schedules) takes a pass with
+  // submit() and returns it with collect(), in submission order. max_passes_in_flight(): how many
+  // submitted passes it holds before a collect(); 1 (the default) for runners whose passes run
+  // one at a time, where submit() runs forward() and collect() returns its logits. Block
+  // operations (copy_blocks, swaps, KV reads and writes) and forward() / forward_sample() are
+  // called only with no pass in flight.
+  virtual int max_passes_in_flight() const { return 1; }
+  // Starts a pass over `batch` behind those in flight; its arrays may change once submit returns
+  // (a pipelining runner copies them). Errors: kestrel::Error on an inconsistent batch, at once;
+  // the pass's own errors come from its collect().
+  virtual void submit(const ForwardBatch& batch);
+  // The logits of the oldest pass not yet collected, as forward() returns them, once it is done;
+  // valid until the next collect() or forward(). Errors: the pass's; kestrel::Error when no pass
+  // is in flight.
+  virtual std::span<const float> collect();
   // True when forward_sample() is implemented (the CUDA backend): the logits then never leave the
   // device.
   virtual bool samples_on_device() const { return false; }
@@ -184,6 +200,8 @@ class ModelRunner {
                                           const TokenMaskFill& fill_masks);
 
  private:
+  std::span<const float> submitted_;  // the default submit()'s logits, until collect()
+  bool has_submitted_ = false;
   std::vector<int32_t> sampled_;
   std::vector<uint32_t> host_masks_;
   std::vector<float> masked_row_;

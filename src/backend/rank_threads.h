@@ -1,5 +1,5 @@
-// Threads that run one function per rank of a tensor-parallel group or per stage of a pipeline,
-// shared by the backends' parallel runners. Internal to src/backend.
+// Threads that run one function per rank of a tensor-parallel group, shared by the backends'
+// tensor-parallel runners. Internal to src/backend.
 #pragma once
 
 #include <condition_variable>

@@ -241,6 +241,7 @@ RequestId Engine::add_request(Request request) {
 
 void Engine::abort_request(RequestId id) {
   Impl& m = *impl_;
+  m.drain(m.pending);  // a request in flight ends once its pass is back (its outputs go first)
   const auto it = m.requests.find(id);
   if (it == m.requests.end()) return;
   if (it->second->group != nullptr && it->second->group->owner != it->second.get()) return;  // a beam's own sequence
@@ -407,10 +408,13 @@ void Engine::Impl::propose_drafts() {
   }
 }
 
-void Engine::Impl::build_batch(const SchedulerOutput& out) {
+void Engine::Impl::build_batch(Pass& p) {
+  const SchedulerOutput& out = p.out;
+  StepBatch& batch = p.batch;
+  std::vector<SampleRow>& sampling = p.sampling;
   batch.build(out, manager);
   sampling.clear();
-  prompt_rows.clear();
+  p.prompt_rows.clear();
   std::vector<int32_t>& rows = batch.logits_indices;
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const ScheduledSeq& sc = out.scheduled[i];
@@ -434,18 +438,18 @@ void Engine::Impl::build_batch(const SchedulerOutput& out) {
     if (!r->wants_prompt_rows()) continue;
     // Row p's logits predict token p + 1: the prompt's tokens 1 .. n_prompt - 1 (the last prompt
     // position's row is the sampling row, for the first generated token).
-    for (int64_t p = sc.n_computed; p < sc.n_computed + sc.n_new; ++p)
-      if (p + 1 < sc.seq->n_prompt && p + 1 >= r->next_prompt_target) {
-        prompt_rows.push_back({r, p + 1, static_cast<int32_t>(rows.size())});
-        rows.push_back(batch.first_token[i] + static_cast<int32_t>(p - sc.n_computed));
+    for (int64_t pos = sc.n_computed; pos < sc.n_computed + sc.n_new; ++pos)
+      if (pos + 1 < sc.seq->n_prompt && pos + 1 >= r->next_prompt_target) {
+        p.prompt_rows.push_back({r, pos + 1, static_cast<int32_t>(rows.size())});
+        rows.push_back(batch.first_token[i] + static_cast<int32_t>(pos - sc.n_computed));
       }
   }
 }
 
-void Engine::Impl::fill_token_masks(std::span<uint32_t> masks) {
+void Engine::Impl::fill_token_masks(const Pass& p, std::span<uint32_t> masks) {
   const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
   grammar_rows.clear();
-  for (const SampleRow& sr : sampling)
+  for (const SampleRow& sr : p.sampling)
     if (sr.r->matcher) grammar_rows.push_back(&sr);
   auto fill = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -460,9 +464,10 @@ void Engine::Impl::fill_token_masks(std::span<uint32_t> masks) {
 }
 
 // The prompt rows (after the sampling rows in `logits`): their logprobs and raw logits into each
-// request's pending lists; a row with a NaN, +inf or no finite logit marks its request (step()
-// ends it with an error).
-void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
+// request's pending lists; a row with a NaN, +inf or no finite logit marks its request
+// (finish_pass ends it with an error).
+void Engine::Impl::prompt_logprobs_from(const Pass& p, std::span<const float> logits) {
+  const std::vector<PromptRow>& prompt_rows = p.prompt_rows;
   const size_t n_vocab = static_cast<size_t>(model.hparams().n_vocab);
   for (size_t i = 0; i < prompt_rows.size(); ++i) {
     RequestState& r = *prompt_rows[i].r;
@@ -485,7 +490,7 @@ void Engine::Impl::prompt_logprobs_from(std::span<const float> logits) {
 void Engine::Impl::measure_prefill(const SchedulerOutput& out, double s) {
   if (config.preemption_mode != PreemptionMode::Auto || manager.n_swap_blocks() == 0) return;
   // Prefill-dominated steps only: a decode token costs the pass's weight reads, not a prefill
-  // token's arithmetic. Both backends return from forward() with the pass done.
+  // token's arithmetic. Only passes submitted and collected in one step are timed.
   if (out.n_tokens == 0 || 2 * out.n_prefill_tokens < out.n_tokens) return;
   const double per_token = s / static_cast<double>(out.n_tokens);
   prefill_seconds_per_token =
@@ -496,15 +501,47 @@ void Engine::Impl::measure_prefill(const SchedulerOutput& out, double s) {
       PreemptionCosts{link > 0 ? 2.0 * block_bytes / link : 0.0, link > 0 ? prefill_seconds_per_token : 0.0});
 }
 
+int Engine::Impl::pipeline_depth() const {
+  if (drafter) return 1;
+  for (const auto& [id, r] : requests)
+    if (r->own_group) return 1;
+  return std::max(1, runner->max_passes_in_flight());
+}
+
+void Engine::Impl::collect(std::vector<RequestOutput>& outputs) {
+  Pass& p = passes.front();
+  std::span<const float> logits;
+  try {
+    logits = runner->collect();
+  } catch (...) {
+    for (const ScheduledSeq& sc : p.out.scheduled) sc.seq->in_flight = false;
+    passes.pop_front();
+    throw;
+  }
+  finish_pass(p, logits, {}, outputs);
+  passes.pop_front();
+}
+
 std::vector<RequestOutput> Engine::step() {
   Impl& m = *impl_;
   std::vector<RequestOutput> outputs = std::move(m.pending);
   m.pending.clear();
   m.expire_imports(outputs);
+  // With pipelined passes (pipeline parallelism), each step submits a pass of sequences not in
+  // flight and collects the oldest once depth passes are in flight, so a stage is busy with each.
+  const int depth = m.pipeline_depth();
+  if (depth == 1) m.drain(outputs);
+  else if (m.passes.size() >= static_cast<size_t>(depth)) m.collect(outputs);
   m.propose_drafts();
-  const SchedulerOutput out = m.scheduler.schedule();
+  const SchedulerOutput out = m.scheduler.schedule(depth);
   m.stats.n_preemptions += static_cast<int64_t>(out.preempted.size());
   m.stats.n_swap_preemptions += out.n_swapped;
+  // Block copies and K/V writes happen with no pass in flight (ModelRunner::submit); such a step's
+  // pass is collected in the same step. The passes drained here hold none of this step's
+  // sequences.
+  const bool block_ops = !out.swap_out.empty() || !out.offload.empty() || !out.load.empty() || !out.copies.empty() ||
+                         !out.swap_in.empty() || !out.imported.empty();
+  if (block_ops) m.drain(outputs);
   // Before anything else: the swapped-out blocks are free, and this step's copies may take them.
   if (!out.swap_out.empty()) m.runner->swap_out(out.swap_out);
   // Evicted cached blocks to the host tier, before this step's copies and pass reuse them, and
@@ -522,14 +559,20 @@ std::vector<RequestOutput> Engine::step() {
     m.draft_owners.clear();
   }
   m.refresh_kv_stats();
-  if (out.empty()) return outputs;
+  if (out.empty()) {
+    if (!m.passes.empty()) m.collect(outputs);  // nothing else to run: wait for the oldest pass
+    return outputs;
+  }
   ++m.stats.n_steps;
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
   for (const SchedulerOutput::Import& im : out.imported) m.write_import(im);
-  m.build_batch(out);
+  Impl::Pass& p = m.passes.emplace_back();
+  p.out = out;
+  m.build_batch(p);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
-  const ForwardBatch fb = m.batch.view();
+  if (m.passes.size() > 1) ++m.stats.n_pipelined_passes;
+  const ForwardBatch fb = p.batch.view();
   // Backends that sample on the device (CUDA) do so whenever every sampling request's chain is one
   // they implement (no logit bias, no penalties): the logits then never leave the device. The
   // uniform each sampler would have drawn goes with its row, so the token is the one the CPU
@@ -540,46 +583,73 @@ std::vector<RequestOutput> Engine::step() {
   // Drafts are verified on the device when q is one-hot (accept_sampled_drafts): each of the
   // 1 + n_draft rows is sampled with the uniform the host verifier would draw there; a draft
   // model's sampled q needs p and q together, on the host (verify_drafts).
-  bool on_device = m.runner->samples_on_device() && m.prompt_rows.empty();
-  for (size_t i = 0; on_device && i < m.sampling.size(); ++i) {
-    const RequestState& r = *m.sampling[i].r;
+  bool on_device = m.runner->samples_on_device() && p.prompt_rows.empty() && m.passes.size() == 1;
+  for (size_t i = 0; on_device && i < p.sampling.size(); ++i) {
+    const RequestState& r = *p.sampling[i].r;
     on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 &&
                 !(r.req.prompt_logits && r.seq.n_generated() == 0) &&
-                (m.sampling[i].n_draft == 0 || (m.config.speculative_verify_on_device && r.draft_q.empty()));
+                (p.sampling[i].n_draft == 0 || (m.config.speculative_verify_on_device && r.draft_q.empty()));
   }
-  std::span<const float> logits;
-  std::span<const int32_t> device_tokens;
-  const auto pass_start = Clock::now();
+  p.on_device = on_device;
+  p.start = Clock::now();
   if (on_device) {
     // One setting per logits row; every row is a sampling row here (no prompt rows). A grammar
     // row samples under its token mask, which depends only on the tokens accepted so far: the
     // runner has it computed (Impl::fill_token_masks) while the device runs the layers (grammar
     // requests get no drafts). A verified sequence's rows take the uniforms its next draws would
     // be; accept_sampled_drafts takes those its emitted tokens used.
-    m.row_sampling.assign(m.batch.logits_indices.size(), RowSampling{});
+    m.row_sampling.assign(p.batch.logits_indices.size(), RowSampling{});
     bool masked = false;
-    for (const Impl::SampleRow& sr : m.sampling) {
+    for (const Impl::SampleRow& sr : p.sampling) {
       RequestState* r = sr.r;
-      const SamplingParams& p = r->sampler->params();
+      const SamplingParams& sp = r->sampler->params();
       if (sr.n_draft > 0) {
         m.draft_uniforms.resize(static_cast<size_t>(sr.n_draft + 1));
         r->sampler->peek_uniforms(m.draft_uniforms);
         for (int64_t j = 0; j <= sr.n_draft; ++j)
           m.row_sampling[static_cast<size_t>(sr.row - sr.n_draft + j)] =
-              RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, m.draft_uniforms[static_cast<size_t>(j)], 0};
+              RowSampling{sp.temperature, sp.top_k, sp.top_p, sp.min_p, m.draft_uniforms[static_cast<size_t>(j)], 0};
         continue;
       }
       m.row_sampling[static_cast<size_t>(sr.row)] =
-          RowSampling{p.temperature, p.top_k, p.top_p, p.min_p, r->sampler->take_uniform(), r->matcher ? 1 : 0};
+          RowSampling{sp.temperature, sp.top_k, sp.top_p, sp.min_p, r->sampler->take_uniform(), r->matcher ? 1 : 0};
       masked |= r->matcher.has_value();
     }
     TokenMaskFill fill;
-    if (masked) fill = [&m](std::span<uint32_t> masks) { m.fill_token_masks(masks); };
-    device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
-  } else {
-    logits = m.runner->forward(fb);
+    if (masked) fill = [&m, &p](std::span<uint32_t> masks) { m.fill_token_masks(p, masks); };
+    std::span<const int32_t> device_tokens;
+    try {
+      device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
+    } catch (...) {
+      m.passes.pop_back();
+      throw;
+    }
+    p.timed = true;
+    m.finish_pass(p, {}, device_tokens, outputs);
+    m.passes.pop_back();
+    return outputs;
   }
-  m.measure_prefill(out, seconds(pass_start, Clock::now()));
+  try {
+    m.runner->submit(fb);
+  } catch (...) {
+    m.passes.pop_back();
+    throw;
+  }
+  for (const ScheduledSeq& sc : out.scheduled) sc.seq->in_flight = true;
+  if (depth == 1 || block_ops) {
+    p.timed = true;
+    m.collect(outputs);
+  }
+  return outputs;
+}
+
+void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span<const int32_t> device_tokens,
+                               std::vector<RequestOutput>& outputs) {
+  Impl& m = *this;
+  const SchedulerOutput& out = p.out;
+  const bool on_device = p.on_device;
+  for (const ScheduledSeq& sc : out.scheduled) sc.seq->in_flight = false;
+  if (p.timed) m.measure_prefill(out, seconds(p.start, Clock::now()));
   if (!out.swap_in.empty() || !out.load.empty()) {
     // After the pass, which waited for the copies: reading their timing does not stall them.
     const ModelRunner::HostCopyTotals h2d = m.runner->host_to_device_totals();
@@ -588,13 +658,13 @@ std::vector<RequestOutput> Engine::step() {
   }
   m.scheduler.on_step_done(out);
   if (!m.stats.moe_layers.empty()) m.stats.expert_tokens = m.runner->expert_token_counts();
-  m.prompt_logprobs_from(logits);
-
+  m.prompt_logprobs_from(p, logits);
+  std::vector<SampleRow>& sampling = p.sampling;
   // Children of a parent whose prompt is now computed share its blocks from here on; one that
   // finds no sequence slot computes the prompt itself later (mostly from the prefix cache).
-  std::vector<bool> skip(m.sampling.size(), false);
-  for (size_t i = 0; i < m.sampling.size(); ++i) {
-    RequestState& c = *m.sampling[i].r;
+  std::vector<bool> skip(sampling.size(), false);
+  for (size_t i = 0; i < sampling.size(); ++i) {
+    RequestState& c = *sampling[i].r;
     if (c.parent == nullptr) continue;
     RequestState& parent = *c.parent;
     c.parent = nullptr;
@@ -603,21 +673,21 @@ std::vector<RequestOutput> Engine::step() {
       skip[i] = true;
     }
   }
-  for (size_t i = 0; i < m.sampling.size(); ++i)
-    if (m.sampling[i].r->seq.n_generated() == 0) m.sampling[i].r->children.clear();
+  for (size_t i = 0; i < sampling.size(); ++i)
+    if (sampling[i].r->seq.n_generated() == 0) sampling[i].r->children.clear();
 
   const int64_t n_vocab = m.model.hparams().n_vocab;
-  for (size_t i = 0; i < m.sampling.size(); ++i) {
+  for (size_t i = 0; i < sampling.size(); ++i) {
     if (skip[i]) continue;
-    RequestState& r = *m.sampling[i].r;
-    const size_t row_index = static_cast<size_t>(m.sampling[i].row);
+    RequestState& r = *sampling[i].r;
+    const size_t row_index = static_cast<size_t>(sampling[i].row);
     // OpenAI semantics: presence/frequency penalties count generated tokens only. Non-finite
     // logits (corrupt weights, or extreme logits under a request's penalties) end this request
     // with an error, not the engine; the sampler finds them in the pass over the logits it makes
     // anyway (the device sampler marks a non-finite row with -1). Any other sampler error is this
     // request's too. Logprobs come from the raw logits on the host (logprobs.h).
     Verification v;  // the emitted tokens: one, or the accepted drafts and the token after them
-    const int64_t n_draft = m.sampling[i].n_draft;
+    const int64_t n_draft = sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       if (!r.import_error.empty()) {
@@ -678,9 +748,9 @@ std::vector<RequestOutput> Engine::step() {
   }
   // A prompt chunk with non-finite logits whose request did not sample this step ends here.
   std::vector<RequestId> nan_ids;
-  for (const Impl::PromptRow& pr : m.prompt_rows)
+  for (const PromptRow& pr : p.prompt_rows)
     // (Requests that sampled may be gone by now: test membership before touching pr.r.)
-    if (std::none_of(m.sampling.begin(), m.sampling.end(), [&](const Impl::SampleRow& sr) { return sr.r == pr.r; }) &&
+    if (std::none_of(sampling.begin(), sampling.end(), [&](const SampleRow& sr) { return sr.r == pr.r; }) &&
         pr.r->prompt_nan)
       nan_ids.push_back(pr.r->id);
   for (const RequestId id : nan_ids) {
@@ -693,7 +763,6 @@ std::vector<RequestOutput> Engine::step() {
   }
   m.step_beams(outputs);
   m.refresh_kv_stats();
-  return outputs;
 }
 
 }  // namespace kestrel

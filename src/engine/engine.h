@@ -3,7 +3,10 @@
 //
 // Engine::step() is one iteration: the scheduler picks decode tokens and prefill chunks under a
 // token budget, the model runner computes them in one flat batch, each sequence samples its next
-// token, and finished sequences free their KV blocks. The engine is single-threaded: the caller
+// token, and finished sequences free their KV blocks. Where the runner pipelines passes (pipeline
+// parallelism: ModelRunner::max_passes_in_flight), a step submits a pass of the sequences not in
+// flight and returns the outputs of the oldest pass once as many are in flight as the pipeline
+// has stages, so each stage works on one. The engine is single-threaded: the caller
 // (the batch command, the HTTP server's engine thread) owns it and calls step() in a loop.
 #pragma once
 
@@ -189,7 +192,10 @@ struct RequestOutput {
 
 // Counters over the engine's life.
 struct EngineStats {
-  int64_t n_steps = 0;
+  int64_t n_steps = 0;                   // forward passes
+  // Of those, passes submitted while another was in flight (pipeline parallelism: the runner's
+  // stages work on several passes at once; ModelRunner::max_passes_in_flight).
+  int64_t n_pipelined_passes = 0;
   int64_t n_prompt_tokens_computed = 0;  // prefill tokens run through the model (recompute included)
   int64_t n_generated_tokens = 0;
   int64_t n_preemptions = 0;
@@ -287,10 +293,11 @@ class Engine {
   // stop strings without a tokenizer, invalid beam params or fields beam search does not take.
   RequestId add_request(Request request);
   // Ends a waiting or running request and frees its blocks; the next step() reports it finished
-  // with "abort". Unknown or finished ids are ignored.
+  // with "abort". Unknown or finished ids are ignored. Passes in flight are collected first (their
+  // outputs come with the next step, before the abort's).
   void abort_request(RequestId id);
   // One iteration: schedule, run the model, sample, post-process. Returns news for every request
-  // that got a token or finished in this step.
+  // that got a token or finished in this step (with pipelined passes: in the pass collected).
   std::vector<RequestOutput> step();
   bool has_unfinished() const;
   size_t n_waiting() const;

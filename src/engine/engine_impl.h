@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -103,7 +104,6 @@ struct Engine::Impl {
   // After verification: the rejected drafts' K/V go back to the pool, the accepted ones stay
   // computed, and the tokens return to the settled ones (post_process appends v.tokens).
   void settle_drafts(RequestState& r, const Verification& v);
-  void build_batch(const SchedulerOutput& out);
   void refresh_kv_stats() {
     stats.kv_blocks_used = manager.n_used_blocks();
     stats.kv_blocks_free = manager.n_free_blocks();
@@ -183,16 +183,13 @@ struct Engine::Impl {
   EngineStats stats;
   // Unstarted requests by the hash of their prompt (prompt_parent_for); entries may be stale.
   std::unordered_map<uint64_t, RequestId> unstarted_prompts;
-  // The flat batch of the current step.
-  StepBatch batch;
-  // Requests that sample this step and the logits row each samples from; children of a parent
+  // Requests that sample in a pass and the logits row each samples from; children of a parent
   // whose prompt completes follow, each with a copy of the parent's row.
   struct SampleRow {
     RequestState* r;
     int32_t row;          // the last of its rows: the one the token after its drafts is sampled from
     int64_t n_draft = 0;  // rows row - n_draft .. row - 1 verify its draft tokens
   };
-  std::vector<SampleRow> sampling;
   // Logits rows after those: prompt positions whose logprobs or logits a request wants, each row
   // predicting prompt token `target` of `r`.
   struct PromptRow {
@@ -200,13 +197,37 @@ struct Engine::Impl {
     int64_t target;
     int32_t row;
   };
-  std::vector<PromptRow> prompt_rows;
-  void prompt_logprobs_from(std::span<const float> logits);
-  // The token masks of this step's grammar rows for forward_sample: [n_rows, bitmask_words] words,
+  // One forward pass: the scheduler's step, its flat batch and what its logits rows are for.
+  struct Pass {
+    SchedulerOutput out;
+    StepBatch batch;
+    std::vector<SampleRow> sampling;
+    std::vector<PromptRow> prompt_rows;
+    bool on_device = false;  // sampled by the runner (forward_sample)
+    bool timed = false;      // submitted and collected in one step: its time is the pass's (measure_prefill)
+    engine_detail::Clock::time_point start;
+  };
+  // Passes submitted to the runner and not yet collected, oldest first (ModelRunner::submit); their
+  // sequences are in flight. More than one only where the runner pipelines (pipeline_depth).
+  std::deque<Pass> passes;
+  // Passes to keep in flight: the runner's max_passes_in_flight, or 1 while speculative decoding
+  // or a beam search runs (their steps change sequences the scheduler sees together).
+  int pipeline_depth() const;
+  // Collects the oldest pass in flight and makes its outputs; drain: every pass in flight.
+  void collect(std::vector<RequestOutput>& outputs);
+  void drain(std::vector<RequestOutput>& outputs) {
+    while (!passes.empty()) collect(outputs);
+  }
+  // A pass's logits (or, on_device, its sampled tokens) made into the requests' tokens and outputs.
+  void finish_pass(Pass& p, std::span<const float> logits, std::span<const int32_t> device_tokens,
+                   std::vector<RequestOutput>& outputs);
+  void build_batch(Pass& p);
+  void prompt_logprobs_from(const Pass& p, std::span<const float> logits);
+  // The token masks of a pass's grammar rows for forward_sample: [n_rows, bitmask_words] words,
   // row sr.row of each sampling request with a matcher (the other rows are not read). Requests
   // are filled in parallel on mask_pool (each matcher is its own; a grammar's shared token splits
   // are computed under its lock), which matters most for the first masks of a fresh grammar.
-  void fill_token_masks(std::span<uint32_t> masks);
+  void fill_token_masks(const Pass& p, std::span<uint32_t> masks);
   std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
   std::vector<const SampleRow*> grammar_rows;
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples

@@ -160,7 +160,10 @@ const Engine::Impl::HeldKv& Engine::Impl::held_export(RequestId id, std::vector<
 }
 
 KvImport Engine::export_held_kv(RequestId id, std::vector<int32_t>* tokens) const {
-  const Impl& m = *impl_;
+  Impl& m = *impl_;
+  // The runner reads blocks with no pass in flight; the drained passes' outputs come with the
+  // next step.
+  m.drain(m.pending);
   KvImport out;
   const Impl::HeldKv& held = m.held_export(id, tokens, out);
   const std::vector<int32_t>& table = m.manager.block_table(held.seq);

@@ -72,17 +72,30 @@ void Scheduler::preempt(Sequence* seq, SchedulerOutput& out) {
   out.preempted.push_back(seq);
 }
 
-SchedulerOutput Scheduler::schedule() {
+SchedulerOutput Scheduler::schedule(int32_t decode_share) {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
+  int64_t max_decodes = static_cast<int64_t>(running_.size());
+  if (decode_share > 1) {
+    const int64_t n = std::count_if(running_.begin(), running_.end(), [](const Sequence* s) { return s->is_decode(); });
+    max_decodes = (n + decode_share - 1) / decode_share;
+  }
 
-  // 1. Decodes, oldest first; the newest running sequence makes room when blocks run out.
+  // 1. Decodes, oldest first; the newest running sequence not in flight makes room when blocks run out.
   std::vector<Sequence*> prefilling;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
+    if (s->in_flight) {
+      ++i;
+      continue;
+    }
     if (!s->is_decode()) {
       prefilling.push_back(s);
       ++i;
+      continue;
+    }
+    if (static_cast<int64_t>(out.scheduled.size()) >= max_decodes) {
+      ++i;  // this pass's share is full; the prompts after it may still get chunks
       continue;
     }
     const int64_t n_new = s->n_uncomputed();  // 1 + n_draft
@@ -90,8 +103,11 @@ SchedulerOutput Scheduler::schedule() {
     const int64_t n_end = s->n_computed + n_new;
     bool self_preempted = false;
     while (!kv_.can_append(s->id, s->n_computed, n_end)) {
-      Sequence* victim = running_.back();
-      running_.pop_back();
+      // The newest sequence not in flight: s itself, or one after it (not scheduled yet).
+      size_t j = running_.size() - 1;
+      while (j > i && running_[j]->in_flight) --j;
+      Sequence* victim = running_[j];
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(j));
       if (victim == s) {
         self_preempted = true;
         break;
@@ -112,7 +128,7 @@ SchedulerOutput Scheduler::schedule() {
 
   out.n_decodes = static_cast<int64_t>(out.scheduled.size());
 
-  // 2. Chunks of prompts already admitted, as far as budget and free blocks allow.
+  // 2. Chunks of prompts already admitted (not in flight), as far as budget and free blocks allow.
   for (Sequence* s : prefilling) {
     if (budget <= 0) break;
     int64_t n_new = std::min(s->n_uncomputed(), budget);

@@ -5,8 +5,8 @@
 // Each schedule() gives every sequence it picks a number of new tokens (a prompt chunk, one decode
 // token, or one token plus k drafts to verify) under a token budget (max_num_batched_tokens) and a
 // sequence cap (max_num_seqs), in this order:
-//   1. running decodes (1 + n_draft tokens each), oldest first. When one cannot get a block, the newest running sequence is
-//      preempted until the decode fits: by recompute (its blocks freed, computed full blocks kept
+//   1. running decodes (1 + n_draft tokens each), oldest first. When one cannot get a block, the
+//      newest running sequence not in flight is preempted until the decode fits: by recompute (its blocks freed, computed full blocks kept
 //      in the prefix cache, itself put at the front of the waiting queue to be recomputed) or by
 //      swap (its blocks copied to the host pool, KvManager::swap_out, and freed; it keeps its
 //      computed count and goes to the front of the waiting queue to be swapped back in);
@@ -116,8 +116,11 @@ class Scheduler {
   // A swapped-out sequence is Waiting too (in the waiting queue, its K/V in the host pool).
   void add(Sequence* seq);
   // Builds the next step and commits its blocks. Afterwards the caller runs the forward pass and
-  // then calls on_step_done().
-  SchedulerOutput schedule();
+  // then calls on_step_done(). Sequences in flight (Sequence::in_flight) are left out: neither
+  // scheduled nor preempted. decode_share > 1 (the passes a pipelining runner keeps in flight):
+  // the step takes at most ceil(running decodes / decode_share) decodes, in flight ones counted,
+  // so that the decodes spread over that many passes of about equal size.
+  SchedulerOutput schedule(int32_t decode_share = 1);
   // Records that the scheduled tokens were computed (n_computed advances) and, with a window,
   // releases each one's blocks that no later token reads (kept: those from position
   // n_computed - n_draft + 1 - window on, so rejected drafts can still be rolled back). The caller

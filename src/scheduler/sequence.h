@@ -33,6 +33,10 @@ struct Sequence {
   // Admission starts the sequence computed up to here and reports its blocks in
   // SchedulerOutput::imported; then it is 0 (a preemption by recompute computes everything).
   int64_t n_imported = 0;
+  // In a pass the engine has submitted and not yet collected (pipelined passes,
+  // ModelRunner::submit): the scheduler neither schedules nor preempts it until the engine has
+  // its tokens.
+  bool in_flight = false;
 
   int64_t n_generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
   int64_t n_uncomputed() const { return static_cast<int64_t>(tokens.size()) - n_computed; }

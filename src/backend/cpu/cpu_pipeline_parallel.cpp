@@ -22,7 +22,7 @@ class CpuPipelineStage final : public PipelineStage {
       : model_(std::move(model)), backend_(*model_, o, nullptr, role) {}
   ModelRunner& runner() override { return backend_; }
   const ModelRunner& runner() const override { return backend_; }
-  void reserve_hand_off(size_t n_micro, int64_t) override { in_.resize(n_micro); }
+  void reserve_hand_off(size_t n_slots, int64_t) override { in_.resize(n_slots); }
   std::span<const float> forward_micro_batch(const ForwardBatch& b, size_t m, PipelineStage* next) override {
     const std::span<const float> out = backend_.forward_stage(b, m < in_.size() ? in_[m] : std::span<const float>{});
     if (next == nullptr) return out;
@@ -33,7 +33,7 @@ class CpuPipelineStage final : public PipelineStage {
  private:
   std::unique_ptr<LlamaModel> model_;  // the stage's layers (views); before the backend that reads it
   CpuBackend backend_;
-  std::vector<std::vector<float>> in_;  // [micro-batch] the residual stream handed in
+  std::vector<std::vector<float>> in_;  // [slot] the residual stream handed in
 };
 
 }  // namespace

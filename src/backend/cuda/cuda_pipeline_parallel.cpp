@@ -1,9 +1,9 @@
 // Pipeline parallelism on CUDA (make_pipeline_parallel_cuda_runner, cuda_runner.h): stage s is a
 // CudaModelRunner over LlamaModel::pipeline_stage(s, N) on its device, with its weights, its KV
 // cache of its layers, its stream and its decode graphs; the driver (backend/pipeline_parallel_runner.h)
-// runs each stage in its own host thread over the step's micro-batches. A stage before the last
-// copies its output residual stream [n_tokens, n_embd] f32 into the next stage's hand-off slot for
-// the micro-batch (cudaMemcpyPeerAsync: over NVLink or PCIe between devices, a plain copy on one
+// runs each stage in its own host thread over the micro-batches of the passes in flight. A stage
+// before the last copies its output residual stream [n_tokens, n_embd] f32 into the next stage's
+// hand-off slot for the micro-batch (cudaMemcpyPeerAsync: over NVLink or PCIe between devices, a plain copy on one
 // device) and records an event the next stage's stream waits on before it reads the slot; then it
 // synchronizes its stream (its pinned staging buffer serves its next pass), and the driver lets
 // the next stage start. So stage s computes micro-batch m + 1 on its GPU while stage s + 1
@@ -38,11 +38,11 @@ class CudaPipelineStage final : public PipelineStage {
   const ModelRunner& runner() const override { return runner_; }
   CudaModelRunner& cuda() { return runner_; }
 
-  void reserve_hand_off(size_t n_micro, int64_t n_tokens) override {
+  void reserve_hand_off(size_t n_slots, int64_t n_tokens) override {
     runner_.use_device();
-    if (slots_.size() < n_micro) slots_.resize(n_micro), in_ready_.resize(n_micro, nullptr);
+    if (slots_.size() < n_slots) slots_.resize(n_slots), in_ready_.resize(n_slots, nullptr);
     const size_t bytes = static_cast<size_t>(n_tokens * model_->hparams().n_embd) * sizeof(float);
-    for (size_t m = 0; m < n_micro; ++m) slots_[m].reserve(bytes);
+    for (size_t m = 0; m < n_slots; ++m) slots_[m].reserve(bytes);
   }
 
   std::span<const float> forward_micro_batch(const ForwardBatch& b, size_t m, PipelineStage* next) override {
@@ -73,9 +73,9 @@ class CudaPipelineStage final : public PipelineStage {
   std::unique_ptr<LlamaModel> model_;  // the stage's layers (views); before the runner that reads it
   CudaModelRunner runner_;
   bool first_;
-  std::vector<cuda::DevMem> slots_;          // [micro-batch] the residual stream handed in, on this device
-  std::vector<cudaEvent_t> in_ready_;        // [micro-batch] the stage before's event after its copy
-  std::vector<cudaEvent_t> handed_on_;       // [micro-batch] this stage's, after its copy out (its device)
+  std::vector<cuda::DevMem> slots_;          // [slot] the residual stream handed in, on this device
+  std::vector<cudaEvent_t> in_ready_;        // [slot] the stage before's event after its copy
+  std::vector<cudaEvent_t> handed_on_;       // [slot] this stage's, after its copy out (its device)
 };
 
 }  // namespace
