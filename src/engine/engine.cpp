@@ -173,6 +173,7 @@ const ModelRunner& Engine::runner() const { return *impl_->runner; }
 const Drafter* Engine::drafter() const { return impl_->drafter.get(); }
 size_t Engine::n_waiting() const { return impl_->scheduler.n_waiting(); }
 size_t Engine::n_running() const { return impl_->scheduler.n_running(); }
+size_t Engine::n_passes_in_flight() const { return impl_->passes.size(); }
 bool Engine::has_unfinished() const { return !impl_->requests.empty() || !impl_->pending.empty(); }
 
 RequestId Engine::add_request(Request request) {

@@ -302,6 +302,9 @@ class Engine {
   bool has_unfinished() const;
   size_t n_waiting() const;
   size_t n_running() const;
+  // Passes submitted to the runner whose outputs a later step returns (pipelined passes; else 0
+  // between steps).
+  size_t n_passes_in_flight() const;
 
   // Disaggregated prefill. kv_transfer_format: this engine's block layout. export_held_kv: the
   // held K/V of finished do_remote_decode request `id` (n_tokens: its computed tokens; the
