@@ -94,6 +94,7 @@ Json BatchSummary::to_json() const {
   j["host_to_device_bytes"] = engine.host_to_device_bytes;
   j["host_to_device_seconds"] = engine.host_to_device_seconds;
   j["steps"] = engine.n_steps;
+  j["pipelined_passes"] = engine.n_pipelined_passes;  // passes submitted while another was in flight
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;
   j["spec_decode_num_draft_tokens"] = engine.spec_num_draft_tokens;
