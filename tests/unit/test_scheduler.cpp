@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <memory>
 #include <random>
@@ -146,6 +147,63 @@ TEST(Scheduler, PreemptsByRecomputeWhenBlocksRunOutAndOutputsStayTheSame) {
       EXPECT_EQ(sim.finished.at(static_cast<SeqId>(i + 1))->tokens, Sim::expected(prompt_of(8, i), 16));
     EXPECT_EQ(sim.kv.n_used_blocks(), 0);
     EXPECT_EQ(sim.kv.n_free_blocks(), 12);
+  }
+}
+
+// Pipelined passes (pipeline parallelism): two passes in flight, each step completing the oldest
+// and scheduling the next with decode_share 2. A sequence in flight is never scheduled again nor
+// preempted before its pass completes, each pass takes at most half the running decodes (rounded
+// up), and the outputs are those of one sequence alone, with and without preemption.
+TEST(Scheduler, PassesInFlightLeaveTheirSequencesOutAndShareTheDecodes) {
+  for (int32_t n_blocks : {256, 14}) {
+    Sim sim(n_blocks, 4, 8, 64);
+    for (int i = 0; i < 8; ++i) sim.submit(prompt_of(6 + i, i), 14);
+    std::deque<SchedulerOutput> in_flight;
+    auto complete_oldest = [&] {
+      SchedulerOutput out = std::move(in_flight.front());
+      in_flight.pop_front();
+      for (const ScheduledSeq& sc : out.scheduled) sc.seq->in_flight = false;
+      sim.sched.on_step_done(out);
+      std::vector<Sequence*> done;
+      for (const ScheduledSeq& sc : out.scheduled) {
+        if (!sc.samples()) continue;
+        sc.seq->tokens.push_back(next_token(sc.seq->tokens));
+        if (sc.seq->n_generated() >= sim.targets.at(sc.seq->id)) done.push_back(sc.seq);
+      }
+      for (Sequence* s : done) {
+        sim.sched.finish(s);
+        sim.finished[s->id] = std::move(sim.seqs.at(s->id));
+        sim.seqs.erase(s->id);
+      }
+    };
+    int64_t n_overlapped = 0;
+    for (int i = 0; i < 10000 && (sim.sched.n_waiting() + sim.sched.n_running() > 0 || !in_flight.empty()); ++i) {
+      if (in_flight.size() == 2) complete_oldest();
+      int64_t n_decodes = 0;
+      for (const auto& [id, seq] : sim.seqs) n_decodes += seq->status == SeqStatus::Running && seq->is_decode();
+      SchedulerOutput out = sim.sched.schedule(2);
+      sim.n_preempted += static_cast<int64_t>(out.preempted.size());
+      EXPECT_LE(out.n_decodes, (n_decodes + 1) / 2);
+      for (const Sequence* p : out.preempted) EXPECT_FALSE(p->in_flight);
+      for (const ScheduledSeq& sc : out.scheduled) {
+        EXPECT_FALSE(sc.seq->in_flight) << "sequence " << sc.seq->id << " scheduled while in flight";
+        sc.seq->in_flight = true;
+      }
+      sim.kv.check_invariants();
+      if (out.empty()) {
+        if (!in_flight.empty()) complete_oldest();
+        continue;
+      }
+      n_overlapped += !in_flight.empty();
+      in_flight.push_back(std::move(out));
+    }
+    ASSERT_TRUE(sim.seqs.empty() && in_flight.empty()) << "did not finish";
+    EXPECT_GT(n_overlapped, 20) << n_blocks << " blocks";
+    if (n_blocks == 14) EXPECT_GT(sim.n_preempted, 0);
+    for (int i = 0; i < 8; ++i)
+      EXPECT_EQ(sim.finished.at(static_cast<SeqId>(i + 1))->tokens, Sim::expected(prompt_of(6 + i, i), 14))
+          << n_blocks << " blocks, sequence " << i;
+    EXPECT_EQ(sim.kv.n_used_blocks(), 0);
   }
 }
 
