@@ -106,8 +106,8 @@ class ModelRunner {
   // submit() and returns it with collect(), in submission order. max_passes_in_flight(): how many
   // submitted passes it holds before a collect(); 1 (the default) for runners whose passes run
   // one at a time, where submit() runs forward() and collect() returns its logits. Block
-  // operations (copy_blocks, swaps, KV reads and writes) and forward() / forward_sample() are
-  // called only with no pass in flight.
+  // operations (copy_blocks, swaps, KV reads and writes), host_to_device_totals() and forward() /
+  // forward_sample() are called only with no pass in flight.
   virtual int max_passes_in_flight() const { return 1; }
   // Starts a pass over `batch` behind those in flight; its arrays may change once submit returns
   // (a pipelining runner copies them). Errors: kestrel::Error on an inconsistent batch, at once;

@@ -105,7 +105,7 @@ class PipelineParallelRunner final : public ModelRunner {
       : stages_(std::move(stages)),
         n_vocab_(hp.n_vocab),
         kv_lookback_(hp.kv_lookback()),
-        n_slots_(2 * stages_.size()),
+        n_slots_(std::max<size_t>(2, stages_.size())),
         done_(stages_.size(), 0) {
     KESTREL_ASSERT(!stages_.empty(), "pipeline parallel: no stage");
     for (const auto& s : stages_)
@@ -162,9 +162,12 @@ class PipelineParallelRunner final : public ModelRunner {
     collected_ = std::move(passes_.front());
     passes_.pop_front();
     while (!units_.empty() && units_.front().pass == collected_.get()) units_.pop_front(), ++units_base_;
-    std::exception_ptr error = error_;
-    if (passes_.empty()) error_ = nullptr;  // the pipeline is empty: the next pass starts afresh
-    if (error) std::rethrow_exception(error);
+    if (collected_->first_unit < poison_end_) {
+      // A stage failed while this pass was submitted: it ran in part, or not at all.
+      std::exception_ptr error = error_ ? error_ : std::make_exception_ptr(Error("pipeline parallel: a stage failed"));
+      if (end >= poison_end_) error_ = nullptr;  // the last such pass: the ones after it ran whole
+      std::rethrow_exception(error);
+    }
     return collected_->logits;
   }
   void copy_blocks(std::span<const BlockCopy> copies) override {
@@ -238,8 +241,8 @@ class PipelineParallelRunner final : public ModelRunner {
   // Stage s's thread: the submitted micro-batches ("units", numbered in submission order across
   // passes) one after another, unit u once the stage before has handed it on and the stage after
   // has finished unit u - n_slots_, whose hand-off slot (u mod n_slots_) u's output takes. After
-  // a stage fails, every stage passes over the units still in flight (the pass's collect() and
-  // those after it report the error) until the pipeline is empty.
+  // a stage fails, every stage passes over the units submitted by then (the collect() of each of
+  // their passes reports the error); later passes run as usual.
   void stage_loop(size_t s) {
     const bool last = s + 1 == stages_.size();
     for (;;) {
@@ -256,7 +259,7 @@ class PipelineParallelRunner final : public ModelRunner {
         if (stop_) return;
         u = done_[s];
         unit = units_[u - units_base_];
-        skip = error_ != nullptr;
+        skip = u < poison_end_;
       }
       if (!skip) {
         try {
@@ -272,6 +275,7 @@ class PipelineParallelRunner final : public ModelRunner {
         } catch (...) {
           std::lock_guard<std::mutex> lock(mu_);
           if (!error_) error_ = std::current_exception();
+          poison_end_ = n_units_;
         }
       }
       {
@@ -312,7 +316,8 @@ class PipelineParallelRunner final : public ModelRunner {
   size_t units_base_ = 0;
   size_t n_units_ = 0;            // units submitted
   std::vector<size_t> done_;      // units each stage has finished (or passed over)
-  std::exception_ptr error_;      // the first failure since the pipeline was last empty
+  std::exception_ptr error_;      // the first failure not yet reported by every pass it spoiled
+  size_t poison_end_ = 0;         // units before this are passed over: submitted when a stage failed
   bool stop_ = false;
   std::vector<std::thread> threads_;  // last: joined before the stages they drive are destroyed
 };

@@ -65,8 +65,8 @@ class PipelineStage {
 // per stage), collect() returns the oldest pass's logits rows in its batch's order, forward() is
 // the two with no other pass in flight; copy_blocks and swaps go to every stage; a block's K/V
 // record is the stages' records in stage order. Errors: validate_forward_batch's from submit(),
-// before any stage runs; a stage's first failure from the collect() of its pass and of every pass
-// in flight with it (the stages pass over their micro-batches until the pipeline is empty).
+// before any stage runs; a stage's failure from the collect() of its pass and of every pass
+// submitted by then (the stages pass over their micro-batches); passes submitted later run.
 std::unique_ptr<ModelRunner> make_pipeline_parallel_runner(std::vector<std::unique_ptr<PipelineStage>> stages,
                                                            const ModelHparams& hp);
 

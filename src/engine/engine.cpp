@@ -510,17 +510,17 @@ int Engine::Impl::pipeline_depth() const {
 }
 
 void Engine::Impl::collect(std::vector<RequestOutput>& outputs) {
-  Pass& p = passes.front();
+  Pass p = std::move(passes.front());
+  passes.pop_front();
   std::span<const float> logits;
   try {
     logits = runner->collect();
   } catch (...) {
     for (const ScheduledSeq& sc : p.out.scheduled) sc.seq->in_flight = false;
-    passes.pop_front();
     throw;
   }
   finish_pass(p, logits, {}, outputs);
-  passes.pop_front();
+  spare_pass = std::move(p);
 }
 
 std::vector<RequestOutput> Engine::step() {
@@ -568,11 +568,11 @@ std::vector<RequestOutput> Engine::step() {
   if (!out.copies.empty()) m.runner->copy_blocks(out.copies);
   if (!out.swap_in.empty()) m.runner->swap_in(out.swap_in);
   for (const SchedulerOutput::Import& im : out.imported) m.write_import(im);
-  Impl::Pass& p = m.passes.emplace_back();
+  Impl::Pass p = std::move(m.spare_pass);  // its arrays' capacity from an earlier pass
   p.out = out;
   m.build_batch(p);
   m.stats.n_prompt_tokens_computed += out.n_prefill_tokens;
-  if (m.passes.size() > 1) ++m.stats.n_pipelined_passes;
+  if (!m.passes.empty()) ++m.stats.n_pipelined_passes;
   const ForwardBatch fb = p.batch.view();
   // Backends that sample on the device (CUDA) do so whenever every sampling request's chain is one
   // they implement (no logit bias, no penalties): the logits then never leave the device. The
@@ -584,7 +584,7 @@ std::vector<RequestOutput> Engine::step() {
   // Drafts are verified on the device when q is one-hot (accept_sampled_drafts): each of the
   // 1 + n_draft rows is sampled with the uniform the host verifier would draw there; a draft
   // model's sampled q needs p and q together, on the host (verify_drafts).
-  bool on_device = m.runner->samples_on_device() && p.prompt_rows.empty() && m.passes.size() == 1;
+  bool on_device = m.runner->samples_on_device() && p.prompt_rows.empty() && m.passes.empty();
   for (size_t i = 0; on_device && i < p.sampling.size(); ++i) {
     const RequestState& r = *p.sampling[i].r;
     on_device = !r.group && r.sampler->device_compatible() && r.req.logprobs < 0 &&
@@ -618,29 +618,17 @@ std::vector<RequestOutput> Engine::step() {
     }
     TokenMaskFill fill;
     if (masked) fill = [&m, &p](std::span<uint32_t> masks) { m.fill_token_masks(p, masks); };
-    std::span<const int32_t> device_tokens;
-    try {
-      device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
-    } catch (...) {
-      m.passes.pop_back();
-      throw;
-    }
+    const std::span<const int32_t> device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
     p.timed = true;
     m.finish_pass(p, {}, device_tokens, outputs);
-    m.passes.pop_back();
+    m.spare_pass = std::move(p);
     return outputs;
   }
-  try {
-    m.runner->submit(fb);
-  } catch (...) {
-    m.passes.pop_back();
-    throw;
-  }
+  m.runner->submit(fb);  // copies what it keeps of the batch: p's arrays may move
   for (const ScheduledSeq& sc : out.scheduled) sc.seq->in_flight = true;
-  if (depth == 1 || block_ops) {
-    p.timed = true;
-    m.collect(outputs);
-  }
+  p.timed = depth == 1 || block_ops;
+  m.passes.push_back(std::move(p));
+  if (m.passes.back().timed) m.collect(outputs);
   return outputs;
 }
 

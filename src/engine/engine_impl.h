@@ -210,6 +210,7 @@ struct Engine::Impl {
   // Passes submitted to the runner and not yet collected, oldest first (ModelRunner::submit); their
   // sequences are in flight. More than one only where the runner pipelines (pipeline_depth).
   std::deque<Pass> passes;
+  Pass spare_pass;  // the last pass finished: the next reuses its arrays
   // Passes to keep in flight: the runner's max_passes_in_flight, or 1 while speculative decoding
   // or a beam search runs (their steps change sequences the scheduler sees together).
   int pipeline_depth() const;

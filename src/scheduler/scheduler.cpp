@@ -83,6 +83,7 @@ SchedulerOutput Scheduler::schedule(int32_t decode_share) {
 
   // 1. Decodes, oldest first; the newest running sequence not in flight makes room when blocks run out.
   std::vector<Sequence*> prefilling;
+  bool out_of_blocks = false;  // a decode waits for blocks that passes in flight hold
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* s = running_[i];
     if (s->in_flight) {
@@ -106,6 +107,12 @@ SchedulerOutput Scheduler::schedule(int32_t decode_share) {
       // The newest sequence not in flight: s itself, or one after it (not scheduled yet).
       size_t j = running_.size() - 1;
       while (j > i && running_[j]->in_flight) --j;
+      if (j == i && j + 1 < running_.size()) {
+        // Newer sequences are in flight: s waits for their passes rather than give way to them
+        // (the newest is preempted once it is back), and this step takes no more blocks.
+        out_of_blocks = true;
+        break;
+      }
       Sequence* victim = running_[j];
       running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(j));
       if (victim == s) {
@@ -116,9 +123,10 @@ SchedulerOutput Scheduler::schedule(int32_t decode_share) {
       prefilling.erase(std::remove(prefilling.begin(), prefilling.end(), victim), prefilling.end());
       preempt(victim, out);
     }
+    if (out_of_blocks) break;
     if (self_preempted) {
       preempt(s, out);
-      break;  // s was the newest: nothing after it is left
+      break;  // s was the newest: nothing after it is left but sequences in flight
     }
     kv_.append(s->id, s->tokens, s->n_computed, n_end, out.copies);
     out.scheduled.push_back({s, s->n_computed, n_new});
@@ -130,7 +138,7 @@ SchedulerOutput Scheduler::schedule(int32_t decode_share) {
 
   // 2. Chunks of prompts already admitted (not in flight), as far as budget and free blocks allow.
   for (Sequence* s : prefilling) {
-    if (budget <= 0) break;
+    if (budget <= 0 || out_of_blocks) break;
     int64_t n_new = std::min(s->n_uncomputed(), budget);
     if (s->max_chunk > 0) n_new = std::min(n_new, s->max_chunk);
     const int64_t capacity = static_cast<int64_t>(kv_.block_table(s->id).size()) * kv_.block_size();
@@ -143,7 +151,7 @@ SchedulerOutput Scheduler::schedule(int32_t decode_share) {
   }
 
   // 3. Admissions, first come first served; none after a preemption so the pool can drain.
-  while (out.preempted.empty() && !waiting_.empty() && budget > 0 &&
+  while (out.preempted.empty() && !out_of_blocks && !waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* s = waiting_.front();
     if (kv_.is_swapped(s->id)) {

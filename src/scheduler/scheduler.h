@@ -6,7 +6,9 @@
 // token, or one token plus k drafts to verify) under a token budget (max_num_batched_tokens) and a
 // sequence cap (max_num_seqs), in this order:
 //   1. running decodes (1 + n_draft tokens each), oldest first. When one cannot get a block, the
-//      newest running sequence not in flight is preempted until the decode fits: by recompute (its blocks freed, computed full blocks kept
+//      newest running sequence is preempted until the decode fits (while the newest ones are in
+//      flight, those not in flight after it; when none is left but it, the decode waits, and the
+//      step takes no further blocks, until the passes in flight are back): by recompute (its blocks freed, computed full blocks kept
 //      in the prefix cache, itself put at the front of the waiting queue to be recomputed) or by
 //      swap (its blocks copied to the host pool, KvManager::swap_out, and freed; it keeps its
 //      computed count and goes to the front of the waiting queue to be swapped back in);

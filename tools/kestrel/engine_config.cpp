@@ -193,7 +193,7 @@ void KestrelConfig::add_flags(CLI::App& app, EngineMode m) {
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--pipeline-parallel-size", parallel.pipeline_parallel_size,
-                 "Stages a model's layers are split across, a step's sequences in micro-batches through them "
+                 "Stages a model's layers are split across, up to one pass of different sequences per stage in flight "
                  "(CPU: one thread per stage, --threads shared among them; CUDA: stage s on GPU s)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
