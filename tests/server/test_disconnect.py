@@ -24,6 +24,16 @@ def send_request(port, body, path="/v1/completions"):
     return s
 
 
+def read_stream_start(s, n_events=12):
+    """Reads from socket s until n_events SSE events have come; asserts a 200 response."""
+    received = b""
+    while received.count(b"data: ") < n_events:
+        chunk = s.recv(65536)
+        assert chunk, received
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+
+
 def wait_for(server, predicate, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -41,12 +51,7 @@ def aborted(m):
 def test_disconnect_mid_stream_frees_blocks(server):
     n_aborted = aborted(server.metrics())
     s = send_request(server.port, dict(LONG, stream=True))
-    received = b""
-    while received.count(b"data: ") < 12:
-        chunk = s.recv(65536)
-        assert chunk, received
-        received += chunk
-    assert received.startswith(b"HTTP/1.1 200")
+    read_stream_start(s)
     m = server.metrics()
     assert m["kestrel_num_requests_running"] == 4 and m["kestrel_kv_blocks_used"] > 0
     t0 = time.time()

@@ -7,7 +7,7 @@ import concurrent.futures
 import pytest
 
 from conftest import STORIES_CTX, Server, kestrel_binary, require, stories_model
-from test_disconnect import LONG, aborted, send_request, wait_for
+from test_disconnect import LONG, aborted, read_stream_start, send_request, wait_for
 
 NAMES = ("Lily", "Tom", "a dog", "the sun", "Ben", "a little bird", "Sue", "the old king")
 
@@ -45,12 +45,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks_while_others_run(server, p
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         other = pool.submit(completion, pp_server, "Once upon a time, Tom", 200)
         s = send_request(pp_server.port, dict(LONG, stream=True))
-        received = b""
-        while received.count(b"data: ") < 12:
-            chunk = s.recv(65536)
-            assert chunk, received
-            received += chunk
-        assert received.startswith(b"HTTP/1.1 200")
+        read_stream_start(s)
         s.close()
         assert other.result(timeout=120) == want
     m = wait_for(pp_server, lambda m: m["kestrel_kv_blocks_used"] == 0 and m["kestrel_num_requests_running"] == 0)
