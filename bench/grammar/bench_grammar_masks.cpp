@@ -12,6 +12,12 @@
 //
 //   kestrel_grammar_bench --schemas bench/data/schemas --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf
 //                         --bpe ../shared/data/llama3-bpe-vocab [--walks 4]
+//
+// --replay FILE (with --gguf): the outputs of a `kestrel batch` run instead of random walks (JSON
+// lines with "id" and "output_ids"; request id i used schema i % n_schemas in name order, as
+// scripts/device/gpu_grammar.sh writes them): each output's tokens are fed in file order through
+// one grammar per schema, compiled once, timing every mask on the way (the first outputs of a
+// schema meet its cold splits).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +28,9 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
 #include "io/gguf.h"
 #include "sampling/grammar/json_schema.h"
 #include "sampling/grammar/matcher.h"
@@ -103,17 +112,87 @@ void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vect
               pct(accept, 50), pct(accept, 99), pct(accept, 100));
 }
 
+void replay(const std::string& file, const Tokenizer& tok, const std::vector<std::filesystem::path>& schemas,
+            bool verbose) {
+  auto vocab = grammar::TokenVocab::from_tokenizer(tok);
+  std::vector<std::shared_ptr<grammar::CompiledGrammar>> grammars(schemas.size());
+  std::vector<int> uses(schemas.size(), 0);
+  std::vector<double> first, later, accept;
+  std::vector<uint32_t> mask(grammar::bitmask_words(vocab->n_vocab));
+  std::ifstream in(file);
+  if (!in) throw Error("cannot read " + file);
+  std::string line;
+  size_t outputs = 0;
+  double worst_output_ms = 0, cold_us = 0;
+  size_t cold_splits = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("output_ids")) continue;
+    const size_t k = j.at("id").get<size_t>() % schemas.size();
+    if (!grammars[k]) {
+      std::ifstream sin(schemas[k]);
+      std::stringstream ss;
+      ss << sin.rdbuf();
+      // Keys in name order, as the engine received them (nlohmann::json sorts object keys).
+      const auto schema = nlohmann::ordered_json::parse(nlohmann::json::parse(ss.str()).dump());
+      grammars[k] = std::make_shared<grammar::CompiledGrammar>(
+          grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)), vocab);
+    }
+    auto& times = uses[k]++ == 0 ? first : later;
+    grammar::GrammarMatcher m(grammars[k]);
+    double output_us = 0;
+    for (const int32_t id : j.at("output_ids").get<std::vector<int32_t>>()) {
+      const size_t splits = grammars[k]->n_splits();
+      auto t = Clock::now();
+      m.fill_next_token_bitmask(mask);
+      const double us = us_since(t);
+      times.push_back(us);
+      if (grammars[k]->n_splits() > splits) {
+        cold_us += us;
+        cold_splits += grammars[k]->n_splits() - splits;
+      }
+      output_us += us;
+      if (!((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u)) {
+        std::fprintf(stderr, "%s: output %s: token %d outside the mask\n", file.c_str(), j.at("id").dump().c_str(), id);
+        break;
+      }
+      t = Clock::now();
+      m.accept_token(id);
+      accept.push_back(us_since(t));
+    }
+    worst_output_ms = std::max(worst_output_ms, output_us / 1000.0);
+    if (verbose)
+      std::printf("  output %s (%s): %zu tokens, masks %.2f ms\n", j.at("id").dump().c_str(),
+                  schemas[k].filename().c_str(), j.at("output_ids").size(), output_us / 1000.0);
+    ++outputs;
+  }
+  double sum = 0;
+  for (double v : later) sum += v;
+  std::printf("replay of %zu outputs from %s\n", outputs, file.c_str());
+  std::printf("  mask, a schema's first output: %zu tokens, p50 %.1f us, p99 %.1f us, max %.1f us\n", first.size(),
+              pct(first, 50), pct(first, 99), pct(first, 100));
+  std::printf("  mask, later outputs: %zu tokens, p50 %.1f us, p99 %.1f us, max %.1f us, mean %.1f us\n", later.size(),
+              pct(later, 50), pct(later, 99), pct(later, 100), later.empty() ? 0.0 : sum / static_cast<double>(later.size()));
+  std::printf("  %zu splits computed, in masks that took %.1f ms in all\n", cold_splits, cold_us / 1000.0);
+  std::printf("  accept: p50 %.1f us, p99 %.1f us, max %.1f us; slowest output's masks %.1f ms\n", pct(accept, 50),
+              pct(accept, 99), pct(accept, 100), worst_output_ms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string schema_dir = "bench/data/schemas", gguf, bpe;
+  std::string schema_dir = "bench/data/schemas", gguf, bpe, replay_file;
   int walks = 4;
+  bool verbose = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--schemas") schema_dir = v;
     else if (k == "--gguf") gguf = v;
     else if (k == "--bpe") bpe = v;
     else if (k == "--walks") walks = std::max(1, std::stoi(v));
+    else if (k == "--replay") replay_file = v;
+    else if (k == "--verbose") verbose = v == "1";
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -125,6 +204,11 @@ int main(int argc, char** argv) {
   std::sort(schemas.begin(), schemas.end());
   std::printf("%zu schemas from %s, %d walks each, cold then warm\n", schemas.size(), schema_dir.c_str(), walks);
   try {
+    if (!replay_file.empty()) {
+      if (gguf.empty()) throw Error("--replay needs --gguf (the model whose tokens the outputs hold)");
+      replay(replay_file, *Tokenizer::from_gguf(GgufFile::open(gguf)), schemas, verbose);
+      return 0;
+    }
     if (!gguf.empty()) bench_vocab(gguf, *Tokenizer::from_gguf(GgufFile::open(gguf)), schemas, walks);
     if (!bpe.empty()) {
       const std::vector<AddedToken> added = {{"<|begin_of_text|>", 128000, true}, {"<|end_of_text|>", 128001, true}};

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <optional>
@@ -452,16 +453,24 @@ void Engine::Impl::fill_token_masks(const Pass& p, std::span<uint32_t> masks) {
   grammar_rows.clear();
   for (const SampleRow& sr : p.sampling)
     if (sr.r->matcher) grammar_rows.push_back(&sr);
-  auto fill = [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const SampleRow& sr = *grammar_rows[static_cast<size_t>(i)];
-      sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
-    }
+  auto fill = [&](size_t i) {
+    const SampleRow& sr = *grammar_rows[i];
+    sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
   };
-  const auto n = static_cast<int64_t>(grammar_rows.size());
-  if (n < 2) return fill(0, n);
+  const size_t n = grammar_rows.size();
+  if (n < 2) {
+    for (size_t i = 0; i < n; ++i) fill(i);
+    return;
+  }
   if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(config.n_threads);
-  mask_pool->parallel_for(n, 1, fill);
+  // Rows are claimed one at a time rather than in fixed shares: a mask that meets a split not
+  // computed yet takes up to a few milliseconds where most take microseconds, and the step waits
+  // for the last mask.
+  std::atomic<size_t> next{0};
+  mask_pool->run([&](int, int) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+      fill(i);
+  });
 }
 
 // The prompt rows (after the sampling rows in `logits`): their logprobs and raw logits into each

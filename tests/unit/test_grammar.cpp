@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "sampling/grammar/constraint.h"
@@ -286,6 +287,44 @@ TEST(Grammar, ConstraintsAndTheirCache) {
   Constraint none;
   none.kind = ConstraintKind::CHOICE;
   EXPECT_THROW(compile_constraint(none), GrammarError);
+}
+
+// Matchers of one grammar on several threads, every split computed for the first time while other
+// threads need it or others (position_masks computes outside the grammar's lock): each thread's
+// masks equal those of one matcher alone on a grammar of its own.
+TEST(Grammar, MatchersOnManyThreadsShareSplitsAndGiveTheSameMasks) {
+  const std::string gbnf = schema_gbnf(
+      R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "tags": {"type": "array",
+          "items": {"type": "string", "minLength": 2, "maxLength": 6}}}, "required": ["name", "tags"],
+          "additionalProperties": false})");
+  const std::string text = R"({"name":"abcdefghijklmnopqrstu","tags":["ab","abc12","xyz"]})";
+  auto masks_of = [&](const std::shared_ptr<const CompiledGrammar>& cg, size_t shift) {
+    // Yields once at byte `shift`, so that the threads drift apart and meet the splits in different orders.
+    GrammarMatcher m(cg);
+    std::vector<uint32_t> mask(bitmask_words(cg->vocab().n_vocab));
+    std::vector<std::vector<uint32_t>> out;
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (i == shift % text.size()) std::this_thread::yield();
+      m.fill_next_token_bitmask(mask);
+      out.push_back(mask);
+      EXPECT_TRUE(m.accept_token(static_cast<unsigned char>(text[i]))) << "byte " << i;
+    }
+    return out;
+  };
+  const auto reference = masks_of(compile(gbnf), 0);
+  auto shared = compile(gbnf);
+  constexpr int kThreads = 8;
+  std::vector<std::vector<std::vector<uint32_t>>> got(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] { got[static_cast<size_t>(t)] = masks_of(shared, static_cast<size_t>(t) * 7); });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_EQ(got[static_cast<size_t>(t)].size(), reference.size());
+    for (size_t i = 0; i < reference.size(); ++i)
+      EXPECT_EQ(got[static_cast<size_t>(t)][i], reference[i]) << "thread " << t << ", before byte " << i;
+  }
+  EXPECT_GT(shared->n_splits(), 10u);
 }
 
 TEST(Grammar, ApplyBitmaskBlocksClearedBits) {

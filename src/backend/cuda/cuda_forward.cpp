@@ -62,7 +62,10 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   // Decode-only passes rotate q and write K/V inside the decode attention kernel (no RoPE kernel).
   pass_rope_in_attention_ = fused_rope_ && s.max_query == 1 &&
                             cuda::attention_supports_fused_rope(static_cast<int32_t>(hp_.head_dim));
-  if (prof_ != nullptr) prof_->begin(s.max_query == 1 ? "decode" : "prefill");
+  // Passes of a few query tokens per sequence (speculative verify steps) are profiled apart from
+  // prompt prefill.
+  if (prof_ != nullptr)
+    prof_->begin(s.max_query == 1 ? "decode" : s.max_query <= kGraphMaxTokensPerSeq ? "verify" : "prefill");
   arch_.forward(*this, hp_);
   if (s.sample && s.n_out > 0) {
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out,

@@ -245,27 +245,32 @@ class StateTable {
     key += static_cast<char>(s.seen);
     key += static_cast<char>((s.completed ? 1 : 0) | (s.completed_before ? 2 : 0));
     auto [it, fresh] = index_.try_emplace(std::move(key), static_cast<int32_t>(states_.size()));
-    if (fresh) states_.push_back(s);
+    if (fresh) {
+      states_.push_back(s);
+      trans_.resize(trans_.size() + 256, kUnknown);
+    }
     return it->second;
   }
   const MatchState& state(int32_t id) const { return states_[static_cast<size_t>(id)]; }
   // The state after `byte`, or -1 when none (or a dead one) follows.
   template <class Dead>
   int32_t next(int32_t id, uint8_t byte, Dead dead) {
-    const uint64_t key = (static_cast<uint64_t>(id) << 8) | byte;
-    auto it = trans_.find(key);
-    if (it != trans_.end()) return it->second;
+    const size_t at = static_cast<size_t>(id) * 256 + byte;
+    if (trans_[at] != kUnknown) return trans_[at];
     int32_t r = -1;
     if (step_byte(pool_, states_[static_cast<size_t>(id)], byte, &tmp_) && !dead(tmp_)) r = intern(tmp_);
-    trans_.emplace(key, r);
+    trans_[at] = r;  // after intern, which may have grown trans_
     return r;
   }
 
  private:
+  static constexpr int32_t kUnknown = -2;
   StackPool& pool_;
   std::vector<MatchState> states_;
   std::unordered_map<std::string, int32_t> index_;
-  std::unordered_map<uint64_t, int32_t> trans_;
+  // [state * 256 + byte]: the state after that byte, -1 none, kUnknown not stepped yet. A walk
+  // meets tens to a few thousand states, and this lookup is its innermost step.
+  std::vector<int32_t> trans_;
   MatchState tmp_;
 };
 
@@ -310,10 +315,18 @@ CompiledGrammar::CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vo
 
 const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<const uint32_t> frames) const {
   std::string key(reinterpret_cast<const char*>(frames.data()), frames.size() * sizeof(uint32_t));
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = masks_[key];
-  if (slot) return *slot;
-  auto pm = std::make_unique<PositionMasks>();
+  Split* split = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = masks_[key];
+    if (!slot) slot = std::make_unique<Split>();
+    split = slot.get();  // stable: entries are never erased and the map holds them by pointer
+  }
+  std::call_once(split->once, [&] { compute_split(frames, &split->masks); });
+  return split->masks;
+}
+
+void CompiledGrammar::compute_split(std::span<const uint32_t> frames, PositionMasks* pm) const {
   pm->accepted.assign((static_cast<size_t>(vocab_->n_vocab) + 63) / 64, 0);
   StackPool pool(grammar_);
   MatchState init;
@@ -338,8 +351,6 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<
     while (k < x.size() && k < y.size() && x[k] == y[k]) ++k;
     pm->uncertain_lcp[i] = k;
   }
-  slot = std::move(pm);
-  return *slot;
 }
 
 // ---- matcher ---------------------------------------------------------------------------------

@@ -77,12 +77,25 @@ class CompiledGrammar {
     std::vector<uint32_t> uncertain_lcp;
   };
   const PositionMasks& position_masks(std::span<const uint32_t> frames) const;
+  // How many splits have been asked for so far (computed, or being computed).
+  size_t n_splits() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return masks_.size();
+  }
 
  private:
   Grammar grammar_;
   std::shared_ptr<const TokenVocab> vocab_;
-  mutable std::mutex mu_;
-  mutable std::unordered_map<std::string, std::unique_ptr<PositionMasks>> masks_;  // by frames' bytes
+  // A split is computed once, by the first matcher that needs it, outside mu_: matchers that need
+  // other splits of this grammar meanwhile are not held up (a vocabulary walk takes up to a few
+  // milliseconds), those that need the same one wait on its once flag.
+  struct Split {
+    std::once_flag once;
+    PositionMasks masks;
+  };
+  void compute_split(std::span<const uint32_t> frames, PositionMasks* pm) const;
+  mutable std::mutex mu_;  // guards the map, not its entries' contents
+  mutable std::unordered_map<std::string, std::unique_ptr<Split>> masks_;  // by frames' bytes
 };
 
 // Interned stack nodes and the step over one code point; shared by the matcher and the
