@@ -13,6 +13,7 @@
 // double) and the bound stays 4e-3: the codes widen to bf16 exactly, and the kernels add only f32
 // products by the scales and the bf16 rounding of the V-scaled weights (2^-9 relative).
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -43,6 +44,9 @@ struct AttnCase {
   std::vector<float> q_head_scale = {};
   float k_scale = 1.0f, v_scale = 1.0f;
   bool v_row_spread = false;
+  // Every sequence has the same q_len: pass it as AttentionParams::uniform_query_len, and require
+  // the output bit for bit equal to the call without it (plan kernel + tile list + decode launch).
+  bool uniform = false;
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -134,6 +138,21 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   d_out.poison();
   cuda::paged_attention(p, nullptr);
   const auto out = bf16_to_f32(d_out.download());
+  if (c.uniform) {
+    for (const SeqSpec& sp : c.seqs) ASSERT_EQ(sp.q_len, max_q) << "a uniform case with unequal query runs";
+    p.max_query_len = p.uniform_query_len = max_q;
+    d_out.poison();
+    d_ws.poison();
+    cuda::paged_attention(p, nullptr);
+    const auto uniform_out = bf16_to_f32(d_out.download());
+    size_t differ = 0;
+    for (size_t i = 0; i < out.size(); ++i) differ += std::memcmp(&out[i], &uniform_out[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0u) << "outputs with uniform_query_len differ from the planned call's";
+    // Inconsistent with the batch: an error, nothing launched.
+    p.uniform_query_len = max_q + 1;
+    EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+    p.uniform_query_len = 0;
+  }
 
   std::vector<double> ref(q.size());
   std::vector<double> w;
@@ -202,6 +221,31 @@ TEST(CudaPagedAttention, Fp8CacheMatchesFloat64Reference) {
     c.fp8 = true;
     if (std::string(c.name).find("window") != std::string::npos)
       c.window = c.head_dim == 128 ? 100 : c.head_dim == 64 ? 70 : 16;
+    run_case(c, rng);
+  }
+}
+
+// Verify-step shapes (every sequence 1 + k query tokens): the prefill kernel's tiles from its block
+// index, no plan kernel and no decode launch, the same bits as the planned call. Query runs of 2
+// to 9 tokens, one tile per sequence or several (group 72: one token per tile), split-KV-sized
+// contexts, an FP8 cache, a window, the SIMT head dims.
+TEST(CudaPagedAttention, UniformQueryRunsGiveThePlannedCallsBits) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(31);
+  std::vector<AttnCase> cases = {
+      {"8B shape, 4 x (1 + 4)", 32, 8, 128, 16, {{130, 5}, {513, 5}, {6, 5}, {2000, 5}}, 3.0f, true},
+      {"SmolLM2 shape, 1 x (1 + 4)", 9, 3, 64, 16, {{300, 5}}, 1.0f, true},
+      {"SmolLM2 shape, 3 x (1 + 8)", 9, 3, 64, 16, {{20, 9}, {9, 9}, {1000, 9}}, 1.0f, true},
+      {"MHA d128, block size 7, 2 x 2", 4, 4, 128, 7, {{77, 2}, {200, 2}}, 2.0f, true},
+      {"group 72 d64: 3 tiles a sequence", 72, 1, 64, 16, {{20, 3}, {33, 3}}, 1.0f, true},
+      {"stories260K shape d8 (SIMT), 2 x 5", 8, 4, 8, 16, {{40, 5}, {70, 5}}, 1.0f, true},
+      {"d40 (SIMT) group 3, 2 x 4", 6, 2, 40, 16, {{2049, 4}, {90, 4}}, 2.0f, true},
+      {"d64 window 70, 2 x 5", 8, 2, 64, 8, {{3001, 5}, {130, 5}}, 2.0f, true, 0, 0, 70},
+  };
+  for (AttnCase c : cases) {
+    c.uniform = true;
+    run_case(c, rng);
+    c.fp8 = true;
     run_case(c, rng);
   }
 }

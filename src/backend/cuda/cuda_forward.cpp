@@ -39,6 +39,7 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.max_blocks_per_seq = s.width;
   ap.max_context = s.max_context;
   ap.max_query_len = s.max_query;
+  ap.uniform_query_len = s.uniform_query;
   ap.n_head = static_cast<int32_t>(hp_.n_head);
   ap.n_head_kv = static_cast<int32_t>(hp_.n_head_kv);
   ap.head_dim = static_cast<int32_t>(hp_.head_dim);

@@ -82,7 +82,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
     s.n_seqs = bsz;
     s.width = width;
     s.max_context = width * block_size_;
-    s.max_query = q;
+    s.max_query = s.uniform_query = q;
     s.rows_identity = true;
     s.sample = sample;
     cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
@@ -142,6 +142,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   s.width = b.max_blocks_per_seq;
   s.max_context = max_context;
   s.max_query = max_query;
+  s.uniform_query = n_seqs > 0 && min_query == max_query && n == n_seqs * max_query ? max_query : 0;
   s.rows_identity = identity;
   s.sample = sample;
   cuda::AttentionParams probe = attention_params(BatchArrays{}, s);

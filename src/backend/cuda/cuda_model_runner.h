@@ -122,6 +122,7 @@ struct PassShape {
   int32_t width = 0;           // block table row length
   int32_t max_context = 0;     // sizes the split-KV grid (an upper bound is fine)
   int32_t max_query = 0;
+  int32_t uniform_query = 0;   // > 0: every sequence has this many tokens (AttentionParams::uniform_query_len)
   bool rows_identity = false;  // logits rows are all tokens in order
   bool sample = false;         // sample on the device into BatchArrays::tokens
 };

@@ -143,6 +143,11 @@ struct AttentionParams {
   void* workspace;      // 16-byte aligned, at least attention_workspace_bytes(*this) bytes
   size_t workspace_bytes;
   int32_t max_query_len = 0;  // max tokens of one sequence in this batch; 0 = unknown
+  // > 0: every sequence has exactly this many query tokens, its own contiguous run (query_start[s]
+  // = s x uniform_query_len): speculative verify steps and the decode graphs. With 2 or more, the
+  // prefill kernel finds its tiles from its block index (no plan kernel) and the decode kernel,
+  // which would have no sequence to work on, is not launched.
+  int32_t uniform_query_len = 0;
   int32_t window = 0;         // sliding window in keys (the query's own included); 0 = none
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
                               // tiles load while one is computed), also 4 or 6 with an FP8 cache at

@@ -226,26 +226,37 @@ Plan make_plan(const AttentionParams& p) {
   return plan;
 }
 
-// The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens),
-// decode, and the split-KV reduction (when the decode kernel splits). The tensor-core and the
+// The launches of one attention call: plan + prefill (when some sequence has 2+ query tokens; no
+// plan with uniform query runs), decode (unless every sequence has 2+ tokens, uniform_query_len),
+// and the split-KV reduction (when the decode kernel splits). The tensor-core and the
 // SIMT kernel families differ only in the kernels and their shared memory.
 void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
                     void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
                     size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
   const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
+  // Uniform runs of 2+ query tokens (verify steps): the tiles follow from the block index, and no
+  // sequence is the decode kernel's.
+  const bool uniform_prefill = p.uniform_query_len > 1;
   if (any_prefill) {
     AttnKernelArgs a = base;
     a.heads_per_tile = plan.prefill_heads;
     a.head_chunks = plan.prefill_head_chunks;
-    auto* plan_kernel = &attention_plan_kernel;
-    KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
-                   const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
-    KESTREL_CUDA_CHECK_LAUNCH();
+    int64_t tiles = plan.max_tiles;
+    if (uniform_prefill) {
+      a.uniform_query = p.uniform_query_len;
+      tiles = p.n_seqs * ceil_div(p.uniform_query_len, plan.tokens_per_tile);
+    } else {
+      auto* plan_kernel = &attention_plan_kernel;
+      KESTREL_LAUNCH(plan_kernel, dim3(1), dim3(256), 0, stream, p.query_start, p.n_seqs, plan.tokens_per_tile,
+                     const_cast<int2*>(a.tiles), const_cast<int32_t*>(a.n_tiles));
+      KESTREL_CUDA_CHECK_LAUNCH();
+    }
     set_max_dynamic_smem(prefill, prefill_smem);
-    const dim3 grid(static_cast<unsigned>(plan.max_tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
     KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
+  if (uniform_prefill) return;
   AttnKernelArgs a = base;
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
@@ -297,6 +308,11 @@ bool attention_supports_fused_rope(int32_t head_dim) { return MmaHeadDims::conta
 
 void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.n_tokens <= 0 || p.n_seqs <= 0) return;
+  if (p.uniform_query_len < 0 || (p.uniform_query_len > 0 && (p.n_tokens != p.n_seqs * p.uniform_query_len ||
+                                                              p.max_query_len != p.uniform_query_len)))
+    throw Error("paged_attention: uniform_query_len " + std::to_string(p.uniform_query_len) + " with " +
+                std::to_string(p.n_tokens) + " tokens of " + std::to_string(p.n_seqs) + " sequences, max_query_len " +
+                std::to_string(p.max_query_len));
   const Plan plan = make_plan(p);
   if (p.workspace_bytes < plan.total || (plan.total > 0 && p.workspace == nullptr))
     throw Error("paged_attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, " +

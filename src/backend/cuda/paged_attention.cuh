@@ -74,6 +74,8 @@ struct AttnKernelArgs {
   float scale_log2;              // softmax scale * log2(e)
   const int2* tiles;             // prefill tile list: (sequence, first token), from the plan kernel
   const int32_t* n_tiles;        // its length
+  int32_t uniform_query;         // > 0: every sequence has this many query tokens (AttentionParams::
+                                 // uniform_query_len); the prefill tiles follow from the block index
   int32_t n_splits;              // decode: split-KV ranges per sequence (split_key_range)
   float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
   float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
@@ -459,13 +461,33 @@ __global__ void attention_plan_kernel(const int32_t* __restrict__ query_start, i
   if (tid == 0) *n_tiles = base;
 }
 
+// The prefill tile of block `b` (its sequence and first query token); false past the last tile.
+// With uniform query runs each sequence has ceil(q / tokens_per_tile) tiles, taken in order;
+// else the plan kernel's list, last tiles first: within a sequence they attend the most keys, so
+// the long blocks start early.
+__device__ __forceinline__ bool prefill_tile(const AttnKernelArgs& a, int b, int* seq, int* token0) {
+  if (a.uniform_query > 0) {
+    const int per_seq = (a.uniform_query + a.tokens_per_tile - 1) / a.tokens_per_tile;
+    if (b >= a.n_seqs * per_seq) return false;
+    *seq = b / per_seq;
+    *token0 = *seq * a.uniform_query + b % per_seq * a.tokens_per_tile;
+    return true;
+  }
+  const int n_tiles = *a.n_tiles;
+  if (b >= n_tiles) return false;
+  const int2 tile = a.tiles[n_tiles - 1 - b];
+  *seq = tile.x;
+  *token0 = tile.y;
+  return true;
+}
+
 // grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_prefill_smem_bytes<D, kFp8>().
 template <int D, bool kFp8 = false>
 __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
   constexpr int kRows = kPrefillRows, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
-  const int n_tiles = *a.n_tiles;
-  if (static_cast<int>(blockIdx.x) >= n_tiles) return;
+  int seq = 0, token0 = 0;
+  if (!prefill_tile(a, static_cast<int>(blockIdx.x), &seq, &token0)) return;
   KESTREL_DYNAMIC_SMEM(smem);
   constexpr int kBufs = kFp8 ? 1 : 2;     // bf16 K/V tiles: double-buffered, or the one FP8 stages widen into
   constexpr int kFp8Stage = kFp8StageBytes<D, kKeys>;
@@ -476,9 +498,6 @@ __global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKer
   auto* row_off = reinterpret_cast<int64_t*>(fp8_stages + (kFp8 ? 2 * kFp8Stage : 0));  // [kRows] q/out offset or -1
   auto* row_pos = reinterpret_cast<int32_t*>(row_off + kRows);         // [kRows]
 
-  // Last tiles first: within a sequence they attend the most keys, so the long blocks start early.
-  const int2 tile = a.tiles[n_tiles - 1 - static_cast<int>(blockIdx.x)];
-  const int seq = tile.x, token0 = tile.y;
   const int q_end = a.query_start[seq + 1];
   const int kvh = static_cast<int>(blockIdx.y) / a.head_chunks;
   const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;

@@ -62,11 +62,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
     key_begin = keys.x;
     split_end = keys.y;
   } else {
-    const int n_tiles = *a.n_tiles;
-    if (static_cast<int>(blockIdx.x) >= n_tiles) return;
-    const int2 tile = a.tiles[n_tiles - 1 - static_cast<int>(blockIdx.x)];  // last (longest) tiles first
-    seq = tile.x;
-    token0 = tile.y;
+    if (!prefill_tile(a, static_cast<int>(blockIdx.x), &seq, &token0)) return;
   }
   const int q_end = a.query_start[seq + 1];
   const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
