@@ -25,9 +25,12 @@ namespace kestrel::cli {
 
 // JSON objects that keep their key order (result lines start with "id", responses with "id").
 using Json = nlohmann::ordered_json;
-// Request bodies: std::map objects (O(log n) insert). ordered_json's insert scans its keys for a
-// duplicate, which makes an object of n keys cost O(n^2) to parse.
-using RequestJson = nlohmann::json;
+// Request bodies keep their keys in the order written, as Python's json.loads does: a JSON schema's
+// properties are generated in the schema's order (OpenAI's structured outputs, vLLM), and tool
+// schemas reach the chat template as the client wrote them. parse_request_body builds objects in
+// time linear in the body (BoundedBuilder's per-object key index), not by ordered_json's insert,
+// which scans an object's keys for each new one.
+using RequestJson = nlohmann::ordered_json;
 
 // A request that cannot be served as given. param names the field at fault as OpenAI error bodies
 // do ("temperature", "messages[1].content"), "" when no single field is; the message names the
