@@ -49,6 +49,12 @@ for st in steps:
             busy += a + d - max(a, end)
             end = a + d
 n = len(steps)
+# The wait before each step's sampling kernel: from the previous kernel's end to its start (long
+# when the sampler waits for something the host prepares, such as grammar token masks).
+pre_sample = sorted(st[-1][0] - max(a + d for a, d, _ in st[:-1]) for st in steps if len(st) > 1)
+if pre_sample:
+    print(f"gap before the sampling kernel: mean {sum(pre_sample) / len(pre_sample) / 1e3:.1f} us, "
+          f"p50 {pre_sample[len(pre_sample) // 2] / 1e3:.1f} us, p90 {pre_sample[len(pre_sample) * 9 // 10] / 1e3:.1f} us")
 period = (steps[-1][0][0] - steps[0][0][0]) / max(n - 1, 1)
 print(f"step period (first kernel to first kernel, host time included): {period / 1e3:.1f} us")
 print(f"{n} decode steps: span {span / n / 1e3:.1f} us per step, kernels busy {busy / n / 1e3:.1f} us "
