@@ -24,6 +24,12 @@ std::shared_ptr<const TokenVocab> TokenVocab::from_bytes(std::vector<std::string
     const auto& y = v->bytes[static_cast<size_t>(b)];
     return x != y ? x < y : a < b;
   });
+  v->sorted_offset.reserve(v->sorted.size() + 1);
+  for (int32_t id : v->sorted) {
+    v->sorted_offset.push_back(static_cast<uint32_t>(v->sorted_bytes.size()));
+    v->sorted_bytes += v->bytes[static_cast<size_t>(id)];
+  }
+  v->sorted_offset.push_back(static_cast<uint32_t>(v->sorted_bytes.size()));
   v->lcp.assign(v->sorted.size(), 0);
   for (size_t i = 1; i < v->sorted.size(); ++i) {
     const auto& x = v->bytes[static_cast<size_t>(v->sorted[i - 1])];
@@ -274,14 +280,17 @@ class StateTable {
   MatchState tmp_;
 };
 
-// walk() over interned states (see StateTable).
+// walk() over interned states (see StateTable), over the whole vocabulary in byte order, its bytes
+// read from TokenVocab's contiguous copy (sorted_bytes).
 template <class Dead, class OnToken>
-void walk_memo(StateTable& table, int32_t init, std::span<const int32_t> ids, std::span<const uint32_t> lcp,
-               const TokenVocab& vocab, Dead dead, OnToken on_token) {
+void walk_memo(StateTable& table, int32_t init, const TokenVocab& vocab, Dead dead, OnToken on_token) {
+  const std::span<const int32_t> ids = vocab.sorted;
+  const std::span<const uint32_t> lcp = vocab.lcp;
   std::vector<int32_t> sid(1, init);
   size_t have = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const std::string& b = vocab.bytes[static_cast<size_t>(ids[i])];
+    const std::string_view b(vocab.sorted_bytes.data() + vocab.sorted_offset[i],
+                             vocab.sorted_offset[i + 1] - vocab.sorted_offset[i]);
     if (i > 0) have = std::min<size_t>(have, lcp[i]);
     if (sid.size() < b.size() + 1) sid.resize(b.size() + 1);
     bool died = false;
@@ -334,7 +343,7 @@ void CompiledGrammar::compute_split(std::span<const uint32_t> frames, PositionMa
   for (size_t i = frames.size(); i-- > 0;) node = pool.intern(frames[i], node);
   init.tops = {node};
   StateTable table(pool);
-  walk_memo(table, table.intern(init), vocab_->sorted, vocab_->lcp, *vocab_, [](const MatchState& s) { return s.dead(); },
+  walk_memo(table, table.intern(init), *vocab_, [](const MatchState& s) { return s.dead(); },
        [&](int32_t id, const MatchState* s) {
          if (s == nullptr) return;
          if (!s->tops.empty() || s->completed) {

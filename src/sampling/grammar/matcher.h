@@ -40,6 +40,10 @@ struct TokenVocab {
   std::vector<std::string> bytes;  // by id; empty for tokens that are never allowed
   std::vector<int32_t> sorted;     // allowed ids in byte order
   std::vector<uint32_t> lcp;       // [i]: common prefix length of sorted[i] and sorted[i - 1]
+  // The bytes of sorted[i] at sorted_bytes[sorted_offset[i], sorted_offset[i + 1]): one contiguous
+  // read for a walk over the whole vocabulary (a split's), not a string object per token.
+  std::string sorted_bytes;
+  std::vector<uint32_t> sorted_offset;
 
   // Token bytes from Tokenizer::token_to_piece (byte-fallback tokens give their byte; a piece may
   // be part of a UTF-8 character).
