@@ -3,6 +3,8 @@
 // the errors that name unsupported constructs.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -133,6 +135,24 @@ TEST(Grammar, JsonSchemaStringsNumbersCombinators) {
   expect_language(schema_gbnf(R"({"type":"string","pattern":"\\d"})"), {"\"ab1c\"", "\"a\\\"1\""}, {"\"ab\""});
   expect_language(schema_gbnf(R"({"type":"string","format":"date-time"})"), {"\"2024-01-31T10:20:30.5+01:00\""},
                   {"\"2024-13-01T00:00:00Z\"", "\"2024-01-01\""});
+  // Real calendar days only (Python's jsonschema checks dates with datetime.date): month lengths,
+  // February 29 in leap years, no year 0000.
+  expect_language(schema_gbnf(R"({"type":"string","format":"date"})"),
+                  {"\"2024-02-29\"", "\"2000-02-29\"", "\"0004-02-29\"", "\"2023-02-28\"", "\"2023-04-30\"",
+                   "\"2023-12-31\"", "\"0001-01-01\"", "\"9999-12-31\"", "\"1996-02-29\""},
+                  {"\"2023-02-29\"", "\"1900-02-29\"", "\"2100-02-29\"", "\"2023-04-31\"", "\"2023-02-30\"",
+                   "\"0000-01-01\"", "\"2023-11-31\"", "\"2023-06-00\""});
+  {  // Every month and day number of years around the leap rules, against std::chrono's calendar.
+    auto cg = compile(schema_gbnf(R"({"type":"string","format":"date"})"));
+    for (int y : {1, 4, 100, 400, 1900, 1996, 2000, 2023, 2024, 2100, 9999})
+      for (unsigned m = 0; m <= 13; ++m)
+        for (unsigned d = 0; d <= 32; ++d) {
+          char text[32];
+          std::snprintf(text, sizeof text, "\"%04d-%02u-%02u\"", y, m, d);
+          const bool real = std::chrono::year_month_day{std::chrono::year{y}, std::chrono::month{m}, std::chrono::day{d}}.ok();
+          EXPECT_EQ(matches(cg, text), real) << text;
+        }
+  }
   expect_language(schema_gbnf(R"({"type":"string","format":"uuid"})"), {"\"123e4567-e89b-12d3-a456-426614174000\""},
                   {"\"123e4567e89b12d3a456426614174000\""});
   expect_language(schema_gbnf(R"({"type":"string","minLength":2,"maxLength":3})"), {"\"ab\"", "\"é\\n\"", "\"abc\""},

@@ -391,7 +391,17 @@ class Compiler {
       if (s.contains("pattern") || min_len || max_len)
         unsupported("format", "format together with pattern / minLength / maxLength is not supported");
       std::string f = s["format"].is_string() ? s["format"].get<std::string>() : "";
-      std::string date = "[0-9]{4} \"-\" (\"0\" [1-9] | \"1\" [0-2]) \"-\" (\"0\" [1-9] | [12] [0-9] | \"3\" [01])";
+      // RFC 3339 full-date, only real calendar days (what Python's jsonschema format checker and
+      // datetime.date accept): years 0001-9999, 30 days in April, June, September and November,
+      // 28 in February, and February 29 in leap years (divisible by 4, centuries by 400).
+      const std::string year = "([1-9] [0-9]{3} | \"0\" [1-9] [0-9]{2} | \"00\" [1-9] [0-9] | \"000\" [1-9])";
+      const std::string leap_year =
+          "([0-9]{2} (\"0\" [48] | [2468] [048] | [13579] [26]) | (\"0\" [48] | [2468] [048] | [13579] [26]) \"00\")";
+      const std::string month_day =
+          "((\"0\" [13578] | \"1\" [02]) \"-\" (\"0\" [1-9] | [12] [0-9] | \"3\" [01]) | "
+          "(\"0\" [469] | \"11\") \"-\" (\"0\" [1-9] | [12] [0-9] | \"30\") | "
+          "\"02-\" (\"0\" [1-9] | \"1\" [0-9] | \"2\" [0-8]))";
+      std::string date = "(" + year + " \"-\" " + month_day + " | " + leap_year + " \"-02-29\")";
       std::string time =
           "([01] [0-9] | \"2\" [0-3]) \":\" [0-5] [0-9] \":\" ([0-5] [0-9] | \"60\") (\".\" [0-9]+)? "
           "([zZ] | [-+] ([01] [0-9] | \"2\" [0-3]) \":\" [0-5] [0-9])";
