@@ -49,22 +49,33 @@ double pct(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * static_cast<double>(v.size())))];
 }
 
+// A schema file (keys in the order written, as the server and batch pass a schema on), compiled to
+// a grammar bound to the vocabulary: schema -> GBNF -> grammar.
+nlohmann::ordered_json read_schema(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return nlohmann::ordered_json::parse(ss.str());
+}
+std::shared_ptr<grammar::CompiledGrammar> compile_schema(const nlohmann::ordered_json& schema,
+                                                         const std::shared_ptr<const grammar::TokenVocab>& vocab) {
+  return std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)),
+                                                    vocab);
+}
+
 void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vector<std::filesystem::path>& schemas, int walks) {
   auto t0 = Clock::now();
   auto vocab = grammar::TokenVocab::from_tokenizer(tok);
   const double vocab_ms = us_since(t0) / 1000.0;
   std::vector<double> compile_us, cold, warm, accept;
   for (const auto& path : schemas) {
-    std::ifstream in(path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    const auto schema = nlohmann::ordered_json::parse(ss.str());
+    const auto schema = read_schema(path);
     // Compile (schema -> GBNF -> grammar, bound to the vocabulary): the median of 9 runs.
     std::vector<double> c;
     std::shared_ptr<grammar::CompiledGrammar> cg;
     for (int i = 0; i < 9; ++i) {
       auto t = Clock::now();
-      cg = std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)), vocab);
+      cg = compile_schema(schema, vocab);
       c.push_back(us_since(t));
     }
     compile_us.push_back(pct(c, 50));
@@ -130,15 +141,7 @@ void replay(const std::string& file, const Tokenizer& tok, const std::vector<std
     const auto j = nlohmann::json::parse(line);
     if (!j.contains("output_ids")) continue;
     const size_t k = j.at("id").get<size_t>() % schemas.size();
-    if (!grammars[k]) {
-      std::ifstream sin(schemas[k]);
-      std::stringstream ss;
-      ss << sin.rdbuf();
-      // Keys in name order, as the engine received them (nlohmann::json sorts object keys).
-      const auto schema = nlohmann::ordered_json::parse(nlohmann::json::parse(ss.str()).dump());
-      grammars[k] = std::make_shared<grammar::CompiledGrammar>(
-          grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)), vocab);
-    }
+    if (!grammars[k]) grammars[k] = compile_schema(read_schema(schemas[k]), vocab);
     auto& times = uses[k]++ == 0 ? first : later;
     grammar::GrammarMatcher m(grammars[k]);
     double output_us = 0;

@@ -512,10 +512,13 @@ void Engine::Impl::measure_prefill(const SchedulerOutput& out, double s) {
 }
 
 int Engine::Impl::pipeline_depth() const {
-  if (drafter) return 1;
+  // The runner first: a runner of one pass at a time (all but pipeline parallelism) needs no look
+  // at the requests, which this would do every step.
+  const int depth = runner->max_passes_in_flight();
+  if (depth <= 1 || drafter) return 1;
   for (const auto& [id, r] : requests)
     if (r->own_group) return 1;
-  return std::max(1, runner->max_passes_in_flight());
+  return depth;
 }
 
 void Engine::Impl::collect(std::vector<RequestOutput>& outputs) {
