@@ -1,5 +1,9 @@
 #include "memory/kv_cache.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <new>
@@ -9,6 +13,26 @@
 namespace kestrel {
 
 namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// A pool of at least a huge page is allocated on 2 MiB boundaries and marked for transparent huge
+// pages (advice: ignored where THP is off): decode attention reads every block of a sequence once
+// a step from anywhere in the pool, and on 4 KiB pages each block's keys, values and scales cost a
+// TLB miss of their own. Smaller pools: 64-byte aligned. Throws std::bad_alloc.
+std::byte* allocate_storage(size_t bytes) {
+  const size_t align = bytes >= kHugePage ? kHugePage : 64;
+  const size_t size = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, size);
+  if (p == nullptr) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+  if (align == kHugePage) madvise(p, size, MADV_HUGEPAGE);
+#endif
+  return static_cast<std::byte*>(p);
+}
+
+size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+
 KvGeometry standard(int64_t n_layer, int64_t n_head_kv, int64_t head_dim) {
   KvGeometry g;
   g.n_layer = n_layer;
@@ -41,29 +65,30 @@ KvCache::KvCache(const KvGeometry& g, int32_t block_size, int32_t n_blocks, KvDt
                    static_cast<size_t>(kv_dtype_bytes(dtype));
   const bool scaled = dtype == KvDtype::INT8;
   const size_t n_scales = static_cast<size_t>(n_slots()) * static_cast<size_t>(n_head_kv_);
-  k_.resize(static_cast<size_t>(n_layer));
-  if (with_v) v_.resize(static_cast<size_t>(n_layer));
-  if (scaled) {
-    k_scale_.resize(static_cast<size_t>(n_layer));
-    (with_v ? v_scale_ : rope_scale_).resize(static_cast<size_t>(n_layer));
-  }
+  // Layer by layer: K, V, then the scales, each 64-byte aligned.
+  const size_t code_bytes = align64(n), scale_bytes = align64(n_scales * sizeof(float));
+  const size_t per_layer = (with_v ? 2 : 1) * code_bytes + (scaled ? 2 * scale_bytes : 0);
   try {
-    for (auto& a : k_) a.reset(new std::byte[n]);
-    for (auto& a : v_) a.reset(new std::byte[n]);
-    for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
-      for (auto& a : *s) a.reset(new float[n_scales]);
+    storage_.reset(allocate_storage(static_cast<size_t>(n_layer) * per_layer));
   } catch (const std::bad_alloc&) {
     throw Error("KV cache of " + std::to_string(n_blocks) + " blocks (" +
                 std::to_string(static_cast<size_t>(n_slots()) * static_cast<size_t>(bytes_per_token()) >> 20) +
                 " MiB) does not fit in memory");
   }
-  if (populate) {
-    for (auto& a : k_) std::memset(a.get(), 0, n);
-    for (auto& a : v_) std::memset(a.get(), 0, n);
-    for (auto* s : {&k_scale_, &v_scale_, &rope_scale_})
-      for (auto& a : *s) std::memset(a.get(), 0, n_scales * sizeof(float));
+  for (int64_t l = 0; l < n_layer; ++l) {
+    std::byte* at = storage_.get() + static_cast<size_t>(l) * per_layer;
+    k_.push_back(at);
+    at += code_bytes;
+    if (with_v) v_.push_back(at), at += code_bytes;
+    if (scaled) {
+      k_scale_.push_back(reinterpret_cast<float*>(at));
+      (with_v ? v_scale_ : rope_scale_).push_back(reinterpret_cast<float*>(at + scale_bytes));
+    }
   }
+  if (populate) std::memset(storage_.get(), 0, static_cast<size_t>(n_layer) * per_layer);
 }
+
+void KvCache::FreeStorage::operator()(std::byte* p) const { std::free(p); }
 
 int64_t KvCache::bytes_per_token() const {
   // Per layer: one row per KV head of K (and V), each with its scale; MLA adds the RoPE key's scale.
@@ -82,8 +107,8 @@ void KvCache::copy_block(const KvCache& from, int32_t src, KvCache& to, int32_t 
                    static_cast<size_t>(kv_dtype_bytes(from.dtype_));
   const auto copy = [&](const auto& a, auto& b, size_t bytes) {
     for (size_t l = 0; l < a.size(); ++l)
-      std::memcpy(reinterpret_cast<std::byte*>(b[l].get()) + static_cast<size_t>(dst) * bytes,
-                  reinterpret_cast<const std::byte*>(a[l].get()) + static_cast<size_t>(src) * bytes, bytes);
+      std::memcpy(reinterpret_cast<std::byte*>(b[l]) + static_cast<size_t>(dst) * bytes,
+                  reinterpret_cast<const std::byte*>(a[l]) + static_cast<size_t>(src) * bytes, bytes);
   };
   copy(from.k_, to.k_, n);
   copy(from.v_, to.v_, n);
@@ -101,16 +126,16 @@ void KvCache::read_block(int32_t block, std::span<std::byte> out) const {
   const size_t scale = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_) * sizeof(float);
   std::byte* dst = out.data();
   // Layer-major (every part of layer l before layer l + 1), the order write_block reads.
-  const std::vector<std::unique_ptr<float[]>>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
+  const std::vector<float*>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
   for (size_t l = 0; l < k_.size(); ++l) {
     const auto put = [&](const void* base, size_t n) {
       std::memcpy(dst, static_cast<const std::byte*>(base) + static_cast<size_t>(block) * n, n);
       dst += n;
     };
-    put(k_[l].get(), code);
-    if (has_v()) put(v_[l].get(), code);
+    put(k_[l], code);
+    if (has_v()) put(v_[l], code);
     for (const auto* p : parts)
-      if (!p->empty()) put((*p)[l].get(), scale);
+      if (!p->empty()) put((*p)[l], scale);
   }
 }
 
@@ -121,16 +146,16 @@ void KvCache::write_block(int32_t block, std::span<const std::byte> in) {
                       static_cast<size_t>(kv_dtype_bytes(dtype_));
   const size_t scale = static_cast<size_t>(block_size_) * static_cast<size_t>(n_head_kv_) * sizeof(float);
   const std::byte* src = in.data();
-  std::vector<std::unique_ptr<float[]>>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
+  const std::vector<float*>* parts[3] = {&k_scale_, &v_scale_, &rope_scale_};
   for (size_t l = 0; l < k_.size(); ++l) {
     const auto get = [&](void* base, size_t n) {
       std::memcpy(static_cast<std::byte*>(base) + static_cast<size_t>(block) * n, src, n);
       src += n;
     };
-    get(k_[l].get(), code);
-    if (has_v()) get(v_[l].get(), code);
-    for (auto* p : parts)
-      if (!p->empty()) get((*p)[l].get(), scale);
+    get(k_[l], code);
+    if (has_v()) get(v_[l], code);
+    for (const auto* p : parts)
+      if (!p->empty()) get((*p)[l], scale);
   }
 }
 

@@ -63,10 +63,10 @@ class KvCache {
   }
 
   // A layer's storage, [n_blocks, n_head_kv, block_size, head_dim] of dtype().
-  void* k(int64_t layer) { return k_[static_cast<size_t>(layer)].get(); }
-  void* v(int64_t layer) { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
-  const void* k(int64_t layer) const { return k_[static_cast<size_t>(layer)].get(); }
-  const void* v(int64_t layer) const { return has_v() ? v_[static_cast<size_t>(layer)].get() : nullptr; }
+  void* k(int64_t layer) { return k_[static_cast<size_t>(layer)]; }
+  void* v(int64_t layer) { return has_v() ? v_[static_cast<size_t>(layer)] : nullptr; }
+  const void* k(int64_t layer) const { return k_[static_cast<size_t>(layer)]; }
+  const void* v(int64_t layer) const { return has_v() ? v_[static_cast<size_t>(layer)] : nullptr; }
   // INT8 only (nullptr otherwise): a layer's row scales, [n_blocks, n_head_kv, block_size] f32,
   // the scale of the row at element offset o of k() / v() being at o / head_dim(). For MLA,
   // k_scale() holds the latent c_KV's scale (the first kv_lora_rank elements of the row) and
@@ -100,16 +100,21 @@ class KvCache {
   int32_t block_size_;
   int32_t n_blocks_;
   KvDtype dtype_;
-  // Left uninitialised unless populated: the pages are only touched when a block is written, so a
-  // large pool costs no time or resident memory until it is used; a slot is always written before
-  // it is read.
-  std::vector<std::unique_ptr<std::byte[]>> k_, v_;
+  struct FreeStorage {
+    void operator()(std::byte* p) const;
+  };
+  // One allocation for every layer's K, V and scales, on 2 MiB pages where the kernel gives them
+  // (kv_cache.cpp). Left uninitialised unless populated: the pages are only touched when a block
+  // is written, so a large pool costs no time or resident memory until it is used; a slot is
+  // always written before it is read.
+  std::unique_ptr<std::byte, FreeStorage> storage_;
+  std::vector<std::byte*> k_, v_;  // per layer, into storage_
   // INT8: per layer [n_blocks, n_head_kv, block_size] f32; empty for the float types (rope_scale_
   // also for standard attention, v_scale_ for MLA).
-  std::vector<std::unique_ptr<float[]>> k_scale_, v_scale_, rope_scale_;
+  std::vector<float*> k_scale_, v_scale_, rope_scale_;
 
-  static float* scale_of(const std::vector<std::unique_ptr<float[]>>& s, int64_t layer) {
-    return s.empty() ? nullptr : s[static_cast<size_t>(layer)].get();
+  static float* scale_of(const std::vector<float*>& s, int64_t layer) {
+    return s.empty() ? nullptr : s[static_cast<size_t>(layer)];
   }
 };
 

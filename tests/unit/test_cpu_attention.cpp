@@ -17,6 +17,7 @@
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "memory/kv_cache.h"
+#include "int8_kv_query.h"
 
 namespace kestrel::cpu {
 namespace {
@@ -143,12 +144,15 @@ struct Cache {
     return a;
   }
   // Softmax attention in float64 of query row q (KV head `head`) over keys [begin, end).
-  std::vector<double> reference(const float* q, int64_t head, int64_t begin, int64_t end, double scale) const {
+  // INT8: q rounded to 16 bits first, as the kernels do (quantize_query_q16).
+  std::vector<double> reference(const float* q_row, int64_t head, int64_t begin, int64_t end, double scale) const {
+    const std::vector<double> q =
+        kv.dtype() == KvDtype::INT8 ? test::int8_kv_query(q_row, hd) : std::vector<double>(q_row, q_row + hd);
     std::vector<double> s, out(static_cast<size_t>(hd), 0.0);
     double mx = -INFINITY, sum = 0;
     for (int64_t pos = begin; pos < end; ++pos) {
       double d = 0;
-      for (int64_t i = 0; i < hd; ++i) d += q[i] * k[static_cast<size_t>((pos * n_head_kv + head) * hd + i)];
+      for (int64_t i = 0; i < hd; ++i) d += q[static_cast<size_t>(i)] * k[static_cast<size_t>((pos * n_head_kv + head) * hd + i)];
       s.push_back(d * scale);
       mx = std::max(mx, s.back());
     }

@@ -15,6 +15,7 @@
 #include "core/cpu_features.h"
 #include "memory/kv_cache.h"
 #include "memory/kv_planner.h"
+#include "int8_kv_query.h"
 
 namespace kestrel {
 namespace {
@@ -163,7 +164,8 @@ struct Layer {
 };
 
 // head_dim 0: 24 (40 with MLA); a GQA head_dim of 64 or more takes the AVX-512 byte transposition
-// of 64-element slabs of the keys (136: two slabs and a tail).
+// of 64-element slabs of the keys (136: two slabs and a tail; 128: two slabs, multiplied with the
+// query in integers by AVX-512 VNNI).
 Layer make_layer(bool mla, std::mt19937& rng, int64_t head_dim = 0) {
   const int64_t hd = head_dim > 0 ? head_dim : mla ? 40 : 24;
   Layer L{4, mla ? 1 : 2, hd, mla ? 32 : hd, 6, {}, {}, {}, {}, {}, {}, {}};
@@ -197,12 +199,12 @@ Layer make_layer(bool mla, std::mt19937& rng, int64_t head_dim = 0) {
   return L;
 }
 
-class Int8Attention : public ::testing::TestWithParam<int> {};  // param: 0 GQA, 1 MLA, 2 GQA of 136
+class Int8Attention : public ::testing::TestWithParam<int> {};  // param: 0 GQA, 1 MLA, 2 GQA of 136, 3 of 128
 
 TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
   const bool mla = GetParam() == 1;
   std::mt19937 rng(mla ? 5 : 9);
-  const Layer L = make_layer(mla, rng, GetParam() == 2 ? 136 : 0);
+  const Layer L = make_layer(mla, rng, GetParam() == 2 ? 136 : GetParam() == 3 ? 128 : 0);
   const int64_t group = mla ? 5 : 3, n_ctx = 19, hd = L.head_dim, vd = L.v_dim;
   const std::vector<int32_t> table = {3, 0, 5, 1, 4};  // positions 0-3 in block 3, 4-7 in block 0, ...
   const int64_t kvh = L.n_head_kv - 1;
@@ -225,13 +227,17 @@ TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
   auto vf = [&](int64_t pos, int64_t i) {
     return static_cast<double>((mla ? L.k : L.v)[static_cast<size_t>(row(pos) * hd + i)]);
   };
-  // Softmax attention in float64 over keys [begin, n_ctx) of head g.
-  auto reference = [&](int64_t g, int64_t begin, auto key, auto value) {
+  // Head g's query: as given, and as the kernels use it (without a RoPE scale, rounded to 16 bits:
+  // quantize_query_q16).
+  auto query = [&](int64_t g) { return std::vector<double>(q.begin() + g * hd, q.begin() + (g + 1) * hd); };
+  auto kernel_query = [&](int64_t g) { return mla ? query(g) : test::int8_kv_query(q.data() + g * hd, hd); };
+  // Softmax attention in float64 over keys [begin, n_ctx) of query row qg.
+  auto reference = [&](const std::vector<double>& qg, int64_t begin, auto key, auto value) {
     std::vector<double> s, out(static_cast<size_t>(vd), 0.0);
     double mx = -INFINITY, sum = 0;
     for (int64_t pos = begin; pos < n_ctx; ++pos) {
       double d = 0;
-      for (int64_t i = 0; i < hd; ++i) d += q[static_cast<size_t>(g * hd + i)] * key(pos, i);
+      for (int64_t i = 0; i < hd; ++i) d += qg[static_cast<size_t>(i)] * key(pos, i);
       s.push_back(d * scale);
       mx = std::max(mx, s.back());
     }
@@ -266,24 +272,28 @@ TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
       for (int64_t g = 0; g < group; ++g) {
         // 1. The kernel's arithmetic in float64: 1e-5 relative to the output's largest element
         //    (f32 dot products of 24-40 terms and a 19-key softmax, measured below 1e-6).
-        const std::vector<double> want = reference(g, begin, kq, vq);
+        const std::vector<double> want = reference(kernel_query(g), begin, kq, vq);
         double amax = 0;
         for (double w : want) amax = std::max(amax, std::abs(w));
         for (int64_t i = 0; i < vd; ++i)
           EXPECT_NEAR(out[static_cast<size_t>(g * vd + i)], want[static_cast<size_t>(i)], 1e-5 * amax)
               << "kv_begin " << begin << " head " << g << " dim " << i;
-        // 2. Against the f32 rows. Each code is within half a step (scale / 2) of its element, so a
-        //    score moves by at most eps = softmax scale x max over keys of sum_i |q_i| x step_i / 2;
-        //    every softmax weight then changes by a factor within [e^-2eps, e^2eps], their
-        //    absolute changes sum to at most e^2eps - 1, and an output element moves by at most
-        //    max_key(v step / 2) + (e^2eps - 1) x max_key |v_i| (plus f32 rounding: 1e-5).
-        const std::vector<double> exact = reference(g, begin, kf, vf);
+        // 2. Against the f32 rows and the query as given. Each code is within half a step (scale /
+        //    2) of its element and each query element within dq_i = |kernel q_i - q_i| of the
+        //    kernel's, so a score moves by at most eps = softmax scale x max over keys of
+        //    sum_i (|q_i| x step_i / 2 + dq_i x |key_i|); every softmax weight then changes by a
+        //    factor within [e^-2eps, e^2eps], their absolute changes sum to at most e^2eps - 1, and
+        //    an output element moves by at most max_key(v step / 2) + (e^2eps - 1) x max_key |v_i|
+        //    (plus f32 rounding: 1e-5).
+        const std::vector<double> exact = reference(query(g), begin, kf, vf);
+        const std::vector<double> qk = kernel_query(g);
         double eps = 0, v_half_step = 0;
         for (int64_t pos = begin; pos < n_ctx; ++pos) {
           const int64_t r = row(pos);
           double e = 0;
           for (int64_t i = 0; i < hd; ++i)
-            e += std::abs(q[static_cast<size_t>(g * hd + i)]) * (mla && i >= vd ? L.rs[r] : L.ks[r]) / 2;
+            e += std::abs(q[static_cast<size_t>(g * hd + i)]) * (mla && i >= vd ? L.rs[r] : L.ks[r]) / 2 +
+                 std::abs(qk[static_cast<size_t>(i)] - q[static_cast<size_t>(g * hd + i)]) * std::abs(kq(pos, i));
           eps = std::max(eps, e * scale);
           v_half_step = std::max(v_half_step, static_cast<double>(mla ? L.ks[r] : L.vs[r]) / 2);
         }
@@ -298,8 +308,8 @@ TEST_P(Int8Attention, MatchesFloat64OverTheDequantizedRowsAndStaysNearF32) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, Int8Attention, ::testing::Values(0, 1, 2), [](const auto& info) {
-  return info.param == 1 ? "Mla" : info.param == 2 ? "GqaHeadDim136" : "Gqa";
+INSTANTIATE_TEST_SUITE_P(Layouts, Int8Attention, ::testing::Values(0, 1, 2, 3), [](const auto& info) {
+  return info.param == 1 ? "Mla" : info.param == 2 ? "GqaHeadDim136" : info.param == 3 ? "GqaHeadDim128" : "Gqa";
 });
 
 }  // namespace

@@ -34,6 +34,30 @@ float quantize_row_int8(const float* x, int8_t* codes, int64_t n) {
   return scale;
 }
 
+float quantize_query_q16(const float* q, int64_t n, int8_t* q1, int8_t* q2) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(q[i]);
+    amax = std::max(amax, std::fabs(q[i]));
+  }
+  constexpr float kLevels = 32385.0f;  // 127 x 255
+  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
+  const float dq = amax / kLevels;
+  if (!finite || dq == 0.0f || !std::isfinite(inv)) {
+    std::fill_n(q1, n, int8_t{0});
+    std::fill_n(q2, n, int8_t{0});
+    return finite ? 0.0f : NAN;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float Q = std::nearbyint(q[i] * inv);
+    const float hi = std::nearbyint(Q * (1.0f / 255.0f));
+    q1[i] = static_cast<int8_t>(hi);
+    q2[i] = static_cast<int8_t>(Q - 255.0f * hi);
+  }
+  return dq;
+}
+
 void rope(float* x, const int32_t* positions, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
           int64_t rope_dim, const float* inv_freq, float position_scale, bool adjacent_pairs) {
   const int64_t half = rope_dim / 2;

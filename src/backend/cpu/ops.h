@@ -31,7 +31,8 @@ struct AttentionArgs {
   // row at element offset o of k_cache holds codes whose values are code x k_scale[o / head_dim].
   // Scores are dot(q, codes) x scale and the output sums p x v_scale x codes, in f32. MLA: k_scale
   // is the latent's scale (elements [0, v_dim) of the key row), k_rope_scale the RoPE key's
-  // (elements [v_dim, head_dim)), v_scale == k_scale. Unused for the float types.
+  // (elements [v_dim, head_dim)), v_scale == k_scale. With one scale per key row (not MLA) the
+  // query rows are rounded to 16 bits first (quantize_query_q16). Unused for the float types.
   const float* k_scale;
   const float* v_scale;
   const float* k_rope_scale;   // nullptr: one scale for the whole key row
@@ -88,7 +89,9 @@ struct OpsTable {
   // Exact attention of the call's query rows over one KV head through the block table, with online
   // softmax in f32 (Milakov & Gimelshein 2018; FlashAttention-2, Dao 2023): each key tile is
   // converted once (keys transposed, so a vector holds one dimension of 16 keys) and used by every
-  // row, no n x n score matrix. Writes the normalized output rows (zeros for a row without keys).
+  // row, no n x n score matrix (INT8 on AVX-512 VNNI: integer scores, each 128-key chunk's softmax
+  // in two passes; attention_int8_impl.h). Writes the normalized output rows (zeros for a row
+  // without keys).
   void (*attention)(const AttentionArgs& a);
   // Split-KV: the states of chunks [chunk_begin, chunk_end) of attention_chunk_count(a), one after
   // the other, attention_state_floats(a) floats each; a row without keys in a chunk has max -inf.
@@ -113,6 +116,16 @@ const OpsTable& ops_avx512();
 // division by zero), NaN when x holds an inf or NaN (codes 0), so attention over the row yields NaN
 // as an f32 cache carrying the value would, instead of a silently finite result.
 float quantize_row_int8(const float* x, int8_t* codes, int64_t n);
+
+// The query rounding of attention over an INT8 KV cache (each query row on its own): dq = max|q| /
+// 32385 and Q[i] = round-to-nearest-even(q[i] x f32(32385 / max|q|)) (f32 products), so |Q| <=
+// 32385 and |Q x dq - q[i]| <= dq / 2 (x 1.01): the 16 bits of the matmuls' activations (matmul.h),
+// ~250x finer than the int8 codes' own rounding, which lets AVX-512 VNNI take the dot products with
+// the codes in integers. Q is returned as two int8 planes Q = 255 q1 + q2 (q1 = round(Q / 255),
+// |q1|, |q2| <= 127). Returns dq: 0 for a row of zeros or of values too small to scale (planes 0),
+// NaN when q holds an inf or NaN (planes 0), so the row's attention output is NaN as it would be
+// without the rounding. Every ISA's kernels round the query exactly so.
+float quantize_query_q16(const float* q, int64_t n, int8_t* q1, int8_t* q2);
 
 // RoPE on n_tokens rows of n_heads heads ([n_tokens, n_heads * head_dim]), rotating the first
 // rope_dim dimensions of each head. inv_freq[i] = theta^(-2i/rope_dim) / freq_factor[i], precomputed
