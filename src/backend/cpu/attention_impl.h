@@ -3,6 +3,17 @@
 
 constexpr int64_t kKeyTile = 16;  // keys per tile: two vectors of scores per query row
 
+// Fetches the cache line holding p into L1. Not __builtin_prefetch: GCC 12 deletes a call whose
+// only effect is that builtin (it counts as no side effect), and with it the prefetches of a
+// lambda whose address depends on a load (the block table), as in attention_chunk_i8.
+KESTREL_INLINE void prefetch_line(const void* p) {
+#if defined(__x86_64__)
+  __asm__ volatile("prefetcht0 %0" ::"m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
 // Per-thread scratch of the attention kernel (grown to the largest call seen).
 struct AttentionScratch {
   std::vector<float> kt;     // [head_dim, 16]: the tile's keys transposed, f32 (int8: the codes)
@@ -349,14 +360,15 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
     const auto prefetch_part = [&](int q) {
       const char* p = q < 2 ? next_k : next_v;
       const int64_t half = next_bytes / 2, b0 = (q % 2) * half, b1 = q % 2 ? next_bytes : half;
-      for (int64_t b = b0; b < b1; b += 64) __builtin_prefetch(p + b);
+      for (int64_t b = b0; b < b1; b += 64) prefetch_line(p + b);
     };
-    if (tb == block_start + bs && tb < hi_all) {
-      // The next block is elsewhere in memory: fetch this head's keys and values of it while this
-      // tile is computed (decode reads each once, from memory; one line ahead is not enough), in
+    if (tb == block_start + bs && tb + bs < hi_all) {
+      // Blocks are elsewhere in memory: fetch this head's keys and values of the block after the
+      // next while this tile is computed (decode reads each once, from memory; one block ahead
+      // left 8192 keys on one thread at 13.6 ms against 11.3 ms, measured on an AMD EPYC VM), in
       // four parts between the tile's phases: a burst of all its lines stalls on the line fill
       // buffers, and the tile's work waits behind it.
-      const int64_t next = static_cast<int64_t>(a.block_table[tb / bs]) * a.block_stride + a.head_offset;
+      const int64_t next = static_cast<int64_t>(a.block_table[(tb + bs) / bs]) * a.block_stride + a.head_offset;
       next_k = reinterpret_cast<const char*>(kc + next);
       next_v = reinterpret_cast<const char*>(vc + next);
       next_bytes = bs * hd * static_cast<int64_t>(sizeof(T));
