@@ -34,6 +34,7 @@ struct BenchArgs {
   int64_t max_batched_tokens = 2048;
   int64_t shared_prefix = 0;  // prefix-cache test: tokens shared by consecutive requests
   std::string prompts_file;   // real prompts (JSON lines): batch-1 decode with and without speculation
+  std::string output_ids_file;  // --prompts: where the speculation-off run's prompt and output ids go
   KestrelConfig config;
 };
 
@@ -221,6 +222,22 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, const Lo
   return out;
 }
 
+// One JSON line per prompt, {"prompt_ids": [...], "output_ids": [...]}: the greedy outputs, for
+// replaying draft policies offline (bench/spec_replay.py). Errors: kestrel::Error when the file
+// cannot be written.
+void write_output_ids(const std::string& path, const std::vector<std::vector<int32_t>>& prompts,
+                      const std::vector<std::vector<int32_t>>& outputs) {
+  std::ofstream out(path);
+  if (!out) throw Error("bench: cannot write --output-ids file " + path);
+  for (size_t i = 0; i < prompts.size() && i < outputs.size(); ++i) {
+    Json line;
+    line["prompt_ids"] = prompts[i];
+    line["output_ids"] = outputs[i];
+    out << line.dump() << '\n';
+  }
+  if (!out) throw Error("bench: cannot write --output-ids file " + path);
+}
+
 // Batch-1 greedy decode of real prompts (up to -n tokens each, to EOS), speculation off and then
 // as --speculative-config asks, in one run: decode tokens over decode time (from each request's
 // first token to its last), the speed-up, the drafts' acceptance, and whether the outputs match.
@@ -269,6 +286,7 @@ void run_prompts(const BenchArgs& a, const LoadedModel& lm) {
     if (spec.empty()) {
       base_tok_s = tok_s;
       reference = outputs;
+      if (!a.output_ids_file.empty()) write_output_ids(a.output_ids_file, prompts, outputs);
     }
     const int64_t drafts = s1.spec_num_drafts - s0.spec_num_drafts;
     const int64_t draft_tokens = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens;
@@ -389,6 +407,7 @@ void run_bench(BenchArgs a) {
   const bool one_shape = a.n_prompts.size() == 1 && a.n_gens.size() == 1 && a.depths.size() == 1 && a.depths[0] == 0;
   if ((!one_shape || a.n_prompt == 0) && (!a.prompts_file.empty() || a.shared_prefix > 0 || !a.parallel.empty()))
     throw Error("bench: --prompts, --shared-prefix and --parallel take one -p value > 0, one -n value and no -d");
+  if (!a.output_ids_file.empty() && a.prompts_file.empty()) throw Error("bench: --output-ids needs --prompts");
   LoadedModel lm = load_model(a.model, a.config);
   if (!a.prompts_file.empty()) {
     run_prompts(a, lm);
@@ -462,6 +481,9 @@ void register_bench(CLI::App& app) {
                   "Real prompts, JSON lines of {\"messages\": [...]} or {\"prompt\": \"...\"}: batch-1 greedy decode of "
                   "each (-n tokens at most), speculation off and then as --speculative-config says, with the "
                   "speed-up, acceptance and whether the outputs match");
+  sub->add_option("--output-ids", a->output_ids_file,
+                  "With --prompts: write each prompt's token ids and its greedy output ids (speculation off) to "
+                  "this file, JSON lines, for bench/spec_replay.py");
   sub->add_option("--max-num-batched-tokens", a->max_batched_tokens,
                   "Tokens per engine step (with --parallel)")->capture_default_str();
   a->config.add_flags(*sub, EngineMode::Single);
