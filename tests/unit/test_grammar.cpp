@@ -173,6 +173,33 @@ TEST(Grammar, JsonSchemaStringsNumbersCombinators) {
                   {"{ \"a\" : [ 1 , 2 ] }", "{}"}, {"{ \"b\": 1}"});
 }
 
+// An enum of more than 64 values compiles as a prefix tree of rules (json_schema.cpp): the same
+// language as the plain alternation, values that are prefixes of others included, branches that
+// split inside the shared bytes of a UTF-8 character (é, è: C3 A9, C3 A8), duplicates, and, with
+// integral_fraction, the values that are not plain literals (integers with an optional ".0") kept
+// beside the tree.
+TEST(Grammar, JsonSchemaLargeEnumIsAPrefixTreeOfTheSameLanguage) {
+  nlohmann::ordered_json values = nlohmann::ordered_json::array();
+  std::vector<std::string> yes;
+  for (int i = 0; i < 150; ++i) {
+    const std::string v = "k" + std::to_string(i);  // k1 is a prefix of k10..k19 and k100..k149
+    values.push_back(v);
+    yes.push_back("\"" + v + "\"");
+  }
+  for (const char* v : {"é", "è", "éa", "éb", "pé", "pè", "a\"q", "k7"}) values.push_back(std::string(v));
+  for (const char* v : {"\"é\"", "\"è\"", "\"éa\"", "\"éb\"", "\"pé\"", "\"pè\"", "\"a\\\"q\""}) yes.push_back(v);
+  for (int v : {3, 30, 300, 31}) values.push_back(v);  // 3 is a prefix of 30, 300 and 31
+  values.push_back(nullptr);
+  for (const char* v : {"3", "30", "300", "31", "null"}) yes.push_back(v);
+  nlohmann::ordered_json schema = {{"enum", values}};
+  const std::string gbnf = json_schema_to_gbnf(schema, {});
+  EXPECT_GT(std::count(gbnf.begin(), gbnf.end(), '\n'), 20) << "expected a tree of rules:\n" << gbnf;
+  expect_language(gbnf, yes, {"\"k\"", "\"k150\"", "\"k1000\"", "\"k01\"", "\"é\"x", "\"\"", "\"a\"", "4", "\"ék\"", "\"p\"", "3000", "32"});
+  JsonSchemaOptions frac;
+  frac.integral_fraction = true;
+  expect_language(json_schema_to_gbnf(schema, frac), {"3", "3.0", "30.0", "\"k149\""}, {"3.1", "\"k150\""});
+}
+
 TEST(Grammar, JsonSchemaOneOfCompilesOnlyWhenItsBranchesAreExclusive) {
   // A discriminated union: both branches require "kind" with different consts, so no object
   // matches both and the alternation is exact.

@@ -357,17 +357,68 @@ class Compiler {
       if (s.contains("const")) unsupported("enum", "enum together with const is not supported");
       values = s["enum"];
     }
-    std::vector<std::string> out;
+    std::vector<std::string> out, texts;  // texts: the values whose grammar is their JSON text
     for (const auto& v : values) {
       bool ok = false;
       for (const auto& t : types) ok |= value_has_type(v, t) || (t == "number" && v.is_number());
       if (!ok) continue;
       if (opts_.any_whitespace && (v.is_object() || v.is_array()) && !v.empty())
         unsupported("enum", "object and array enum values with any_whitespace are not supported");
-      out.push_back(literal_of(v, opts_.integral_fraction));
+      std::string lit = literal_of(v, opts_.integral_fraction);
+      if (lit == gbnf_literal(v.dump())) texts.push_back(v.dump());
+      else out.push_back(std::move(lit));
+    }
+    if (texts.size() > kTrieMinValues) {
+      out.push_back(prefix_tree_rule(std::move(texts)));
+    } else {
+      for (const auto& t : texts) out.push_back(gbnf_literal(t));
     }
     if (out.empty()) unsupported("enum", "no enum value has an allowed type");
     return new_rule(alts(out));
+  }
+
+  // Many enum values as one alternation would leave the matcher a stack per value alive after
+  // their shared first bytes (100,000 values: ~2 GB and 15 s for the first mask), so above this
+  // count they are compiled as a prefix tree: each rule's alternatives begin with distinct
+  // characters, so at most one branch per character stays alive.
+  static constexpr size_t kTrieMinValues = 64;
+
+  // A rule matching exactly the given texts (valid UTF-8), as a prefix tree of rules: the texts
+  // sorted, grouped by their next character, each group's common prefix one literal.
+  std::string prefix_tree_rule(std::vector<std::string> texts) {
+    std::sort(texts.begin(), texts.end());
+    texts.erase(std::unique(texts.begin(), texts.end()), texts.end());
+    return prefix_tree_node(texts, 0, texts.size(), 0);
+  }
+  // texts[lo, hi) share their first `depth` bytes (a character boundary); the rule for the rest.
+  std::string prefix_tree_node(const std::vector<std::string>& t, size_t lo, size_t hi, size_t depth) {
+    const auto char_len = [](unsigned char lead) -> size_t {
+      return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
+    };
+    const bool ends = t[lo].size() == depth;  // sorted: the text that ends here comes first
+    if (ends) ++lo;
+    std::vector<std::string> branches;
+    for (size_t i = lo; i < hi;) {
+      const size_t n = std::min(char_len(static_cast<unsigned char>(t[i][depth])), t[i].size() - depth);
+      size_t j = i + 1;
+      while (j < hi && t[j].compare(depth, n, t[i], depth, n) == 0) ++j;
+      if (j == i + 1) {
+        branches.push_back(gbnf_literal(std::string_view(t[i]).substr(depth)));
+      } else {
+        // The group's common prefix (of its first and last text, sorted), cut back to a character.
+        size_t common = depth + n;
+        const std::string& a = t[i];
+        const std::string& b = t[j - 1];
+        while (common < a.size() && common < b.size() && a[common] == b[common]) ++common;
+        while (common > depth + n && (static_cast<unsigned char>(a[common]) & 0xC0) == 0x80) --common;
+        branches.push_back(gbnf_literal(std::string_view(a).substr(depth, common - depth)) + " " +
+                           prefix_tree_node(t, i, j, common));
+      }
+      i = j;
+    }
+    if (branches.empty()) return "\"\"";
+    const std::string body = alts(branches);
+    return new_rule(ends ? "(" + body + ")?" : body);
   }
 
   static std::optional<double> num(const Json& s, const char* key) {
