@@ -240,7 +240,8 @@ TEST(Grammar, JsonSchemaUnsupportedKeywordsAreErrors) {
            {R"({"$ref":"http://example.com/s.json"})", "$ref"},
            {R"({"patternProperties":{"^a":{}}})", "patternProperties"},
            {R"({"type":"string","format":"hostname"})", "format"},
-           {R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", "oneOf"}}) {
+           {R"({"oneOf":[{"type":"integer"},{"minimum":2}]})", "oneOf"},
+           {R"({"type":[]})", "type"}}) {
     try {
       schema_gbnf(schema, strict);
       ADD_FAILURE() << "no error for " << schema;

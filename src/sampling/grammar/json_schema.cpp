@@ -50,6 +50,7 @@ std::set<std::string> type_set(const Json& s) {
     out.insert(n);
   };
   if (s.is_array()) {
+    if (s.empty()) unsupported("type", "an empty \"type\" list accepts no value");
     for (const auto& t : s) add(t);
   } else {
     add(s);
