@@ -14,8 +14,9 @@ inline v16f round_even(v16f x) {
 }
 
 // quantize_query_q16 (ops.h) of one row of n elements, 16 at a time, with the same f32 products
-// and roundings, so the same planes on every ISA. Also writes qf[i] = Q[i] x dq (the rounded row in
-// f32) and bias[p] = 128 x the sum of plane p (vpdpbusd reads the codes as code + 128).
+// and roundings (the matmuls' activation constants, matmul_kernels.h), so the same planes on every
+// ISA. Also writes bias[p] = 128 x the sum of plane p (vpdpbusd reads the codes as code + 128) and,
+// unless qf is null, qf[i] = Q[i] x dq (the rounded row in f32).
 KESTREL_INLINE float quantize_query_row(const float* q, int64_t n, int8_t* q1, int8_t* q2, float* qf, int32_t* bias) {
   const v16i magnitude = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
                           0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
@@ -32,17 +33,17 @@ KESTREL_INLINE float quantize_query_row(const float* q, int64_t n, int8_t* q1, i
   bool ok = true;
   for (int l = 0; l < 16; ++l) amax = std::max(amax, vmax[l]), ok = ok && finite[l] != 0;
   for (int64_t t = i; t < n; ++t) ok = ok && std::isfinite(q[t]), amax = std::max(amax, std::fabs(q[t]));
-  constexpr float kLevels = 32385.0f;
-  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
-  const float dq = amax / kLevels;
+  const float inv = detail::act_inverse_scale(amax, false), dq = detail::act_scale(amax);
   if (!ok || dq == 0.0f || !std::isfinite(inv)) {
     std::memset(q1, 0, static_cast<size_t>(n));
     std::memset(q2, 0, static_cast<size_t>(n));
-    for (int64_t t = 0; t < n; ++t) qf[t] = ok ? 0.0f : NAN;
+    if (qf != nullptr)
+      for (int64_t t = 0; t < n; ++t) qf[t] = ok ? 0.0f : NAN;
     bias[0] = bias[1] = 0;
     return ok ? 0.0f : NAN;
   }
-  const v16f vinv = splat16(inv), inv255 = splat16(1.0f / 255.0f), k255 = splat16(255.0f), vdq = splat16(dq);
+  const v16f vinv = splat16(inv), inv255 = splat16(detail::kInvActSplit), k255 = splat16(detail::kActSplit),
+             vdq = splat16(dq);
   v16f sum1 = splat16(0.0f), sum2 = splat16(0.0f);
   for (i = 0; i + 16 <= n; i += 16) {
     const v16f Q = round_even(load16(q + i) * vinv);
@@ -53,17 +54,17 @@ KESTREL_INLINE float quantize_query_row(const float* q, int64_t n, int8_t* q1, i
     const v16c c2 = __builtin_convertvector(__builtin_convertvector(l, v16i), v16c);
     std::memcpy(q1 + i, &c1, 16);
     std::memcpy(q2 + i, &c2, 16);
-    store16(qf + i, Q * vdq);
+    if (qf != nullptr) store16(qf + i, Q * vdq);
   }
   float s1 = 0.0f, s2 = 0.0f;  // exact: integers below 2^24
   for (int l = 0; l < 16; ++l) s1 += sum1[l], s2 += sum2[l];
   for (; i < n; ++i) {
     const float Q = round_even(q[i] * inv);
-    const float h = round_even(Q * (1.0f / 255.0f));
-    const float l = Q - 255.0f * h;
+    const float h = round_even(Q * detail::kInvActSplit);
+    const float l = Q - static_cast<float>(detail::kActSplit) * h;
     q1[i] = static_cast<int8_t>(h), q2[i] = static_cast<int8_t>(l);
     s1 += h, s2 += l;
-    qf[i] = Q * dq;
+    if (qf != nullptr) qf[i] = Q * dq;
   }
   bias[0] = 128 * static_cast<int32_t>(s1);
   bias[1] = 128 * static_cast<int32_t>(s2);
@@ -177,7 +178,6 @@ inline void attention_chunk_i8(const AttentionArgs& a, int64_t chunk, float* st,
   int8_t* q8 = AttentionScratch::take(w.q8, rows * 2 * hd);
   int32_t* qb = AttentionScratch::take(w.q8_bias, rows * 2);
   float* qs = AttentionScratch::take(w.q8_scale, rows);
-  float* qf = AttentionScratch::take(w.qf, rows * hd);
   int32_t* lo = AttentionScratch::take(w.lo, rows);
   int32_t* hi = AttentionScratch::take(w.hi, rows);
   int32_t* live = AttentionScratch::take(w.live, rows);
@@ -189,7 +189,7 @@ inline void attention_chunk_i8(const AttentionArgs& a, int64_t chunk, float* st,
     for (int64_t g = 0; g < g_n; ++g) {
       const int64_t r = i * g_n + g;
       lo[r] = static_cast<int32_t>(l), hi[r] = static_cast<int32_t>(std::max(l, h));
-      qs[r] = quantize_query_row(a.q + i * a.q_stride + g * hd, hd, q8 + r * 2 * hd, q8 + r * 2 * hd + hd, qf + r * hd,
+      qs[r] = quantize_query_row(a.q + i * a.q_stride + g * hd, hd, q8 + r * 2 * hd, q8 + r * 2 * hd + hd, nullptr,
                                  qb + 2 * r) * a.scale;
     }
   }

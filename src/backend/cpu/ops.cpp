@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cpu/matmul_kernels.h"
 #include "core/cpu_features.h"
 
 namespace kestrel::cpu {
@@ -41,20 +42,13 @@ float quantize_query_q16(const float* q, int64_t n, int8_t* q1, int8_t* q2) {
     finite = finite && std::isfinite(q[i]);
     amax = std::max(amax, std::fabs(q[i]));
   }
-  constexpr float kLevels = 32385.0f;  // 127 x 255
-  const float inv = amax > 0.0f ? kLevels / amax : 0.0f;
-  const float dq = amax / kLevels;
+  const float inv = detail::act_inverse_scale(amax, false), dq = detail::act_scale(amax);
   if (!finite || dq == 0.0f || !std::isfinite(inv)) {
     std::fill_n(q1, n, int8_t{0});
     std::fill_n(q2, n, int8_t{0});
     return finite ? 0.0f : NAN;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float Q = std::nearbyint(q[i] * inv);
-    const float hi = std::nearbyint(Q * (1.0f / 255.0f));
-    q1[i] = static_cast<int8_t>(hi);
-    q2[i] = static_cast<int8_t>(Q - 255.0f * hi);
-  }
+  for (int64_t i = 0; i < n; ++i) detail::act_split(static_cast<int32_t>(std::nearbyint(q[i] * inv)), q1 + i, q2 + i);
   return dq;
 }
 

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "backend/cpu/matmul_kernels.h"
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
 #include "core/error.h"
