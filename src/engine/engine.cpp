@@ -189,6 +189,14 @@ RequestId Engine::add_request(Request request) {
     throw Error("prompt of " + std::to_string(n_prompt) + " tokens exceeds the context: max_model_len " +
                 std::to_string(m.config.max_model_len) + " must hold it and at least one output token");
   if (request.max_tokens == 0) throw Error("max_tokens must be >= 1 (or < 0 for no limit), got 0");
+  if (request.min_tokens < 0) throw Error("min_tokens must be >= 0, got " + std::to_string(request.min_tokens));
+  if (request.max_tokens > 0 && request.min_tokens > request.max_tokens)
+    throw Error("min_tokens (" + std::to_string(request.min_tokens) + ") must be at most max_tokens (" +
+                std::to_string(request.max_tokens) + ")");
+  // Stop ids index the token mask (min_tokens) and are compared with sampled ids.
+  for (int32_t t : request.stop_ids)
+    if (t < 0 || t >= n_vocab)
+      throw Error("stop token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
   if (request.logprobs < -1 || request.logprobs > kMaxRequestLogprobs)
     throw Error("logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
                 std::to_string(request.logprobs));
@@ -206,8 +214,9 @@ RequestId Engine::add_request(Request request) {
       throw Error("grammar: its vocabulary (" + std::to_string(request.grammar->vocab().n_vocab) +
                   " tokens) is larger than the model's (" + std::to_string(n_vocab) + ")");
     r->matcher.emplace(request.grammar);
-    r->grammar_mask.assign(grammar::bitmask_words(static_cast<int32_t>(n_vocab)), 0u);
   }
+  if (request.grammar || request.min_tokens > 0)
+    r->token_mask.assign(grammar::bitmask_words(static_cast<int32_t>(n_vocab)), 0u);
   r->id = m.next_id++;
   // continuation: the output continues the prompt, so a first word keeps its leading space.
   if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true, /*continuation=*/true);
@@ -334,16 +343,21 @@ void Engine::Impl::post_process(RequestState& r, std::span<const int32_t> tokens
     o.new_token_ids.push_back(token);
     if (!logprobs.empty()) o.logprobs.push_back(std::move(logprobs[i]));
     const auto& ids = r.req.stop_ids;
+    const bool stop_token = std::find(ids.begin(), ids.end(), token) != ids.end();
     // A grammar that has ended stops the request as a stop id does (it has no drafts: see propose_drafts).
-    const bool stop_id = std::find(ids.begin(), ids.end(), token) != ids.end() || r.grammar_ended;
+    const bool stop_id = stop_token || r.grammar_ended;
+    // min_tokens: a stop string completed by an earlier token does not end the request.
+    const bool may_stop = s.n_generated() >= r.req.min_tokens;
     bool stop_string = false;
-    if (r.decoder) stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta);
+    // A stop token's text is not part of the output (vLLM's default; EOS and end-of-turn tokens
+    // are special and decode to nothing anyway).
+    if (r.decoder && !stop_token) stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta, may_stop);
     const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
                           static_cast<int64_t>(s.tokens.size()) >= config.max_model_len;
     if (stop_id || stop_string || at_limit) {
       // Tokens after the one that stops are dropped, and so is the K/V computed for them.
       s.n_computed = std::min<int64_t>(n_computed, static_cast<int64_t>(s.tokens.size()));
-      if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush());
+      if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush(), may_stop);
       finish(r, stop_id || stop_string ? "stop" : "length", outputs, &o);
       return;
     }
@@ -382,8 +396,9 @@ void Engine::Impl::propose_drafts() {
     const Sequence& s = r.seq;
     if (s.status != SeqStatus::Running || s.n_draft != 0 || !s.is_decode()) continue;
     // A grammar-constrained request samples under its token mask one token at a time: no drafts;
-    // a beam's next token is the search's.
-    if (r.matcher || r.group) continue;
+    // nor does one whose stop ids min_tokens still masks (the mask is for one row); a beam's next
+    // token is the search's.
+    if (r.matcher || r.bans_stop_ids() || r.group) continue;
     // Never more than the request may still emit: the drafts and the token after them count
     // toward max_tokens and max_model_len.
     int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
@@ -448,14 +463,37 @@ void Engine::Impl::build_batch(Pass& p) {
   }
 }
 
+void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) const {
+  if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
+  else std::fill(mask.begin(), mask.end(), ~0u);
+  if (!r.bans_stop_ids()) return;
+  const auto n_vocab = static_cast<size_t>(model.hparams().n_vocab);
+  std::vector<int32_t> cleared;
+  for (const int32_t id : r.req.stop_ids) {
+    const auto word = static_cast<size_t>(id) / 32;
+    const uint32_t bit = 1u << (static_cast<uint32_t>(id) % 32);
+    if ((mask[word] & bit) == 0) continue;
+    mask[word] &= ~bit;
+    cleared.push_back(id);
+  }
+  // A row with no token left could not be sampled at all: min_tokens then yields (a grammar that
+  // can only end here ends it; stop ids that cover the vocabulary stop at once).
+  for (size_t w = 0; w < mask.size(); ++w) {
+    const size_t bits = std::min<size_t>(32, n_vocab - w * 32);
+    const uint32_t valid = bits == 32 ? ~0u : (1u << bits) - 1;
+    if ((mask[w] & valid) != 0) return;
+  }
+  for (const int32_t id : cleared) mask[static_cast<size_t>(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
+}
+
 void Engine::Impl::fill_token_masks(const Pass& p, std::span<uint32_t> masks) {
   const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
   grammar_rows.clear();
   for (const SampleRow& sr : p.sampling)
-    if (sr.r->matcher) grammar_rows.push_back(&sr);
+    if (sr.r->masks_row()) grammar_rows.push_back(&sr);
   auto fill = [&](size_t i) {
     const SampleRow& sr = *grammar_rows[i];
-    sr.r->matcher->fill_next_token_bitmask(masks.subspan(static_cast<size_t>(sr.row) * words, words));
+    fill_token_mask(*sr.r, masks.subspan(static_cast<size_t>(sr.row) * words, words));
   };
   const size_t n = grammar_rows.size();
   if (n < 2) {
@@ -624,9 +662,10 @@ std::vector<RequestOutput> Engine::step() {
               RowSampling{sp.temperature, sp.top_k, sp.top_p, sp.min_p, m.draft_uniforms[static_cast<size_t>(j)], 0};
         continue;
       }
+      const bool row_masked = r->masks_row();
       m.row_sampling[static_cast<size_t>(sr.row)] =
-          RowSampling{sp.temperature, sp.top_k, sp.top_p, sp.min_p, r->sampler->take_uniform(), r->matcher ? 1 : 0};
-      masked |= r->matcher.has_value();
+          RowSampling{sp.temperature, sp.top_k, sp.top_p, sp.min_p, r->sampler->take_uniform(), row_masked ? 1 : 0};
+      masked |= row_masked;
     }
     TokenMaskFill fill;
     if (masked) fill = [&m, &p](std::span<uint32_t> masks) { m.fill_token_masks(p, masks); };
@@ -715,10 +754,12 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         }
         if (r.req.prompt_logits && r.seq.n_generated() == 0)
           r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
-        if (r.matcher) {  // grammar: blocked tokens get -inf before the chain (logprobs then see the masked row)
-          r.matcher->fill_next_token_bitmask(r.grammar_mask);
+        // Grammar and min_tokens: blocked tokens get -inf before the chain (logprobs then see the
+        // masked row).
+        if (r.masks_row()) {
+          m.fill_token_mask(r, r.token_mask);
           r.masked_row.assign(row.begin(), row.end());
-          grammar::apply_token_bitmask(r.masked_row, r.grammar_mask);
+          grammar::apply_token_bitmask(r.masked_row, r.token_mask);
           row = r.masked_row;
         }
         if (r.req.logprobs >= 0) {

@@ -110,8 +110,16 @@ struct Request {
   std::vector<int32_t> prompt;          // token ids, at least one
   int64_t max_tokens = 256;             // new tokens at most; < 0 = until max_model_len
   SamplingParams sampling;
-  std::vector<int32_t> stop_ids;        // tokens that end generation (EOS, <|im_end|>); reported in output_ids
+  // Tokens that end generation (EOS, <|im_end|>, vLLM's stop_token_ids): reported in output_ids,
+  // their text left out of the output text (vLLM's default). Each in [0, n_vocab).
+  std::vector<int32_t> stop_ids;
   std::vector<std::string> stop;        // stop strings (OpenAI `stop`): generation ends when the text contains one; the text is cut before it
+  // vLLM's min_tokens: until this many tokens are generated, no stop id can be sampled (their
+  // logits are masked to -inf, as a grammar's mask is, unless that would leave no token: a grammar
+  // that can only end, or stop ids covering the vocabulary) and no stop string ends generation (a
+  // match counts only when the token that completes it is token min_tokens or later). 0 = none;
+  // at most max_tokens when that is positive. Not with beam search.
+  int64_t min_tokens = 0;
   int32_t logprobs = -1;                // -1: none; 0..kMaxRequestLogprobs: each sampled token's logprob plus this many top alternatives
   // -1: none; 0..kMaxRequestLogprobs: the logprob of every prompt token after the first, given the
   // tokens before it, plus this many top alternatives (OpenAI completions' echo with logprobs,
@@ -289,8 +297,9 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Validates and queues a request. Errors (kestrel::Error, nothing queued): empty prompt, a token
-  // id outside the vocabulary, prompt + 1 longer than max_model_len, invalid sampling params,
-  // stop strings without a tokenizer, invalid beam params or fields beam search does not take.
+  // id (prompt or stop id) outside the vocabulary, prompt + 1 longer than max_model_len, invalid
+  // sampling params, min_tokens negative or above a positive max_tokens, stop strings without a
+  // tokenizer, invalid beam params or fields beam search does not take.
   RequestId add_request(Request request);
   // Ends a waiting or running request and frees its blocks; the next step() reports it finished
   // with "abort". Unknown or finished ids are ignored. Passes in flight are collected first (their

@@ -27,6 +27,7 @@ void Engine::Impl::start_beams(RequestState& r) {
   if (q.prompt_logprobs >= 0 || q.prompt_logits) throw Error("beam search does not take prompt_logprobs or prompt_logits");
   if (!q.stop.empty()) throw Error("beam search does not take stop strings (stop ids end a beam)");
   if (q.grammar) throw Error("beam search does not take a grammar");
+  if (q.min_tokens > 0) throw Error("beam search does not take min_tokens");
   const int64_t room = config.max_model_len - r.seq.n_prompt;
   const int64_t max_new = q.max_tokens > 0 ? std::min(q.max_tokens, room) : room;
   r.own_group = std::make_unique<BeamGroup>(q.beam, q.stop_ids, max_new);
@@ -156,7 +157,9 @@ void Engine::Impl::end_beams(RequestState& owner, RequestOutput* o) {
   for (BeamHypothesis& h : o->beams) {
     if (tokenizer == nullptr) break;
     StreamDecoder d(*tokenizer, /*skip_special=*/true, /*continuation=*/true);
-    for (const int32_t t : h.tokens) h.text += d.push(t);
+    // The stop id that ended a beam is not part of its text (as in post_process).
+    const size_t n_text = h.stopped && !h.tokens.empty() ? h.tokens.size() - 1 : h.tokens.size();
+    for (size_t i = 0; i < n_text; ++i) h.text += d.push(h.tokens[i]);
     h.text += d.flush();
   }
   o->finish_reason = !o->beams.empty() && o->beams.front().stopped ? "stop" : "length";

@@ -33,9 +33,10 @@ struct RequestState {
   Request req;
   Sequence seq;
   std::optional<Sampler> sampler;
-  // Request::grammar's state, its token bitmask and the masked logits row (reused every step).
+  // Request::grammar's state; the token bitmask of the next sample (the grammar's, less the stop
+  // ids while min_tokens holds them back) and the masked logits row, reused every step.
   std::optional<grammar::GrammarMatcher> matcher;
-  std::vector<uint32_t> grammar_mask;
+  std::vector<uint32_t> token_mask;
   std::vector<float> masked_row;
   bool grammar_ended = false;
   std::optional<StreamDecoder> decoder;
@@ -57,6 +58,10 @@ struct RequestState {
   // when they are one-hot (Draft::q).
   std::vector<float> draft_q;
   bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
+  // min_tokens: the next token may not be a stop id yet.
+  bool bans_stop_ids() const { return seq.n_generated() < req.min_tokens && !req.stop_ids.empty(); }
+  // The next token is sampled under a token mask (Engine::Impl::fill_token_mask).
+  bool masks_row() const { return matcher.has_value() || bans_stop_ids(); }
   // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
   // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
   // parent's prompt is computed it forks the parent's blocks and samples its first token from the
@@ -224,13 +229,17 @@ struct Engine::Impl {
                    std::vector<RequestOutput>& outputs);
   void build_batch(Pass& p);
   void prompt_logprobs_from(const Pass& p, std::span<const float> logits);
-  // The token masks of a pass's grammar rows for forward_sample: [n_rows, bitmask_words] words,
-  // row sr.row of each sampling request with a matcher (the other rows are not read). Requests
+  // The token mask of r's next sample ([bitmask_words] words): its grammar's (all ones without
+  // one), less its stop ids while min_tokens bans them, unless that leaves no token (the ban then
+  // yields). Writes only `mask` and reads r: safe for different requests at once.
+  void fill_token_mask(RequestState& r, std::span<uint32_t> mask) const;
+  // The token masks of a pass's masked rows for forward_sample: [n_rows, bitmask_words] words,
+  // row sr.row of each sampling request that masks_row() (the other rows are not read). Requests
   // are filled in parallel on mask_pool (each matcher is its own; a grammar's shared token splits
   // are computed under its lock), which matters most for the first masks of a fresh grammar.
   void fill_token_masks(const Pass& p, std::span<uint32_t> masks);
   std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
-  std::vector<const SampleRow*> grammar_rows;
+  std::vector<const SampleRow*> grammar_rows;  // the masked rows of the pass being filled
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
   std::vector<double> draft_uniforms;      // one verified sequence's peeked uniforms (Sampler::peek_uniforms)
 };

@@ -8,18 +8,23 @@ StopChecker::StopChecker(std::vector<std::string> stops) : stops_(std::move(stop
   for (const std::string& s : stops_) hold_ = std::max(hold_, s.size() - 1);
 }
 
-bool StopChecker::push(std::string_view text, std::string& emit) {
+bool StopChecker::push(std::string_view text, std::string& emit, bool may_stop) {
   if (stops_.empty()) {
     emit.append(text);
     return false;
   }
+  const size_t before = held_.size();
   held_.append(text);
-  size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
-  if (first != std::string::npos) {
-    emit.append(held_, 0, first);
-    held_.clear();
-    return true;
+  if (may_stop) {
+    // A match that ended in the held text before `text` came while matches did not count.
+    size_t first = std::string::npos;
+    for (const std::string& s : stops_)
+      first = std::min(first, held_.find(s, before >= s.size() ? before - s.size() + 1 : 0));
+    if (first != std::string::npos) {
+      emit.append(held_, 0, first);
+      held_.clear();
+      return true;
+    }
   }
   // Any match still to come starts in the last hold_ bytes; release the rest, at a character
   // boundary (never split a UTF-8 sequence between two deltas).
@@ -30,9 +35,9 @@ bool StopChecker::push(std::string_view text, std::string& emit) {
   return false;
 }
 
-std::string StopChecker::flush(std::string_view tail) {
+std::string StopChecker::flush(std::string_view tail, bool may_stop) {
   std::string out;
-  push(tail, out);
+  push(tail, out, may_stop);
   out += held_;
   held_.clear();
   return out;

@@ -16,11 +16,13 @@ class StopChecker {
 
   // Adds newly decoded text (whole UTF-8 characters) and appends to `emit` the text that is now
   // final. Returns true when a stop string matched: `emit` then ends right before the earliest
-  // match and everything after it is dropped.
-  bool push(std::string_view text, std::string& emit);
+  // match and everything after it is dropped. Only a match that ends in `text` counts, and only
+  // when may_stop: with may_stop false (vLLM's min_tokens not reached yet) a match is ordinary
+  // text, while what could start a later match is still held back.
+  bool push(std::string_view text, std::string& emit, bool may_stop = true);
   // End of generation for another reason: the held-back text plus `tail` (cut at a stop string if
-  // one completes in it).
-  std::string flush(std::string_view tail);
+  // one completes in it and may_stop).
+  std::string flush(std::string_view tail, bool may_stop = true);
 
  private:
   std::vector<std::string> stops_;

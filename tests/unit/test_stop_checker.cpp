@@ -53,5 +53,33 @@ TEST(StopChecker, NeverSplitsAUtf8Character) {
   EXPECT_EQ(out, "\xC3\xA9");
 }
 
+// vLLM's min_tokens: before it is reached (may_stop false) a stop string is ordinary text; after,
+// only a match that the new text completes ends generation, including one that began earlier.
+TEST(StopChecker, MatchesBeforeMayStopAreText) {
+  StopChecker c({"ab", "xab"});
+  std::string out;
+  EXPECT_FALSE(c.push("1ab2x", out, /*may_stop=*/false));
+  EXPECT_EQ(out, "1ab");  // "2x" may still start "xab"
+  EXPECT_FALSE(c.push("a", out, /*may_stop=*/true));
+  EXPECT_EQ(out, "1ab2");
+  // The match that began before may_stop and ends now counts: "xab" at "2xab".
+  EXPECT_TRUE(c.push("b tail", out, /*may_stop=*/true));
+  EXPECT_EQ(out, "1ab2");
+}
+
+TEST(StopChecker, AMatchHeldFromBeforeMayStopNeverCounts) {
+  StopChecker c({"ab", "abcdef"});  // holds 5 bytes: "ab" can lie wholly in the held text
+  std::string out;
+  EXPECT_FALSE(c.push("zab", out, /*may_stop=*/false));
+  EXPECT_EQ(out, "");
+  EXPECT_FALSE(c.push("z", out, /*may_stop=*/true));  // "ab" is held, but it ended earlier
+  EXPECT_EQ(out, "");
+  EXPECT_EQ(c.flush("", /*may_stop=*/true), "zabz");
+  StopChecker d({"ab"});
+  std::string dout;
+  EXPECT_FALSE(d.push("a", dout, /*may_stop=*/false));
+  EXPECT_EQ(d.flush("b!", /*may_stop=*/false), "ab!");  // a flush before min_tokens keeps the match as text
+}
+
 }  // namespace
 }  // namespace kestrel
