@@ -17,6 +17,9 @@ struct TokenLogprob {
 struct LogprobSummary {
   TokenLogprob chosen;             // the given token
   std::vector<TokenLogprob> top;   // the n_top most likely tokens, most likely first (ties: lower id)
+  // The given token's rank in the vocabulary: 1 + the tokens with a higher logit (vLLM's Logprob.rank;
+  // tied tokens share a rank). top[i]'s rank is i + 1.
+  int32_t chosen_rank = 0;
 };
 
 // `logits`: [n_vocab] raw model logits. `token` must be in [0, n_vocab); n_top is clamped to

@@ -50,7 +50,7 @@ CASES = [
     (C, body(prompt=[1] * (STORIES_CTX + 10)), 400, "prompt"),
     # max_tokens.
     (C, body(max_tokens=-1), 400, "max_tokens"),
-    (C, body(max_tokens=0), 400, "max_tokens"),
+    (CH, chat_body(max_tokens=0), 400, "max_tokens"),  # completions take 0 (the echo alone)
     (C, body(max_tokens="16"), 400, "max_tokens"),
     (C, body(max_tokens=1.5), 400, "max_tokens"),
     (C, body(max_tokens=10**12), 400, "max_tokens"),
@@ -89,6 +89,17 @@ CASES = [
     (C, body(ignore_eos="no"), 400, "ignore_eos"),
     (C, body(model=5), 400, "model"),
     (C, body(model="no-such-model"), 404, "model"),
+    # vLLM's fields.
+    (C, body(min_tokens=-1), 400, "min_tokens"),
+    (C, body(min_tokens=5), 400, "min_tokens"),  # above max_tokens 4
+    (C, body(min_tokens="2"), 400, "min_tokens"),
+    (C, body(stop_token_ids=[100000]), 400, "stop_token_ids"),
+    (C, body(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
+    (C, body(stop_token_ids=5), 400, "stop_token_ids"),
+    (C, body(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    (C, body(prompt_logprobs=21), 400, "prompt_logprobs"),
+    (C, body(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    (C, body(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), 400, "speculative_config"),
     # Chat.
     (CH, json.dumps({"max_tokens": 4}).encode(), 400, "messages"),
     (CH, chat_body(messages=[]), 400, "messages"),
@@ -104,6 +115,10 @@ CASES = [
     (CH, chat_body(logprobs=3), 400, "logprobs"),
     (CH, chat_body(max_completion_tokens=-5), 400, "max_completion_tokens"),
     (CH, chat_body(temperature="NaN"), 400, "temperature"),
+    (CH, chat_body(min_tokens=5), 400, "min_tokens"),
+    (CH, chat_body(stop_token_ids=[100000]), 400, "stop_token_ids"),
+    (CH, chat_body(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
+    (CH, chat_body(speculative_config={"method": "ngram"}), 400, "speculative_config"),
 ]
 
 

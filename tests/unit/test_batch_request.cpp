@@ -301,6 +301,45 @@ TEST(BatchRequest, EngineRequestFromPrompt) {
   }
 }
 
+// min_tokens passes through; stop_token_ids join the stop ids (with ignore_eos too, as vLLM only
+// ignores EOS) and are checked against the vocabulary; max_tokens 0 runs one token the server drops;
+// echo's logprobs and prompt_logprobs share one engine count, the larger.
+TEST(BatchRequest, EngineRequestStopTokenIdsMinTokensAndPromptLogprobs) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const Loaded l = load(path);
+  const PromptFormat f = PromptFormat::for_model(*l.model, *l.tokenizer);
+  ASSERT_FALSE(f.stop_ids.empty());
+
+  Request q = to_engine_request(parse_ok(R"({"prompt": "a", "min_tokens": 4, "stop_token_ids": [13, 7]})"), f, 0);
+  EXPECT_EQ(q.min_tokens, 4);
+  std::vector<int32_t> want = f.stop_ids;
+  want.push_back(13);
+  want.push_back(7);
+  EXPECT_EQ(q.stop_ids, want);
+  q = to_engine_request(parse_ok(R"({"prompt": "a", "ignore_eos": true, "stop_token_ids": [13]})"), f, 0);
+  EXPECT_EQ(q.stop_ids, (std::vector<int32_t>{13}));
+  try {
+    to_engine_request(parse_ok(R"({"prompt": "a", "stop_token_ids": [5, 512]})"), f, 0);  // 512 tokens
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "stop_token_ids");
+    EXPECT_NE(std::string(e.what()).find("stop_token_ids[1] = 512 is outside the vocabulary"), std::string::npos)
+        << e.what();
+  }
+
+  auto completions = [&](const char* body) {
+    return to_engine_request(parse_openai_request(parse_request_body(body), RequestApi::Completions), f, 0);
+  };
+  q = completions(R"({"prompt": "a", "max_tokens": 0, "echo": true, "logprobs": 2})");
+  EXPECT_EQ(q.max_tokens, 1);
+  EXPECT_EQ(q.prompt_logprobs, 2);
+  EXPECT_EQ(completions(R"({"prompt": "a", "prompt_logprobs": 5, "echo": true, "logprobs": 2})").prompt_logprobs, 5);
+  EXPECT_EQ(completions(R"({"prompt": "a", "prompt_logprobs": 1, "echo": true, "logprobs": 3})").prompt_logprobs, 3);
+  EXPECT_EQ(completions(R"({"prompt": "a", "prompt_logprobs": 0})").prompt_logprobs, 0);
+  EXPECT_EQ(completions(R"({"prompt": "a", "logprobs": 4})").prompt_logprobs, -1);
+}
+
 TEST(BatchRequest, EngineRequestFromMessagesStopsAtEndOfTurn) {
   const std::string path = test::model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
   KESTREL_REQUIRE_FILE(path);

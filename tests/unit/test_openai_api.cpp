@@ -151,5 +151,30 @@ TEST(OpenAiApi, EchoListsTheFirstWordWithoutSentencePiecesSpace) {
   }
   EXPECT_FALSE(lp["top_logprobs"][1].contains(" Once"));
 }
+// vLLM's prompt_logprobs: null for the first token, then each position's prompt token (its own
+// rank) and the n_top likeliest (ranks 1..n_top), keyed by id, one already listed not repeated;
+// a position the engine did not score is null.
+TEST(OpenAiApi, PromptLogprobsInVllmsShape) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const std::vector<int32_t> prompt = {1, 403, 407, 261};
+  std::vector<LogprobSummary> lps(2);
+  lps[0] = LogprobSummary{{403, -0.5f}, {{403, -0.5f}, {385, -1.5f}, {9, -3.0f}}, 1};
+  lps[1] = LogprobSummary{{407, -4.0f}, {{383, -0.1f}, {385, -2.5f}}, 7};
+  const Json pl = prompt_logprobs_json(*tok, prompt, lps, 2);
+  ASSERT_EQ(pl.size(), 4u);
+  EXPECT_TRUE(pl[0].is_null());
+  EXPECT_TRUE(pl[3].is_null());  // not scored
+  EXPECT_EQ(pl[1].size(), 2u);   // 403 is the top one; 9 is past n_top
+  EXPECT_EQ(pl[1]["403"], (Json{{"logprob", -0.5}, {"rank", 1}, {"decoded_token", tok->token_to_piece(403)}}));
+  EXPECT_EQ(pl[1]["385"]["rank"], 2);
+  EXPECT_EQ(pl[2].size(), 3u);
+  EXPECT_EQ(pl[2].begin().key(), "407");  // the prompt token first
+  EXPECT_EQ(pl[2]["407"]["rank"], 7);
+  EXPECT_EQ(pl[2]["383"]["rank"], 1);
+  EXPECT_EQ(pl[2]["385"]["rank"], 2);
+  EXPECT_EQ(prompt_logprobs_json(*tok, prompt, lps, 0)[2].size(), 1u);
+}
+
 }  // namespace
 }  // namespace kestrel::cli

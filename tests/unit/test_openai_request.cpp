@@ -78,6 +78,16 @@ std::string error_of(const std::string& text, RequestApi api) {
   return "<none>";
 }
 
+// "param: message" of the RequestError the text raises ("<none>" when it parses).
+std::string failure_of(const std::string& text, RequestApi api) {
+  try {
+    parse(text, api);
+  } catch (const RequestError& e) {
+    return std::string(e.param()) + ": " + e.what();
+  }
+  return "<none>";
+}
+
 std::vector<std::string> texts(const OpenAiRequest& r) {
   std::vector<std::string> out;
   for (const PromptInput& p : r.prompts) out.push_back(p.ids ? "<ids>" : p.text);
@@ -162,8 +172,17 @@ TEST(OpenAiRequest, ErrorsNameTheParameter) {
       {R"({"prompt": "a", "logit_bias": {"3": "x"}})", "logit_bias"},
       {R"({"prompt": "a", "stop": ["a", 2]})", "stop[1]"},
       {R"({"prompt": "a", "top_p": 0})", "top_p"},
-      {R"({"prompt": "a", "max_tokens": 0})", "max_tokens"},
+      {R"({"prompt": "a", "max_tokens": -1})", "max_tokens"},
       {R"({"prompt": "a", "max_tokens": 1, "max_completion_tokens": 2})", "max_completion_tokens"},
+      {R"({"prompt": "a", "min_tokens": -1})", "min_tokens"},
+      {R"({"prompt": "a", "max_tokens": 4, "min_tokens": 5})", "min_tokens"},
+      {R"({"prompt": "a", "stop_token_ids": 5})", "stop_token_ids"},
+      {R"({"prompt": "a", "stop_token_ids": [5, -1]})", "stop_token_ids[1]"},
+      {R"({"prompt": "a", "stop_token_ids": [5, "6"]})", "stop_token_ids[1]"},
+      {R"({"prompt": "a", "prompt_logprobs": -1})", "prompt_logprobs"},
+      {R"({"prompt": "a", "prompt_logprobs": 21})", "prompt_logprobs"},
+      {R"({"prompt": "a", "prompt_logprobs": 1, "stream": true})", "prompt_logprobs"},
+      {R"({"prompt": "a", "speculative_config": {"method": "ngram"}})", "speculative_config"},
   };
   for (const auto& c : cases) EXPECT_EQ(param_of(c.body, RequestApi::Completions), c.param) << c.body;
   EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": 1}]})", RequestApi::Chat), "messages[0].content");
@@ -182,8 +201,11 @@ TEST(OpenAiRequest, MaxTokensAtTheInt64Edge) {
                         "9223372036854775808", "18446744073709551615", "-9223372036854775808"}) {
     const std::string body = std::string(R"({"prompt": "a", "max_tokens": )") + v + "}";
     EXPECT_EQ(param_of(body, RequestApi::Completions), "max_tokens") << v;
-    EXPECT_NE(error_of(body, RequestApi::Completions).find("must be >= 1 and < 2^63"), std::string::npos)
+    EXPECT_NE(error_of(body, RequestApi::Completions).find("must be >= 0 and < 2^63"), std::string::npos)
         << error_of(body, RequestApi::Completions);
+    const std::string chat = std::string(R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": )") + v + "}";
+    EXPECT_NE(error_of(chat, RequestApi::Chat).find("must be >= 1 and < 2^63"), std::string::npos)
+        << error_of(chat, RequestApi::Chat);
   }
   // The same rule for top_k's int32 range: no cast outside it.
   EXPECT_EQ(param_of(R"({"prompt": "a", "top_k": 1e19})", RequestApi::Completions), "top_k");
@@ -203,6 +225,67 @@ TEST(OpenAiRequest, LogitBiasKeysAreDigits) {
   EXPECT_EQ(r.sampling.logit_bias.at(5), 1.0f);
   EXPECT_EQ(r.sampling.logit_bias.at(2147483647), -1.0f);
   EXPECT_EQ(r.sampling.logit_bias.at(0), 2.0f);
+}
+
+// vLLM's min_tokens and stop_token_ids, for every API (batch lines too): min_tokens within
+// [0, max_tokens] (batch: its default 256 counts), stop_token_ids a list of ids.
+TEST(OpenAiRequest, MinTokensAndStopTokenIds) {
+  const OpenAiRequest r =
+      parse(R"({"prompt": "a", "max_tokens": 8, "min_tokens": 8, "stop_token_ids": [3, 0, 3]})", RequestApi::Completions);
+  EXPECT_EQ(r.min_tokens, 8);
+  EXPECT_EQ(r.stop_token_ids, (std::vector<int32_t>{3, 0, 3}));
+  EXPECT_EQ(parse(R"({"prompt": "a", "min_tokens": 100000})", RequestApi::Completions).min_tokens, 100000);  // no max_tokens
+  EXPECT_EQ(parse(R"({"prompt": "a", "min_tokens": null, "stop_token_ids": null})", RequestApi::Completions).min_tokens, 0);
+  EXPECT_TRUE(parse(R"({"prompt": "a", "stop_token_ids": []})", RequestApi::Completions).stop_token_ids.empty());
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  EXPECT_EQ(parse("{" + m + R"(, "min_tokens": 3, "stop_token_ids": [7]})", RequestApi::Chat).stop_token_ids,
+            (std::vector<int32_t>{7}));
+  EXPECT_EQ(parse(R"({"prompt": "a", "min_tokens": 256})", RequestApi::Batch).min_tokens, 256);
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "min_tokens": 257})", RequestApi::Batch),
+            "min_tokens: min_tokens must be at most max_tokens (256, its default), got 257");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "max_completion_tokens": 2, "min_tokens": 3})", RequestApi::Completions),
+            "min_tokens: min_tokens must be at most max_tokens (2), got 3");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "stop_token_ids": [2147483648]})", RequestApi::Batch), "stop_token_ids[0]");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "stop_token_ids": [1.5]})", RequestApi::Batch), "stop_token_ids[0]");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "use_beam_search": true, "min_tokens": 2})", RequestApi::Completions),
+            "min_tokens");
+  for (const char* f : {"min_tokens", "stop_token_ids"}) EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
+}
+
+// max_tokens 0: completions (OpenAI's legacy API: the echo alone), not chat or batch lines.
+TEST(OpenAiRequest, MaxTokensZeroIsForCompletions) {
+  EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 0, "echo": true})", RequestApi::Completions).max_tokens, 0);
+  EXPECT_EQ(parse(R"({"prompt": "a", "max_completion_tokens": 0})", RequestApi::Completions).max_tokens, 0);
+  EXPECT_EQ(param_of(R"({"prompt": "a", "max_tokens": 0, "min_tokens": 1})", RequestApi::Completions), "min_tokens");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "max_tokens": 0})", RequestApi::Batch), "max_tokens");
+  EXPECT_EQ(param_of(R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})", RequestApi::Chat),
+            "max_tokens");
+  EXPECT_EQ(param_of(R"({"prompt": "a", "max_tokens": 0, "use_beam_search": true})", RequestApi::Completions),
+            "max_tokens");
+}
+
+// vLLM's prompt_logprobs: the server's, not streamed; a batch line has no logprobs to give.
+// speculative_config is the server's (or batch run's) flag, never one request's.
+TEST(OpenAiRequest, PromptLogprobsAndSpeculativeConfig) {
+  EXPECT_EQ(parse(R"({"prompt": "a"})", RequestApi::Completions).prompt_logprobs, -1);
+  EXPECT_EQ(parse(R"({"prompt": "a", "prompt_logprobs": 0})", RequestApi::Completions).prompt_logprobs, 0);
+  EXPECT_EQ(parse(R"({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 20})", RequestApi::Chat)
+                .prompt_logprobs,
+            20);
+  EXPECT_EQ(param_of(R"({"prompt": "a", "prompt_logprobs": 1})", RequestApi::Batch), "prompt_logprobs");
+  EXPECT_NE(error_of(R"({"prompt": "a", "prompt_logprobs": 1})", RequestApi::Batch).find("kestrel serve"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"prompt": "a", "prompt_logprobs": -1})", RequestApi::Completions).find("whole vocabulary"),
+            std::string::npos);
+  EXPECT_EQ(param_of(R"({"prompt": "a", "use_beam_search": true, "prompt_logprobs": 1})", RequestApi::Completions),
+            "prompt_logprobs");
+  EXPECT_NE(error_of(R"({"prompt": "a", "speculative_config": {"method": "ngram"}})", RequestApi::Completions)
+                .find("kestrel serve --speculative-config"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"prompt": "a", "speculative_config": {}})", RequestApi::Batch)
+                .find("kestrel batch --speculative-config"),
+            std::string::npos);
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "speculative_config": null})", RequestApi::Completions), "<none>");
 }
 
 TEST(OpenAiRequest, KnownFields) {
@@ -244,15 +327,6 @@ TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
 }
 
 
-// "param: message" of the RequestError the text raises ("<none>" when it parses).
-std::string failure_of(const std::string& text, RequestApi api) {
-  try {
-    parse(text, api);
-  } catch (const RequestError& e) {
-    return std::string(e.param()) + ": " + e.what();
-  }
-  return "<none>";
-}
 
 // developer and tool messages reach the template with their role as given (they were refused);
 // a tool message keeps its tool_call_id, any message its name.

@@ -494,6 +494,16 @@ TEST(SamplingLogprobs, LogSoftmaxOfTheRawLogits) {
   EXPECT_EQ(compute_logprobs(logits, 1, 10).top.size(), 4u);  // clamped to n_vocab
 }
 
+TEST(SamplingLogprobs, ChosenRankCountsTheTokensAboveIt) {
+  // vLLM's rank: 1 + the tokens with a higher logit; tied tokens share a rank.
+  const std::vector<float> logits = {1, 4, 3, 4, 0};
+  EXPECT_EQ(compute_logprobs(logits, 1, 0).chosen_rank, 1);
+  EXPECT_EQ(compute_logprobs(logits, 3, 0).chosen_rank, 1);
+  EXPECT_EQ(compute_logprobs(logits, 2, 0).chosen_rank, 3);
+  EXPECT_EQ(compute_logprobs(logits, 0, 2).chosen_rank, 4);
+  EXPECT_EQ(compute_logprobs(logits, 4, 0).chosen_rank, 5);
+}
+
 TEST(SamplingLogprobs, SamplerReportsTheRawDistributionNotThePenalisedOne) {
   // Greedy with bias {0: +10} picks id 0, but its logprob is still the raw -3.4401897.
   SamplingParams params;

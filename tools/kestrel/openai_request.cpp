@@ -1,5 +1,6 @@
 #include "openai_request.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -349,6 +350,33 @@ void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
     throw RequestError("response_format", "response_format type \"structural_tag\" is not supported");
   if (api != RequestApi::Chat && !r.is_chat && !field(j, "suffix").is_null())
     throw RequestError("suffix", "suffix is not supported, got " + shown(field(j, "suffix")));
+  // The drafter and its pool are made when the engine starts, for every request alike.
+  if (const json& v = field(j, "speculative_config"); !v.is_null())
+    throw RequestError("speculative_config",
+                       std::string("speculative_config is not a request field: speculative decoding is set for the "
+                                   "whole ") +
+                           (api == RequestApi::Batch ? "run (kestrel batch --speculative-config)"
+                                                     : "server (kestrel serve --speculative-config)") +
+                           ", got " + shown(v));
+}
+
+// min_tokens and stop_token_ids (vLLM's), once max_tokens is known.
+void stop_token_fields(const json& j, OpenAiRequest& r) {
+  if (const json& v = field(j, "min_tokens"); !v.is_null()) {
+    r.min_tokens = integer("min_tokens", v, 0, std::numeric_limits<int64_t>::max(), ">= 0");
+    if (r.max_tokens >= 0 && r.min_tokens > r.max_tokens)
+      bad("min_tokens",
+          "must be at most max_tokens (" + std::to_string(r.max_tokens) + (r.max_tokens_given ? ")" : ", its default)"),
+          v);
+  }
+  if (const json& v = field(j, "stop_token_ids"); !v.is_null()) {
+    if (!v.is_array()) bad("stop_token_ids", "must be an array of token ids", v);
+    r.stop_token_ids.reserve(v.size());
+    for (size_t i = 0; i < v.size(); ++i)
+      r.stop_token_ids.push_back(static_cast<int32_t>(integer("stop_token_ids[" + std::to_string(i) + "]", v[i], 0,
+                                                              std::numeric_limits<int32_t>::max(),
+                                                              "a token id (>= 0)")));
+  }
 }
 
 // use_beam_search, best_of, length_penalty, early_stopping (after n and the sampling fields).
@@ -387,6 +415,12 @@ void beam_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   refuse("logit_bias", !s.logit_bias.empty());
   refuse("stop", !r.stop.empty());
   refuse("logprobs", r.logprobs >= 0);
+  refuse("prompt_logprobs", r.prompt_logprobs >= 0);
+  refuse("min_tokens", r.min_tokens > 0);
+  if (r.max_tokens == 0) {
+    const char* name = field(j, "max_tokens").is_null() ? "max_completion_tokens" : "max_tokens";
+    bad(name, "must be >= 1 with use_beam_search", field(j, name));
+  }
   if (r.constraint) bad(r.constraint_param, "cannot be used with use_beam_search", field(j, r.constraint_param.c_str()));
 }
 
@@ -399,6 +433,13 @@ void server_fields(const json& j, RequestApi api, OpenAiRequest& r) {
     if (const json& v = field(j, "echo"); !v.is_null()) r.echo = boolean("echo", v);
   }
   if (const json& v = field(j, "stream"); !v.is_null()) r.stream = boolean("stream", v);
+  if (const json& v = field(j, "prompt_logprobs"); !v.is_null()) {
+    r.prompt_logprobs = static_cast<int32_t>(
+        integer("prompt_logprobs", v, 0, kMaxLogprobs,
+                "in [0, " + std::to_string(kMaxLogprobs) + "] (-1, the whole vocabulary, is not served)"));
+    // vLLM refuses them streamed as well: the answer carries them once, at the end.
+    if (r.stream) bad("prompt_logprobs", "cannot be used with stream: true", v);
+  }
   if (const json& v = field(j, "stream_options"); !v.is_null()) {
     if (!v.is_object()) bad("stream_options", "must be an object", v);
     if (const json& u = field(v, "include_usage"); !u.is_null())
@@ -596,7 +637,7 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user",
       "response_format", "best_of", "suffix", "tools", "tool_choice", "structured_outputs", "guided_json",
       "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "use_beam_search",
-      "length_penalty", "early_stopping"};
+      "length_penalty", "early_stopping", "min_tokens", "stop_token_ids", "prompt_logprobs", "speculative_config"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -613,11 +654,16 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   // max_completion_tokens is OpenAI's newer name for max_tokens. An explicit null means "until
   // max_model_len", as vLLM reads it; the server's default is the same.
   if (api != RequestApi::Batch) r.max_tokens = -1;
+  // Completions take 0 as OpenAI's legacy API does (the echo alone, for scoring a prompt).
+  const int64_t min_max_tokens = api == RequestApi::Completions ? 0 : 1;
+  const std::string max_tokens_range =
+      min_max_tokens == 0 ? ">= 0 and < 2^63 (0: generate nothing)" : ">= 1 and < 2^63";
   std::optional<int64_t> limit;
   for (const char* name : {"max_tokens", "max_completion_tokens"}) {
     const auto it = j.find(name);
     if (it == j.end()) continue;
-    const int64_t n = it->is_null() ? -1 : integer(name, *it, 1, std::numeric_limits<int64_t>::max(), ">= 1 and < 2^63");
+    const int64_t n =
+        it->is_null() ? -1 : integer(name, *it, min_max_tokens, std::numeric_limits<int64_t>::max(), max_tokens_range);
     if (limit && *limit != n)
       throw RequestError(name, std::string("max_tokens (") + shown(field(j, "max_tokens")) +
                                    ") and max_completion_tokens (" + shown(*it) + ") disagree; give one of them");
@@ -625,7 +671,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   }
   if (limit) {
     r.max_tokens = *limit;
-    r.max_tokens_given = *limit > 0;
+    r.max_tokens_given = *limit >= 0;
   }
 
   sampling_fields(j, r.sampling);
@@ -633,8 +679,11 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   if (const json& v = field(j, "stop"); !v.is_null()) r.stop = stop_field(v);
   if (const json& v = field(j, "ignore_eos"); !v.is_null()) r.ignore_eos = boolean("ignore_eos", v);
   if (r.is_chat) parse_chat_tools(j, r);
+  stop_token_fields(j, r);
   if (api == RequestApi::Batch) {
     if (const json& v = field(j, "n"); !v.is_null() && v != 1) bad("n", "must be 1 (one completion per request)", v);
+    if (const json& v = field(j, "prompt_logprobs"); !v.is_null())
+      bad("prompt_logprobs", "is served by `kestrel serve` (a batch result carries no logprobs)", v);
   } else {
     server_fields(j, api, r);
     if (r.prompts.size() * static_cast<size_t>(r.n) > kMaxChoices)
@@ -707,12 +756,17 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
       throw RequestError(request.is_chat ? "messages" : "prompt",
                          "prompt " + shown(json(text)) + " has no tokens (the model adds no BOS)");
   }
-  out.max_tokens = request.max_tokens;
+  // max_tokens 0: the engine runs the prompt (echo's logprobs come with a first token) and its one
+  // token is not reported (as vLLM serves it).
+  out.max_tokens = request.max_tokens == 0 ? 1 : request.max_tokens;
+  out.min_tokens = request.min_tokens;
   out.sampling = request.sampling;
   out.sampling.seed = request.seed.value_or(random_seed);
   out.logprobs = request.logprobs;
-  // echo with logprobs: the prompt tokens' logprobs too (the engine then computes the whole prompt).
-  if (request.echo && request.logprobs >= 0) out.prompt_logprobs = request.logprobs;
+  // echo with logprobs and prompt_logprobs: the prompt tokens' logprobs (the engine then computes
+  // the whole prompt), with the top alternatives of whichever asks for more.
+  out.prompt_logprobs = request.prompt_logprobs;
+  if (request.echo && request.logprobs >= 0) out.prompt_logprobs = std::max(out.prompt_logprobs, request.logprobs);
   for (const auto& [id, bias] : out.sampling.logit_bias)
     if (id >= n_vocab)
       throw RequestError("logit_bias", "logit_bias token id " + std::to_string(id) + " is outside the vocabulary (" +
@@ -721,6 +775,14 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     out.stop_ids = format.stop_ids;
     if (request.is_chat && format.end_of_turn_id && !tok.is_eog(*format.end_of_turn_id))
       out.stop_ids.push_back(*format.end_of_turn_id);
+  }
+  // stop_token_ids end generation with ignore_eos too (vLLM: it ignores EOS alone).
+  for (size_t i = 0; i < request.stop_token_ids.size(); ++i) {
+    const int32_t id = request.stop_token_ids[i];
+    if (id >= n_vocab)
+      throw RequestError("stop_token_ids", "stop_token_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                                               " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
+    out.stop_ids.push_back(id);
   }
   out.stop = request.stop;
   if (request.use_beam_search) {

@@ -98,8 +98,20 @@ struct OpenAiRequest {
   // string; name, tool_calls, tool_call_id when given).
   Json messages_json;
   Json tools;                         // the template's `tools` (tool_choice "none"); null when not given
-  int64_t max_tokens = kBatchDefaultMaxTokens;  // >= 1, or -1 (JSON null, or absent for the server): until max_model_len
+  // >= 1, or -1 (JSON null, or absent for the server): until max_model_len. Completions also take
+  // 0 (OpenAI's legacy API): nothing is generated, the choice is the echo (if any) with
+  // finish_reason "length"; the engine still runs the prompt (for echo's logprobs), with one token
+  // that is not reported.
+  int64_t max_tokens = kBatchDefaultMaxTokens;
   bool max_tokens_given = false;      // the client set max_tokens / max_completion_tokens to a number
+  // vLLM's min_tokens (Request::min_tokens): in [0, max_tokens] (max_tokens' default in batch).
+  int64_t min_tokens = 0;
+  // vLLM's stop_token_ids: more ids that end generation as EOS does (also with ignore_eos), their
+  // text left out; checked against the vocabulary by to_engine_request.
+  std::vector<int32_t> stop_token_ids;
+  // vLLM's prompt_logprobs (server only, not streamed): the logprob of every prompt token after the
+  // first plus this many top alternatives; -1: none.
+  int32_t prompt_logprobs = -1;
   SamplingParams sampling;            // validated; its seed is filled in by to_engine_request
   std::optional<uint64_t> seed;       // absent: a random seed per request
   std::vector<std::string> stop;      // at most kMaxStopStrings, none empty
@@ -133,8 +145,9 @@ struct OpenAiRequest {
 // infinities are not JSON, so they arrive as huge numbers or strings and are rejected as such).
 // Unknown fields are ignored. Fields asking for what the server does not do are refused (vLLM's
 // answers where it has them): response_format type structural_tag, best_of below n (or above it
-// for chat without beam search, or streamed), a completions `suffix`, and tool_choice other than
-// "none" (chat_request.h).
+// for chat without beam search, or streamed), a completions `suffix`, tool_choice other than
+// "none" (chat_request.h), prompt_logprobs streamed or in a batch line, and speculative_config (a
+// setting of the server or batch run, --speculative-config, not of one request).
 OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
 // Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for
@@ -179,7 +192,8 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 // logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError for
 // a prompt with no tokens, a token id or a logit_bias id outside the model's vocabulary, a chat
 // template error, or a structured-output constraint that does not compile (param: its field; the
-// message names the keyword or construct); the engine's add_request checks the rest.
+// message names the keyword or construct), or a stop_token_ids id outside the vocabulary; the
+// engine's add_request checks the rest.
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
                           size_t prompt_index = 0);
 

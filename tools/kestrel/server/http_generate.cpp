@@ -37,14 +37,25 @@ constexpr uint64_t kMaxLogprobEntries = uint64_t{1} << 20;
 struct PromptInfo {
   int64_t n_prompt = 0;
   std::string echo_text;            // completions with echo: the prompt text
-  std::vector<int32_t> prompt_ids;  // echo with logprobs: the prompt's tokens, listed in the logprobs
-  // Echo with logprobs: the prompt's logprobs are computed once, by the prompt's first choice (the others
-  // skip them), and every choice echoes the same ones. scored: that choice's first output (which carries
-  // them) has arrived; echo_logprobs and echo_offset (characters the echo covers) are then set.
+  std::vector<int32_t> prompt_ids;  // echo with logprobs, prompt_logprobs: the prompt's tokens, listed in them
+  // Echo with logprobs, prompt_logprobs: the prompt's logprobs are computed once, by the prompt's first
+  // choice (the others skip them), and every choice repeats the same ones. scored: that choice's first
+  // output (which carries them) has arrived; echo_logprobs and echo_offset (characters the echo covers),
+  // and prompt_logprobs (vLLM's list), are then set.
   bool scored = false;
   Json echo_logprobs;
   int64_t echo_offset = 0;
+  Json prompt_logprobs;
 };
+
+// The engine computes the prompt's logprobs once with the top alternatives of whichever field asks for
+// more (echo's logprobs, prompt_logprobs); each lists its own number.
+std::vector<LogprobSummary> with_top(std::span<const LogprobSummary> logprobs, int32_t n_top) {
+  std::vector<LogprobSummary> out(logprobs.begin(), logprobs.end());
+  for (LogprobSummary& l : out)
+    if (l.top.size() > static_cast<size_t>(n_top)) l.top.resize(static_cast<size_t>(n_top));
+  return out;
+}
 
 // What a request's preparation (off the event loop) ends with: an error to answer, or the engine requests to
 // submit.
@@ -114,6 +125,10 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     c.finish_reason = o.finish_reason;
     c.error = o.error;
     c.n_output = o.metrics.n_output_tokens;
+    if (no_generation_) {
+      c.n_output = 0;
+      if (c.finish_reason == "stop") c.finish_reason = "length";  // the stop id was not reported
+    }
     ++n_finished_;
   }
   Json usage() const {
@@ -138,7 +153,10 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   bool beam_ = false;          // use_beam_search: one engine request per prompt, its beams the choices
   bool rank_best_of_ = false;  // best_of > n: the n of best_of with the highest cumulative logprob
   bool want_logprobs_ = false;
-  bool echo_scored_ = false;  // echo with logprobs (completions)
+  int32_t echo_top_ = -1;         // echo with logprobs (completions): the alternatives per echoed token, else -1
+  int32_t prompt_top_ = -1;       // prompt_logprobs, else -1
+  bool echo_scored_ = false;      // the prompt's logprobs are computed (echo with logprobs, prompt_logprobs)
+  bool no_generation_ = false;    // completions with max_tokens 0: the one token generated is not reported
   bool include_usage_ = false;
   bool streamed_ = false;
   std::vector<Choice> choices_;
@@ -197,14 +215,31 @@ std::optional<HttpResponse> Generation::check_prompt_bytes(const OpenAiRequest& 
 // 64 bits. max_tokens unset counts as the rest of the context.
 std::optional<HttpResponse> Generation::check_logprob_volume(const OpenAiRequest& r,
                                                            const std::vector<Request>& bases) const {
-  if (r.logprobs < 0) return std::nullopt;
-  uint64_t tokens = 0;
+  if (r.logprobs < 0 && r.prompt_logprobs < 0) return std::nullopt;
+  uint64_t tokens = 0, prompt_tokens = 0;
   for (const Request& b : bases) {
     const auto n_prompt = static_cast<int64_t>(b.prompt.size());
-    const int64_t max_tokens = r.max_tokens > 0 ? r.max_tokens : api_.max_model_len - n_prompt;
+    const int64_t max_tokens = r.max_tokens >= 0 ? r.max_tokens : api_.max_model_len - n_prompt;
     tokens += static_cast<uint64_t>((r.echo ? n_prompt : 0) + max_tokens);
+    prompt_tokens += static_cast<uint64_t>(n_prompt);
   }
-  const uint64_t entries = tokens * static_cast<uint64_t>(r.n) * (static_cast<uint64_t>(r.logprobs) + 1);
+  const uint64_t entries = r.logprobs < 0 ? 0 : tokens * static_cast<uint64_t>(r.n) * (static_cast<uint64_t>(r.logprobs) + 1);
+  if (r.prompt_logprobs >= 0) {
+    // Completions repeat them in each of a prompt's n choices; chat lists them once.
+    const uint64_t copies = r.is_chat ? 1 : static_cast<uint64_t>(r.n);
+    const uint64_t prompt_entries = prompt_tokens * copies * (static_cast<uint64_t>(r.prompt_logprobs) + 1);
+    if (prompt_entries + entries > kMaxLogprobEntries)
+      return error_json(400,
+                        "the request asks for " + std::to_string(prompt_entries + entries) +
+                            " logprob entries, more than the " + std::to_string(kMaxLogprobEntries) +
+                            " one request may: prompt_logprobs lists (prompt_logprobs + 1) (" +
+                            std::to_string(r.prompt_logprobs + 1) + ") entries for each of the " +
+                            std::to_string(prompt_tokens) + " prompt tokens" +
+                            (r.is_chat ? "" : " in each of n (" + std::to_string(r.n) + ") choices") +
+                            (entries > 0 ? ", logprobs " + std::to_string(entries) + " more" : "") +
+                            "; lower prompt_logprobs or n, or shorten the prompt",
+                        "prompt_logprobs");
+  }
   if (entries <= kMaxLogprobEntries) return std::nullopt;
   const std::string lp = r.is_chat ? "top_logprobs" : "logprobs";
   return error_json(400,
@@ -274,7 +309,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
     PromptInfo info;
     info.n_prompt = n_prompt;
     if (r.echo) info.echo_text = prompt_text(r, *api_.format.tokenizer, p);
-    if (r.echo && r.logprobs >= 0) info.prompt_ids = bases[p].prompt;
+    if ((r.echo && r.logprobs >= 0) || r.prompt_logprobs >= 0) info.prompt_ids = bases[p].prompt;
     prompts_.push_back(std::move(info));
   }
   // n choices per prompt: n engine requests on the same prompt; with a seed, choice j of every prompt draws
@@ -303,7 +338,10 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
                            api_.served_model_name, which == RequestApi::Chat};
   stop_ids_ = bases.front().stop_ids;
   want_logprobs_ = r.logprobs >= 0;
-  echo_scored_ = r.echo && r.logprobs >= 0;
+  echo_top_ = r.echo ? r.logprobs : -1;
+  prompt_top_ = r.prompt_logprobs;
+  echo_scored_ = echo_top_ >= 0 || prompt_top_ >= 0;
+  no_generation_ = r.max_tokens == 0;
   include_usage_ = r.stream && r.include_usage;
   streamed_ = r.stream;
   choices_.resize(out.requests.size());
@@ -379,9 +417,14 @@ bool Generation::note_prompt_logprobs(const ChoiceOutput& o) {
   p.scored = true;
   const auto& logprobs = o.output.prompt_logprobs;
   api_.metrics.on_prompt_logprobs(static_cast<int64_t>(logprobs.size()));
-  if (!p.echo_text.empty())
-    p.echo_logprobs =
-        echo_logprobs(*api_.format.tokenizer, p.prompt_ids, logprobs, p.echo_text, &p.echo_offset);
+  if (!p.echo_text.empty() && echo_top_ >= 0) {
+    std::vector<LogprobSummary> trimmed;
+    if (prompt_top_ > echo_top_) trimmed = with_top(logprobs, echo_top_);
+    p.echo_logprobs = echo_logprobs(*api_.format.tokenizer, p.prompt_ids,
+                                    prompt_top_ > echo_top_ ? std::span<const LogprobSummary>(trimmed) : logprobs,
+                                    p.echo_text, &p.echo_offset);
+  }
+  if (prompt_top_ >= 0) p.prompt_logprobs = prompt_logprobs_json(*api_.format.tokenizer, p.prompt_ids, logprobs, prompt_top_);
   return true;
 }
 
@@ -402,14 +445,14 @@ void Generation::on_notify() {
 void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
   for (ChoiceOutput& o : outputs) {
     Choice& c = choices_[static_cast<size_t>(o.index)];
-    c.text += o.output.text_delta;
     note_prompt_logprobs(o);
-    if (want_logprobs_) {
+    if (!no_generation_) c.text += o.output.text_delta;
+    if (want_logprobs_ && !no_generation_) {
       LoggedTokens t = logged_tokens(o.output);
       c.logged.ids.insert(c.logged.ids.end(), t.ids.begin(), t.ids.end());
       c.logged.logprobs.insert(c.logged.logprobs.end(), t.logprobs.begin(), t.logprobs.end());
     }
-    if (rank_best_of_)
+    if (rank_best_of_ && !no_generation_)
       for (const LogprobSummary& l : o.output.logprobs) c.cumulative_logprob += l.chosen.logprob;
     if (o.output.finished) {
       finish(c, o.output);
@@ -431,6 +474,8 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
   std::vector<FinalChoice> finals = returned_choices();
   HttpResponse r;
   Json response = full_response(header_, finals, usage());
+  // vLLM's chat answer carries the prompt's logprobs once, beside the choices.
+  if (header_.chat && prompt_top_ >= 0) response["prompt_logprobs"] = prompts_[0].prompt_logprobs;
   // vLLM's producer answer: the consumer's kv_transfer_params (null when nothing is held).
   if (kv_producer_)
     response["kv_transfer_params"] = choices_[0].kv_held.do_remote_prefill ? kv_transfer_params_json(choices_[0].kv_held) : Json();
@@ -495,6 +540,7 @@ std::vector<FinalChoice> Generation::returned_choices() {
       }
       append_completion_logprobs(f.logprobs, completion_logprobs(*api_.format.tokenizer, c.logged, &c.text_offset));
     }
+    if (!header_.chat && prompt_top_ >= 0) f.prompt_logprobs = p.prompt_logprobs;
     f.finish_reason = c.finish_reason;
     if (rank_best_of_) {
       f.index = static_cast<int32_t>(j / per * static_cast<size_t>(n_return_) + j % per);
@@ -559,6 +605,13 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
   }
   ChunkChoice chunk;
   chunk.index = co.index;
+  if (no_generation_) {  // only the end: the echo went out before
+    if (!o.finished) return out;
+    finish(c, o);
+    chunk.text = "";
+    chunk.finish_reason = c.finish_reason;
+    return out + sse_event(stream_chunk(header_, chunk, include_usage_));
+  }
   if (want_logprobs_) {
     const LoggedTokens t = logged_tokens(o);
     if (!t.ids.empty())

@@ -11,8 +11,10 @@
 //
 // Completions with a batched prompt (a list of strings or of token-id lists) make n engine requests
 // per prompt; choice index = prompt_index * n + j (OpenAI's order), each choice echoes its own
-// prompt, usage sums the prompts. Echo with logprobs: the prompt's logprobs are computed by its
-// choice 0 only, and all n choices echo them.
+// prompt, usage sums the prompts. Echo with logprobs and prompt_logprobs: the prompt's logprobs are
+// computed by its choice 0 only, and all n choices repeat them (chat: prompt_logprobs once, beside
+// the choices, as vLLM answers). max_tokens 0 (completions): each choice is its echo, or empty,
+// with finish_reason "length" and no completion tokens; the token the engine generates is dropped.
 #pragma once
 
 #include <memory>

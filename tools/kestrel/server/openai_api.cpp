@@ -133,6 +133,30 @@ Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::s
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
+Json prompt_logprobs_json(const Tokenizer& tok, std::span<const int32_t> prompt,
+                          std::span<const LogprobSummary> prompt_logprobs, int32_t n_top) {
+  Json out = Json::array();
+  auto entry = [&](int32_t token, float logprob, int64_t rank) {
+    return Json{{"logprob", logprob}, {"rank", rank}, {"decoded_token", utf8_sanitize(tok.token_to_piece(token))}};
+  };
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (i == 0 || i - 1 >= prompt_logprobs.size()) {
+      out.push_back(nullptr);
+      continue;
+    }
+    const LogprobSummary& s = prompt_logprobs[i - 1];
+    Json position = Json::object();
+    position[std::to_string(s.chosen.token)] = entry(s.chosen.token, s.chosen.logprob, s.chosen_rank);
+    const size_t n = std::min(s.top.size(), static_cast<size_t>(std::max(n_top, 0)));
+    for (size_t k = 0; k < n; ++k) {
+      const std::string key = std::to_string(s.top[k].token);
+      if (!position.contains(key)) position[key] = entry(s.top[k].token, s.top[k].logprob, static_cast<int64_t>(k) + 1);
+    }
+    out.push_back(std::move(position));
+  }
+  return out;
+}
+
 void append_completion_logprobs(Json& into, const Json& more) {
   if (into.is_null()) {
     into = more;
@@ -205,6 +229,7 @@ Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choi
     choice["logprobs"] = c.logprobs;
     choice["finish_reason"] = c.finish_reason;
     if (c.cumulative_logprob) choice["cumulative_logprob"] = *c.cumulative_logprob;
+    if (!c.prompt_logprobs.is_null()) choice["prompt_logprobs"] = c.prompt_logprobs;
     list.push_back(std::move(choice));
   }
   return Json{{"id", h.id},

@@ -58,6 +58,13 @@ Json completion_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens,
 Json echo_logprobs(const Tokenizer& tokenizer, std::span<const int32_t> prompt,
                    std::span<const LogprobSummary> prompt_logprobs, std::string_view echo_text,
                    int64_t* text_offset);
+// vLLM's prompt_logprobs: one entry per prompt token, null for the first (nothing precedes it) and
+// for any position without logprobs (prompt_logprobs[i - 1] scores token i), else
+// {"<token id>": {"logprob", "rank", "decoded_token"}}: the prompt token first, with its rank in
+// the vocabulary, then the n_top likeliest alternatives (ranks 1..n_top; one already listed is not
+// repeated). decoded_token is the token's own text.
+Json prompt_logprobs_json(const Tokenizer& tokenizer, std::span<const int32_t> prompt,
+                          std::span<const LogprobSummary> prompt_logprobs, int32_t n_top);
 // Appends the entries of completions logprobs object `more` to `into` (a null `into` becomes `more`).
 void append_completion_logprobs(Json& into, const Json& more);
 // Chat logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
@@ -85,6 +92,7 @@ struct FinalChoice {
   int32_t index = 0;
   std::string text;
   Json logprobs;  // null or a logprobs object
+  Json prompt_logprobs;  // completions: vLLM's prompt_logprobs (prompt_logprobs_json); absent when null
   std::string finish_reason;
   // Beam search and best_of: the choice's sum of token log-probabilities (natural log), as vLLM's
   // CompletionOutput names it; absent otherwise.
