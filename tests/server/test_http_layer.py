@@ -468,6 +468,83 @@ def test_request_head_deadline_is_408(small):
     c.close()
 
 
+@pytest.fixture(scope="module")
+def quick_deadlines():
+    """Read and write deadlines of 2 s (--timeout-request-head, --timeout-request-body, --timeout-write)."""
+    require(kestrel_binary())
+    require(stories_model())
+    s = Server(stories_model(), "--max-model-len", "2048", "--http-threads", "2", "--timeout-request-head", "2",
+               "--timeout-request-body", "2", "--timeout-write", "2", name="stories")
+    yield s
+    rc, out = s.stop()
+    assert rc == 0, out
+
+
+def test_body_shorter_than_its_content_length_is_dropped_at_the_body_deadline(quick_deadlines):
+    # The client promises 200 bytes and sends 20: with --timeout-request-body 2 the server answers
+    # 408 and closes about 2 s after the head, and serves everyone else meanwhile.
+    s = quick_deadlines
+    c = Conn(s.port, timeout=20)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 200\r\n\r\n" + b'{"prompt": "Once up')
+    t0 = time.time()
+    for _ in range(3):
+        r, dt = timed(requests.post, s.url + C, json=BODY, timeout=10)
+        assert r.status_code == 200 and dt < 1, dt
+        assert requests.get(s.url + "/health", timeout=5).status_code == 200
+    r = c.response()
+    dt = time.time() - t0
+    err = error_of(r, 408)
+    assert 1.5 < dt < 4, dt
+    assert "request body" in err["message"] and "2.00 s" in err["message"], err
+    assert c.closed_by_server(3)
+    c.close()
+    # The same for a chunked body that stalls mid-chunk, and a head that never ends.
+    c = Conn(s.port, timeout=20)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n{\"prompt\"")
+    t0 = time.time()
+    assert "request body" in error_of(c.response(), 408)["message"]
+    assert 1.5 < time.time() - t0 < 4
+    c.close()
+    c = Conn(s.port, timeout=20)
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.time()
+    assert "request head" in error_of(c.response(), 408)["message"]
+    assert 1.5 < time.time() - t0 < 4
+    c.close()
+
+
+def test_a_client_that_stops_reading_is_dropped_at_the_write_deadline(quick_deadlines):
+    # A streaming client that reads nothing (a 4 KiB receive buffer) while tens of MB of events are
+    # due (8 x 1900 tokens with 20 logprobs each): once a write has waited 2 s (--timeout-write 2)
+    # the server drops the connection, so what the client reads later stops short of the end and the
+    # connection closes. (With the 30 s default it would get the whole stream and stay open.)
+    s = quick_deadlines
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect(("127.0.0.1", s.port))
+    reader.sendall(request_bytes("POST", C, {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True,
+                                             "stream": True, "n": 8, "logprobs": 20, "temperature": 1}))
+    try:
+        time.sleep(6)
+        assert requests.post(s.url + C, json=BODY, timeout=10).status_code == 200  # others are served
+        reader.settimeout(10)
+        data = b""
+        try:
+            while True:
+                chunk = reader.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            pass
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+        assert b"data: [DONE]" not in data and data.count(b"data: ") < 8 * 1900, len(data)
+    finally:
+        reader.close()
+    assert s.metrics()["kestrel_kv_blocks_used"] == 0
+
+
 def test_huge_content_length_on_any_route_is_413(small):
     # The body reader reserves Content-Length bytes: on a route without a JSON body this length was
     # not checked, and the reservation threw out of the event loop (the process ended).

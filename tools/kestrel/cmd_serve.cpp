@@ -31,6 +31,8 @@ struct ServeArgs {
   ServerOptions server;
   KestrelConfig config;
   double keep_alive_s = 5;
+  // HttpLimits' deadlines, in seconds (the flags' unit).
+  double head_timeout_s = 10, body_timeout_s = 30, write_timeout_s = 30;
   uint64_t max_body_bytes = 8 << 20;
   std::string kv_transfer_config;  // --kv-transfer-config JSON; "" = no disaggregation
 };
@@ -74,7 +76,11 @@ void run_serve(ServeArgs a) {
   if (a.server.max_connections > max_connections_fit)
     throw Error("--max-connections " + std::to_string(a.server.max_connections) + " exceeds what the descriptor limit (" +
                 std::to_string(fd_limit) + ", ulimit -Hn) allows: at most " + std::to_string(max_connections_fit));
-  a.server.limits.keep_alive_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.keep_alive_s * 1000));
+  const auto ms = [](double seconds) { return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)); };
+  a.server.limits.keep_alive_timeout = ms(a.keep_alive_s);
+  a.server.limits.head_timeout = ms(a.head_timeout_s);
+  a.server.limits.body_timeout = ms(a.body_timeout_s);
+  a.server.limits.write_timeout = ms(a.write_timeout_s);
   a.server.limits.max_body_bytes = a.max_body_bytes;
 
   if (!a.kv_transfer_config.empty()) {
@@ -162,6 +168,21 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   sub->add_option("--timeout-keep-alive", a->keep_alive_s,
                   "Seconds an idle keep-alive connection stays open between requests")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  sub->add_option("--timeout-request-head", a->head_timeout_s,
+                  "Seconds a request head may take from its first byte; a slower one gets 408 and the connection "
+                  "is closed")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  sub->add_option("--timeout-request-body", a->body_timeout_s,
+                  "Seconds a request body may take from the end of its head (a client that sends less than its "
+                  "Content-Length, or stalls in a chunked body); a slower one gets 408 and the connection is closed")
+      ->check(CLI::Range(0.001, 3600.0))
+      ->capture_default_str();
+  sub->add_option("--timeout-write", a->write_timeout_s,
+                  "Seconds one write of a response may wait for a client that stopped reading; the connection is "
+                  "then dropped and its request aborted")
       ->check(CLI::Range(0.001, 3600.0))
       ->capture_default_str();
   sub->add_option("--max-body-size", a->max_body_bytes,

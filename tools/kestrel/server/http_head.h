@@ -16,6 +16,7 @@ struct HttpLimits {
   size_t max_header_bytes = 16 * 1024;  // request line + header fields; more: 431
   size_t max_header_count = 100;        // header fields; more: 431
   uint64_t max_body_bytes = 8 << 20;    // request body; more: 413 (checked from Content-Length first)
+  // --timeout-request-head, --timeout-request-body, --timeout-keep-alive, --timeout-write:
   std::chrono::milliseconds head_timeout{10'000};       // whole request head, from its first byte (408)
   std::chrono::milliseconds body_timeout{30'000};       // whole request body, from the end of the head (408)
   std::chrono::milliseconds keep_alive_timeout{5'000};  // idle between requests on one connection (closed)
