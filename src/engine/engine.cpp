@@ -486,28 +486,50 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
   for (const int32_t id : cleared) mask[static_cast<size_t>(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
 }
 
+void Engine::Impl::for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn) {
+  if (n < 2) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(config.n_threads);
+  std::atomic<size_t> next{0};
+  mask_pool->run([&](int, int) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+      fn(i);
+  });
+}
+
 void Engine::Impl::fill_token_masks(const Pass& p, std::span<uint32_t> masks) {
   const size_t words = grammar::bitmask_words(static_cast<int32_t>(model.hparams().n_vocab));
   grammar_rows.clear();
   for (const SampleRow& sr : p.sampling)
     if (sr.r->masks_row()) grammar_rows.push_back(&sr);
-  auto fill = [&](size_t i) {
+  for_each_grammar_row(grammar_rows.size(), [&](size_t i) {
     const SampleRow& sr = *grammar_rows[i];
     fill_token_mask(*sr.r, masks.subspan(static_cast<size_t>(sr.row) * words, words));
-  };
-  const size_t n = grammar_rows.size();
-  if (n < 2) {
-    for (size_t i = 0; i < n; ++i) fill(i);
-    return;
-  }
-  if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(config.n_threads);
-  // Rows are claimed one at a time rather than in fixed shares: a mask that meets a split not
-  // computed yet takes up to a few milliseconds where most take microseconds, and the step waits
-  // for the last mask.
-  std::atomic<size_t> next{0};
-  mask_pool->run([&](int, int) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
-      fill(i);
+  });
+}
+
+void Engine::Impl::accept_device_tokens(const Pass& p, std::span<const int32_t> device_tokens,
+                                        const std::vector<bool>& skip) {
+  grammar_accepted.assign(p.sampling.size(), -1);
+  grammar_row_index.clear();
+  for (size_t i = 0; i < p.sampling.size(); ++i)
+    if (!skip[i] && p.sampling[i].r->matcher && p.sampling[i].n_draft == 0) grammar_row_index.push_back(i);
+  for_each_grammar_row(grammar_row_index.size(), [&](size_t k) {
+    const size_t i = grammar_row_index[k];
+    RequestState& r = *p.sampling[i].r;
+    const int32_t token = device_tokens[static_cast<size_t>(p.sampling[i].row)];
+    bool ok = false;
+    if (token >= 0) {  // a non-finite row (-1) ends its request in finish_pass
+      try {
+        ok = r.matcher->accept_token(token);
+      } catch (const Error&) {
+        ok = false;
+      }
+    }
+    if (ok) r.grammar_ended = r.matcher->is_terminated();
+    grammar_accepted[i] = ok ? 1 : 0;
   });
 }
 
@@ -715,6 +737,9 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
   }
   for (size_t i = 0; i < sampling.size(); ++i)
     if (sampling[i].r->seq.n_generated() == 0) sampling[i].r->children.clear();
+  // Grammar rows sampled on the device under their masks: their matchers take the tokens in
+  // parallel, off the serial loop below (an accept is ~0.5-4 us; a step may hold hundreds).
+  if (on_device) m.accept_device_tokens(p, device_tokens, skip);
 
   const int64_t n_vocab = m.model.hparams().n_vocab;
   for (size_t i = 0; i < sampling.size(); ++i) {
@@ -773,9 +798,10 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
       }
       if (r.matcher) {
         const int32_t token = v.tokens.front();
-        if (!r.matcher->accept_token(token))
+        const bool accepted_already = on_device && n_draft == 0;  // accept_device_tokens
+        if (accepted_already ? m.grammar_accepted[i] != 1 : !r.matcher->accept_token(token))
           throw Error("grammar: sampled token " + std::to_string(token) + " is not one the grammar allows");
-        r.grammar_ended = r.matcher->is_terminated();
+        if (!accepted_already) r.grammar_ended = r.matcher->is_terminated();
       }
     } catch (const Error& e) {
       RequestOutput o;

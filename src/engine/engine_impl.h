@@ -238,8 +238,17 @@ struct Engine::Impl {
   // are filled in parallel on mask_pool (each matcher is its own; a grammar's shared token splits
   // are computed under its lock), which matters most for the first masks of a fresh grammar.
   void fill_token_masks(const Pass& p, std::span<uint32_t> masks);
+  // The device-sampled tokens of a pass's grammar rows (no drafts, not in `skip`) accepted by
+  // their matchers in parallel on mask_pool, as the masks were filled; grammar_accepted[i]: 1 when
+  // sampling row i's token was accepted (grammar_ended set), 0 when refused, -1 when not a row here.
+  void accept_device_tokens(const Pass& p, std::span<const int32_t> device_tokens, const std::vector<bool>& skip);
+  // fn(i) for i in [0, n) on mask_pool, claimed one at a time (a mask that meets a split not
+  // computed yet takes milliseconds where most take microseconds); inline below two.
+  void for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn);
   std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
   std::vector<const SampleRow*> grammar_rows;  // the masked rows of the pass being filled
+  std::vector<size_t> grammar_row_index;  // accept_device_tokens' rows (indices into p.sampling)
+  std::vector<int8_t> grammar_accepted;
   std::vector<RowSampling> row_sampling;  // their device-sampling settings, when the runner samples
   std::vector<double> draft_uniforms;      // one verified sequence's peeked uniforms (Sampler::peek_uniforms)
 };
