@@ -3,9 +3,9 @@
 // read once, each output written once) per second for the memory-bound ops, FLOP/s for attention
 // prefill and the GEMMs. Compare with the device's ceilings (H200 here: ~4.3 TB/s copy, ~790
 // TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
-// Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-fp8-decode-stages=0|2|3|4|6]
+// Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-fp8-decode-stages=0|2|3]
 //        [--attn-items-per-block=K] [--attn-min-split-tiles=T] [--pdl=on|off] [filter-substring]
-// (--attn-fp8-decode-stages: the rows with an FP8 cache; 4 and 6 at head dims 64 and 128.)
+// (--attn-fp8-decode-stages: the rows with an FP8 cache.)
 // The options set the AttentionParams / launch choices the CLI's --cuda-* flags set in kestrel.
 #include <cuda_runtime.h>
 
@@ -558,7 +558,7 @@ int main(int argc, char** argv) {
       return true;
     };
     if (value("--attn-decode-stages", 0, 3, g_attn_decode_stages) ||
-        value("--attn-fp8-decode-stages", 0, 6, g_attn_fp8_decode_stages) ||
+        value("--attn-fp8-decode-stages", 0, 3, g_attn_fp8_decode_stages) ||
         value("--attn-items-per-block", 0, 64, g_attn_items_per_block) ||
         value("--attn-min-split-tiles", 0, 4096, g_attn_min_split_tiles))
       continue;

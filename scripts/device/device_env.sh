@@ -8,13 +8,13 @@ if [ -x devbin/kestrel ] || [ -f devbin/kestrel.xz ]; then
   rm -rf /tmp/kestrel/devbin && cp -r devbin /tmp/kestrel/devbin
 fi
 BIN=/tmp/kestrel/devbin
-for f in kestrel kestrel_tests; do
-  [ -f $BIN/$f.xz ] && [ ! -f $BIN/$f ] && xz -dkf $BIN/$f.xz
+for z in $BIN/*.xz; do
+  [ -f "$z" ] && [ ! -f "${z%.xz}" ] && xz -dkf "$z"
 done
 cublas_dir=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null || true)
 export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
-chmod +x $BIN/kestrel $BIN/kestrel_tests 2>/dev/null
+chmod +x $BIN/kestrel $BIN/kestrel_tests $BIN/kestrel_cuda_bench $BIN/kestrel_grammar_bench 2>/dev/null
 K="$BIN/kestrel"
 # The op tests that need stories260K find the carried copy here.
 if [ -f $BIN/stories260K.gguf ]; then

@@ -150,9 +150,8 @@ struct AttentionParams {
   int32_t uniform_query_len = 0;
   int32_t window = 0;         // sliding window in keys (the query's own included); 0 = none
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
-                              // tiles load while one is computed), also 4 or 6 with an FP8 cache at
-                              // head_dim 64 or 128; 0 = chosen by the number of decode items
-                              // (paged_attention.cu)
+                              // tiles load while one is computed); 0 = chosen by the number of
+                              // decode items (paged_attention.cu)
   int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
   int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
   // An FP8 cache (Fp8KvCache, kv_fp8.cuh): k_cache / v_cache hold E4M3 codes and these their

@@ -111,9 +111,7 @@ void with_decode_kernel(int32_t stages, F&& f) {
   };
   switch (stages) {
     case 2: take.template operator()<2>(); break;
-    case 3: take.template operator()<3>(); break;
-    case 4: take.template operator()<4>(); break;
-    default: take.template operator()<6>(); break;
+    default: take.template operator()<3>(); break;
   }
 }
 
@@ -148,23 +146,21 @@ bool fp8_fragment_path(const AttentionParams& p) {
   return p.k_scale != nullptr && (p.head_dim == 64 || p.head_dim == 128);
 }
 
-// The FP8 fragment path takes 2, 3, 4 or 6 stages. By the item count, H200 op benchmark, 32/8
-// heads, d128 (docs/performance.md, "H200: FP8 (E4M3) KV cache"), 2 / 3 / 4 / 6 stages: 64 x 4096
-// keys 221 / 220 / 224 / 269 us, 256 x 1024 222 / 221 / 223 / 276, 400 x 1000-2000 489 / 489 /
-// 485 / 630, 64 x 576 49.9 / 51.0 / 50.7 / 49.9, d64 9/3 heads 64 x 2048 (192 items) 46.5 / 45.7 /
-// 45.1 / 50.0, but 1 x 32768 (8 items) 87.9 / 87.2 / 89.0 / 65.8: there a block's own bytes in
-// flight bound it. So six stages (2 blocks per SM) for a handful of items (at most 1/16 of the
-// four-stage kernel's resident blocks: batch 1 to 3 of the 8B), else four (3 blocks per SM).
+// The FP8 fragment path's stages hold 128 keys (33 KB at d128). With 64-key stages, measured on an
+// H200 (op benchmark, 32/8 heads, d128; docs/performance.md, "H200: FP8 (E4M3) KV cache"), stages
+// of the bytes of 2 / 3 / 4 / 6 64-key ones: 64 x 4096 keys 221 / 220 / 224 / 269 us, 256 x 1024
+// 222 / 221 / 223 / 276, 400 x 1000-2000 489 / 489 / 485 / 630, but 1 x 32768 (8 items) 87.9 /
+// 87.2 / 89.0 / 65.8: there a block's own bytes in flight bound it. So three stages (2 blocks per
+// SM) for a handful of items (at most 1/16 of the two-stage kernel's resident blocks: batch 1 to 3
+// of the 8B), else two (3 blocks per SM).
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
   const bool fp8_fragments = fp8_fragment_path(p);
   const int32_t s = p.decode_stages;
   if (s == 0) {
-    if (fp8_fragments) return 16 * items <= decode_resident_blocks(p.head_dim, 4, true) ? 6 : 4;
+    if (fp8_fragments) return 16 * items <= decode_resident_blocks(p.head_dim, 2, true) ? 3 : 2;
     return items <= 2 * decode_resident_blocks(p.head_dim, 2, false) ? 3 : 2;
   }
-  if (s != 2 && s != 3 && !(fp8_fragments && (s == 4 || s == 6)))
-    throw Error("paged_attention: decode_stages " + std::to_string(s) +
-                (fp8_fragments ? " (2, 3, 4 or 6 with an FP8 cache at head_dim 64 or 128)" : " (2 or 3)"));
+  if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
   return s;
 }
 
@@ -196,7 +192,8 @@ Plan make_plan(const AttentionParams& p) {
   plan.prefill_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.prefill_heads));
   plan.tokens_per_tile = prefill_rows / plan.prefill_heads;
   static_assert(kSimtRows == kDecodeRows, "one decode plan for both kernels");
-  plan.decode_heads = std::min(plan.group, kDecodeRows);
+  // The FP8 fragment path's items hold up to 8 heads (the mma's n), the others' up to 16 (its m).
+  plan.decode_heads = std::min(plan.group, fp8_fragment_path(p) ? kFp8Heads : kDecodeRows);
   plan.decode_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.decode_heads));
   plan.max_tiles = ceil_div(p.n_tokens, plan.tokens_per_tile) + std::min<int64_t>(p.n_seqs, p.n_tokens / 2);
 
@@ -300,7 +297,6 @@ size_t attention_workspace_bytes(const AttentionParams& p) {
   static const float kAnyScale = 1.0f;  // make_plan only asks whether a cache has scales
   AttentionParams other = p;
   other.k_scale = other.v_scale = p.k_scale != nullptr ? nullptr : &kAnyScale;
-  if (other.decode_stages != 2 && other.decode_stages != 3 && !fp8_fragment_path(other)) other.decode_stages = 0;
   return std::max(make_plan(p).total, make_plan(other).total);
 }
 

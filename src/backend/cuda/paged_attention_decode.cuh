@@ -4,7 +4,8 @@
 // One block per work item (sequence, KV head and head chunk, split): the token's group of query
 // heads (up to 16 rows, one mma tile, padding rows zero) for one KV head over one split of the
 // context (split_key_range: whole 64-key tiles shared out evenly). The 4 warps split each key tile
-// (16 keys each), with two cp.async stages of K/V tiles, and merge their softmax states through
+// (16 keys each; 32 of a 128-key stage, and items of up to 8 heads, on the FP8 fragment path of
+// paged_attention_fp8.cuh), with two or three cp.async stages, and merge their softmax states through
 // shared memory at the end (only the group's valid rows). The item's metadata (its token, position
 // and key range, and the block-table entries of its first tile) is read before
 // griddepcontrol.wait: those arrays are written before the forward pass, not by the kernel this
@@ -41,23 +42,23 @@ template <int D, int kStages = 2, bool kFp8 = false>
 constexpr size_t attn_decode_smem_bytes() {
   constexpr size_t merge = 2 * 4 * kDecodeRows * sizeof(float), rope = D * sizeof(float);
   constexpr size_t tile = 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2;  // a bf16 K/V stage
-  constexpr size_t fp8_stages = kStages * static_cast<size_t>(kFp8StageBytes<D, kKeyTile>);
+  constexpr size_t fp8_stages =
+      kStages * static_cast<size_t>(kFp8StageBytes<D, kFp8Fragments<D> ? kFp8KeyTile : kKeyTile>);
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
          (kFp8 ? fp8_stages + (kFp8Fragments<D> ? 0 : tile) : kStages * tile) + (merge > rope ? merge : rope);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
-static_assert(2 * kFp8StageBytes<128, kKeyTile> >= 4 * kDecodeRows * 128 * 4 &&
-                  2 * kFp8StageBytes<64, kKeyTile> >= 4 * kDecodeRows * 64 * 4,
-              "two FP8 stages hold the warps' merge outputs");
+static_assert(kFp8StageBytes<128, kFp8KeyTile> >= 4 * kDecodeRows * 128 * 4 &&
+                  kFp8StageBytes<64, kFp8KeyTile> >= 4 * kDecodeRows * 64 * 4,
+              "an FP8 fragment-path stage holds the warps' merge outputs");
 
-// K/V stages the decode kernel is instantiated with: 2 and 3, and for the FP8 fragment path 4 and
-// 6 too (its stages take half the bytes). Blocks per SM its registers are bounded for (D <= 128):
-// 3 up to 4 FP8 stages or 2 bf16 ones (d128: 4 FP8 stages take 72 KB of shared memory), else 2.
+// K/V stages the decode kernel is instantiated with: 2 and 3 (the FP8 fragment path's stages hold
+// 128 keys, about the bytes of a 64-key bf16 stage). Blocks per SM its registers are bounded for
+// (D <= 128): 3 with 2 stages (d128: 66-72 KB of shared memory a block), else 2.
 template <int D, int kStages, bool kFp8>
-constexpr bool kDecodeStagesSupported =
-    kStages == 2 || kStages == 3 || (kFp8 && kFp8Fragments<D> && (kStages == 4 || kStages == 6));
+constexpr bool kDecodeStagesSupported = kStages == 2 || kStages == 3;
 template <int D, int kStages, bool kFp8>
-constexpr int kDecodeMinBlocks = D > 128 ? 1 : (kFp8 && kFp8Fragments<D> ? kStages <= 4 : kStages == 2) ? 3 : 2;
+constexpr int kDecodeMinBlocks = D > 128 ? 1 : kStages == 2 ? 3 : 2;
 
 // One decode work item.
 struct DecodeItem {
@@ -74,16 +75,49 @@ __device__ __forceinline__ int merge_index(int warp, int row, int pair) {
   return ((warp * kDecodeRows + row) * kHalf + (pair ^ (((row & 7) << 2) & (kRun - 1)))) * 2;
 }
 
-// Merges the 4 warps' softmax states of the item's valid rows (so: a consumed K/V stage; sml:
-// [2][4][16]) and writes the output or the split's partial result. kFp8Order: the accumulator's
-// columns are the FP8 fragment path's (fp8_output_dim).
-template <int D, bool kFp8Order = false>
-__device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, const AttnKernelArgs& a,
-                                                   const DecodeItem& it, float* so, float* sml) {
+// Merges the 4 warps' softmax states, stored by store_warp_state (so: [4][16][D] f32 in
+// merge_index's layout; sml: row max [4][16], then row sum [4][16]), of the item's valid rows and
+// writes the output or the split's partial result.
+template <int D>
+__device__ __forceinline__ void combine_decode_item(const AttnKernelArgs& a, const DecodeItem& it, const float* so,
+                                                    const float* sml) {
   constexpr int kRows = kDecodeRows, kWarps = kAttnThreads / kWarpSize;
-  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-  float* sm = sml;                   // [kWarps][kRows]
-  float* sl = sml + kWarps * kRows;  // [kWarps][kRows]
+  const float* sm = sml;
+  const float* sl = sml + kWarps * kRows;
+  __syncthreads();
+  for (int i = threadIdx.x; i < it.n_rows * D; i += kAttnThreads) {
+    const int row = i / D, d = i % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + row]);
+    float l = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sm[w * kRows + row];
+      const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
+      l += sl[w * kRows + row] * e;
+      o += so[(d & 1) + merge_index<D>(w, row, d / 2)] * e;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int head = it.head0 + row;
+    if (a.n_splits == 1) {
+      a.out[(static_cast<int64_t>(it.token) * a.n_head + head) * D + d] = __float2bfloat16_rn(o * inv);
+    } else {
+      const int64_t part = (static_cast<int64_t>(it.split) * a.n_seqs + it.seq) * a.n_head + head;
+      a.part_out[part * D + d] = o * inv;
+      if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
+    }
+  }
+}
+
+// The warp's softmax state of the item's valid rows into the merge scratch (combine_decode_item).
+template <int D>
+__device__ __forceinline__ void store_warp_state(const WarpSoftmax<D>& st, const DecodeItem& it, float* so,
+                                                 float* sml) {
+  constexpr int kRows = kDecodeRows, kWarps = kAttnThreads / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  float* sm = sml;
+  float* sl = sml + kWarps * kRows;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = st.l[r];
@@ -100,31 +134,32 @@ __device__ __forceinline__ void finish_decode_item(const WarpSoftmax<D>& st, con
       *reinterpret_cast<float2*>(so + merge_index<D>(warp, row, dt * 4 + (lane & 3))) =
           make_float2(st.o[dt][2 * r], st.o[dt][2 * r + 1]);
   }
-  __syncthreads();
-  for (int i = tid; i < it.n_rows * D; i += kAttnThreads) {
-    const int row = i / D, d = i % D;
-    // Accumulator column pair and half of dim d: pair 4 dt + q holds columns 2q, 2q + 1 of n-tile dt.
-    const int n = d / (D / 8), pair = kFp8Order ? d % (D / 8) * 4 + n / 2 : d / 2, slot = kFp8Order ? n & 1 : d & 1;
-    float m = -INFINITY;
+}
+
+// The FP8 fragment path's O^T state (WarpSoftmaxT: heads as columns, dims as fp8_output_dim) into
+// the same scratch, multiplied by 2^rho (v_exp: attend_tile_fp8).
+template <int D>
+__device__ __forceinline__ void store_warp_state(const WarpSoftmaxT<D>& st, int v_exp, const DecodeItem& it, float* so,
+                                                 float* sml) {
+  constexpr int kRows = kDecodeRows, kWarps = kAttnThreads / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane / 4, q = lane % 4;
+  const float up = __uint_as_float(static_cast<uint32_t>(v_exp + 1) << 23);  // 2^rho = 2^(v_exp - 126)
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + row]);
-    float l = 0.0f, o = 0.0f;
+  for (int j = 0; j < 2; ++j) {
+    float l = st.l[j];
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = sm[w * kRows + row];
-      const float e = mw == -INFINITY ? 0.0f : exp2f(mw - m);
-      l += sl[w * kRows + row] * e;
-      o += so[slot + merge_index<D>(w, row, pair)] * e;
+    for (int off = 4; off < kWarpSize; off *= 2) l += __shfl_xor_sync(0xffffffffu, l, off);  // the head's 8 lanes
+    const int head = 2 * q + j;
+    if (head >= it.n_rows) continue;  // padding columns (groups under 8) are not merged
+    if (g == 0) {
+      sml[warp * kRows + head] = st.m[j];
+      sml[(kWarps + warp) * kRows + head] = l;
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int head = it.head0 + row;
-    if (a.n_splits == 1) {
-      a.out[(static_cast<int64_t>(it.token) * a.n_head + head) * D + d] = __float2bfloat16_rn(o * inv);
-    } else {
-      const int64_t part = (static_cast<int64_t>(it.split) * a.n_seqs + it.seq) * a.n_head + head;
-      a.part_out[part * D + d] = o * inv;
-      if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
-    }
+    // Rows g and g + 8 of tile mt are dims fp8_output_dim(g, mt, 0) and + 1: one float pair.
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt)
+      *reinterpret_cast<float2*>(so + merge_index<D>(warp, head, fp8_output_dim<D>(g, mt, 0) / 2)) =
+          make_float2(st.o[mt][j] * up, st.o[mt][2 + j] * up);
   }
 }
 
@@ -139,7 +174,8 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   constexpr bool kFragments = kFp8 && kFp8Fragments<D>;  // paged_attention_fp8.cuh
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a bf16 K/V stage (kFp8: of the widened tile)
-  constexpr int kFp8Stage = kFp8StageBytes<D, kKeyTile>;
+  constexpr int kTile = kFragments ? kFp8KeyTile : kKeyTile;  // keys of a stage
+  constexpr int kFp8Stage = kFp8StageBytes<D, kTile>;
   // Before griddepcontrol.wait: only arrays written before the forward pass.
   DecodeItem it;
   it.seq = blockIdx.x;
@@ -240,15 +276,15 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   // Tile j's K and V loads, into stage j % kStages.
   auto load_tile = [&](int j) {
     if constexpr (kFp8) {
-      load_kv_tile_fp8<D, kKeyTile, kFragments>(fp8_stages + j % kStages * kFp8Stage, a, table, it.kvh,
-                                                it.key_begin + j * kKeyTile, it.key_end, key_lo);
+      load_kv_tile_fp8<D, kTile, kFragments>(fp8_stages + j % kStages * kFp8Stage, a, table, it.kvh,
+                                             it.key_begin + j * kTile, it.key_end, key_lo);
     } else {
       __nv_bfloat16* sk = stages + j % kStages * kStage;
       load_kv_tile<D>(sk, sk + kKeyTile * kStride, a, table, it.kvh, it.key_begin + j * kKeyTile, it.key_end, key_lo);
     }
   };
   // Tiles 0 .. kStages - 2 (the first with Q), one commit group each.
-  const int n_tiles = (it.key_end - it.key_begin + kKeyTile - 1) / kKeyTile;
+  const int n_tiles = (it.key_end - it.key_begin + kTile - 1) / kTile;
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
     if (j < n_tiles) load_tile(j);
@@ -256,8 +292,12 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   }
   std::conditional_t<kFragments, QFragmentsF16<D>, QFragments<D>> qf;
   int v_exp = 0;  // kFragments: the V exponent rho (attend_tile_fp8)
-  WarpSoftmax<D> st;
-  init_softmax(st);
+  std::conditional_t<kFragments, WarpSoftmaxT<D>, WarpSoftmax<D>> st;
+  if constexpr (kFragments) {
+    st.init();
+  } else {
+    init_softmax(st);
+  }
   for (int j = 0; j < n_tiles; ++j) {
     // Refill the stage computed in the previous iteration with tile j + kStages - 1 (every
     // iteration commits a group, maybe empty, so that tile j's is always kStages - 1 groups back).
@@ -287,13 +327,16 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
         qf.load(sq, 0);
       }
     }
-    const int key0 = it.key_begin + j * kKeyTile;
-    const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
-    constexpr int kWarpKeys = kKeyTile / kWarps;  // each warp's keys of the tile
+    const int key0 = it.key_begin + j * kTile;
+    constexpr int kWarpKeys = kTile / kWarps;  // each warp's keys of the tile
+    static_assert(!kFragments || kWarpKeys == kFp8WarpKeys);
     if constexpr (kFragments) {
-      attend_tile_fp8<D>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask, it.pos,
-                         key_lo);
+      // A 128-key tile may run past a split's end (split ranges are whole 64-key tiles): masked too.
+      const bool need_mask = key0 + kTile > it.key_end || key0 < key_lo;
+      attend_tile_fp8<D>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask,
+                         it.key_end, key_lo);
     } else if constexpr (kFp8) {
+      const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
       // The warp widens its own rows only, so a warp barrier suffices.
       const unsigned char* stage = fp8_stages + j % kStages * kFp8Stage;
       widen_kv_rows<D>(stage, wide, wide + kKeyTile * kStride, warp * kWarpKeys, kWarpKeys,
@@ -303,6 +346,7 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
       attend_tile<D, kWarpKeys, true>(st, qf, wide, wide + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask,
                                       it.pos, it.pos, key_lo, key_lo, a.scale_log2, scales, scales + kKeyTile);
     } else {
+      const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
       const __nv_bfloat16* sk = stages + j % kStages * kStage;
       attend_tile<D, kWarpKeys>(st, qf, sk, sk + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask, it.pos,
                                 it.pos, key_lo, key_lo, a.scale_log2);
@@ -311,15 +355,13 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   }
   cp_async_wait<0>();  // only empty groups are left
   if constexpr (kFragments) {
-    const float up = __uint_as_float(static_cast<uint32_t>(v_exp + 1) << 23);  // 2^rho = 2^(v_exp - 126)
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) st.o[dt][i] *= up;
-    finish_decode_item<D, true>(st, a, it, reinterpret_cast<float*>(fp8_stages), sml);  // every stage is consumed
+    float* merge = reinterpret_cast<float*>(fp8_stages);  // every stage is consumed
+    store_warp_state<D>(st, v_exp, it, merge, sml);
+    combine_decode_item<D>(a, it, merge, sml);
   } else {
     float* merge = reinterpret_cast<float*>(kFp8 ? wide : stages + (n_tiles - 1) % kStages * kStage);
-    finish_decode_item<D>(st, a, it, merge, sml);
+    store_warp_state<D>(st, it, merge, sml);
+    combine_decode_item<D>(a, it, merge, sml);
   }
 }
 
