@@ -23,6 +23,8 @@ model() {  # binary, KV dtype
     --parallel 64 -p 4096 -n 128 --kv-cache-dtype $2 2>&1 | tail -2 > "$OUT/b64_4096_$1_$2.txt"
   note "b64@4096 $1 $2 KV: $(tail -1 "$OUT/b64_4096_$1_$2.txt")"
 }
+echo "== kestrel_cuda_bench: FP8 rows with 3 stages forced"
+$BIN/kestrel_cuda_bench --attn-fp8-decode-stages=3 "fp8 KV" 2>&1 | tee "$OUT/kv_rows_s3.txt" | grep -E "KV" | head -8
 model kestrel bf16
 model kestrel fp8
 [ -x $BIN/kestrel_main ] && model kestrel_main fp8
@@ -34,7 +36,9 @@ if [ "${NCU:-1}" = 1 ]; then
   grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occ|Issued Warp|Eligible Warps|Stall|Block Limit|Waves" "$OUT/ncu_fp8.txt" | head -24
 fi
 if [ "${OFFLINE:-0}" = 1 ]; then
-  VOCAB_DIR=devdata/vocab KESTREL_FLAGS="--quantization fp8 --kv-cache-dtype fp8" bash scripts/device/gpu_offline_batch.sh \
+  # What is left of the device tool's 600 s a call, less the start and the summary.
+  BATCH_TIMEOUT=$((570 - SECONDS)) VOCAB_DIR=devdata/vocab KESTREL_FLAGS="--quantization fp8 --kv-cache-dtype fp8" \
+    bash scripts/device/gpu_offline_batch.sh \
     2>&1 | tail -6
   cp /tmp/kestrel/offline_stats.json "$OUT/" 2>/dev/null
 fi

@@ -2,7 +2,7 @@
 # offline throughput through batch mode, 1,000 requests of 1,000
 # random prompt ids and 1,000 output tokens (EOS ignored, greedy) on the 8B-shaped model.
 # KESTREL_FLAGS: more kestrel flags for the run (e.g. --cuda-gemm-tune=off, or --quantization fp8
-# --kv-cache-dtype fp8).
+# --kv-cache-dtype fp8). BATCH_TIMEOUT: seconds the batch may take (540).
 # VOCAB_DIR: a folder with the Llama 3 vocabulary as vocab.json + merges.txt (from
 # ../shared/data/llama3-bpe-vocab: encoder.json and vocab.bpe, renamed; carried): the weights are then
 # random ones made in memory from configs/llama-3.1-8b (--load-format dummy; `kestrel batch` needs a
@@ -28,7 +28,7 @@ with open("/tmp/kestrel/offline.jsonl", "w") as f:
                             "ignore_eos": True, "temperature": 0}) + "\n")
 PY
 echo "== kestrel batch: $N x (1000 in, 1000 out)"
-timeout 540 "$K" batch -m "$M8" "${LOAD[@]}" --device cuda -i /tmp/kestrel/offline.jsonl -o /tmp/kestrel/offline_out.jsonl \
+timeout "${BATCH_TIMEOUT:-540}" "$K" batch -m "$M8" "${LOAD[@]}" --device cuda -i /tmp/kestrel/offline.jsonl -o /tmp/kestrel/offline_out.jsonl \
   --stats-json /tmp/kestrel/offline_stats.json --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens 8192 \
   --max-model-len 2048 ${KESTREL_FLAGS:-} 2>&1 | tail -12
 python3 - <<'PY' | tee -a "$SUMMARY"
