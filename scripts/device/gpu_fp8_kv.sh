@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The FP8 KV cache on the Llama-3.1-8B shape, in one device call: the attention op tests, the op
 # benchmark's KV rows, whole-model batch-64 decode at 4,096 context with bf16 and FP8 KV, Nsight
-# Compute on the FP8 decode kernel (NCU=1), and (OFFLINE=1) the offline batch with FP8 weights and
+# Compute on the FP8 decode kernel (NCU=1, last, when the call has time left), and (OFFLINE=1) the offline batch with FP8 weights and
 # FP8 KV. With devbin/kestrel_main and devbin/kestrel_cuda_bench_main (another build, e.g. main's)
 # their FP8 rows run in the same call for comparison.
 # Carry: devbin (kestrel, kestrel_tests, kestrel_cuda_bench, libs, stories260K.gguf), and for the
@@ -28,19 +28,19 @@ $BIN/kestrel_cuda_bench --attn-fp8-decode-stages=3 "fp8 KV" 2>&1 | tee "$OUT/kv_
 model kestrel bf16
 model kestrel fp8
 [ -x $BIN/kestrel_main ] && model kestrel_main fp8
-if [ "${NCU:-1}" = 1 ]; then
-  echo "== ncu: decode 64 x ctx 4096, fp8 KV"
-  timeout 120 ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
-    $BIN/kestrel_cuda_bench "decode 64 x ctx 4096, 32/8, d128, fp8 KV" > "$OUT/ncu_fp8.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occ|Issued Warp|Eligible Warps|Stall|Block Limit|Waves" "$OUT/ncu_fp8.txt" | head -24
-fi
 if [ "${OFFLINE:-0}" = 1 ]; then
   # What is left of the device tool's 600 s a call, less the start and the summary.
   BATCH_TIMEOUT=$((570 - SECONDS)) VOCAB_DIR=devdata/vocab KESTREL_FLAGS="--quantization fp8 --kv-cache-dtype fp8" \
     bash scripts/device/gpu_offline_batch.sh \
     2>&1 | tail -6
   cp /tmp/kestrel/offline_stats.json "$OUT/" 2>/dev/null
+fi
+if [ "${NCU:-1}" = 1 ] && [ $SECONDS -lt 500 ]; then  # after the rest, if the call has time left
+  echo "== ncu: decode 64 x ctx 4096, fp8 KV"
+  timeout 120 ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+    $BIN/kestrel_cuda_bench "decode 64 x ctx 4096, 32/8, d128, fp8 KV" > "$OUT/ncu_fp8.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occ|Issued Warp|Eligible Warps|Stall|Block Limit|Waves" "$OUT/ncu_fp8.txt" | head -24
 fi
 echo "== summary"
 cat "$SUMMARY"
