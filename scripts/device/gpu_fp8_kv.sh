@@ -37,7 +37,7 @@ if [ "${OFFLINE:-0}" = 1 ]; then
 fi
 if [ "${NCU:-1}" = 1 ] && [ $SECONDS -lt 500 ]; then  # after the rest, if the call has time left
   echo "== ncu: decode 64 x ctx 4096, fp8 KV"
-  timeout 120 ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
+  timeout $((585 - SECONDS)) ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
     $BIN/kestrel_cuda_bench "decode 64 x ctx 4096, 32/8, d128, fp8 KV" > "$OUT/ncu_fp8.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occ|Issued Warp|Eligible Warps|Stall|Block Limit|Waves" "$OUT/ncu_fp8.txt" | head -24
