@@ -29,15 +29,16 @@ model kestrel bf16
 model kestrel fp8
 [ -x $BIN/kestrel_main ] && model kestrel_main fp8
 if [ "${OFFLINE:-0}" = 1 ]; then
-  # What is left of the device tool's 600 s a call, less the start and the summary.
-  BATCH_TIMEOUT=$((570 - SECONDS)) VOCAB_DIR=devdata/vocab KESTREL_FLAGS="--quantization fp8 --kv-cache-dtype fp8" \
+  # What is left of the call's limit (CALL_S: the device tool's limit for this call, 600 s at
+  # most), less the summary.
+  BATCH_TIMEOUT=$((${CALL_S:-600} - 30 - SECONDS)) VOCAB_DIR=devdata/vocab KESTREL_FLAGS="--quantization fp8 --kv-cache-dtype fp8" \
     bash scripts/device/gpu_offline_batch.sh \
     2>&1 | tail -6
   cp /tmp/kestrel/offline_stats.json "$OUT/" 2>/dev/null
 fi
-if [ "${NCU:-1}" = 1 ] && [ $SECONDS -lt 500 ]; then  # after the rest, if the call has time left
+if [ "${NCU:-1}" = 1 ] && [ $SECONDS -lt $((${CALL_S:-600} - 100)) ]; then  # after the rest, if the call has time left
   echo "== ncu: decode 64 x ctx 4096, fp8 KV"
-  timeout $((585 - SECONDS)) ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
+  timeout $((${CALL_S:-600} - 15 - SECONDS)) ncu --kernel-name regex:attention_decode --launch-skip 5 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
     $BIN/kestrel_cuda_bench "decode 64 x ctx 4096, 32/8, d128, fp8 KV" > "$OUT/ncu_fp8.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occ|Issued Warp|Eligible Warps|Stall|Block Limit|Waves" "$OUT/ncu_fp8.txt" | head -24
