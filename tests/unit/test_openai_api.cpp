@@ -3,6 +3,7 @@
 // for generated tokens and for an echoed prompt with special tokens.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -175,6 +176,29 @@ TEST(OpenAiApi, PromptLogprobsInVllmsShape) {
   EXPECT_EQ(pl[2]["385"]["rank"], 2);
   EXPECT_EQ(prompt_logprobs_json(*tok, prompt, lps, 0)[2].size(), 1u);
 }
+
+// A token a mask or a bias rules out has logprob -inf, which JSON cannot hold (the library writes
+// null, which OpenAI's schema does not allow): every logprob field gives it as -9999.0, as vLLM does.
+TEST(OpenAiApi, MaskedTokensLogprobIsMinus9999NotNull) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  const auto tok = stories_tokenizer();
+  const float inf = std::numeric_limits<float>::infinity();
+  RequestOutput o;
+  o.new_token_ids = {403};
+  o.logprobs = {LogprobSummary{{403, -0.5f}, {{403, -0.5f}, {385, -inf}}, 1}};
+  const LoggedTokens t = logged_tokens(o);
+  int64_t offset = 0;
+  const Json lp = completion_logprobs(*tok, t, &offset);
+  EXPECT_EQ(lp["top_logprobs"][0][tok->token_to_piece(385)], -9999.0);
+  const Json chat = chat_logprobs(*tok, t)["content"][0];
+  EXPECT_EQ(chat["top_logprobs"][1]["logprob"], -9999.0);
+  const std::vector<int32_t> prompt = {1, 403};
+  const std::vector<LogprobSummary> lps = {LogprobSummary{{403, -inf}, {{385, -0.1f}}, 900}};
+  const Json pl = prompt_logprobs_json(*tok, prompt, lps, 1);
+  EXPECT_EQ(pl[1]["403"]["logprob"], -9999.0);
+  EXPECT_EQ(lp.dump().find("null"), std::string::npos);
+}
+
 
 }  // namespace
 }  // namespace kestrel::cli

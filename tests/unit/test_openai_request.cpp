@@ -244,6 +244,10 @@ TEST(OpenAiRequest, MinTokensAndStopTokenIds) {
   EXPECT_EQ(failure_of(R"({"prompt": "a", "min_tokens": 257})", RequestApi::Batch),
             "min_tokens: min_tokens must be at most max_tokens (256, its default), got 257");
   EXPECT_EQ(failure_of(R"({"prompt": "a", "max_completion_tokens": 2, "min_tokens": 3})", RequestApi::Completions),
+            "min_tokens: min_tokens must be at most max_completion_tokens (2), got 3");  // the name sent
+  EXPECT_EQ(failure_of("{" + m + R"(, "max_completion_tokens": 2, "min_tokens": 3})", RequestApi::Chat),
+            "min_tokens: min_tokens must be at most max_completion_tokens (2), got 3");
+  EXPECT_EQ(failure_of("{" + m + R"(, "max_tokens": 2, "min_tokens": 3})", RequestApi::Chat),
             "min_tokens: min_tokens must be at most max_tokens (2), got 3");
   EXPECT_EQ(param_of(R"({"prompt": "a", "stop_token_ids": [2147483648]})", RequestApi::Batch), "stop_token_ids[0]");
   EXPECT_EQ(param_of(R"({"prompt": "a", "stop_token_ids": [1.5]})", RequestApi::Batch), "stop_token_ids[0]");

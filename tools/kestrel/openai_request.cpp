@@ -363,9 +363,14 @@ void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
 void stop_token_fields(const json& j, OpenAiRequest& r) {
   if (const json& v = field(j, "min_tokens"); !v.is_null()) {
     r.min_tokens = integer("min_tokens", v, 0, std::numeric_limits<int64_t>::max(), ">= 0");
+    // The limit as the client named it (chat's newer max_completion_tokens, or max_tokens).
+    const char* limit = field(j, "max_tokens").is_null() && !field(j, "max_completion_tokens").is_null()
+                            ? "max_completion_tokens"
+                            : "max_tokens";
     if (r.max_tokens >= 0 && r.min_tokens > r.max_tokens)
       bad("min_tokens",
-          "must be at most max_tokens (" + std::to_string(r.max_tokens) + (r.max_tokens_given ? ")" : ", its default)"),
+          std::string("must be at most ") + limit + " (" + std::to_string(r.max_tokens) +
+              (r.max_tokens_given ? ")" : ", its default)"),
           v);
   }
   if (const json& v = field(j, "stop_token_ids"); !v.is_null()) {

@@ -1,6 +1,7 @@
 #include "server/openai_api.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "tokenizer/utf8.h"
@@ -24,9 +25,13 @@ Json byte_list(std::string_view bytes) {
   return b;
 }
 
+// A logprob as JSON: -inf (a token a mask or a bias rules out) as -9999.0, as vLLM writes it;
+// JSON has no infinity (the library would write null, which OpenAI's schema does not allow).
+float logprob_value(float x) { return std::isinf(x) && x < 0 ? -9999.0f : x; }
+
 Json chat_entry(const Tokenizer& tok, const TokenLogprob& t) {
   const std::string piece = tok.token_to_piece(t.token);
-  return Json{{"token", utf8_sanitize(piece)}, {"logprob", t.logprob}, {"bytes", byte_list(piece)}};
+  return Json{{"token", utf8_sanitize(piece)}, {"logprob", logprob_value(t.logprob)}, {"bytes", byte_list(piece)}};
 }
 }  // namespace
 
@@ -56,9 +61,9 @@ namespace {
 // OpenAI's legacy format: the top alternatives and the chosen token, by their text.
 Json top_by_text(const Tokenizer& tok, const LogprobSummary& s) {
   Json alts = Json::object();
-  for (const TokenLogprob& a : s.top) alts[utf8_sanitize(tok.token_to_piece(a.token))] = a.logprob;
+  for (const TokenLogprob& a : s.top) alts[utf8_sanitize(tok.token_to_piece(a.token))] = logprob_value(a.logprob);
   const std::string chosen = utf8_sanitize(tok.token_to_piece(s.chosen.token));
-  if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
+  if (!alts.contains(chosen)) alts[chosen] = logprob_value(s.chosen.logprob);
   return alts;
 }
 }  // namespace
@@ -69,7 +74,7 @@ Json completion_logprobs(const Tokenizer& tok, const LoggedTokens& t, int64_t* t
     const LogprobSummary& s = t.logprobs[i];
     const std::string piece = tok.token_to_piece(t.ids[i]);
     tokens.push_back(utf8_sanitize(piece));
-    token_logprobs.push_back(s.chosen.logprob);
+    token_logprobs.push_back(logprob_value(s.chosen.logprob));
     top.push_back(top_by_text(tok, s));
     offsets.push_back(*text_offset);
     if (!tok.is_special(t.ids[i])) *text_offset += n_chars(piece);
@@ -93,10 +98,11 @@ Json top_by_decoded_text(const Tokenizer& tok, const LogprobSummary& s, bool at_
   Json alts = Json::object();
   for (const TokenLogprob& a : s.top) {
     const std::string text = utf8_sanitize(decoded_piece(tok, a.token, at_start));
-    if (!alts.contains(text) || alts[text].get<float>() < a.logprob) alts[text] = a.logprob;
+    const float lp = logprob_value(a.logprob);
+    if (!alts.contains(text) || alts[text].get<float>() < lp) alts[text] = lp;
   }
   const std::string chosen = utf8_sanitize(decoded_piece(tok, s.chosen.token, at_start));
-  if (!alts.contains(chosen)) alts[chosen] = s.chosen.logprob;
+  if (!alts.contains(chosen)) alts[chosen] = logprob_value(s.chosen.logprob);
   return alts;
 }
 }  // namespace
@@ -113,7 +119,7 @@ Json echo_logprobs(const Tokenizer& tok, std::span<const int32_t> prompt, std::s
     // Listed as decoded here, so the first word's token is "Once", the text it covers, not " Once".
     tokens.push_back(utf8_sanitize(decoded_piece(tok, prompt[i], at_start)));
     const bool scored = i > 0 && i - 1 < prompt_logprobs.size();
-    token_logprobs.push_back(scored ? Json(prompt_logprobs[i - 1].chosen.logprob) : Json(nullptr));
+    token_logprobs.push_back(scored ? Json(logprob_value(prompt_logprobs[i - 1].chosen.logprob)) : Json(nullptr));
     top.push_back(scored ? top_by_decoded_text(tok, prompt_logprobs[i - 1], at_start) : Json(nullptr));
     offsets.push_back(*text_offset);
     bytes.clear();
@@ -137,7 +143,8 @@ Json prompt_logprobs_json(const Tokenizer& tok, std::span<const int32_t> prompt,
                           std::span<const LogprobSummary> prompt_logprobs, int32_t n_top) {
   Json out = Json::array();
   auto entry = [&](int32_t token, float logprob, int64_t rank) {
-    return Json{{"logprob", logprob}, {"rank", rank}, {"decoded_token", utf8_sanitize(tok.token_to_piece(token))}};
+    return Json{{"logprob", logprob_value(logprob)}, {"rank", rank},
+                {"decoded_token", utf8_sanitize(tok.token_to_piece(token))}};
   };
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (i == 0 || i - 1 >= prompt_logprobs.size()) {
