@@ -16,23 +16,18 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
   if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
   else std::fill(mask.begin(), mask.end(), ~0u);
   if (!r.bans_stop_ids()) return;
+  for (const int32_t id : r.req.stop_ids)
+    mask[static_cast<size_t>(id) / 32] &= ~(1u << (static_cast<uint32_t>(id) % 32));
   const auto n_vocab = static_cast<size_t>(model.hparams().n_vocab);
-  std::vector<int32_t> cleared;
-  for (const int32_t id : r.req.stop_ids) {
-    const auto word = static_cast<size_t>(id) / 32;
-    const uint32_t bit = 1u << (static_cast<uint32_t>(id) % 32);
-    if ((mask[word] & bit) == 0) continue;
-    mask[word] &= ~bit;
-    cleared.push_back(id);
-  }
-  // A row with no token left could not be sampled at all: min_tokens then yields (a grammar that
-  // can only end here ends it; stop ids that cover the vocabulary stop at once).
   for (size_t w = 0; w < mask.size(); ++w) {
     const size_t bits = std::min<size_t>(32, n_vocab - w * 32);
     const uint32_t valid = bits == 32 ? ~0u : (1u << bits) - 1;
     if ((mask[w] & valid) != 0) return;
   }
-  for (const int32_t id : cleared) mask[static_cast<size_t>(id) / 32] |= 1u << (static_cast<uint32_t>(id) % 32);
+  // A row with no token left could not be sampled at all: min_tokens then yields (a grammar that
+  // can only end here ends it; stop ids that cover the vocabulary stop at once). Rare: refill.
+  if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
+  else std::fill(mask.begin(), mask.end(), ~0u);
 }
 
 void Engine::Impl::for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn) {

@@ -330,13 +330,13 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
     const int key0 = it.key_begin + j * kTile;
     constexpr int kWarpKeys = kTile / kWarps;  // each warp's keys of the tile
     static_assert(!kFragments || kWarpKeys == kFp8WarpKeys);
+    // The fragment path's 128-key tile may run past a split's end (split ranges are whole 64-key
+    // tiles), so it masks keys from key_end on; the 64-key tiles end at a split's end or hold pos.
+    const bool need_mask = (kFragments ? key0 + kTile > it.key_end : key0 + kTile - 1 > it.pos) || key0 < key_lo;
     if constexpr (kFragments) {
-      // A 128-key tile may run past a split's end (split ranges are whole 64-key tiles): masked too.
-      const bool need_mask = key0 + kTile > it.key_end || key0 < key_lo;
       attend_tile_fp8<D>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask,
                          it.key_end, key_lo);
     } else if constexpr (kFp8) {
-      const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
       // The warp widens its own rows only, so a warp barrier suffices.
       const unsigned char* stage = fp8_stages + j % kStages * kFp8Stage;
       widen_kv_rows<D>(stage, wide, wide + kKeyTile * kStride, warp * kWarpKeys, kWarpKeys,
@@ -346,7 +346,6 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
       attend_tile<D, kWarpKeys, true>(st, qf, wide, wide + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask,
                                       it.pos, it.pos, key_lo, key_lo, a.scale_log2, scales, scales + kKeyTile);
     } else {
-      const bool need_mask = key0 + kKeyTile - 1 > it.pos || key0 < key_lo;
       const __nv_bfloat16* sk = stages + j % kStages * kStage;
       attend_tile<D, kWarpKeys>(st, qf, sk, sk + kKeyTile * kStride, warp * kWarpKeys, key0, need_mask, it.pos,
                                 it.pos, key_lo, key_lo, a.scale_log2);
