@@ -4,8 +4,9 @@
 // prefill and the GEMMs. Compare with the device's ceilings (H200 here: ~4.3 TB/s copy, ~790
 // TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
 // Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-fp8-decode-stages=0|2|3]
-//        [--attn-items-per-block=K] [--attn-min-split-tiles=T] [--pdl=on|off] [filter-substring]
-// (--attn-fp8-decode-stages: the rows with an FP8 cache.)
+//        [--attn-fp8-decode-key-tile=0|64|128] [--attn-items-per-block=K] [--attn-min-split-tiles=T]
+//        [--pdl=on|off] [filter-substring]
+// (--attn-fp8-decode-*: the rows with an FP8 cache.)
 // The options set the AttentionParams / launch choices the CLI's --cuda-* flags set in kestrel.
 #include <cuda_runtime.h>
 
@@ -37,6 +38,7 @@ namespace {
 using namespace kestrel::bench;  // NOLINT: the helpers of bench_util.h
 
 std::string g_filter;
+int32_t g_attn_fp8_decode_key_tile = 0;
 int32_t g_attn_decode_stages = 0, g_attn_fp8_decode_stages = 0, g_attn_items_per_block = 0, g_attn_min_split_tiles = 0;
 
 bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
@@ -116,6 +118,7 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.max_blocks_per_seq = max_blocks;
   p.max_context = max_context_override > 0 ? max_context_override : max_ctx;
   p.decode_stages = fp8 ? g_attn_fp8_decode_stages : g_attn_decode_stages;
+  p.fp8_decode_key_tile = g_attn_fp8_decode_key_tile;
   p.split_items_per_block = g_attn_items_per_block;
   p.split_min_tiles = g_attn_min_split_tiles;
   p.n_head = n_head;
@@ -559,6 +562,7 @@ int main(int argc, char** argv) {
     };
     if (value("--attn-decode-stages", 0, 3, g_attn_decode_stages) ||
         value("--attn-fp8-decode-stages", 0, 3, g_attn_fp8_decode_stages) ||
+        value("--attn-fp8-decode-key-tile", 0, 128, g_attn_fp8_decode_key_tile) ||
         value("--attn-items-per-block", 0, 64, g_attn_items_per_block) ||
         value("--attn-min-split-tiles", 0, 4096, g_attn_min_split_tiles))
       continue;

@@ -28,11 +28,13 @@ struct CudaTuning {
   bool stream_gemv_fp8 = true;       // FP8 weights on the W8A8 streaming GEMV (off: the W8A16 skinny GEMM)
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
+  bool verify_decode_rows = true;    // verify steps' attention on the decode kernel, a row an item
   int64_t skinny_max_tokens = 8;     // token counts up to which the skinny GEMM runs; 0 = never
   bool gemm_tune = true;             // time cuBLASLt's candidates per decode batch size
   bool gemm_split_k = true;          // split-K variants among the timed candidates
   bool pdl = true;                   // programmatic dependent launch between kernels
   int attn_decode_stages = 0;        // decode attention K/V stages: 0 = by batch, else 2 or 3
+  int attn_fp8_decode_key_tile = 0;  // keys a stage of FP8-cache decode attention: 0 = by stages, else 64 or 128
   int64_t attn_items_per_block = 0;  // decode attention splits: 0 = the measured rule, else k
   int64_t attn_min_split_tiles = 0;  // KV tiles per split at least: 0 = the measured rule
   bool profile_ops = false;          // time every op (eager: no graphs), print per-op totals and tuning picks

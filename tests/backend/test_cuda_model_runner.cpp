@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -13,7 +14,9 @@
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "engine/engine.h"
+#include "model/llama_weights.h"
 #include "grammar_mix.h"
+#include "hf_configs.h"
 #include "sampling/grammar/constraint.h"
 #include "sampling_runner.h"
 #include "test_util.h"
@@ -157,6 +160,84 @@ TEST(CudaModelRunner, DraftsVerifiedOnTheDeviceSamplerGiveTheHostVerifiersTokens
     EXPECT_EQ(dev->host_calls, 0);
     EXPECT_GT(device.stats().spec_num_accepted_tokens, 0);
     EXPECT_EQ(device.stats().spec_num_accepted_tokens, host.stats().spec_num_accepted_tokens);
+  }
+}
+
+// Greedy requests, each alone, with n-gram speculation (k = 4 and 7) against speculation off, eagerly
+// and through the graph path: the same tokens and, bit for bit, the same logprob of each (with
+// logprobs asked for, rows are verified on the host; without, on the device sampler).
+static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, const Tokenizer* tok,
+                                             const std::vector<Request>& requests) {
+  // The request's tokens and the bits of their logprobs (when asked for), alone in the engine.
+  auto run_alone = [](Engine& e, const Request& r) {
+    std::vector<int32_t> ids;
+    std::vector<uint32_t> logprob_bits;
+    e.add_request(r);
+    while (e.has_unfinished())
+      for (const RequestOutput& o : e.step()) {
+        ids.insert(ids.end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        for (const LogprobSummary& l : o.logprobs) {
+          uint32_t b = 0;
+          std::memcpy(&b, &l.chosen.logprob, sizeof b);
+          logprob_bits.push_back(b);
+        }
+      }
+    return std::make_pair(ids, logprob_bits);
+  };
+  for (const bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "graph path");
+    Engine off(model, tok, config(), cuda_runner(model, eager));
+    std::vector<std::pair<std::vector<int32_t>, std::vector<uint32_t>>> want;
+    for (const Request& r : requests) want.push_back(run_alone(off, r));
+    for (const int32_t k : {4, 7}) {
+      SCOPED_TRACE("k = " + std::to_string(k));
+      EngineConfig c = config();
+      c.speculative.method = SpecMethod::Ngram;
+      c.speculative.num_speculative_tokens = k;
+      c.speculative.prompt_lookup_min = 1;
+      c.speculative.prompt_lookup_max = 3;
+      Engine on(model, tok, c, cuda_runner(model, eager));
+      for (size_t i = 0; i < requests.size(); ++i) {
+        const auto got = run_alone(on, requests[i]);
+        EXPECT_EQ(got.first, want[i].first) << "request " << i;
+        EXPECT_EQ(got.second, want[i].second) << "request " << i << ": logprob bits";
+        if (requests[i].logprobs >= 0) EXPECT_EQ(got.second.size(), got.first.size());
+      }
+      EXPECT_GT(on.stats().spec_num_draft_tokens, 0);
+    }
+  }
+}
+
+// Speculation keeps greedy outputs on the CUDA backend, as on the CPU, for single requests. A verify
+// step's rows take the one-token steps' kernels and bits: attention on the decode kernels a row an
+// item with the one-token step's split counts (AttentionParams::decode_rows), projections on the
+// skinny GEMM, whose token columns do not depend on each other (up to 8 tokens: skinny_max_tokens;
+// widths that are multiples of 8), norms and RoPE row by row. Generated Llama models with head_dim
+// 64 (the tensor-core kernels, whose prefill and decode forms round differently: with decode_rows
+// off the logprobs differ) and 8 (the SIMT kernels). (stories260K's FFN width, 172, takes cuBLASLt,
+// whose bits on a GPU depend on the row count.)
+TEST(CudaModelRunner, SpeculationKeepsGreedyOutputsOfSingleRequests) {
+  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
+  std::vector<Request> requests;
+  for (int32_t i = 0; i < 4; ++i) {
+    Request r;
+    for (int32_t j = 0; j < 40 + 7 * i; ++j) r.prompt.push_back((j % (5 + i)) * 17 + i);  // repeats: n-gram drafts
+    r.max_tokens = 40;
+    r.sampling.temperature = 0;
+    r.logprobs = i % 2 == 0 ? 0 : -1;  // odd requests: device sampling and verification
+    requests.push_back(r);
+  }
+  for (const int32_t head_dim : {64, 8}) {
+    SCOPED_TRACE("generated Llama, head_dim " + std::to_string(head_dim));
+    test::TempDir dir;
+    const int32_t heads = head_dim == 64 ? 2 : 4;
+    dir.write_config({{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", heads * head_dim},
+                      {"intermediate_size", 4 * heads * head_dim}, {"num_hidden_layers", 2},
+                      {"num_attention_heads", heads}, {"num_key_value_heads", heads / 2}, {"vocab_size", 256},
+                      {"max_position_embeddings", 512}, {"tie_word_embeddings", false}});
+    const auto model = LlamaModel::load_dummy(dir.path());
+    ASSERT_EQ(model->hparams().head_dim, head_dim);
+    expect_speculation_keeps_greedy_outputs(*model, nullptr, requests);
   }
 }
 

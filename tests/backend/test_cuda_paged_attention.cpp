@@ -44,8 +44,12 @@ struct AttnCase {
   std::vector<float> q_head_scale = {};
   float k_scale = 1.0f, v_scale = 1.0f;
   bool v_row_spread = false;
+  int32_t fp8_key_tile = 0;  // AttentionParams::fp8_decode_key_tile
   // Every sequence has the same q_len: pass it as AttentionParams::uniform_query_len, and require
-  // the output bit for bit equal to the call without it (plan kernel + tile list + decode launch).
+  // on the prefill kernel (decode_rows off) the output bit for bit equal to the call without it
+  // (plan kernel + tile list + decode launch); on the decode kernels (decode_rows, runs of up to
+  // kDecodeRowsMaxQuery) each row bit for bit equal to a one-token call of the same sequences at
+  // its position; both within the reference's tolerance.
   bool uniform = false;
 };
 
@@ -129,6 +133,7 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.scale = scale;
   p.max_query_len = c.pass_max_query_len ? max_q : 0;
   p.decode_stages = c.decode_stages;
+  p.fp8_decode_key_tile = c.fp8_key_tile;
   p.window = c.window;
   const size_t ws_bytes = cuda::attention_workspace_bytes(p);
   DeviceBuffer<unsigned char> d_ws(ws_bytes);
@@ -138,9 +143,11 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   d_out.poison();
   cuda::paged_attention(p, nullptr);
   const auto out = bf16_to_f32(d_out.download());
+  std::vector<float> rows_out;  // the decode kernels' rows of a uniform case
   if (c.uniform) {
     for (const SeqSpec& sp : c.seqs) ASSERT_EQ(sp.q_len, max_q) << "a uniform case with unequal query runs";
     p.max_query_len = p.uniform_query_len = max_q;
+    p.decode_rows = false;
     d_out.poison();
     d_ws.poison();
     cuda::paged_attention(p, nullptr);
@@ -151,6 +158,56 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
     // Inconsistent with the batch: an error, nothing launched.
     p.uniform_query_len = max_q + 1;
     EXPECT_THROW(cuda::paged_attention(p, nullptr), Error);
+    p.uniform_query_len = max_q;
+    if (max_q <= cuda::kDecodeRowsMaxQuery) {
+      p.decode_rows = true;
+      const size_t rows_ws = cuda::attention_workspace_bytes(p);
+      DeviceBuffer<unsigned char> d_rows_ws(rows_ws);
+      d_rows_ws.poison();
+      p.workspace = d_rows_ws.get();
+      p.workspace_bytes = rows_ws;
+      d_out.poison();
+      cuda::paged_attention(p, nullptr);
+      rows_out = bf16_to_f32(d_out.download());
+      // Token j of every sequence as a one-token step of the same sequences (same max_context).
+      const size_t row_elems = static_cast<size_t>(c.n_head) * D;
+      for (int32_t j = 0; j < max_q; ++j) {
+        std::vector<int32_t> qs1{0}, pos1, seq1;
+        std::vector<uint16_t> q1;
+        for (int32_t s = 0; s < n_seqs; ++s) {
+          const size_t t = static_cast<size_t>(s * max_q + j);
+          qs1.push_back(s + 1);
+          pos1.push_back(positions[t]);
+          seq1.push_back(s);
+          q1.insert(q1.end(), q.begin() + static_cast<std::ptrdiff_t>(t * row_elems),
+                    q.begin() + static_cast<std::ptrdiff_t>((t + 1) * row_elems));
+        }
+        DeviceBuffer<uint16_t> d_q1(q1), d_out1(q1.size());
+        DeviceBuffer<int32_t> d_qs1(qs1), d_pos1(pos1), d_seq1(seq1);
+        cuda::AttentionParams p1 = p;
+        p1.q = d_q1.bf16();
+        p1.out = d_out1.bf16();
+        p1.query_start = d_qs1.get();
+        p1.positions = d_pos1.get();
+        p1.token_seq = d_seq1.get();
+        p1.n_tokens = n_seqs;
+        p1.max_query_len = p1.uniform_query_len = 1;
+        const size_t ws1 = cuda::attention_workspace_bytes(p1);
+        DeviceBuffer<unsigned char> d_ws1(ws1);
+        d_ws1.poison();
+        p1.workspace = d_ws1.get();
+        p1.workspace_bytes = ws1;
+        d_out1.poison();
+        cuda::paged_attention(p1, nullptr);
+        const auto one = bf16_to_f32(d_out1.download());
+        size_t row_differ = 0;
+        for (int32_t s = 0; s < n_seqs; ++s)
+          row_differ += std::memcmp(one.data() + static_cast<size_t>(s) * row_elems,
+                                    rows_out.data() + static_cast<size_t>(s * max_q + j) * row_elems,
+                                    row_elems * sizeof(float)) != 0;
+        EXPECT_EQ(row_differ, 0u) << "token " << j << " of a run on the decode kernels differs from its one-token step";
+      }
+    }
     p.uniform_query_len = 0;
   }
 
@@ -189,6 +246,11 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   EXPECT_LE(err, 4e-3);
   std::printf("  %-44s %s n_tokens %4lld  rel error %.2e\n", c.name, c.fp8 ? "fp8 " : "bf16",
               static_cast<long long>(n_tokens), err);
+  if (!rows_out.empty()) {
+    const double rows_err = rel_error(rows_out, ref);
+    EXPECT_LE(rows_err, 4e-3) << "the decode kernels' rows";
+    std::printf("  %-44s %s decode rows      rel error %.2e\n", c.name, c.fp8 ? "fp8 " : "bf16", rows_err);
+  }
 }
 
 // An FP8 cache on every kernel: prefill, chunked prefill over a cached prefix, decode with split-KV
@@ -226,8 +288,8 @@ TEST(CudaPagedAttention, Fp8CacheMatchesFloat64Reference) {
 }
 
 // Verify-step shapes (every sequence 1 + k query tokens): the prefill kernel's tiles from its block
-// index, no plan kernel and no decode launch, the same bits as the planned call. Query runs of 2
-// to 9 tokens, one tile per sequence or several (group 72: one token per tile), split-KV-sized
+// index, no plan kernel and no decode launch, the same bits as the planned call; and the decode
+// kernels with a row an item, each row the bits of its one-token step. Query runs of 2 to 9 tokens, one tile per sequence or several (group 72: one token per tile), split-KV-sized
 // contexts, an FP8 cache, a window, the SIMT head dims.
 TEST(CudaPagedAttention, UniformQueryRunsGiveThePlannedCallsBits) {
   KESTREL_REQUIRE_CUDA();
@@ -235,6 +297,7 @@ TEST(CudaPagedAttention, UniformQueryRunsGiveThePlannedCallsBits) {
   std::vector<AttnCase> cases = {
       {"8B shape, 4 x (1 + 4)", 32, 8, 128, 16, {{130, 5}, {513, 5}, {6, 5}, {2000, 5}}, 3.0f, true},
       {"SmolLM2 shape, 1 x (1 + 4)", 9, 3, 64, 16, {{300, 5}}, 1.0f, true},
+      {"SmolLM2 shape, 1 x (1 + 4), graph bound 4096", 9, 3, 64, 16, {{1100, 5}}, 1.0f, true, 4096},
       {"SmolLM2 shape, 3 x (1 + 8)", 9, 3, 64, 16, {{20, 9}, {9, 9}, {1000, 9}}, 1.0f, true},
       {"MHA d128, block size 7, 2 x 2", 4, 4, 128, 7, {{77, 2}, {200, 2}}, 2.0f, true},
       {"group 72 d64: 3 tiles a sequence", 72, 1, 64, 16, {{20, 3}, {33, 3}}, 1.0f, true},
@@ -350,15 +413,15 @@ TEST(CudaPagedAttention, EachDecodeStageCountMatchesFloat64Reference) {
 
 // The decode kernel's FP8 fragment path (head dims 64 and 128: codes straight into f16 mma
 // fragments, S^T and O^T with the heads as the mma's n, paged_attention_fp8.cuh) at each of its
-// stage counts, groups of 3 to 32 heads (items of up to 8), splits that end inside a 128-key tile
+// stage counts and stage sizes (128 and 64 keys), groups of 3 to 32 heads (items of up to 8), splits that end inside a 128-key tile
 // (3001 keys), and the f16 ranges it works in: q rows far beyond f16's range (1e6, with K values of 1e-6) and far below it (1e-7, with K
 // of 1e6) in one batch, V rows whose scales differ by up to 2^24 (the running V exponent grows
 // across tiles and splits), tiny and huge V, masked first tiles of a window.
 TEST(CudaPagedAttention, Fp8DecodeFragmentPathMatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(33);
-  for (const int32_t stages : {2, 3}) {
-    SCOPED_TRACE("decode_stages " + std::to_string(stages));
+  for (const auto [stages, key_tile] : {std::pair{2, 128}, std::pair{3, 128}, std::pair{2, 64}, std::pair{3, 64}}) {
+    SCOPED_TRACE("decode_stages " + std::to_string(stages) + ", key tile " + std::to_string(key_tile));
     std::vector<AttnCase> cases = {
         {"d128 group 4, 1 to 3 tiles + prefill", 32, 8, 128, 16, {{1, 1}, {64, 1}, {130, 1}, {190, 1}, {90, 20}}, 2.0f,
          true},
@@ -377,6 +440,7 @@ TEST(CudaPagedAttention, Fp8DecodeFragmentPathMatchesFloat64Reference) {
     for (AttnCase& c : cases) {
       c.fp8 = true;
       c.decode_stages = stages;
+      c.fp8_key_tile = key_tile;
       const std::string name = c.name;
       if (name.find("beyond") != std::string::npos) c.q_head_scale = {1e6f, 1.0f, 1e-7f, 3e5f}, c.k_scale = 1e-6f;
       if (name.find("below") != std::string::npos) c.q_head_scale = {1e-7f, 2e-6f}, c.k_scale = 1e6f;

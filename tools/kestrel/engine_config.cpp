@@ -57,6 +57,9 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->group(group);
   toggle("--cuda-fused-norm", t.fused_norm, "CUDA: residual add + RMSNorm inside the streaming GEMV");
   toggle("--cuda-fused-rope", t.fused_rope, "CUDA: RoPE and the K/V write inside decode attention");
+  toggle("--cuda-verify-decode-rows", t.verify_decode_rows,
+         "CUDA: speculative verify steps' attention on the decode kernel, each token as a one-token step "
+         "(its bits; off: the prefill kernel)");
   app.add_option("--cuda-skinny-max-tokens", t.skinny_max_tokens,
                  "CUDA: token counts up to which small projections use the skinny GEMM; 0 = never")
       ->check(CLI::Range(int64_t{0}, int64_t{16}))
@@ -68,6 +71,11 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
   app.add_option("--cuda-attn-decode-stages", t.attn_decode_stages,
                  "CUDA: K/V tile stages of decode attention; 0 = chosen by batch size")
       ->check(CLI::IsMember({0, 2, 3}))
+      ->capture_default_str()
+      ->group(group);
+  app.add_option("--cuda-attn-fp8-decode-key-tile", t.attn_fp8_decode_key_tile,
+                 "CUDA: keys a K/V stage of decode attention on an FP8 cache (head dims 64, 128); 0 = by stage count")
+      ->check(CLI::IsMember({0, 64, 128}))
       ->capture_default_str()
       ->group(group);
   app.add_option("--cuda-attn-items-per-block", t.attn_items_per_block,

@@ -48,6 +48,8 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.workspace = workspace_.as<void>();
   ap.workspace_bytes = workspace_.bytes();
   ap.decode_stages = attn_decode_stages_;
+  ap.fp8_decode_key_tile = attn_fp8_decode_key_tile_;
+  ap.decode_rows = verify_decode_rows_;
   ap.split_items_per_block = attn_items_per_block_;
   ap.split_min_tiles = attn_min_split_tiles_;
   return ap;

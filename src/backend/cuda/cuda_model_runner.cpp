@@ -102,6 +102,8 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
     throw Error("CUDA stream GEMV stages " + std::to_string(t.stream_gemv_stages) + ": 0 (default), 3, 4 or 6");
   if (t.attn_decode_stages != 0 && t.attn_decode_stages != 2 && t.attn_decode_stages != 3)
     throw Error("CUDA decode attention stages " + std::to_string(t.attn_decode_stages) + ": 0 (by batch), 2 or 3");
+  if (t.attn_fp8_decode_key_tile != 0 && t.attn_fp8_decode_key_tile != 64 && t.attn_fp8_decode_key_tile != 128)
+    throw Error("CUDA FP8 decode attention key tile " + std::to_string(t.attn_fp8_decode_key_tile) + ": 0, 64 or 128");
   skinny_max_tokens_ = std::clamp<int64_t>(t.skinny_max_tokens, 0, cuda::kSkinnyMaxTokens);
   tune_gemms_ = t.gemm_tune;
   gemm_split_k_ = t.gemm_split_k;
@@ -110,8 +112,10 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   stream_gemv_stages_ = t.stream_gemv_stages;
   fused_norm_ = t.fused_norm;
   fused_rope_ = t.fused_rope;
+  verify_decode_rows_ = t.verify_decode_rows;
   stream_gemv_min_elems_ = (std::clamp<int64_t>(t.stream_gemv_min_mb, 0, int64_t{1} << 20) << 20) / 2;
   attn_decode_stages_ = t.attn_decode_stages;
+  attn_fp8_decode_key_tile_ = t.attn_fp8_decode_key_tile;
   attn_items_per_block_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_items_per_block, 0, 1 << 20));
   attn_min_split_tiles_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_min_split_tiles, 0, 1 << 20));
   cuda::set_pdl_enabled(t.pdl);

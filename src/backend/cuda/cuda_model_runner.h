@@ -403,6 +403,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
   // (AttentionParams::rope; CudaTuning::fused_rope off: the rope_write_kv kernel).
   bool fused_rope_ = true;
+  bool verify_decode_rows_ = true;  // AttentionParams::decode_rows (CudaTuning::verify_decode_rows)
   // Weights under 40 MiB keep the skinny GEMM (CudaTuning::stream_gemv_min_mb): H200, one token,
   // back to back, the 8B's O projection (32 MiB) 10.5 us on the skinny GEMM against 11.3 us streamed; its
   // QKV (48 MiB) 15.6 against 15.1, gate/up 62.2 against 56.0 (docs/performance.md,
@@ -419,6 +420,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   bool gemm_split_k_ = true;  // split-K variants among the tuned candidates
   // AttentionParams::decode_stages, split_items_per_block, split_min_tiles (CudaTuning).
   int32_t attn_decode_stages_ = 0, attn_items_per_block_ = 0, attn_min_split_tiles_ = 0;
+  int32_t attn_fp8_decode_key_tile_ = 0;  // AttentionParams::fp8_decode_key_tile
   void tune_gemms(int64_t n);
   std::unique_ptr<cuda::OpProfiler> prof_;  // CudaTuning::profile_ops (op_profiler.h)
   void mark(const char* op) {

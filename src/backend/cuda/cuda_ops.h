@@ -102,6 +102,9 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 // gelu_pytorch_tanh): out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, n_ff + i].
 void gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
 
+// The longest uniform query run the decode kernels take, a token an item (AttentionParams::decode_rows).
+inline constexpr int32_t kDecodeRowsMaxQuery = 16;
+
 // Causal paged attention over a flat batch of prefill chunks and decode tokens (FlashAttention-
 // style: tiled over keys with online softmax, no n x n matrix; GQA: n_head / n_head_kv query heads
 // share a KV head). Token t of sequence s at position p attends keys [0, p] of s's cache (the CPU
@@ -152,6 +155,14 @@ struct AttentionParams {
   int32_t decode_stages = 0;  // K/V tile stages of the tensor-core decode kernel, 2 or 3 (3: two
                               // tiles load while one is computed); 0 = chosen by the number of
                               // decode items (paged_attention.cu)
+  // Uniform runs of 2 .. kDecodeRowsMaxQuery tokens (verify steps) on the decode kernels, one item
+  // per query token, so that each row gets the bits of a one-token step at its position (the
+  // sequences' item count sets stages and splits, decode_splits the ranges); false: the prefill
+  // kernel (one pass over each tile's keys for all the run's rows).
+  bool decode_rows = true;
+  int32_t fp8_decode_key_tile = 0;  // keys of a K/V stage of the FP8 decode kernel at head_dim 64
+                                    // and 128: 64 or 128; 0 = 64 with two stages, 128 with three
+                                    // (paged_attention.cu)
   int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
   int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
   // An FP8 cache (Fp8KvCache, kv_fp8.cuh): k_cache / v_cache hold E4M3 codes and these their

@@ -35,14 +35,21 @@ namespace {
 // 400 x 1000-2000 unsplit either way. p.split_items_per_block = k and p.split_min_tiles = t
 // replace the rule by ceil(k x resident / items) with t tiles per split at least (for sweeps:
 // scripts/device/gpu_decode_attention.sh).
-int64_t split_count(const AttentionParams& p, int64_t items, int64_t resident, int64_t max_tiles) {
+// The rule's split count for the longest context (max_tiles key tiles: the grid's z) and its least
+// tiles per split; each query takes min(count, its own tiles / min_tiles) splits, at least one
+// (decode_splits), so its ranges depend on its own context and the item count only.
+struct SplitRule {
+  int64_t n_splits = 1, min_tiles = 1;
+};
+SplitRule split_rule(const AttentionParams& p, int64_t items, int64_t resident, int64_t max_tiles) {
   const int64_t forced_k = std::max<int64_t>(p.split_items_per_block, 0);
   const int64_t forced_t = std::max<int64_t>(p.split_min_tiles, 0);
-  if (items <= 0) return 1;
+  if (items <= 0) return {};
   const bool sparse = 2 * items < resident;
   const int64_t k = forced_k > 0 ? forced_k : (sparse ? 1 : 2);
   const int64_t min_tiles = forced_t > 0 ? forced_t : (forced_k > 0 || sparse ? 2 : 12);
-  return std::clamp<int64_t>(ceil_div(k * resident, items), 1, std::max<int64_t>(1, max_tiles / min_tiles));
+  return {std::clamp<int64_t>(ceil_div(k * resident, items), 1, std::max<int64_t>(1, max_tiles / min_tiles)),
+          min_tiles};
 }
 
 // Blocks of `kernel` (128 threads, `smem` bytes of dynamic shared memory) resident on the whole
@@ -102,29 +109,40 @@ void dispatch_simt(int32_t d, F&& f) {
 }
 
 // Calls f(kernel, shared memory bytes) with the tensor-core decode kernel for head_dim D, `stages`
-// K/V stages (kDecodeStagesSupported) and the cache type.
+// K/V stages (kDecodeStagesSupported), the cache type and, on the FP8 fragment path, fp8_tile keys
+// a stage (64 or kFp8KeyTile).
 template <int D, bool kFp8, class F>
-void with_decode_kernel(int32_t stages, F&& f) {
-  auto take = [&]<int kStages>() {
+void with_decode_kernel(int32_t stages, int32_t fp8_tile, F&& f) {
+  auto take = [&]<int kStages, int kTile>() {
     if constexpr (kDecodeStagesSupported<D, kStages, kFp8>)
-      f(&attention_decode_kernel<D, kStages, kFp8>, attn_decode_smem_bytes<D, kStages, kFp8>());
+      f(&attention_decode_kernel<D, kStages, kFp8, kTile>, attn_decode_smem_bytes<D, kStages, kFp8, kTile>());
   };
+  if constexpr (kFp8 && kFp8Fragments<D>) {
+    if (fp8_tile == 64) {
+      if (stages == 2) {
+        take.template operator()<2, 64>();
+      } else {
+        take.template operator()<3, 64>();
+      }
+      return;
+    }
+  }
   switch (stages) {
-    case 2: take.template operator()<2>(); break;
-    default: take.template operator()<3>(); break;
+    case 2: take.template operator()<2, kFp8KeyTile>(); break;
+    default: take.template operator()<3, kFp8KeyTile>(); break;
   }
 }
 
-// Resident blocks of the decode kernel that runs (its stages and cache type: the FP8 fragment
-// path's stages take half the shared memory).
-int64_t decode_resident_blocks(int32_t d, int32_t stages, bool fp8) {
+// Resident blocks of the decode kernel that runs (its stages, cache type and FP8 stage keys: the
+// FP8 fragment path's stages take half the shared memory).
+int64_t decode_resident_blocks(int32_t d, int32_t stages, bool fp8, int32_t fp8_tile) {
   int64_t n = 1;
   auto count = [&](auto kernel, size_t smem) { n = resident_blocks(kernel, smem); };
   if (!MmaHeadDims::dispatch(d, [&]<int D>() {
         if (fp8) {
-          with_decode_kernel<D, true>(stages, count);
+          with_decode_kernel<D, true>(stages, fp8_tile, count);
         } else {
-          with_decode_kernel<D, false>(stages, count);
+          with_decode_kernel<D, false>(stages, fp8_tile, count);
         }
       }))
     dispatch_simt(d, [&]<int kSlots>() {
@@ -154,12 +172,28 @@ bool fp8_fragment_path(const AttentionParams& p) {
 // SM) for a handful of items (at most 1/16 of the two-stage kernel's resident blocks: batch 1 to 3
 // of the 8B), else two (3 blocks per SM). With 128-key stages on an H100, 2 / 3 stages: 64 x 4096
 // 217.6 / 226.3 us, 256 x 1024 219.4 / 232.4, 400 x 1000-2000 470.4 / 511.8, 64 x 576 49.3 / 46.9.
+// The stage count is chosen by this rule with 128-key stages (the threshold was measured so).
+//
+// Keys of the FP8 fragment path's stages: p.fp8_decode_key_tile (64 or 128), else 64 with two
+// stages (4 blocks of 16 keys a warp an SM: more warps to hide latency with) and kFp8KeyTile with
+// three (a few items, where a block's own bytes in flight bound it). H100, 128-key stages (the rule's
+// stages) against 64-key ones with 2 / 3 stages: 64 x 4096 215.9 against 216.5 / 217.5 us, 256 x
+// 1024 218.9 against 206.0 / 207.6, 64 x 576 49.4 against 38.6 / 40.8, 400 x 1000-2000 466.0
+// against 461.4 / 462.4, d64 64 x 2048 (9/3 heads) 42.5 against 40.9 / 41.1, but 1 x 32768 (8
+// items, 3 stages) 65.0 against 80.2 / 81.9 (docs/performance.md, "H200: FP8 (E4M3) KV cache").
+int32_t fp8_decode_tile(const AttentionParams& p, int32_t stages) {
+  const int32_t t = p.fp8_decode_key_tile;
+  if (t != 0 && t != 64 && t != kFp8KeyTile)
+    throw Error("paged_attention: fp8_decode_key_tile " + std::to_string(t) + " (0, 64 or 128)");
+  return t != 0 ? t : stages == 2 ? 64 : kFp8KeyTile;
+}
+
 int32_t decode_stages(const AttentionParams& p, int64_t items) {
   const bool fp8_fragments = fp8_fragment_path(p);
   const int32_t s = p.decode_stages;
   if (s == 0) {
-    if (fp8_fragments) return 16 * items <= decode_resident_blocks(p.head_dim, 2, true) ? 3 : 2;
-    return items <= 2 * decode_resident_blocks(p.head_dim, 2, false) ? 3 : 2;
+    if (fp8_fragments) return 16 * items <= decode_resident_blocks(p.head_dim, 2, true, kFp8KeyTile) ? 3 : 2;
+    return items <= 2 * decode_resident_blocks(p.head_dim, 2, false, 0) ? 3 : 2;
   }
   if (s != 2 && s != 3) throw Error("paged_attention: decode_stages " + std::to_string(s) + " (2 or 3)");
   return s;
@@ -171,8 +205,13 @@ struct Plan {
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
-  int32_t n_splits = 1;
+  int32_t n_splits = 1, split_min_tiles = 1;
+  // Uniform runs of 2 .. kDecodeRowsMaxQuery tokens on the decode kernels, one item per token
+  // (AttnKernelArgs::decode_rows): the run length, else 0.
+  int32_t decode_rows = 0;
+  int64_t part_rows = 0;  // the decode grid's x: sequences, or tokens with decode_rows
   int32_t decode_stages = 2;  // K/V stages of the tensor-core decode kernel
+  int32_t fp8_tile = kFp8KeyTile;  // keys of the FP8 fragment path's stages
   // Workspace layout (bytes).
   size_t n_tiles_offset = 0, tiles_offset = 0, lse_offset = 0, out_offset = 0, total = 0;
 };
@@ -201,11 +240,19 @@ Plan make_plan(const AttentionParams& p) {
   // A windowed query's keys span at most ceil(window / kKeyTile) + 1 tiles (split_key_range).
   int64_t max_tiles = ceil_div(std::max<int32_t>(p.max_context, 1), kKeyTile);
   if (p.window > 0) max_tiles = std::min<int64_t>(max_tiles, ceil_div(p.window, kKeyTile) + 1);
+  // Items as the sequences' one-token steps would have them (with decode_rows too), so that a
+  // verify step's rows get the stages and split counts, hence the bits, of those steps.
   const int64_t items = p.n_seqs * p.n_head_kv * plan.decode_head_chunks;
+  plan.decode_rows = p.uniform_query_len > 1 && p.uniform_query_len <= kDecodeRowsMaxQuery && p.decode_rows
+                         ? p.uniform_query_len
+                         : 0;
+  plan.part_rows = plan.decode_rows > 0 ? p.n_tokens : p.n_seqs;
   plan.decode_stages = decode_stages(p, items);
-  const int64_t splits =
-      split_count(p, items, decode_resident_blocks(p.head_dim, plan.decode_stages, p.k_scale != nullptr), max_tiles);
-  plan.n_splits = static_cast<int32_t>(splits);
+  plan.fp8_tile = fp8_decode_tile(p, plan.decode_stages);
+  const SplitRule rule = split_rule(
+      p, items, decode_resident_blocks(p.head_dim, plan.decode_stages, p.k_scale != nullptr, plan.fp8_tile), max_tiles);
+  plan.n_splits = static_cast<int32_t>(rule.n_splits);
+  plan.split_min_tiles = static_cast<int32_t>(rule.min_tiles);
 
   size_t at = 0;
   plan.n_tiles_offset = at;
@@ -215,10 +262,11 @@ Plan make_plan(const AttentionParams& p) {
   if (plan.n_splits > 1) {
     at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
     plan.lse_offset = at;
-    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head) * sizeof(float);
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(plan.part_rows * p.n_head) * sizeof(float);
     at = static_cast<size_t>(round_up(static_cast<int64_t>(at), 256));
     plan.out_offset = at;
-    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(p.n_seqs * p.n_head * p.head_dim) * sizeof(float);
+    at += static_cast<size_t>(plan.n_splits) * static_cast<size_t>(plan.part_rows * p.n_head * p.head_dim) *
+          sizeof(float);
   }
   plan.total = at;
   return plan;
@@ -231,10 +279,11 @@ Plan make_plan(const AttentionParams& p) {
 void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
                     void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
                     size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
-  const bool any_prefill = p.max_query_len <= 0 || p.max_query_len > 1;
-  // Uniform runs of 2+ query tokens (verify steps): the tiles follow from the block index, and no
+  // Uniform runs on the decode kernels (plan.decode_rows): no prefill launch.
+  const bool any_prefill = plan.decode_rows == 0 && (p.max_query_len <= 0 || p.max_query_len > 1);
+  // Other uniform runs of 2+ query tokens: the prefill tiles follow from the block index, and no
   // sequence is the decode kernel's.
-  const bool uniform_prefill = p.uniform_query_len > 1;
+  const bool uniform_prefill = plan.decode_rows == 0 && p.uniform_query_len > 1;
   if (any_prefill) {
     AttnKernelArgs a = base;
     a.heads_per_tile = plan.prefill_heads;
@@ -259,12 +308,12 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
   a.heads_per_tile = plan.decode_heads;
   a.head_chunks = plan.decode_head_chunks;
   set_max_dynamic_smem(decode, decode_smem);
-  const dim3 grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
+  const dim3 grid(static_cast<unsigned>(plan.part_rows), static_cast<unsigned>(p.n_head_kv * plan.decode_head_chunks),
                   static_cast<unsigned>(plan.n_splits));
   KESTREL_LAUNCH(decode, grid, dim3(kAttnThreads), decode_smem, stream, a);
   KESTREL_CUDA_CHECK_LAUNCH();
   if (plan.n_splits > 1) {
-    const dim3 reduce_grid(static_cast<unsigned>(p.n_seqs), static_cast<unsigned>(p.n_head));
+    const dim3 reduce_grid(static_cast<unsigned>(plan.part_rows), static_cast<unsigned>(p.n_head));
     KESTREL_LAUNCH(reduce, reduce_grid, dim3(kAttnThreads), 0, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
@@ -273,7 +322,7 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
 // The tensor-core kernels for head_dim D (kFp8: for an FP8 cache).
 template <int D, bool kFp8>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
-  with_decode_kernel<D, kFp8>(plan.decode_stages, [&](void (*decode)(AttnKernelArgs), size_t decode_smem) {
+  with_decode_kernel<D, kFp8>(plan.decode_stages, plan.fp8_tile, [&](void (*decode)(AttnKernelArgs), size_t decode_smem) {
     launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(), decode,
                    decode_smem, &attention_reduce_kernel<D>, stream);
   });
@@ -315,7 +364,7 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
     throw Error("paged_attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, " +
                 std::to_string(plan.total) + " needed (attention_workspace_bytes)");
   if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) throw Error("paged_attention: workspace not 16-byte aligned");
-  if (p.n_seqs > 0x7fffffff || p.n_head_kv * std::max(plan.prefill_head_chunks, plan.decode_head_chunks) > 65535 ||
+  if (p.n_seqs > 0x7fffffff || plan.part_rows > 0x7fffffff || p.n_head_kv * std::max(plan.prefill_head_chunks, plan.decode_head_chunks) > 65535 ||
       plan.n_splits > 65535 || p.n_head > 65535)
     throw Error("paged_attention: batch too large for the launch grid");
 
@@ -346,6 +395,9 @@ void paged_attention(const AttentionParams& p, cudaStream_t stream) {
   a.tiles = reinterpret_cast<const int2*>(ws + plan.tiles_offset);
   a.n_tiles = reinterpret_cast<const int32_t*>(ws + plan.n_tiles_offset);
   a.n_splits = plan.n_splits;
+  a.split_min_tiles = plan.split_min_tiles;
+  a.decode_rows = plan.decode_rows;
+  a.n_part_rows = static_cast<int32_t>(plan.part_rows);
   a.part_lse = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.lse_offset) : nullptr;
   a.part_out = plan.n_splits > 1 ? reinterpret_cast<float*>(ws + plan.out_offset) : nullptr;
   if (p.rope.qkv != nullptr) {

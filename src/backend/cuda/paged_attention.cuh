@@ -76,9 +76,16 @@ struct AttnKernelArgs {
   const int32_t* n_tiles;        // its length
   int32_t uniform_query;         // > 0: every sequence has this many query tokens (AttentionParams::
                                  // uniform_query_len); the prefill tiles follow from the block index
-  int32_t n_splits;              // decode: split-KV ranges per sequence (split_key_range)
-  float* part_out;               // [n_splits, n_seqs, n_head, D] f32: per-split normalised outputs
-  float* part_lse;               // [n_splits, n_seqs, n_head] f32: per-split log2-sum-exp2
+  int32_t n_splits;              // decode: split-KV ranges a query may take (grid.z; decode_splits)
+  int32_t split_min_tiles;       // decode: key tiles per split at least (decode_splits)
+  // > 0: the decode kernels take every query token of a uniform run of decode_rows tokens a sequence
+  // (a verify step) as its own item, grid.x = n_tokens (token t of sequence t / decode_rows), so that
+  // each row gets the bits a one-token step at its position gets; 0: grid.x = n_seqs, the sequences
+  // with one query token.
+  int32_t decode_rows;
+  int32_t n_part_rows;           // grid.x of the decode kernel: n_seqs, or n_tokens with decode_rows
+  float* part_out;               // [n_splits, n_part_rows, n_head, D] f32: per-split normalised outputs
+  float* part_lse;               // [n_splits, n_part_rows, n_head] f32: per-split log2-sum-exp2
   int32_t head_dim;              // D (read by the kernels that take it at run time)
   int32_t window;                // sliding window: a query at position p attends keys
                                  // (p - window, p] (first_key); 0 = all keys [0, p]
@@ -142,6 +149,29 @@ __device__ __forceinline__ int2 split_key_range(int key_lo, int n_keys, int spli
   const int begin = static_cast<int>(t0 + tiles * split / n_splits) * kKeyTile;
   const int end = min(static_cast<int>(t0 + tiles * (split + 1) / n_splits) * kKeyTile, n_keys);
   return make_int2(begin, end);
+}
+
+// The split-KV ranges of a decode query at position n_keys - 1 attending keys from key_lo on:
+// a.n_splits, but never fewer than a.split_min_tiles tiles of its own context a split (at least
+// one split). It depends on the query's own context, not on the batch's longest (a.n_splits is
+// sized by that), so a sequence's row gets the same ranges, and bits, in any batch whose item
+// count gives the same a.n_splits (paged_attention.cu, split_rule).
+__device__ __forceinline__ int decode_splits(const AttnKernelArgs& a, int key_lo, int n_keys) {
+  const int tiles = (n_keys + kKeyTile - 1) / kKeyTile - key_lo / kKeyTile;
+  return max(1, min(a.n_splits, tiles / a.split_min_tiles));
+}
+
+// Decode row x of the decode kernels' grid: its sequence and query token; false when that
+// sequence is not the decode kernels' (not one query token, without a.decode_rows).
+__device__ __forceinline__ bool decode_row(const AttnKernelArgs& a, int x, int& seq, int& token) {
+  if (a.decode_rows > 0) {
+    token = x;
+    seq = x / a.decode_rows;
+    return true;
+  }
+  seq = x;
+  token = a.query_start[x];
+  return a.query_start[x + 1] - token == 1;
 }
 
 // Gathers keys [key0, key0 + kKeys) of one KV head through the block table into a K and a V tile

@@ -1,7 +1,8 @@
-// Paged decode attention (sequences with one query token) on the tensor cores, and the split-KV
-// reduction (flash-decoding, Dao et al. 2023), for the head dims of paged_attention.cuh's kernels.
+// Paged decode attention (sequences with one query token, or each token of a verify step's
+// uniform runs: AttnKernelArgs::decode_rows) on the tensor cores, and the split-KV reduction
+// (flash-decoding, Dao et al. 2023), for the head dims of paged_attention.cuh's kernels.
 //
-// One block per work item (sequence, KV head and head chunk, split): the token's group of query
+// One block per work item (query token, KV head and head chunk, split): the token's group of query
 // heads (up to 16 rows, one mma tile, padding rows zero) for one KV head over one split of the
 // context (split_key_range: whole 64-key tiles shared out evenly). The 4 warps split each key tile
 // (16 keys each; 32 of a 128-key stage, and items of up to 8 heads, on the FP8 fragment path of
@@ -10,8 +11,9 @@
 // and key range, and the block-table entries of its first tile) is read before
 // griddepcontrol.wait: those arrays are written before the forward pass, not by the kernel this
 // one follows, so under programmatic dependent launch the block's start overlaps that kernel's end.
-// With n_splits > 1 each item writes its normalised output and log2-sum-exp2 for
-// attention_reduce_kernel; else it writes the output. Fused RoPE (AttnKernelArgs::rope_qkv, decode-
+// With more than one split for its query (decode_splits: from the query's own context, so that a
+// row's bits do not depend on the batch's longest context) each item writes its normalised output
+// and log2-sum-exp2 for attention_reduce_kernel; else it writes the output. Fused RoPE (AttnKernelArgs::rope_qkv, decode-
 // only passes): q is read un-rotated from the QKV rows and rotated in shared memory before the
 // first tile, and each item's last split, which holds the token's own key, rotates k and writes k
 // and v to the token's slot before it reads its tiles (what rope_write_kv_fused did, in the same
@@ -38,31 +40,38 @@ namespace kestrel::cuda {
 // kFp8: the stages hold codes and scales (kFp8StageBytes); at the head dims of the fragment path
 // (paged_attention_fp8.cuh) the stages together hold the merge outputs; at the others one bf16 K/V
 // tile follows them, each warp's 16 rows widened there by the warp, and it holds the merge outputs.
-template <int D, int kStages = 2, bool kFp8 = false>
+// kFp8Tile: the keys of a fragment-path stage (kFp8KeyTile, or 64).
+template <int D, int kStages = 2, bool kFp8 = false, int kFp8Tile = kFp8KeyTile>
 constexpr size_t attn_decode_smem_bytes() {
   constexpr size_t merge = 2 * 4 * kDecodeRows * sizeof(float), rope = D * sizeof(float);
   constexpr size_t tile = 2 * static_cast<size_t>(kKeyTile) * kTileStride<D> * 2;  // a bf16 K/V stage
   constexpr size_t fp8_stages =
-      kStages * static_cast<size_t>(kFp8StageBytes<D, kFp8Fragments<D> ? kFp8KeyTile : kKeyTile>);
+      kStages * static_cast<size_t>(kFp8StageBytes<D, kFp8Fragments<D> ? kFp8Tile : kKeyTile>);
   return static_cast<size_t>(kDecodeRows) * kTileStride<D> * 2 +
          (kFp8 ? fp8_stages + (kFp8Fragments<D> ? 0 : tile) : kStages * tile) + (merge > rope ? merge : rope);
 }
 static_assert(2 * kKeyTile * 2 >= 4 * kDecodeRows * 4, "a K/V stage holds the warps' merge outputs");
-static_assert(kFp8StageBytes<128, kFp8KeyTile> >= 4 * kDecodeRows * 128 * 4 &&
-                  kFp8StageBytes<64, kFp8KeyTile> >= 4 * kDecodeRows * 64 * 4,
-              "an FP8 fragment-path stage holds the warps' merge outputs");
+static_assert(2 * kFp8StageBytes<128, 64> >= 4 * kDecodeRows * 128 * 4 &&
+                  2 * kFp8StageBytes<64, 64> >= 4 * kDecodeRows * 64 * 4,
+              "two FP8 fragment-path stages (of 64 keys or more) hold the warps' merge outputs");
 
 // K/V stages the decode kernel is instantiated with: 2 and 3 (the FP8 fragment path's stages hold
-// 128 keys, about the bytes of a 64-key bf16 stage). Blocks per SM its registers are bounded for
-// (D <= 128): 3 with 2 stages (d128: 66-72 KB of shared memory a block), else 2.
+// 128 keys, about the bytes of a 64-key bf16 stage, or 64). Blocks per SM its registers are bounded
+// for (D <= 128): 3 with 2 stages (d128: 66-72 KB of shared memory a block), else 2; 4 for the
+// fragment path's 64-key stages (d128: 38 / 55 KB a block with 2 / 3 stages).
 template <int D, int kStages, bool kFp8>
 constexpr bool kDecodeStagesSupported = kStages == 2 || kStages == 3;
-template <int D, int kStages, bool kFp8>
-constexpr int kDecodeMinBlocks = D > 128 ? 1 : kStages == 2 ? 3 : 2;
+template <int D, int kStages, bool kFp8, int kFp8Tile = kFp8KeyTile>
+constexpr int kDecodeMinBlocks = D > 128                                      ? 1
+                                 : kFp8 && kFp8Fragments<D> && kFp8Tile == 64 ? 4
+                                 : kStages == 2                               ? 3
+                                                                              : 2;
 
 // One decode work item.
+// row: the grid row (decode_row); n_splits: the query's split count (decode_splits).
 struct DecodeItem {
-  int seq = 0, split = 0, token = 0, pos = 0, kvh = 0, head0 = 0, n_rows = 0, key_begin = 0, key_end = 0;
+  int row = 0, seq = 0, split = 0, n_splits = 1, token = 0, pos = 0, kvh = 0, head0 = 0, n_rows = 0, key_begin = 0,
+      key_end = 0;
 };
 
 // Float pair `pair` (floats 2 pair, 2 pair + 1) of query row `row` in the merge scratch
@@ -100,10 +109,10 @@ __device__ __forceinline__ void combine_decode_item(const AttnKernelArgs& a, con
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int head = it.head0 + row;
-    if (a.n_splits == 1) {
+    if (it.n_splits == 1) {
       a.out[(static_cast<int64_t>(it.token) * a.n_head + head) * D + d] = __float2bfloat16_rn(o * inv);
     } else {
-      const int64_t part = (static_cast<int64_t>(it.split) * a.n_seqs + it.seq) * a.n_head + head;
+      const int64_t part = (static_cast<int64_t>(it.split) * a.n_part_rows + it.row) * a.n_head + head;
       a.part_out[part * D + d] = o * inv;
       if (d == 0) a.part_lse[part] = l > 0.0f ? m + log2f(l) : -INFINITY;
     }
@@ -164,28 +173,32 @@ __device__ __forceinline__ void store_warp_state(const WarpSoftmaxT<D>& st, int 
 }
 
 // grid (n_seqs, n_head_kv * head_chunks, n_splits), 128 threads, attn_decode_smem_bytes<D,
-// kStages, kFp8>(). kStages K/V tiles in flight or computed at once: 2 (one loads while one is computed;
-// at most 168 registers for D <= 128, so that three blocks fit on an SM) or 3 (two load while one
-// is computed; two blocks per SM by shared memory).
-template <int D, int kStages = 2, bool kFp8 = false>
-__global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp8>)
+// kStages, kFp8, kFp8Tile>(). kStages K/V tiles in flight or computed at once: 2 (one loads while one
+// is computed; at most 168 registers for D <= 128, so that three blocks fit on an SM) or 3 (two
+// load while one is computed; two blocks per SM by shared memory). kFp8Tile: keys of a
+// fragment-path stage (128, or 64 with four blocks an SM).
+template <int D, int kStages = 2, bool kFp8 = false, int kFp8Tile = kFp8KeyTile>
+__global__ void __launch_bounds__(kAttnThreads, (kDecodeMinBlocks<D, kStages, kFp8, kFp8Tile>))
     attention_decode_kernel(AttnKernelArgs a) {
   static_assert(kDecodeStagesSupported<D, kStages, kFp8>, "an instantiated stage count");
   constexpr bool kFragments = kFp8 && kFp8Fragments<D>;  // paged_attention_fp8.cuh
+  static_assert(kFp8Tile == kFp8KeyTile || (kFragments && kFp8Tile == 64), "64-key stages: the fragment path only");
   constexpr int kRows = kDecodeRows, kChunks = D / 8, kWarps = kAttnThreads / kWarpSize, kStride = kTileStride<D>;
   constexpr int kStage = 2 * kKeyTile * kStride;  // elements of a bf16 K/V stage (kFp8: of the widened tile)
-  constexpr int kTile = kFragments ? kFp8KeyTile : kKeyTile;  // keys of a stage
+  constexpr int kTile = kFragments ? kFp8Tile : kKeyTile;  // keys of a stage
   constexpr int kFp8Stage = kFp8StageBytes<D, kTile>;
   // Before griddepcontrol.wait: only arrays written before the forward pass.
   DecodeItem it;
-  it.seq = blockIdx.x;
+  it.row = blockIdx.x;
   it.split = blockIdx.z;
-  it.token = a.query_start[it.seq];
-  const bool decode = a.query_start[it.seq + 1] - it.token == 1;  // else a prefill sequence: the other kernel's
+  const bool decode = decode_row(a, it.row, it.seq, it.token);  // else a prefill sequence: the other kernel's
   it.pos = decode ? a.positions[it.token] : 0;
   const int key_lo = first_key(it.pos, a.window);
-  const int2 keys = split_key_range(key_lo, it.pos + 1, it.split, a.n_splits);
-  if (!decode || keys.x >= keys.y) {  // nothing to do (an empty split: fewer key tiles than splits)
+  it.n_splits = decode_splits(a, key_lo, it.pos + 1);
+  const int2 keys = split_key_range(key_lo, it.pos + 1, it.split, it.n_splits);
+  // Nothing to do: a prefill sequence, a split past the query's count, or an empty split (fewer key
+  // tiles than splits).
+  if (!decode || it.split >= it.n_splits || keys.x >= keys.y) {
     // Still wait: the next kernel's griddepcontrol.wait covers this grid only, so this grid may
     // not complete before the one it follows (a pass without decodes has no block that waits).
     pdl_wait();
@@ -221,7 +234,7 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   pdl_wait();
   pdl_launch_next();
 
-  if (fused_rope && it.split == a.n_splits - 1) {
+  if (fused_rope && it.split == it.n_splits - 1) {
     // The last split (never empty) holds the token's own key: it writes the token's k (rotated)
     // and v to the cache before any of its tiles is read. Every head chunk's last split writes
     // the same bits, so chunks of one KV head need no ordering between them.
@@ -329,12 +342,12 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
     }
     const int key0 = it.key_begin + j * kTile;
     constexpr int kWarpKeys = kTile / kWarps;  // each warp's keys of the tile
-    static_assert(!kFragments || kWarpKeys == kFp8WarpKeys);
-    // The fragment path's 128-key tile may run past a split's end (split ranges are whole 64-key
+    static_assert(!kFragments || kWarpKeys == 16 || kWarpKeys == 32);
+    // The fragment path's 64- or 128-key tile may run past a split's end (split ranges are whole 64-key
     // tiles), so it masks keys from key_end on; the 64-key tiles end at a split's end or hold pos.
     const bool need_mask = (kFragments ? key0 + kTile > it.key_end : key0 + kTile - 1 > it.pos) || key0 < key_lo;
     if constexpr (kFragments) {
-      attend_tile_fp8<D>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask,
+      attend_tile_fp8<D, kWarpKeys>(st, v_exp, qf, fp8_stages + j % kStages * kFp8Stage, warp * kWarpKeys, key0, need_mask,
                          it.key_end, key_lo);
     } else if constexpr (kFp8) {
       // The warp widens its own rows only, so a warp barrier suffices.
@@ -364,29 +377,32 @@ __global__ void __launch_bounds__(kAttnThreads, kDecodeMinBlocks<D, kStages, kFp
   }
 }
 
-// Combines the split-KV partial results of each decode sequence: out = sum_s w_s O_s / sum_s w_s
-// with w_s = 2^(lse_s - max lse), over the splits that split_key_range gives keys. grid (n_seqs,
+// Combines the split-KV partial results of each decode row: out = sum_s w_s O_s / sum_s w_s with
+// w_s = 2^(lse_s - max lse), over the splits that split_key_range gives keys (of the row's
+// decode_splits; a row with one split was written by the decode kernel). grid (n_part_rows,
 // n_head), 128 threads. D = 0: a.head_dim (the SIMT kernel's head dims).
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads) attention_reduce_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
   const int dim = D > 0 ? D : a.head_dim;
-  const int seq = blockIdx.x, head = blockIdx.y;
-  const int token = a.query_start[seq];
-  if (a.query_start[seq + 1] - token != 1) return;
+  const int row = blockIdx.x, head = blockIdx.y;
+  int seq = 0, token = 0;
+  if (!decode_row(a, row, seq, token)) return;
   const int n_keys = a.positions[token] + 1;
   const int key_lo = first_key(n_keys - 1, a.window);
-  const int64_t stride = a.n_seqs * a.n_head;  // between splits
-  const int64_t first = static_cast<int64_t>(seq) * a.n_head + head;
+  const int n_splits = decode_splits(a, key_lo, n_keys);
+  if (n_splits == 1) return;
+  const int64_t stride = static_cast<int64_t>(a.n_part_rows) * a.n_head;  // between splits
+  const int64_t first = static_cast<int64_t>(row) * a.n_head + head;
   float m = -INFINITY;
-  for (int s = 0; s < a.n_splits; ++s) {
-    const int2 keys = split_key_range(key_lo, n_keys, s, a.n_splits);
+  for (int s = 0; s < n_splits; ++s) {
+    const int2 keys = split_key_range(key_lo, n_keys, s, n_splits);
     if (keys.x < keys.y) m = fmaxf(m, a.part_lse[first + s * stride]);
   }
   for (int d = threadIdx.x; d < dim; d += kAttnThreads) {
     float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < a.n_splits; ++s) {
-      const int2 keys = split_key_range(key_lo, n_keys, s, a.n_splits);
+    for (int s = 0; s < n_splits; ++s) {
+      const int2 keys = split_key_range(key_lo, n_keys, s, n_splits);
       if (keys.x >= keys.y) continue;
       const float lse = a.part_lse[first + s * stride];
       const float w = lse == -INFINITY ? 0.0f : exp2f(lse - m);

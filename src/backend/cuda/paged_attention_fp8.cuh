@@ -146,8 +146,10 @@ __device__ __forceinline__ float exp2_int(int e) { return __uint_as_float(static
 // Query heads of a decode item on the fragment path: the mma's n (S^T and O^T have the heads as
 // columns), so groups above 8 take several head chunks.
 constexpr int kFp8Heads = 8;
-// Keys of an FP8 stage on the fragment path, and each warp's share of them (two 16-key row tiles
-// of S^T: two independent mma chains, and one softmax step and O rescale per 32 keys).
+// Keys of an FP8 stage on the fragment path with three stages, and each warp's share of them (two
+// 16-key row tiles of S^T: two independent mma chains, one softmax step and O rescale per 32
+// keys). With two stages the stages hold 64 keys (16 keys a warp: one row tile, 101 registers
+// against 137, so four blocks an SM instead of three; AttentionParams::fp8_decode_key_tile).
 constexpr int kFp8WarpKeys = 32;
 constexpr int kFp8KeyTile = 4 * kFp8WarpKeys;
 
@@ -234,16 +236,17 @@ __device__ __forceinline__ int fp8_output_dim(int g, int mt, int h) {
 
 // load_kv_tile_fp8's stage of kFp8KeyTile keys, read by the fragment path: K codes [keys][D]
 // (fp8_chunk layout), V codes likewise, K scales, V scales [keys] f32.
-// The warp's kFp8WarpKeys keys at tile row key_off (absolute index of tile row 0: key0):
+// The warp's kWarpKeys keys (16 or 32) at tile row key_off (absolute index of tile row 0: key0):
 // S^T = K Q^T, the online softmax (keys outside [key_lo, key_end) masked when need_mask), O^T +=
 // V^T P^T, P^T moved from S^T's accumulator layout into B fragments by movmatrix.
 // v_exp: the warp's rho as a biased f32 exponent (the largest V scale seen is below 2^(v_exp - 126)).
-template <int D>
+template <int D, int kWarpKeys>
 __device__ __forceinline__ void attend_tile_fp8(WarpSoftmaxT<D>& st, int& v_exp, const QFragmentsF16<D>& q,
                                                 const unsigned char* stage, int key_off, int key0, bool need_mask,
                                                 int key_end, int key_lo) {
-  constexpr int kT = kFp8KeyTile, kKB = D / 4, kVB = D / 8;  // a lane's code bytes of a key row: K, V
-  constexpr int kMT = kFp8WarpKeys / 16;                      // the warp's 16-key row tiles
+  static_assert(kWarpKeys == 16 || kWarpKeys == 32, "one or two 16-key row tiles a warp");
+  constexpr int kT = 4 * kWarpKeys, kKB = D / 4, kVB = D / 8;  // a lane's code bytes of a key row: K, V
+  constexpr int kMT = kWarpKeys / 16;                           // the warp's 16-key row tiles
   const unsigned char* kc = stage;
   const unsigned char* vc = stage + kT * D;
   const auto* ks = reinterpret_cast<const float*>(stage + 2 * kT * D);

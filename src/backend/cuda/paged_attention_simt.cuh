@@ -38,8 +38,8 @@ inline size_t attn_simt_smem_bytes(int d) {
          static_cast<size_t>(kSimtKeys) * d * 2 + static_cast<size_t>(kSimtRows) * kSimtKeys * 4 + 2 * kSimtKeys * 4;
 }
 
-// grid: prefill (tile-list bound, n_head_kv * head_chunks); decode (n_seqs, n_head_kv * head_chunks,
-// n_splits). 128 threads, attn_simt_smem_bytes(head_dim). kSlots: head_dim <= 32 * kSlots.
+// grid: prefill (tile-list bound, n_head_kv * head_chunks); decode (n_part_rows: sequences or,
+// with decode_rows, tokens; n_head_kv * head_chunks, n_splits). 128 threads, attn_simt_smem_bytes(head_dim). kSlots: head_dim <= 32 * kSlots.
 template <int kSlots, bool kDecode, bool kFp8 = false>
 __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
@@ -49,15 +49,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
   const int h0 = static_cast<int>(blockIdx.y) % a.head_chunks * a.heads_per_tile;
 
   // Which rows, and which keys [key_begin, key_end), this block does.
-  int seq, token0, key_begin = 0, split = 0, split_end = 0, key_lo = 0;
+  int seq, token0, key_begin = 0, split = 0, split_end = 0, key_lo = 0, n_splits = 1;
   if constexpr (kDecode) {
-    seq = blockIdx.x;
-    token0 = a.query_start[seq];
-    if (a.query_start[seq + 1] - token0 != 1) return;  // a prefill sequence: the prefill launch's
+    if (!decode_row(a, static_cast<int>(blockIdx.x), seq, token0)) return;  // a prefill sequence: the prefill launch's
     split = blockIdx.z;
     const int pos = a.positions[token0];
     key_lo = first_key(pos, a.window);
-    const int2 keys = split_key_range(key_lo, pos + 1, split, a.n_splits);
+    n_splits = decode_splits(a, key_lo, pos + 1);
+    if (split >= n_splits) return;
+    const int2 keys = split_key_range(key_lo, pos + 1, split, n_splits);
     if (keys.x >= keys.y) return;  // the context has fewer key tiles than splits
     key_begin = keys.x;
     split_end = keys.y;
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
     const int64_t off = row_off[warp * kSimtRowsPerWarp + r];
     if (off < 0) continue;
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    if (!kDecode || a.n_splits == 1) {
+    if (!kDecode || n_splits == 1) {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
         const int d = lane + i * kWarpSize;
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_simt_kernel(AttnKernel
       }
     } else {
       const int64_t head = off / D - static_cast<int64_t>(token0) * a.n_head;
-      const int64_t part = (static_cast<int64_t>(split) * a.n_seqs + seq) * a.n_head + head;
+      const int64_t part = (static_cast<int64_t>(split) * a.n_part_rows + blockIdx.x) * a.n_head + head;
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
         const int d = lane + i * kWarpSize;
