@@ -31,6 +31,8 @@ namespace {
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
+constexpr const char* kNoTokenAllowed =
+    "no token may be sampled: allowed_token_ids, bad_words and the grammar rule out every token";
 
 }  // namespace
 
@@ -193,10 +195,23 @@ RequestId Engine::add_request(Request request) {
   if (request.max_tokens > 0 && request.min_tokens > request.max_tokens)
     throw Error("min_tokens (" + std::to_string(request.min_tokens) + ") must be at most max_tokens (" +
                 std::to_string(request.max_tokens) + ")");
-  // Stop ids index the token mask (min_tokens) and are compared with sampled ids.
+  if (request.min_tokens > m.config.max_model_len - n_prompt)
+    throw Error("min_tokens (" + std::to_string(request.min_tokens) + ") must be at most the " +
+                std::to_string(m.config.max_model_len - n_prompt) + " tokens the context (max_model_len " +
+                std::to_string(m.config.max_model_len) + ") leaves after the prompt");
+  // Stop ids, allowed ids and bad words index the token mask.
   for (int32_t t : request.stop_ids)
     if (t < 0 || t >= n_vocab)
       throw Error("stop token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
+  for (int32_t t : request.allowed_token_ids)
+    if (t < 0 || t >= n_vocab)
+      throw Error("allowed token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
+  for (const std::vector<int32_t>& word : request.bad_words) {
+    if (word.empty()) throw Error("a bad word has no tokens");
+    for (int32_t t : word)
+      if (t < 0 || t >= n_vocab)
+        throw Error("bad word token id " + std::to_string(t) + " is outside the vocabulary of " + std::to_string(n_vocab));
+  }
   if (request.logprobs < -1 || request.logprobs > kMaxRequestLogprobs)
     throw Error("logprobs must be in [-1, " + std::to_string(kMaxRequestLogprobs) + "], got " +
                 std::to_string(request.logprobs));
@@ -215,12 +230,19 @@ RequestId Engine::add_request(Request request) {
                   " tokens) is larger than the model's (" + std::to_string(n_vocab) + ")");
     r->matcher.emplace(request.grammar);
   }
-  if (request.grammar || request.min_tokens > 0)
-    r->token_mask.assign(grammar::bitmask_words(static_cast<int32_t>(n_vocab)), 0u);
+  const size_t mask_words = grammar::bitmask_words(static_cast<int32_t>(n_vocab));
+  if (!request.allowed_token_ids.empty()) {
+    r->allowed_mask.assign(mask_words, 0u);
+    for (const int32_t t : request.allowed_token_ids)
+      r->allowed_mask[static_cast<size_t>(t) / 32] |= 1u << (static_cast<uint32_t>(t) % 32);
+  }
+  if (request.grammar || request.min_tokens > 0 || !request.allowed_token_ids.empty() || !request.bad_words.empty())
+    r->token_mask.assign(mask_words, 0u);
   r->id = m.next_id++;
   // continuation: the output continues the prompt, so a first word keeps its leading space.
-  if (m.tokenizer != nullptr) r->decoder.emplace(*m.tokenizer, /*skip_special=*/true, /*continuation=*/true);
-  r->stop_checker = StopChecker(request.stop);
+  if (m.tokenizer != nullptr)
+    r->decoder.emplace(*m.tokenizer, /*skip_special=*/request.skip_special_tokens, /*continuation=*/true);
+  r->stop_checker = StopChecker(request.stop, request.include_stop_str_in_output);
   r->seq.id = r->id;
   r->seq.tokens = request.prompt;
   r->seq.n_prompt = n_prompt;
@@ -349,15 +371,21 @@ void Engine::Impl::post_process(RequestState& r, std::span<const int32_t> tokens
     // min_tokens: a stop string completed by an earlier token does not end the request.
     const bool may_stop = s.n_generated() >= r.req.min_tokens;
     bool stop_string = false;
-    // A stop token's text is not part of the output (vLLM's default; EOS and end-of-turn tokens
-    // are special and decode to nothing anyway).
+    // A stop token's text is not part of the output unless include_stop_str_in_output (vLLM's
+    // rule; EOS and end-of-turn tokens are special and decode to nothing unless
+    // skip_special_tokens is false). It ends the request whatever its text: no stop-string check.
+    std::string stop_token_text;
+    if (r.decoder && stop_token && r.req.include_stop_str_in_output) stop_token_text = r.decoder->push(token);
     if (r.decoder && !stop_token) stop_string = r.stop_checker.push(r.decoder->push(token), o.text_delta, may_stop);
     const bool at_limit = (r.req.max_tokens > 0 && s.n_generated() >= r.req.max_tokens) ||
                           static_cast<int64_t>(s.tokens.size()) >= config.max_model_len;
     if (stop_id || stop_string || at_limit) {
       // Tokens after the one that stops are dropped, and so is the K/V computed for them.
       s.n_computed = std::min<int64_t>(n_computed, static_cast<int64_t>(s.tokens.size()));
-      if (!stop_string && r.decoder) o.text_delta += r.stop_checker.flush(r.decoder->flush(), may_stop);
+      if (!stop_string && r.decoder)
+        o.text_delta += r.stop_checker.flush(stop_token_text + r.decoder->flush(), may_stop && stop_token_text.empty());
+      if (stop_token) o.stop_token = token;
+      if (stop_string) o.stop_string = r.stop_checker.matched();
       finish(r, stop_id || stop_string ? "stop" : "length", outputs, &o);
       return;
     }
@@ -396,9 +424,9 @@ void Engine::Impl::propose_drafts() {
     const Sequence& s = r.seq;
     if (s.status != SeqStatus::Running || s.n_draft != 0 || !s.is_decode()) continue;
     // A grammar-constrained request samples under its token mask one token at a time: no drafts;
-    // nor does one whose stop ids min_tokens still masks (the mask is for one row); a beam's next
-    // token is the search's.
-    if (r.matcher || r.bans_stop_ids() || r.group) continue;
+    // nor does one whose stop ids min_tokens still masks, nor one with allowed_token_ids or
+    // bad_words (the mask is for one row); a beam's next token is the search's.
+    if (r.masks_row() || r.group) continue;
     // Never more than the request may still emit: the drafts and the token after them count
     // toward max_tokens and max_model_len.
     int64_t room = std::min<int64_t>(k, config.max_model_len - static_cast<int64_t>(s.tokens.size()) - 1);
@@ -694,6 +722,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         v = accept_sampled_drafts(*r.sampler, device_tokens.subspan(first, static_cast<size_t>(n_draft + 1)),
                                   std::span<const int32_t>(r.seq.tokens).last(static_cast<size_t>(n_draft)));
       } else if (on_device) {
+        if (r.masks_row() && r.mask_empty) throw Error(kNoTokenAllowed);  // the mask filled for the pass
         v.tokens.push_back(device_tokens[row_index]);
         if (v.tokens[0] < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       } else if (n_draft > 0) {
@@ -713,6 +742,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         // masked row).
         if (r.masks_row()) {
           m.fill_token_mask(r, r.token_mask);
+          if (r.mask_empty) throw Error(kNoTokenAllowed);
           r.masked_row.assign(row.begin(), row.end());
           grammar::apply_token_bitmask(r.masked_row, r.token_mask);
           row = r.masked_row;

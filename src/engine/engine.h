@@ -114,11 +114,29 @@ struct Request {
   // their text left out of the output text (vLLM's default). Each in [0, n_vocab).
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop;        // stop strings (OpenAI `stop`): generation ends when the text contains one; the text is cut before it
+  // vLLM's include_stop_str_in_output: the stop string that ends the output stays in its text (the
+  // text is cut right after it, and nothing is held back while streaming, as vLLM streams it), and
+  // so does the text of the stop id that ends it (EOS and end-of-turn tokens are special: their
+  // text appears only with skip_special_tokens false).
+  bool include_stop_str_in_output = false;
+  // vLLM's skip_special_tokens: the text leaves special tokens (CONTROL, UNKNOWN, UNUSED) out; false
+  // writes their text (Tokenizer::decode's skip_special).
+  bool skip_special_tokens = true;
+  // vLLM's allowed_token_ids: when not empty, only these ids may be sampled; every other token's
+  // logit is -inf through the row's token mask (as a grammar's). Each in [0, n_vocab).
+  std::vector<int32_t> allowed_token_ids;
+  // vLLM's bad_words as token ids (the caller tokenizes each word, with and without a leading
+  // space, as vLLM's SamplingParams.update_from_tokenizer does): a word's last id is banned (-inf
+  // through the token mask) wherever the generated tokens just before it are the word's other ids,
+  // so a one-token word is banned everywhere (vLLM's apply_bad_words; the prompt does not count).
+  // Each word non-empty, each id in [0, n_vocab).
+  std::vector<std::vector<int32_t>> bad_words;
   // vLLM's min_tokens: until this many tokens are generated, no stop id can be sampled (their
   // logits are masked to -inf, as a grammar's mask is, unless that would leave no token: a grammar
   // that can only end, or stop ids covering the vocabulary) and no stop string ends generation (a
   // match counts only when the token that completes it is token min_tokens or later). 0 = none;
-  // at most max_tokens when that is positive. Not with beam search.
+  // at most max_tokens when that is positive, and at most max_model_len - prompt tokens. Not with
+  // beam search.
   int64_t min_tokens = 0;
   int32_t logprobs = -1;                // -1: none; 0..kMaxRequestLogprobs: each sampled token's logprob plus this many top alternatives
   // -1: none; 0..kMaxRequestLogprobs: the logprob of every prompt token after the first, given the
@@ -194,6 +212,11 @@ struct RequestOutput {
   int64_t kv_held_tokens = 0;
   bool finished = false;
   std::string finish_reason;            // when finished: "stop" (stop id or stop string), "length", "abort", "error"
+  // With "stop": what ended the request (vLLM's stop_reason comes from them): the stop string that
+  // matched ("" when none did), or the stop id sampled (-1 when none was: a stop string, or a
+  // grammar that ended).
+  std::string stop_string;
+  int32_t stop_token = -1;
   std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
   RequestMetrics metrics;               // complete when finished
 };
@@ -297,9 +320,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Validates and queues a request. Errors (kestrel::Error, nothing queued): empty prompt, a token
-  // id (prompt or stop id) outside the vocabulary, prompt + 1 longer than max_model_len, invalid
-  // sampling params, min_tokens negative or above a positive max_tokens, stop strings without a
-  // tokenizer, invalid beam params or fields beam search does not take.
+  // id (prompt, stop id, allowed_token_ids or bad_words id) outside the vocabulary, an empty bad
+  // word, prompt + 1 longer than max_model_len, invalid sampling params, min_tokens negative, above
+  // a positive max_tokens or above what the context leaves after the prompt, stop strings without
+  // a tokenizer, invalid beam params or fields beam search does not take.
   RequestId add_request(Request request);
   // Ends a waiting or running request and frees its blocks; the next step() reports it finished
   // with "abort". Unknown or finished ids are ignored. Passes in flight are collected first (their

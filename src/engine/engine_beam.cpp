@@ -28,6 +28,8 @@ void Engine::Impl::start_beams(RequestState& r) {
   if (!q.stop.empty()) throw Error("beam search does not take stop strings (stop ids end a beam)");
   if (q.grammar) throw Error("beam search does not take a grammar");
   if (q.min_tokens > 0) throw Error("beam search does not take min_tokens");
+  if (!q.allowed_token_ids.empty() || !q.bad_words.empty())
+    throw Error("beam search does not take allowed_token_ids or bad_words (beams rank the raw logits)");
   const int64_t room = config.max_model_len - r.seq.n_prompt;
   const int64_t max_new = q.max_tokens > 0 ? std::min(q.max_tokens, room) : room;
   r.own_group = std::make_unique<BeamGroup>(q.beam, q.stop_ids, max_new);
@@ -156,9 +158,10 @@ void Engine::Impl::end_beams(RequestState& owner, RequestOutput* o) {
   o->beams = g.search.results();
   for (BeamHypothesis& h : o->beams) {
     if (tokenizer == nullptr) break;
-    StreamDecoder d(*tokenizer, /*skip_special=*/true, /*continuation=*/true);
+    StreamDecoder d(*tokenizer, /*skip_special=*/owner.req.skip_special_tokens, /*continuation=*/true);
     // The stop id that ended a beam is not part of its text (as in post_process).
-    const size_t n_text = h.stopped && !h.tokens.empty() ? h.tokens.size() - 1 : h.tokens.size();
+    const bool drop_stop = h.stopped && !h.tokens.empty() && !owner.req.include_stop_str_in_output;
+    const size_t n_text = drop_stop ? h.tokens.size() - 1 : h.tokens.size();
     for (size_t i = 0; i < n_text; ++i) h.text += d.push(h.tokens[i]);
     h.text += d.flush();
   }

@@ -39,6 +39,11 @@ struct RequestState {
   std::vector<uint32_t> token_mask;
   std::vector<float> masked_row;
   bool grammar_ended = false;
+  // Request::allowed_token_ids as a token bitmask ([bitmask_words] words; empty when not given).
+  std::vector<uint32_t> allowed_mask;
+  // The last mask filled left no token (allowed_token_ids, bad_words and the grammar rule out every
+  // one): the request ends with an error instead of sampling from a row of -inf.
+  bool mask_empty = false;
   std::optional<StreamDecoder> decoder;
   StopChecker stop_checker;
   Clock::time_point arrival, first_token;
@@ -60,8 +65,10 @@ struct RequestState {
   bool wants_prompt_rows() const { return req.prompt_logprobs >= 0 || req.prompt_logits; }
   // min_tokens: the next token may not be a stop id yet.
   bool bans_stop_ids() const { return seq.n_generated() < req.min_tokens && !req.stop_ids.empty(); }
+  // allowed_token_ids or bad_words: every token is sampled under a mask, so no drafts either.
+  bool filters_tokens() const { return !allowed_mask.empty() || !req.bad_words.empty(); }
   // The next token is sampled under a token mask (Engine::Impl::fill_token_mask).
-  bool masks_row() const { return matcher.has_value() || bans_stop_ids(); }
+  bool masks_row() const { return matcher.has_value() || bans_stop_ids() || filters_tokens(); }
   // Choices of one prompt (n > 1, or identical prompts queued together): a request added while an
   // identical prompt waits unstarted becomes that one's child. The child is not scheduled: when the
   // parent's prompt is computed it forks the parent's blocks and samples its first token from the
@@ -230,8 +237,10 @@ struct Engine::Impl {
   void build_batch(Pass& p);
   void prompt_logprobs_from(const Pass& p, std::span<const float> logits);
   // The token mask of r's next sample ([bitmask_words] words): its grammar's (all ones without
-  // one), less its stop ids while min_tokens bans them, unless that leaves no token (the ban then
-  // yields). Writes only `mask` and reads r: safe for different requests at once.
+  // one), within allowed_token_ids, less the bad_words ids banned after the tokens generated so far,
+  // less its stop ids while min_tokens bans them, unless that leaves no token (the ban then
+  // yields); sets r.mask_empty when no token is left. Writes only `mask` and r.mask_empty: safe for
+  // different requests at once.
   void fill_token_mask(RequestState& r, std::span<uint32_t> mask) const;
   // The token masks of a pass's masked rows for forward_sample: [n_rows, bitmask_words] words,
   // row sr.row of each sampling request that masks_row() (the other rows are not read). Requests

@@ -1,8 +1,11 @@
-// Token masks of the engine's sampling rows (structured output, min_tokens) and the grammar
-// matchers' side of a step: masks filled, and device-sampled tokens accepted, in parallel.
+// Token masks of the engine's sampling rows (structured output, min_tokens, allowed_token_ids,
+// bad_words) and the grammar matchers' side of a step: masks filled, and device-sampled tokens
+// accepted, in parallel.
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <span>
+#include <vector>
 
 #include "engine/engine.h"
 #include "engine/engine_impl.h"
@@ -12,22 +15,54 @@ namespace kestrel {
 
 using engine_detail::RequestState;
 
-void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) const {
-  if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
-  else std::fill(mask.begin(), mask.end(), ~0u);
-  if (!r.bans_stop_ids()) return;
-  for (const int32_t id : r.req.stop_ids)
-    mask[static_cast<size_t>(id) / 32] &= ~(1u << (static_cast<uint32_t>(id) % 32));
-  const auto n_vocab = static_cast<size_t>(model.hparams().n_vocab);
+namespace {
+
+void clear_bit(std::span<uint32_t> mask, int32_t id) {
+  mask[static_cast<size_t>(id) / 32] &= ~(1u << (static_cast<uint32_t>(id) % 32));
+}
+
+// True when no id below n_vocab is left in mask (the bits past n_vocab in the last word are not read).
+bool no_token_left(std::span<const uint32_t> mask, size_t n_vocab) {
   for (size_t w = 0; w < mask.size(); ++w) {
     const size_t bits = std::min<size_t>(32, n_vocab - w * 32);
     const uint32_t valid = bits == 32 ? ~0u : (1u << bits) - 1;
-    if ((mask[w] & valid) != 0) return;
+    if ((mask[w] & valid) != 0) return false;
   }
-  // A row with no token left could not be sampled at all: min_tokens then yields (a grammar that
-  // can only end here ends it; stop ids that cover the vocabulary stop at once). Rare: refill.
-  if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
-  else std::fill(mask.begin(), mask.end(), ~0u);
+  return true;
+}
+
+// vLLM's bad-words rule (v1/sample/ops/bad_words.py): a word's last id is banned where the
+// generated tokens end with the word's other ids (a one-token word: always).
+void ban_bad_words(const RequestState& r, std::span<uint32_t> mask) {
+  const std::span<const int32_t> tokens(r.seq.tokens);
+  const auto generated = tokens.subspan(static_cast<size_t>(r.seq.n_prompt));
+  for (const std::vector<int32_t>& word : r.req.bad_words) {
+    const size_t n_prefix = word.size() - 1;
+    if (n_prefix > generated.size()) continue;
+    if (std::equal(word.begin(), word.end() - 1, generated.end() - static_cast<std::ptrdiff_t>(n_prefix)))
+      clear_bit(mask, word.back());
+  }
+}
+
+}  // namespace
+
+void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) const {
+  const auto n_vocab = static_cast<size_t>(model.hparams().n_vocab);
+  const auto fill = [&] {
+    if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
+    else std::fill(mask.begin(), mask.end(), ~0u);
+    if (!r.allowed_mask.empty())
+      for (size_t w = 0; w < mask.size(); ++w) mask[w] &= r.allowed_mask[w];
+    if (!r.req.bad_words.empty()) ban_bad_words(r, mask);
+  };
+  fill();
+  if (r.bans_stop_ids()) {
+    for (const int32_t id : r.req.stop_ids) clear_bit(mask, id);
+    // A row with no token left could not be sampled at all: min_tokens then yields (a grammar that
+    // can only end here ends it; stop ids that cover the allowed tokens stop at once). Rare: refill.
+    if (no_token_left(mask, n_vocab)) fill();
+  }
+  r.mask_empty = no_token_left(mask, n_vocab);
 }
 
 void Engine::Impl::for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn) {

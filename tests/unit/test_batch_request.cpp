@@ -229,7 +229,11 @@ TEST(BatchRequest, ResultLineKeepsIdFirstAndUsageTotals) {
   const Json j = result_json("a", r);
   std::vector<std::string> keys;
   for (const auto& [k, v] : j.items()) keys.push_back(k);
-  EXPECT_EQ(keys, (std::vector<std::string>{"id", "output_ids", "text", "finish_reason", "usage", "ttft_ms", "tpot_ms"}));
+  EXPECT_EQ(keys, (std::vector<std::string>{"id", "output_ids", "text", "finish_reason", "stop_reason", "usage",
+                                            "ttft_ms", "tpot_ms"}));
+  EXPECT_TRUE(j["stop_reason"].is_null());
+  r.stop_reason = 2;
+  EXPECT_EQ(result_json("a", r)["stop_reason"], 2);
   EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
   EXPECT_EQ(j["usage"]["completion_tokens"], 3);
   EXPECT_EQ(j["usage"]["total_tokens"], 7);
@@ -364,6 +368,98 @@ TEST(BatchRequest, EngineRequestFromMessagesStopsAtEndOfTurn) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no tokens"), std::string::npos) << e.what();
   }
+}
+
+// vLLM's token filters and output fields reach the engine request: allowed_token_ids checked
+// against the vocabulary, bad_words tokenized with and without a leading space (vLLM's
+// update_from_tokenizer), truncate_prompt_tokens keeping the prompt's last tokens (-1: the context;
+// above the context: refused).
+TEST(BatchRequest, EngineRequestTokenFiltersAndTruncation) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const Loaded l = load(path);
+  PromptFormat f = PromptFormat::for_model(*l.model, *l.tokenizer);
+  f.max_model_len = 64;
+  const Tokenizer& tok = *l.tokenizer;
+
+  Request q = to_engine_request(parse_ok(R"({"prompt": "a", "allowed_token_ids": [5, 9], "include_stop_str_in_output": true,
+                                            "skip_special_tokens": false})"),
+                                f, 0);
+  EXPECT_EQ(q.allowed_token_ids, (std::vector<int32_t>{5, 9}));
+  EXPECT_TRUE(q.include_stop_str_in_output);
+  EXPECT_FALSE(q.skip_special_tokens);
+  EXPECT_TRUE(to_engine_request(parse_ok(R"({"prompt": "a"})"), f, 0).skip_special_tokens);
+  try {
+    to_engine_request(parse_ok(R"({"prompt": "a", "allowed_token_ids": [5, 512]})"), f, 0);  // 512 tokens
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "allowed_token_ids");
+    EXPECT_NE(std::string(e.what()).find("allowed_token_ids[1] = 512 is outside the vocabulary"), std::string::npos)
+        << e.what();
+  }
+
+  // vLLM's rule: "word" as it is, and " word" when it starts with another token and has as many.
+  q = to_engine_request(parse_ok(R"({"prompt": "a", "bad_words": ["  upon", "Once upon"]})"), f, 0);
+  std::vector<std::vector<int32_t>> want;
+  for (const std::string w : {"upon", "Once upon"}) {
+    const std::vector<int32_t> plain = tok.encode(w, false, true), spaced = tok.encode(" " + w, false, true);
+    want.push_back(plain);
+    if (spaced[0] != plain[0] && spaced.size() == plain.size()) want.push_back(spaced);
+  }
+  EXPECT_EQ(q.bad_words, want);
+  EXPECT_GE(q.bad_words.size(), 2u);
+
+  const std::vector<int32_t> full = tok.encode("Once upon a time there was", true, true);
+  ASSERT_GT(full.size(), 4u);
+  q = to_engine_request(parse_ok(R"({"prompt": "Once upon a time there was", "truncate_prompt_tokens": 3})"), f, 0);
+  EXPECT_EQ(q.prompt, std::vector<int32_t>(full.end() - 3, full.end()));
+  bool cut = false;
+  EXPECT_EQ(to_engine_request(parse_ok(R"({"prompt": [1, 5, 9], "truncate_prompt_tokens": 3})"), f, 0, 0, &cut).prompt,
+            (std::vector<int32_t>{1, 5, 9}));
+  EXPECT_FALSE(cut);
+  EXPECT_EQ(to_engine_request(parse_ok(R"({"prompt": [1, 5, 9], "truncate_prompt_tokens": 2})"), f, 0, 0, &cut).prompt,
+            (std::vector<int32_t>{5, 9}));
+  EXPECT_TRUE(cut);
+  std::string long_ids = R"({"prompt": [1)";
+  for (int i = 0; i < 100; ++i) long_ids += ", " + std::to_string(10 + i);
+  q = to_engine_request(parse_ok(long_ids + R"(], "truncate_prompt_tokens": -1})"), f, 0);
+  ASSERT_EQ(q.prompt.size(), 64u);  // max_model_len
+  EXPECT_EQ(q.prompt.back(), 109);
+  try {
+    to_engine_request(parse_ok(R"({"prompt": "a", "truncate_prompt_tokens": 65})"), f, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const RequestError& e) {
+    EXPECT_EQ(e.param(), "truncate_prompt_tokens");
+    EXPECT_NE(std::string(e.what()).find("greater than max_model_len (64)"), std::string::npos) << e.what();
+  }
+}
+
+// vLLM's stop_reason: the stop string, or a stop_token_ids id that ended the choice; null for EOS
+// (unless ignore_eos made it a request's stop id), a grammar's end and any finish but "stop".
+TEST(BatchRequest, StopReason) {
+  const std::string path = test::data_dir() + "/stories260K/stories260K.gguf";
+  KESTREL_REQUIRE_FILE(path);
+  const Loaded l = load(path);
+  const PromptFormat f = PromptFormat::for_model(*l.model, *l.tokenizer);
+  const int32_t eos = l.tokenizer->eos_id();
+  ASSERT_GE(eos, 0);
+  const std::string ids = R"(, "stop_token_ids": [13, )" + std::to_string(eos) + "]}";
+  const std::vector<int32_t> reported = reported_stop_ids(parse_ok(R"({"prompt": "a")" + ids), f);
+  EXPECT_EQ(reported, (std::vector<int32_t>{13}));
+  EXPECT_EQ(reported_stop_ids(parse_ok(R"({"prompt": "a", "ignore_eos": true)" + ids), f),
+            (std::vector<int32_t>{13, eos}));
+  RequestOutput o;
+  o.finish_reason = "stop";
+  EXPECT_TRUE(stop_reason_json(o, reported).is_null());  // a grammar's end: no stop string, no stop id
+  o.stop_token = 13;
+  EXPECT_EQ(stop_reason_json(o, reported), 13);
+  o.stop_token = eos;
+  EXPECT_TRUE(stop_reason_json(o, reported).is_null());
+  o.stop_token = -1;
+  o.stop_string = "The end";
+  EXPECT_EQ(stop_reason_json(o, reported), "The end");
+  o.finish_reason = "length";
+  EXPECT_TRUE(stop_reason_json(o, reported).is_null());
 }
 
 }  // namespace

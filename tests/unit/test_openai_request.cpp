@@ -256,6 +256,92 @@ TEST(OpenAiRequest, MinTokensAndStopTokenIds) {
   for (const char* f : {"min_tokens", "stop_token_ids"}) EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
 }
 
+// vLLM's output and token-filter fields, on every API (they share the parser): their defaults,
+// values, and a 400 naming the field for a wrong type or value; priority other than 0 is refused.
+TEST(OpenAiRequest, VllmOutputAndFilterFields) {
+  const std::string m = R"("messages": [{"role": "user", "content": "hi"}])";
+  for (const auto& [body, api] : {std::pair{std::string(R"({"prompt": "a"})"), RequestApi::Completions},
+                                  std::pair{"{" + m + "}", RequestApi::Chat},
+                                  std::pair{std::string(R"({"prompt": "a"})"), RequestApi::Batch}}) {
+    const OpenAiRequest d = parse(body, api);
+    EXPECT_FALSE(d.include_stop_str_in_output);
+    EXPECT_TRUE(d.skip_special_tokens && d.spaces_between_special_tokens);
+    EXPECT_TRUE(d.allowed_token_ids.empty() && d.bad_words.empty());
+    EXPECT_EQ(d.truncate_prompt_tokens, 0);
+    const std::string with = body.substr(0, body.size() - 1) +
+                             R"(, "include_stop_str_in_output": true, "skip_special_tokens": false,
+                                 "spaces_between_special_tokens": false, "allowed_token_ids": [5, 0, 5],
+                                 "bad_words": ["  hello", "a b"], "truncate_prompt_tokens": 7, "priority": 0})";
+    const OpenAiRequest r = parse(with, api);
+    EXPECT_TRUE(r.include_stop_str_in_output);
+    EXPECT_FALSE(r.skip_special_tokens || r.spaces_between_special_tokens);
+    EXPECT_EQ(r.allowed_token_ids, (std::vector<int32_t>{5, 0, 5}));
+    EXPECT_EQ(r.bad_words, (std::vector<std::string>{"  hello", "a b"}));
+    EXPECT_EQ(r.truncate_prompt_tokens, 7);
+  }
+  EXPECT_EQ(parse(R"({"prompt": "a", "truncate_prompt_tokens": -1})", RequestApi::Completions).truncate_prompt_tokens, -1);
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "allowed_token_ids": null, "bad_words": null, "truncate_prompt_tokens": null,
+                          "priority": null, "skip_special_tokens": null})",
+                       RequestApi::Completions),
+            "<none>");
+  const auto c = RequestApi::Completions;
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "a", "include_stop_str_in_output": 1})", "include_stop_str_in_output"},
+           {R"({"prompt": "a", "skip_special_tokens": "false"})", "skip_special_tokens"},
+           {R"({"prompt": "a", "spaces_between_special_tokens": 0})", "spaces_between_special_tokens"},
+           {R"({"prompt": "a", "allowed_token_ids": []})", "allowed_token_ids"},  // vLLM: would rule out every token
+           {R"({"prompt": "a", "allowed_token_ids": 5})", "allowed_token_ids"},
+           {R"({"prompt": "a", "allowed_token_ids": [1, -1]})", "allowed_token_ids[1]"},
+           {R"({"prompt": "a", "allowed_token_ids": ["5"]})", "allowed_token_ids[0]"},
+           {R"({"prompt": "a", "allowed_token_ids": [2147483648]})", "allowed_token_ids[0]"},
+           {R"({"prompt": "a", "bad_words": "word"})", "bad_words"},
+           {R"({"prompt": "a", "bad_words": ["ok", 3]})", "bad_words[1]"},
+           {R"({"prompt": "a", "bad_words": [" \t"]})", "bad_words[0]"},
+           {R"({"prompt": "a", "bad_words": [""]})", "bad_words[0]"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": 0})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": -2})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": 1.5})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "truncate_prompt_tokens": "8"})", "truncate_prompt_tokens"},
+           {R"({"prompt": "a", "priority": 1})", "priority"},
+           {R"({"prompt": "a", "priority": -3})", "priority"},
+           {R"({"prompt": "a", "priority": "high"})", "priority"},
+           {R"({"prompt": "a", "priority": 1e30})", "priority"},
+           {R"({"prompt": "a", "use_beam_search": true, "allowed_token_ids": [1]})", "allowed_token_ids"},
+           {R"({"prompt": "a", "use_beam_search": true, "bad_words": ["x"]})", "bad_words"}})
+    EXPECT_EQ(param_of(body, c), param) << body;
+  std::string many = R"({"prompt": "a", "bad_words": [)";
+  for (size_t i = 0; i <= kMaxBadWords; ++i) many += std::string(i ? "," : "") + "\"w\"";
+  EXPECT_EQ(param_of(many + "]}", c), "bad_words");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "priority": 2})", c),
+            "priority: priority must be 0: kestrel has no priority scheduling (requests are served in arrival "
+            "order), got 2");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "truncate_prompt_tokens": 0})", c),
+            "truncate_prompt_tokens: truncate_prompt_tokens must be -1 (the context) or >= 1, got 0");
+  for (const char* f : {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority"})
+    EXPECT_TRUE(is_known_field(f, RequestApi::Batch)) << f;
+}
+
+// An integer past int64 (or int32 for token ids) is refused with the range the field takes, not
+// only its lower bound.
+TEST(OpenAiRequest, IntegerErrorsStateTheRange) {
+  const auto c = RequestApi::Completions;
+  for (const char* v : {"18446744073709551615", "9223372036854775808", "1e19", "-1"})
+    EXPECT_EQ(failure_of(std::string(R"({"prompt": "a", "min_tokens": )") + v + "}", c),
+              std::string("min_tokens: min_tokens must be in [0, 9223372036854775807], got ") +
+                  shown(parse_request_body(v)))
+        << v;
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "stop_token_ids": [4294967296]})", c),
+            "stop_token_ids[0]: stop_token_ids[0] must be a token id in [0, 2147483647], got 4294967296");
+  EXPECT_EQ(failure_of(R"({"prompt": [1, 18446744073709551615]})", c),
+            "prompt[1]: prompt[1] must be a token id in [0, 2147483647], got 18446744073709551615");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "top_k": 9223372036854775808})", c),
+            "top_k: top_k must be in [-1, 2147483647] (0 or -1 = off), got 9223372036854775808");
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "truncate_prompt_tokens": 18446744073709551615})", c),
+            "truncate_prompt_tokens: truncate_prompt_tokens must be -1 (the context) or in [1, 9223372036854775807], "
+            "got 18446744073709551615");
+}
+
 // max_tokens 0: completions (OpenAI's legacy API: the echo alone), not chat or batch lines.
 TEST(OpenAiRequest, MaxTokensZeroIsForCompletions) {
   EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 0, "echo": true})", RequestApi::Completions).max_tokens, 0);

@@ -81,5 +81,48 @@ TEST(StopChecker, AMatchHeldFromBeforeMayStopNeverCounts) {
   EXPECT_EQ(d.flush("b!", /*may_stop=*/false), "ab!");  // a flush before min_tokens keeps the match as text
 }
 
+// matched() names the stop string that ended the text (vLLM's stop_reason).
+TEST(StopChecker, MatchedNamesTheStopString) {
+  StopChecker c({"END", "stop"});
+  std::string out;
+  EXPECT_EQ(c.matched(), "");
+  EXPECT_FALSE(c.push("a st", out));
+  EXPECT_EQ(c.matched(), "");
+  EXPECT_TRUE(c.push("op", out));
+  EXPECT_EQ(c.matched(), "stop");
+}
+
+// vLLM's include_stop_str_in_output: nothing is held back (every delta goes out as it comes), a
+// match spanning deltas is still found, and the text ends right after the stop string (what a
+// delta holds past it is dropped).
+TEST(StopChecker, IncludeInOutputKeepsTheStopString) {
+  StopChecker c({"o w", "xyz"}, /*include_in_output=*/true);
+  std::string out;
+  EXPECT_FALSE(c.push("Hel", out));
+  EXPECT_EQ(out, "Hel");
+  EXPECT_FALSE(c.push("lo", out));
+  EXPECT_EQ(out, "Hello");
+  EXPECT_TRUE(c.push(" world", out));
+  EXPECT_EQ(out, "Hello w");
+  EXPECT_EQ(c.matched(), "o w");
+
+  StopChecker early({"END", "stop"}, true);
+  std::string e;
+  EXPECT_TRUE(early.push("a stop then END", e));
+  EXPECT_EQ(e, "a stop");
+
+  // Before min_tokens a match is text; a flush adds only what is new.
+  StopChecker held({"ab"}, true);
+  std::string h;
+  EXPECT_FALSE(held.push("xab", h, /*may_stop=*/false));
+  EXPECT_EQ(h, "xab");
+  EXPECT_EQ(held.flush("c", /*may_stop=*/true), "c");
+  StopChecker tail({"ab"}, true);
+  std::string t;
+  EXPECT_FALSE(tail.push("xa", t));
+  EXPECT_EQ(tail.flush("b!"), "b");  // the match completes in the tail: cut after it
+  EXPECT_EQ(tail.matched(), "ab");
+}
+
 }  // namespace
 }  // namespace kestrel

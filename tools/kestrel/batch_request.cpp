@@ -61,6 +61,7 @@ json result_json(const json& id, const BatchResult& result) {
   j["output_ids"] = result.output_ids;
   j["text"] = result.text;
   j["finish_reason"] = result.finish_reason;
+  j["stop_reason"] = result.stop_reason;
   if (result.cumulative_logprob) j["cumulative_logprob"] = *result.cumulative_logprob;
   j["usage"] = {{"prompt_tokens", m.n_prompt_tokens},
                 {"completion_tokens", static_cast<int64_t>(result.output_ids.size())},

@@ -39,11 +39,12 @@ struct BatchResult {
   std::vector<int32_t> output_ids;  // every new token, stop ids included
   std::string text;                 // the text deltas joined (stop strings cut off)
   std::string finish_reason;        // "stop", "length" or "abort"
+  Json stop_reason;                 // vLLM's: the stop string or stop token id that ended it, else null
   RequestMetrics metrics;
   std::optional<double> cumulative_logprob;  // beam search: the best beam's (output_ids and text are its)
 };
 
-// {"id", "output_ids", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens",
+// {"id", "output_ids", "text", "finish_reason", "stop_reason", "usage": {"prompt_tokens", "completion_tokens",
 // "total_tokens", "cached_tokens"}, "ttft_ms", "tpot_ms"}, and with beam search "cumulative_logprob"
 Json result_json(const Json& id, const BatchResult& result);
 // {"id", "error": {"message", "line"}}; line is 1-based, as editors count.

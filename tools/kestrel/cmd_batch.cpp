@@ -99,6 +99,7 @@ struct Running {
   Json id;
   int64_t line_number = 0;  // 1-based
   BatchResult partial;
+  std::vector<int32_t> reported_stop_ids;  // stop_token_ids whose id stop_reason reports
 };
 
 // The requests of one input file, from submission to their result lines.
@@ -111,11 +112,12 @@ class BatchRun {
   void submit(std::string_view line, size_t i) {
     BatchLine parsed = parse_batch_line(line, static_cast<int64_t>(i));
     ++summary_.n_requests;
-    Running slot{std::move(parsed.id), static_cast<int64_t>(i) + 1, {}};
+    Running slot{std::move(parsed.id), static_cast<int64_t>(i) + 1, {}, {}};
     warn(parsed.unknown_fields, slot);
     std::string error = std::move(parsed.error);
     if (parsed.request) {
       try {
+        slot.reported_stop_ids = reported_stop_ids(*parsed.request, format_);
         const RequestId rid = engine_.add_request(to_engine_request(*parsed.request, format_, seeds_()));
         running_.emplace(rid, std::move(slot));
         return;
@@ -161,6 +163,7 @@ class BatchRun {
       finish_with_error(slot, o.error);
     } else {
       r.finish_reason = o.finish_reason;
+      r.stop_reason = stop_reason_json(o, slot.reported_stop_ids);
       r.metrics = o.metrics;
       if (!o.beams.empty()) r.cumulative_logprob = o.beams.front().sum_logprobs;
       summary_.add(o.metrics, static_cast<int64_t>(r.output_ids.size()));
@@ -234,7 +237,8 @@ void run_batch(const BatchArgs& a) {
   LoadedModel lm = load_model(a.model, a.config);
   require_tokenizer(lm, "batch");
   const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
-  const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
+  PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
+  format.max_model_len = engine->config().max_model_len;
 
   // All requests are submitted up front: the engine's waiting queue does the admission.
   const auto t0 = std::chrono::steady_clock::now();

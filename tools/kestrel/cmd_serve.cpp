@@ -97,7 +97,8 @@ void run_serve(ServeArgs a) {
   require_tokenizer(lm, "serve");
   if (a.server.served_model_name.empty()) a.server.served_model_name = default_model_name(path);
   const std::unique_ptr<Engine> engine = make_engine(lm, a.config);
-  const PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
+  PromptFormat format = PromptFormat::for_model(*lm.model, *lm.tokenizer);
+  format.max_model_len = engine->config().max_model_len;
   // A template that does not parse would fail every chat request with an error that is not the client's.
   if (!format.template_error.empty())
     throw Error("the model's chat template (tokenizer.chat_template) does not parse: " + format.template_error);

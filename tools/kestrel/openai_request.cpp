@@ -40,7 +40,12 @@ float float_field(const std::string& field, const json& v) {
   return static_cast<float>(x);
 }
 
-// An integer in [lo, hi]; an integral float (16.0) counts, as JSON does not tell them apart.
+// The message of a token id out of range (the int32 ids of the engine; the vocabulary is checked
+// once the model is known).
+constexpr const char* kTokenIdRange = "a token id in [0, 2147483647]";
+
+// An integer in [lo, hi]; an integral float (16.0) counts, as JSON does not tell them apart. range
+// states [lo, hi] in the message ("in [0, 9223372036854775807]").
 int64_t integer(const std::string& field, const json& v, int64_t lo, int64_t hi, const std::string& range) {
   if (!v.is_number()) bad(field, "must be an integer", v);
   if (v.is_number_unsigned()) {
@@ -87,7 +92,7 @@ std::vector<int32_t> token_ids(const std::string& name, const json& v, const cha
   for (size_t i = 0; i < v.size(); ++i) {
     const std::string item = name + "[" + std::to_string(i) + "]";
     if (!v[i].is_number()) bad(item, rule, v[i]);
-    ids.push_back(static_cast<int32_t>(integer(item, v[i], 0, std::numeric_limits<int32_t>::max(), "a token id >= 0")));
+    ids.push_back(static_cast<int32_t>(integer(item, v[i], 0, std::numeric_limits<int32_t>::max(), kTokenIdRange)));
   }
   return ids;
 }
@@ -207,7 +212,7 @@ void sampling_fields(const json& j, SamplingParams& s) {
                                      std::pair{"repetition_penalty", &SamplingParams::repetition_penalty}})
     if (const json& v = field(j, name); !v.is_null()) s.*member = float_field(name, v);
   if (const json& v = field(j, "top_k"); !v.is_null()) {
-    const int64_t k = integer("top_k", v, -1, std::numeric_limits<int32_t>::max(), ">= 0 (0 or -1 = off)");
+    const int64_t k = integer("top_k", v, -1, std::numeric_limits<int32_t>::max(), "in [-1, 2147483647] (0 or -1 = off)");
     s.top_k = k < 0 ? 0 : static_cast<int32_t>(k);
   }
   std::unordered_map<int32_t, std::string> bias_keys;
@@ -362,7 +367,7 @@ void unsupported_fields(const json& j, RequestApi api, const OpenAiRequest& r) {
 // min_tokens and stop_token_ids (vLLM's), once max_tokens is known.
 void stop_token_fields(const json& j, OpenAiRequest& r) {
   if (const json& v = field(j, "min_tokens"); !v.is_null()) {
-    r.min_tokens = integer("min_tokens", v, 0, std::numeric_limits<int64_t>::max(), ">= 0");
+    r.min_tokens = integer("min_tokens", v, 0, std::numeric_limits<int64_t>::max(), "in [0, 9223372036854775807]");
     // The limit as the client named it (chat's newer max_completion_tokens, or max_tokens).
     const char* limit = field(j, "max_tokens").is_null() && !field(j, "max_completion_tokens").is_null()
                             ? "max_completion_tokens"
@@ -378,8 +383,44 @@ void stop_token_fields(const json& j, OpenAiRequest& r) {
     r.stop_token_ids.reserve(v.size());
     for (size_t i = 0; i < v.size(); ++i)
       r.stop_token_ids.push_back(static_cast<int32_t>(integer("stop_token_ids[" + std::to_string(i) + "]", v[i], 0,
-                                                              std::numeric_limits<int32_t>::max(),
-                                                              "a token id (>= 0)")));
+                                                              std::numeric_limits<int32_t>::max(), kTokenIdRange)));
+  }
+}
+
+// vLLM's output and token-filter fields, and its priority (refused unless 0: no priority policy).
+void vllm_fields(const json& j, OpenAiRequest& r) {
+  for (const auto& [name, member] : {std::pair{"include_stop_str_in_output", &OpenAiRequest::include_stop_str_in_output},
+                                     std::pair{"skip_special_tokens", &OpenAiRequest::skip_special_tokens},
+                                     std::pair{"spaces_between_special_tokens",
+                                               &OpenAiRequest::spaces_between_special_tokens}})
+    if (const json& v = field(j, name); !v.is_null()) r.*member = boolean(name, v);
+  if (const json& v = field(j, "allowed_token_ids"); !v.is_null()) {
+    if (!v.is_array()) bad("allowed_token_ids", "must be an array of token ids", v);
+    // vLLM refuses an empty list: it would rule out every token.
+    r.allowed_token_ids = token_ids("allowed_token_ids", v, "must be a token id");
+  }
+  if (const json& v = field(j, "bad_words"); !v.is_null()) {
+    if (!v.is_array()) bad("bad_words", "must be an array of strings", v);
+    if (v.size() > kMaxBadWords) bad("bad_words", "must have at most " + std::to_string(kMaxBadWords) + " strings", v);
+    for (size_t i = 0; i < v.size(); ++i) {
+      const std::string name = "bad_words[" + std::to_string(i) + "]";
+      if (!v[i].is_string()) bad(name, "must be a string", v[i]);
+      const std::string& w = v[i].get_ref<const std::string&>();
+      // vLLM strips leading whitespace before tokenizing; nothing left would be a word of no tokens.
+      if (w.find_first_not_of(" \t\n\r\f\v") == std::string::npos) bad(name, "must have a non-space character", v[i]);
+      r.bad_words.push_back(w);
+    }
+  }
+  if (const json& v = field(j, "truncate_prompt_tokens"); !v.is_null()) {
+    r.truncate_prompt_tokens = integer("truncate_prompt_tokens", v, -1, std::numeric_limits<int64_t>::max(),
+                                       "-1 (the context) or in [1, 9223372036854775807]");
+    if (r.truncate_prompt_tokens == 0) bad("truncate_prompt_tokens", "must be -1 (the context) or >= 1", v);
+  }
+  if (const json& v = field(j, "priority"); !v.is_null()) {
+    const int64_t p = integer("priority", v, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(),
+                              "an integer in [-2^63, 2^63 - 1]");
+    if (p != 0)
+      bad("priority", "must be 0: kestrel has no priority scheduling (requests are served in arrival order)", v);
   }
 }
 
@@ -421,6 +462,8 @@ void beam_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   refuse("logprobs", r.logprobs >= 0);
   refuse("prompt_logprobs", r.prompt_logprobs >= 0);
   refuse("min_tokens", r.min_tokens > 0);
+  refuse("allowed_token_ids", !r.allowed_token_ids.empty());
+  refuse("bad_words", !r.bad_words.empty());
   if (r.max_tokens == 0) {
     const char* name = field(j, "max_tokens").is_null() ? "max_completion_tokens" : "max_tokens";
     bad(name, "must be >= 1 with use_beam_search", field(j, name));
@@ -464,7 +507,9 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "model", "user",
       "response_format", "best_of", "suffix", "tools", "tool_choice", "structured_outputs", "guided_json",
       "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "use_beam_search",
-      "length_penalty", "early_stopping", "min_tokens", "stop_token_ids", "prompt_logprobs", "speculative_config"};
+      "length_penalty", "early_stopping", "min_tokens", "stop_token_ids", "prompt_logprobs", "speculative_config",
+      "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
+      "bad_words", "truncate_prompt_tokens", "priority"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -507,6 +552,7 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   if (const json& v = field(j, "ignore_eos"); !v.is_null()) r.ignore_eos = boolean("ignore_eos", v);
   if (r.is_chat) parse_chat_tools(j, r);
   stop_token_fields(j, r);
+  vllm_fields(j, r);
   if (api == RequestApi::Batch) {
     if (const json& v = field(j, "n"); !v.is_null() && v != 1) bad("n", "must be 1 (one completion per request)", v);
     if (const json& v = field(j, "prompt_logprobs"); !v.is_null())
@@ -547,6 +593,61 @@ PromptFormat PromptFormat::for_model(const LlamaModel& model, const Tokenizer& t
   return f;
 }
 
+namespace {
+
+// vLLM's truncate_prompt_tokens: the prompt's last N tokens (its tokenizer truncates on the left).
+bool truncate_prompt(const OpenAiRequest& request, const PromptFormat& format, std::vector<int32_t>& prompt) {
+  int64_t keep = request.truncate_prompt_tokens;
+  if (keep == 0) return false;
+  if (format.max_model_len > 0 && keep > format.max_model_len)
+    throw RequestError("truncate_prompt_tokens",
+                       "truncate_prompt_tokens (" + std::to_string(keep) + ") is greater than max_model_len (" +
+                           std::to_string(format.max_model_len) + "); give a smaller truncation size");
+  if (keep < 0) keep = format.max_model_len > 0 ? format.max_model_len : static_cast<int64_t>(prompt.size());
+  if (static_cast<int64_t>(prompt.size()) <= keep) return false;
+  prompt.erase(prompt.begin(), prompt.end() - keep);
+  return true;
+}
+
+// vLLM's SamplingParams.update_from_tokenizer: each word tokenized without special tokens as it is
+// (leading whitespace stripped) and with one leading space; the second is kept only when it starts
+// with another token and has as many tokens (a new word token, not the same word split otherwise).
+std::vector<std::vector<int32_t>> bad_word_ids(const std::vector<std::string>& words, const Tokenizer& tok) {
+  std::vector<std::vector<int32_t>> out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    const size_t start = words[i].find_first_not_of(" \t\n\r\f\v");
+    const std::string word = start == std::string::npos ? std::string() : words[i].substr(start);
+    std::vector<int32_t> plain = tok.encode(word, /*add_special=*/false, /*parse_special=*/true);
+    std::vector<int32_t> spaced = tok.encode(" " + word, /*add_special=*/false, /*parse_special=*/true);
+    if (plain.empty())
+      throw RequestError("bad_words", "bad_words[" + std::to_string(i) + "] " + shown(json(words[i])) + " has no tokens");
+    const bool spaced_too = !spaced.empty() && spaced[0] != plain[0] && spaced.size() == plain.size();
+    out.push_back(std::move(plain));
+    if (spaced_too) out.push_back(std::move(spaced));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int32_t> reported_stop_ids(const OpenAiRequest& request, const PromptFormat& format) {
+  std::vector<int32_t> out;
+  for (const int32_t id : request.stop_token_ids) {
+    const bool eos = std::find(format.stop_ids.begin(), format.stop_ids.end(), id) != format.stop_ids.end() ||
+                     (request.is_chat && format.end_of_turn_id == id);
+    if (request.ignore_eos || !eos) out.push_back(id);
+  }
+  return out;
+}
+
+Json stop_reason_json(const RequestOutput& o, std::span<const int32_t> reported_stop_ids) {
+  if (o.finish_reason != "stop") return nullptr;
+  if (!o.stop_string.empty()) return o.stop_string;
+  if (std::find(reported_stop_ids.begin(), reported_stop_ids.end(), o.stop_token) != reported_stop_ids.end())
+    return o.stop_token;
+  return nullptr;
+}
+
 std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer, size_t prompt_index) {
   if (prompt_index >= request.prompts.size()) return "";
   const PromptInput& p = request.prompts[prompt_index];
@@ -556,7 +657,7 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 }
 
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
-                          size_t prompt_index) {
+                          size_t prompt_index, bool* truncated) {
   const Tokenizer& tok = *format.tokenizer;
   const int32_t n_vocab = format.n_vocab > 0 ? format.n_vocab : tok.n_vocab();
   Request out;
@@ -583,6 +684,8 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
       throw RequestError(request.is_chat ? "messages" : "prompt",
                          "prompt " + shown(json(text)) + " has no tokens (the model adds no BOS)");
   }
+  const bool cut = truncate_prompt(request, format, out.prompt);
+  if (truncated != nullptr) *truncated = cut;
   // max_tokens 0: the engine runs the prompt (echo's logprobs come with a first token) and its one
   // token is not reported (as vLLM serves it).
   out.max_tokens = request.max_tokens == 0 ? 1 : request.max_tokens;
@@ -612,6 +715,15 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     out.stop_ids.push_back(id);
   }
   out.stop = request.stop;
+  out.include_stop_str_in_output = request.include_stop_str_in_output;
+  out.skip_special_tokens = request.skip_special_tokens;
+  for (size_t i = 0; i < request.allowed_token_ids.size(); ++i)
+    if (request.allowed_token_ids[i] >= n_vocab)
+      throw RequestError("allowed_token_ids", "allowed_token_ids[" + std::to_string(i) + "] = " +
+                                                  std::to_string(request.allowed_token_ids[i]) +
+                                                  " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
+  out.allowed_token_ids = request.allowed_token_ids;
+  out.bad_words = bad_word_ids(request.bad_words, tok);
   if (request.use_beam_search) {
     out.beam.beam_width = request.beam_width();
     out.beam.n_best = request.n;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,6 +55,7 @@ inline constexpr size_t kMaxStopStrings = 4;  // OpenAI's limit for `stop`
 inline constexpr int32_t kMaxN = 128;         // choices per request at most
 inline constexpr int32_t kMaxLogprobs = 20;   // top alternatives per token at most (OpenAI chat's limit)
 inline constexpr size_t kMaxChoices = 2048;   // prompts x n in one completions request at most
+inline constexpr size_t kMaxBadWords = 128;   // bad_words strings at most (each is tokenized twice)
 
 // What a request body may hold; parse_request_body enforces it while parsing, so a body beyond a
 // limit costs no more than the limit.
@@ -115,6 +117,22 @@ struct OpenAiRequest {
   SamplingParams sampling;            // validated; its seed is filled in by to_engine_request
   std::optional<uint64_t> seed;       // absent: a random seed per request
   std::vector<std::string> stop;      // at most kMaxStopStrings, none empty
+  // vLLM's output fields (Request's): include_stop_str_in_output, skip_special_tokens, and
+  // spaces_between_special_tokens, validated but needing no action: kestrel's decoder writes a
+  // special token's text with no space around it, as vLLM's fast (tokenizers) detokenizer does for
+  // a byte-level BPE vocabulary with either value (false strips only a space the tokenizer's
+  // decoder put before a special token that follows another).
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;
+  bool spaces_between_special_tokens = true;
+  // vLLM's allowed_token_ids (not empty when given; checked against the vocabulary by
+  // to_engine_request) and bad_words (at most kMaxBadWords, each with a non-space character;
+  // tokenized by to_engine_request as vLLM's SamplingParams.update_from_tokenizer does).
+  std::vector<int32_t> allowed_token_ids;
+  std::vector<std::string> bad_words;
+  // vLLM's truncate_prompt_tokens: 0 (absent or null): none; N >= 1: only the prompt's last N tokens
+  // are kept (left truncation, after the chat template for chat); -1: the last max_model_len.
+  int64_t truncate_prompt_tokens = 0;
   bool ignore_eos = false;            // no stop ids at all (neither EOS nor end of turn)
   int32_t n = 1;                      // choices (server only)
   int32_t logprobs = -1;              // -1: none; else the chosen token's logprob plus this many top ones
@@ -146,8 +164,10 @@ struct OpenAiRequest {
 // Unknown fields are ignored. Fields asking for what the server does not do are refused (vLLM's
 // answers where it has them): response_format type structural_tag, best_of below n (or above it
 // for chat without beam search, or streamed), a completions `suffix`, tool_choice other than
-// "none" (chat_request.h), prompt_logprobs streamed or in a batch line, and speculative_config (a
-// setting of the server or batch run, --speculative-config, not of one request).
+// "none" (chat_request.h), prompt_logprobs streamed or in a batch line, speculative_config (a
+// setting of the server or batch run, --speculative-config, not of one request), and a priority
+// other than 0 (vLLM's answer when its scheduling policy is not "priority": kestrel's scheduler
+// serves requests in arrival order).
 OpenAiRequest parse_openai_request(const RequestJson& j, RequestApi api);
 
 // Fields parse_openai_request reads for this API, plus OpenAI fields that change nothing here (for
@@ -170,6 +190,9 @@ struct PromptFormat {
   std::vector<int32_t> stop_ids;          // the tokenizer's end-of-generation ids
   std::optional<int32_t> end_of_turn_id;  // the chat template's end-of-turn token, when it is one token
   std::shared_ptr<grammar::GrammarCache> grammars;  // structured-output grammars on this tokenizer's vocabulary
+  // The engine's context per sequence (EngineConfig::max_model_len) for truncate_prompt_tokens; 0:
+  // unknown (truncate_prompt_tokens is then not checked against it, and -1 keeps the whole prompt).
+  int64_t max_model_len = 0;
 
   // True when text starts with the BOS text: a chat template that writes it itself (Llama 2 and 3,
   // Mistral) must not get a second one from the tokenizer.
@@ -182,6 +205,14 @@ struct PromptFormat {
   static PromptFormat for_model(const LlamaModel& model, const Tokenizer& tokenizer);
 };
 
+// vLLM's stop_reason. reported_stop_ids: the request's stop_token_ids whose id is reported, that is
+// all of them less the model's end-of-generation ids (format.stop_ids, and for chat the end-of-turn
+// token), which vLLM takes for EOS (stop_reason null) unless ignore_eos. stop_reason_json: for an
+// output that finished with "stop", the stop string that matched, or the stop id sampled when it is
+// one of those; null otherwise (EOS, a grammar's end, "length", ...).
+std::vector<int32_t> reported_stop_ids(const OpenAiRequest& request, const PromptFormat& format);
+Json stop_reason_json(const RequestOutput& o, std::span<const int32_t> reported_stop_ids);
+
 // The text of prompt prompt_index of a completions request, for echo: the string as given, or the
 // token ids decoded with their special tokens ("<s>Once upon a time").
 std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer, size_t prompt_index = 0);
@@ -192,9 +223,11 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 // logprobs, stop ids and the seed (random_seed when the request has none). Throws RequestError for
 // a prompt with no tokens, a token id or a logit_bias id outside the model's vocabulary, a chat
 // template error, or a structured-output constraint that does not compile (param: its field; the
-// message names the keyword or construct), or a stop_token_ids id outside the vocabulary; the
-// engine's add_request checks the rest.
+// message names the keyword or construct), a stop_token_ids or allowed_token_ids id outside the
+// vocabulary, a bad word with no tokens, or truncate_prompt_tokens above format.max_model_len; the
+// engine's add_request checks the rest. truncate_prompt_tokens applies to the tokenized prompt;
+// *truncated (when given) tells whether it cut tokens.
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
-                          size_t prompt_index = 0);
+                          size_t prompt_index = 0, bool* truncated = nullptr);
 
 }  // namespace kestrel::cli

@@ -95,6 +95,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     int64_t text_offset = 0;                      // completions logprobs: characters before the next token
     bool finished = false;
     std::string finish_reason, error;
+    Json stop_reason;                             // vLLM's: the stop string or stop token id that ended it, or null
     int64_t n_output = 0;
     double cumulative_logprob = 0;                // best_of: the sum of the chosen tokens' logprobs
     std::vector<BeamHypothesis> beams;            // beam search: the prompt's returned beams
@@ -124,10 +125,12 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     c.finished = true;
     c.finish_reason = o.finish_reason;
     c.error = o.error;
+    c.stop_reason = stop_reason_json(o, reported_stop_ids_);
     c.n_output = o.metrics.n_output_tokens;
     if (no_generation_) {
       c.n_output = 0;
       if (c.finish_reason == "stop") c.finish_reason = "length";  // the stop id was not reported
+      c.stop_reason = nullptr;
     }
     ++n_finished_;
   }
@@ -146,7 +149,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
   std::weak_ptr<HttpSession> session_;
   std::shared_ptr<RequestChannel> channel_;
   ResponseHeader header_;
-  std::vector<int32_t> stop_ids_;
+  std::vector<int32_t> reported_stop_ids_;  // stop_token_ids whose id stop_reason reports (reported_stop_ids)
   std::vector<PromptInfo> prompts_;
   int32_t n_ = 1;  // engine requests per prompt: n, best_of (ranked), or 1 (beam search)
   int32_t n_return_ = 1;  // choices per prompt in the response (n)
@@ -268,6 +271,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
     return fail(error_json(400, std::string("the request body must be a JSON object, got ") + j.type_name()));
   OpenAiRequest r;
   std::vector<Request> bases;
+  std::vector<bool> truncated;  // truncate_prompt_tokens cut prompt p
   try {
     r = parse_openai_request(j, which);
     if (!r.model.empty() && r.model != api_.served_model_name)
@@ -275,11 +279,15 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
           404,
           "The model `" + r.model + "` does not exist; this server serves `" + api_.served_model_name + "`",
           "model", "model_not_found"));
-    if (auto e = check_prompt_bytes(r)) return fail(std::move(*e));
+    // A prompt to truncate may be longer than the context (the body size still bounds the work).
+    if (r.truncate_prompt_tokens == 0)
+      if (auto e = check_prompt_bytes(r)) return fail(std::move(*e));
     const size_t n_prompts = r.is_chat ? 1 : r.prompts.size();
     for (size_t p = 0; p < n_prompts; ++p) {
       if (cancelled_) return out;
-      bases.push_back(to_engine_request(r, api_.format, 0, p));
+      bool cut = false;
+      bases.push_back(to_engine_request(r, api_.format, 0, p, &cut));
+      truncated.push_back(cut);
     }
   } catch (const RequestError& e) {
     return fail(error_json(400, e.what(), e.param()));
@@ -306,9 +314,19 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
                                  " exceed the context of " + std::to_string(len) +
                                  " tokens (max_tokens may be at most " + std::to_string(len - n_prompt) + ")",
                              "max_tokens", "context_length_exceeded"));
+    // With no max_tokens the context bounds the output: min_tokens beyond it could never be met.
+    if (r.max_tokens < 0 && r.min_tokens > len - n_prompt)
+      return fail(error_json(400,
+                             "min_tokens = " + std::to_string(r.min_tokens) + " plus the " + std::to_string(n_prompt) +
+                                 " tokens of " + which_prompt + " exceed the context of " + std::to_string(len) +
+                                 " tokens (min_tokens may be at most " + std::to_string(len - n_prompt) + ")",
+                             "min_tokens", "context_length_exceeded"));
     PromptInfo info;
     info.n_prompt = n_prompt;
-    if (r.echo) info.echo_text = prompt_text(r, *api_.format.tokenizer, p);
+    // A truncated prompt is echoed as the model saw it: its kept tokens, special tokens included.
+    if (r.echo)
+      info.echo_text = truncated[p] ? api_.format.tokenizer->decode(bases[p].prompt, /*skip_special=*/false)
+                                    : prompt_text(r, *api_.format.tokenizer, p);
     if ((r.echo && r.logprobs >= 0) || r.prompt_logprobs >= 0) info.prompt_ids = bases[p].prompt;
     prompts_.push_back(std::move(info));
   }
@@ -336,7 +354,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
     }
   header_ = ResponseHeader{new_response_id(r.is_chat ? "chatcmpl-" : "cmpl-"), std::time(nullptr),
                            api_.served_model_name, which == RequestApi::Chat};
-  stop_ids_ = bases.front().stop_ids;
+  reported_stop_ids_ = reported_stop_ids(r, api_.format);
   want_logprobs_ = r.logprobs >= 0;
   echo_top_ = r.echo ? r.logprobs : -1;
   prompt_top_ = r.prompt_logprobs;
@@ -542,6 +560,7 @@ std::vector<FinalChoice> Generation::returned_choices() {
     }
     if (!header_.chat && prompt_top_ >= 0) f.prompt_logprobs = p.prompt_logprobs;
     f.finish_reason = c.finish_reason;
+    f.stop_reason = c.stop_reason;
     if (rank_best_of_) {
       f.index = static_cast<int32_t>(j / per * static_cast<size_t>(n_return_) + j % per);
       f.cumulative_logprob = c.cumulative_logprob;
@@ -610,6 +629,7 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
     finish(c, o);
     chunk.text = "";
     chunk.finish_reason = c.finish_reason;
+    chunk.stop_reason = c.stop_reason;
     return out + sse_event(stream_chunk(header_, chunk, include_usage_));
   }
   if (want_logprobs_) {
@@ -629,11 +649,15 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
       ChunkChoice last;
       last.index = co.index;
       last.finish_reason = o.finish_reason;
+      last.stop_reason = c.stop_reason;
       out += sse_event(stream_chunk(header_, last, include_usage_));
     }
   } else if (has_news || o.finished) {
     chunk.text = o.text_delta;
-    if (o.finished) chunk.finish_reason = o.finish_reason;
+    if (o.finished) {
+      chunk.finish_reason = o.finish_reason;
+      chunk.stop_reason = c.stop_reason;
+    }
     out += sse_event(stream_chunk(header_, chunk, include_usage_));
   }
   return out;

@@ -205,6 +205,7 @@ Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage
   }
   choice["logprobs"] = c.logprobs;
   choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
+  if (c.finish_reason) choice["stop_reason"] = c.stop_reason;
   if (c.cumulative_logprob) choice["cumulative_logprob"] = *c.cumulative_logprob;
   Json j{{"id", h.id},
          {"object", h.chat ? "chat.completion.chunk" : "text_completion"},
@@ -235,6 +236,7 @@ Json full_response(const ResponseHeader& h, const std::vector<FinalChoice>& choi
       choice["text"] = c.text;
     choice["logprobs"] = c.logprobs;
     choice["finish_reason"] = c.finish_reason;
+    choice["stop_reason"] = c.stop_reason;
     if (c.cumulative_logprob) choice["cumulative_logprob"] = *c.cumulative_logprob;
     if (!c.prompt_logprobs.is_null()) choice["prompt_logprobs"] = c.prompt_logprobs;
     list.push_back(std::move(choice));

@@ -73,7 +73,8 @@ Json chat_logprobs(const Tokenizer& tokenizer, const LoggedTokens& tokens);
 Json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
 
 // One streamed chunk of one choice. Completions: {"text", "logprobs", "finish_reason"}; chat:
-// {"delta": {"role"?, "content"?}, "logprobs", "finish_reason"}. with_usage_null adds "usage": null
+// {"delta": {"role"?, "content"?}, "logprobs", "finish_reason"}; the last chunk of a choice (the
+// one with its finish_reason) also has "stop_reason". with_usage_null adds "usage": null
 // (stream_options.include_usage: every chunk but the last has it).
 struct ChunkChoice {
   int32_t index = 0;
@@ -81,6 +82,7 @@ struct ChunkChoice {
   bool role = false;                         // chat: the first chunk of a choice names the role
   Json logprobs;                             // null or a logprobs object
   std::optional<std::string> finish_reason;  // null until the last chunk of the choice
+  Json stop_reason;                          // vLLM's, written with finish_reason (stop_reason_json)
   std::optional<double> cumulative_logprob;  // beam search: the beam's sum of log-probabilities (vLLM's name)
 };
 Json stream_chunk(const ResponseHeader& h, const ChunkChoice& c, bool with_usage_null);
@@ -94,6 +96,7 @@ struct FinalChoice {
   Json logprobs;  // null or a logprobs object
   Json prompt_logprobs;  // completions: vLLM's prompt_logprobs (prompt_logprobs_json); absent when null
   std::string finish_reason;
+  Json stop_reason;  // vLLM's: the stop string or stop token id that ended the choice, else null
   // Beam search and best_of: the choice's sum of token log-probabilities (natural log), as vLLM's
   // CompletionOutput names it; absent otherwise.
   std::optional<double> cumulative_logprob;
