@@ -31,8 +31,10 @@ namespace {
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
-constexpr const char* kNoTokenAllowed =
-    "no token may be sampled: allowed_token_ids, bad_words and the grammar rule out every token";
+// A row whose mask the request's own filters emptied: its error (RequestOutput::error_from_request).
+struct NoTokenAllowedError : Error {
+  NoTokenAllowedError() : Error("no token may be sampled: allowed_token_ids, bad_words and the grammar rule out every token") {}
+};
 
 }  // namespace
 
@@ -722,7 +724,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         v = accept_sampled_drafts(*r.sampler, device_tokens.subspan(first, static_cast<size_t>(n_draft + 1)),
                                   std::span<const int32_t>(r.seq.tokens).last(static_cast<size_t>(n_draft)));
       } else if (on_device) {
-        if (r.masks_row() && r.mask_empty) throw Error(kNoTokenAllowed);  // the mask filled for the pass
+        if (r.masks_row() && r.mask_empty) throw NoTokenAllowedError();  // the mask filled for the pass
         v.tokens.push_back(device_tokens[row_index]);
         if (v.tokens[0] < 0) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
       } else if (n_draft > 0) {
@@ -742,7 +744,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         // masked row).
         if (r.masks_row()) {
           m.fill_token_mask(r, r.token_mask);
-          if (r.mask_empty) throw Error(kNoTokenAllowed);
+          if (r.mask_empty) throw NoTokenAllowedError();
           r.masked_row.assign(row.begin(), row.end());
           grammar::apply_token_bitmask(r.masked_row, r.token_mask);
           row = r.masked_row;
@@ -768,6 +770,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
       o.id = r.id;
       o.error = std::string(e.what()) + " (position " +
                 std::to_string(static_cast<int64_t>(r.seq.tokens.size()) - n_draft - 1) + ")";
+      o.error_from_request = dynamic_cast<const NoTokenAllowedError*>(&e) != nullptr;
       m.finish(r, "error", outputs, &o);  // rolls back its drafts
       continue;
     }

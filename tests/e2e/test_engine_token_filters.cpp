@@ -144,7 +144,8 @@ TEST(EngineTokenFilters, BadWordsBanTheLastTokenAfterItsPrefix) {
   EXPECT_EQ(run(device, two).ids, pair.ids);
 }
 
-// Filters that leave no token end the request with an error (not NaN sampling); bad ids, empty
+// Filters that leave no token end the request with an error marked as the request's (not NaN
+// sampling, not a server error); bad ids, empty
 // words and the filters with beam search are refused by add_request.
 TEST(EngineTokenFilters, EdgesAndErrors) {
   KESTREL_REQUIRE_FILE(stories_path());
@@ -157,6 +158,7 @@ TEST(EngineTokenFilters, EdgesAndErrors) {
   const Outcome failed = run(e, none);
   EXPECT_EQ(failed.last.finish_reason, "error");
   EXPECT_NE(failed.last.error.find("no token may be sampled"), std::string::npos) << failed.last.error;
+  EXPECT_TRUE(failed.last.error_from_request);  // the server answers it with a 400
   // allowed ids that are all stop ids: min_tokens yields, and the first token stops.
   Request only_stop = greedy(l, 5);
   only_stop.stop_ids = {7};

@@ -182,6 +182,27 @@ def test_bad_words(server):
     refused(server, CH, {"messages": [{"role": "user", "content": "Hi"}], "bad_words": [3]}, "bad_words[0]")
 
 
+def test_filters_that_leave_no_token_are_the_requests_error(server):
+    """allowed_token_ids and bad_words that together rule out every token: a 400 (an error event of
+    type invalid_request_error when streamed), not a server error; the server serves on."""
+    _, g = greedy_ids(30)
+    for k in range(0, 30):
+        word = token_text(server, g[k])
+        if word.isalpha() and g[k] in tokenize(server, word, False) + tokenize(server, " " + word, False):
+            break
+    else:
+        pytest.fail("no one-token word in the greedy text")
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "allowed_token_ids": [g[k]], "bad_words": [word]}
+    r = server.post(C, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "no token may be sampled" in err["message"], err
+    events, done = stream_events(server.url + C, dict(body, stream=True))
+    errors = [e["error"] for e in events if "error" in e]
+    assert done and errors and errors[0]["type"] == "invalid_request_error", events
+    assert choice(complete(server, max_tokens=4))["finish_reason"] in ("stop", "length")
+
+
 def test_truncate_prompt_tokens(server):
     long_prompt = "Once upon a time there was a little girl named Lily. She loved to play outside in the sun"
     ids = tokenize(server, long_prompt)

@@ -24,6 +24,12 @@ HttpResponse error_json(int status, const std::string& message, const std::strin
   return r;
 }
 
+// The error body of a request that ended with finish_reason "error": an invalid request when its own
+// fields caused it (its filters left no token to sample), else the server's.
+Json generation_error(const RequestOutput& o) {
+  return o.error_from_request ? error_body(o.error) : error_body("generation failed: " + o.error, "server_error");
+}
+
 // Bodies above this size leave freed memory that glibc keeps; it is handed back once prepared.
 constexpr size_t kTrimAbove = size_t{1} << 20;
 
@@ -95,6 +101,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     int64_t text_offset = 0;                      // completions logprobs: characters before the next token
     bool finished = false;
     std::string finish_reason, error;
+    bool error_from_request = false;              // RequestOutput::error_from_request: a 400, not a 500
     Json stop_reason;                             // vLLM's: the stop string or stop token id that ended it, or null
     int64_t n_output = 0;
     double cumulative_logprob = 0;                // best_of: the sum of the chosen tokens' logprobs
@@ -125,6 +132,7 @@ class Generation : public RequestHandler, public std::enable_shared_from_this<Ge
     c.finished = true;
     c.finish_reason = o.finish_reason;
     c.error = o.error;
+    c.error_from_request = o.error_from_request;
     c.stop_reason = stop_reason_json(o, reported_stop_ids_);
     c.n_output = o.metrics.n_output_tokens;
     if (no_generation_) {
@@ -509,6 +517,8 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
 
 std::optional<HttpResponse> Generation::failed() const {
   for (const Choice& c : choices_) {
+    if (c.finish_reason == "error" && c.error_from_request)
+      return error_json(400, c.error);
     if (c.finish_reason == "error")
       return error_json(500, "generation failed: " + c.error, "", "", "server_error");
     if (c.finish_reason == "abort")
@@ -577,7 +587,7 @@ std::string Generation::beam_chunks(ChoiceOutput& co) {
   const RequestOutput& o = co.output;
   if (!o.finished) return "";
   finish(c, o);
-  if (o.finish_reason == "error") return sse_event(error_body("generation failed: " + o.error, "server_error"));
+  if (o.finish_reason == "error") return sse_event(generation_error(o));
   std::string out;
   for (size_t k = 0; k < o.beams.size(); ++k) {
     const BeamHypothesis& h = o.beams[k];
@@ -610,7 +620,7 @@ std::string Generation::chunks_for(ChoiceOutput& co) {
   std::string out;
   if (o.finished && o.finish_reason == "error") {
     finish(c, o);
-    return sse_event(error_body("generation failed: " + o.error, "server_error"));
+    return sse_event(generation_error(o));
   }
   if (!p.echo_text.empty() && want_logprobs_ && !c.echo_sent) {
     // Echo with logprobs: the prompt goes out with its logprobs, which come with the first token.
