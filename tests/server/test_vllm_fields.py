@@ -2,25 +2,10 @@
 /v1/chat/completions, the per-request speculative_config they refuse, and OpenAI's legacy
 max_tokens 0 (the echo alone, for scoring a prompt)."""
 
-import json
-import subprocess
-
 import pytest
 
-from conftest import kestrel_binary, stories_model
 from sse import stream_events
-
-C = "/v1/completions"
-CH = "/v1/chat/completions"
-PROMPT = "Once upon a time"
-
-
-def greedy_ids(n):
-    """The prompt's ids and its greedy continuation's, from `kestrel generate` (the same engine)."""
-    out = subprocess.run([str(kestrel_binary()), "generate", "-m", str(stories_model()), "-p", PROMPT, "-n", str(n),
-                          "--temperature", "0", "--json"], capture_output=True, text=True, check=True).stdout
-    j = json.loads(out)
-    return j["prompt_ids"], j["output_ids"]
+from vllm_requests import C, CH, PROMPT, choice, complete, greedy_ids
 
 
 def fresh_index(ids, start):
@@ -29,18 +14,6 @@ def fresh_index(ids, start):
         if ids[i] not in ids[:i]:
             return i
     pytest.fail(f"no fresh id in {ids}")
-
-
-def complete(server, **body):
-    body.setdefault("prompt", PROMPT)
-    body.setdefault("temperature", 0)
-    r = server.post(C, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def choice(r):
-    return r["choices"][0]
 
 
 def test_stop_token_ids_end_generation_without_their_text(server):

@@ -11,22 +11,7 @@ import pytest
 
 from conftest import kestrel_binary, stories_model
 from sse import joined_text, stream_events
-
-C = "/v1/completions"
-CH = "/v1/chat/completions"
-PROMPT = "Once upon a time"
-
-
-def complete(server, **body):
-    body.setdefault("prompt", PROMPT)
-    body.setdefault("temperature", 0)
-    r = server.post(C, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def choice(r):
-    return r["choices"][0]
+from vllm_requests import C, CH, PROMPT, choice, complete, greedy_ids
 
 
 def refused(server, path, body, param):
@@ -35,14 +20,6 @@ def refused(server, path, body, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     return err["message"]
-
-
-def greedy_ids(n, prompt=PROMPT):
-    """The prompt's ids and its greedy continuation's, from `kestrel generate` (the same engine)."""
-    out = subprocess.run([str(kestrel_binary()), "generate", "-m", str(stories_model()), "-p", prompt, "-n", str(n),
-                          "--temperature", "0", "--json"], capture_output=True, text=True, check=True).stdout
-    j = json.loads(out)
-    return j["prompt_ids"], j["output_ids"]
 
 
 def token_text(server, token_id):
