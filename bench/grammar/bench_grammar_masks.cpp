@@ -11,7 +11,7 @@
 // of a schema the server has seen (GrammarCache) on paths it has taken before.
 //
 //   kestrel_grammar_bench --schemas bench/data/schemas --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf
-//                         --bpe ../shared/data/llama3-bpe-vocab [--walks 4]
+//                         --bpe ../shared/data/llama3-bpe-vocab [--walks 4] [--chain-cap 32]
 //
 // --replay FILE (with --gguf): the outputs of a `kestrel batch` run instead of random walks (JSON
 // lines with "id" and "output_ids"; request id i used schema i % n_schemas in name order, as
@@ -57,10 +57,13 @@ nlohmann::ordered_json read_schema(const std::filesystem::path& path) {
   ss << in.rdbuf();
   return nlohmann::ordered_json::parse(ss.str());
 }
+// --chain-cap: CompiledGrammar's chain cap (0: every link of a bounded repetition its own split).
+uint32_t g_chain_cap = grammar::CompiledGrammar::kChainCap;
+
 std::shared_ptr<grammar::CompiledGrammar> compile_schema(const nlohmann::ordered_json& schema,
                                                          const std::shared_ptr<const grammar::TokenVocab>& vocab) {
   return std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)),
-                                                    vocab);
+                                                    vocab, g_chain_cap);
 }
 
 void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vector<std::filesystem::path>& schemas, int walks) {
@@ -196,6 +199,7 @@ int main(int argc, char** argv) {
     else if (k == "--walks") walks = std::max(1, std::stoi(v));
     else if (k == "--replay") replay_file = v;
     else if (k == "--verbose") verbose = v == "1";
+    else if (k == "--chain-cap") g_chain_cap = static_cast<uint32_t>(std::stoul(v));
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;

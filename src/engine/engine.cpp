@@ -531,16 +531,6 @@ void Engine::Impl::measure_prefill(const SchedulerOutput& out, double s) {
       PreemptionCosts{link > 0 ? 2.0 * block_bytes / link : 0.0, link > 0 ? prefill_seconds_per_token : 0.0});
 }
 
-int Engine::Impl::pipeline_depth() const {
-  // The runner first: a runner of one pass at a time (all but pipeline parallelism) needs no look
-  // at the requests, which this would do every step.
-  const int depth = runner->max_passes_in_flight();
-  if (depth <= 1 || drafter) return 1;
-  for (const auto& [id, r] : requests)
-    if (r->own_group) return 1;
-  return depth;
-}
-
 void Engine::Impl::collect(std::vector<RequestOutput>& outputs) {
   Pass p = std::move(passes.front());
   passes.pop_front();
@@ -551,6 +541,7 @@ void Engine::Impl::collect(std::vector<RequestOutput>& outputs) {
     for (const ScheduledSeq& sc : p.out.scheduled) sc.seq->in_flight = false;
     throw;
   }
+  if (passes.empty()) idle_since = Clock::now();
   finish_pass(p, logits, {}, outputs);
   spare_pass = std::move(p);
 }
@@ -593,6 +584,7 @@ std::vector<RequestOutput> Engine::step() {
   }
   m.refresh_kv_stats();
   if (out.empty()) {
+    m.idle_since.reset();  // waiting for requests, not for the host
     if (!m.passes.empty()) m.collect(outputs);  // nothing else to run: wait for the oldest pass
     return outputs;
   }
@@ -650,13 +642,21 @@ std::vector<RequestOutput> Engine::step() {
       masked |= row_masked;
     }
     TokenMaskFill fill;
-    if (masked) fill = [&m, &p](std::span<uint32_t> masks) { m.fill_token_masks(p, masks); };
+    if (masked)
+      fill = [&m, &p](std::span<uint32_t> masks) {
+        const auto t0 = Clock::now();
+        m.fill_token_masks(p, masks);
+        m.stats.mask_fill_seconds += seconds(t0, Clock::now());
+      };
+    m.pass_launching();
     const std::span<const int32_t> device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
+    m.idle_since = Clock::now();
     p.timed = true;
     m.finish_pass(p, {}, device_tokens, outputs);
     m.spare_pass = std::move(p);
     return outputs;
   }
+  m.pass_launching();
   m.runner->submit(fb);  // copies what it keeps of the batch: p's arrays may move
   for (const ScheduledSeq& sc : out.scheduled) sc.seq->in_flight = true;
   p.timed = depth == 1 || block_ops;

@@ -231,6 +231,15 @@ struct EngineStats {
   // stages work on several passes at once; ModelRunner::max_passes_in_flight).
   int64_t n_pipelined_passes = 0;
   int64_t n_prompt_tokens_computed = 0;  // prefill tokens run through the model (recompute included)
+  // Host time on the critical path: seconds from a pass's results reaching the engine (no other
+  // pass in flight) to the launch of the next pass, summed over the n_host_gaps such gaps. The
+  // device has nothing to run meanwhile: finishing the pass's outputs, the caller's handling of
+  // them, drafting, scheduling and building the next batch.
+  double host_seconds = 0;
+  int64_t n_host_gaps = 0;
+  // Seconds the engine thread spent filling token masks of device-sampled steps, which runs while
+  // the device computes the step's layers (a step waits for the longer of the two).
+  double mask_fill_seconds = 0;
   int64_t n_generated_tokens = 0;
   int64_t n_preemptions = 0;
   int64_t n_swap_preemptions = 0;           // of those, by swap to host memory

@@ -223,9 +223,26 @@ struct Engine::Impl {
   // sequences are in flight. More than one only where the runner pipelines (pipeline_depth).
   std::deque<Pass> passes;
   Pass spare_pass;  // the last pass finished: the next reuses its arrays
+  // When the last pass's results came back with no other pass in flight (the device idle since);
+  // unset while a pass is in flight or no work is waiting. EngineStats::host_seconds.
+  std::optional<engine_detail::Clock::time_point> idle_since;
+  void pass_launching() {
+    if (!idle_since) return;
+    stats.host_seconds += std::chrono::duration<double>(engine_detail::Clock::now() - *idle_since).count();
+    ++stats.n_host_gaps;
+    idle_since.reset();
+  }
   // Passes to keep in flight: the runner's max_passes_in_flight, or 1 while speculative decoding
   // or a beam search runs (their steps change sequences the scheduler sees together).
-  int pipeline_depth() const;
+  int pipeline_depth() const {
+    // The runner first: a runner of one pass at a time (all but pipeline parallelism) needs no
+    // look at the requests, which this would do every step.
+    const int depth = runner->max_passes_in_flight();
+    if (depth <= 1 || drafter) return 1;
+    for (const auto& [id, r] : requests)
+      if (r->own_group) return 1;
+    return depth;
+  }
   // Collects the oldest pass in flight and makes its outputs; drain: every pass in flight.
   void collect(std::vector<RequestOutput>& outputs);
   void drain(std::vector<RequestOutput>& outputs) {

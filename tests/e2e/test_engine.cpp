@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "core/error.h"
 #include "engine/engine.h"
@@ -649,4 +651,39 @@ TEST(Engine, LogprobsTakeTheHostPathOnADeviceSamplingBackend) {
   EXPECT_EQ(n_logprobs, 8u);
   EXPECT_GT(dev->host_calls, 0);
   EXPECT_EQ(dev->device_calls, 0);
+}
+
+// EngineStats::host_seconds counts the gaps between one pass's results and the next launch, one a
+// step after the first of a run of work, and not the time the engine waits for requests: on the
+// forward() path and on a backend that samples on the device (forward_sample).
+TEST(Engine, HostGapsAreCountedBetweenPassesNotWhileIdle) {
+  KESTREL_REQUIRE_FILE(stories_path());
+  const Loaded l = load(stories_path());
+  EngineConfig c;
+  c.n_kv_blocks = 256;
+  for (const bool on_device : {false, true}) {
+    auto engine = on_device ? std::make_unique<Engine>(*l.model, l.tokenizer.get(), c,
+                                                       device_sampling_runner(*l.model, c.n_kv_blocks))
+                            : std::make_unique<Engine>(*l.model, l.tokenizer.get(), c);
+    Engine& e = *engine;
+    double slept = 0;
+    for (int round = 0; round < 2; ++round) {
+      const EngineStats before = e.stats();
+      Request r;
+      r.prompt = l.tokenizer->encode("Once upon a time", true, false);
+      r.max_tokens = 6;
+      r.sampling.temperature = 0;
+      e.add_request(r);
+      while (e.has_unfinished()) e.step();
+      EXPECT_TRUE(e.step().empty());  // nothing to run: the idle time from here is not the host's
+      const EngineStats& after = e.stats();
+      EXPECT_EQ(after.n_steps - before.n_steps, 6) << on_device;
+      EXPECT_EQ(after.n_host_gaps - before.n_host_gaps, 5) << on_device;  // between the 6 passes
+      EXPECT_GT(after.host_seconds, before.host_seconds) << on_device;
+      const auto t0 = std::chrono::steady_clock::now();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      slept += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    EXPECT_LT(e.stats().host_seconds, slept / 2) << "the idle sleeps were counted as host time, on_device " << on_device;
+  }
 }

@@ -375,6 +375,72 @@ TEST(Grammar, MatchersOnManyThreadsShareSplitsAndGiveTheSameMasks) {
   EXPECT_GT(shared->n_splits(), 10u);
 }
 
+// Long bounded repetitions share the split of their capped link (CompiledGrammar's chain cap).
+// With a cap of 3 and tokens of up to 14 bytes, walks through strings of maxLength 20, a
+// {2,15} pattern, an array of at most 9 items and a repeated group: at every step the mask is
+// exactly the set of tokens accept_token takes (each token tried and rolled back), the same as
+// with the sharing off, and the chains cost fewer splits.
+TEST(Grammar, CappedChainLinksKeepTheMasksExact) {
+  std::vector<std::string> bytes(256);
+  for (int i = 1; i < 256; ++i) bytes[static_cast<size_t>(i)] = std::string(1, static_cast<char>(i));
+  for (const char* t : {"ab", "abc", "abcd", "aaaaaaa", "abababababab", "bbbbbbbbbbbbb\"", "a\"", "abc\",\"", "\",\"",
+                        "\"]", "\"],\"n\":", "cccccc\"]}", "xyzxyzxyzxyzxy", "12", "1234567", "\"ab\",\"ab\",\"",
+                        "{\"s\":\"", "ab_cd", "a_b_c_d_e_f", "abcabc", "abcabcabcabc"})
+    bytes.push_back(t);
+  auto vocab = TokenVocab::from_bytes(std::move(bytes), 0);
+  const std::vector<std::string> grammars = {
+      schema_gbnf(R"({"type": "object", "properties": {"s": {"type": "string", "maxLength": 20},
+          "id": {"type": "string", "pattern": "^[a-z][a-z0-9_]{2,15}$"},
+          "t": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 9},
+          "n": {"type": "integer"}}, "required": ["s", "id", "t", "n"], "additionalProperties": false})"),
+      // A repeated group inside a star, and a repetition whose item can be empty.
+      "root ::= \"<\" ((\"ab\" | \"c\"){0,12} \",\")* (\"a\"? \"b\"?){1,11} \">\"",
+  };
+  size_t steps = 0;
+  for (const std::string& gbnf : grammars) {
+    auto capped = std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), vocab, 3);
+    auto plain = std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), vocab, 0);
+    const int32_t n_vocab = vocab->n_vocab;
+    uint64_t rng = 12345;
+    auto next = [&] {
+      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<uint32_t>(rng >> 33);
+    };
+    for (int walk = 0; walk < 40; ++walk) {
+      GrammarMatcher m(capped), p(plain);
+      std::vector<uint32_t> mask(bitmask_words(n_vocab)), mask_plain(mask.size());
+      for (int step = 0; step < 60 && !m.is_terminated(); ++step, ++steps) {
+        m.fill_next_token_bitmask(mask);
+        p.fill_next_token_bitmask(mask_plain);
+        ASSERT_EQ(mask, mask_plain) << "walk " << walk << ", step " << step << " of\n" << gbnf;
+        std::vector<int32_t> ok;
+        for (int32_t id = 0; id < n_vocab; ++id) {
+          const bool in_mask = (mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u;
+          const bool takes = m.accept_token(id);
+          if (takes) {
+            m.rollback(1);
+            ok.push_back(id);
+          }
+          ASSERT_EQ(in_mask, takes) << "token '" << vocab->bytes[static_cast<size_t>(id)] << "', walk " << walk
+                                    << ", step " << step << " of\n" << gbnf;
+        }
+        ASSERT_FALSE(ok.empty());
+        // Favour long tokens so that walks run deep into the chains; end a walk now and then.
+        int32_t pick = ok[next() % ok.size()];
+        for (int tries = 0; tries < 3; ++tries) {
+          int32_t other = ok[next() % ok.size()];
+          if (vocab->bytes[static_cast<size_t>(other)].size() > vocab->bytes[static_cast<size_t>(pick)].size()) pick = other;
+        }
+        if (ok[0] == 0 && next() % 8 == 0) pick = 0;
+        ASSERT_TRUE(m.accept_token(pick));
+        ASSERT_TRUE(p.accept_token(pick));
+      }
+    }
+    EXPECT_LT(capped->n_splits(), plain->n_splits()) << gbnf;
+  }
+  EXPECT_GT(steps, 2000u);
+}
+
 TEST(Grammar, ApplyBitmaskBlocksClearedBits) {
   std::vector<float> logits(40, 1.0f);
   std::vector<uint32_t> mask = {0x5u, 0x80u};  // ids 0, 2 and 39

@@ -94,6 +94,10 @@ Json BatchSummary::to_json() const {
   j["host_to_device_bytes"] = engine.host_to_device_bytes;
   j["host_to_device_seconds"] = engine.host_to_device_seconds;
   j["steps"] = engine.n_steps;
+  // Host time between a pass's results and the next launch, the device idle (EngineStats::host_seconds).
+  j["host_seconds"] = engine.host_seconds;
+  j["host_gaps"] = engine.n_host_gaps;
+  j["mask_fill_seconds"] = engine.mask_fill_seconds;
   j["pipelined_passes"] = engine.n_pipelined_passes;  // passes submitted while another was in flight
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;

@@ -108,8 +108,10 @@ class Parser {
         g.elements.insert(g.elements.end(), seq.begin(), seq.end());
         g.elements.push_back({ElementKind::END, static_cast<uint32_t>(r)});
       }
+      g.element_rule.resize(g.elements.size(), static_cast<uint32_t>(r));
       g.rules.push_back(std::move(rule));
     }
+    g.chains = std::move(chains_);
     check_left_recursion(g);
     return g;
   }
@@ -355,12 +357,15 @@ class Parser {
       seq.push_back({ElementKind::RULE, star});
     } else if (hi > lo) {  // (atom (atom (...)?)?)? with hi - lo levels
       uint32_t inner = helper_rule({atom, {}});
+      std::vector<uint32_t> chain = {inner};
       for (size_t k = 1; k < hi - lo; ++k) {
         Seq more = atom;
         more.push_back({ElementKind::RULE, inner});
         inner = helper_rule({more, {}});
+        chain.push_back(inner);
       }
       seq.push_back({ElementKind::RULE, inner});
+      if (chain.size() > 1) chains_.push_back(std::move(chain));
     }
   }
 
@@ -417,6 +422,7 @@ class Parser {
   std::vector<CharClass> classes_;
   std::map<std::string, uint32_t> class_ids_;
   size_t helper_count_ = 0;
+  std::vector<std::vector<uint32_t>> chains_;  // Grammar::chains
 };
 
 }  // namespace

@@ -65,6 +65,13 @@ struct Grammar {
   std::vector<CharClass> classes;
   std::vector<Element> elements;
   uint32_t root = 0;
+  // The rule each element belongs to ([elements.size()]).
+  std::vector<uint32_t> element_rule;
+  // Bounded repetitions x{m,n} (n > m), written out as nested optional rules: chains[c][d - 1] is
+  // the rule of chain c that allows d more repetitions (R_1 ::= x | empty, R_d ::= x R_{d-1} |
+  // empty). Every R_d with d >= 2 has the same element layout, which lets the matcher share one
+  // token split between the links of a long chain (CompiledGrammar's chain cap).
+  std::vector<std::vector<uint32_t>> chains;
 
   // Parses GBNF text (see the file comment). Errors: GrammarError("gbnf", ...) naming the line
   // and column for a syntax error, an undefined rule, a missing `root`, or a left-recursive rule

@@ -319,8 +319,30 @@ void set_bit(std::span<uint32_t> mask, int32_t id) {
 
 }  // namespace
 
-CompiledGrammar::CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vocab)
-    : grammar_(std::move(g)), vocab_(std::move(vocab)) {}
+CompiledGrammar::CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vocab, uint32_t chain_cap)
+    : grammar_(std::move(g)), vocab_(std::move(vocab)), chain_cap_(chain_cap) {
+  const size_t n = grammar_.elements.size();
+  key_pos_.resize(n);
+  for (size_t p = 0; p < n; ++p) key_pos_[p] = static_cast<uint32_t>(p);
+  capped_.assign(n, 0);
+  if (chain_cap_ < 2) return;  // R_1's layout differs from the other links'
+  for (const auto& chain : grammar_.chains) {
+    if (chain.size() <= chain_cap_) continue;
+    const Rule& cap_rule = grammar_.rules[chain[chain_cap_ - 1]];
+    for (size_t d = chain_cap_; d <= chain.size(); ++d) {
+      const Rule& r = grammar_.rules[chain[d - 1]];
+      KESTREL_ASSERT(r.alternatives.size() == cap_rule.alternatives.size(), "grammar: chain links differ");
+      for (size_t a = 0; a < r.alternatives.size(); ++a) {
+        for (uint32_t p = r.alternatives[a], q = cap_rule.alternatives[a];; ++p, ++q) {
+          KESTREL_ASSERT(grammar_.elements[p].kind == grammar_.elements[q].kind, "grammar: chain links differ");
+          key_pos_[p] = q;
+          capped_[p] = 1;
+          if (grammar_.elements[p].kind == ElementKind::END) break;
+        }
+      }
+    }
+  }
+}
 
 const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<const uint32_t> frames) const {
   std::string key(reinterpret_cast<const char*>(frames.data()), frames.size() * sizeof(uint32_t));
@@ -342,10 +364,17 @@ void CompiledGrammar::compute_split(std::span<const uint32_t> frames, PositionMa
   int32_t node = -1;
   for (size_t i = frames.size(); i-- > 0;) node = pool.intern(frames[i], node);
   init.tops = {node};
+  // A capped link stands for every link beyond it: a token long enough to run past its last
+  // repetition may still fit a longer link, so unless it is accepted here it is uncertain.
+  bool capped = false;
+  for (uint32_t f : frames) capped |= capped_[f] != 0;
   StateTable table(pool);
   walk_memo(table, table.intern(init), *vocab_, [](const MatchState& s) { return s.dead(); },
        [&](int32_t id, const MatchState* s) {
-         if (s == nullptr) return;
+         if (s == nullptr) {
+           if (capped && vocab_->bytes[static_cast<size_t>(id)].size() >= chain_cap_) pm->uncertain.push_back(id);
+           return;
+         }
          if (!s->tops.empty() || s->completed) {
            pm->accepted[static_cast<size_t>(id) / 64] |= 1ull << (id % 64);
          } else if (s->completed_before) {
@@ -438,7 +467,7 @@ void GrammarMatcher::fill_next_token_bitmask(std::span<uint32_t> mask) {
   for (int32_t top : st.tops) {
     size_t n = 0;
     for (int32_t at = top; at >= 0 && n < CompiledGrammar::kKeyFrames; at = pool_.node(at).parent)
-      frames[n++] = pool_.node(at).pos;
+      frames[n++] = g_->key_position(pool_.node(at).pos);
     const auto& pm = g_->position_masks(std::span<const uint32_t>(frames, n));
     for (size_t w = 0; w < pm.accepted.size(); ++w) {
       uint64_t bits = pm.accepted[w];
