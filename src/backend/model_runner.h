@@ -29,7 +29,9 @@ struct CudaTuning {
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
   bool verify_decode_rows = true;    // verify steps' attention on the decode kernel, a row an item
-  int64_t skinny_max_tokens = 8;     // token counts up to which the skinny GEMM runs; 0 = never
+  // Token counts up to which the skinny GEMM runs; 0 = never. 9: a batch-1 verify step of 1 + 8
+  // drafts keeps the one-token steps' bits (its token columns are independent; cuBLASLt's are not).
+  int64_t skinny_max_tokens = 9;
   bool gemm_tune = true;             // time cuBLASLt's candidates per decode batch size
   bool gemm_split_k = true;          // split-K variants among the timed candidates
   bool pdl = true;                   // programmatic dependent launch between kernels

@@ -163,7 +163,7 @@ TEST(CudaModelRunner, DraftsVerifiedOnTheDeviceSamplerGiveTheHostVerifiersTokens
   }
 }
 
-// Greedy requests, each alone, with n-gram speculation (k = 4 and 7) against speculation off, eagerly
+// Greedy requests, each alone, with n-gram speculation (k = 4 and 8) against speculation off, eagerly
 // and through the graph path: the same tokens and, bit for bit, the same logprob of each (with
 // logprobs asked for, rows are verified on the host; without, on the device sampler).
 static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, const Tokenizer* tok,
@@ -189,7 +189,7 @@ static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, con
     Engine off(model, tok, config(), cuda_runner(model, eager));
     std::vector<std::pair<std::vector<int32_t>, std::vector<uint32_t>>> want;
     for (const Request& r : requests) want.push_back(run_alone(off, r));
-    for (const int32_t k : {4, 7}) {
+    for (const int32_t k : {4, 8}) {
       SCOPED_TRACE("k = " + std::to_string(k));
       EngineConfig c = config();
       c.speculative.method = SpecMethod::Ngram;
@@ -211,7 +211,7 @@ static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, con
 // Speculation keeps greedy outputs on the CUDA backend, as on the CPU, for single requests. A verify
 // step's rows take the one-token steps' kernels and bits: attention on the decode kernels a row an
 // item with the one-token step's split counts (AttentionParams::decode_rows), projections on the
-// skinny GEMM, whose token columns do not depend on each other (up to 8 tokens: skinny_max_tokens;
+// skinny GEMM, whose token columns do not depend on each other (up to 9 tokens: skinny_max_tokens;
 // widths that are multiples of 8), norms and RoPE row by row. Generated Llama models with head_dim
 // 64 (the tensor-core kernels, whose prefill and decode forms round differently: with decode_rows
 // off the logprobs differ) and 8 (the SIMT kernels). (stories260K's FFN width, 172, takes cuBLASLt,

@@ -385,7 +385,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   std::unique_ptr<cuda::Gemm> gemm_;
   // Token counts up to which the projections use cuda::skinny_gemm instead of cuBLASLt (from the
   // H200 measurements in docs/performance.md; CudaTuning::skinny_max_tokens, 0 = never).
-  int64_t skinny_max_tokens_ = 8;
+  int64_t skinny_max_tokens_ = 9;
   bool stream_gemv_ = true;
   // FP8 weights at one and two tokens on the W8A8 streaming GEMV (CudaTuning::stream_gemv_fp8; off:
   // the W8A16 FP8 skinny GEMM).
