@@ -112,5 +112,52 @@ TEST(GrammarSuite, Draft7ValidAcceptedInvalidRejected) {
   EXPECT_GE(compiled, 57u);  // what the supported keywords cover today (of 124): guards against regressions
 }
 
+// The chain cap (CompiledGrammar::kChainCap) on the default vocabulary: walks from the start of the
+// bench schemas' strings bounded beyond the cap (maxLength 60 and 160) to the end of the document,
+// drawing long tokens first so they run deep into those strings, give at every step the same mask
+// as the grammar with every chain link its own split, and the capped grammar computes fewer splits.
+TEST(GrammarSuite, ChainCapKeepsTheMasksOfLongBoundedStrings) {
+  const auto tok = default_tokenizer();
+  const auto vocab = TokenVocab::from_tokenizer(*tok);
+  // Each walk starts inside the long string (the text before it accepted as bytes, unchecked).
+  const std::vector<std::pair<const char*, const char*>> cases = {
+      {"10_event.json", R"({"title":")"}, {"15_user_profile.json", R"({"username":"abc","display_name":"x","bio":")"}};
+  for (const auto& [name, prefix] : cases) {
+    std::ifstream in(std::string(KESTREL_TEST_SOURCE_DIR) + "/../bench/data/schemas/" + name);
+    ASSERT_TRUE(in.good()) << name;
+    const std::string gbnf = json_schema_to_gbnf(nlohmann::ordered_json::parse(in));
+    auto capped = std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), vocab);
+    auto plain = std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), vocab, 0);
+    std::vector<uint32_t> mask(bitmask_words(vocab->n_vocab)), mask_plain(mask.size());
+    uint64_t rng = 7;
+    size_t steps = 0;
+    for (int walk = 0; walk < 4; ++walk) {
+      GrammarMatcher m(capped), p(plain);
+      ASSERT_TRUE(m.accept_bytes(prefix) && p.accept_bytes(prefix)) << name;
+      for (int step = 0; step < 200 && !m.is_terminated(); ++step, ++steps) {
+        m.fill_next_token_bitmask(mask);
+        p.fill_next_token_bitmask(mask_plain);
+        ASSERT_EQ(mask, mask_plain) << name << ", walk " << walk << ", step " << step;
+        std::vector<int32_t> ok;
+        for (int32_t id = 0; id < vocab->n_vocab; ++id)
+          if ((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) ok.push_back(id);
+        ASSERT_FALSE(ok.empty()) << name;
+        // The longest of a few allowed tokens; a short one now and then, so that structure comes too.
+        int32_t pick = -1;
+        for (int tries = 0; tries < (walk % 2 == 0 ? 8 : 2); ++tries) {
+          rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+          const int32_t id = ok[(rng >> 33) % ok.size()];
+          if (pick < 0 || vocab->bytes[static_cast<size_t>(id)].size() > vocab->bytes[static_cast<size_t>(pick)].size())
+            pick = id;
+        }
+        ASSERT_TRUE(m.accept_token(pick));
+        ASSERT_TRUE(p.accept_token(pick));
+      }
+    }
+    EXPECT_GT(steps, 100u) << name;
+    EXPECT_LT(capped->n_splits(), plain->n_splits()) << name;
+  }
+}
+
 }  // namespace
 }  // namespace kestrel::grammar
