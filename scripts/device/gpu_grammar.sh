@@ -16,7 +16,9 @@
 #   free          the same requests without response_format and max_tokens 256 (their natural
 #                 lengths; output tok/s then weighs prefill differently, compare mean TPOT)
 # Prints each run's output tok/s and mean TPOT and the ratios constrained / free_matched
-# (goal >= 0.95).
+# (goal >= 0.95). ROUNDS=R (default 1) then runs constrained and free_matched R more times,
+# alternating, and prints the ratio of their summed wall times: one machine's runs drift by more
+# than the gap (free_matched alone 18-24k tok/s on one H100), so single pairs mislead.
 # usage: gpu_grammar.sh DIR MODEL
 #   DIR holds kestrel (plain or .xz, built with KESTREL_CUDA=ON), libpcre2-8.so.0, libxxhash.so.0;
 #   MODEL the SmolLM2 GGUF file. Results in $OUT (inputs, outputs, logs and summary.txt).
@@ -110,4 +112,27 @@ for k in ("constrained", "constrained_host"):
             bad += 1
     print(f"{k}: {n} outputs ended with stop, {bad} of them not JSON")
 PY
+ROUNDS="${ROUNDS:-1}"
+if [ "$ROUNDS" -gt 1 ]; then
+  for r in $(seq 2 "$ROUNDS"); do
+    for k in constrained free_matched; do
+      timeout 500 "$D/kestrel" batch -m "$M" --device cuda -i "$OUT/$k.jsonl" -o "$OUT/${k}_r$r.out" \
+        --stats-json "$OUT/${k}_stats_r$r.json" --max-num-seqs 64 ${KESTREL_FLAGS:-} > "$OUT/${k}_r$r.log" 2>&1 ||
+        echo "FAILED $k round $r rc=$?" | tee -a "$S"
+    done
+  done
+  python3 - "$OUT" "$ROUNDS" <<'PY' | tee -a "$S"
+import json, os, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def stats(k, r):
+    return json.load(open(os.path.join(out, f"{k}_stats.json" if r == 1 else f"{k}_stats_r{r}.json")))
+pairs = [(stats("constrained", r), stats("free_matched", r)) for r in range(1, rounds + 1)]
+for r, (c, f) in enumerate(pairs, 1):
+    print(f"round {r}: constrained {c['wall_s']:.3f} s, free_matched {f['wall_s']:.3f} s, "
+          f"ratio {f['wall_s'] / c['wall_s']:.3f}; host s {c['host_seconds']:.3f} / {f['host_seconds']:.3f}, "
+          f"mask fill s {c['mask_fill_seconds']:.3f}")
+c_s, f_s = sum(c["wall_s"] for c, _ in pairs), sum(f["wall_s"] for _, f in pairs)
+print(f"{rounds} rounds: constrained / free_matched output tok/s (summed wall times) {f_s / c_s:.3f} (goal >= 0.95)")
+PY
+fi
 echo "== summary" && cat "$S"
