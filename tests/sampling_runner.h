@@ -7,9 +7,11 @@
 // on the host.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 
 #include "backend/model_runner.h"
 
@@ -27,9 +29,19 @@ class SamplingRunner final : public ModelRunner {
                                           const TokenMaskFill& fill_masks = {}) override {
     ++device_calls;
     for (const RowSampling& r : rows) masked_rows += r.masked;
+    if (fill_delay_s > 0 && fill_masks) {
+      ++delayed_fills;
+      const TokenMaskFill slow = [&](std::span<uint32_t> masks) {
+        std::this_thread::sleep_for(std::chrono::duration<double>(fill_delay_s));
+        fill_masks(masks);
+      };
+      if (inner_->samples_on_device()) return inner_->forward_sample(b, rows, slow);
+      return sample_on_host(inner_->forward(b), rows, slow);
+    }
     if (inner_->samples_on_device()) return inner_->forward_sample(b, rows, fill_masks);
     return sample_on_host(inner_->forward(b), rows, fill_masks);
   }
+  double mask_wait_seconds() const override { return inner_->mask_wait_seconds(); }
   void copy_blocks(std::span<const BlockCopy> copies) override { inner_->copy_blocks(copies); }
   int32_t n_kv_blocks() const override { return inner_->n_kv_blocks(); }
   int32_t block_size() const override { return inner_->block_size(); }
@@ -41,6 +53,9 @@ class SamplingRunner final : public ModelRunner {
 
   int host_calls = 0, device_calls = 0;
   int64_t masked_rows = 0;  // rows sampled under a token mask
+  // Seconds each token-mask fill is held back (a host slower than the device), and the fills held.
+  double fill_delay_s = 0;
+  int delayed_fills = 0;
 
  private:
   std::unique_ptr<ModelRunner> inner_;

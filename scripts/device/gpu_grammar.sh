@@ -130,7 +130,7 @@ pairs = [(stats("constrained", r), stats("free_matched", r)) for r in range(1, r
 for r, (c, f) in enumerate(pairs, 1):
     print(f"round {r}: constrained {c['wall_s']:.3f} s, free_matched {f['wall_s']:.3f} s, "
           f"ratio {f['wall_s'] / c['wall_s']:.3f}; host s {c['host_seconds']:.3f} / {f['host_seconds']:.3f}, "
-          f"mask fill s {c['mask_fill_seconds']:.3f}")
+          f"mask fill s {c['mask_fill_seconds']:.3f}, device waiting for masks s {c.get('mask_wait_seconds', 0):.3f}")
 c_s, f_s = sum(c["wall_s"] for c, _ in pairs), sum(f["wall_s"] for _, f in pairs)
 print(f"{rounds} rounds: constrained / free_matched output tok/s (summed wall times) {f_s / c_s:.3f} (goal >= 0.95)")
 PY

@@ -161,6 +161,9 @@ class ModelRunner {
   // Bytes per second one direction of the device <-> host link moves, for the swap-or-recompute
   // choice (PreemptionMode::Auto).
   virtual double host_link_bytes_per_s() const { return 0; }
+  // Seconds the device has sat idle after forward_sample()'s layers, waiting for fill_masks (the
+  // host's token masks), summed since start; 0 where not measured (the host backends).
+  virtual double mask_wait_seconds() const { return 0; }
   // Disaggregated prefill (a prefill process's K/V decoded in another): each block of `blocks` as
   // block_size() x kv_bytes_per_token() bytes, in order, into `out`
   // (blocks.size() x that many bytes); write_kv_blocks is the reverse. The CPU's record is

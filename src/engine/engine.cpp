@@ -651,6 +651,7 @@ std::vector<RequestOutput> Engine::step() {
     m.pass_launching();
     const std::span<const int32_t> device_tokens = m.runner->forward_sample(fb, m.row_sampling, fill);
     m.idle_since = Clock::now();
+    if (masked) m.stats.mask_wait_seconds = m.runner->mask_wait_seconds();
     p.timed = true;
     m.finish_pass(p, {}, device_tokens, outputs);
     m.spare_pass = std::move(p);

@@ -240,6 +240,9 @@ struct EngineStats {
   // Seconds the engine thread spent filling token masks of device-sampled steps, which runs while
   // the device computes the step's layers (a step waits for the longer of the two).
   double mask_fill_seconds = 0;
+  // Of the device's time, seconds it sat idle after a step's layers waiting for those masks
+  // (ModelRunner::mask_wait_seconds; 0 on the host backends).
+  double mask_wait_seconds = 0;
   int64_t n_generated_tokens = 0;
   int64_t n_preemptions = 0;
   int64_t n_swap_preemptions = 0;           // of those, by swap to host memory

@@ -121,6 +121,36 @@ TEST(CudaModelRunner, GrammarMasksOnTheDeviceSamplerGiveTheHostPathsTokens) {
   }
 }
 
+// The device's wait for the host's token masks (ModelRunner::mask_wait_seconds, EngineStats):
+// with every fill held back 5 ms, far longer than stories260K's layers take on a GPU, each masked
+// step adds nearly those 5 ms; with fills as they come, the wait is a fraction of that. (The CPU
+// emulation runs the layers before the fill and times nothing: it only checks the plumbing.)
+TEST(CudaModelRunner, MaskWaitIsTheDevicesIdleTimeBehindSlowMasks) {
+  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const auto tok = Tokenizer::from_gguf(model->file());
+  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
+  const std::vector<Request> requests = test::mixed_grammar_requests(*tok, *cache, 16);
+  std::vector<double> waits;
+  for (const double delay : {0.0, 0.005}) {
+    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, /*eager=*/false), /*on_device=*/true);
+    test::SamplingRunner* dev = runner.get();
+    dev->fill_delay_s = delay;
+    Engine e(*model, tok.get(), config(), std::move(runner));
+    test::run_requests(e, requests);
+    EXPECT_EQ(e.stats().mask_wait_seconds, dev->mask_wait_seconds());
+    ASSERT_GT(dev->masked_rows, 0);
+    if (delay > 0) {
+      ASSERT_GT(dev->delayed_fills, 0);
+      if (!test::kCudaEmulated)
+        EXPECT_GE(dev->mask_wait_seconds(), 0.8 * delay * dev->delayed_fills) << dev->delayed_fills << " fills";
+    }
+    waits.push_back(dev->mask_wait_seconds());
+  }
+  if (!test::kCudaEmulated) EXPECT_LT(waits[0], waits[1] / 4);
+}
+
 // Speculative decoding with n-gram drafts (k = 4): every verify step's 1 + k rows sampled by the
 // CUDA kernel (inside the decode graph on the graph path) with the uniforms the host verifier
 // would draw, accepted by accept_sampled_drafts, against verify_drafts on the host over the same

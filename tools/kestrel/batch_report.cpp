@@ -98,6 +98,7 @@ Json BatchSummary::to_json() const {
   j["host_seconds"] = engine.host_seconds;
   j["host_gaps"] = engine.n_host_gaps;
   j["mask_fill_seconds"] = engine.mask_fill_seconds;
+  j["mask_wait_seconds"] = engine.mask_wait_seconds;
   j["pipelined_passes"] = engine.n_pipelined_passes;  // passes submitted while another was in flight
   j["prefill_tokens_computed"] = engine.n_prompt_tokens_computed;  // recomputation after preemption included
   j["spec_decode_num_drafts"] = engine.spec_num_drafts;

@@ -223,7 +223,13 @@ std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, 
     const size_t words = (static_cast<size_t>(hp_.n_vocab) + 31) / 32, bytes = n_out * words * sizeof(uint32_t);
     masks_h_.reserve(bytes);
     masks_.reserve(bytes);
+    if (layers_done_ == nullptr) {
+      KESTREL_CUDA_CHECK(cudaEventCreate(&layers_done_));
+      KESTREL_CUDA_CHECK(cudaEventCreate(&masks_ready_));
+    }
+    KESTREL_CUDA_CHECK(cudaEventRecord(layers_done_, stream_));
     fill_masks(std::span<uint32_t>(masks_h_.as<uint32_t>(), n_out * words));
+    KESTREL_CUDA_CHECK(cudaEventRecord(masks_ready_, stream_));
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(masks_.as<void>(), masks_h_.as<void>(), bytes, cudaMemcpyHostToDevice, stream_));
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(d.sampling),
                         static_cast<int64_t>(n_out), hp_.n_vocab, d.tokens, sample_ws_.as<void>(), stream_,
@@ -234,6 +240,11 @@ std::span<const int32_t> CudaModelRunner::forward_sample(const ForwardBatch& b, 
   KESTREL_CUDA_CHECK(
       cudaMemcpyAsync(tokens_h_.as<void>(), d.tokens, n_out * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (masked) {
+    float ms = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, layers_done_, masks_ready_));
+    mask_wait_s_ += static_cast<double>(ms) / 1e3;
+  }
   if (prof_ != nullptr) prof_->collect();
   return {tokens_h_.as<const int32_t>(), n_out};
 }

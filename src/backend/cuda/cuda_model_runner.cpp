@@ -151,7 +151,7 @@ CudaModelRunner::~CudaModelRunner() {
     cudaStreamSynchronize(s);
     cudaStreamDestroy(s);
   }
-  for (cudaEvent_t e : {swap_after_pass_, swap_done_, load_done_, h2d_start_, h2d_stop_})
+  for (cudaEvent_t e : {swap_after_pass_, swap_done_, load_done_, h2d_start_, h2d_stop_, layers_done_, masks_ready_})
     if (e != nullptr) cudaEventDestroy(e);
   for (cudaEvent_t e : tensor_out_done_) cudaEventDestroy(e);
   if (side_stream_ != nullptr) {

@@ -196,6 +196,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   void swap_in(std::span<const BlockSwap> swaps) override;
   void swap_out_in(std::span<const BlockSwap> out, std::span<const BlockSwap> in) override;
   HostCopyTotals host_to_device_totals() override;
+  double mask_wait_seconds() const override { return mask_wait_s_; }
   // PCIe Gen5 x16, the H200 SXM's host link: 64 GB/s a direction by the standard; 50e9 taken as
   // what pinned cudaMemcpyAsync reaches (a lead, not measured here).
   double host_link_bytes_per_s() const override { return 50e9; }
@@ -458,6 +459,10 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Timing of the host -> device copies: events (with timing) around the last call's copies,
   // read (and added to h2d_) at the next call or by host_to_device_totals().
   cudaEvent_t h2d_start_ = nullptr, h2d_stop_ = nullptr;
+  // forward_sample with token masks: the layers' end and the masks' arrival on the stream; the time
+  // between them (when the host was the later) is the device's wait for the masks.
+  cudaEvent_t layers_done_ = nullptr, masks_ready_ = nullptr;
+  double mask_wait_s_ = 0;
   bool h2d_pending_ = false;
   HostCopyTotals h2d_;
   void collect_h2d_timing();
