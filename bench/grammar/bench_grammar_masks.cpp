@@ -12,6 +12,7 @@
 //
 //   kestrel_grammar_bench --schemas bench/data/schemas --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf
 //                         --bpe ../shared/data/llama3-bpe-vocab [--walks 4] [--chain-cap 32]
+//                         [--precompute STACKS]
 //
 // --replay FILE (with --gguf): the outputs of a `kestrel batch` run instead of random walks (JSON
 // lines with "id" and "output_ids"; request id i used schema i % n_schemas in name order, as
@@ -59,11 +60,20 @@ nlohmann::ordered_json read_schema(const std::filesystem::path& path) {
 }
 // --chain-cap: CompiledGrammar's chain cap (0: every link of a bounded repetition its own split).
 uint32_t g_chain_cap = grammar::CompiledGrammar::kChainCap;
+// --precompute N: CompiledGrammar::precompute_splits(N) on each grammar after its compile (0: off).
+size_t g_precompute = 0;
+std::vector<double> g_precompute_ms;
 
 std::shared_ptr<grammar::CompiledGrammar> compile_schema(const nlohmann::ordered_json& schema,
                                                          const std::shared_ptr<const grammar::TokenVocab>& vocab) {
-  return std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)),
-                                                    vocab, g_chain_cap);
+  auto g = std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::parse_gbnf(grammar::json_schema_to_gbnf(schema)),
+                                                      vocab, g_chain_cap);
+  if (g_precompute > 0) {
+    const auto t = Clock::now();
+    g->precompute_splits(g_precompute);
+    g_precompute_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+  }
+  return g;
 }
 
 void bench_vocab(const std::string& label, const Tokenizer& tok, const std::vector<std::filesystem::path>& schemas, int walks) {
@@ -200,6 +210,7 @@ int main(int argc, char** argv) {
     else if (k == "--replay") replay_file = v;
     else if (k == "--verbose") verbose = v == "1";
     else if (k == "--chain-cap") g_chain_cap = static_cast<uint32_t>(std::stoul(v));
+    else if (k == "--precompute") g_precompute = std::stoul(v);
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -214,6 +225,9 @@ int main(int argc, char** argv) {
     if (!replay_file.empty()) {
       if (gguf.empty()) throw Error("--replay needs --gguf (the model whose tokens the outputs hold)");
       replay(replay_file, *Tokenizer::from_gguf(GgufFile::open(gguf)), schemas, verbose);
+      if (!g_precompute_ms.empty())
+        std::printf("  precompute_splits(%zu) per grammar: p50 %.1f ms, max %.1f ms (before the replay)\n", g_precompute,
+                    pct(g_precompute_ms, 50), pct(g_precompute_ms, 100));
       return 0;
     }
     if (!gguf.empty()) bench_vocab(gguf, *Tokenizer::from_gguf(GgufFile::open(gguf)), schemas, walks);

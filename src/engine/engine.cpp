@@ -230,7 +230,7 @@ RequestId Engine::add_request(Request request) {
     if (request.grammar->vocab().n_vocab > n_vocab)
       throw Error("grammar: its vocabulary (" + std::to_string(request.grammar->vocab().n_vocab) +
                   " tokens) is larger than the model's (" + std::to_string(n_vocab) + ")");
-    r->matcher.emplace(request.grammar);
+    m.start_grammar(*r, request.grammar);
   }
   const size_t mask_words = grammar::bitmask_words(static_cast<int32_t>(n_vocab));
   if (!request.allowed_token_ids.empty()) {

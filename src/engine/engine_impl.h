@@ -259,6 +259,10 @@ struct Engine::Impl {
   // yields); sets r.mask_empty when no token is left. Writes only `mask` and r.mask_empty: safe for
   // different requests at once.
   void fill_token_mask(RequestState& r, std::span<uint32_t> mask) const;
+  // r's matcher on grammar g, whose token splits split_prefetcher computes ahead, in the
+  // background, the first time g comes (CompiledGrammar::precompute_splits).
+  void start_grammar(RequestState& r, const std::shared_ptr<const grammar::CompiledGrammar>& g);
+  std::unique_ptr<grammar::SplitPrefetcher> split_prefetcher;
   // The token masks of a pass's masked rows for forward_sample: [n_rows, bitmask_words] words,
   // row sr.row of each sampling request that masks_row() (the other rows are not read). Requests
   // are filled in parallel on mask_pool (each matcher is its own; a grammar's shared token splits

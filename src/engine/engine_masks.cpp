@@ -65,6 +65,12 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
   r.mask_empty = no_token_left(mask, n_vocab);
 }
 
+void Engine::Impl::start_grammar(RequestState& r, const std::shared_ptr<const grammar::CompiledGrammar>& g) {
+  r.matcher.emplace(g);
+  if (!split_prefetcher) split_prefetcher = std::make_unique<grammar::SplitPrefetcher>(grammar::CompiledGrammar::kPrecomputeStacks);
+  split_prefetcher->add(g);
+}
+
 void Engine::Impl::for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn) {
   if (n < 2) {
     for (size_t i = 0; i < n; ++i) fn(i);

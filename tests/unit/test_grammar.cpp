@@ -441,6 +441,60 @@ TEST(Grammar, CappedChainLinksKeepTheMasksExact) {
   EXPECT_GT(steps, 2000u);
 }
 
+// CompiledGrammar::precompute_splits visits every stack a matcher can reach: after it, walks
+// through a non-recursive schema (strings bounded past the chain cap, an array, numbers) compute
+// no split of their own, and their masks equal those of the same grammar computed on demand. On
+// a recursive grammar it stops at its bound. SplitPrefetcher runs it in the background, once per
+// grammar.
+TEST(Grammar, PrecomputedSplitsCoverEveryStackAWalkReaches) {
+  const std::string gbnf = schema_gbnf(
+      R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "tags": {"type": "array",
+          "items": {"type": "string", "minLength": 2, "maxLength": 6}, "maxItems": 4}, "n": {"type": "integer"},
+          "kind": {"enum": ["a", "bc"]}}, "required": ["name", "tags", "n", "kind"], "additionalProperties": false})");
+  auto pre = compile(gbnf);
+  auto lazy = compile(gbnf);
+  const size_t visited = pre->precompute_splits(CompiledGrammar::kPrecomputeStacks);
+  EXPECT_LT(visited, CompiledGrammar::kPrecomputeStacks);  // all of them: the grammar is finite
+  const size_t splits = pre->n_splits();
+  EXPECT_GT(splits, 20u);
+  const int32_t n_vocab = pre->vocab().n_vocab;
+  uint64_t rng = 99;
+  size_t steps = 0;
+  for (int walk = 0; walk < 30; ++walk) {
+    GrammarMatcher m(pre), l(lazy);
+    std::vector<uint32_t> mask(bitmask_words(n_vocab)), mask_lazy(mask.size());
+    for (int step = 0; step < 80 && !m.is_terminated(); ++step, ++steps) {
+      m.fill_next_token_bitmask(mask);
+      l.fill_next_token_bitmask(mask_lazy);
+      ASSERT_EQ(mask, mask_lazy) << "walk " << walk << ", step " << step;
+      std::vector<int32_t> ok;
+      for (int32_t id = 0; id < n_vocab; ++id)
+        if ((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) ok.push_back(id);
+      ASSERT_FALSE(ok.empty());
+      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+      const int32_t pick = ok[(rng >> 33) % ok.size()];
+      ASSERT_TRUE(m.accept_token(pick));
+      ASSERT_TRUE(l.accept_token(pick));
+    }
+  }
+  EXPECT_GT(steps, 500u);
+  EXPECT_EQ(pre->n_splits(), splits) << "a walk met a stack precompute_splits did not visit";
+  EXPECT_GT(lazy->n_splits(), 0u);
+
+  auto recursive = compile("root ::= \"[\" (root (\",\" root)*)? \"]\" | [0-9]+");
+  EXPECT_EQ(recursive->precompute_splits(500), 500u);
+
+  auto queued = compile(gbnf);
+  {
+    SplitPrefetcher prefetcher(CompiledGrammar::kPrecomputeStacks);
+    prefetcher.add(queued);
+    prefetcher.add(queued);  // once only
+    for (int i = 0; i < 2000 && queued->n_splits() < splits; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(queued->n_splits(), splits);
+  EXPECT_FALSE(queued->claim_precompute());
+}
+
 TEST(Grammar, ApplyBitmaskBlocksClearedBits) {
   std::vector<float> logits(40, 1.0f);
   std::vector<uint32_t> mask = {0x5u, 0x80u};  // ids 0, 2 and 39

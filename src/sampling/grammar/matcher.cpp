@@ -138,6 +138,15 @@ void StackPool::step(std::span<const int32_t> tops, uint32_t cp, std::vector<int
   out->erase(std::unique(out->begin(), out->end()), out->end());
 }
 
+void StackPool::advance(int32_t top, std::vector<int32_t>* out, bool* completed) {
+  ++epoch_;
+  out->clear();
+  const Node n = nodes_[static_cast<size_t>(top)];
+  expand(n.pos + 1, n.parent, out, completed);
+  std::sort(out->begin(), out->end());
+  out->erase(std::unique(out->begin(), out->end()), out->end());
+}
+
 bool step_byte(StackPool& pool, const MatchState& in, uint8_t byte, MatchState* out) {
   out->completed_before = in.completed_before || in.completed;
   out->completed = false;
@@ -357,6 +366,75 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<
   return split->masks;
 }
 
+size_t CompiledGrammar::precompute_splits(size_t max_stacks, const std::atomic<bool>* stop) const {
+  StackPool pool(grammar_);
+  std::vector<int32_t> frontier, next, out;
+  std::vector<uint8_t> seen;  // by node id
+  bool completed = false;
+  const auto first_visit = [&](int32_t id) {
+    if (seen.size() <= static_cast<size_t>(id)) seen.resize(2 * static_cast<size_t>(id) + 64, 0);
+    if (seen[static_cast<size_t>(id)] != 0) return false;
+    seen[static_cast<size_t>(id)] = 1;
+    return true;
+  };
+  pool.start(&frontier, &completed);
+  for (int32_t id : frontier) first_visit(id);
+  size_t visited = 0;
+  uint32_t frames[kKeyFrames];
+  while (!frontier.empty()) {
+    next.clear();
+    for (int32_t id : frontier) {
+      if (visited == max_stacks || (stop != nullptr && stop->load(std::memory_order_relaxed))) return visited;
+      ++visited;
+      size_t n = 0;
+      for (int32_t at = id; at >= 0 && n < kKeyFrames; at = pool.node(at).parent) frames[n++] = key_pos_[pool.node(at).pos];
+      position_masks(std::span<const uint32_t>(frames, n));
+      pool.advance(id, &out, &completed);
+      for (int32_t s : out)
+        if (first_visit(s)) next.push_back(s);
+    }
+    std::swap(frontier, next);
+  }
+  return visited;
+}
+
+SplitPrefetcher::~SplitPrefetcher() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void SplitPrefetcher::add(std::shared_ptr<const CompiledGrammar> g) {
+  if (!g || !g->claim_precompute()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(g));
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+  cv_.notify_one();
+}
+
+void SplitPrefetcher::run() {
+  for (;;) {
+    std::shared_ptr<const CompiledGrammar> g;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      g = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      g->precompute_splits(max_stacks_, &stop_);
+    } catch (const std::exception&) {
+      // Out of memory, say: the splits not computed here are computed when a mask needs them.
+    }
+  }
+}
+
 void CompiledGrammar::compute_split(std::span<const uint32_t> frames, PositionMasks* pm) const {
   pm->accepted.assign((static_cast<size_t>(vocab_->n_vocab) + 63) / 64, 0);
   StackPool pool(grammar_);
@@ -381,6 +459,15 @@ void CompiledGrammar::compute_split(std::span<const uint32_t> frames, PositionMa
            pm->uncertain.push_back(id);
          }
        });
+  size_t n_accepted = 0;
+  for (uint64_t w : pm->accepted) n_accepted += static_cast<size_t>(std::popcount(w));
+  if (n_accepted * 32 < static_cast<size_t>(vocab_->n_vocab)) {
+    pm->accepted_ids.reserve(n_accepted);
+    for (size_t w = 0; w < pm->accepted.size(); ++w)
+      for (uint64_t bits = pm->accepted[w]; bits != 0; bits &= bits - 1)
+        pm->accepted_ids.push_back(static_cast<int32_t>(w * 64 + static_cast<size_t>(std::countr_zero(bits))));
+    pm->accepted = {};
+  }
   pm->uncertain_lcp.assign(pm->uncertain.size(), 0);
   for (size_t i = 1; i < pm->uncertain.size(); ++i) {
     const auto& x = vocab_->bytes[static_cast<size_t>(pm->uncertain[i - 1])];
@@ -469,6 +556,7 @@ void GrammarMatcher::fill_next_token_bitmask(std::span<uint32_t> mask) {
     for (int32_t at = top; at >= 0 && n < CompiledGrammar::kKeyFrames; at = pool_.node(at).parent)
       frames[n++] = g_->key_position(pool_.node(at).pos);
     const auto& pm = g_->position_masks(std::span<const uint32_t>(frames, n));
+    for (const int32_t id : pm.accepted_ids) set_bit(mask, id);
     for (size_t w = 0; w < pm.accepted.size(); ++w) {
       uint64_t bits = pm.accepted[w];
       if (bits == 0) continue;
