@@ -29,17 +29,16 @@ class SamplingRunner final : public ModelRunner {
                                           const TokenMaskFill& fill_masks = {}) override {
     ++device_calls;
     for (const RowSampling& r : rows) masked_rows += r.masked;
+    TokenMaskFill fill = fill_masks;
     if (fill_delay_s > 0 && fill_masks) {
       ++delayed_fills;
-      const TokenMaskFill slow = [&](std::span<uint32_t> masks) {
+      fill = [&](std::span<uint32_t> masks) {
         std::this_thread::sleep_for(std::chrono::duration<double>(fill_delay_s));
         fill_masks(masks);
       };
-      if (inner_->samples_on_device()) return inner_->forward_sample(b, rows, slow);
-      return sample_on_host(inner_->forward(b), rows, slow);
     }
-    if (inner_->samples_on_device()) return inner_->forward_sample(b, rows, fill_masks);
-    return sample_on_host(inner_->forward(b), rows, fill_masks);
+    if (inner_->samples_on_device()) return inner_->forward_sample(b, rows, fill);
+    return sample_on_host(inner_->forward(b), rows, fill);
   }
   double mask_wait_seconds() const override { return inner_->mask_wait_seconds(); }
   void copy_blocks(std::span<const BlockCopy> copies) override { inner_->copy_blocks(copies); }

@@ -46,6 +46,21 @@ bool matches(const std::shared_ptr<const CompiledGrammar>& cg, const std::string
   return m.can_end();
 }
 
+// The next draw of a fixed-seed linear congruential generator (Knuth's MMIX constants), for walks
+// that repeat from run to run.
+uint32_t next_draw(uint64_t& state) {
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  return static_cast<uint32_t>(state >> 33);
+}
+
+// The ids whose bits are set in mask.
+std::vector<int32_t> allowed_ids(const std::vector<uint32_t>& mask, int32_t n_vocab) {
+  std::vector<int32_t> ids;
+  for (int32_t id = 0; id < n_vocab; ++id)
+    if ((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) ids.push_back(id);
+  return ids;
+}
+
 std::shared_ptr<const CompiledGrammar> compile(const std::string& gbnf) {
   return std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), test_vocab());
 }
@@ -402,10 +417,6 @@ TEST(Grammar, CappedChainLinksKeepTheMasksExact) {
     auto plain = std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(gbnf), vocab, 0);
     const int32_t n_vocab = vocab->n_vocab;
     uint64_t rng = 12345;
-    auto next = [&] {
-      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-      return static_cast<uint32_t>(rng >> 33);
-    };
     for (int walk = 0; walk < 40; ++walk) {
       GrammarMatcher m(capped), p(plain);
       std::vector<uint32_t> mask(bitmask_words(n_vocab)), mask_plain(mask.size());
@@ -426,12 +437,12 @@ TEST(Grammar, CappedChainLinksKeepTheMasksExact) {
         }
         ASSERT_FALSE(ok.empty());
         // Favour long tokens so that walks run deep into the chains; end a walk now and then.
-        int32_t pick = ok[next() % ok.size()];
+        int32_t pick = ok[next_draw(rng) % ok.size()];
         for (int tries = 0; tries < 3; ++tries) {
-          int32_t other = ok[next() % ok.size()];
+          int32_t other = ok[next_draw(rng) % ok.size()];
           if (vocab->bytes[static_cast<size_t>(other)].size() > vocab->bytes[static_cast<size_t>(pick)].size()) pick = other;
         }
-        if (ok[0] == 0 && next() % 8 == 0) pick = 0;
+        if (ok[0] == 0 && next_draw(rng) % 8 == 0) pick = 0;
         ASSERT_TRUE(m.accept_token(pick));
         ASSERT_TRUE(p.accept_token(pick));
       }
@@ -467,12 +478,9 @@ TEST(Grammar, PrecomputedSplitsCoverEveryStackAWalkReaches) {
       m.fill_next_token_bitmask(mask);
       l.fill_next_token_bitmask(mask_lazy);
       ASSERT_EQ(mask, mask_lazy) << "walk " << walk << ", step " << step;
-      std::vector<int32_t> ok;
-      for (int32_t id = 0; id < n_vocab; ++id)
-        if ((mask[static_cast<size_t>(id) / 32] >> (id % 32)) & 1u) ok.push_back(id);
+      const std::vector<int32_t> ok = allowed_ids(mask, n_vocab);
       ASSERT_FALSE(ok.empty());
-      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-      const int32_t pick = ok[(rng >> 33) % ok.size()];
+      const int32_t pick = ok[next_draw(rng) % ok.size()];
       ASSERT_TRUE(m.accept_token(pick));
       ASSERT_TRUE(l.accept_token(pick));
     }

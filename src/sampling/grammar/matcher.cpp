@@ -366,6 +366,13 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(std::span<
   return split->masks;
 }
 
+const CompiledGrammar::PositionMasks& CompiledGrammar::position_masks(const StackPool& pool, int32_t top) const {
+  uint32_t frames[kKeyFrames];
+  size_t n = 0;
+  for (int32_t at = top; at >= 0 && n < kKeyFrames; at = pool.node(at).parent) frames[n++] = key_pos_[pool.node(at).pos];
+  return position_masks(std::span<const uint32_t>(frames, n));
+}
+
 size_t CompiledGrammar::precompute_splits(size_t max_stacks, const std::atomic<bool>* stop) const {
   StackPool pool(grammar_);
   std::vector<int32_t> frontier, next, out;
@@ -380,15 +387,12 @@ size_t CompiledGrammar::precompute_splits(size_t max_stacks, const std::atomic<b
   pool.start(&frontier, &completed);
   for (int32_t id : frontier) first_visit(id);
   size_t visited = 0;
-  uint32_t frames[kKeyFrames];
   while (!frontier.empty()) {
     next.clear();
     for (int32_t id : frontier) {
       if (visited == max_stacks || (stop != nullptr && stop->load(std::memory_order_relaxed))) return visited;
       ++visited;
-      size_t n = 0;
-      for (int32_t at = id; at >= 0 && n < kKeyFrames; at = pool.node(at).parent) frames[n++] = key_pos_[pool.node(at).pos];
-      position_masks(std::span<const uint32_t>(frames, n));
+      position_masks(pool, id);
       pool.advance(id, &out, &completed);
       for (int32_t s : out)
         if (first_visit(s)) next.push_back(s);
@@ -550,12 +554,8 @@ void GrammarMatcher::fill_next_token_bitmask(std::span<uint32_t> mask) {
     return;
   }
   MatchState one;
-  uint32_t frames[CompiledGrammar::kKeyFrames];
   for (int32_t top : st.tops) {
-    size_t n = 0;
-    for (int32_t at = top; at >= 0 && n < CompiledGrammar::kKeyFrames; at = pool_.node(at).parent)
-      frames[n++] = g_->key_position(pool_.node(at).pos);
-    const auto& pm = g_->position_masks(std::span<const uint32_t>(frames, n));
+    const auto& pm = g_->position_masks(pool_, top);
     for (const int32_t id : pm.accepted_ids) set_bit(mask, id);
     for (size_t w = 0; w < pm.accepted.size(); ++w) {
       uint64_t bits = pm.accepted[w];

@@ -36,6 +36,8 @@ class Tokenizer;
 
 namespace kestrel::grammar {
 
+class StackPool;
+
 // The vocabulary as byte strings, sorted. Special tokens (CONTROL, UNKNOWN, UNUSED) and tokens
 // without bytes are never allowed; EOS is allowed exactly when the grammar can end.
 struct TokenVocab {
@@ -79,9 +81,6 @@ class CompiledGrammar {
   CompiledGrammar(Grammar g, std::shared_ptr<const TokenVocab> vocab, uint32_t chain_cap = kChainCap);
   const Grammar& grammar() const { return grammar_; }
   const TokenVocab& vocab() const { return *vocab_; }
-  // The position a split key holds for grammar position pos: the matching position of the capped
-  // link for links beyond the chain cap, else pos itself.
-  uint32_t key_position(uint32_t pos) const { return key_pos_[pos]; }
 
   // How many stack frames (top first) key a token split: the top's rule alone often ends after
   // one character (a JSON string's character rule), which would leave most tokens uncertain; with
@@ -100,6 +99,9 @@ class CompiledGrammar {
     std::vector<uint32_t> uncertain_lcp;
   };
   const PositionMasks& position_masks(std::span<const uint32_t> frames) const;
+  // The split of the stack whose top is node `top` of `pool`: its top frames' positions, those of
+  // links beyond the chain cap taken as the capped link's.
+  const PositionMasks& position_masks(const StackPool& pool, int32_t top) const;
   // Computes ahead the splits of the stacks reachable from the start (every stack a matcher can
   // hold is reachable by stepping one grammar character at a time), breadth first, so that the
   // first masks of a fresh grammar find them ready instead of walking the vocabulary in the
@@ -124,7 +126,9 @@ class CompiledGrammar {
   std::shared_ptr<const TokenVocab> vocab_;
   uint32_t chain_cap_;
   mutable std::atomic<bool> precompute_claimed_{false};
-  std::vector<uint32_t> key_pos_;  // [elements]: see key_position
+  // [elements]: the position a split key holds for each grammar position (the capped link's
+  // matching one for links beyond the chain cap, else itself).
+  std::vector<uint32_t> key_pos_;
   std::vector<uint8_t> capped_;    // [elements]: a position of a link at or beyond the cap
   // A split is computed once, by the first matcher that needs it, outside mu_: matchers that need
   // other splits of this grammar meanwhile are not held up (a vocabulary walk takes up to a few
