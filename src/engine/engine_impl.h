@@ -275,7 +275,8 @@ struct Engine::Impl {
   // fn(i) for i in [0, n) on mask_pool, claimed one at a time (a mask that meets a split not
   // computed yet takes milliseconds where most take microseconds); inline below two.
   void for_each_grammar_row(size_t n, const std::function<void(size_t)>& fn);
-  std::unique_ptr<ThreadPool> mask_pool;  // config.n_threads threads, started on first need
+  std::unique_ptr<ThreadPool> mask_pool;  // mask_threads() threads, started on first need
+  int mask_threads() const;               // config.n_threads, at most 4 (engine_masks.cpp)
   std::vector<const SampleRow*> grammar_rows;  // the masked rows of the pass being filled
   std::vector<size_t> grammar_row_index;  // accept_device_tokens' rows (indices into p.sampling)
   std::vector<int8_t> grammar_accepted;

@@ -17,6 +17,13 @@ using engine_detail::RequestState;
 
 namespace {
 
+// Threads of the mask pool (the engine thread included), and of the split prefetcher. A step's
+// grammar rows take ~1-6 us each to fill or accept, so four threads finish even hundreds well
+// inside a GPU step; more only add wake-ups and spinning workers beside the engine thread. At 64
+// JSON-schema rows on an H100 host (16 cores; docs/performance.md) 1, 2 and 4 threads gave the
+// same throughput and 16 no better.
+constexpr int kMaxMaskThreads = 4;
+
 void clear_bit(std::span<uint32_t> mask, int32_t id) {
   mask[static_cast<size_t>(id) / 32] &= ~(1u << (static_cast<uint32_t>(id) % 32));
 }
@@ -65,9 +72,15 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
   r.mask_empty = no_token_left(mask, n_vocab);
 }
 
+int Engine::Impl::mask_threads() const {
+  return config.n_threads > 0 ? std::min(config.n_threads, kMaxMaskThreads) : kMaxMaskThreads;
+}
+
 void Engine::Impl::start_grammar(RequestState& r, const std::shared_ptr<const grammar::CompiledGrammar>& g) {
   r.matcher.emplace(g);
-  if (!split_prefetcher) split_prefetcher = std::make_unique<grammar::SplitPrefetcher>(grammar::CompiledGrammar::kPrecomputeStacks);
+  if (!split_prefetcher)
+    split_prefetcher =
+        std::make_unique<grammar::SplitPrefetcher>(grammar::CompiledGrammar::kPrecomputeStacks, mask_threads());
   split_prefetcher->add(g);
 }
 
@@ -76,7 +89,7 @@ void Engine::Impl::for_each_grammar_row(size_t n, const std::function<void(size_
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(config.n_threads);
+  if (!mask_pool) mask_pool = std::make_unique<ThreadPool>(mask_threads());
   std::atomic<size_t> next{0};
   mask_pool->run([&](int, int) {
     for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))

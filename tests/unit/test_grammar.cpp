@@ -3,6 +3,7 @@
 // the errors that name unsupported constructs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -492,15 +493,21 @@ TEST(Grammar, PrecomputedSplitsCoverEveryStackAWalkReaches) {
   auto recursive = compile("root ::= \"[\" (root (\",\" root)*)? \"]\" | [0-9]+");
   EXPECT_EQ(recursive->precompute_splits(500), 500u);
 
-  auto queued = compile(gbnf);
+  // Three grammars on two prefetch threads: each computed whole, once.
+  std::vector<std::shared_ptr<const CompiledGrammar>> queued = {compile(gbnf), compile(gbnf), compile(gbnf)};
   {
-    SplitPrefetcher prefetcher(CompiledGrammar::kPrecomputeStacks);
-    prefetcher.add(queued);
-    prefetcher.add(queued);  // once only
-    for (int i = 0; i < 2000 && queued->n_splits() < splits; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    SplitPrefetcher prefetcher(CompiledGrammar::kPrecomputeStacks, 2);
+    for (const auto& q : queued) prefetcher.add(q);
+    prefetcher.add(queued[0]);  // once only
+    const auto all_done = [&] {
+      return std::all_of(queued.begin(), queued.end(), [&](const auto& q) { return q->n_splits() >= splits; });
+    };
+    for (int i = 0; i < 2000 && !all_done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  EXPECT_EQ(queued->n_splits(), splits);
-  EXPECT_FALSE(queued->claim_precompute());
+  for (const auto& q : queued) {
+    EXPECT_EQ(q->n_splits(), splits);
+    EXPECT_FALSE(q->claim_precompute());
+  }
 }
 
 TEST(Grammar, ApplyBitmaskBlocksClearedBits) {

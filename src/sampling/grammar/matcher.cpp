@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <system_error>
 #include <unordered_map>
 
 #include "tokenizer/tokenizer.h"
@@ -408,7 +409,7 @@ SplitPrefetcher::~SplitPrefetcher() {
     stop_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  for (std::thread& t : threads_) t.join();
 }
 
 void SplitPrefetcher::add(std::shared_ptr<const CompiledGrammar> g) {
@@ -416,7 +417,13 @@ void SplitPrefetcher::add(std::shared_ptr<const CompiledGrammar> g) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(std::move(g));
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    if (idle_ == 0 && static_cast<int>(threads_.size()) < max_threads_) {
+      try {
+        threads_.emplace_back([this] { run(); });
+      } catch (const std::system_error&) {
+        // No thread to be had: the ones running take the grammar (or its masks compute its splits).
+      }
+    }
   }
   cv_.notify_one();
 }
@@ -426,7 +433,9 @@ void SplitPrefetcher::run() {
     std::shared_ptr<const CompiledGrammar> g;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      ++idle_;
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      --idle_;
       if (stop_) return;
       g = std::move(queue_.front());
       queue_.pop_front();

@@ -220,11 +220,13 @@ class GrammarMatcher {
   std::vector<MatchState> scratch_;
 };
 
-// A background thread that runs CompiledGrammar::precompute_splits for the grammars given to it,
-// each once (claim_precompute), in order. The destructor stops the current one and joins.
+// Background threads (up to max_threads, started as grammars come) that run
+// CompiledGrammar::precompute_splits for the grammars given to them, each once (claim_precompute),
+// in the order given: a burst of fresh schemas (a batch file, a server's first requests) is
+// precomputed side by side. The destructor stops the ones running and joins.
 class SplitPrefetcher {
  public:
-  explicit SplitPrefetcher(size_t max_stacks) : max_stacks_(max_stacks) {}
+  SplitPrefetcher(size_t max_stacks, int max_threads) : max_stacks_(max_stacks), max_threads_(max_threads) {}
   ~SplitPrefetcher();
   SplitPrefetcher(const SplitPrefetcher&) = delete;
   SplitPrefetcher& operator=(const SplitPrefetcher&) = delete;
@@ -233,11 +235,13 @@ class SplitPrefetcher {
  private:
   void run();
   size_t max_stacks_;
+  int max_threads_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<const CompiledGrammar>> queue_;
+  int idle_ = 0;  // threads waiting for a grammar
   std::atomic<bool> stop_{false};
-  std::thread thread_;  // started by the first add
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace kestrel::grammar
