@@ -144,6 +144,7 @@ endif()
 # Timings of the ops on a GPU (scripts/device/cuda_tests.sh runs it with KESTREL_CUDA_BENCH=1).
 if(KESTREL_BENCH)
   add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp
-                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_gguf.cpp)
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_gguf.cpp
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp)
   target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
 endif()

@@ -91,5 +91,6 @@ inline void report(const std::string& op, const std::string& shape, double ms, d
 void bench_int4();
 // GGUF blocks in place: the decode GEMV of every kept type against bf16 (bench_gguf.cpp).
 void bench_gguf();
+void bench_fp8_scalar();
 
 }  // namespace kestrel::bench

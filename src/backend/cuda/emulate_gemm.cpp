@@ -1,10 +1,13 @@
 // cuda::Gemm for the CPU emulation of the CUDA backend (KESTREL_CUDA_EMULATE), where cuBLASLt is
 // not available: the same product y = x . W^T over bf16 operands with f32 accumulation, as a plain
-// loop (row by row, one k order), rounded to bf16 or kept f32 as cuBLASLt would store it. tune()
-// has nothing to choose between and keeps candidate 0.
+// loop (row by row, one k order), rounded to bf16 or kept f32 as cuBLASLt would store it (and
+// run_fp8's two roundings where it scales after the product). tune() has nothing to choose
+// between and keeps candidate 0.
+#include <cstdint>
 #include <cstring>
 #include <string>
 
+#include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/gemm.h"
 #include "core/error.h"
 #include "core/fp8.h"
@@ -27,6 +30,7 @@ uint16_t f32_to_bf16_bits(float f) {  // round to nearest even; NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
 }  // namespace
 
 struct Gemm::Impl {};
@@ -53,17 +57,20 @@ void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_
 }
 
 void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
-                   int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t) {
+                   int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream) {
   if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0)
     throw Error("gemm fp8: sizes must be positive and n_in a multiple of 16");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
+  // Unscaled (as the device does it): the codes' product rounded to bf16, then scale_fp8_product.
+  const bool unscaled = fp8_unscaled(n_tokens, n_out) && reinterpret_cast<uintptr_t>(w_scale) % 16 == 0;
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t o = 0; o < n_out; ++o) {
       float acc = 0.0f;
       for (int64_t i = 0; i < n_in; ++i) acc += e4m3_to_float(xq[t * n_in + i]) * e4m3_to_float(wq[o * n_in + i]);
-      const uint16_t b = f32_to_bf16_bits(acc * (x_scale[t] * w_scale[o]));
+      const uint16_t b = f32_to_bf16_bits(unscaled ? acc : acc * (x_scale[t] * w_scale[o]));
       std::memcpy(reinterpret_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
     }
+  if (unscaled) scale_fp8_product(y, x_scale, w_scale, n_tokens, n_out, stream);
 }
 
 int Gemm::tune(const bf16*, const bf16* const*, size_t, void*, GemmOutput, int64_t, int64_t, int64_t, cudaStream_t,

@@ -17,6 +17,13 @@ namespace kestrel::cuda {
 void quantize_rows_fp8(const bf16* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, float* scale,
                        cudaStream_t stream);
 
+// The outer scaling of an unscaled W8A8 product, in place: y[t, o] = bf16(y[t, o] * (x_scale[t] *
+// w_scale[o])). y [n_tokens, n_out] bf16 and w_scale [n_out] f32 16-byte aligned, x_scale
+// [n_tokens] f32; n_out % 8 == 0, n_tokens <= 65535. Gemm::run_fp8's second half at few tokens.
+// Errors: kestrel::Error for a bad shape or alignment.
+void scale_fp8_product(bf16* y, const float* x_scale, const float* w_scale, int64_t n_tokens, int64_t n_out,
+                       cudaStream_t stream);
+
 // Skinny GEMM over E4M3 weights for decode steps (skinny_gemm_fp8.cu): y[t, o] = w_scale[o] *
 // sum_k a(x)[t, k] * e4m3(w[o, k]), the codes widened to bf16 exactly in registers, bf16 x f32
 // accumulation on the tensor cores (mma.sync), one rounding of the output. x and a(x) as for

@@ -11,6 +11,7 @@
 
 #include "backend/cuda/cublaslt_api.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/fp8_ops.h"
 
 namespace kestrel::cuda {
 
@@ -84,13 +85,16 @@ struct Gemm::Impl {
   size_t workspace_bytes = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<GemmPlan>> plans;
 
-  // fp8: E4M3 operands with one f32 scale per row of W (A) and per token (B), applied to the
-  // product (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F), bf16 output.
-  // cuBLASLt's heuristic finds no algorithm for outer-vector scaling unless the scale pointers are
-  // set (cuBLAS 13.1, H200): the first call's are, and run_fp8 sets each call's before it runs.
-  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out, bool fp8 = false,
+  // Fp8::kOuterScales: E4M3 operands with one f32 scale per row of W (A) and per token (B),
+  // applied to the product (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F), bf16 output. cuBLASLt's
+  // heuristic finds no algorithm for outer-vector scaling unless the scale pointers are set
+  // (cuBLAS 13.1, H200): the first call's are, and run_fp8 sets each call's before it runs.
+  // Fp8::kUnscaled: E4M3 operands, no scales (the codes' product), bf16 output.
+  enum class Fp8 { kNone, kOuterScales, kUnscaled };
+  GemmPlan& plan(GemmOutput out, int64_t n_tokens, int64_t n_in, int64_t n_out, Fp8 fp8_mode = Fp8::kNone,
                  const float* w_scale = nullptr, const float* x_scale = nullptr) {
-    const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out) + (fp8 ? 2 : 0));
+    const bool fp8 = fp8_mode != Fp8::kNone;
+    const auto key = std::make_tuple(n_tokens, n_in, n_out, static_cast<int>(out) + 2 * static_cast<int>(fp8_mode));
     auto it = plans.find(key);
     if (it != plans.end()) return *it->second;
     auto p = std::make_unique<GemmPlan>();
@@ -100,7 +104,7 @@ struct Gemm::Impl {
         cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof trans_w));
     KESTREL_CUBLAS_CHECK(
         cublaslt_api().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_x, sizeof trans_x));
-    if (fp8) {
+    if (fp8_mode == Fp8::kOuterScales) {
       const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       for (const auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
         KESTREL_CUBLAS_CHECK(cublaslt_api().MatmulDescSetAttribute(p->desc, attr, &mode, sizeof mode));
@@ -280,12 +284,19 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
   for (const void* ptr : {static_cast<const void*>(xq), static_cast<const void*>(wq), static_cast<const void*>(y)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
-  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, /*fp8=*/true, w_scale, x_scale);
+  const float alpha = 1.0f, beta = 0.0f;
+  if (fp8_unscaled(n_tokens, n_out) && reinterpret_cast<uintptr_t>(w_scale) % 16 == 0) {
+    const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kUnscaled);
+    KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y,
+                                               &p.algo, impl_->workspace, impl_->workspace_bytes, stream));
+    scale_fp8_product(y, x_scale, w_scale, n_tokens, n_out, stream);
+    return;
+  }
+  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kOuterScales, w_scale, x_scale);
   KESTREL_CUBLAS_CHECK(
       cublaslt_api().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));
   KESTREL_CUBLAS_CHECK(
       cublaslt_api().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof x_scale));
-  const float alpha = 1.0f, beta = 0.0f;
   KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y, &p.algo,
                                       impl_->workspace, impl_->workspace_bytes, stream));
 }

@@ -17,6 +17,12 @@ namespace kestrel::cuda {
 
 enum class GemmOutput { Bf16, F32 };
 
+// The W8A8 GEMMs that run_fp8 computes unscaled, then scales (see there).
+constexpr int64_t kFp8UnscaledMaxTokens = 128;
+inline bool fp8_unscaled(int64_t n_tokens, int64_t n_out) {
+  return n_tokens <= kFp8UnscaledMaxTokens && n_out % 8 == 0;
+}
+
 // Owns one cuBLASLt handle and its workspace (on the device current at construction) and caches,
 // per (n_tokens, n_in, n_out, output type), the descriptors and the algorithm cuBLASLt's heuristic
 // chose. Not thread-safe: one per stream-owning thread.
@@ -39,6 +45,11 @@ class Gemm {
   // W8A8: y [n_tokens, n_out] bf16 = (x_scale[t] * w_scale[o]) * sum_k e4m3(xq[t, k]) * e4m3(wq[o, k]),
   // f32 accumulation on the FP8 tensor cores. xq [n_tokens, n_in], wq [n_out, n_in] E4M3 codes
   // (16-byte aligned, n_in % 16 == 0), x_scale [n_tokens], w_scale [n_out] f32 (device).
+  // Up to kFp8UnscaledMaxTokens tokens (fp8_unscaled) the codes' product is rounded to bf16 and then
+  // scaled (scale_fp8_product: a second rounding, within one bf16 ulp more): at 16-128 tokens
+  // cuBLASLt has one kernel for outer-vector scales and faster ones without (the 8B's o and down
+  // projections at 64 tokens: 14.7 and 39.8 us against 9.5 and 24.4 on an H100;
+  // docs/performance.md). Above, the scales are cuBLASLt's (one rounding).
   // Errors: as run(), and for missing scales.
   void run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
                int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream);
