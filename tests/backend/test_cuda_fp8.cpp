@@ -1,9 +1,9 @@
 // FP8 E4M3 weights on the GPU: the row quantizer against core/fp8.h's rounding (exact), the FP8
-// skinny GEMM (W8A16 decode) and the W8A8 GEMM (cuBLASLt with per-token and per-channel scales;
-// a plain loop in the emulation) against float64 references over the same codes (the whole model
-// in FP8: test_cuda_model_runner.cpp).
-// Tolerances: bf16 output, one rounding of an f32 sum: relative L2 error <= 4e-3 (half a bf16 ulp
-// is 2e-3 relative); f32 output 1e-5.
+// skinny GEMM (W8A16 decode) and the W8A8 GEMM (cuBLASLt with per-token and per-channel scales, or
+// unscaled and then scaled up to 128 tokens; a plain loop in the emulation) against float64
+// references over the same codes (the whole model in FP8: test_cuda_model_runner.cpp).
+// Tolerances: bf16 output, one or two roundings of an f32 sum: relative L2 error <= 4e-3 (half a
+// bf16 ulp is 2e-3 relative); f32 output 1e-5.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -162,6 +162,29 @@ TEST(CudaFp8, SkinnyGemmSwigluInputIsBitIdenticalToSiluMulFirst) {
   a.y = d_fused.get();
   cuda::skinny_gemm_fp8(a, nullptr);
   EXPECT_EQ(d_fused.download(), d_plain.download());
+}
+
+// scale_fp8_product (the second half of run_fp8 up to kFp8UnscaledMaxTokens): every output
+// scaled once, as bf16(y * (x_scale[t] * w_scale[o])) in f32, bit for bit; n_out spans more than
+// one block of 2,048 outputs; a width that is no multiple of 8 is an error.
+TEST(CudaFp8, ScaleFp8ProductScalesEveryOutputOnce) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(7);
+  const int64_t n_tokens = 3, n_out = 2056;
+  const auto y = random_bf16(static_cast<size_t>(n_tokens * n_out), rng, -300.0f, 300.0f);
+  const auto x_scale = random_f32(static_cast<size_t>(n_tokens), rng, 1e-3f, 1e-1f);
+  const auto w_scale = random_f32(static_cast<size_t>(n_out), rng, 1e-4f, 1e-2f);
+  DeviceBuffer<uint16_t> d_y(y);
+  DeviceBuffer<float> d_xs(x_scale), d_ws(w_scale);
+  cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, n_out, nullptr);
+  const auto got = d_y.download();
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      const size_t i = static_cast<size_t>(t * n_out + o);
+      const float want = from_bf16(y[i]) * (x_scale[static_cast<size_t>(t)] * w_scale[static_cast<size_t>(o)]);
+      ASSERT_EQ(got[i], to_bf16(want)) << "t " << t << ", o " << o;
+    }
+  EXPECT_THROW(cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, 2052, nullptr), Error);
 }
 
 // Activations quantized per token by quantize_rows_fp8, then the W8A8 GEMM, against float64 over
