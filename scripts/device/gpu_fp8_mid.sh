@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# FP8 weights at 16-128 tokens a GEMM (Gemm::run_fp8: cuBLASLt's unscaled FP8 product, then
+# scale_fp8_product), in one call: the FP8 GPU tests and the PDL audit, then the 8B shape with
+# random FP8 weights (--load-format dummy, configs/llama-3.1-8b) at batch 64, devbin/kestrel_before
+# against devbin/kestrel (512 context), and the batch-64 decode at 4,096 context with an FP8 and a
+# bf16 KV cache (the FP8 KV goal's ratio), then kestrel_cuda_bench fp8scalar when it was carried.
+# Carry: devbin (kestrel, kestrel_before, kestrel_tests, kestrel_cuda_bench optional, the .so files,
+# stories260K.gguf). About 6 minutes on an H100.
+set -uo pipefail
+source scripts/device/device_env.sh
+begin_run
+chmod +x $BIN/kestrel_before 2>/dev/null
+timeout 150 $BIN/kestrel_tests --gtest_filter='CudaFp8*:CudaModelRunner.Fp8*:CudaHfTiny.Fp8*' --gtest_brief=1 2>&1 |
+  tail -4 | tee /tmp/kestrel/tests.txt
+note "fp8 tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/tests.txt | tr '\n' ' ')"
+note "$(python3 scripts/device/pdl_audit.py $K 2>&1 | tail -2 | tr '\n' ' ')"
+C=scripts/device/configs/llama-3.1-8b
+row() {  # LABEL BINARY ARGS...
+  local label=$1 bin=$2
+  shift 2
+  timeout 200 "$bin" bench --device cuda --load-format dummy -m $C --quantization fp8 -r 1 "$@" > "$OUT/$label.txt" 2>&1 ||
+    echo "FAILED $label"
+  note "$label: $(grep -E '^\| [0-9]' "$OUT/$label.txt" | tail -1)"
+}
+for bin in kestrel_before kestrel; do
+  [ -x "$BIN/$bin" ] && row "$bin b64@512" "$BIN/$bin" --parallel 64 -p 512 -n 128 --max-num-batched-tokens 8192
+done
+for kv in fp8 bf16; do
+  row "kestrel b64@4096 $kv KV" $K --parallel 64 -p 4096 -n 32 --max-num-batched-tokens 16384 --kv-cache-dtype $kv
+done
+[ -x $BIN/kestrel_cuda_bench ] && timeout 150 $BIN/kestrel_cuda_bench fp8scalar 2>&1 | grep -v "heuristic status"
+echo "== summary"
+cat "$SUMMARY"
