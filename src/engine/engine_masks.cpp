@@ -5,6 +5,7 @@
 #include <atomic>
 #include <functional>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -73,7 +74,9 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
 }
 
 int Engine::Impl::mask_threads() const {
-  return config.n_threads > 0 ? std::min(config.n_threads, kMaxMaskThreads) : kMaxMaskThreads;
+  const int n = config.n_threads > 0 ? config.n_threads
+                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::min(n, kMaxMaskThreads);
 }
 
 void Engine::Impl::start_grammar(RequestState& r, const std::shared_ptr<const grammar::CompiledGrammar>& g) {
