@@ -81,24 +81,8 @@ void bench_fp8_scalar() {
         for (int i = 0; i < n; ++i)
           if (res[i].state == CUBLAS_STATUS_SUCCESS) cand.push_back(res[i].algo);
         const size_t n_heur = cand.size();
-        for (size_t i = 0; i < n_heur; ++i) {
-          int32_t sup = 0;
-          size_t wr = 0;
-          if (api.MatmulAlgoCapGetAttribute(&cand[i], CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &sup, sizeof sup, &wr) !=
-                  CUBLAS_STATUS_SUCCESS || !sup)
-            continue;
-          for (const int32_t sl : {2, 4, 8}) {
-            if (sh.in / sl < 256) break;
-            cublasLtMatmulAlgo_t v = cand[i];
-            const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-            cublasLtMatmulHeuristicResult_t chk{};
-            if (api.MatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &sl, sizeof sl) ||
-                api.MatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) ||
-                api.MatmulAlgoCheck(h, desc, lw, lx, ly, ly, &v, &chk) || chk.workspaceSize > ws_bytes)
-              continue;
-            cand.push_back(v);
-          }
-        }
+        const auto split = kestrel::cuda::split_k_variants(h, desc, lw, lx, ly, cand, sh.in, ws_bytes);
+        cand.insert(cand.end(), split.begin(), split.end());
         double best = 1e9, first = -1;
         size_t best_i = 0;
         const float alpha = 1.0f, beta = 0.0f;

@@ -3,7 +3,6 @@
 // loop (row by row, one k order), rounded to bf16 or kept f32 as cuBLASLt would store it (and
 // run_fp8's two roundings where it scales after the product). tune() has nothing to choose
 // between and keeps candidate 0.
-#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -30,7 +29,6 @@ uint16_t f32_to_bf16_bits(float f) {  // round to nearest even; NaN stays NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-
 }  // namespace
 
 struct Gemm::Impl {};
@@ -62,7 +60,7 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
     throw Error("gemm fp8: sizes must be positive and n_in a multiple of 16");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
   // Unscaled (as the device does it): the codes' product rounded to bf16, then scale_fp8_product.
-  const bool unscaled = fp8_unscaled(n_tokens, n_out) && reinterpret_cast<uintptr_t>(w_scale) % 16 == 0;
+  const bool unscaled = fp8_unscaled(n_tokens, n_out);
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t o = 0; o < n_out; ++o) {
       float acc = 0.0f;

@@ -167,18 +167,13 @@ Gemm::~Gemm() {
 
 size_t Gemm::cached_shapes() const { return impl_->plans.size(); }
 
-namespace {
-
-// The split-K variants (2, 4 and 8 slices of n_in, at least 256 deep each) of the candidates that
-// support it and do not split already, reduced in f32 (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
-// partial sums in the workspace, then one reduction; not the bf16 in-place or output-type sums),
-// each checked by cublasLtMatmulAlgoCheck against the workspace. A decode GEMM of few tokens has
-// few output tiles (64 x 4096 outputs in 128 x 64 tiles: 32 blocks for 132 SMs), so slicing the
-// reduction is how it fills the GPU.
-std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, const GemmPlan& p, int64_t n_in,
+std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                                   cublasLtMatrixLayout_t w, cublasLtMatrixLayout_t x,
+                                                   cublasLtMatrixLayout_t y,
+                                                   const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t n_in,
                                                    size_t workspace_bytes) {
   std::vector<cublasLtMatmulAlgo_t> out;
-  for (const cublasLtMatmulAlgo_t& base : p.candidates) {
+  for (const cublasLtMatmulAlgo_t& base : candidates) {
     int32_t supported = 0;
     uint32_t schemes = 0, current = 1;
     size_t written = 0;
@@ -203,7 +198,7 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
               CUBLAS_STATUS_SUCCESS ||
           cublaslt_api().MatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme) !=
               CUBLAS_STATUS_SUCCESS ||
-          cublaslt_api().MatmulAlgoCheck(handle, p.desc, p.w, p.x, p.y, p.y, &v, &check) != CUBLAS_STATUS_SUCCESS ||
+          cublaslt_api().MatmulAlgoCheck(handle, desc, w, x, y, y, &v, &check) != CUBLAS_STATUS_SUCCESS ||
           check.workspaceSize > workspace_bytes)
         continue;
       out.push_back(v);
@@ -212,15 +207,13 @@ std::vector<cublasLtMatmulAlgo_t> split_k_variants(cublasLtHandle_t handle, cons
   return out;
 }
 
-}  // namespace
-
 int Gemm::tune(const bf16* x, const bf16* const* ws, size_t n_ws, void* y, GemmOutput out, int64_t n_tokens,
                int64_t n_in, int64_t n_out, cudaStream_t stream, bool split_k) {
   if (n_ws == 0) throw Error("gemm tune: no weight matrices");
   run(x, ws[0], y, out, n_tokens, n_in, n_out, stream);  // validates the arguments, creates the plan
   GemmPlan& p = impl_->plan(out, n_tokens, n_in, n_out);
   if (!p.split_k_added && split_k) {
-    const auto extra = split_k_variants(impl_->handle, p, n_in, impl_->workspace_bytes);
+    const auto extra = split_k_variants(impl_->handle, p.desc, p.w, p.x, p.y, p.candidates, n_in, impl_->workspace_bytes);
     p.candidates.insert(p.candidates.end(), extra.begin(), extra.end());
   }
   p.split_k_added = true;
@@ -285,7 +278,7 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
   const float alpha = 1.0f, beta = 0.0f;
-  if (fp8_unscaled(n_tokens, n_out) && reinterpret_cast<uintptr_t>(w_scale) % 16 == 0) {
+  if (fp8_unscaled(n_tokens, n_out)) {
     const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kUnscaled);
     KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y,
                                                &p.algo, impl_->workspace, impl_->workspace_bytes, stream));
