@@ -148,3 +148,10 @@ if(KESTREL_BENCH)
                  ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp)
   target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
 endif()
+
+# A kernel timeline for machines without Nsight Systems (tools/kernel_trace): a CUDA injection
+# library over CUPTI, loaded by the driver when CUDA_INJECTION64_PATH names it.
+if(TARGET CUDA::cupti)
+  add_library(kestrel_kernel_trace SHARED ${CMAKE_SOURCE_DIR}/tools/kernel_trace/kernel_trace.cpp)
+  target_link_libraries(kestrel_kernel_trace PRIVATE CUDA::cupti)
+endif()

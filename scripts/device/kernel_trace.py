@@ -1,6 +1,9 @@
-"""Summarises an Nsight Systems GPU trace of kestrel decode steps (CSV from `nsys stats --report
-cuda_gpu_trace --format csv`): per kernel name, the time per decode step, and how much of the
-steps' span the GPU ran no kernel (launch gaps). Decode steps are told apart by the sampling
+"""Summarises a GPU kernel trace of kestrel decode steps (CSV from `nsys stats --report
+cuda_gpu_trace --format csv`, or from tools/kernel_trace's CUPTI injection library): per kernel
+name, the time per decode step, and how much of the steps' span the GPU ran no kernel (launch gaps).
+With programmatic dependent launch a kernel starts before the one it waits for ends, so its own
+duration counts its wait too; "advance" is what it adds to the step's span (its end past every
+earlier kernel's end), which sums to the busy time. Decode steps are told apart by the sampling
 kernel that ends each one; the first `--skip` steps (prefill, warm-up, graph capture) are dropped.
 Usage: python3 kernel_trace.py trace.csv [--skip 8]"""
 import argparse
@@ -35,6 +38,8 @@ steps = steps[args.skip:]
 if not steps:
     raise SystemExit("no decode steps found")
 per_name = collections.defaultdict(float)
+advance = collections.defaultdict(float)
+count = collections.defaultdict(int)
 busy = span = 0.0
 for st in steps:
     s0 = st[0][0]
@@ -45,8 +50,10 @@ for st in steps:
     for a, d, n in st:
         short = re.sub(r"<.*", "", re.sub(r"^void ", "", n))[:60]
         per_name[short] += d
+        count[short] += 1
         if a + d > end:
             busy += a + d - max(a, end)
+            advance[short] += a + d - max(a, end)
             end = a + d
 n = len(steps)
 # The wait before each step's sampling kernel: from the previous kernel's end to its start (long
@@ -59,5 +66,6 @@ period = (steps[-1][0][0] - steps[0][0][0]) / max(n - 1, 1)
 print(f"step period (first kernel to first kernel, host time included): {period / 1e3:.1f} us")
 print(f"{n} decode steps: span {span / n / 1e3:.1f} us per step, kernels busy {busy / n / 1e3:.1f} us "
       f"({100 * busy / span:.1f}%), gaps {(span - busy) / n / 1e3:.1f} us")
-for name, t in sorted(per_name.items(), key=lambda kv: -kv[1]):
-    print(f"  {t / n / 1e3:9.1f} us/step  {name}")
+print(f"  {'us/step':>9} {'advance':>9} {'calls':>6}  kernel")
+for name, t in sorted(per_name.items(), key=lambda kv: -advance[kv[0]]):
+    print(f"  {t / n / 1e3:9.1f} {advance[name] / n / 1e3:9.1f} {count[name] / n:6.1f}  {name}")

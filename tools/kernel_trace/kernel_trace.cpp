@@ -1,0 +1,97 @@
+// Kernel timeline of any CUDA program, for machines without Nsight Systems: a CUDA injection
+// library (loaded by the driver at cuInit when CUDA_INJECTION64_PATH names it, as the Nsight tools
+// load theirs) that enables CUPTI's activity records for kernels and, at exit, writes one CSV row
+// per kernel execution: "Start (ns)","Duration (ns)","Name" (GPU timestamps in ns, the demangled
+// kernel name), the columns of `nsys stats --report cuda_gpu_trace --format csv` that
+// scripts/device/kernel_trace.py reads. Kernels launched from CUDA graphs get one row per node.
+// Output path: KERNEL_TRACE_OUT (default kernel_trace.csv in the working directory).
+// Source: CUPTI activity API and the injection entry point, CUPTI documentation (CUDA 13).
+#include <cupti.h>
+#include <cxxabi.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr size_t kBufferBytes = size_t{8} << 20;
+
+struct Row {
+  uint64_t start, end;
+  uint32_t name;  // index into names
+};
+
+std::mutex mu;
+std::vector<Row> rows;
+std::vector<std::string> names;
+std::unordered_map<std::string, uint32_t> name_index;
+
+std::string demangle(const char* mangled) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && d != nullptr ? std::string("void ") + d : std::string(mangled);
+  std::free(d);
+  return out;
+}
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = *buffer != nullptr ? kBufferBytes : 0;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* rec = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && rec->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
+    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+    const std::string raw = k->name != nullptr ? k->name : "?";
+    auto it = name_index.find(raw);
+    if (it == name_index.end()) {
+      it = name_index.emplace(raw, static_cast<uint32_t>(names.size())).first;
+      names.push_back(demangle(raw.c_str()));
+    }
+    rows.push_back({k->start, k->end, it->second});
+  }
+  std::free(buffer);
+}
+
+void write_trace() {
+  cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  const char* path = std::getenv("KERNEL_TRACE_OUT");
+  if (path == nullptr || *path == '\0') path = "kernel_trace.csv";
+  std::lock_guard<std::mutex> lock(mu);
+  FILE* f = std::fopen(path, "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "kernel_trace: cannot write %s\n", path);
+    return;
+  }
+  std::fprintf(f, "\"Start (ns)\",\"Duration (ns)\",\"Name\"\n");
+  for (const Row& r : rows) {
+    std::string name;
+    for (char c : names[r.name]) name += c == '"' ? std::string("\"\"") : std::string(1, c);
+    std::fprintf(f, "%llu,%llu,\"%s\"\n", static_cast<unsigned long long>(r.start),
+                 static_cast<unsigned long long>(r.end - r.start), name.c_str());
+  }
+  std::fclose(f);
+  std::fprintf(stderr, "kernel_trace: %zu kernels written to %s\n", rows.size(), path);
+}
+
+}  // namespace
+
+// Called by the CUDA driver once, at cuInit, when CUDA_INJECTION64_PATH names this library.
+extern "C" int InitializeInjection(void) {
+  if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
+      cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) {
+    std::fprintf(stderr, "kernel_trace: CUPTI activity tracing could not be enabled\n");
+    return 0;
+  }
+  std::atexit(write_trace);
+  return 1;
+}
