@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/gemm.h"
 #include "core/fp8.h"
@@ -185,6 +187,82 @@ TEST(CudaFp8, ScaleFp8ProductScalesEveryOutputOnce) {
       ASSERT_EQ(got[i], to_bf16(want)) << "t " << t << ", o " << o;
     }
   EXPECT_THROW(cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, 2052, nullptr), Error);
+}
+
+// The fused producers of a W8A8 GEMM's input against their unfused sequences (scale_fp8_product
+// when the input is an unscaled product, add_rms_norm or silu_mul, quantize_rows_fp8): the same
+// residual, codes and scales bit for bit, at widths that take one to eight chunks a thread, with
+// the x scale array read and written in place as the runner passes it.
+TEST(CudaFp8, AddRmsNormFp8IsTheUnfusedSequenceBitForBit) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(31);
+  const int64_t n_tokens = 3;
+  for (const int64_t dim : {576, 4096, 5120, 16384, 32768})
+    for (const int mode : {0, 1, 2}) {  // add: none, a scaled bf16 row, an unscaled product
+      SCOPED_TRACE("dim " + std::to_string(dim) + " mode " + std::to_string(mode));
+      const size_t nd = static_cast<size_t>(n_tokens * dim);
+      const auto residual = random_f32(nd, rng, -3.0f, 3.0f);
+      const auto add = random_bf16(nd, rng, mode == 2 ? -400.0f : -2.0f, mode == 2 ? 400.0f : 2.0f);
+      const auto weight = random_bf16(static_cast<size_t>(dim), rng, 0.5f, 1.5f);
+      const auto x_scale = random_f32(static_cast<size_t>(n_tokens), rng, 1e-3f, 1e-2f);
+      const auto w_scale = random_f32(static_cast<size_t>(dim), rng, 1e-3f, 1e-2f);
+      DeviceBuffer<float> r1(residual), r2(residual), s1(static_cast<size_t>(n_tokens)), s2(x_scale), ws(w_scale);
+      DeviceBuffer<uint16_t> a1(add), a2(add), w(weight), normed(nd);
+      DeviceBuffer<uint8_t> q1(nd), q2(nd);
+      const cuda::bf16* add1 = mode == 0 ? nullptr : a1.bf16();
+      if (mode == 2) cuda::scale_fp8_product(a1.bf16(), s2.get(), ws.get(), n_tokens, dim, nullptr);
+      cuda::add_rms_norm(r1.get(), add1, w.bf16(), normed.bf16(), n_tokens, dim, 1e-5f, nullptr);
+      cuda::quantize_rows_fp8(normed.bf16(), dim, n_tokens, dim, q1.get(), s1.get(), nullptr);
+      // Fused, the product's x scale and the codes' scale one array (s2), as the runner has them.
+      cuda::add_rms_norm_fp8(r2.get(), mode == 0 ? nullptr : a2.bf16(), mode == 2 ? s2.get() : nullptr,
+                             mode == 2 ? ws.get() : nullptr, w.bf16(), q2.get(), s2.get(), n_tokens, dim, 1e-5f,
+                             nullptr);
+      const auto res1 = r1.download(), res2 = r2.download();
+      ASSERT_EQ(0, std::memcmp(res1.data(), res2.data(), nd * sizeof(float)));
+      ASSERT_EQ(q1.download(), q2.download());
+      const auto sc1 = s1.download(), sc2 = s2.download();
+      ASSERT_EQ(0, std::memcmp(sc1.data(), sc2.data(), sc1.size() * sizeof(float)));
+    }
+  DeviceBuffer<float> r(16);
+  DeviceBuffer<uint16_t> w(16);
+  DeviceBuffer<uint8_t> q(16);
+  DeviceBuffer<float> s(2);
+  EXPECT_THROW(cuda::add_rms_norm_fp8(r.get(), nullptr, nullptr, nullptr, w.bf16(), q.get(), s.get(), 2, 12, 1e-5f,
+                                      nullptr),
+               Error);
+  EXPECT_THROW(cuda::add_rms_norm_fp8(r.get(), w.bf16(), s.get(), nullptr, w.bf16(), q.get(), s.get(), 2, 8, 1e-5f,
+                                      nullptr),
+               Error);
+}
+
+TEST(CudaFp8, SiluMulFp8IsTheUnfusedSequenceBitForBit) {
+  KESTREL_REQUIRE_CUDA();
+  std::mt19937 rng(32);
+  const int64_t n_tokens = 3;
+  for (const int64_t n_ff : {1536, 8192, 14336, 30720})
+    for (const bool unscaled : {false, true}) {
+      SCOPED_TRACE("n_ff " + std::to_string(n_ff) + (unscaled ? " unscaled" : ""));
+      const size_t n_gu = static_cast<size_t>(n_tokens * 2 * n_ff), n_h = static_cast<size_t>(n_tokens * n_ff);
+      const auto gate_up = random_bf16(n_gu, rng, unscaled ? -900.0f : -6.0f, unscaled ? 900.0f : 6.0f);
+      const auto x_scale = random_f32(static_cast<size_t>(n_tokens), rng, 1e-3f, 1e-2f);
+      const auto w_scale = random_f32(static_cast<size_t>(2 * n_ff), rng, 1e-3f, 1e-2f);
+      DeviceBuffer<uint16_t> gu1(gate_up), gu2(gate_up), h(n_h);
+      DeviceBuffer<float> s1(static_cast<size_t>(n_tokens)), s2(x_scale), ws(w_scale);
+      DeviceBuffer<uint8_t> q1(n_h), q2(n_h);
+      if (unscaled) cuda::scale_fp8_product(gu1.bf16(), s2.get(), ws.get(), n_tokens, 2 * n_ff, nullptr);
+      cuda::silu_mul(gu1.bf16(), h.bf16(), n_tokens, n_ff, nullptr);
+      cuda::quantize_rows_fp8(h.bf16(), n_ff, n_tokens, n_ff, q1.get(), s1.get(), nullptr);
+      cuda::silu_mul_fp8(gu2.bf16(), unscaled ? s2.get() : nullptr, unscaled ? ws.get() : nullptr, q2.get(), s2.get(),
+                         n_tokens, n_ff, nullptr);
+      ASSERT_EQ(q1.download(), q2.download());
+      const auto sc1 = s1.download(), sc2 = s2.download();
+      ASSERT_EQ(0, std::memcmp(sc1.data(), sc2.data(), sc1.size() * sizeof(float)));
+    }
+  DeviceBuffer<uint16_t> gu(64);
+  DeviceBuffer<uint8_t> q(32);
+  DeviceBuffer<float> s(2);
+  EXPECT_THROW(cuda::silu_mul_fp8(gu.bf16(), nullptr, nullptr, q.get(), s.get(), 2, 12, nullptr), Error);
+  EXPECT_THROW(cuda::silu_mul_fp8(gu.bf16(), nullptr, nullptr, q.get(), s.get(), 2, 32776, nullptr), Error);
 }
 
 // Activations quantized per token by quantize_rows_fp8, then the W8A8 GEMM, against float64 over

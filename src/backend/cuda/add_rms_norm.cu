@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/fp8_ops.h"
 
 namespace kestrel::cuda {
 
@@ -36,6 +37,33 @@ void add_rms_norm(float* residual, const bf16* add, const bf16* weight, bf16* ou
     auto* k = &add_rms_norm_scalar_kernel;
     KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(n_tokens)), dim3(256), 0, stream, residual, add, weight, out, dim,
                    eps);
+  }
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+bool fp8_fused_width_supported(int64_t width) { return width > 0 && width % 8 == 0 && width / 8 <= 8 * 512; }
+
+void add_rms_norm_fp8(float* residual, const bf16* add, const float* add_x_scale, const float* add_w_scale,
+                      const bf16* weight, uint8_t* q, float* q_scale, int64_t n_tokens, int64_t dim, float eps,
+                      cudaStream_t stream) {
+  if (n_tokens <= 0) return;
+  if (!fp8_fused_width_supported(dim) || n_tokens > 0x7fffffff || (add_x_scale == nullptr) != (add_w_scale == nullptr))
+    throw Error("add_rms_norm_fp8: dim " + std::to_string(dim) +
+                " (a positive multiple of 8 up to 32768), both scales of the add or neither");
+  if (!aligned16(residual) || !aligned16(add) || !aligned16(weight) || !aligned16(q))
+    throw Error("add_rms_norm_fp8: residual, add, weight and q must be 16-byte aligned");
+  const int64_t n_chunks = dim / 8;
+  const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
+  const int64_t threads = ceil_div(ceil_div(n_chunks, chunks), kWarpSize) * kWarpSize;
+  const dim3 grid(static_cast<unsigned>(n_tokens)), block(static_cast<unsigned>(threads));
+  auto launch = [&](auto* k) {
+    KESTREL_LAUNCH(k, grid, block, 0, stream, residual, add, add_x_scale, add_w_scale, weight, q, q_scale, dim, eps);
+  };
+  switch (chunks) {
+    case 1: launch(&add_rms_norm_fp8_kernel<1>); break;
+    case 2: launch(&add_rms_norm_fp8_kernel<2>); break;
+    case 4: launch(&add_rms_norm_fp8_kernel<4>); break;
+    default: launch(&add_rms_norm_fp8_kernel<8>); break;
   }
   KESTREL_CUDA_CHECK_LAUNCH();
 }

@@ -69,7 +69,9 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
   // prompt prefill.
   if (prof_ != nullptr)
     prof_->begin(s.max_query == 1 ? "decode" : s.max_query <= kGraphMaxTokensPerSeq ? "verify" : "prefill");
+  fp8_pending_ = {};
   arch_.forward(*this, hp_);
+  settle_fp8();  // every architecture's last op reads its input through act(): nothing is left
   if (s.sample && s.n_out > 0) {
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out,
                         hp_.n_vocab, da.tokens, sample_ws_.as<void>(), stream_);
@@ -79,6 +81,11 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
 }
 
 bf16* CudaModelRunner::act(Act a) {
+  if (a != Act::None && fp8_pending_.act == a) settle_fp8();
+  return act_buffer(a);
+}
+
+bf16* CudaModelRunner::act_buffer(Act a) const {
   switch (a) {
     case Act::None: return nullptr;
     case Act::Qkv: return qkv_.as<bf16>();
@@ -89,6 +96,33 @@ bf16* CudaModelRunner::act(Act a) {
     case Act::Normed: return h_.as<bf16>();
   }
   return nullptr;
+}
+
+void CudaModelRunner::settle_fp8() {
+  if (fp8_pending_.act == Act::None) return;
+  const PendingFp8Scale p = fp8_pending_;
+  fp8_pending_ = {};
+  cuda::scale_fp8_product(act_buffer(p.act), p.x_scale, p.w_scale, pass_.n_tokens, p.n_out, stream_);
+  mark("scale fp8");
+}
+
+bool CudaModelRunner::fp8_gemm_path(const DeviceWeight& W, int64_t n) const {
+  return W.fp8 && !W.in_place() && !uses_stream_gemv_narrow(W, n) &&
+         !cuda::skinny_gemm_fp8_supports(n, W.n_in, W.n_out);
+}
+
+void CudaModelRunner::gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act out) {
+  KESTREL_ASSERT(fp8_pending_.act == Act::None, "CUDA W8A8 GEMM: an unscaled product is still pending");
+  const bool defer = (out == Act::AttnOut || out == Act::GateUp || out == Act::Down) && W.b.bytes() == 0 &&
+                     cuda::fp8_unscaled(n, W.n_out);
+  const float* x_scale = fp8_x_scale_.as<float>();
+  if (defer) {
+    gemm_->run_fp8_unscaled(fp8_x_.as<uint8_t>(), W.w.as<uint8_t>(), y, n, W.n_in, W.n_out, stream_);
+    fp8_pending_ = {out, x_scale, W.scale.as<float>(), W.n_out};
+    return;
+  }
+  gemm_->run_fp8(fp8_x_.as<uint8_t>(), x_scale, W.w.as<uint8_t>(), W.scale.as<float>(), y, n, W.n_in, W.n_out,
+                 stream_);
 }
 
 void CudaModelRunner::embed() {
@@ -127,13 +161,24 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   const DevMem& w = W.w;
   const int64_t n_out = W.n_out;
   const char* what = gemm_label(proj.role);
-  bf16* y = act(out);
+  bf16* y = act_buffer(out);
   // FP8 and INT4 weights fuse the norm in their streaming GEMV (act-order INT4 gathers x first: not fused).
   const bool narrow = W.fp8 || W.int4;
   const bool streamed = W.in_place() ? false  // GGUF blocks: their own GEMV, the norm a kernel of its own
                         : narrow     ? uses_stream_gemv_narrow(W, n) && W.perm.bytes() == 0
                                      : uses_stream_gemv(n, d, n_out);
-  if (!fused_norm_ || !streamed) {
+  if (!streamed && fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(d)) {
+    // W8A8: the norm writes the GEMM's quantized input, scaling an unscaled product on the way in.
+    const bool scaled_add = add != Act::None && fp8_pending_.act == add;
+    if (!scaled_add) settle_fp8();
+    const PendingFp8Scale p = scaled_add ? fp8_pending_ : PendingFp8Scale{};
+    fp8_pending_ = {};
+    cuda::add_rms_norm_fp8(pass_residual_, act_buffer(add), p.x_scale, p.w_scale, norm_w.as<bf16>(),
+                           fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n, d, hp_.rms_eps, stream_);
+    mark("add_rms_norm");
+    gemm_fp8(W, n, act_buffer(out), out);
+    mark(what);
+  } else if (!fused_norm_ || !streamed) {
     cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
     project_weight(h_.as<bf16>(), W, y, n);
@@ -226,15 +271,29 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
 void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   const int64_t n = pass_.n_tokens;
-  bf16* y = act(out);
-  project_weight(act(in), W, y, n);
+  bf16* y = act_buffer(out);
+  project_weight(act(in), W, y, n, false, out);
   mark(gemm_label(proj.role));
   if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, W.n_out, stream_);
 }
 
 void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
-  project_weight(act(in), W, act(out), pass_.n_tokens, /*swiglu=*/true);
+  const int64_t n = pass_.n_tokens;
+  if (fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(W.n_in)) {
+    // W8A8: SwiGLU writes the GEMM's quantized input, scaling an unscaled gate|up on the way in.
+    const bool scaled_in = fp8_pending_.act == in;
+    if (!scaled_in) settle_fp8();
+    const PendingFp8Scale p = scaled_in ? fp8_pending_ : PendingFp8Scale{};
+    fp8_pending_ = {};
+    cuda::silu_mul_fp8(act_buffer(in), p.x_scale, p.w_scale, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n,
+                       W.n_in, stream_);
+    mark("silu_mul");
+    gemm_fp8(W, n, act_buffer(out), out);
+    mark("gemm down");
+    return;
+  }
+  project_weight(act(in), W, act_buffer(out), n, /*swiglu=*/true, out);
   mark("gemm down (+silu)");
 }
 
@@ -339,7 +398,8 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
                                    stream);
 }
 
-void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu) {
+void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu,
+                                     Act out) {
   if (W.in_place()) {
     project_gguf(x, W, y, n, swiglu, false);
     return;
@@ -369,9 +429,9 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
     cuda::silu_mul(x, act_.as<bf16>(), n, W.n_in, stream_);
     x = act_.as<bf16>();
   }
+  settle_fp8();  // the quantization overwrites the x scales a pending product needs
   cuda::quantize_rows_fp8(x, W.n_in, n, W.n_in, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), stream_);
-  gemm_->run_fp8(fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), W.w.as<uint8_t>(), W.scale.as<float>(), y, n,
-                 W.n_in, W.n_out, stream_);
+  gemm_fp8(W, n, y, out);
 }
 
 void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& a) {

@@ -271,7 +271,30 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // A tensor-parallel rank's partial rows [n, d] bf16 summed over the ranks (comm_); a no-op alone.
   void all_reduce(Act a) override;
   void mla_attention(int32_t layer, Act in, Act out) override;  // cuda_mla.cpp
-  bf16* act(Act a);  // the activation buffer; null for Act::None
+  // The activation buffer (null for Act::None), its W8A8 product scaled first if it holds one
+  // unscaled (fp8_pending_).
+  bf16* act(Act a);
+  bf16* act_buffer(Act a) const;  // the buffer as it is
+  // An unscaled W8A8 product (Gemm::run_fp8_unscaled, at most kFp8UnscaledMaxTokens rows) left in
+  // `act` for the op that reads it next to scale on the way in (add_rms_norm_fp8 for the o and down
+  // projections, silu_mul_fp8 for gate|up): the scales it needs, x_scale pointing into
+  // fp8_x_scale_. Any other reader, and any quantization that would overwrite x_scale, scales it
+  // in place first (settle_fp8).
+  struct PendingFp8Scale {
+    Act act = Act::None;
+    const float* x_scale = nullptr;
+    const float* w_scale = nullptr;
+    int64_t n_out = 0;
+  };
+  PendingFp8Scale fp8_pending_;
+  void settle_fp8();
+  // Whether an FP8 weight at n tokens takes cuBLASLt's W8A8 GEMM (not the streaming GEMV or the
+  // skinny kernel): its input is quantized per token into fp8_x_ first.
+  bool fp8_gemm_path(const DeviceWeight& W, int64_t n) const;
+  // The W8A8 GEMM of W over fp8_x_ / fp8_x_scale_ (quantized already) into y, the buffer of `out`
+  // (or scratch: Act::None): unscaled and pending where fp8_unscaled holds and `out` is read next by
+  // an op that can scale it (AttnOut, GateUp, Down; no bias), else scaled.
+  void gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act out);
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer
   // the stream is in now (the fused norm alternates residual_ and residual_alt_), and whether RoPE
   // and the K/V write happen inside decode attention.
@@ -291,7 +314,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // narrow streaming GEMV where it applies (uses_stream_gemv_narrow), else the FP8 skinny GEMM for
   // at most kSkinnyFp8MaxTokens rows (W8A16), else the activations quantized
   // per token and cuBLASLt's FP8 GEMM with per-token and per-channel scales (W8A8).
-  void project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu = false);
+  // `out`: the activation y is (Act::None: scratch), so an FP8 product may stay unscaled there (gemm_fp8).
+  void project_weight(const bf16* x, const DeviceWeight& W, bf16* y, int64_t n, bool swiglu = false,
+                      Act out = Act::None);
   // project_weight() for an int4 weight (cuda_int4_weights.cpp): the narrow streaming GEMV where it
   // applies (uses_stream_gemv_narrow), else up to kInt4SkinnyMaxTokens rows
   // the W4A16 skinny GEMM (act order: the activations gathered into int4_x_ first); more rows: the

@@ -60,15 +60,32 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
     throw Error("gemm fp8: sizes must be positive and n_in a multiple of 16");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
   // Unscaled (as the device does it): the codes' product rounded to bf16, then scale_fp8_product.
-  const bool unscaled = fp8_unscaled(n_tokens, n_out);
+  if (fp8_unscaled(n_tokens, n_out)) {
+    run_fp8_unscaled(xq, wq, y, n_tokens, n_in, n_out, stream);
+    scale_fp8_product(y, x_scale, w_scale, n_tokens, n_out, stream);
+    return;
+  }
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t o = 0; o < n_out; ++o) {
       float acc = 0.0f;
       for (int64_t i = 0; i < n_in; ++i) acc += e4m3_to_float(xq[t * n_in + i]) * e4m3_to_float(wq[o * n_in + i]);
-      const uint16_t b = f32_to_bf16_bits(unscaled ? acc : acc * (x_scale[t] * w_scale[o]));
+      const uint16_t b = f32_to_bf16_bits(acc * (x_scale[t] * w_scale[o]));
       std::memcpy(reinterpret_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
     }
-  if (unscaled) scale_fp8_product(y, x_scale, w_scale, n_tokens, n_out, stream);
+}
+
+void Gemm::run_fp8_unscaled(const uint8_t* xq, const uint8_t* wq, bf16* y, int64_t n_tokens, int64_t n_in,
+                            int64_t n_out, cudaStream_t) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0 || !fp8_unscaled(n_tokens, n_out))
+    throw Error("gemm fp8 unscaled: sizes must be positive, n_in a multiple of 16, n_out of 8, n_tokens at most " +
+                std::to_string(kFp8UnscaledMaxTokens));
+  for (int64_t t = 0; t < n_tokens; ++t)
+    for (int64_t o = 0; o < n_out; ++o) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n_in; ++i) acc += e4m3_to_float(xq[t * n_in + i]) * e4m3_to_float(wq[o * n_in + i]);
+      const uint16_t b = f32_to_bf16_bits(acc);
+      std::memcpy(reinterpret_cast<unsigned char*>(y) + 2 * (t * n_out + o), &b, 2);
+    }
 }
 
 int Gemm::tune(const bf16*, const bf16* const*, size_t, void*, GemmOutput, int64_t, int64_t, int64_t, cudaStream_t,

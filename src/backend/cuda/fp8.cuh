@@ -90,4 +90,54 @@ __device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], const uint32_t (&a
 #endif
 }
 
+// The largest of every thread's v in the block, for any whole-warp block of at most 32 warps.
+// scratch [32]; reusable when this returns.
+__device__ __forceinline__ float block_reduce_max_any(float v, float* scratch) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int n_warps = static_cast<int>(blockDim.x) / kWarpSize;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  return v;
+}
+
+__device__ __forceinline__ float round_to_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// A row's E4M3 codes from values its block holds in registers, with quantize_rows_fp8_kernel's
+// rounding (scale = amax / 448, 1 for an all-zero row; q = e4m3(v / scale)): thread j holds chunks
+// c = j + i * blockDim.x (i < kChunks, c < n_chunks) of 8 values each, already rounded to bf16
+// (the values quantize_rows_fp8 would read back). q_row [n_chunks * 8], *scale_out one f32.
+template <int kChunks>
+__device__ __forceinline__ void quantize_held_row_fp8(const float (&v)[kChunks][8], int64_t n_chunks, uint8_t* q_row,
+                                                      float* scale_out, float* scratch) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+    }
+  }
+  amax = block_reduce_max_any(amax, scratch);
+  const float s = amax > 0.0f ? amax / kFp8E4m3Max : 1.0f;
+  if (threadIdx.x == 0) *scale_out = s;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) w[e / 4] |= static_cast<uint32_t>(float_to_e4m3(v[i][e] / s)) << (8 * (e % 4));
+      *reinterpret_cast<uint2*>(q_row + c * 8) = make_uint2(w[0], w[1]);
+    }
+  }
+}
+
 }  // namespace kestrel::cuda

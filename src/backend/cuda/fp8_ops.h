@@ -24,6 +24,22 @@ void quantize_rows_fp8(const bf16* x, int64_t x_stride, int64_t rows, int64_t co
 void scale_fp8_product(bf16* y, const float* x_scale, const float* w_scale, int64_t n_tokens, int64_t n_out,
                        cudaStream_t stream);
 
+// Producers of a W8A8 GEMM's input in one kernel, each the same bits as its unfused sequence:
+// add_rms_norm_fp8 = [scale_fp8_product of `add`] + add_rms_norm + quantize_rows_fp8 of its output;
+// silu_mul_fp8 = [scale_fp8_product of gate_up] + silu_mul + quantize_rows_fp8. residual [n_tokens,
+// dim] f32 (in/out), add [n_tokens, dim] bf16 or null, weight [dim] bf16; gate_up [n_tokens, 2 n_ff]
+// bf16. With add_x_scale [n_tokens] and add_w_scale [dim] (gu_x_scale [n_tokens] and gu_w_scale
+// [2 n_ff]) the input is an unscaled W8A8 product (Gemm::run_fp8_unscaled), scaled on the way in;
+// null for a scaled one. q [n_tokens, width] E4M3 codes, q_scale [n_tokens] f32 (may be the same
+// array as the input's x scale). Widths: a multiple of 8 up to 32,768 (fp8_fused_width_supported),
+// rows and vectors 16-byte aligned. Errors: kestrel::Error for a bad shape or alignment.
+bool fp8_fused_width_supported(int64_t width);
+void add_rms_norm_fp8(float* residual, const bf16* add, const float* add_x_scale, const float* add_w_scale,
+                      const bf16* weight, uint8_t* q, float* q_scale, int64_t n_tokens, int64_t dim, float eps,
+                      cudaStream_t stream);
+void silu_mul_fp8(const bf16* gate_up, const float* gu_x_scale, const float* gu_w_scale, uint8_t* q, float* q_scale,
+                  int64_t n_tokens, int64_t n_ff, cudaStream_t stream);
+
 // Skinny GEMM over E4M3 weights for decode steps (skinny_gemm_fp8.cu): y[t, o] = w_scale[o] *
 // sum_k a(x)[t, k] * e4m3(w[o, k]), the codes widened to bf16 exactly in registers, bf16 x f32
 // accumulation on the tensor cores (mma.sync), one rounding of the output. x and a(x) as for

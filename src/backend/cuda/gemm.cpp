@@ -269,6 +269,20 @@ void Gemm::run(const bf16* x, const bf16* w, void* y, GemmOutput out, int64_t n_
                                       impl_->workspace, impl_->workspace_bytes, stream));
 }
 
+void Gemm::run_fp8_unscaled(const uint8_t* xq, const uint8_t* wq, bf16* y, int64_t n_tokens, int64_t n_in,
+                            int64_t n_out, cudaStream_t stream) {
+  if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0 || !fp8_unscaled(n_tokens, n_out))
+    throw Error("gemm fp8 unscaled: sizes must be positive, n_in a multiple of 16, n_out of 8, n_tokens at most " +
+                std::to_string(kFp8UnscaledMaxTokens) + " (n_tokens " + std::to_string(n_tokens) + ", n_in " +
+                std::to_string(n_in) + ", n_out " + std::to_string(n_out) + ")");
+  for (const void* ptr : {static_cast<const void*>(xq), static_cast<const void*>(wq), static_cast<const void*>(y)})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
+  const float alpha = 1.0f, beta = 0.0f;
+  const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kUnscaled);
+  KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y,
+                                             &p.algo, impl_->workspace, impl_->workspace_bytes, stream));
+}
+
 void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
                    int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream) {
   if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0)
@@ -277,14 +291,12 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
   for (const void* ptr : {static_cast<const void*>(xq), static_cast<const void*>(wq), static_cast<const void*>(y)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw Error("gemm fp8: operand not 16-byte aligned");
   if (x_scale == nullptr || w_scale == nullptr) throw Error("gemm fp8: missing scales");
-  const float alpha = 1.0f, beta = 0.0f;
   if (fp8_unscaled(n_tokens, n_out)) {
-    const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kUnscaled);
-    KESTREL_CUBLAS_CHECK(cublaslt_api().Matmul(impl_->handle, p.desc, &alpha, wq, p.w, xq, p.x, &beta, y, p.y, y, p.y,
-                                               &p.algo, impl_->workspace, impl_->workspace_bytes, stream));
+    run_fp8_unscaled(xq, wq, y, n_tokens, n_in, n_out, stream);
     scale_fp8_product(y, x_scale, w_scale, n_tokens, n_out, stream);
     return;
   }
+  const float alpha = 1.0f, beta = 0.0f;
   const GemmPlan& p = impl_->plan(GemmOutput::Bf16, n_tokens, n_in, n_out, Impl::Fp8::kOuterScales, w_scale, x_scale);
   KESTREL_CUBLAS_CHECK(
       cublaslt_api().MatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof w_scale));

@@ -54,6 +54,13 @@ class Gemm {
   void run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
                int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream);
 
+  // run_fp8's first half where fp8_unscaled(n_tokens, n_out) holds: y [n_tokens, n_out] bf16 =
+  // sum_k e4m3(xq[t, k]) * e4m3(wq[o, k]), unscaled, for a consumer that applies x_scale[t] *
+  // w_scale[o] as scale_fp8_product would (add_rms_norm_fp8, silu_mul_fp8). Operands and errors as
+  // run_fp8's (no scales), and kestrel::Error where fp8_unscaled does not hold.
+  void run_fp8_unscaled(const uint8_t* xq, const uint8_t* wq, bf16* y, int64_t n_tokens, int64_t n_in, int64_t n_out,
+                        cudaStream_t stream);
+
   // Times up to kTuneCandidates of cuBLASLt's heuristic algorithms for this shape, each over every
   // matrix of `ws` in turn (all [n_out, n_in]; pass a model's layers, so the weights stream from
   // device memory as in a forward pass instead of sitting in L2), and makes the fastest the one

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/fp8_ops.h"
 
 namespace kestrel::cuda {
 
@@ -33,6 +34,30 @@ void silu_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cu
 
 void gelu_tanh_mul(const bf16* gate_up, bf16* out, int64_t n_tokens, int64_t n_ff, cudaStream_t stream) {
   glu_mul<true>(gate_up, out, n_tokens, n_ff, stream);
+}
+
+void silu_mul_fp8(const bf16* gate_up, const float* gu_x_scale, const float* gu_w_scale, uint8_t* q, float* q_scale,
+                  int64_t n_tokens, int64_t n_ff, cudaStream_t stream) {
+  if (n_tokens <= 0) return;
+  if (!fp8_fused_width_supported(n_ff) || n_tokens > 0x7fffffff || (gu_x_scale == nullptr) != (gu_w_scale == nullptr))
+    throw Error("silu_mul_fp8: n_ff " + std::to_string(n_ff) +
+                " (a positive multiple of 8 up to 32768), both scales of gate_up or neither");
+  if (reinterpret_cast<uintptr_t>(gate_up) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0)
+    throw Error("silu_mul_fp8: gate_up and q must be 16-byte aligned");
+  const int64_t n_chunks = n_ff / 8;
+  const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
+  const int64_t threads = ceil_div(ceil_div(n_chunks, chunks), kWarpSize) * kWarpSize;
+  const dim3 grid(static_cast<unsigned>(n_tokens)), block(static_cast<unsigned>(threads));
+  auto launch = [&](auto* k) {
+    KESTREL_LAUNCH(k, grid, block, 0, stream, gate_up, gu_x_scale, gu_w_scale, q, q_scale, n_ff);
+  };
+  switch (chunks) {
+    case 1: launch(&silu_mul_fp8_kernel<1>); break;
+    case 2: launch(&silu_mul_fp8_kernel<2>); break;
+    case 4: launch(&silu_mul_fp8_kernel<4>); break;
+    default: launch(&silu_mul_fp8_kernel<8>); break;
+  }
+  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kestrel::cuda

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/fp8.cuh"
 
 namespace kestrel::cuda {
 
@@ -45,6 +46,44 @@ __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_
       out[t * n_ff + i] = __float2bfloat16_rn((kGelu ? gelu_tanh(g) : silu(g)) * __bfloat162float(up[i]));
     }
   }
+}
+
+// SwiGLU with its output quantized for a W8A8 GEMM (silu_mul_fp8, fp8_ops.h): one block per row,
+// the row's silu(gate) * up rounded to bf16 as silu_mul writes it, then E4M3 codes q [n_tokens,
+// n_ff] and scale q_scale [n_tokens] as quantize_rows_fp8 makes them from it. With gu_x_scale (and
+// gu_w_scale [2 n_ff]) gate_up is an unscaled W8A8 product, scaled first as scale_fp8_product does.
+// The row's gu_x_scale is read before its q_scale is written, so the two may be one array.
+// grid (n_tokens); block: whole warps with blockDim.x * kChunks * 8 >= n_ff; n_ff % 8 == 0.
+template <int kChunks>
+__global__ void silu_mul_fp8_kernel(const __nv_bfloat16* __restrict__ gate_up, const float* gu_x_scale,
+                                    const float* __restrict__ gu_w_scale, uint8_t* __restrict__ q, float* q_scale,
+                                    int64_t n_ff) {
+  KESTREL_PDL_ENTRY();
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const int64_t n_chunks = n_ff / 8;
+  const float xs = gu_x_scale != nullptr ? gu_x_scale[row] : 1.0f;
+  const __nv_bfloat16* gate = gate_up + row * 2 * n_ff;
+  float y[kChunks][8];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      float g[8], u[8];
+      unpack_bf16x8(ld_dependent16(gate + c * 8), g);
+      unpack_bf16x8(ld_dependent16(gate + n_ff + c * 8), u);
+      if (gu_x_scale != nullptr) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          g[j] = round_to_bf16(g[j] * (xs * gu_w_scale[c * 8 + j]));
+          u[j] = round_to_bf16(u[j] * (xs * gu_w_scale[n_ff + c * 8 + j]));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[i][j] = round_to_bf16(silu(g[j]) * u[j]);
+    }
+  }
+  quantize_held_row_fp8<kChunks>(y, n_chunks, q + row * n_ff, q_scale + row, scratch);
 }
 
 }  // namespace kestrel::cuda
