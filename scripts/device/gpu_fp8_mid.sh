@@ -40,10 +40,11 @@ if [ -f $BIN/libkestrel_kernel_trace.so ]; then
   trace() {  # LABEL SKIP ARGS...
     local label=$1 skip=$2
     shift 2
-    CUDA_INJECTION64_PATH=$BIN/libkestrel_kernel_trace.so KERNEL_TRACE_OUT=/tmp/kestrel/trace_$label.csv \
-      timeout 200 $K bench --device cuda --load-format dummy -m $C --quantization fp8 -r 1 "$@" > "$OUT/trace_$label.log" 2>&1
+    mkdir -p /tmp/kestrel/trace_$label
+    (cd /tmp/kestrel/trace_$label && CUDA_INJECTION64_PATH=$BIN/libkestrel_kernel_trace.so \
+      timeout 200 $K bench --device cuda --load-format dummy -m "$OLDPWD/$C" --quantization fp8 -r 1 "$@") > "$OUT/trace_$label.log" 2>&1
     echo "== kernel trace: $label"
-    python3 scripts/device/kernel_trace.py /tmp/kestrel/trace_$label.csv --skip "$skip" 2>&1 | head -40 |
+    python3 scripts/device/kernel_trace.py /tmp/kestrel/trace_$label/kernel_trace.csv --skip "$skip" 2>&1 | head -40 |
       tee "$OUT/trace_$label.txt"
   }
   trace b1 40 -p 128 -n 128

@@ -4,7 +4,7 @@
 // per kernel execution: "Start (ns)","Duration (ns)","Name" (GPU timestamps in ns, the demangled
 // kernel name), the columns of `nsys stats --report cuda_gpu_trace --format csv` that
 // scripts/device/kernel_trace.py reads. Kernels launched from CUDA graphs get one row per node.
-// Output path: KERNEL_TRACE_OUT (default kernel_trace.csv in the working directory).
+// Output: kernel_trace.csv in the working directory (an injected library has no command line).
 // Source: CUPTI activity API and the injection entry point, CUPTI documentation (CUDA 13).
 #include <cupti.h>
 #include <cxxabi.h>
@@ -64,8 +64,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 
 void write_trace() {
   cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
-  const char* path = std::getenv("KERNEL_TRACE_OUT");
-  if (path == nullptr || *path == '\0') path = "kernel_trace.csv";
+  const char* path = "kernel_trace.csv";
   std::lock_guard<std::mutex> lock(mu);
   FILE* f = std::fopen(path, "w");
   if (f == nullptr) {
