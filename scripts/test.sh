@@ -25,6 +25,16 @@ KESTREL_CMAKE_ARGS="-DPython3_EXECUTABLE=$PWD/.venv/bin/python" scripts/build.sh
 echo "== CTest (Release)"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
+if grep -q '^KESTREL_CUDA:BOOL=ON' build/CMakeCache.txt; then
+  echo "== PDL audit of the CUDA kernels' SASS (scripts/device/pdl_audit.py)"
+  # cuobjdump and nvdisasm from NVIDIA's wheels (the Debian toolkit install lacks them): every
+  # kernel must wait (griddepcontrol.wait) before it loads what the previous kernel wrote.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check nvidia-cuda-cuobjdump==13.5.37 \
+    nvidia-cuda-nvdisasm==13.5.37
+  nv_bin="$(.venv/bin/python -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "bin"))')"
+  PATH="$nv_bin:$PATH" .venv/bin/python scripts/device/pdl_audit.py build/kestrel
+fi
+
 echo "== CTest under ASan + UBSan"
 # The sanitizer build leaves the CUDA backend out (nvcc code is not instrumented, and its tests and
 # its CPU emulation already ran in the Release build). Configured every time, so an older tree

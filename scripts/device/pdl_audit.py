@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PDL audit of the CUDA kernels' SASS (device machine: needs cuobjdump).
+"""PDL audit of the CUDA kernels' SASS (needs cuobjdump and nvdisasm: the CUDA toolkit's, or NVIDIA's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, as scripts/test.sh installs them; no GPU).
 
 Every kernel of src/backend/cuda is launched with programmatic dependent launch and must not load
 the previous kernel's output before griddepcontrol.wait (SASS: ACQBULK). ptxas may schedule a
