@@ -46,9 +46,12 @@ if [ -f $BIN/libkestrel_kernel_trace.so ]; then
     echo "== kernel trace: $label"
     python3 scripts/device/kernel_trace.py /tmp/kestrel/trace_$label/kernel_trace.csv --skip "$skip" 2>&1 | head -40 |
       tee "$OUT/trace_$label.txt"
+    gzip -c /tmp/kestrel/trace_$label/kernel_trace.csv > "$OUT/trace_$label.csv.gz"
   }
-  trace b1 40 -p 128 -n 128
-  trace b64_4096 24 --parallel 64 -p 4096 -n 48 --max-num-batched-tokens 16384 --kv-cache-dtype fp8
+  # TRACES: which of the two (default both).
+  [[ ${TRACES:-b1 b64} == *b1* ]] && trace b1 40 -p 128 -n 128
+  [[ ${TRACES:-b1 b64} == *b64* ]] &&
+    trace b64_4096 24 --parallel 64 -p 4096 -n 48 --max-num-batched-tokens 16384 --kv-cache-dtype fp8
 fi
 [ -z "${SKIP_BENCH:-}" ] && [ -x $BIN/kestrel_cuda_bench ] && timeout 150 $BIN/kestrel_cuda_bench fp8scalar 2>&1 | grep -v "heuristic status"
 echo "== summary"
