@@ -4,6 +4,7 @@
 
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fp8_ops.h"
+#include "backend/cuda/row_chunks.h"
 
 namespace kestrel::cuda {
 
@@ -52,19 +53,13 @@ void add_rms_norm_fp8(float* residual, const bf16* add, const float* add_x_scale
                 " (a positive multiple of 8 up to 32768), both scales of the add or neither");
   if (!aligned16(residual) || !aligned16(add) || !aligned16(weight) || !aligned16(q))
     throw Error("add_rms_norm_fp8: residual, add, weight and q must be 16-byte aligned");
-  const int64_t n_chunks = dim / 8;
-  const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
-  const int64_t threads = ceil_div(ceil_div(n_chunks, chunks), kWarpSize) * kWarpSize;
-  const dim3 grid(static_cast<unsigned>(n_tokens)), block(static_cast<unsigned>(threads));
-  auto launch = [&](auto* k) {
-    KESTREL_LAUNCH(k, grid, block, 0, stream, residual, add, add_x_scale, add_w_scale, weight, q, q_scale, dim, eps);
-  };
-  switch (chunks) {
-    case 1: launch(&add_rms_norm_fp8_kernel<1>); break;
-    case 2: launch(&add_rms_norm_fp8_kernel<2>); break;
-    case 4: launch(&add_rms_norm_fp8_kernel<4>); break;
-    default: launch(&add_rms_norm_fp8_kernel<8>); break;
-  }
+  const RowChunks rc = row_chunks(dim);
+  with_row_chunks(rc.chunks, [&](auto c) {
+    auto* k = &add_rms_norm_fp8_kernel<decltype(c)::value>;
+    KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(n_tokens)),
+                   dim3(static_cast<unsigned>(rc.threads)), 0, stream, residual, add, add_x_scale, add_w_scale, weight,
+                   q, q_scale, dim, eps);
+  });
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -106,6 +106,16 @@ void CudaModelRunner::settle_fp8() {
   mark("scale fp8");
 }
 
+CudaModelRunner::PendingFp8Scale CudaModelRunner::take_fp8_pending(Act in) {
+  if (in == Act::None || fp8_pending_.act != in) {
+    settle_fp8();  // another buffer's: scaled now, before its x scales are overwritten
+    return {};
+  }
+  const PendingFp8Scale p = fp8_pending_;
+  fp8_pending_ = {};
+  return p;
+}
+
 bool CudaModelRunner::fp8_gemm_path(const DeviceWeight& W, int64_t n) const {
   return W.fp8 && !W.in_place() && !uses_stream_gemv_narrow(W, n) &&
          !cuda::skinny_gemm_fp8_supports(n, W.n_in, W.n_out);
@@ -169,10 +179,7 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
                                      : uses_stream_gemv(n, d, n_out);
   if (!streamed && fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(d)) {
     // W8A8: the norm writes the GEMM's quantized input, scaling an unscaled product on the way in.
-    const bool scaled_add = add != Act::None && fp8_pending_.act == add;
-    if (!scaled_add) settle_fp8();
-    const PendingFp8Scale p = scaled_add ? fp8_pending_ : PendingFp8Scale{};
-    fp8_pending_ = {};
+    const PendingFp8Scale p = take_fp8_pending(add);
     cuda::add_rms_norm_fp8(pass_residual_, act_buffer(add), p.x_scale, p.w_scale, norm_w.as<bf16>(),
                            fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
@@ -282,10 +289,7 @@ void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   const int64_t n = pass_.n_tokens;
   if (fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(W.n_in)) {
     // W8A8: SwiGLU writes the GEMM's quantized input, scaling an unscaled gate|up on the way in.
-    const bool scaled_in = fp8_pending_.act == in;
-    if (!scaled_in) settle_fp8();
-    const PendingFp8Scale p = scaled_in ? fp8_pending_ : PendingFp8Scale{};
-    fp8_pending_ = {};
+    const PendingFp8Scale p = take_fp8_pending(in);
     cuda::silu_mul_fp8(act_buffer(in), p.x_scale, p.w_scale, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n,
                        W.n_in, stream_);
     mark("silu_mul");

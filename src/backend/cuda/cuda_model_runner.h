@@ -288,6 +288,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   };
   PendingFp8Scale fp8_pending_;
   void settle_fp8();
+  // For a consumer that scales its input `in` on the way in: the pending scales if `in` holds the
+  // pending product (then no longer pending), else none (any other pending product settled).
+  PendingFp8Scale take_fp8_pending(Act in);
   // Whether an FP8 weight at n tokens takes cuBLASLt's W8A8 GEMM (not the streaming GEMV or the
   // skinny kernel): its input is quantized per token into fp8_x_ first.
   bool fp8_gemm_path(const DeviceWeight& W, int64_t n) const;

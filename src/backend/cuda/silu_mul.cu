@@ -4,6 +4,7 @@
 
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fp8_ops.h"
+#include "backend/cuda/row_chunks.h"
 
 namespace kestrel::cuda {
 
@@ -44,19 +45,13 @@ void silu_mul_fp8(const bf16* gate_up, const float* gu_x_scale, const float* gu_
                 " (a positive multiple of 8 up to 32768), both scales of gate_up or neither");
   if (reinterpret_cast<uintptr_t>(gate_up) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0)
     throw Error("silu_mul_fp8: gate_up and q must be 16-byte aligned");
-  const int64_t n_chunks = n_ff / 8;
-  const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
-  const int64_t threads = ceil_div(ceil_div(n_chunks, chunks), kWarpSize) * kWarpSize;
-  const dim3 grid(static_cast<unsigned>(n_tokens)), block(static_cast<unsigned>(threads));
-  auto launch = [&](auto* k) {
-    KESTREL_LAUNCH(k, grid, block, 0, stream, gate_up, gu_x_scale, gu_w_scale, q, q_scale, n_ff);
-  };
-  switch (chunks) {
-    case 1: launch(&silu_mul_fp8_kernel<1>); break;
-    case 2: launch(&silu_mul_fp8_kernel<2>); break;
-    case 4: launch(&silu_mul_fp8_kernel<4>); break;
-    default: launch(&silu_mul_fp8_kernel<8>); break;
-  }
+  const RowChunks rc = row_chunks(n_ff);
+  with_row_chunks(rc.chunks, [&](auto c) {
+    auto* k = &silu_mul_fp8_kernel<decltype(c)::value>;
+    KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(n_tokens)),
+                   dim3(static_cast<unsigned>(rc.threads)), 0, stream, gate_up, gu_x_scale, gu_w_scale, q, q_scale,
+                   n_ff);
+  });
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,36 @@
+// Launch shape of the kernels that hold one row a block in registers, kChunks chunks of 8 values a
+// thread (add_rms_norm_fp8, silu_mul_fp8): the fewest chunks (1, 2, 4, 8) that keep the block at
+// 512 threads or fewer. Internal to src/backend/cuda.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/cuda_ops.h"
+
+namespace kestrel::cuda {
+
+struct RowChunks {
+  int chunks;       // per thread
+  int64_t threads;  // whole warps
+};
+
+// width % 8 == 0 and width <= 32,768 (fp8_fused_width_supported).
+inline RowChunks row_chunks(int64_t width) {
+  const int64_t n_chunks = width / 8;
+  const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
+  return {chunks, (n_chunks + chunks * 32 - 1) / (chunks * 32) * 32};
+}
+
+// Calls f(std::integral_constant<int, chunks>{}), for the kernel template's instance.
+template <class F>
+void with_row_chunks(int chunks, F&& f) {
+  switch (chunks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+}  // namespace kestrel::cuda
