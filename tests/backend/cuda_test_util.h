@@ -28,6 +28,15 @@ inline constexpr bool kCudaEmulated = true;
 inline constexpr bool kCudaEmulated = false;
 #endif
 
+// Model-level tests on the emulation: the bf16 skinny GEMM costs about a second per decode step of
+// a 32000-row LM head there (2000 blocks of fibers), the plain loop standing in for cuBLASLt a few
+// milliseconds, so few-token projections take the latter (skinny_max_tokens 0). The skinny kernel
+// itself is checked in test_cuda_skinny_gemm.cpp; on a GPU the default kernels run.
+template <class RunnerOptions>
+void skip_skinny_gemm_if_emulated(RunnerOptions& o) {
+  if constexpr (kCudaEmulated) o.cuda.skinny_max_tokens = 0;
+}
+
 // Why no CUDA device can be used ("" when one can). Asked once per process.
 inline const std::string& cuda_unavailable_reason() {
   static const std::string reason = [] {

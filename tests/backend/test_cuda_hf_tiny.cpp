@@ -73,6 +73,7 @@ std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager) {
   o.n_kv_blocks = 256;
   o.enforce_eager = eager;
   o.quantize_fp8 = g_bounds.fp8;
+  test::skip_skinny_gemm_if_emulated(o);
   auto r = make_cuda_model_runner(m, o);
   if (g_bounds.int4) EXPECT_NE(r->description().find("int4 W4A16"), std::string::npos) << r->description();
   return r;

@@ -58,6 +58,7 @@ std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager) {
   o.block_size = kBlockSize;
   o.n_kv_blocks = kBlocks;
   o.enforce_eager = eager;
+  test::skip_skinny_gemm_if_emulated(o);
   return make_cuda_model_runner(m, o);
 }
 

@@ -58,10 +58,7 @@ RunnerOptions runner_options(bool eager) {
   o.block_size = 16;
   o.n_kv_blocks = 96;
   o.enforce_eager = eager;
-  // Emulated, the skinny GEMM costs about a second per token for the 32000-row LM head (2000
-  // blocks of fibers), the plain-loop GEMM in cuBLASLt's place a few milliseconds: projections of
-  // few tokens take the latter there. On a GPU the default kernels run.
-  if (test::kCudaEmulated) o.cuda.skinny_max_tokens = 0;
+  test::skip_skinny_gemm_if_emulated(o);
   return o;
 }
 

@@ -295,7 +295,6 @@ TEST(CudaPagedAttention, UniformQueryRunsGiveThePlannedCallsBits) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(31);
   std::vector<AttnCase> cases = {
-      {"8B shape, 4 x (1 + 4)", 32, 8, 128, 16, {{130, 5}, {513, 5}, {6, 5}, {2000, 5}}, 3.0f, true},
       {"SmolLM2 shape, 1 x (1 + 4)", 9, 3, 64, 16, {{300, 5}}, 1.0f, true},
       {"SmolLM2 shape, 1 x (1 + 4), graph bound 4096", 9, 3, 64, 16, {{1100, 5}}, 1.0f, true, 4096},
       {"SmolLM2 shape, 3 x (1 + 8)", 9, 3, 64, 16, {{20, 9}, {9, 9}, {1000, 9}}, 1.0f, true},
@@ -305,6 +304,8 @@ TEST(CudaPagedAttention, UniformQueryRunsGiveThePlannedCallsBits) {
       {"d40 (SIMT) group 3, 2 x 4", 6, 2, 40, 16, {{2049, 4}, {90, 4}}, 2.0f, true},
       {"d64 window 70, 2 x 5", 8, 2, 64, 8, {{3001, 5}, {130, 5}}, 2.0f, true, 0, 0, 70},
   };
+  if (!kCudaEmulated)  // a real model's size: the d128 tiles are covered by the MHA case on the emulation
+    cases.push_back({"8B shape, 4 x (1 + 4)", 32, 8, 128, 16, {{130, 5}, {513, 5}, {6, 5}, {2000, 5}}, 3.0f, true});
   for (AttnCase c : cases) {
     c.uniform = true;
     run_case(c, rng);

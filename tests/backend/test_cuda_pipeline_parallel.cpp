@@ -41,6 +41,7 @@ RunnerOptions options(int pp, bool eager) {
   o.enforce_eager = eager;
   o.pipeline_parallel_size = pp;
   o.cuda.gemm_tune = false;  // cuBLASLt's heuristic pick per shape, not a timing that may differ per runner
+  test::skip_skinny_gemm_if_emulated(o);
   return o;
 }
 

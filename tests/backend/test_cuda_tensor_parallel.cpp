@@ -44,6 +44,7 @@ RunnerOptions options(int tp, bool eager) {
   o.enforce_eager = eager;
   o.tensor_parallel_size = tp;
   o.cuda.gemm_tune = false;  // cuBLASLt's heuristic pick per shape, not a timing that may differ per runner
+  test::skip_skinny_gemm_if_emulated(o);
   return o;
 }
 
