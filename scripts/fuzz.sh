@@ -30,11 +30,9 @@ fi
 # Configured every time (cheap when nothing changed); the CUDA backend is not fuzzed. A folder
 # already configured with KESTREL_FUZZ (the test command's sanitizer build, which also holds the
 # tests) is used as it is.
-if grep -q '^KESTREL_FUZZ:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null && [ "$build" != build-fuzz ]; then
-  :
-elif [ "$build" = build-fuzz ]; then
+if [ "$build" = build-fuzz ]; then
   cmake --preset fuzz -DKESTREL_CUDA=OFF >/dev/null
-else
+elif ! grep -q '^KESTREL_FUZZ:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null; then
   cmake --preset fuzz -B "$build" -DKESTREL_CUDA=OFF >/dev/null
 fi
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"

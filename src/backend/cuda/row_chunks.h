@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "backend/cuda/cuda_ops.h"
+#include "backend/cuda/device_common.cuh"
 
 namespace kestrel::cuda {
 
@@ -19,7 +19,7 @@ struct RowChunks {
 inline RowChunks row_chunks(int64_t width) {
   const int64_t n_chunks = width / 8;
   const int chunks = n_chunks <= 512 ? 1 : n_chunks <= 1024 ? 2 : n_chunks <= 2048 ? 4 : 8;
-  return {chunks, (n_chunks + chunks * 32 - 1) / (chunks * 32) * 32};
+  return {chunks, ceil_div(ceil_div(n_chunks, chunks), kWarpSize) * kWarpSize};
 }
 
 // Calls f(std::integral_constant<int, chunks>{}), for the kernel template's instance.
