@@ -51,8 +51,8 @@ void add_rms_norm_fp8(float* residual, const bf16* add, const float* add_x_scale
   if (!fp8_fused_width_supported(dim) || n_tokens > 0x7fffffff || (add_x_scale == nullptr) != (add_w_scale == nullptr))
     throw Error("add_rms_norm_fp8: dim " + std::to_string(dim) +
                 " (a positive multiple of 8 up to 32768), both scales of the add or neither");
-  if (!aligned16(residual) || !aligned16(add) || !aligned16(weight) || !aligned16(q))
-    throw Error("add_rms_norm_fp8: residual, add, weight and q must be 16-byte aligned");
+  if (!aligned16(residual) || !aligned16(add) || !aligned16(weight) || !aligned16(q) || !aligned16(add_w_scale))
+    throw Error("add_rms_norm_fp8: residual, add, weight, add_w_scale and q must be 16-byte aligned");
   const RowChunks rc = row_chunks(dim);
   with_row_chunks(rc.chunks, [&](auto c) {
     auto* k = &add_rms_norm_fp8_kernel<decltype(c)::value>;

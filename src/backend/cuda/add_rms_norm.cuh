@@ -59,7 +59,7 @@ __global__ void add_rms_norm_vec_kernel(float* __restrict__ residual, const __nv
 // The same, with the normalised row quantized for a W8A8 GEMM instead of written as bf16
 // (add_rms_norm_fp8, fp8_ops.h): the row rounded to bf16 as add_rms_norm writes it, then E4M3
 // codes q [n_tokens, dim] and scale q_scale [n_tokens] as quantize_rows_fp8 makes them from it.
-// With add_x_scale (and add_w_scale) `add` is an unscaled W8A8 product, scaled first as
+// With add_x_scale (and add_w_scale, 16-byte aligned) `add` is an unscaled W8A8 product, scaled first as
 // scale_fp8_product does: bf16(add[r, c] * (add_x_scale[r] * add_w_scale[c])). The row's
 // add_x_scale is read before its q_scale is written, so the two may be one array.
 template <int kChunks>
@@ -73,21 +73,32 @@ __global__ void add_rms_norm_fp8_kernel(float* __restrict__ residual, const __nv
   const int64_t n_chunks = dim / 8;
   const float axs = add_x_scale != nullptr ? add_x_scale[row] : 1.0f;
   float4* res = reinterpret_cast<float4*>(residual + row * dim);
+  // Every chunk's loads first, so that they are all in flight before the first is used.
   float x[kChunks][8];
+  uint4 av[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      if (add != nullptr) av[i] = ld_dependent16(add + row * dim + c * 8);
+      const float4 lo = res[2 * c], hi = res[2 * c + 1];
+      x[i][0] = lo.x, x[i][1] = lo.y, x[i][2] = lo.z, x[i][3] = lo.w;
+      x[i][4] = hi.x, x[i][5] = hi.y, x[i][6] = hi.z, x[i][7] = hi.w;
+    }
+  }
   float ss = 0.0f;
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
     if (c < n_chunks) {
-      const float4 lo = res[2 * c], hi = res[2 * c + 1];
-      x[i][0] = lo.x, x[i][1] = lo.y, x[i][2] = lo.z, x[i][3] = lo.w;
-      x[i][4] = hi.x, x[i][5] = hi.y, x[i][6] = hi.z, x[i][7] = hi.w;
       if (add != nullptr) {
         float a[8];
-        unpack_bf16x8(ld_dependent16(add + row * dim + c * 8), a);
+        unpack_bf16x8(av[i], a);
         if (add_x_scale != nullptr) {
+          float ws[8];
+          load_f32x8(add_w_scale + c * 8, ws);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) a[j] = round_to_bf16(a[j] * (axs * add_w_scale[c * 8 + j]));
+          for (int j = 0; j < 8; ++j) a[j] = round_to_bf16(a[j] * (axs * ws[j]));
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) x[i][j] += a[j];

@@ -107,6 +107,12 @@ __device__ __forceinline__ float block_reduce_max_any(float v, float* scratch) {
   return v;
 }
 
+// Eight f32 weights' scales (data no kernel writes: the read-only path is safe), 16-byte aligned.
+__device__ __forceinline__ void load_f32x8(const float* __restrict__ p, float (&f)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(p)[0], hi = reinterpret_cast<const float4*>(p)[1];
+  f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w, f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+}
+
 __device__ __forceinline__ float round_to_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // A row's E4M3 codes from values its block holds in registers, with quantize_rows_fp8_kernel's

@@ -32,7 +32,7 @@ void scale_fp8_product(bf16* y, const float* x_scale, const float* w_scale, int6
 // [2 n_ff]) the input is an unscaled W8A8 product (Gemm::run_fp8_unscaled), scaled on the way in;
 // null for a scaled one. q [n_tokens, width] E4M3 codes, q_scale [n_tokens] f32 (may be the same
 // array as the input's x scale). Widths: a multiple of 8 up to 32,768 (fp8_fused_width_supported),
-// rows and vectors 16-byte aligned. Errors: kestrel::Error for a bad shape or alignment.
+// rows and vectors (the weight scales too) 16-byte aligned. Errors: kestrel::Error for a bad shape or alignment.
 bool fp8_fused_width_supported(int64_t width);
 void add_rms_norm_fp8(float* residual, const bf16* add, const float* add_x_scale, const float* add_w_scale,
                       const bf16* weight, uint8_t* q, float* q_scale, int64_t n_tokens, int64_t dim, float eps,

@@ -43,8 +43,9 @@ void silu_mul_fp8(const bf16* gate_up, const float* gu_x_scale, const float* gu_
   if (!fp8_fused_width_supported(n_ff) || n_tokens > 0x7fffffff || (gu_x_scale == nullptr) != (gu_w_scale == nullptr))
     throw Error("silu_mul_fp8: n_ff " + std::to_string(n_ff) +
                 " (a positive multiple of 8 up to 32768), both scales of gate_up or neither");
-  if (reinterpret_cast<uintptr_t>(gate_up) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0)
-    throw Error("silu_mul_fp8: gate_up and q must be 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(gate_up) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(gu_w_scale) % 16 != 0)
+    throw Error("silu_mul_fp8: gate_up, gu_w_scale and q must be 16-byte aligned");
   const RowChunks rc = row_chunks(n_ff);
   with_row_chunks(rc.chunks, [&](auto c) {
     auto* k = &silu_mul_fp8_kernel<decltype(c)::value>;

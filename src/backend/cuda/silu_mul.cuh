@@ -51,7 +51,7 @@ __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_
 // SwiGLU with its output quantized for a W8A8 GEMM (silu_mul_fp8, fp8_ops.h): one block per row,
 // the row's silu(gate) * up rounded to bf16 as silu_mul writes it, then E4M3 codes q [n_tokens,
 // n_ff] and scale q_scale [n_tokens] as quantize_rows_fp8 makes them from it. With gu_x_scale (and
-// gu_w_scale [2 n_ff]) gate_up is an unscaled W8A8 product, scaled first as scale_fp8_product does.
+// gu_w_scale [2 n_ff], 16-byte aligned) gate_up is an unscaled W8A8 product, scaled first as scale_fp8_product does.
 // The row's gu_x_scale is read before its q_scale is written, so the two may be one array.
 // grid (n_tokens); block: whole warps with blockDim.x * kChunks * 8 >= n_ff; n_ff % 8 == 0.
 template <int kChunks>
@@ -64,19 +64,32 @@ __global__ void silu_mul_fp8_kernel(const __nv_bfloat16* __restrict__ gate_up, c
   const int64_t n_chunks = n_ff / 8;
   const float xs = gu_x_scale != nullptr ? gu_x_scale[row] : 1.0f;
   const __nv_bfloat16* gate = gate_up + row * 2 * n_ff;
+  // Every chunk's loads first, so that they are all in flight before the first is used.
+  uint4 gv[kChunks], uv[kChunks];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (c < n_chunks) {
+      gv[i] = ld_dependent16(gate + c * 8);
+      uv[i] = ld_dependent16(gate + n_ff + c * 8);
+    }
+  }
   float y[kChunks][8];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int64_t c = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
     if (c < n_chunks) {
       float g[8], u[8];
-      unpack_bf16x8(ld_dependent16(gate + c * 8), g);
-      unpack_bf16x8(ld_dependent16(gate + n_ff + c * 8), u);
+      unpack_bf16x8(gv[i], g);
+      unpack_bf16x8(uv[i], u);
       if (gu_x_scale != nullptr) {
+        float gs[8], us[8];
+        load_f32x8(gu_w_scale + c * 8, gs);
+        load_f32x8(gu_w_scale + n_ff + c * 8, us);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          g[j] = round_to_bf16(g[j] * (xs * gu_w_scale[c * 8 + j]));
-          u[j] = round_to_bf16(u[j] * (xs * gu_w_scale[n_ff + c * 8 + j]));
+          g[j] = round_to_bf16(g[j] * (xs * gs[j]));
+          u[j] = round_to_bf16(u[j] * (xs * us[j]));
         }
       }
 #pragma unroll
