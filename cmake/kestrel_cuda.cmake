@@ -150,8 +150,12 @@ if(KESTREL_BENCH)
 endif()
 
 # A kernel timeline for machines without Nsight Systems (tools/kernel_trace): a CUDA injection
-# library over CUPTI, loaded by the driver when CUDA_INJECTION64_PATH names it.
+# library over CUPTI, loaded by the driver when CUDA_INJECTION64_PATH names it. kestrel_api_trace
+# is the same without kernel records (the host's runtime calls and copies at undisturbed speed).
 if(TARGET CUDA::cupti)
   add_library(kestrel_kernel_trace SHARED ${CMAKE_SOURCE_DIR}/tools/kernel_trace/kernel_trace.cpp)
   target_link_libraries(kestrel_kernel_trace PRIVATE CUDA::cupti)
+  add_library(kestrel_api_trace SHARED ${CMAKE_SOURCE_DIR}/tools/kernel_trace/kernel_trace.cpp)
+  target_link_libraries(kestrel_api_trace PRIVATE CUDA::cupti)
+  target_compile_definitions(kestrel_api_trace PRIVATE KERNEL_TRACE_KERNELS=0)
 endif()

@@ -24,7 +24,8 @@ namespace {
 // sequence's context into n_splits ranges of whole 64-key tiles (split_key_range), paid for by a
 // partial result per split and the reduction kernel. Two regimes (split_count):
 // - fewer items than half the resident decode blocks (SMs x blocks per SM): the GPU would sit
-//   mostly idle, so split up to one wave of blocks, at least 2 tiles per split at max_context;
+//   mostly idle, so split up to one wave of blocks, at least 4 tiles (256 keys) per split at
+//   max_context;
 // - else the items fill the GPU already, and a split only evens out the waves: up to two waves,
 //   and only with at least 12 tiles (768 keys) per split at max_context.
 // Measured on an H200 (op benchmark, 32/8 heads, d128; docs/performance.md, "H200: decode
@@ -32,7 +33,11 @@ namespace {
 // k = 1 / 2 / 4:
 // 64 x 576 keys 58.7 / 61.4 / 71.2 us (1 / 2 / 4 splits); 64 x 2048 175.0 / 156.2 / 166.5 us;
 // 1 x 32768 95.8 / 131 / 223 us; 1 x 228 (graph bound 512) 14.2 / 13.8 / 14.1 us; 256 x 1024 and
-// 400 x 1000-2000 unsplit either way. p.split_items_per_block = k and p.split_min_tiles = t
+// 400 x 1000-2000 unsplit either way. In the whole model (8B shape, FP8 weights, one H100,
+// `kestrel bench`), 4 tiles a split at least against 2: batch-1 decode at 512 context 299.2 ->
+// 305.2 tok/s, at 7,936 297.4 -> 303.5, batch 4 at 2,048 855.3 -> 889.4, batch 16 unchanged; 8
+// tiles gave the same as 4 (fewer, longer splits: less partial output and reduction per token).
+// p.split_items_per_block = k and p.split_min_tiles = t
 // replace the rule by ceil(k x resident / items) with t tiles per split at least (for sweeps:
 // scripts/device/gpu_decode_attention.sh).
 // The rule's split count for the longest context (max_tiles key tiles: the grid's z) and its least
@@ -47,7 +52,7 @@ SplitRule split_rule(const AttentionParams& p, int64_t items, int64_t resident, 
   if (items <= 0) return {};
   const bool sparse = 2 * items < resident;
   const int64_t k = forced_k > 0 ? forced_k : (sparse ? 1 : 2);
-  const int64_t min_tiles = forced_t > 0 ? forced_t : (forced_k > 0 || sparse ? 2 : 12);
+  const int64_t min_tiles = forced_t > 0 ? forced_t : forced_k > 0 ? 2 : sparse ? 4 : 12;
   return {std::clamp<int64_t>(ceil_div(k * resident, items), 1, std::max<int64_t>(1, max_tiles / min_tiles)),
           min_tiles};
 }
