@@ -3,7 +3,7 @@
 # weights made in memory (--load-format dummy, configs/), alternating the two binaries in one call.
 # STAGE=b1 (default): the GPU tests of TESTS (a gtest filter; none when empty) and the PDL audit,
 # then batch-1 decode (-p 128 -n 256) with bf16, FP8 (--quantization fp8) and INT4 (GPTQ 4-bit
-# group 128) weights, two rounds, and the batch-1 FP8 kernel timeline of devbin/kestrel when
+# group 128) weights, ROUNDS rounds (2), and the batch-1 FP8 kernel timeline of devbin/kestrel when
 # libkestrel_kernel_trace.so was carried.
 # STAGE=b64: batch-64 FP8 decode at 512 context for both binaries, then at 4,096 context with an FP8
 # and a bf16 KV cache (the FP8 KV goal's ratio) for devbin/kestrel.
@@ -28,7 +28,7 @@ case "${STAGE:-b1}" in
       note "tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/tests.txt | tr '\n' ' ')"
     fi
     note "$(python3 scripts/device/pdl_audit.py $K 2>&1 | tail -2 | tr '\n' ' ')"
-    for round in 1 2; do
+    for round in $(seq 1 "${ROUNDS:-2}"); do
       for bin in kestrel_before kestrel; do
         row "$bin bf16 b1 r$round" $bin -m $C/llama-3.1-8b -p 128 -n 256
         row "$bin fp8 b1 r$round" $bin -m $C/llama-3.1-8b --quantization fp8 -p 128 -n 256
