@@ -186,17 +186,18 @@ TEST(BeamSearchEngine, HostTierHitsChangeNothing) {
 }
 
 // `kestrel batch` lines with use_beam_search: the best beam of transformers' search (the cases that
-// stop at the model's EOS, as batch does), with its cumulative logprob.
+// stop at the model's EOS, as batch does), with its cumulative logprob; each case twice, its beam
+// width given as best_of and as n (the width when best_of is absent).
 TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
   KESTREL_REQUIRE_FILE(stories_path());
   const json doc = json::parse(test::read_file(std::string(KESTREL_TEST_SOURCE_DIR) + "/data/beam_stories260k.json"));
   const std::string in = test::temp_path("beam_batch", ".jsonl"), out = test::temp_path("beam_batch_out", ".jsonl");
   {
     std::ofstream f(in);
-    for (size_t i = 0; i < doc.at("server_cases").size(); ++i) {
-      const json& c = doc["server_cases"][i];
-      f << json{{"id", i}, {"prompt", c["prompt_ids"]}, {"use_beam_search", true}, {"best_of", c["num_beams"]},
-                {"max_tokens", c["max_new_tokens"]}, {"length_penalty", c["length_penalty"]},
+    for (size_t i = 0; i < 2 * doc.at("server_cases").size(); ++i) {
+      const json& c = doc["server_cases"][i / 2];
+      f << json{{"id", i}, {"prompt", c["prompt_ids"]}, {"use_beam_search", true},
+                {i % 2 ? "n" : "best_of", c["num_beams"]}, {"max_tokens", c["max_new_tokens"]}, {"length_penalty", c["length_penalty"]},
                 {"early_stopping", c["early_stopping"]}, {"temperature", 0}}
                   .dump()
            << "\n";
@@ -211,11 +212,11 @@ TEST(BeamSearchEngine, BatchLinesReturnTheBestBeam) {
   size_t n = 0;
   for (std::string line; std::getline(f, line); ++n) {
     const json r = json::parse(line);
-    const json& best = doc["server_cases"][r.at("id").get<size_t>()]["beams"][0];
+    const json& best = doc["server_cases"][r.at("id").get<size_t>() / 2]["beams"][0];
     EXPECT_EQ(r.at("output_ids"), best.at("tokens")) << line;
     EXPECT_NEAR(r.at("cumulative_logprob").get<double>(), best.at("sum_logprobs").get<double>(), kScoreTol);
   }
-  EXPECT_EQ(n, doc["server_cases"].size());
+  EXPECT_EQ(n, 2 * doc["server_cases"].size());
   std::remove(in.c_str());
   std::remove(out.c_str());
 }

@@ -181,9 +181,13 @@ TEST(CliE2e, BadInputGivesOneClearLineAndNonZeroExit) {
       {"generate -m " + stories + " -p hi --top-p 1.5", "top_p"},
       {"generate -m " + stories + " -p hi --frobnicate", "frobnicate"},
       {"generate -m " + stories + " -p hi -n abc", "abc"},
+      // CLI11 alone would saturate these at 2^63 - 1 and run.
+      {"generate -m " + stories + " -p hi --seed 9223372036854775808", "9223372036854775808"},
+      {"generate -m " + stories + " -p hi --seed -2", "--seed"},
       {"generate -m " + stories + " -p hi --ctx-size 0", "ctx-size"},
       {"generate -m " + stories + " -p hi --prefill-chunk 0", "prefill-chunk"},
       {"bench -m " + stories + " --prefill-chunk 2", "prefill-chunk"},  // generate and chat only
+      {"bench -m " + stories + " -p 0 -n 0", "nothing to measure"},
       {"chat -m " + stories + " -p ''", "empty message"},
       {"frobnicate", "frobnicate"},
   };

@@ -70,6 +70,9 @@ def test_tokenizer_route_errors(server):
         assert r.status_code == 400, (path, body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["message"], (body, err)
+    # Neither field: the message asks for one; both: it says not both.
+    assert post(server, "/tokenize", {}).json()["error"]["message"] == "give prompt (a string) or messages"
+    assert "not both" in post(server, "/tokenize", {"prompt": "a", "messages": []}).json()["error"]["message"]
     r = post(server, "/tokenize", {"prompt": "a", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = requests.post(server.url + "/tokenize", data=b"[1", headers={"Content-Type": "application/json"}, timeout=10)

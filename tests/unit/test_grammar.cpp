@@ -101,6 +101,10 @@ TEST(Grammar, GbnfErrorsNameTheProblem) {
   EXPECT_NE(err("root ::= a").find("rule 'a' is used but not defined"), std::string::npos);
   EXPECT_NE(err("x ::= \"a\"").find("no 'root'"), std::string::npos);
   EXPECT_NE(err("root ::= root \"a\" | \"b\"").find("left-recursive"), std::string::npos);
+  // A repetition of a part that can be empty is named as such, not by its helper rule's name.
+  const std::string rep = err("root ::= (\"a\"*)* \"b\"");
+  EXPECT_NE(rep.find("a repeated part (*, + or {m,}) can match the empty string"), std::string::npos) << rep;
+  EXPECT_EQ(rep.find("$group"), std::string::npos) << rep;
   EXPECT_NE(err("root ::= \"a").find("line 1"), std::string::npos);
   EXPECT_NE(err("root ::= [z-a]").find("reversed"), std::string::npos);
 }
@@ -351,6 +355,20 @@ TEST(Grammar, ConstraintsAndTheirCache) {
   Constraint none;
   none.kind = ConstraintKind::CHOICE;
   EXPECT_THROW(compile_constraint(none), GrammarError);
+  // A $ref cycle that consumes nothing is named as the schema's, not as a GBNF rule.
+  for (const char* text : {R"({"$ref": "#"})", R"({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                                  "$ref": "#/$defs/a"})"}) {
+    Constraint cycle;
+    cycle.kind = ConstraintKind::JSON_SCHEMA;
+    cycle.text = text;
+    try {
+      compile_constraint(cycle);
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const GrammarError& e) {
+      EXPECT_EQ(e.keyword(), "$ref") << text;
+      EXPECT_NE(std::string(e.what()).find("a $ref cycle"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // Matchers of one grammar on several threads, every split computed for the first time while other

@@ -342,6 +342,29 @@ TEST(OpenAiRequest, IntegerErrorsStateTheRange) {
             "got 18446744073709551615");
 }
 
+// A sampling value that is nonzero in the JSON but zero as a 32-bit float is named as such, not
+// reported against a range it seems to satisfy.
+TEST(OpenAiRequest, SamplingValueBelowTheSmallestFloatIsNamed) {
+  EXPECT_EQ(failure_of(R"({"prompt": "a", "top_p": 1e-320})", RequestApi::Completions),
+            "top_p: top_p is too small for a 32-bit float (magnitude under 1.4e-45), got 1e-320");
+  EXPECT_EQ(parse(R"({"prompt": "a", "top_p": 1e-30})", RequestApi::Completions).sampling.top_p, 1e-30f);
+  EXPECT_EQ(parse(R"({"prompt": "a", "temperature": 0.0})", RequestApi::Completions).sampling.temperature, 0.0f);
+}
+
+// max_tokens and max_completion_tokens: a null one beside a number is not set (vLLM takes the one
+// given); both null is "until max_model_len"; two numbers must agree.
+TEST(OpenAiRequest, NullMaxTokensBesideTheOtherNameIsUnset) {
+  const RequestApi c = RequestApi::Completions;
+  const OpenAiRequest a = parse(R"({"prompt": "a", "max_tokens": null, "max_completion_tokens": 3})", c);
+  EXPECT_EQ(a.max_tokens, 3);
+  EXPECT_TRUE(a.max_tokens_given);
+  EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 5, "max_completion_tokens": null})", c).max_tokens, 5);
+  const OpenAiRequest b = parse(R"({"prompt": "a", "max_tokens": null, "max_completion_tokens": null})", c);
+  EXPECT_EQ(b.max_tokens, -1);
+  EXPECT_FALSE(b.max_tokens_given);
+  EXPECT_EQ(param_of(R"({"prompt": "a", "max_tokens": 4, "max_completion_tokens": 3})", c), "max_completion_tokens");
+}
+
 // max_tokens 0: completions (OpenAI's legacy API: the echo alone), not chat or batch lines.
 TEST(OpenAiRequest, MaxTokensZeroIsForCompletions) {
   EXPECT_EQ(parse(R"({"prompt": "a", "max_tokens": 0, "echo": true})", RequestApi::Completions).max_tokens, 0);
@@ -559,6 +582,13 @@ TEST(OpenAiRequest, BeamSearchFields) {
   EXPECT_EQ(a.early_stopping, EarlyStopping::Never);
   EXPECT_EQ(parse(R"({"prompt": "a", "use_beam_search": true, "n": 3})", RequestApi::Completions).beam_width(), 3);
   EXPECT_EQ(parse(R"({"prompt": "a", "use_beam_search": true, "best_of": 3})", RequestApi::Batch).beam_width(), 3);
+  // A batch line's n with use_beam_search is the beam width (best_of, if given, wins); its result
+  // is the best beam, so n stays 1.
+  const OpenAiRequest bn = parse(R"({"prompt": "a", "use_beam_search": true, "n": 3})", RequestApi::Batch);
+  EXPECT_EQ(bn.beam_width(), 3);
+  EXPECT_EQ(bn.n, 1);
+  EXPECT_EQ(parse(R"({"prompt": "a", "use_beam_search": true, "n": 2, "best_of": 4})", RequestApi::Batch).beam_width(),
+            4);
   EXPECT_EQ(parse(R"({"prompt": "a", "early_stopping": true})", RequestApi::Batch).early_stopping, EarlyStopping::Done);
   EXPECT_EQ(parse(R"({"prompt": "a", "n": 2})", RequestApi::Completions).beam_width(), 0);
   for (const char* f : {R"("temperature": 0.5)", R"("top_p": 0.9)", R"("top_k": 5)", R"("min_p": 0.1)",
@@ -604,6 +634,9 @@ TEST(OpenAiRequest, StructuredOutputFields) {
   EXPECT_EQ(param_of("{" + m + R"(, "guided_regex": "a", "grammar": "root ::= \"a\""})", RequestApi::Chat), "grammar");
   EXPECT_EQ(param_of("{" + m + R"(, "guided_choice": []})", RequestApi::Chat), "guided_choice");
   EXPECT_EQ(param_of("{" + m + R"(, "structured_outputs": {}})", RequestApi::Chat), "structured_outputs");
+  EXPECT_EQ(failure_of("{" + m + R"(, "structured_outputs": {"regex": "a", "choice": ["b"]}})", RequestApi::Chat),
+            "structured_outputs: structured_outputs holds more than one of json, regex, choice, grammar, json_object; "
+            "give one");
   EXPECT_FALSE(parse("{" + m + R"(, "guided_json": {}})", RequestApi::Chat).constraint->any_whitespace);
   EXPECT_TRUE(parse("{" + m + R"(, "response_format": {"type": "json_object"},
                                    "structured_outputs": {"any_whitespace": true}})",

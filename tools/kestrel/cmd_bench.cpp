@@ -415,6 +415,11 @@ void run_bench(BenchArgs a) {
   if ((!one_shape || a.n_prompt == 0) && (!a.prompts_file.empty() || a.shared_prefix > 0 || !a.parallel.empty()))
     throw Error("bench: --prompts, --shared-prefix and --parallel take one -p value > 0, one -n value and no -d");
   if (!a.output_ids_file.empty() && a.prompts_file.empty()) throw Error("bench: --output-ids needs --prompts");
+  const auto all_zero = [](const std::vector<int64_t>& v) {
+    return std::all_of(v.begin(), v.end(), [](int64_t x) { return x == 0; });
+  };
+  if (a.prompts_file.empty() && all_zero(a.n_prompts) && all_zero(a.n_gens))
+    throw Error("bench: nothing to measure: every -p and -n value is 0");
   LoadedModel lm = load_model(a.model, a.config);
   if (!a.prompts_file.empty()) {
     run_prompts(a, lm);

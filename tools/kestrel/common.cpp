@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -89,7 +90,16 @@ void SamplingFlags::add_to(CLI::App& app) {
   app.add_option("--top-p", top_p, "Nucleus sampling threshold; 1 = off")->capture_default_str();
   app.add_option("--min-p", min_p, "Drop tokens below min_p x the top probability; 0 = off")->capture_default_str();
   app.add_option("--repeat-penalty", repeat_penalty, "Repetition penalty; 1 = off")->capture_default_str();
-  app.add_option("--seed", seed, "RNG seed; -1 = random")->capture_default_str();
+  // A check on the text: CLI11's conversion saturates an out-of-range integer at the type's bound.
+  app.add_option("--seed", seed, "RNG seed; -1 = random")
+      ->capture_default_str()
+      ->check([](const std::string& s) {
+        int64_t v = 0;
+        const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || end != s.data() + s.size() || v < -1)
+          return std::string("must be -1 (random) or an integer in [0, 9223372036854775807], got " + s);
+        return std::string();
+      });
 }
 
 SamplingParams SamplingFlags::params() const {

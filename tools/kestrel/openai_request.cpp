@@ -37,6 +37,10 @@ double number(const std::string& field, const json& v) {
 float float_field(const std::string& field, const json& v) {
   const double x = number(field, v);
   if (!(std::fabs(x) <= std::numeric_limits<float>::max())) bad(field, "is out of range", v);
+  // A nonzero value that a 32-bit float holds only as zero would fail a range check stated as
+  // excluding zero with its own (nonzero) value in the message.
+  if (x != 0.0 && static_cast<float>(x) == 0.0f)
+    bad(field, "is too small for a 32-bit float (magnitude under 1.4e-45)", v);
   return static_cast<float>(x);
 }
 
@@ -251,6 +255,8 @@ void logprobs_fields(const json& j, RequestApi api, OpenAiRequest& r) {
 // Structured output. Each field's value becomes one grammar::Constraint; two fields asking for
 // one are refused (which would win is not obvious).
 void set_constraint(OpenAiRequest& r, const std::string& param, grammar::Constraint c) {
+  if (r.constraint && r.constraint_param == param)
+    throw RequestError(param, param + " holds more than one of json, regex, choice, grammar, json_object; give one");
   if (r.constraint)
     throw RequestError(param, param + " and " + r.constraint_param + " both ask for structured output; give one of them");
   r.constraint = std::move(c);
@@ -530,17 +536,23 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   const int64_t min_max_tokens = api == RequestApi::Completions ? 0 : 1;
   const std::string max_tokens_range =
       min_max_tokens == 0 ? ">= 0 and < 2^63 (0: generate nothing)" : ">= 1 and < 2^63";
+  // A null one beside a number is "not set" (vLLM takes whichever is given).
   std::optional<int64_t> limit;
+  bool null_limit = false;
   for (const char* name : {"max_tokens", "max_completion_tokens"}) {
     const auto it = j.find(name);
     if (it == j.end()) continue;
-    const int64_t n =
-        it->is_null() ? -1 : integer(name, *it, min_max_tokens, std::numeric_limits<int64_t>::max(), max_tokens_range);
+    if (it->is_null()) {
+      null_limit = true;
+      continue;
+    }
+    const int64_t n = integer(name, *it, min_max_tokens, std::numeric_limits<int64_t>::max(), max_tokens_range);
     if (limit && *limit != n)
       throw RequestError(name, std::string("max_tokens (") + shown(field(j, "max_tokens")) +
                                    ") and max_completion_tokens (" + shown(*it) + ") disagree; give one of them");
     limit = n;
   }
+  if (!limit && null_limit) limit = -1;
   if (limit) {
     r.max_tokens = *limit;
     r.max_tokens_given = *limit >= 0;
@@ -554,7 +566,19 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   stop_token_fields(j, r);
   vllm_fields(j, r);
   if (api == RequestApi::Batch) {
-    if (const json& v = field(j, "n"); !v.is_null() && v != 1) bad("n", "must be 1 (one completion per request)", v);
+    if (const json& v = field(j, "n"); !v.is_null() && v != 1) {
+      // With use_beam_search, n is the beam width when best_of is absent, as in the server; a batch
+      // result is the best beam, so the request keeps n = 1 and the width in best_of.
+      const json& beam = field(j, "use_beam_search");
+      if (!beam.is_boolean() || !beam.get<bool>())
+        bad("n", "must be 1 (one completion per request; with use_beam_search, the beam width)", v);
+      const auto width = static_cast<int32_t>(integer("n", v, 1, kMaxN, "in [1, " + std::to_string(kMaxN) + "]"));
+      if (const json& b = field(j, "best_of"); b.is_null()) {
+        r.best_of = width;
+      } else if (b.is_number_integer() && b.get<int64_t>() < width) {
+        bad("best_of", "must be >= n (" + std::to_string(width) + ")", b);
+      }
+    }
     if (const json& v = field(j, "prompt_logprobs"); !v.is_null())
       bad("prompt_logprobs", "is served by `kestrel serve` (a batch result carries no logprobs)", v);
   } else {

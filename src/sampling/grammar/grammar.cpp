@@ -401,10 +401,18 @@ class Parser {
     std::function<void(uint32_t)> visit = [&](uint32_t r) {
       mark[r] = 1;
       for (uint32_t s : left[r]) {
-        if (mark[s] == 1)
+        if (mark[s] == 1) {
+          // A helper rule ($groupN: a parenthesised group or a repetition) is the user's
+          // repetition of something that can match the empty string, not a rule they named.
+          if (g.rules[s].name.rfind('$', 0) == 0)
+            throw GrammarError("gbnf",
+                               "gbnf: a repeated part (*, + or {m,}) can match the empty string, so the repetition "
+                               "could loop without consuming input (as in (a*)* or (a?)+); repeat a part that "
+                               "cannot be empty (a* rather than (a*)*)");
           throw GrammarError("gbnf", "gbnf: rule '" + g.rules[s].name +
                                          "' is left-recursive (it can reach itself without consuming input); "
                                          "write it right-recursively");
+        }
         if (mark[s] == 0) visit(s);
       }
       mark[r] = 2;

@@ -84,8 +84,8 @@ HttpResponse tokenize(ApiState& api, const std::string& body, const std::atomic<
   std::vector<int32_t> ids;
   try {
     const bool has_prompt = j.contains("prompt"), has_messages = j.contains("messages");
-    if (has_prompt == has_messages)
-      throw RequestError(has_prompt ? "messages" : "prompt", "give either prompt (a string) or messages, not both");
+    if (has_prompt && has_messages) throw RequestError("messages", "give either prompt (a string) or messages, not both");
+    if (!has_prompt && !has_messages) throw RequestError("prompt", "give prompt (a string) or messages");
     if (has_prompt) {
       const RequestJson& p = j["prompt"];
       if (!p.is_string()) throw RequestError("prompt", "prompt must be a string, got " + shown(p));
