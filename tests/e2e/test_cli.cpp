@@ -177,8 +177,10 @@ TEST(CliE2e, BadInputGivesOneClearLineAndNonZeroExit) {
   const std::vector<Case> cases = {
       {"generate -m /nonexistent/model.gguf -p hi", "cannot open"},
       {"generate -m " + data_dir() + "/stories260K/tok512.bin -p hi", "magic"},
-      {"generate -m " + stories + " -p hi --temperature -1", "temperature"},
-      {"generate -m " + stories + " -p hi --top-p 1.5", "top_p"},
+      {"generate -m " + stories + " -p hi --temperature -1", "--temperature: must be in [0, "},
+      {"generate -m " + stories + " -p hi --temperature nan", "--temperature"},
+      {"generate -m " + stories + " -p hi --top-p 1.5", "--top-p: must be in (0, 1], got 1.5"},
+      {"chat -m " + stories + " -p hi --repeat-penalty 0", "--repeat-penalty"},
       {"generate -m " + stories + " -p hi --frobnicate", "frobnicate"},
       {"generate -m " + stories + " -p hi -n abc", "abc"},
       // CLI11 alone would saturate these at 2^63 - 1 and run.

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <random>
+#include <sstream>
 
 #include "core/cpu_features.h"
 #include "core/env.h"
@@ -111,7 +112,22 @@ SamplingParams SamplingFlags::params() const {
   p.repetition_penalty = repeat_penalty;
   if (seed < -1) throw Error("--seed must be >= 0, or -1 for a random seed, got " + std::to_string(seed));
   p.seed = seed >= 0 ? static_cast<uint64_t>(seed) : std::random_device{}();
-  p.validate();
+  try {
+    p.validate();
+  } catch (const SamplingParamError& e) {
+    // The rule of SamplingParams::validate, under the flag's name, as a usage error (exit status 2).
+    const std::pair<const char*, std::pair<const char*, double>> flags[] = {
+        {"temperature", {"--temperature", temperature}}, {"top_k", {"--top-k", static_cast<double>(top_k)}},
+        {"top_p", {"--top-p", top_p}},                   {"min_p", {"--min-p", min_p}},
+        {"repetition_penalty", {"--repeat-penalty", repeat_penalty}}};
+    for (const auto& [field, flag] : flags) {
+      if (e.field() != field) continue;
+      std::ostringstream value;
+      value << flag.second;
+      throw CLI::ValidationError(flag.first, e.rule() + ", got " + value.str());
+    }
+    throw;
+  }
   return p;
 }
 
