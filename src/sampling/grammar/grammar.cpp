@@ -1,6 +1,7 @@
 // GBNF parser and the checks a stack matcher needs (defined rules, no left recursion).
 #include "sampling/grammar/grammar.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <functional>
@@ -96,6 +97,7 @@ class Parser {
     }
     for (size_t i = 0; i < names_.size(); ++i)
       if (!defined_[i]) throw GrammarError("gbnf", "gbnf: rule '" + names_[i] + "' is used but not defined");
+    make_star_bodies_non_empty();
     auto root = ids_.find("root");
     if (root == ids_.end()) throw GrammarError("gbnf", "gbnf: the grammar has no 'root' rule");
     Grammar g;
@@ -354,6 +356,7 @@ class Parser {
       Seq again = atom;
       again.push_back({ElementKind::RULE, star});
       alts_[star] = {again, {}};
+      stars_.push_back(star);
       seq.push_back({ElementKind::RULE, star});
     } else if (hi > lo) {  // (atom (atom (...)?)?)? with hi - lo levels
       uint32_t inner = helper_rule({atom, {}});
@@ -366,6 +369,73 @@ class Parser {
       }
       seq.push_back({ElementKind::RULE, inner});
       if (chain.size() > 1) chains_.push_back(std::move(chain));
+    }
+  }
+
+  // A star S ::= atom S | empty whose atom can match the empty string ((a*)*, (a?)+, x* with a
+  // nullable rule x) could reach S again without consuming input, which the matcher cannot
+  // expand. Its atom is replaced by the atom's non-empty strings (atom* = (atom minus empty)*):
+  // for each position i whose elements before it can all be empty, element i's non-empty form
+  // followed by the rest. A rule's non-empty form is a helper rule of its alternatives' non-empty
+  // forms (itself when it cannot be empty). Runs once every rule is defined.
+  void make_star_bodies_non_empty() {
+    std::vector<bool> nullable(alts_.size(), false);
+    auto seq_nullable = [&](const Seq& q) {
+      return std::all_of(q.begin(), q.end(),
+                         [&](const Element& e) { return e.kind == ElementKind::RULE && nullable[e.index]; });
+    };
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < alts_.size(); ++r)
+        if (!nullable[r] && std::any_of(alts_[r].begin(), alts_[r].end(), seq_nullable)) nullable[r] = changed = true;
+    }
+    std::unordered_map<uint32_t, uint32_t> non_empty_rule;  // rule -> its non-empty form
+    std::function<uint32_t(uint32_t)> rule_without_empty;
+    // The forms copy each position's suffix, quadratic in a long sequence of parts that can be
+    // empty ((("a"?){20000})* would take gigabytes): past this many elements, a clear error.
+    constexpr size_t kMaxRewrittenElements = size_t{1} << 20;
+    size_t rewritten = 0;
+    auto seq_without_empty = [&](const Seq& q) {
+      std::vector<Seq> out;
+      for (size_t i = 0; i < q.size(); ++i) {
+        rewritten += q.size() - i;
+        if (rewritten > kMaxRewrittenElements)
+          throw GrammarError("gbnf", "gbnf: a repetition of a part that can match the empty string is too large to "
+                                     "rewrite over the part's non-empty strings (over " +
+                                         std::to_string(kMaxRewrittenElements) + " elements)");
+        Element first = q[i];
+        const bool can_be_empty = first.kind == ElementKind::RULE && nullable[first.index];
+        if (can_be_empty) first.index = rule_without_empty(first.index);
+        Seq alt{first};
+        alt.insert(alt.end(), q.begin() + static_cast<std::ptrdiff_t>(i) + 1, q.end());
+        out.push_back(std::move(alt));
+        if (!can_be_empty) break;  // a later element cannot be the first to consume input
+      }
+      return out;
+    };
+    rule_without_empty = [&](uint32_t r) -> uint32_t {
+      if (auto it = non_empty_rule.find(r); it != non_empty_rule.end()) return it->second;
+      const uint32_t id = helper_rule({});
+      nullable.resize(alts_.size(), false);  // a non-empty form never matches the empty string
+      non_empty_rule.emplace(r, id);         // before the alternatives: a recursive rule refers to itself
+      const std::vector<Seq> alts = alts_[r];  // a copy: helper_rule may grow alts_
+      std::vector<Seq> out;
+      for (const Seq& a : alts)
+        for (Seq& x : seq_without_empty(a)) out.push_back(std::move(x));
+      alts_[id] = std::move(out);
+      return id;
+    };
+    for (const uint32_t star : std::vector<uint32_t>(stars_)) {
+      Seq atom = alts_[star][0];
+      atom.pop_back();  // the trailing reference to the star itself
+      if (!seq_nullable(atom)) continue;
+      std::vector<Seq> alts;
+      for (Seq& x : seq_without_empty(atom)) {
+        x.push_back({ElementKind::RULE, star});
+        alts.push_back(std::move(x));
+      }
+      alts.push_back({});
+      alts_[star] = std::move(alts);
     }
   }
 
@@ -401,18 +471,10 @@ class Parser {
     std::function<void(uint32_t)> visit = [&](uint32_t r) {
       mark[r] = 1;
       for (uint32_t s : left[r]) {
-        if (mark[s] == 1) {
-          // A helper rule ($groupN: a parenthesised group or a repetition) is the user's
-          // repetition of something that can match the empty string, not a rule they named.
-          if (g.rules[s].name.rfind('$', 0) == 0)
-            throw GrammarError("gbnf",
-                               "gbnf: a repeated part (*, + or {m,}) can match the empty string, so the repetition "
-                               "could loop without consuming input (as in (a*)* or (a?)+); repeat a part that "
-                               "cannot be empty (a* rather than (a*)*)");
+        if (mark[s] == 1)
           throw GrammarError("gbnf", "gbnf: rule '" + g.rules[s].name +
                                          "' is left-recursive (it can reach itself without consuming input); "
                                          "write it right-recursively");
-        }
         if (mark[s] == 0) visit(s);
       }
       mark[r] = 2;
@@ -431,6 +493,7 @@ class Parser {
   std::map<std::string, uint32_t> class_ids_;
   size_t helper_count_ = 0;
   std::vector<std::vector<uint32_t>> chains_;  // Grammar::chains
+  std::vector<uint32_t> stars_;                // the star helper rules (make_star_bodies_non_empty)
 };
 
 }  // namespace
