@@ -24,13 +24,11 @@ Grammar compile_constraint(const Constraint& c) {
       }
       JsonSchemaOptions o;
       o.any_whitespace = c.any_whitespace;
-      const std::string gbnf = json_schema_to_gbnf(schema, o);
       try {
-        return Grammar::parse_gbnf(gbnf);
-      } catch (const GrammarError& e) {
+        return Grammar::parse_gbnf(json_schema_to_gbnf(schema, o));
+      } catch (const LeftRecursionError&) {
         // The converter writes no left recursion of its own: a $ref cycle that consumes nothing
         // ({"$ref": "#"}, or $defs a -> b -> a) is the schema's.
-        if (std::string(e.what()).find("left-recursive") == std::string::npos) throw;
         throw GrammarError("$ref", "json schema: a $ref cycle reaches the same schema again before any character "
                                    "(as {\"$ref\": \"#\"} does), so it describes no finite value");
       }

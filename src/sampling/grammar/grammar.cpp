@@ -97,7 +97,8 @@ class Parser {
     }
     for (size_t i = 0; i < names_.size(); ++i)
       if (!defined_[i]) throw GrammarError("gbnf", "gbnf: rule '" + names_[i] + "' is used but not defined");
-    make_star_bodies_non_empty();
+    std::vector<bool> nullable = nullable_rules();
+    make_star_bodies_non_empty(nullable);
     auto root = ids_.find("root");
     if (root == ids_.end()) throw GrammarError("gbnf", "gbnf: the grammar has no 'root' rule");
     Grammar g;
@@ -114,7 +115,7 @@ class Parser {
       g.rules.push_back(std::move(rule));
     }
     g.chains = std::move(chains_);
-    check_left_recursion(g);
+    check_left_recursion(g, nullable);
     return g;
   }
 
@@ -377,18 +378,10 @@ class Parser {
   // expand. Its atom is replaced by the atom's non-empty strings (atom* = (atom minus empty)*):
   // for each position i whose elements before it can all be empty, element i's non-empty form
   // followed by the rest. A rule's non-empty form is a helper rule of its alternatives' non-empty
-  // forms (itself when it cannot be empty). Runs once every rule is defined.
-  void make_star_bodies_non_empty() {
-    std::vector<bool> nullable(alts_.size(), false);
-    auto seq_nullable = [&](const Seq& q) {
-      return std::all_of(q.begin(), q.end(),
-                         [&](const Element& e) { return e.kind == ElementKind::RULE && nullable[e.index]; });
-    };
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < alts_.size(); ++r)
-        if (!nullable[r] && std::any_of(alts_[r].begin(), alts_[r].end(), seq_nullable)) nullable[r] = changed = true;
-    }
+  // forms (itself when it cannot be empty). Runs once every rule is defined; `nullable`
+  // (nullable_rules) grows with the helper rules it adds, which cannot match the empty string.
+  void make_star_bodies_non_empty(std::vector<bool>& nullable) {
+    auto seq_nullable = [&](const Seq& q) { return seq_can_be_empty(q, nullable); };
     std::unordered_map<uint32_t, uint32_t> non_empty_rule;  // rule -> its non-empty form
     std::function<uint32_t(uint32_t)> rule_without_empty;
     // The forms copy each position's suffix, quadratic in a long sequence of parts that can be
@@ -439,10 +432,27 @@ class Parser {
     }
   }
 
+  static bool seq_can_be_empty(const Seq& q, const std::vector<bool>& nullable) {
+    return std::all_of(q.begin(), q.end(),
+                       [&](const Element& e) { return e.kind == ElementKind::RULE && nullable[e.index]; });
+  }
+
+  // Per rule, whether it can match the empty string (a fixpoint over the alternatives).
+  std::vector<bool> nullable_rules() const {
+    std::vector<bool> nullable(alts_.size(), false);
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < alts_.size(); ++r)
+        if (!nullable[r] && std::any_of(alts_[r].begin(), alts_[r].end(),
+                                        [&](const Seq& q) { return seq_can_be_empty(q, nullable); }))
+          nullable[r] = changed = true;
+    }
+    return nullable;
+  }
+
   // A rule that can reach itself without consuming input would send the matcher's expansion
-  // into an endless loop.
-  static void check_left_recursion(const Grammar& g) {
-    std::vector<bool> nullable(g.rules.size(), false);
+  // into an endless loop. nullable: per rule of g, whether it can match the empty string.
+  static void check_left_recursion(const Grammar& g, const std::vector<bool>& nullable) {
     auto seq_nullable_until = [&](uint32_t start, const std::function<void(uint32_t)>& on_rule) {
       for (uint32_t p = start;; ++p) {
         const Element& e = g.elements[p];
@@ -452,18 +462,6 @@ class Parser {
         if (!nullable[e.index]) return false;
       }
     };
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < g.rules.size(); ++r) {
-        if (nullable[r]) continue;
-        for (uint32_t a : g.rules[r].alternatives)
-          if (seq_nullable_until(a, nullptr)) {
-            nullable[r] = true;
-            changed = true;
-            break;
-          }
-      }
-    }
     std::vector<std::vector<uint32_t>> left(g.rules.size());
     for (size_t r = 0; r < g.rules.size(); ++r)
       for (uint32_t a : g.rules[r].alternatives) seq_nullable_until(a, [&](uint32_t s) { left[r].push_back(s); });
@@ -471,10 +469,7 @@ class Parser {
     std::function<void(uint32_t)> visit = [&](uint32_t r) {
       mark[r] = 1;
       for (uint32_t s : left[r]) {
-        if (mark[s] == 1)
-          throw GrammarError("gbnf", "gbnf: rule '" + g.rules[s].name +
-                                         "' is left-recursive (it can reach itself without consuming input); "
-                                         "write it right-recursively");
+        if (mark[s] == 1) throw LeftRecursionError(g.rules[s].name);
         if (mark[s] == 0) visit(s);
       }
       mark[r] = 2;

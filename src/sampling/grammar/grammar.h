@@ -36,6 +36,15 @@ class GrammarError : public Error {
   std::string keyword_;
 };
 
+// A rule that can reach itself without consuming input (the matcher could not expand it).
+class LeftRecursionError : public GrammarError {
+ public:
+  explicit LeftRecursionError(const std::string& rule)
+      : GrammarError("gbnf", "gbnf: rule '" + rule +
+                                 "' is left-recursive (it can reach itself without consuming input); "
+                                 "write it right-recursively") {}
+};
+
 struct CharClass {
   std::vector<std::pair<uint32_t, uint32_t>> ranges;  // inclusive code point ranges
   bool negated = false;
