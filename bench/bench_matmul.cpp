@@ -181,7 +181,7 @@ void BM_Smollm2Matmuls(benchmark::State& state) {
   state.counters["tok/s"] = benchmark::Counter(static_cast<double>(n_tokens), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["us/tok"] = timer.us_per_token(state, n_tokens);
 }
-// Decode (1 token, with the head); verify steps of 1 + k tokens (2, 3, 5, 9: every token's logits); prefill of 128 tokens with the head for every token, and
+// Decode (1 token, with the head); verify steps of 1 + k tokens (2, 3, 5, 9, 16: every token's logits); prefill of 128 tokens with the head for every token, and
 // without it (a runner only needs the last token's logits); prefill with and without AMX.
 BENCHMARK(BM_Smollm2Matmuls)
     ->Args({1, 1, 1})
@@ -189,6 +189,7 @@ BENCHMARK(BM_Smollm2Matmuls)
     ->Args({3, 1, 1})
     ->Args({5, 1, 1})
     ->Args({9, 1, 1})
+    ->Args({16, 1, 1})
     ->Args({128, 1, 1})
     ->Args({128, 0, 1})
     ->Args({128, 1, 0})

@@ -459,9 +459,9 @@ TEST(KernelMatmul, OutputsDoNotDependOnBatchOrThreads) {
       const auto y_one_thread = run_matmul(type, wdata, n_in, n_out, x, n_tokens, pool1);
       EXPECT_EQ(std::memcmp(y_batch.data(), y_one_thread.data(), y_batch.size() * 4), 0)
           << type_name(type) << " " << path.name();
-      // Calls of 2-7 tokens (the few-token grouped kernel or vpdpbusd tiles, even with AMX on)
-      // and single tokens (GEMV).
-      for (int64_t n : {2, 3, 4, 5, 7}) {
+      // Calls of 2-16 tokens (the few-token kernels, in groups on AVX2, or vpdpbusd tiles, even
+      // with AMX on) and single tokens (GEMV).
+      for (int64_t n : {2, 3, 4, 5, 7, 9, 12, 16}) {
         const int64_t t0 = 19 - n;
         const std::vector<float> xn(x.begin() + t0 * n_in, x.end());
         const auto yn = run_matmul(type, wdata, n_in, n_out, xn, n, pool2);

@@ -39,12 +39,20 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 // ---- 32-element block formats ----
 // Each gives kBlockBytes, quants(blk) (the block's 32 quants in element order), d(blk), the
 // offset c(blk) with w = d * u + c (kHasOffset: c != 0; the kernel adds c * s, s = dx * sum(Q)),
-// and prep(): the quants as the dot product's operands. The types with
-// an offset multiply the int8 activation planes (pairs(): vpmaddubsw with u unsigned, u < 32, so it
-// cannot saturate: 2 * 31 * 127 < 2^15); Q8_0 multiplies 16-bit activations (kAct16, dot16()).
+// and prep(): the quants as the operands of dot16().
+//
+// Every format multiplies the 16-bit activations Q = 255 q1 + q2 directly with vpmaddwd, against
+// the quants widened to int16: two multiplies per block and token where the two int8 planes took
+// four (vpmaddubsw on each plane, then vpmaddwd to widen and weight them). On CPUs that issue all
+// integer multiplies on one port (AMD Zen 1 runs each 256-bit one as two halves there) the
+// multiplies bound both the GEMV and the GEMM, so this halves their cost. The activation block
+// holds Q of its 16 even elements, then of its 16 odd ones (see quantize_act); prep() splits the
+// quants the same way (the low and high byte of each 16-bit word), so lane j of the dot product
+// sums elements 4j..4j+3. The products stay far inside int32: |u Q| <= 255 * 32512 for Q8_0's
+// signed quants, 31 * 32512 for the unsigned ones.
 
 struct Prepared {
-  __m256i u, v;  // u: the unsigned quants; Q8_0: the even and odd elements as int16 (A2Q8_0)
+  __m256i u, v;  // the block's even and odd elements as int16
 };
 
 // 16 bytes of nibbles -> 32 quants: element l < 16 is the low nibble of byte l, l + 16 the high.
@@ -67,16 +75,20 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// sum(w * Q) of a block in 8 lanes; q16: the block's 16 even-element Q, then 16 odd-element Q.
+inline __m256i dot16(const Prepared& p, const int16_t* q16) {
+  return _mm256_add_epi32(_mm256_madd_epi16(p.u, _mm256_load_si256(reinterpret_cast<const __m256i*>(q16))),
+                          _mm256_madd_epi16(p.v, _mm256_load_si256(reinterpret_cast<const __m256i*>(q16 + 16))));
+}
+
 struct A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_0);
   static constexpr bool kHasOffset = true;
-  static constexpr bool kAct16 = false;
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
-  static Prepared prep(__m256i q) { return {q, q}; }
-  // The products u * a of one activation plane, summed in adjacent pairs (s16 lanes).
-  static __m256i pairs(const Prepared& p, __m256i a) { return _mm256_maddubs_epi16(p.u, a); }
+  // Unsigned quants (< 32): zero-extended bytes.
+  static Prepared prep(__m256i q) { return {_mm256_and_si256(q, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(q, 8)}; }
 };
 
 struct A2Q4_1 : A2Q4_0 {
@@ -101,27 +113,15 @@ struct A2Q5_1 : A2Q4_0 {
   static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ5_1, m)); }
 };
 
-// Q8_0 multiplies 16-bit activations Q directly (vpmaddwd; |w Q| <= 128 * 32385, so a lane's four
-// products stay far inside int32) instead of the two int8 planes, which would need vpsignb to move
-// w's sign onto each plane: prep splits the quants into the sign-extended even elements (u) and
-// odd elements (v) of each 16-bit word, and the activation block holds Q of the even elements,
-// then of the odd ones (see quantize_act). Lane j of the dot product then sums elements 4j..4j+3, the same
-// four products as the planes' vpmaddubsw + vpmaddwd, so the integer sums and every output are
-// unchanged.
 struct A2Q8_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ8_0);
   static constexpr bool kHasOffset = false;
-  static constexpr bool kAct16 = true;
   static __m256i quants(const uint8_t* blk) { return load32(blk + offsetof(BlockQ8_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t*) { return 0.0f; }
+  // Signed quants: sign-extended bytes.
   static Prepared prep(__m256i q) {
     return {_mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8), _mm256_srai_epi16(q, 8)};
-  }
-  // sum(w * Q) of the block in 8 lanes; q16: the block's 16 even-element Q, then 16 odd-element Q.
-  static __m256i dot16(const Prepared& p, const int16_t* q16) {
-    return _mm256_add_epi32(_mm256_madd_epi16(p.u, _mm256_load_si256(reinterpret_cast<const __m256i*>(q16))),
-                            _mm256_madd_epi16(p.v, _mm256_load_si256(reinterpret_cast<const __m256i*>(q16 + 16))));
   }
 };
 
