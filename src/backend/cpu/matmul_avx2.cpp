@@ -177,8 +177,10 @@ void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
     for (int64_t b = 0; b < L.nb; ++b) {
       const uint8_t* blk = row + b * F::kBlockBytes;
       const __m256i isum = dot_block<F>(F::prep(F::quants(blk)), x, b);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(F::d(blk) * x.d[b]), acc);
-      if constexpr (F::kHasOffset) c[b] = F::c(blk);
+      float dw, cw;
+      F::dc(blk, dw, cw);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]), acc);
+      if constexpr (F::kHasOffset) c[b] = cw;
     }
     if constexpr (F::kHasOffset)
       for (int64_t ch = 0; ch < n_ch; ++ch)
@@ -218,12 +220,13 @@ void few32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch, int64_
     for (int64_t b = 0; b < L.nb; ++b) {
       const uint8_t* blk = row + b * F::kBlockBytes;
       const Prepared p = F::prep(F::quants(blk));
-      const float dw = F::d(blk);
+      float dw, cw;
+      F::dc(blk, dw, cw);
       for (int t = 0; t < T; ++t) {
         const __m256i isum = dot16(p, q16[t] + 32 * b);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * xd[t][b]), acc[t]);
       }
-      if constexpr (F::kHasOffset) c[b] = F::c(blk);
+      if constexpr (F::kHasOffset) c[b] = cw;
     }
     for (int t = 0; t < T; ++t) {
       if constexpr (F::kHasOffset)

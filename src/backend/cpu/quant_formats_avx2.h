@@ -23,6 +23,15 @@ inline float load_fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// The f16 pair at p, p + 2 (a block's d and m) with one load and one conversion.
+inline void load_fp16_pair(const uint8_t* p, float& a, float& b) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(v)));
+  a = _mm_cvtss_f32(f);
+  b = _mm_cvtss_f32(_mm_movehdup_ps(f));
+}
+
 // 255 * hi + lo in int32 lanes (see quantize_block_q16).
 inline __m256i combine_planes(__m256i hi, __m256i lo) {
   return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
@@ -87,6 +96,8 @@ struct A2Q4_0 {
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
+  // d and c together (the GEMV reads both for every block).
+  static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = -8.0f * d; }
   // Unsigned quants (< 32): zero-extended bytes.
   static Prepared prep(__m256i q) { return {_mm256_and_si256(q, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(q, 8)}; }
 };
@@ -95,6 +106,10 @@ struct A2Q4_1 : A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_1);
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_1, qs)); }
   static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ4_1, m)); }
+  static void dc(const uint8_t* blk, float& d, float& c) {
+    static_assert(offsetof(BlockQ4_1, m) == 2);
+    load_fp16_pair(blk, d, c);
+  }
 };
 
 struct A2Q5_0 : A2Q4_0 {
@@ -103,6 +118,7 @@ struct A2Q5_0 : A2Q4_0 {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_0, qs)), fifth_bits(blk + offsetof(BlockQ5_0, qh)));
   }
   static float c(const uint8_t* blk) { return -16.0f * load_fp16(blk); }
+  static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = -16.0f * d; }
 };
 
 struct A2Q5_1 : A2Q4_0 {
@@ -111,6 +127,10 @@ struct A2Q5_1 : A2Q4_0 {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_1, qs)), fifth_bits(blk + offsetof(BlockQ5_1, qh)));
   }
   static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ5_1, m)); }
+  static void dc(const uint8_t* blk, float& d, float& c) {
+    static_assert(offsetof(BlockQ5_1, m) == 2);
+    load_fp16_pair(blk, d, c);
+  }
 };
 
 struct A2Q8_0 {
@@ -119,6 +139,7 @@ struct A2Q8_0 {
   static __m256i quants(const uint8_t* blk) { return load32(blk + offsetof(BlockQ8_0, qs)); }
   static float d(const uint8_t* blk) { return load_fp16(blk); }
   static float c(const uint8_t*) { return 0.0f; }
+  static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = 0.0f; }
   // Signed quants: sign-extended bytes.
   static Prepared prep(__m256i q) {
     return {_mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8), _mm256_srai_epi16(q, 8)};
