@@ -298,6 +298,7 @@ inline void accumulate_values2(float* o0, float c0, const float* p0, float* o1, 
 // [lo[r], hi[r]) of its scores s + 16 r, the state's rescaling corr[r], the probabilities (x the
 // value scales vs for INT8) written over the scores, and the state's max and sum (st + r * sw). The
 // rows' steps are independent and written side by side, so their exp chains overlap.
+#if defined(__AVX512F__)
 template <int N, bool kScaled>
 KESTREL_INLINE void softmax_rows(const int32_t* rows, const int32_t* lo, const int32_t* hi, float* s, float* st, int64_t sw,
                          float* corr, const float* vs) {
@@ -342,6 +343,44 @@ KESTREL_INLINE void softmax_rows(const int32_t* rows, const int32_t* lo, const i
     state[0] = m_new[i];
   }
 }
+#else
+// The same step in 8-lane halves (each lane's operations, and the halves' sum, as above): with
+// 16-float vectors the rows' masks, scores and probabilities (two registers each) spilled on
+// AVX2. The scores are read again from the scratch row for the exponentials instead of kept.
+template <int N, bool kScaled>
+KESTREL_INLINE void softmax_rows(const int32_t* rows, const int32_t* lo, const int32_t* hi, float* s, float* st, int64_t sw,
+                         float* corr, const float* vs) {
+  const v8i lane0 = {0, 1, 2, 3, 4, 5, 6, 7}, lane1 = lane0 + 8;
+  const v8f neg_inf = splat8(-INFINITY), zero = {};
+  float m_new[N];
+  for (int i = 0; i < N; ++i) {
+    const int64_t r = rows[i];
+    const float* state = st + r * sw;
+    const v8i in0 = (lane0 >= lo[r]) & (lane0 < hi[r]), in1 = (lane1 >= lo[r]) & (lane1 < hi[r]);
+    const v8f mlo = in0 ? load8(s + r * kKeyTile) : neg_inf;
+    const v8f mhi = in1 ? load8(s + r * kKeyTile + 8) : neg_inf;
+    const v8f m8 = mlo > mhi ? mlo : mhi;
+    const float tile_max = std::max(std::max(std::max(m8[0], m8[1]), std::max(m8[2], m8[3])),
+                                    std::max(std::max(m8[4], m8[5]), std::max(m8[6], m8[7])));
+    m_new[i] = std::max(state[0], tile_max);
+    // exp(-inf) = 0 on the row's first tile; exp(0) = 1 exactly where the maximum stays.
+    corr[r] = m_new[i] == state[0] ? 1.0f : std::exp(state[0] - m_new[i]);
+  }
+  for (int i = 0; i < N; ++i) {
+    const int64_t r = rows[i];
+    float* state = st + r * sw;
+    float* sr = s + r * kKeyTile;
+    const v8i in0 = (lane0 >= lo[r]) & (lane0 < hi[r]), in1 = (lane1 >= lo[r]) & (lane1 < hi[r]);
+    const v8f e0 = exp8(load8(sr) - m_new[i]), e1 = exp8(load8(sr + 8) - m_new[i]);
+    v8f p0 = in0 ? e0 : zero, p1 = in1 ? e1 : zero;
+    state[1] = state[1] * corr[r] + hsum8(p0 + p1);
+    if constexpr (kScaled) p0 = p0 * load8(vs), p1 = p1 * load8(vs + 8);
+    store8(sr, p0);
+    store8(sr + 8, p1);
+    state[0] = m_new[i];
+  }
+}
+#endif
 
 #include "backend/cpu/attention_int8_impl.h"
 
