@@ -5,9 +5,10 @@
 // (blocks of 32 with an f32 scale for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights, super-blocks of
 // 256 for the K-quants Q2_K..Q6_K): Q = round(x / d), d = max|x_block| / 32385, kept as two int8
 // planes Q = 255 q1 + q2 (|q1|, |q2| <= 127). The products are exact integer dot products of the weight quants with each
-// plane (AVX-512 VNNI vpdpbusd, AMX TDPBUSD, AVX2 vpmaddubsw, or plain C++; the weights are
-// loaded once for both planes), combined as 255 * sum(w q1) + sum(w q2) and scaled to f32 once
-// per weight block (matmul_kernels.h, quantize_block_q16). The offset terms of Q4_1 / Q5_1 (and of
+// plane (AVX-512 VNNI vpdpbusd, AMX TDPBUSD, AVX2 vpmaddubsw for the K-quants, or plain C++; the
+// weights are loaded once for both planes), combined as 255 * sum(w q1) + sum(w q2) and scaled to
+// f32 once per weight block (matmul_kernels.h, quantize_block_q16). AVX2 multiplies the 32-element
+// formats' quants with Q itself as int16 (vpmaddwd): the same integer sums. The offset terms of Q4_1 / Q5_1 (and of
 // Q4_0 / Q5_0 in the SIMD kernels) use the block sum d * sum(Q) on every path.
 //
 // Error bound. The only extra error besides f32 rounding is the rounding of x: each element moves

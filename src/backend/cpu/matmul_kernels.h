@@ -219,7 +219,8 @@ struct PerTokenActs {
 // K-quants and its own interleaved layout for 32-blocks). Offsets in bytes from the token's start.
 //   ActLayout32: int8 q1[n_in] | int8 q2[n_in] | f32 d[nb] | f32 s[nb], s zero-padded to a
 //                multiple of 16 (s = d * sum(Q) of the block; the padding lets SIMD code read s
-//                in chunks)
+//                in chunks). AVX2 keeps int16 Q in the planes' 2 n_in bytes instead, per block
+//                its even elements, then its odd ones (matmul_avx2.cpp).
 //   ActLayoutK:  int8 q1[n_in] | int8 q2[n_in] | f32 d[nsb] | int16 bsums1[n_in / 16] |
 //                int16 bsums2[n_in / 16]   (bsums: sums of 16 consecutive q1 / q2)
 struct ActLayout32 {
