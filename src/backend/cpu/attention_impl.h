@@ -3,6 +3,25 @@
 
 constexpr int64_t kKeyTile = 16;  // keys per tile: two vectors of scores per query row
 
+// The widest float vector the ISA holds in one register: 16 lanes on AVX-512, 8 elsewhere (where
+// 16-float vectors are two registers each to GCC, and the loops below that keep many of them
+// spill). Every element gets the same operations at either width.
+#if defined(__AVX512F__)
+using vnf = v16f;
+constexpr int kLanes = 16;
+inline vnf loadn(const float* p) { return load16(p); }
+inline void storen(float* p, vnf v) { store16(p, v); }
+inline vnf splatn(float x) { return splat16(x); }
+inline vnf fman(vnf a, vnf b, vnf c) { return fma16(a, b, c); }
+#else
+using vnf = v8f;
+constexpr int kLanes = 8;
+inline vnf loadn(const float* p) { return load8(p); }
+inline void storen(float* p, vnf v) { store8(p, v); }
+inline vnf splatn(float x) { return splat8(x); }
+inline vnf fman(vnf a, vnf b, vnf c) { return fma8(a, b, c); }
+#endif
+
 // Fetches the cache line holding p into L1. Not __builtin_prefetch: GCC 12 deletes a call whose
 // only effect is that builtin (it counts as no side effect), and with it the prefetches of a
 // lambda whose address depends on a load (the block table), as in attention_chunk_i8.
@@ -153,46 +172,31 @@ void load_keys_transposed(const T* k, int64_t lane0, int64_t nk, int64_t hd, flo
 // row alone keeps FMAs in flight). Row r's scores do not depend on the other rows of the block.
 template <int NR>
 inline void score_rows(const float* const* q, const float* kt, int64_t d0, int64_t d1, v16f* acc) {
-#if defined(__AVX512F__)
-  v16f e[NR] = {}, o[NR] = {};
-  int64_t d = d0;
-  for (; d + 2 <= d1; d += 2) {
-    const v16f k0 = load16(kt + d * kKeyTile), k1 = load16(kt + (d + 1) * kKeyTile);
-    for (int r = 0; r < NR; ++r) {
-      e[r] = fma16(splat16(q[r][d]), k0, e[r]);
-      o[r] = fma16(splat16(q[r][d + 1]), k1, o[r]);
-    }
-  }
-  if (d < d1) {
-    const v16f k0 = load16(kt + d * kKeyTile);
-    for (int r = 0; r < NR; ++r) e[r] = fma16(splat16(q[r][d]), k0, e[r]);
-  }
-  for (int r = 0; r < NR; ++r) acc[r] = e[r] + o[r];
-#else
-  // The tile's two 8-key halves one after the other, with each lane's operations as above: the
-  // 16-key chains of four rows (16 registers of 8 floats) and their keys do not fit AVX2's 16
-  // registers, and GCC spills them (prefill attention ran at a tenth of the FMA rate on an AMD
-  // EPYC VM).
-  v8f half[2][NR];
-  for (int h = 0; h < 2; ++h) {
-    v8f e[NR] = {}, o[NR] = {};
-    const float* kh = kt + 8 * h;
+  // Without AVX-512 the tile's two 8-key halves go one after the other: the 16-key chains of four
+  // rows and their keys would not fit the 16 registers.
+  vnf part[kKeyTile / kLanes][NR];
+  for (int h = 0; h < kKeyTile / kLanes; ++h) {
+    vnf e[NR] = {}, o[NR] = {};
+    const float* kh = kt + kLanes * h;
     int64_t d = d0;
     for (; d + 2 <= d1; d += 2) {
-      const v8f k0 = load8(kh + d * kKeyTile), k1 = load8(kh + (d + 1) * kKeyTile);
+      const vnf k0 = loadn(kh + d * kKeyTile), k1 = loadn(kh + (d + 1) * kKeyTile);
       for (int r = 0; r < NR; ++r) {
-        e[r] = fma8(splat8(q[r][d]), k0, e[r]);
-        o[r] = fma8(splat8(q[r][d + 1]), k1, o[r]);
+        e[r] = fman(splatn(q[r][d]), k0, e[r]);
+        o[r] = fman(splatn(q[r][d + 1]), k1, o[r]);
       }
     }
     if (d < d1) {
-      const v8f k0 = load8(kh + d * kKeyTile);
-      for (int r = 0; r < NR; ++r) e[r] = fma8(splat8(q[r][d]), k0, e[r]);
+      const vnf k0 = loadn(kh + d * kKeyTile);
+      for (int r = 0; r < NR; ++r) e[r] = fman(splatn(q[r][d]), k0, e[r]);
     }
-    for (int r = 0; r < NR; ++r) half[h][r] = e[r] + o[r];
+    for (int r = 0; r < NR; ++r) part[h][r] = e[r] + o[r];
   }
   for (int r = 0; r < NR; ++r)
-    acc[r] = __builtin_shufflevector(half[0][r], half[1][r], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#if defined(__AVX512F__)
+    acc[r] = part[0][r];
+#else
+    acc[r] = __builtin_shufflevector(part[0][r], part[1][r], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #endif
 }
 
@@ -215,34 +219,19 @@ inline void tile_scores(const AttentionArgs& a, const float* const* q, const flo
 
 // o = o x c + sum over j in [lo, hi) of p[j] x v[j], j ascending (v rows of stride vs), for
 // elements [d, vd). The path an element takes depends only on d and vd, and every path gives an
-// element the same operations (a product by c, then one FMA per key). Without AVX-512 the wide
-// paths use 8-float vectors: 16-float ones are two registers each to GCC, and 64 elements of two
-// rows (16 such) spill.
+// element the same operations (a product by c, then one FMA per key).
 inline void accumulate_values(float* o, float c, const float* p, int64_t lo, int64_t hi, const float* v, int64_t vs,
                               int64_t d, int64_t vd) {
-#if defined(__AVX512F__)
-  for (; d + 64 <= vd; d += 64) {
-    v16f acc[4];
-    for (int i = 0; i < 4; ++i) acc[i] = load16(o + d + 16 * i) * c;
+  for (; d + 4 * kLanes <= vd; d += 4 * kLanes) {
+    vnf acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = loadn(o + d + kLanes * i) * c;
     for (int64_t j = lo; j < hi; ++j) {
-      const v16f pj = splat16(p[j]);
+      const vnf pj = splatn(p[j]);
       const float* vr = v + j * vs + d;
-      for (int i = 0; i < 4; ++i) acc[i] = fma16(pj, load16(vr + 16 * i), acc[i]);
+      for (int i = 0; i < 4; ++i) acc[i] = fman(pj, loadn(vr + kLanes * i), acc[i]);
     }
-    for (int i = 0; i < 4; ++i) store16(o + d + 16 * i, acc[i]);
+    for (int i = 0; i < 4; ++i) storen(o + d + kLanes * i, acc[i]);
   }
-#else
-  for (; d + 32 <= vd; d += 32) {
-    v8f acc[4];
-    for (int i = 0; i < 4; ++i) acc[i] = load8(o + d + 8 * i) * c;
-    for (int64_t j = lo; j < hi; ++j) {
-      const v8f pj = splat8(p[j]);
-      const float* vr = v + j * vs + d;
-      for (int i = 0; i < 4; ++i) acc[i] = fma8(pj, load8(vr + 8 * i), acc[i]);
-    }
-    for (int i = 0; i < 4; ++i) store8(o + d + 8 * i, acc[i]);
-  }
-#endif
   for (; d + 8 <= vd; d += 8) {
     v8f acc = load8(o + d) * c;
     for (int64_t j = lo; j < hi; ++j) acc = fma8(splat8(p[j]), load8(v + j * vs + d), acc);
@@ -259,37 +248,20 @@ inline void accumulate_values(float* o, float c, const float* p, int64_t lo, int
 inline void accumulate_values2(float* o0, float c0, const float* p0, float* o1, float c1, const float* p1, int64_t lo,
                                int64_t hi, const float* v, int64_t vs, int64_t vd) {
   int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 64 <= vd; d += 64) {
-    v16f a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = load16(o0 + d + 16 * i) * c0, a1[i] = load16(o1 + d + 16 * i) * c1;
+  for (; d + 4 * kLanes <= vd; d += 4 * kLanes) {
+    vnf a0[4], a1[4];
+    for (int i = 0; i < 4; ++i) a0[i] = loadn(o0 + d + kLanes * i) * c0, a1[i] = loadn(o1 + d + kLanes * i) * c1;
     for (int64_t j = lo; j < hi; ++j) {
-      const v16f q0 = splat16(p0[j]), q1 = splat16(p1[j]);
+      const vnf q0 = splatn(p0[j]), q1 = splatn(p1[j]);
       const float* vr = v + j * vs + d;
       for (int i = 0; i < 4; ++i) {
-        const v16f x = load16(vr + 16 * i);
-        a0[i] = fma16(q0, x, a0[i]);
-        a1[i] = fma16(q1, x, a1[i]);
+        const vnf x = loadn(vr + kLanes * i);
+        a0[i] = fman(q0, x, a0[i]);
+        a1[i] = fman(q1, x, a1[i]);
       }
     }
-    for (int i = 0; i < 4; ++i) store16(o0 + d + 16 * i, a0[i]), store16(o1 + d + 16 * i, a1[i]);
+    for (int i = 0; i < 4; ++i) storen(o0 + d + kLanes * i, a0[i]), storen(o1 + d + kLanes * i, a1[i]);
   }
-#else
-  for (; d + 32 <= vd; d += 32) {
-    v8f a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = load8(o0 + d + 8 * i) * c0, a1[i] = load8(o1 + d + 8 * i) * c1;
-    for (int64_t j = lo; j < hi; ++j) {
-      const v8f q0 = splat8(p0[j]), q1 = splat8(p1[j]);
-      const float* vr = v + j * vs + d;
-      for (int i = 0; i < 4; ++i) {
-        const v8f x = load8(vr + 8 * i);
-        a0[i] = fma8(q0, x, a0[i]);
-        a1[i] = fma8(q1, x, a1[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) store8(o0 + d + 8 * i, a0[i]), store8(o1 + d + 8 * i, a1[i]);
-  }
-#endif
   accumulate_values(o0, c0, p0, lo, hi, v, vs, d, vd);
   accumulate_values(o1, c1, p1, lo, hi, v, vs, d, vd);
 }

@@ -10,8 +10,8 @@
 // the sub-block scales. One 256-bit register holds one 32-element block, so the activation
 // layouts are the scalar ones (ActLayout32, ActLayoutK) with identical rounding.
 //
-// As in the AVX-512 file, a (row, token) output runs the same instruction sequence alone (GEMV),
-// among a few tokens (one row against up to 8) or inside a GEMM tile (2 rows x 4 tokens, weights
+// As in the AVX-512 file, a (row, token) output runs the same instruction sequence alone or among
+// a few tokens (GEMV: one row against up to 8 tokens) or inside a GEMM tile (2 rows x 4 tokens, weights
 // unpacked once per row pair), and every accumulator is reduced by hsum8, so outputs do not
 // depend on the batch.
 #if defined(__x86_64__)
@@ -158,42 +158,16 @@ inline __m256i dot_block(const Prepared& p, const Act32& x, int64_t b) {
   return dot16(p, x.q16 + 32 * b);
 }
 
-// GEMV, one row at a time with its blocks in order; scratch holds the row's block offsets c
-// (zero-padded to 8). A decode step streams the weights from memory, and a plain forward walk is
-// what the hardware prefetcher follows best: interleaving rows (to overlap their FMA chains) or
-// reading 8 blocks' scales ahead of their quants ran twice as fast from cache but half as fast
-// from memory.
-template <class F>
-void gemv32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  const ActLayout32 L(a.w.n_in);
-  const Act32 x(a.act, L);
-  const int64_t n_ch = (L.nb + 7) / 8;
-  auto* c = reinterpret_cast<float*>(scratch);
-  std::memset(c, 0, static_cast<size_t>(n_ch) * 32);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = a.w.data + r * a.w_row_bytes;
-    prefetch_ahead(a.w.data, a.w_row_bytes, r, r1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < L.nb; ++b) {
-      const uint8_t* blk = row + b * F::kBlockBytes;
-      const __m256i isum = dot_block<F>(F::prep(F::quants(blk)), x, b);
-      float dw, cw;
-      F::dc(blk, dw, cw);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * x.d[b]), acc);
-      if constexpr (F::kHasOffset) c[b] = cw;
-    }
-    if constexpr (F::kHasOffset)
-      for (int64_t ch = 0; ch < n_ch; ++ch)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(c + 8 * ch), _mm256_loadu_ps(x.s + 8 * ch), acc);
-    a.y[r] = hsum8(acc);
-  }
-}
-
-// A few tokens (2..kFewTokensMax, in groups of up to kFewTokens): one row at a time, each block's
-// quants and scales decoded once and multiplied with every token of the group, a register
-// accumulator per token. Unpacking the rows first (the GEMM below) costs about a GEMV's worth of
-// decoding per call, which only many tokens pay back (Zen 1, SmolLM2's matrices: 9 and 16 tokens
-// 3% faster this way, 2-5 tokens 17-25%). Each output runs the GEMV's operations in its order.
+// The GEMV (one token) and calls of a few tokens (up to kFewTokensMax, in groups of up to
+// kFewTokens): one row at a time with its blocks in order, each block's quants and scales decoded
+// once and multiplied with every token of the group, a register accumulator per token; scratch
+// holds the row's block offsets c (zero-padded to 8). Unpacking the rows first (the GEMM below)
+// costs about a GEMV's worth of decoding per call, which only many tokens pay back (Zen 1,
+// SmolLM2's matrices: 9 and 16 tokens 3% faster this way, 2-5 tokens 17-25%). A decode step
+// streams the weights from memory, and a plain forward walk is what the hardware prefetcher
+// follows best: interleaving rows (to overlap their FMA chains) or reading 8 blocks' scales ahead
+// of their quants ran twice as fast from cache but half as fast from memory, and two rows at a
+// time 7% slower on Zen 1.
 constexpr int64_t kFewTokens = 8;
 constexpr int64_t kFewTokensMax = 16;
 
@@ -316,8 +290,7 @@ void gemm32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
         for (int64_t b = 0; b < L.nb; ++b) {
           const uint8_t* blk = row + b * F::kBlockBytes;
           _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * b), F::quants(blk));
-          d[b] = F::d(blk);
-          c[b] = F::c(blk);
+          F::dc(blk, d[b], c[b]);
         }
       }
       for_token_tiles(t0, std::min(a.n_tokens, t0 + kGemmTokenBlock),
@@ -437,8 +410,7 @@ size_t scratch_bytes(GgmlType type, int64_t n_in) {
 
 template <class F>
 void matmul32(const MatmulArgs& a, int64_t r0, int64_t r1, uint8_t* scratch) {
-  if (a.n_tokens == 1) gemv32<F>(a, r0, r1, scratch);
-  else if (a.n_tokens <= kFewTokensMax) few32_tokens<F>(a, r0, r1, scratch);
+  if (a.n_tokens <= kFewTokensMax) few32_tokens<F>(a, r0, r1, scratch);
   else gemm32<F>(a, r0, r1, scratch);
 }
 

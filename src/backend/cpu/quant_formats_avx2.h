@@ -46,9 +46,9 @@ inline __m256i load_a(const int8_t* p) { return _mm256_loadu_si256(reinterpret_c
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // ---- 32-element block formats ----
-// Each gives kBlockBytes, quants(blk) (the block's 32 quants in element order), d(blk), the
-// offset c(blk) with w = d * u + c (kHasOffset: c != 0; the kernel adds c * s, s = dx * sum(Q)),
-// and prep(): the quants as the operands of dot16().
+// Each gives kBlockBytes, quants(blk) (the block's 32 quants in element order), dc(blk, d, c):
+// the scale d and the offset c with w = d * u + c (kHasOffset: c != 0; the kernel adds c * s,
+// s = dx * sum(Q)), and prep(): the quants as the operands of dot16().
 //
 // Every format multiplies the 16-bit activations Q = 255 q1 + q2 directly with vpmaddwd, against
 // the quants widened to int16: two multiplies per block and token where the two int8 planes took
@@ -94,9 +94,7 @@ struct A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_0);
   static constexpr bool kHasOffset = true;
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_0, qs)); }
-  static float d(const uint8_t* blk) { return load_fp16(blk); }
-  static float c(const uint8_t* blk) { return -8.0f * load_fp16(blk); }
-  // d and c together (the GEMV reads both for every block).
+  // The block's scale d and offset c.
   static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = -8.0f * d; }
   // Unsigned quants (< 32): zero-extended bytes.
   static Prepared prep(__m256i q) { return {_mm256_and_si256(q, _mm256_set1_epi16(0x00ff)), _mm256_srli_epi16(q, 8)}; }
@@ -105,7 +103,6 @@ struct A2Q4_0 {
 struct A2Q4_1 : A2Q4_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ4_1);
   static __m256i quants(const uint8_t* blk) { return nibbles(blk + offsetof(BlockQ4_1, qs)); }
-  static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ4_1, m)); }
   static void dc(const uint8_t* blk, float& d, float& c) {
     static_assert(offsetof(BlockQ4_1, m) == 2);
     load_fp16_pair(blk, d, c);
@@ -117,7 +114,6 @@ struct A2Q5_0 : A2Q4_0 {
   static __m256i quants(const uint8_t* blk) {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_0, qs)), fifth_bits(blk + offsetof(BlockQ5_0, qh)));
   }
-  static float c(const uint8_t* blk) { return -16.0f * load_fp16(blk); }
   static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = -16.0f * d; }
 };
 
@@ -126,7 +122,6 @@ struct A2Q5_1 : A2Q4_0 {
   static __m256i quants(const uint8_t* blk) {
     return _mm256_or_si256(nibbles(blk + offsetof(BlockQ5_1, qs)), fifth_bits(blk + offsetof(BlockQ5_1, qh)));
   }
-  static float c(const uint8_t* blk) { return load_fp16(blk + offsetof(BlockQ5_1, m)); }
   static void dc(const uint8_t* blk, float& d, float& c) {
     static_assert(offsetof(BlockQ5_1, m) == 2);
     load_fp16_pair(blk, d, c);
@@ -137,8 +132,6 @@ struct A2Q8_0 {
   static constexpr int kBlockBytes = sizeof(BlockQ8_0);
   static constexpr bool kHasOffset = false;
   static __m256i quants(const uint8_t* blk) { return load32(blk + offsetof(BlockQ8_0, qs)); }
-  static float d(const uint8_t* blk) { return load_fp16(blk); }
-  static float c(const uint8_t*) { return 0.0f; }
   static void dc(const uint8_t* blk, float& d, float& c) { d = load_fp16(blk), c = 0.0f; }
   // Signed quants: sign-extended bytes.
   static Prepared prep(__m256i q) {
