@@ -104,6 +104,18 @@ void bench_int4() {
         }) / kCalls;
         report(stages == 0 ? std::string("int4 stream default") : "int4 stream s" + std::to_string(stages), shape,
                ms, w4_bytes + io, flops);
+        if (stages != 0) continue;
+        // Each call bringing the head of the next call's codes into L2 (StreamPrefetch), 64 KiB a block.
+        const double ms_pf = time_ms([&] {
+          for (int c = 0; c < kCalls; ++c) {
+            pick(next++);
+            a.w4 = w4;
+            a.next = kestrel::cuda::stream_prefetch_of(codes[next % n4]->p, sh.out, sh.in / 2, int64_t{64} << 10);
+            kestrel::cuda::stream_gemv_int4(a, nullptr);
+          }
+        }) / kCalls;
+        report("int4 stream default pf64", shape, ms_pf, w4_bytes + io, flops);
+        a.next = {};
       }
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
         // (unroll, row groups, warps); the first of each list is the default.

@@ -25,6 +25,9 @@ struct CudaTuning {
   bool stream_gemv = true;           // streaming GEMV for one- and two-token projections
   int stream_gemv_stages = 0;        // its pipeline depth: 0 = the kernel's default (4), else 3, 4 or 6
   int64_t stream_gemv_min_mb = 40;   // weights smaller than this (MiB of bf16) keep the skinny GEMM
+  // KiB of the next streamed projection's weights each block of an FP8 or INT4 streaming GEMV
+  // brings into L2 when its own last bytes are requested (StreamPrefetch); 0 = none.
+  int64_t stream_prefetch_kb = 64;
   bool stream_gemv_fp8 = true;       // FP8 weights on the W8A8 streaming GEMV (off: the W8A16 skinny GEMM)
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention

@@ -154,7 +154,8 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
 // tensor cores' over 32 products, then f32: |y - ref| <= 2^-8 |ref| + 1e-5 sum_k |products|. The
 // fused norm's bf16 input may be an ulp off the reference's (the header comment), and such an
 // element may round to the neighbouring code: a slack of 2^-6 there. Also the fused norm's residual
-// sum exactly, and the same bits from another block count (batch invariance).
+// sum exactly, and the same bits from another block count (batch invariance) with the L2 prefetch
+// of a next weight (StreamPrefetch, a hint: it must change nothing).
 TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(64);
@@ -198,6 +199,7 @@ TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
       for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(r[i], in.res[i] + from_bf16(in.add[i])) << i;
     }
     g.blocks = other_blocks(s);
+    g.next = cuda::stream_prefetch_of(d_w.get(), s.n_out, s.n_in, int64_t{64} << 10);
     g.y = d_y2.get();
     d_y2.poison();
     cuda::stream_gemv_w8a8(g, nullptr);
@@ -239,12 +241,40 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
         for (size_t j = 0; j < r.size(); ++j) ASSERT_EQ(r[j], in.res[j] + from_bf16(in.add[j])) << j;
       }
       g.blocks = other_blocks(s);
+      g.next = cuda::stream_prefetch_of(d.m.codes, s.n_out, s.n_in / 2, int64_t{64} << 10);
       g.y = d_y2.get();
       d_y2.poison();
       cuda::stream_gemv_int4(g, nullptr);
       EXPECT_EQ(d_y2.download(), y);
     }
   }
+}
+
+// The prefetch descriptor: block b of a streaming GEMV over the next weight streams rows [b r, (b +
+// 1) r) with r = ceil(n_out / SMs), so block b of this one prefetches from byte b r row_bytes, at
+// most one block's rows, and nothing for a zero size or a null weight.
+TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
+  KESTREL_REQUIRE_CUDA();
+#if defined(KESTREL_CUDA_EMULATE)
+  const int64_t sms = 4;  // the emulation's SM count (stream_gemv.cu)
+#else
+  int dev = 0, v = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int64_t sms = v;
+#endif
+  DeviceBuffer<uint8_t> w(16);
+  for (const int64_t n_out : {int64_t{1}, int64_t{3}, sms, int64_t{6144}, int64_t{28672}}) {
+    SCOPED_TRACE("n_out " + std::to_string(n_out));
+    const int64_t rows = (n_out + std::min(sms, n_out) - 1) / std::min(sms, n_out);
+    const cuda::StreamPrefetch p = cuda::stream_prefetch_of(w.get(), n_out, 4096, int64_t{64} << 10);
+    EXPECT_EQ(p.base, static_cast<const void*>(w.get()));
+    EXPECT_EQ(p.block_stride, rows * 4096);
+    EXPECT_EQ(p.total, n_out * 4096);
+    EXPECT_EQ(p.bytes, std::min<int64_t>(int64_t{64} << 10, rows * 4096));
+  }
+  EXPECT_EQ(cuda::stream_prefetch_of(w.get(), 64, 4096, 0).base, nullptr);
+  EXPECT_EQ(cuda::stream_prefetch_of(nullptr, 64, 4096, 1024).base, nullptr);
 }
 
 TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {

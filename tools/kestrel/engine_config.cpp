@@ -55,6 +55,12 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
       ->capture_default_str()
       ->group(group);
+  app.add_option("--cuda-stream-prefetch-kb", t.stream_prefetch_kb,
+                 "CUDA: KiB of the next projection's weights each SM of an FP8 or INT4 streaming GEMV prefetches "
+                 "into L2 at its end; 0 = none")
+      ->check(CLI::Range(int64_t{0}, int64_t{1024}))
+      ->capture_default_str()
+      ->group(group);
   toggle("--cuda-fused-norm", t.fused_norm, "CUDA: residual add + RMSNorm inside the streaming GEMV");
   toggle("--cuda-fused-rope", t.fused_rope, "CUDA: RoPE and the K/V write inside decode attention");
   toggle("--cuda-verify-decode-rows", t.verify_decode_rows,

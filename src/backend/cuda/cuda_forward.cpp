@@ -271,6 +271,9 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   pass_ap_.v_scale = fp8 ? v_scale_[static_cast<size_t>(layer)].as<float>() : nullptr;
   pass_ap_.out = act(out);
   pass_ap_.window = static_cast<int32_t>(hp_.layer_window(layer));
+  // No prefetch across attention: at batch 1 it is bound by latency, and the projection before it
+  // prefetching the next one's weights slowed it (docs/performance.md).
+  last_streamed_ = nullptr;
   cuda::paged_attention(pass_ap_, stream_);
   mark("attention");
 }
@@ -438,7 +441,20 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
   gemm_fp8(W, n, y, out);
 }
 
-void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& a) {
+cuda::StreamPrefetch CudaModelRunner::chain_prefetch(const DeviceWeight& W) {
+  if (stream_prefetch_bytes_ == 0) return {};
+  const void* w = W.w.as<void>();
+  const int64_t row_bytes = W.fp8 ? W.n_in : W.n_in / 2;  // E4M3 codes, or INT4 codes two a byte
+  if (last_streamed_ != nullptr && last_streamed_ != w)
+    next_streamed_[last_streamed_] = cuda::stream_prefetch_of(w, W.n_out, row_bytes, stream_prefetch_bytes_);
+  last_streamed_ = w;
+  const auto it = next_streamed_.find(w);
+  return it == next_streamed_.end() ? cuda::StreamPrefetch{} : it->second;
+}
+
+void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& args) {
+  cuda::StreamGemvArgs a = args;
+  a.next = chain_prefetch(W);
   if (W.fp8) {
     cuda::StreamGemvFp8Args f;
     static_cast<cuda::StreamGemvArgs&>(f) = a;

@@ -110,6 +110,7 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   stream_gemv_ = t.stream_gemv;
   stream_gemv_fp8_ = t.stream_gemv_fp8;
   stream_gemv_stages_ = t.stream_gemv_stages;
+  stream_prefetch_bytes_ = std::clamp<int64_t>(t.stream_prefetch_kb, 0, 1024) << 10;
   fused_norm_ = t.fused_norm;
   fused_rope_ = t.fused_rope;
   verify_decode_rows_ = t.verify_decode_rows;

@@ -272,6 +272,21 @@ constexpr int kStreamGemvDefaultStages = 4;
 // arithmetic but its sum of squares in another order (h may differ by a bf16 ulp),
 // and norm_residual_in + norm_add is written to norm_residual_out (another buffer). residual
 // [n_tokens, n_in] f32, add [n_tokens, n_in] bf16 or null, weight [n_in] bf16; bf16 output only.
+// The head of the weights the next streamed projection reads, brought into L2 by this one once
+// its own last bytes are requested, so that memory stays busy between the two kernels (this one's
+// tail, the next one's launch, input and first round trip) instead of idling. Block b of this
+// kernel prefetches bytes [b x block_stride, min(b x block_stride + bytes, total)) from base: the
+// rows the next kernel's block b streams first (stream_prefetch_of). base null: none.
+struct StreamPrefetch {
+  const void* base = nullptr;
+  int64_t block_stride = 0;  // bytes between two blocks' row ranges in the next kernel
+  int64_t total = 0;         // bytes of the next weight
+  int64_t bytes = 0;         // bytes a block prefetches
+};
+// The prefetch descriptor of a streamed weight of n_out rows of row_bytes bytes (each streaming
+// GEMV gives its blocks ceil(n_out / SMs) whole rows), `bytes` a block (0: none).
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes);
+
 struct StreamGemvArgs : ProjectionOperands {
   int blocks = 0;
   int stages = 0;
@@ -280,6 +295,7 @@ struct StreamGemvArgs : ProjectionOperands {
   const bf16* norm_weight = nullptr;
   float* norm_residual_out = nullptr;
   float norm_eps = 1e-5f;
+  StreamPrefetch next = {};  // the next projection's weights, into L2 at this one's end
 };
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
 void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);

@@ -63,6 +63,14 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
   (void)p;
 #endif
 }
+// Brings the 128-byte line holding p into L2 (a hint; no fault, nothing returned).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if !defined(KESTREL_CUDA_EMULATE)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
 __device__ __forceinline__ void pdl_launch_next() {
 #if !defined(KESTREL_CUDA_EMULATE)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -81,6 +89,31 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+#endif
+}
+
+// A weight stream's 4 or 8 bytes (scales, meta words): the read-only path without L1 allocation, like
+// ld_stream16, so it may come before pdl_wait().
+__device__ __forceinline__ uint32_t ld_stream4(const void* p) {
+#if defined(KESTREL_CUDA_EMULATE)
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#else
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+#endif
+}
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+#if defined(KESTREL_CUDA_EMULATE)
+  uint2 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#else
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 #endif
 }

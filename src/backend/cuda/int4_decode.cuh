@@ -7,31 +7,6 @@
 
 namespace kestrel::cuda {
 
-// A weight stream's 4 or 8 bytes (meta words): the read-only path without L1 allocation, like
-// ld_stream16, so it may come before pdl_wait().
-__device__ __forceinline__ uint32_t ld_stream4(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-#endif
-}
-__device__ __forceinline__ uint2 ld_stream8(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint2 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-#endif
-}
-
 // a - b on a pair of bf16 (round to nearest; exact for the small integers used here).
 __device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
 #if defined(KESTREL_CUDA_EMULATE)

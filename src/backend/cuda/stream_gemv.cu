@@ -80,7 +80,7 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   auto go = [&](auto* k) {
     raise_smem_limit(k, l.smem);
     KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block,
-                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
+                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
   };
   if (a.norm_residual_in != nullptr)
     go(&stream_gemv_kernel<kM, kStages, false, false, true>);
@@ -166,6 +166,17 @@ std::string narrow_shape(const StreamGemvArgs& a) {
 
 static_assert(kStreamGemvMaxIn == int64_t{kGemvMaxKLines} * kGemvLine, "x is loaded in at most kGemvMaxKLines lines");
 
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes) {
+  StreamPrefetch p;
+  if (w == nullptr || n_out <= 0 || row_bytes <= 0 || bytes <= 0) return p;
+  const int64_t rows_per_block = ceil_div(n_out, std::min<int64_t>(device_shape().sms, n_out));
+  p.base = w;
+  p.block_stride = rows_per_block * row_bytes;
+  p.total = n_out * row_bytes;
+  p.bytes = std::min(bytes, p.block_stride);
+  return p;
+}
+
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, int stages) {
   if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
       n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)
@@ -237,7 +248,7 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
       raise_smem_limit(k, l.smem);
       KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
                      l.k_lines, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
-                     a.norm_eps);
+                     a.norm_eps, a.next);
     };
     if (a.norm_residual_in != nullptr)
       go(&stream_gemv_w8a8_kernel<kM, kStages, false, true>);
@@ -301,7 +312,7 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
         raise_smem_limit(k, l.smem);
         KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(w.codes),
                        w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, l.rows_per_block,
-                       a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
+                       a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
       };
       if (a.norm_residual_in != nullptr)
         go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, false, true>);

@@ -31,6 +31,7 @@
 // applied to a GEMV with the CUDA Programming Guide's programmatic dependent launch.
 #pragma once
 
+#include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/silu_mul.cuh"
 
@@ -47,6 +48,17 @@ constexpr int kGemvMaxKLines = 8;             // n_in up to 16384 (kStreamGemvMa
 constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows_per_block) {
   return static_cast<size_t>(stages) * kGemvLinesPerStage * kGemvThreads * 16 +
          static_cast<size_t>(m) * k_lines * kGemvThreads * 16 + static_cast<size_t>(rows_per_block) * m * kGemvWarps * 4;
+}
+
+// This block's share of p (StreamPrefetch) into L2, a 128-byte line a thread at a time. Called by
+// every thread of the block once, when its last weight bytes have been requested.
+__device__ __forceinline__ void stream_prefetch_next(const StreamPrefetch& p) {
+  if (p.base == nullptr) return;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * p.block_stride;
+  const int64_t end = begin + p.bytes < p.total ? begin + p.bytes : p.total;
+  const char* base = static_cast<const char*>(p.base);
+  for (int64_t off = begin + 128 * static_cast<int64_t>(threadIdx.x); off < end; off += 128 * kGemvThreads)
+    prefetch_l2(base + off);
 }
 
 // The input of a streaming GEMV into shared memory, after pdl_wait(): xs [kM][k_lines * 2048] bf16
@@ -153,7 +165,7 @@ __device__ __forceinline__ void stream_gemv_input(uint4* xs, float* scratch, int
 // x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
 // kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
-// res_out [kM, n_in] f32 (not res_in), eps.
+// res_out [kM, n_in] f32 (not res_in), eps. pf: the next projection's weights (StreamPrefetch).
 // kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
 // next projection's block can be resident, and requesting its first stages, while this one ends.
 template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
@@ -161,7 +173,8 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
     stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
                        void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
                        const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
+                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
+                       StreamPrefetch pf) {
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
@@ -186,6 +199,8 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
         const int line = s * kGemvLinesPerStage + j;
         if (line < total) cp_async16(dst + j * kGemvThreads, wb + static_cast<int64_t>(line) * kGemvLine, true);
       }
+    } else if (s == n_stages) {
+      stream_prefetch_next(pf);
     }
     cp_async_commit();
   };

@@ -54,14 +54,15 @@ constexpr size_t stream_gemv_w4a16_smem_bytes(int m, int stages, int k_lines, in
 // w: the layout's code words as bytes, [n_out, n_in / 2]; meta: [n_out, n_in / 128] words (scale
 // bits as stored, scale_f16 says which, and the bf16 of 128 + z); x, x_stride, kSwiGLU, kNormIn and
 // the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out /
-// rows_per_block) blocks of 256; n_in = k_lines x 2048.
+// rows_per_block) blocks of 256; n_in = k_lines x 2048. pf: the next projection's weights
+// (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w4a16_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                              const uint32_t* __restrict__ meta, bool scale_f16, __nv_bfloat16* __restrict__ y,
                              int n_out, int k_lines, int rows_per_block, const float* __restrict__ res_in,
                              const __nv_bfloat16* __restrict__ add, const __nv_bfloat16* __restrict__ norm_w,
-                             float* __restrict__ res_out, float eps) {
+                             float* __restrict__ res_out, float eps, StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
   constexpr int kTilesPerLine = kGemvLine / kW4a16TileCols;  // 16 meta words of a row per slab
   KESTREL_DYNAMIC_SMEM(smem);
@@ -103,6 +104,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       if (meta_thread)
         cp_async16(meta_ring + i_slot * kW4a16SlabMeta + m_row * kTilesPerLine + 4 * m_quarter,
                    m_live ? i_meta : meta, m_live);
+    } else if (i_q == n_slabs) {
+      stream_prefetch_next(pf);
     }
     cp_async_commit();
     ++i_q;

@@ -45,13 +45,15 @@ constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines, int
 
 // w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
 // operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out / rows_per_block)
-// blocks of 256; n_in = k_lines x 2048.
+// blocks of 256; n_in = k_lines x 2048; at most 256 rows a block. pf: the next projection's
+// weights (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                             const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
                             int rows_per_block, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                            const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
+                            const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
+                            StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
@@ -67,6 +69,15 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
   const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
   const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
+  // The scales of the outputs this thread writes at the end (output i = t + 256 j is row i / kM),
+  // loaded now, before the wait (no kernel writes them): loaded at the end they would add a round
+  // trip to memory after the last slab.
+  float out_scale[kM];
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    out_scale[j] = i < rows * kM ? __uint_as_float(ld_stream4(w_scale + row0 + i / kM)) : 0.0f;
+  }
 
   // Slabs are requested in order by a cursor (no division in the loop): slab q (tile q / k_lines,
   // columns 2048 (q % k_lines) ..) into ring slot q % kStages; thread t copies chunk t % 128 of
@@ -86,6 +97,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
         cp_async16(dst + 2 * j * kGemvLine, live ? src : w, live);
         src += row_step;
       }
+    } else if (i_q == n_slabs) {
+      stream_prefetch_next(pf);
     }
     cp_async_commit();
     ++i_q;
@@ -179,12 +192,15 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   }
   cp_async_wait<0>();
   __syncthreads();
-  for (int i = t; i < rows * kM; i += kGemvThreads) {
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    if (i >= rows * kM) break;
     const int r = i / kM, m = i % kM;
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
-    y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * w_scale[row0 + r]);
+    for (int v = 0; v < kGemvWarps; ++v) sum += part[i * kGemvWarps + v];
+    y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * out_scale[j]);
   }
 }
 
