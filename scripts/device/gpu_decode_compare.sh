@@ -35,15 +35,7 @@ case "${STAGE:-b1}" in
         row "$bin int4 b1 r$round" $bin -m $C/llama-3.1-8b-gptq -p 128 -n 256
       done
     done
-    if [ -f $BIN/libkestrel_kernel_trace.so ]; then
-      mkdir -p /tmp/kestrel/trace_b1
-      (cd /tmp/kestrel/trace_b1 && CUDA_INJECTION64_PATH=$BIN/libkestrel_kernel_trace.so timeout 200 $K bench \
-        --device cuda --load-format dummy -m "$OLDPWD/$C/llama-3.1-8b" --quantization fp8 -r 1 -p 128 -n 128) \
-        > "$OUT/trace_b1.log" 2>&1
-      python3 scripts/device/kernel_trace.py /tmp/kestrel/trace_b1/kernel_trace.csv --skip 40 2>&1 | head -24 |
-        tee "$OUT/trace_b1.txt"
-      gzip -c /tmp/kestrel/trace_b1/kernel_trace.csv > "$OUT/trace_b1.csv.gz"
-    fi
+    trace_b1_fp8
     ;;
   b64)
     for bin in kestrel_before kestrel; do

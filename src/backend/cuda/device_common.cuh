@@ -93,8 +93,10 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 #endif
 }
 
-// A weight stream's 4 or 8 bytes (scales, meta words): the read-only path without L1 allocation, like
-// ld_stream16, so it may come before pdl_wait().
+// A weight stream's 4 or 8 bytes (scales, meta words, a K-quant super-block's scales that
+// neighbouring lanes read again from L2): the read-only path without L1 allocation, like
+// ld_stream16, so it may come before pdl_wait() (the no-allocate form is what pdl_audit.py takes
+// for a weight stream).
 __device__ __forceinline__ uint32_t ld_stream4(const void* p) {
 #if defined(KESTREL_CUDA_EMULATE)
   uint32_t v;

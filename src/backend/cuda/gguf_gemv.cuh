@@ -53,20 +53,6 @@ __device__ __forceinline__ uint32_t ld_stream2(const void* p) {
   return v;
 #endif
 }
-// 4 bytes of a weight stream that neighbouring lanes and units read again (a K-quant super-block's
-// scales): the read-only path, no L1 allocation (the repeats are served from L2). The no-allocate
-// form is also what marks a load issued before pdl_wait() as a weight stream (pdl_audit.py).
-__device__ __forceinline__ uint32_t ld_shared_weight4(const void* p) {
-#if defined(KESTREL_CUDA_EMULATE)
-  uint32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-#else
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-#endif
-}
 // 8 bytes that the preceding grid wrote (x), read after pdl_wait() (ld_dependent16's rule).
 __device__ __forceinline__ uint2 ld_dependent8(const void* p) {
 #if defined(KESTREL_CUDA_EMULATE)
@@ -116,10 +102,10 @@ __device__ __forceinline__ void gguf_load_unit(const uint8_t* body, const uint16
       r[4] = ld_stream2(b + 192 + 8 * h + 2 * k);  // the two 16-element sub-blocks' int8 scales
       r[5] = ld_stream2(d + blk);
     } else {  // Q4_K, Q5_K: d | dmin << 16, the 12 scale bytes, then (Q5_K) qh, then qs
-      r[0] = ld_shared_weight4(b);
-      r[1] = ld_shared_weight4(b + 4);
-      r[2] = ld_shared_weight4(b + 8);
-      r[3] = ld_shared_weight4(b + 12);
+      r[0] = ld_stream4(b);
+      r[1] = ld_stream4(b + 4);
+      r[2] = ld_stream4(b + 8);
+      r[3] = ld_stream4(b + 12);
       const uint8_t* qs = b + (T == GgufQuant::Q5_K ? 48 : 16) + 32 * (s / 2);
       r[4] = ld_stream4(qs + 4 * t);
       r[5] = ld_stream4(qs + 16 + 4 * t);

@@ -80,7 +80,7 @@ void launch(const StreamGemvArgs& a, const Layout& l, cudaStream_t stream) {
   auto go = [&](auto* k) {
     raise_smem_limit(k, l.smem);
     KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w, a.y, no, l.k_lines, l.rows_per_block,
-                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
+                   a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps);
   };
   if (a.norm_residual_in != nullptr)
     go(&stream_gemv_kernel<kM, kStages, false, false, true>);

@@ -165,7 +165,7 @@ __device__ __forceinline__ void stream_gemv_input(uint4* xs, float* scratch, int
 // x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.
 // kNormIn: x unused; res_in [kM, n_in] f32, add [kM, n_in] bf16 or null, norm_w [n_in] bf16,
-// res_out [kM, n_in] f32 (not res_in), eps. pf: the next projection's weights (StreamPrefetch).
+// res_out [kM, n_in] f32 (not res_in), eps.
 // kStages 3 asks for two blocks per SM (at most 128 registers a thread): with a 96 KB ring, the
 // next projection's block can be resident, and requesting its first stages, while this one ends.
 template <int kM, int kStages, bool kSwiGLU, bool kF32Out, bool kNormIn>
@@ -173,8 +173,7 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
     stream_gemv_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const __nv_bfloat16* __restrict__ w,
                        void* __restrict__ y, int n_out, int k_lines, int rows_per_block,
                        const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
-                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
-                       StreamPrefetch pf) {
+                       const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps) {
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
@@ -199,8 +198,6 @@ __global__ void __launch_bounds__(kGemvThreads, kStages == 3 ? 2 : 1)
         const int line = s * kGemvLinesPerStage + j;
         if (line < total) cp_async16(dst + j * kGemvThreads, wb + static_cast<int64_t>(line) * kGemvLine, true);
       }
-    } else if (s == n_stages) {
-      stream_prefetch_next(pf);
     }
     cp_async_commit();
   };
