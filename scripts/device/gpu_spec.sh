@@ -23,7 +23,17 @@ row() {  # LABEL PROMPTS CONFIG
     --speculative-config "$3" > "$OUT/$1.txt" 2>&1 || echo "FAILED rc=$?" | tee -a "$S"
   tail -12 "$OUT/$1.txt" | tee -a "$S"
 }
-row grounded_k4 spec_grounded_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 4}'
-row grounded_k8 spec_grounded_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}'
-row chat_k4 spec_chat_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 4}'
-row chat_k8 spec_chat_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}'
+# ROWS picks rows by label (all by default). k6_fixed: drafts of 6 tokens every step, the lookup
+# matching 1 to 8 tokens (on the GPU a verify step of 1 + 6 costs about a one-token step).
+K6_FIXED='{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 8, "draft_length": "fixed"}'
+for r in ${ROWS-grounded_k4 grounded_k8 grounded_k6_fixed chat_k4 chat_k8 chat_k6_fixed}; do
+  case $r in
+    grounded_k4) row $r spec_grounded_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 4}' ;;
+    grounded_k8) row $r spec_grounded_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}' ;;
+    grounded_k6_fixed) row $r spec_grounded_prompts.jsonl "$K6_FIXED" ;;
+    chat_k4) row $r spec_chat_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 4}' ;;
+    chat_k8) row $r spec_chat_prompts.jsonl '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}' ;;
+    chat_k6_fixed) row $r spec_chat_prompts.jsonl "$K6_FIXED" ;;
+    *) echo "unknown row $r" | tee -a "$S" ;;
+  esac
+done

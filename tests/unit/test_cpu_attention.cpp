@@ -178,7 +178,7 @@ TEST(CpuAttention, QueryTileMatchesFloat64AndEachRowAloneAndSplitKv) {
   constexpr int64_t kCtx = 300, kTokens = 11, kGroup = 3;
   for (const Shape sh : {Shape{64, 16, KvDtype::F16}, Shape{40, 24, KvDtype::F32}, Shape{19, 5, KvDtype::F32},
                          Shape{64, 16, KvDtype::INT8}, Shape{80, 16, KvDtype::F16}, Shape{128, 32, KvDtype::F16},
-                         Shape{24, 8, KvDtype::F16}}) {
+                         Shape{24, 8, KvDtype::F16}, Shape{96, 16, KvDtype::INT8}, Shape{256, 16, KvDtype::INT8}}) {
     const Cache c(sh.head_dim, sh.block_size, kCtx, sh.dtype, 3);
     const int64_t hd = sh.head_dim, q_stride = c.n_head_kv * kGroup * hd;
     std::mt19937 rng(5);

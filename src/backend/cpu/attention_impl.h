@@ -50,6 +50,7 @@ struct AttentionScratch {
   std::vector<float> q8_scale;
   std::vector<float> qf;
   std::vector<uint8_t> kt8;     // [head_dim / 4][64]: the tile's int8 keys as vpdpbusd columns
+  std::vector<int16_t> q16;     // [rows][head_dim]: the query rows as int16 (AVX2's vpmaddwd)
   std::vector<float> vsc;       // [chunk + 16]: the chunk's value scales by slot
   // n elements at a 64-byte boundary (a vector load across two cache lines costs two).
   template <class V>
@@ -360,9 +361,9 @@ KESTREL_INLINE void softmax_rows(const int32_t* rows, const int32_t* lo, const i
 template <class T>
 void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, AttentionScratch& w) {
   constexpr bool kQuantized = std::is_same_v<T, int8_t>;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(KESTREL_I8_CHUNK)
   if constexpr (kQuantized)
-    if (a.k_rope_scale == nullptr && a.head_dim % 64 == 0 && (a.v_dim == 0 || a.v_dim == a.head_dim))
+    if (a.k_rope_scale == nullptr && i8_chunk_supports(a.head_dim) && (a.v_dim == 0 || a.v_dim == a.head_dim))
       return attention_chunk_i8(a, chunk, st, w);
 #endif
   const int64_t hd = a.head_dim, vd = a.v_dim > 0 ? a.v_dim : hd, g_n = a.group;
@@ -392,7 +393,7 @@ void attention_chunk(const AttentionArgs& a, int64_t chunk, float* st, Attention
   int64_t q_token_stride = a.q_stride;
   auto row_q = [&](int64_t r) { return q_base + (r / g_n) * q_token_stride + (r % g_n) * hd; };
   // INT8 with one scale per key row (not MLA's latent + RoPE rows): the query rows rounded to 16
-  // bits (quantize_query_q16), here used as f32 values (AVX-512 VNNI: attention_chunk_i8).
+  // bits (quantize_query_q16), here used as f32 values (AVX-512 VNNI and AVX2: attention_chunk_i8).
   if (kQuantized && a.k_rope_scale == nullptr) {
     int8_t* q8 = AttentionScratch::take(w.q8, rows * 2 * hd);
     int32_t* q8_bias = AttentionScratch::take(w.q8_bias, rows * 2);
