@@ -127,13 +127,66 @@ TEST(Grammar, RepetitionOfAPartThatCanBeEmpty) {
   expect_language(re("(?:a?b?)*c"), {"c", "babac"}, {"cc"});
   // The rewrite copies suffixes: a long run of parts that can be empty is refused, not expanded
   // into gigabytes.
+  std::string run = "root ::= (";
+  for (int i = 0; i < 20000; ++i) run += " x";
+  run += ")*\nx ::= \"a\"?";
   try {
-    Grammar::parse_gbnf("root ::= ((\"a\"?){20000})*");
+    Grammar::parse_gbnf(run);
     ADD_FAILURE() << "no error";
   } catch (const GrammarError& e) {
     EXPECT_NE(std::string(e.what()).find("too large to rewrite"), std::string::npos) << e.what();
   }
   expect_language("root ::= ((\"a\"?){3})* \"b\"", {"b", "aaaab"}, {"ba"});
+  // A bounded repetition of such a part is one repetition of its non-empty strings: the same
+  // language, in a chain of 20,000 links rather than 20,000 copies.
+  expect_language("root ::= ((\"a\"?){20000})*", {"", "a", "aaaa"}, {"b", "ab"});
+}
+
+// x{m,n} of an x that can be empty is (x minus empty){0,n}: the language of the written form,
+// without its ambiguity, so the matcher holds one stack per way of splitting the input into x's
+// (at most two here) where the written form had one per copy that could still be skipped.
+TEST(Grammar, BoundedRepetitionOfAPartThatCanBeEmptyIsNotAmbiguous) {
+  expect_language("root ::= (\"a\"?){2,3} \"b\"", {"b", "ab", "aab", "aaab"}, {"aaaab", "a"});
+  expect_language("root ::= (\"a\"? \"b\"?){2}", {"", "ab", "abab", "ba", "aa", "bb"}, {"aaa", "abba", "bbb"});
+  expect_language("root ::= x{0,2} \"c\"\nx ::= \"ab\" | \"\"", {"c", "abc", "ababc"}, {"abababc", "ac"});
+  auto re = [](const std::string& p) { return "root ::= " + regex_to_gbnf(p) + "\n"; };
+  expect_language(re("(a?){2}b"), {"b", "ab", "aab"}, {"aaab"});
+  expect_language(re("((a{0,3}){0,3}){0,2}"), {"", "a", std::string(18, 'a')}, {std::string(19, 'a'), "b"});
+  for (const std::string g : {re("(a?){0,99999}"), re("(a?){5000}"), re("(a?){2,5000}b")}) {
+    const Grammar parsed = Grammar::parse_gbnf(g);
+    StackPool pool(parsed);
+    std::vector<int32_t> tops, next;
+    bool completed = false;
+    pool.start(&tops, &completed);
+    EXPECT_EQ(completed, g.find('b') == std::string::npos) << g;
+    EXPECT_LE(tops.size(), 2u) << g;
+    for (int i = 0; i < 50; ++i) {  // the written (a?){0,99999} had 99,999 stacks at each step
+      completed = false;
+      pool.step(tops, 'a', &next, &completed);
+      ASSERT_EQ(completed, g.find('b') == std::string::npos) << g;
+      ASSERT_FALSE(next.empty()) << g;
+      tops.swap(next);
+    }
+    EXPECT_LE(tops.size(), 2u) << g;
+  }
+}
+
+// Groups nested deeper than the parsers' bound are an error, not a stack overflow.
+TEST(Grammar, DeeplyNestedGroupsAreRefused) {
+  const int depth = 20000;
+  try {
+    Grammar::parse_gbnf("root ::= " + std::string(depth, '(') + "\"a\"" + std::string(depth, ')'));
+    ADD_FAILURE() << "no error";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("nested deeper than 1000"), std::string::npos) << e.what();
+  }
+  try {
+    regex_to_gbnf(std::string(depth, '(') + "a" + std::string(depth, ')'));
+    ADD_FAILURE() << "no error";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("nested deeper than 1000"), std::string::npos) << e.what();
+  }
+  expect_language("root ::= " + std::string(1000, '(') + "\"a\"" + std::string(1000, ')'), {"a"}, {"", "aa"});
 }
 
 // Random regexes over {a, b} built from concatenation, alternation (with empty branches), groups

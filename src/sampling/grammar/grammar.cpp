@@ -291,7 +291,10 @@ class Parser {
         have_atom = true;
       } else if (c == '(') {
         ++pos_;
+        // One recursion per open group: bounded, so a hostile grammar cannot exhaust the stack.
+        if (++depth_ > kMaxGroupDepth) fail("groups nested deeper than " + std::to_string(kMaxGroupDepth) + " levels");
         auto alts = parse_alternatives(true);
+        --depth_;
         if (pos_ >= s_.size() || s_[pos_] != ')') fail("expected ')'");
         ++pos_;
         last_start = seq.size();
@@ -351,6 +354,15 @@ class Parser {
       ++pos_;
       if (hi < lo) fail("repetition {m,n} with n < m");
     }
+    // An atom of rule references alone may match the empty string (known once every rule is
+    // defined): its bounded repetition goes into a rule of its own, which
+    // make_star_bodies_non_empty rewrites over the atom's non-empty strings if so, and otherwise
+    // splices back in place.
+    const bool maybe_empty =
+        hi != SIZE_MAX && hi >= 2 &&
+        std::all_of(atom.begin(), atom.end(), [](const Element& e) { return e.kind == ElementKind::RULE; });
+    Seq outer;
+    if (maybe_empty) std::swap(seq, outer);
     for (size_t i = 0; i < lo; ++i) seq.insert(seq.end(), atom.begin(), atom.end());
     if (hi == SIZE_MAX) {  // star: S ::= atom S | empty
       uint32_t star = helper_rule({});
@@ -370,6 +382,12 @@ class Parser {
       }
       seq.push_back({ElementKind::RULE, inner});
       if (chain.size() > 1) chains_.push_back(std::move(chain));
+    }
+    if (maybe_empty) {
+      const uint32_t rep = helper_rule({seq});
+      reps_.push_back({rep, std::move(atom), hi});
+      seq = std::move(outer);
+      seq.push_back({ElementKind::RULE, rep});
     }
   }
 
@@ -418,6 +436,35 @@ class Parser {
       alts_[id] = std::move(out);
       return id;
     };
+    // A bounded repetition x{m,n} whose x can match the empty string is ambiguous (each of the n
+    // copies may or may not take input: (a?){0,5000} gives the matcher 5,000 stacks at every
+    // step, and nested ones multiply). Its language is (x minus empty){0,n}: the chain
+    // L_1 ::= f | ... | empty, L_d ::= f L_{d-1} | ... | empty over x's non-empty forms f, which
+    // takes at most one stack per way of splitting the input into x's. A repetition of an atom
+    // that cannot be empty is spliced back (its rule adds a stack frame, and the token splits
+    // key on the top frames).
+    std::vector<uint8_t> splice(alts_.size(), 0);
+    for (const Repetition& rep : reps_) {
+      if (!seq_nullable(rep.atom)) {
+        splice[rep.rule] = 1;
+        continue;
+      }
+      const std::vector<Seq> forms = seq_without_empty(rep.atom);
+      std::vector<uint32_t> chain;
+      for (size_t d = 1; d <= rep.max; ++d) {
+        std::vector<Seq> link;
+        for (const Seq& f : forms) {
+          link.push_back(f);
+          if (d > 1) link.back().push_back({ElementKind::RULE, chain.back()});
+        }
+        link.push_back({});
+        chain.push_back(helper_rule(std::move(link)));
+      }
+      nullable.resize(alts_.size(), true);  // every link can be empty
+      alts_[rep.rule] = {{{ElementKind::RULE, chain.back()}}};
+      if (chain.size() > 1) chains_.push_back(std::move(chain));
+    }
+    splice.resize(alts_.size(), 0);
     for (const uint32_t star : std::vector<uint32_t>(stars_)) {
       Seq atom = alts_[star][0];
       atom.pop_back();  // the trailing reference to the star itself
@@ -430,6 +477,22 @@ class Parser {
       alts.push_back({});
       alts_[star] = std::move(alts);
     }
+    // Splices the kept repetitions' rules into every sequence that refers to them (theirs
+    // included: a repetition inside another's atom).
+    std::function<void(const Seq&, Seq&)> spliced = [&](const Seq& in, Seq& out) {
+      for (const Element& e : in)
+        if (e.kind == ElementKind::RULE && e.index < splice.size() && splice[e.index]) spliced(alts_[e.index][0], out);
+        else out.push_back(e);
+    };
+    if (std::find(splice.begin(), splice.end(), 1) != splice.end())
+      for (size_t r = 0; r < alts_.size(); ++r) {
+        if (splice[r]) continue;
+        for (Seq& q : alts_[r]) {
+          Seq out;
+          spliced(q, out);
+          q = std::move(out);
+        }
+      }
   }
 
   static bool seq_can_be_empty(const Seq& q, const std::vector<bool>& nullable) {
@@ -465,21 +528,35 @@ class Parser {
     std::vector<std::vector<uint32_t>> left(g.rules.size());
     for (size_t r = 0; r < g.rules.size(); ++r)
       for (uint32_t a : g.rules[r].alternatives) seq_nullable_until(a, [&](uint32_t s) { left[r].push_back(s); });
+    // Depth-first with an explicit stack (a chain of 100,000 nullable links is that deep): each
+    // frame a rule and the index of its next successor to visit.
     std::vector<uint8_t> mark(g.rules.size(), 0);  // 0 new, 1 on the DFS path, 2 done
-    std::function<void(uint32_t)> visit = [&](uint32_t r) {
-      mark[r] = 1;
-      for (uint32_t s : left[r]) {
+    std::vector<std::pair<uint32_t, size_t>> path;
+    for (uint32_t root = 0; root < g.rules.size(); ++root) {
+      if (mark[root] != 0) continue;
+      mark[root] = 1;
+      path.push_back({root, 0});
+      while (!path.empty()) {
+        auto& [r, next] = path.back();
+        if (next == left[r].size()) {
+          mark[r] = 2;
+          path.pop_back();
+          continue;
+        }
+        const uint32_t s = left[r][next++];
         if (mark[s] == 1) throw LeftRecursionError(g.rules[s].name);
-        if (mark[s] == 0) visit(s);
+        if (mark[s] == 0) {
+          mark[s] = 1;
+          path.push_back({s, 0});
+        }
       }
-      mark[r] = 2;
-    };
-    for (uint32_t r = 0; r < g.rules.size(); ++r)
-      if (mark[r] == 0) visit(r);
+    }
   }
 
   std::string_view s_;
   size_t pos_ = 0;
+  static constexpr int kMaxGroupDepth = 1000;
+  int depth_ = 0;  // groups open at pos_
   std::vector<std::string> names_;
   std::vector<std::vector<Seq>> alts_;
   std::vector<bool> defined_;
@@ -489,6 +566,13 @@ class Parser {
   size_t helper_count_ = 0;
   std::vector<std::vector<uint32_t>> chains_;  // Grammar::chains
   std::vector<uint32_t> stars_;                // the star helper rules (make_star_bodies_non_empty)
+  // Bounded repetitions of atoms that may match the empty string, each in its rule (apply_postfix).
+  struct Repetition {
+    uint32_t rule;
+    Seq atom;
+    size_t max;
+  };
+  std::vector<Repetition> reps_;
 };
 
 }  // namespace

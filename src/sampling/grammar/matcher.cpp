@@ -95,29 +95,38 @@ int32_t StackPool::intern(uint32_t pos, int32_t parent) {
   }
 }
 
-void StackPool::expand(uint32_t pos, int32_t parent, std::vector<int32_t>* out, bool* completed) {
-  const Element& e = g_.elements[pos];
-  if (e.kind == ElementKind::CLASS) {
-    out->push_back(intern(pos, parent));
-    return;
-  }
-  if (e.kind == ElementKind::END) {
-    if (parent < 0) {
-      *completed = true;
-      return;
+void StackPool::expand(uint32_t pos0, int32_t parent0, std::vector<int32_t>* out, bool* completed) {
+  // Depth first with an explicit stack (nested rules and ends can chain as deep as a grammar's
+  // longest repetition), alternatives in order, as a recursive walk would take them.
+  work_.clear();
+  work_.push_back({pos0, parent0});
+  while (!work_.empty()) {
+    const auto [pos, parent] = work_.back();
+    work_.pop_back();
+    const Element& e = g_.elements[pos];
+    if (e.kind == ElementKind::CLASS) {
+      out->push_back(intern(pos, parent));
+      continue;
     }
-    const Node n = nodes_[static_cast<size_t>(parent)];
-    expand(n.pos, n.parent, out, completed);
-    return;
+    if (e.kind == ElementKind::END) {
+      if (parent < 0) {
+        *completed = true;
+        continue;
+      }
+      const Node n = nodes_[static_cast<size_t>(parent)];
+      work_.push_back({n.pos, n.parent});
+      continue;
+    }
+    // A rule reference: its alternatives continue into the element after it (dropped when that
+    // is the end of this alternative, so right recursion keeps the stack flat).
+    const int32_t cont = g_.elements[pos + 1].kind == ElementKind::END ? parent : intern(pos + 1, parent);
+    const int32_t self = intern(pos, parent);
+    if (visited_.size() <= static_cast<size_t>(self)) visited_.resize(nodes_.size() * 2, 0);
+    if (visited_[static_cast<size_t>(self)] == epoch_) continue;
+    visited_[static_cast<size_t>(self)] = epoch_;
+    const std::vector<uint32_t>& alts = g_.rules[e.index].alternatives;
+    for (auto a = alts.rbegin(); a != alts.rend(); ++a) work_.push_back({*a, cont});
   }
-  // A rule reference: its alternatives continue into the element after it (dropped when that is
-  // the end of this alternative, so right recursion keeps the stack flat).
-  int32_t cont = g_.elements[pos + 1].kind == ElementKind::END ? parent : intern(pos + 1, parent);
-  int32_t self = intern(pos, parent);
-  if (visited_.size() <= static_cast<size_t>(self)) visited_.resize(nodes_.size() * 2, 0);
-  if (visited_[static_cast<size_t>(self)] == epoch_) return;
-  visited_[static_cast<size_t>(self)] = epoch_;
-  for (uint32_t a : g_.rules[e.index].alternatives) expand(a, cont, out, completed);
 }
 
 void StackPool::start(std::vector<int32_t>* out, bool* completed) {

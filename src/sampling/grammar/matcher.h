@@ -26,6 +26,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "sampling/grammar/grammar.h"
@@ -171,6 +172,7 @@ class StackPool {
   size_t used_ = 0;
   std::vector<uint32_t> visited_;  // by node id: the step that last expanded it
   uint32_t epoch_ = 0;
+  std::vector<std::pair<uint32_t, int32_t>> work_;  // expand's stack of (position, parent)
 };
 
 // A parse state: stack tops plus a partly read UTF-8 character.

@@ -216,7 +216,11 @@ class RegexParser {
           fail("inline flags", "inline flags and other (? groups are not supported");
         }
       }
+      // The parser recurses once per open group: a bound keeps a hostile pattern from exhausting
+      // the thread's stack.
+      if (++depth_ > kMaxGroupDepth) fail("regex", "groups nested deeper than 1000 levels");
       std::string inner = parse_alt();
+      --depth_;
       if (!more() || peek() != ')') fail("regex", "missing ')'");
       ++pos_;
       return "(" + (inner.empty() ? std::string("\"\"") : inner) + ")";
@@ -345,6 +349,8 @@ class RegexParser {
   std::string_view s_;
   RegexOptions opts_;
   size_t pos_ = 0;
+  static constexpr int kMaxGroupDepth = 1000;  // the limit fail() names
+  int depth_ = 0;                             // groups open at pos_
 };
 
 }  // namespace
