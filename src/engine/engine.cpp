@@ -716,6 +716,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
     const int64_t n_draft = sampling[i].n_draft;
     try {
       if (r.prompt_nan) throw NonFiniteLogitsError(NonFiniteLogitsError::Source::Model);
+      if (!r.grammar_error.empty()) throw grammar::GrammarError("grammar", r.grammar_error);
       if (!r.import_error.empty()) {
         r.seq.n_computed = 0;  // its blocks hold no K/V: finish must not publish them to the prefix cache
         throw Error(r.import_error);
@@ -745,6 +746,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
         // masked row).
         if (r.masks_row()) {
           m.fill_token_mask(r, r.token_mask);
+          if (!r.grammar_error.empty()) throw grammar::GrammarError("grammar", r.grammar_error);
           if (r.mask_empty) throw NoTokenAllowedError();
           r.masked_row.assign(row.begin(), row.end());
           grammar::apply_token_bitmask(r.masked_row, r.token_mask);
@@ -771,7 +773,8 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
       o.id = r.id;
       o.error = std::string(e.what()) + " (position " +
                 std::to_string(static_cast<int64_t>(r.seq.tokens.size()) - n_draft - 1) + ")";
-      o.error_from_request = dynamic_cast<const NoTokenAllowedError*>(&e) != nullptr;
+      o.error_from_request = dynamic_cast<const NoTokenAllowedError*>(&e) != nullptr ||
+                             dynamic_cast<const grammar::GrammarError*>(&e) != nullptr;
       m.finish(r, "error", outputs, &o);  // rolls back its drafts
       continue;
     }

@@ -219,7 +219,8 @@ struct RequestOutput {
   int32_t stop_token = -1;
   std::string error;                    // with "error": what went wrong (e.g. NaN logits from corrupt weights)
   // With "error": the request's own fields caused it (allowed_token_ids, bad_words and its grammar
-  // left no token to sample), a client error rather than the server's.
+  // left no token to sample, or its grammar proved too ambiguous to match), a client error rather
+  // than the server's.
   bool error_from_request = false;
   RequestMetrics metrics;               // complete when finished
 };

@@ -39,6 +39,7 @@ struct RequestState {
   std::vector<uint32_t> token_mask;
   std::vector<float> masked_row;
   bool grammar_ended = false;
+  std::string grammar_error;  // the matcher failed filling a mask (fill_token_mask): ends the request
   // Request::allowed_token_ids as a token bitmask ([bitmask_words] words; empty when not given).
   std::vector<uint32_t> allowed_mask;
   // The last mask filled left no token (allowed_token_ids, bad_words and the grammar rule out every

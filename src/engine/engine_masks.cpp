@@ -57,8 +57,18 @@ void ban_bad_words(const RequestState& r, std::span<uint32_t> mask) {
 void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) const {
   const auto n_vocab = static_cast<size_t>(model.hparams().n_vocab);
   const auto fill = [&] {
-    if (r.matcher) r.matcher->fill_next_token_bitmask(mask);
-    else std::fill(mask.begin(), mask.end(), ~0u);
+    if (r.matcher) {
+      // Runs on the mask threads too: a grammar too ambiguous to match (GrammarError) empties the
+      // mask and is kept for finish_pass, which ends the request with it.
+      try {
+        r.matcher->fill_next_token_bitmask(mask);
+      } catch (const Error& e) {
+        if (r.grammar_error.empty()) r.grammar_error = e.what();
+        std::fill(mask.begin(), mask.end(), 0u);
+      }
+    } else {
+      std::fill(mask.begin(), mask.end(), ~0u);
+    }
     if (!r.allowed_mask.empty())
       for (size_t w = 0; w < mask.size(); ++w) mask[w] &= r.allowed_mask[w];
     if (!r.req.bad_words.empty()) ban_bad_words(r, mask);
@@ -125,8 +135,9 @@ void Engine::Impl::accept_device_tokens(const Pass& p, std::span<const int32_t> 
     if (token >= 0) {  // a non-finite row (-1) ends its request in finish_pass
       try {
         ok = r.matcher->accept_token(token);
-      } catch (const Error&) {
+      } catch (const Error& e) {
         ok = false;
+        if (r.grammar_error.empty()) r.grammar_error = e.what();  // finish_pass ends the request with it
       }
     }
     if (ok) r.grammar_ended = r.matcher->is_terminated();

@@ -112,6 +112,44 @@ TEST(EngineGrammar, RegexAndChoiceOutputsMatch) {
   }
 }
 
+// A grammar too ambiguous to match in bounded time (grammar::GrammarMatcher::kMaxStacksSeen) ends
+// its own request with an error once its parses pile up; the engine serves the request beside it.
+TEST(EngineGrammar, ATooAmbiguousGrammarEndsItsRequestAndTheEngineServesOn) {
+  KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
+  auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  auto tok = Tokenizer::from_gguf(model->file());
+  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
+  EngineConfig cfg;
+  cfg.max_model_len = 512;
+  Engine e(*model, tok.get(), cfg);
+  grammar::Constraint c;
+  c.kind = grammar::ConstraintKind::REGEX;
+  c.text = "(((((a?){0,8}){0,8}){0,8}){0,8}){0,8}";
+  Request bad;
+  bad.prompt = tok->encode("Once upon a time", true, false);
+  bad.max_tokens = 400;
+  bad.min_tokens = 400;  // EOS held back: the text grows until the bound
+  bad.stop_ids = {tok->eos_id()};
+  bad.grammar = cache->get(c);
+  Request plain;
+  plain.prompt = bad.prompt;
+  plain.max_tokens = 40;
+  plain.sampling.temperature = 0.0f;
+  const RequestId bad_id = e.add_request(bad), plain_id = e.add_request(plain);
+  std::map<RequestId, RequestOutput> last;
+  std::map<RequestId, int64_t> n_tokens;
+  while (e.has_unfinished())
+    for (const RequestOutput& o : e.step()) {
+      n_tokens[o.id] += static_cast<int64_t>(o.new_token_ids.size());
+      last[o.id] = o;
+    }
+  EXPECT_EQ(last[bad_id].finish_reason, "error");
+  EXPECT_NE(last[bad_id].error.find("too ambiguous"), std::string::npos) << last[bad_id].error;
+  EXPECT_GE(n_tokens[bad_id], 8);
+  EXPECT_EQ(last[plain_id].finish_reason, "length");
+  EXPECT_EQ(n_tokens[plain_id], 40);
+}
+
 // Grammar rows sampled through forward_sample, each under the token mask the engine computes for
 // it, against the host path (forward(), the mask applied to the logits row, the request's own
 // Sampler): the same logits (the CPU backend), so the same tokens and finish reasons for every

@@ -171,6 +171,42 @@ TEST(Grammar, BoundedRepetitionOfAPartThatCanBeEmptyIsNotAmbiguous) {
   }
 }
 
+// A grammar ambiguous by its own strings keeps one parse per way of cutting the text so far, and
+// every mask costs that many: past the matcher's bound on the parses summed over its tokens it is
+// an error, while a choice of 10,000 strings (10,000 parses at the start, dying as it goes) runs.
+TEST(Grammar, AGrammarTooAmbiguousToMatchIsAnErrorNotAStall) {
+  const std::vector<std::string> bytes = {"a", "item", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"};
+  auto vocab = TokenVocab::from_bytes(bytes, -1);
+  std::vector<uint32_t> mask(bitmask_words(vocab->n_vocab));
+  auto re = [](const std::string& p) { return "root ::= " + regex_to_gbnf(p) + "\n"; };
+  GrammarMatcher m(std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(re("(((((a?){0,8}){0,8}){0,8}){0,8}){0,8}")), vocab));
+  int accepted = 0;
+  try {
+    for (; accepted < 4096; ++accepted) {
+      m.fill_next_token_bitmask(mask);
+      ASSERT_TRUE(mask[0] & 1u) << accepted;  // "a" allowed
+      ASSERT_TRUE(m.accept_token(0)) << accepted;
+    }
+    ADD_FAILURE() << "no error after " << accepted << " tokens";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("too ambiguous"), std::string::npos) << e.what();
+    EXPECT_GE(accepted, 16);  // short texts of it still match
+  }
+  std::string choice = "root ::= ";
+  for (int i = 0; i < 10000; ++i) {
+    char b[16];
+    std::snprintf(b, sizeof b, "\"item%04d\"", i);
+    choice += (i > 0 ? " | " : "") + std::string(b);
+  }
+  GrammarMatcher c(std::make_shared<CompiledGrammar>(Grammar::parse_gbnf(choice), vocab));
+  for (const int id : {1, 2 + 4, 2 + 2, 2 + 9, 2 + 1}) {  // "item", "4", "2", "9", "1"
+    c.fill_next_token_bitmask(mask);
+    ASSERT_TRUE(mask[0] & (1u << id)) << id;
+    ASSERT_TRUE(c.accept_token(id)) << id;
+  }
+  EXPECT_TRUE(c.can_end());
+}
+
 // Groups nested deeper than the parsers' bound are an error, not a stack overflow.
 TEST(Grammar, DeeplyNestedGroupsAreRefused) {
   const int depth = 20000;

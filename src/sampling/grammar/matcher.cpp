@@ -129,12 +129,20 @@ void StackPool::expand(uint32_t pos0, int32_t parent0, std::vector<int32_t>* out
   }
 }
 
+void StackPool::finish_tops(std::vector<int32_t>* out) const {
+  std::sort(out->begin(), out->end());
+  out->erase(std::unique(out->begin(), out->end()), out->end());
+  if (out->size() > kMaxStacks)
+    throw GrammarError("grammar", "grammar: more than " + std::to_string(kMaxStacks) +
+                                      " ways to parse the text at one point (a repetition of a repetition?); "
+                                      "the grammar is too ambiguous to match in bounded time");
+}
+
 void StackPool::start(std::vector<int32_t>* out, bool* completed) {
   ++epoch_;
   out->clear();
   for (uint32_t a : g_.rules[g_.root].alternatives) expand(a, -1, out, completed);
-  std::sort(out->begin(), out->end());
-  out->erase(std::unique(out->begin(), out->end()), out->end());
+  finish_tops(out);
 }
 
 void StackPool::step(std::span<const int32_t> tops, uint32_t cp, std::vector<int32_t>* out, bool* completed) {
@@ -144,8 +152,7 @@ void StackPool::step(std::span<const int32_t> tops, uint32_t cp, std::vector<int
     const Node n = nodes_[static_cast<size_t>(id)];
     if (g_.classes[g_.elements[n.pos].index].contains(cp)) expand(n.pos + 1, n.parent, out, completed);
   }
-  std::sort(out->begin(), out->end());
-  out->erase(std::unique(out->begin(), out->end()), out->end());
+  finish_tops(out);
 }
 
 void StackPool::advance(int32_t top, std::vector<int32_t>* out, bool* completed) {
@@ -153,8 +160,7 @@ void StackPool::advance(int32_t top, std::vector<int32_t>* out, bool* completed)
   out->clear();
   const Node n = nodes_[static_cast<size_t>(top)];
   expand(n.pos + 1, n.parent, out, completed);
-  std::sort(out->begin(), out->end());
-  out->erase(std::unique(out->begin(), out->end()), out->end());
+  finish_tops(out);
 }
 
 bool step_byte(StackPool& pool, const MatchState& in, uint8_t byte, MatchState* out) {
@@ -522,6 +528,11 @@ bool GrammarMatcher::accept_bytes(std::string_view text) {
   if (terminated_) return false;
   std::string b(text);
   if (!token_ok_from(history_.back(), b)) return false;
+  stacks_seen_ += scratch_[b.size()].tops.size();
+  if (stacks_seen_ > kMaxStacksSeen)
+    throw GrammarError("grammar", "grammar: more than " + std::to_string(kMaxStacksSeen) +
+                                      " ways to parse the text so far, summed over the tokens (a repetition of a "
+                                      "repetition?); the grammar is too ambiguous to match in bounded time");
   history_.push_back(scratch_[b.size()]);
   terminated_at_.push_back(false);
   return true;

@@ -147,6 +147,12 @@ class CompiledGrammar {
 // precomputation.
 class StackPool {
  public:
+  // The most stacks a state may hold. A grammar ambiguous by its own strings ((a{1,8}){0,8}
+  // nested five deep) holds one stack per way of parsing the text so far, and a step and a mask
+  // cost time in proportion (a mask about 1 us a stack): past this bound start, step and advance
+  // throw GrammarError instead of holding the engine. GrammarMatcher also bounds the stacks of
+  // all its states together (kMaxStacksSeen).
+  static constexpr size_t kMaxStacks = size_t{1} << 16;
   explicit StackPool(const Grammar& g) : g_(g) {}
   struct Node {
     uint32_t pos;
@@ -157,7 +163,8 @@ class StackPool {
   // Appends the tops reached from (pos, parent) without consuming input to *out; sets *completed
   // when the bottom rule can end there.
   void expand(uint32_t pos, int32_t parent, std::vector<int32_t>* out, bool* completed);
-  // The start state's tops (the root rule's alternatives, expanded).
+  // The start state's tops (the root rule's alternatives, expanded). start, step and advance:
+  // Errors: GrammarError("grammar") when the tops would be more than kMaxStacks.
   void start(std::vector<int32_t>* out, bool* completed);
   // The tops after consuming code point cp from `tops` (sorted, unique); *completed as above.
   void step(std::span<const int32_t> tops, uint32_t cp, std::vector<int32_t>* out, bool* completed);
@@ -173,6 +180,7 @@ class StackPool {
   std::vector<uint32_t> visited_;  // by node id: the step that last expanded it
   uint32_t epoch_ = 0;
   std::vector<std::pair<uint32_t, int32_t>> work_;  // expand's stack of (position, parent)
+  void finish_tops(std::vector<int32_t>* out) const;  // sorts, dedups, checks kMaxStacks
 };
 
 // A parse state: stack tops plus a partly read UTF-8 character.
@@ -194,9 +202,17 @@ class GrammarMatcher {
  public:
   explicit GrammarMatcher(std::shared_ptr<const CompiledGrammar> g);
 
+  // The most stacks the states of one matcher may hold together, summed over the tokens it
+  // accepts (rollbacks do not give them back): a grammar that keeps thousands of parses alive at
+  // every token costs every mask that much (about 15 us a stack with SmolLM2's vocabulary on a
+  // 2-core VM), so past this sum it is refused, a few seconds in, while a choice of 10,000 strings
+  // still runs (its stacks die as it goes).
+  static constexpr uint64_t kMaxStacksSeen = uint64_t{1} << 18;
+
   // Advances by one token. Returns false, leaving the state unchanged, when the token cannot
   // continue the text (EOS: accepted when the grammar can end, after which the matcher is
-  // terminated). Errors: asserts id in [0, n_vocab).
+  // terminated). Errors: asserts id in [0, n_vocab); GrammarError("grammar") past kMaxStacks or
+  // kMaxStacksSeen (accept_bytes too; and the constructor past kMaxStacks).
   bool accept_token(int32_t id);
   // Whether `text` (bytes) can continue the current state; advances when it can.
   bool accept_bytes(std::string_view text);
@@ -220,6 +236,7 @@ class GrammarMatcher {
   std::vector<bool> terminated_at_;  // parallel to history_: EOS taken at that step
   bool terminated_ = false;
   std::vector<MatchState> scratch_;
+  uint64_t stacks_seen_ = 0;  // summed tops of the states accepted (kMaxStacksSeen)
 };
 
 // Background threads (up to max_threads, started as grammars come) that run
