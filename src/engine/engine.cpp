@@ -25,16 +25,13 @@
 namespace kestrel {
 
 using engine_detail::Clock;
+using engine_detail::NoTokenAllowedError;
 using engine_detail::RequestState;
 
 namespace {
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 constexpr int64_t kDefaultKvBytes = int64_t{2} << 30;  // 2 GiB of K/V when n_kv_blocks is 0
-// A row whose mask the request's own filters emptied: its error (RequestOutput::error_from_request).
-struct NoTokenAllowedError : Error {
-  NoTokenAllowedError() : Error("no token may be sampled: allowed_token_ids, bad_words and the grammar rule out every token") {}
-};
 
 }  // namespace
 
@@ -744,14 +741,7 @@ void Engine::Impl::finish_pass(Pass& p, std::span<const float> logits, std::span
           r.pending_prompt_logits.insert(r.pending_prompt_logits.end(), row.begin(), row.end());
         // Grammar and min_tokens: blocked tokens get -inf before the chain (logprobs then see the
         // masked row).
-        if (r.masks_row()) {
-          m.fill_token_mask(r, r.token_mask);
-          if (!r.grammar_error.empty()) throw grammar::GrammarError("grammar", r.grammar_error);
-          if (r.mask_empty) throw NoTokenAllowedError();
-          r.masked_row.assign(row.begin(), row.end());
-          grammar::apply_token_bitmask(r.masked_row, r.token_mask);
-          row = r.masked_row;
-        }
+        if (r.masks_row()) row = m.masked_logits(r, row);
         if (r.req.logprobs >= 0) {
           SampledToken st =
               r.sampler->sample_with_logprobs(row, r.seq.tokens, r.req.logprobs, static_cast<size_t>(r.seq.n_prompt));

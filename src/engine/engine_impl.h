@@ -99,6 +99,11 @@ struct BeamGroup {
   std::string error;  // a beam's logits were not finite: the request ends with it after the step
 };
 
+// A row whose mask the request's own filters emptied: its error (RequestOutput::error_from_request).
+struct NoTokenAllowedError : Error {
+  NoTokenAllowedError() : Error("no token may be sampled: allowed_token_ids, bad_words and the grammar rule out every token") {}
+};
+
 }  // namespace engine_detail
 
 struct Engine::Impl {
@@ -260,6 +265,9 @@ struct Engine::Impl {
   // yields); sets r.mask_empty when no token is left. Writes only `mask` and r.mask_empty: safe for
   // different requests at once.
   void fill_token_mask(RequestState& r, std::span<uint32_t> mask) const;
+  // r's logits row under its token mask (filled here), in r.masked_row. Errors: the grammar's
+  // error (grammar::GrammarError), NoTokenAllowedError when the mask leaves no token.
+  std::span<const float> masked_logits(RequestState& r, std::span<const float> row) const;
   // r's matcher on grammar g, whose token splits split_prefetcher computes ahead, in the
   // background, the first time g comes (CompiledGrammar::precompute_splits).
   void start_grammar(RequestState& r, const std::shared_ptr<const grammar::CompiledGrammar>& g);

@@ -83,6 +83,15 @@ void Engine::Impl::fill_token_mask(RequestState& r, std::span<uint32_t> mask) co
   r.mask_empty = no_token_left(mask, n_vocab);
 }
 
+std::span<const float> Engine::Impl::masked_logits(RequestState& r, std::span<const float> row) const {
+  fill_token_mask(r, r.token_mask);
+  if (!r.grammar_error.empty()) throw grammar::GrammarError("grammar", r.grammar_error);
+  if (r.mask_empty) throw engine_detail::NoTokenAllowedError();
+  r.masked_row.assign(row.begin(), row.end());
+  grammar::apply_token_bitmask(r.masked_row, r.token_mask);
+  return r.masked_row;
+}
+
 int Engine::Impl::mask_threads() const {
   const int n = config.n_threads > 0 ? config.n_threads
                                      : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
