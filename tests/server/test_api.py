@@ -370,7 +370,7 @@ def test_echo_lists_the_first_word_as_the_text_it_covers(server):
     ("chat", {"n": 2, "best_of": 3}, "best_of", "completions field"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "\"auto\""),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice",
-     "structured output"),
+     "does not return tool calls"),
 ])
 def test_fields_the_server_cannot_honour_are_400s(server, api, extra, param, words):
     """They were ignored: a 200 the client took for what it asked."""

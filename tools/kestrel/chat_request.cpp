@@ -173,8 +173,8 @@ void parse_chat_tools(const json& j, OpenAiRequest& r) {
     throw RequestError("tool_choice", std::string("tool_choice \"auto\" is not supported: this server does not parse "
                                                   "tool calls from the model's output") + kUseNone);
   if (choice == "required")
-    throw RequestError("tool_choice", std::string("tool_choice \"required\" is not supported: forcing a tool call "
-                                                  "needs structured output, which this server does not have yet") +
+    throw RequestError("tool_choice", std::string("tool_choice \"required\" is not supported: this server does not "
+                                                  "return tool calls (tool_calls) from the model's output") +
                                           kUseNone);
   const json& fn = member(choice, "function");
   if (member(choice, "type") != "function" || !fn.is_object() || !member(fn, "name").is_string())
@@ -182,8 +182,8 @@ void parse_chat_tools(const json& j, OpenAiRequest& r) {
   bool found = false;
   for (const json& t : tools) found = found || t["function"]["name"] == fn["name"];
   if (!found) bad("tool_choice", "names a function that is not in tools", choice);
-  throw RequestError("tool_choice", std::string("tool_choice naming a function is not supported: forcing a tool call "
-                                                "needs structured output, which this server does not have yet") +
+  throw RequestError("tool_choice", std::string("tool_choice naming a function is not supported: this server does "
+                                                "not return tool calls (tool_calls) from the model's output") +
                                         kUseNone);
 }
 
