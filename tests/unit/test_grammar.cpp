@@ -207,7 +207,8 @@ TEST(Grammar, AGrammarTooAmbiguousToMatchIsAnErrorNotAStall) {
   EXPECT_TRUE(c.can_end());
 }
 
-// Groups nested deeper than the parsers' bound are an error, not a stack overflow.
+// Groups nested deeper than the parsers' bound, and rules nested deeper than the rewrite's, are
+// errors, not a stack overflow.
 TEST(Grammar, DeeplyNestedGroupsAreRefused) {
   const int depth = 20000;
   try {
@@ -223,6 +224,17 @@ TEST(Grammar, DeeplyNestedGroupsAreRefused) {
     EXPECT_NE(std::string(e.what()).find("nested deeper than 1000"), std::string::npos) << e.what();
   }
   expect_language("root ::= " + std::string(1000, '(') + "\"a\"" + std::string(1000, ')'), {"a"}, {"", "aa"});
+  // A repetition of a chain of 100,000 rules that can each be empty: rewriting it over its
+  // non-empty strings would recurse once per rule.
+  std::string chain = "root ::= (x0)*\n";
+  for (int i = 0; i < 100000; ++i) chain += "x" + std::to_string(i) + " ::= \"a\"? x" + std::to_string(i + 1) + "\n";
+  chain += "x100000 ::= \"b\"?\n";
+  try {
+    Grammar::parse_gbnf(chain);
+    ADD_FAILURE() << "no error";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 2000 nested rules"), std::string::npos) << e.what();
+  }
 }
 
 // Random regexes over {a, b} built from concatenation, alternation (with empty branches), groups

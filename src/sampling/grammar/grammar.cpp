@@ -424,8 +424,20 @@ class Parser {
       }
       return out;
     };
+    // The forms recurse through rules that can be empty, one level per rule: a bound keeps a
+    // hostile chain of them (x0 ::= "a"? x1, x1 ::= "a"? x2, ...) from exhausting the stack.
+    constexpr int kMaxFormDepth = 2000;
+    int form_depth = 0;
     rule_without_empty = [&](uint32_t r) -> uint32_t {
       if (auto it = non_empty_rule.find(r); it != non_empty_rule.end()) return it->second;
+      if (form_depth >= kMaxFormDepth)
+        throw GrammarError("gbnf", "gbnf: a repetition of a part that can match the empty string goes through more "
+                                   "than 2000 nested rules that can match the empty string");
+      struct Depth {
+        int& d;
+        explicit Depth(int& x) : d(++x) {}
+        ~Depth() { --d; }
+      } depth(form_depth);
       const uint32_t id = helper_rule({});
       nullable.resize(alts_.size(), false);  // a non-empty form never matches the empty string
       non_empty_rule.emplace(r, id);         // before the alternatives: a recursive rule refers to itself
@@ -500,15 +512,32 @@ class Parser {
                        [&](const Element& e) { return e.kind == ElementKind::RULE && nullable[e.index]; });
   }
 
-  // Per rule, whether it can match the empty string (a fixpoint over the alternatives).
+  // Per rule, whether it can match the empty string: the least fixpoint, by a worklist in time
+  // linear in the grammar (a pass per change would be quadratic in a chain of 100,000 rules).
   std::vector<bool> nullable_rules() const {
     std::vector<bool> nullable(alts_.size(), false);
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < alts_.size(); ++r)
-        if (!nullable[r] && std::any_of(alts_[r].begin(), alts_[r].end(),
-                                        [&](const Seq& q) { return seq_can_be_empty(q, nullable); }))
-          nullable[r] = changed = true;
+    std::vector<std::vector<int64_t>> pending(alts_.size());  // [rule][alt]: elements not yet empty; -1 never
+    std::vector<std::vector<std::pair<uint32_t, uint32_t>>> users(alts_.size());  // rule -> (rule, alt) using it
+    std::vector<uint32_t> work;
+    const auto found = [&](uint32_t r) {
+      if (!nullable[r]) nullable[r] = true, work.push_back(r);
+    };
+    for (uint32_t r = 0; r < alts_.size(); ++r) {
+      pending[r].resize(alts_[r].size());
+      for (uint32_t a = 0; a < alts_[r].size(); ++a) {
+        int64_t n = 0;
+        for (const Element& e : alts_[r][a])
+          if (e.kind == ElementKind::CLASS) n = INT64_MIN;
+          else ++n, users[e.index].push_back({r, a});
+        pending[r][a] = n < 0 ? -1 : n;
+        if (n == 0) found(r);
+      }
+    }
+    while (!work.empty()) {
+      const uint32_t q = work.back();
+      work.pop_back();
+      for (const auto& [r, a] : users[q])
+        if (pending[r][a] > 0 && --pending[r][a] == 0) found(r);
     }
     return nullable;
   }
