@@ -410,6 +410,24 @@ def test_structured_output_follows_the_schema(server, field):
         assert all(p in ("cat", "dog") for p in value.get("pets", [])) and len(value.get("pets", [])) <= 2, value
 
 
+def test_hostile_grammars_are_400s_and_the_server_serves_on(server):
+    """Each of these killed the server (a stack overflow) or held its engine for tens of seconds."""
+    deep = 20000
+    cases = [("guided_regex", "(" * deep + "a" + ")" * deep, "nested deeper than 1000"),
+             ("guided_grammar", "root ::= " + "(" * deep + '"a"' + ")" * deep, "nested deeper than 1000"),
+             ("guided_regex", "(((((a?){0,8}){0,8}){0,8}){0,8}){0,8}", "too ambiguous")]
+    for field, text, words in cases:
+        # min_tokens holds EOS back, so the ambiguous grammar's parses pile up to the bound.
+        r = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 400, "min_tokens": 400, field: text})
+        assert r.status_code == 400, r.text[:300]
+        assert words in r.json()["error"]["message"], r.text[:300]
+    r = server.post("/v1/completions", dict(prompt=PROMPT, max_tokens=4, guided_regex="(a?){0,99999}"))
+    assert r.status_code == 200, r.text[:300]
+    assert re.fullmatch("a*", r.json()["choices"][0]["text"]), r.text
+    r = server.post("/v1/completions", dict(prompt=PROMPT, max_tokens=4, temperature=0))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
 def test_structured_output_regex_and_choice(server):
     r = server.post("/v1/completions", dict(prompt=PROMPT, max_tokens=30, temperature=1.0, n=4, seed=2,
                                             guided_regex="(Lily|Tom) has [1-9] (cats|dogs)\\."))
