@@ -666,11 +666,11 @@ TEST(OpenAiRequest, ToolChoice) {
       << by_default;
   EXPECT_NE(by_default.find("\"none\""), std::string::npos) << by_default;
   EXPECT_EQ(param_of("{" + m + ", " + tools + R"(, "tool_choice": "auto"})", RequestApi::Chat), "tool_choice");
-  EXPECT_NE(failure_of("{" + m + ", " + tools + R"(, "tool_choice": "required"})", RequestApi::Chat).find("structured output"),
+  EXPECT_NE(failure_of("{" + m + ", " + tools + R"(, "tool_choice": "required"})", RequestApi::Chat).find("tool_calls"),
             std::string::npos);
   EXPECT_NE(failure_of("{" + m + ", " + tools +
                          R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})",
-                     RequestApi::Chat).find("structured output"),
+                     RequestApi::Chat).find("tool_calls"),
             std::string::npos);
   EXPECT_NE(failure_of("{" + m + ", " + tools + R"(, "tool_choice": {"type": "function", "function": {"name": "other"}}})",
                      RequestApi::Chat).find("not in tools"),
