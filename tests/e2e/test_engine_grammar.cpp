@@ -27,13 +27,22 @@ struct Outcome {
   std::string finish_reason;
 };
 
+// stories260K, its tokenizer and grammar cache, and an engine of 512 positions over them.
+struct StoriesEngine {
+  static EngineConfig config() {
+    EngineConfig cfg;
+    cfg.max_model_len = 512;
+    return cfg;
+  }
+  decltype(LlamaModel::load_gguf("")) model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
+  decltype(Tokenizer::from_gguf(model->file())) tok = Tokenizer::from_gguf(model->file());
+  decltype(grammar::GrammarCache::for_tokenizer(*tok)) cache = grammar::GrammarCache::for_tokenizer(*tok);
+  Engine e{*model, tok.get(), config()};
+};
+
 std::vector<Outcome> run_constrained(const grammar::Constraint& c, int n, int64_t max_tokens) {
-  auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
-  auto tok = Tokenizer::from_gguf(model->file());
-  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
-  EngineConfig cfg;
-  cfg.max_model_len = 512;
-  Engine e(*model, tok.get(), cfg);
+  StoriesEngine s;
+  auto& [model, tok, cache, e] = s;
   std::map<RequestId, size_t> index;
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(n));
   std::vector<Outcome> out(static_cast<size_t>(n));
@@ -116,12 +125,8 @@ TEST(EngineGrammar, RegexAndChoiceOutputsMatch) {
 // its own request with an error once its parses pile up; the engine serves the request beside it.
 TEST(EngineGrammar, ATooAmbiguousGrammarEndsItsRequestAndTheEngineServesOn) {
   KESTREL_REQUIRE_FILE(test::data_dir() + "/stories260K/stories260K.gguf");
-  auto model = LlamaModel::load_gguf(test::data_dir() + "/stories260K/stories260K.gguf");
-  auto tok = Tokenizer::from_gguf(model->file());
-  auto cache = grammar::GrammarCache::for_tokenizer(*tok);
-  EngineConfig cfg;
-  cfg.max_model_len = 512;
-  Engine e(*model, tok.get(), cfg);
+  StoriesEngine s;
+  auto& [model, tok, cache, e] = s;
   grammar::Constraint c;
   c.kind = grammar::ConstraintKind::REGEX;
   c.text = "(((((a?){0,8}){0,8}){0,8}){0,8}){0,8}";

@@ -74,6 +74,16 @@ void expect_language(const std::string& gbnf, const std::vector<std::string>& ye
   for (const auto& s : no) EXPECT_FALSE(matches(cg, s)) << "should reject '" << s << "' under\n" << gbnf;
 }
 
+// The message of the GrammarError that f throws ("" when it throws none).
+std::string grammar_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const GrammarError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 std::string schema_gbnf(const std::string& schema, JsonSchemaOptions o = {}) {
   return json_schema_to_gbnf(nlohmann::ordered_json::parse(schema), o);
 }
@@ -130,12 +140,8 @@ TEST(Grammar, RepetitionOfAPartThatCanBeEmpty) {
   std::string run = "root ::= (";
   for (int i = 0; i < 20000; ++i) run += " x";
   run += ")*\nx ::= \"a\"?";
-  try {
-    Grammar::parse_gbnf(run);
-    ADD_FAILURE() << "no error";
-  } catch (const GrammarError& e) {
-    EXPECT_NE(std::string(e.what()).find("too large to rewrite"), std::string::npos) << e.what();
-  }
+  const std::string too_large = grammar_error_of([&] { Grammar::parse_gbnf(run); });
+  EXPECT_NE(too_large.find("too large to rewrite"), std::string::npos) << too_large;
   expect_language("root ::= ((\"a\"?){3})* \"b\"", {"b", "aaaab"}, {"ba"});
   // A bounded repetition of such a part is one repetition of its non-empty strings: the same
   // language, in a chain of 20,000 links rather than 20,000 copies.
@@ -211,30 +217,18 @@ TEST(Grammar, AGrammarTooAmbiguousToMatchIsAnErrorNotAStall) {
 // errors, not a stack overflow.
 TEST(Grammar, DeeplyNestedGroupsAreRefused) {
   const int depth = 20000;
-  try {
-    Grammar::parse_gbnf("root ::= " + std::string(depth, '(') + "\"a\"" + std::string(depth, ')'));
-    ADD_FAILURE() << "no error";
-  } catch (const GrammarError& e) {
-    EXPECT_NE(std::string(e.what()).find("nested deeper than 1000"), std::string::npos) << e.what();
-  }
-  try {
-    regex_to_gbnf(std::string(depth, '(') + "a" + std::string(depth, ')'));
-    ADD_FAILURE() << "no error";
-  } catch (const GrammarError& e) {
-    EXPECT_NE(std::string(e.what()).find("nested deeper than 1000"), std::string::npos) << e.what();
-  }
+  for (const std::string& err :
+       {grammar_error_of([&] { Grammar::parse_gbnf("root ::= " + std::string(depth, '(') + "\"a\"" + std::string(depth, ')')); }),
+        grammar_error_of([&] { regex_to_gbnf(std::string(depth, '(') + "a" + std::string(depth, ')')); })})
+    EXPECT_NE(err.find("nested deeper than 1000"), std::string::npos) << err;
   expect_language("root ::= " + std::string(1000, '(') + "\"a\"" + std::string(1000, ')'), {"a"}, {"", "aa"});
   // A repetition of a chain of 100,000 rules that can each be empty: rewriting it over its
   // non-empty strings would recurse once per rule.
   std::string chain = "root ::= (x0)*\n";
   for (int i = 0; i < 100000; ++i) chain += "x" + std::to_string(i) + " ::= \"a\"? x" + std::to_string(i + 1) + "\n";
   chain += "x100000 ::= \"b\"?\n";
-  try {
-    Grammar::parse_gbnf(chain);
-    ADD_FAILURE() << "no error";
-  } catch (const GrammarError& e) {
-    EXPECT_NE(std::string(e.what()).find("more than 2000 nested rules"), std::string::npos) << e.what();
-  }
+  const std::string deep_forms = grammar_error_of([&] { Grammar::parse_gbnf(chain); });
+  EXPECT_NE(deep_forms.find("more than 2000 nested rules"), std::string::npos) << deep_forms;
 }
 
 // Random regexes over {a, b} built from concatenation, alternation (with empty branches), groups

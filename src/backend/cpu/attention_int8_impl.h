@@ -136,6 +136,18 @@ KESTREL_INLINE float reduce_add16(v16f x) {
   return (b0 + b2) + (b1 + b3);
 }
 
+// fn(j, codes) for the slots j of the chunk's tiles within [lo, hi), ascending, codes pointing at
+// element d of slot j's value row (the value sums of the chunk kernel, on either ISA).
+template <class Fn>
+KESTREL_INLINE void for_each_value_slot(int64_t lo, int64_t hi, const int32_t* tile_slot, const int32_t* tile_n,
+                                        const int8_t* const* tile_v, int64_t n_tiles, int64_t hd, int64_t d, Fn&& fn) {
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    const int64_t j0 = std::max<int64_t>(lo, tile_slot[t]), j1 = std::min<int64_t>(hi, tile_slot[t] + tile_n[t]);
+    const int8_t* v = tile_v[t] + d - tile_slot[t] * hd;  // slot j's row at v + j * hd
+    for (int64_t j = j0; j < j1; ++j) fn(j, v + j * hd);
+  }
+}
+
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__)
 // INT8 keys on AVX2 (no 8-bit dot product that fits a 16-bit query exactly): the query row as
 // int16, Q_i = 255 q1_i + q2_i (quantize_query_q16's planes, |Q_i| <= 32512), and vpmaddwd with
@@ -191,20 +203,15 @@ KESTREL_INLINE void i8_chunk_values_avx2(float* const* out, const float* const* 
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n_tiles; ++t) {
-    const int64_t j0 = std::max<int64_t>(lo, tile_slot[t]), j1 = std::min<int64_t>(hi, tile_slot[t] + tile_n[t]);
-    const int8_t* v = tile_v[t] + d - tile_slot[t] * hd;  // slot j's row at v + j * hd
-    for (int64_t j = j0; j < j1; ++j) {
-      const int8_t* vr = v + j * hd;
-      __m256 pj[NR];
-      for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p[r] + j);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 x =
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr + 8 * i))));
-        for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(pj[r], x, acc[r][i]);
-      }
+  for_each_value_slot(lo, hi, tile_slot, tile_n, tile_v, n_tiles, hd, d, [&](int64_t j, const int8_t* vr) {
+    __m256 pj[NR];
+    for (int r = 0; r < NR; ++r) pj[r] = _mm256_broadcast_ss(p[r] + j);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 x =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr + 8 * i))));
+      for (int r = 0; r < NR; ++r) acc[r][i] = _mm256_fmadd_ps(pj[r], x, acc[r][i]);
     }
-  }
+  });
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out[r] + d + 8 * i, acc[r][i]);
 }
@@ -221,20 +228,15 @@ KESTREL_INLINE void i8_chunk_values(float* const* out, const float* const* p, in
   __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n_tiles; ++t) {
-    const int64_t j0 = std::max<int64_t>(lo, tile_slot[t]), j1 = std::min<int64_t>(hi, tile_slot[t] + tile_n[t]);
-    const int8_t* v = tile_v[t] + d - tile_slot[t] * hd;  // slot j's row at v + j * hd
-    for (int64_t j = j0; j < j1; ++j) {
-      const int8_t* vr = v + j * hd;
-      __m512 x[4];
-      for (int i = 0; i < 4; ++i)
-        x[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + 16 * i))));
-      for (int r = 0; r < NR; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r][j]);
-        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(pj, x[i], acc[r][i]);
-      }
+  for_each_value_slot(lo, hi, tile_slot, tile_n, tile_v, n_tiles, hd, d, [&](int64_t j, const int8_t* vr) {
+    __m512 x[4];
+    for (int i = 0; i < 4; ++i)
+      x[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + 16 * i))));
+    for (int r = 0; r < NR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(pj, x[i], acc[r][i]);
     }
-  }
+  });
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out[r] + d + 16 * i, acc[r][i]);
 }
@@ -333,10 +335,16 @@ inline void attention_chunk_i8(const AttentionArgs& a, int64_t chunk, float* st,
       if (lo[r] < slot + nk && hi[r] > slot) live[n_live++] = static_cast<int32_t>(r);
     if (n_live > 0) {
       float ks[kKeyTile];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      const __mmask16 in = static_cast<__mmask16>((1u << nk) - 1);
+      _mm512_storeu_ps(ks, _mm512_maskz_loadu_ps(in, a.k_scale + elem / hd));
+      _mm512_storeu_ps(vsc + slot, _mm512_maskz_loadu_ps(in, a.v_scale + elem / hd));
+#else
       for (int64_t j = 0; j < kKeyTile; ++j) {
         ks[j] = j < nk ? a.k_scale[elem / hd + j] : 0.0f;
         vsc[slot + j] = j < nk ? a.v_scale[elem / hd + j] : 0.0f;
       }
+#endif
       float qsr[4];
       float* sr[4];
       int64_t li = 0;
