@@ -433,11 +433,7 @@ class Parser {
       if (form_depth >= kMaxFormDepth)
         throw GrammarError("gbnf", "gbnf: a repetition of a part that can match the empty string goes through more "
                                    "than 2000 nested rules that can match the empty string");
-      struct Depth {
-        int& d;
-        explicit Depth(int& x) : d(++x) {}
-        ~Depth() { --d; }
-      } depth(form_depth);
+      ++form_depth;  // an error ends the whole parse: nothing to restore then
       const uint32_t id = helper_rule({});
       nullable.resize(alts_.size(), false);  // a non-empty form never matches the empty string
       non_empty_rule.emplace(r, id);         // before the alternatives: a recursive rule refers to itself
@@ -446,6 +442,7 @@ class Parser {
       for (const Seq& a : alts)
         for (Seq& x : seq_without_empty(a)) out.push_back(std::move(x));
       alts_[id] = std::move(out);
+      --form_depth;
       return id;
     };
     // A bounded repetition x{m,n} whose x can match the empty string is ambiguous (each of the n
