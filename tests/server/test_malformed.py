@@ -86,6 +86,7 @@ CASES = [
     (C, body(echo="yes"), 400, "echo"),
     (C, body(stream="yes"), 400, "stream"),
     (C, body(stream_options="x"), 400, "stream_options"),
+    (C, body(stream_options={"include_usage": True}), 400, "stream_options"),  # without stream: true
     (C, body(ignore_eos="no"), 400, "ignore_eos"),
     (C, body(model=5), 400, "model"),
     (C, body(model="no-such-model"), 404, "model"),

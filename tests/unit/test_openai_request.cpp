@@ -166,7 +166,8 @@ TEST(OpenAiRequest, ErrorsNameTheParameter) {
       {R"({"prompt": "a", "logprobs": 21})", "logprobs"},
       {R"({"prompt": "a", "echo": 1})", "echo"},
       {R"({"prompt": "a", "stream": "yes"})", "stream"},
-      {R"({"prompt": "a", "stream_options": {"include_usage": 1}})", "stream_options.include_usage"},
+      {R"({"prompt": "a", "stream": true, "stream_options": {"include_usage": 1}})", "stream_options.include_usage"},
+      {R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options"},  // not streamed
       {R"({"prompt": "a", "model": 1})", "model"},
       {R"({"prompt": "a", "logit_bias": {"x": 1}})", "logit_bias"},
       {R"({"prompt": "a", "logit_bias": {"3": "x"}})", "logit_bias"},

@@ -495,6 +495,8 @@ void server_fields(const json& j, RequestApi api, OpenAiRequest& r) {
   }
   if (const json& v = field(j, "stream_options"); !v.is_null()) {
     if (!v.is_object()) bad("stream_options", "must be an object", v);
+    // As OpenAI's API and vLLM refuse it: the options shape a stream only.
+    if (!r.stream) bad("stream_options", "can only be set with stream: true", v);
     if (const json& u = field(v, "include_usage"); !u.is_null())
       r.include_usage = boolean("stream_options.include_usage", u);
   }
