@@ -440,6 +440,35 @@ TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
   }
 }
 
+// chat_template_kwargs (vLLM's): an object of more template variables, which reach the template
+// and override the ones it is given (as transformers' apply_chat_template kwargs do); any other
+// type is a 400 naming it; completions do not read it.
+TEST(OpenAiRequest, ChatTemplateKwargsReachTheTemplate) {
+  PromptFormat f;
+  f.bos_token = "<s>";
+  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(
+      "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+      "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"));
+  const OpenAiRequest r = parse(
+      R"({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": {"enable_thinking": false,
+          "bos_token": "<B>"}})",
+      RequestApi::Chat);
+  EXPECT_EQ(render_chat(f, r.messages_json, true, r.tools, r.chat_template_kwargs), "<B>[u]<no-think>");
+  EXPECT_EQ(render_chat(f, r.messages_json, true), "<s>[u]");
+  EXPECT_TRUE(parse(R"({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": null})",
+                    RequestApi::Chat)
+                  .chat_template_kwargs.is_null());
+  for (const char* v : {"[]", "\"x\"", "1", "true"})
+    EXPECT_EQ(param_of(std::string(R"({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": )") +
+                           v + "}",
+                       RequestApi::Chat),
+              "chat_template_kwargs")
+        << v;
+  EXPECT_TRUE(parse(R"({"prompt": "a", "chat_template_kwargs": 1})", RequestApi::Completions)
+                  .chat_template_kwargs.is_null());
+  EXPECT_TRUE(is_known_field("chat_template_kwargs", RequestApi::Chat));
+}
+
 
 
 // developer and tool messages reach the template with their role as given (they were refused);

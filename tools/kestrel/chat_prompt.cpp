@@ -7,7 +7,7 @@
 namespace kestrel::cli {
 
 std::string render_chat(const PromptFormat& format, const Json& messages, bool add_generation_prompt,
-                        const Json& tools) {
+                        const Json& tools, const Json& template_kwargs) {
   if (!format.template_error.empty())
     throw RequestError("messages", "the model's chat template does not parse: " + format.template_error);
   if (format.jinja_template) {
@@ -17,6 +17,7 @@ std::string render_chat(const PromptFormat& format, const Json& messages, bool a
     in.add_generation_prompt = add_generation_prompt;
     in.bos_token = format.bos_token;
     in.eos_token = format.eos_token;
+    if (template_kwargs.is_object()) in.extra = template_kwargs;
     try {
       return render_chat_template(*format.jinja_template, in);
     } catch (const Error& e) {  // jinja::TemplateError: raise_exception's message, a runtime error, a limit

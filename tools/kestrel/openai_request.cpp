@@ -517,7 +517,7 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "use_beam_search",
       "length_penalty", "early_stopping", "min_tokens", "stop_token_ids", "prompt_logprobs", "speculative_config",
       "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
-      "bad_words", "truncate_prompt_tokens", "priority"};
+      "bad_words", "truncate_prompt_tokens", "priority", "chat_template_kwargs"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -564,7 +564,13 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
   if (const json& v = field(j, "seed"); !v.is_null()) r.seed = seed_field(v);
   if (const json& v = field(j, "stop"); !v.is_null()) r.stop = stop_field(v);
   if (const json& v = field(j, "ignore_eos"); !v.is_null()) r.ignore_eos = boolean("ignore_eos", v);
-  if (r.is_chat) parse_chat_tools(j, r);
+  if (r.is_chat) {
+    parse_chat_tools(j, r);
+    if (const json& v = field(j, "chat_template_kwargs"); !v.is_null()) {
+      if (!v.is_object()) bad("chat_template_kwargs", "must be an object of template variables", v);
+      r.chat_template_kwargs = v;
+    }
+  }
   stop_token_fields(j, r);
   vllm_fields(j, r);
   if (api == RequestApi::Batch) {
@@ -702,7 +708,9 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     out.prompt = *p->ids;
   } else {
     const std::string text =
-        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true, request.tools) : p->text;
+        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true, request.tools,
+                                      request.chat_template_kwargs)
+                        : p->text;
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && format.starts_with_bos(text);
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);

@@ -100,6 +100,10 @@ struct OpenAiRequest {
   // string; name, tool_calls, tool_call_id when given).
   Json messages_json;
   Json tools;                         // the template's `tools` (tool_choice "none"); null when not given
+  // Chat: more variables for the model's Jinja chat template (vLLM's chat_template_kwargs, e.g.
+  // {"enable_thinking": false}), overriding the ones it is given (transformers' apply_chat_template
+  // kwargs); an object, or null when not given.
+  Json chat_template_kwargs;
   // >= 1, or -1 (JSON null, or absent for the server): until max_model_len. Completions also take
   // 0 (OpenAI's legacy API): nothing is generated, the choice is the echo (if any) with
   // finish_reason "length"; the engine still runs the prompt (for echo's logprobs), with one token
