@@ -29,10 +29,6 @@ struct CudaTuning {
   // brings into L2 when its own last bytes are requested (StreamPrefetch); 0 = none.
   int64_t stream_prefetch_kb = 64;
   bool stream_gemv_fp8 = true;       // FP8 weights on the W8A8 streaming GEMV (off: the W8A16 skinny GEMM)
-  // Consecutive FP8 (W8A8) or INT4 (W4A16) streamed projections (O, gate/up, down, the next
-  // layer's QKV) as one launch with grid barriers between them (stream_gemv_w8a8_chain,
-  // stream_gemv_int4_chain), for one runner a device.
-  bool stream_chain = false;
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
   bool verify_decode_rows = true;    // verify steps' attention on the decode kernel, a row an item

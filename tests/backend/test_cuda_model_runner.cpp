@@ -29,13 +29,12 @@ namespace {
 
 std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
 
-std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager, bool fp8 = false, bool chain = false) {
+std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager, bool fp8 = false) {
   RunnerOptions o;
   o.block_size = 16;
   o.n_kv_blocks = 96;
   o.enforce_eager = eager;
   o.quantize_fp8 = fp8;
-  o.cuda.stream_chain = chain;
   return make_cuda_model_runner(m, o);
 }
 
@@ -333,71 +332,3 @@ TEST(CudaModelRunner, Fp8WeightsStayCloseToTheCpuBackendOnStories260K) {
   EXPECT_EQ(greedy_ids(gpu, {prompt}, 8).front().size(), 8u);
 }
 
-
-// FP8 and INT4 projections chained into one launch (CudaTuning::stream_chain: O, gate|up, down and
-// the next layer's QKV, grid barriers between them, the weights streaming on across them) against
-// each launched alone: the same tokens and, bit for bit, the same logprob of each, eagerly and
-// through the graph path, for one sequence (one-token steps) and two together (two-token steps).
-// Generated Llamas of width 2048, the streaming GEMV's narrowest: --quantization fp8, and GPTQ
-// 4-bit groups of 128. Skipped on the emulation: with its 4 SMs a block would get more rows of
-// these projections than the streaming GEMVs take, so neither runner would stream, let alone
-// chain (the chain launchers' own tests cover the emulated launches).
-TEST(CudaModelRunner, ChainedProjectionsGiveTheUnchainedOutputs) {
-  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
-  if (test::kCudaEmulated) GTEST_SKIP() << "the emulation's 4 SMs do not stream projections of width 2048";
-  std::vector<Request> requests;
-  for (int32_t i = 0; i < 2; ++i) {
-    Request r;
-    for (int32_t j = 0; j < 20 + 9 * i; ++j) r.prompt.push_back((j * 37 + i * 11) % 256);
-    r.max_tokens = 24;
-    r.sampling.temperature = 0;
-    r.logprobs = 0;
-    requests.push_back(r);
-  }
-  // Every request's tokens and the bits of their logprobs, `together` requests at a time.
-  auto run = [&](Engine& e, size_t together) {
-    std::vector<std::pair<std::vector<int32_t>, std::vector<uint32_t>>> out(requests.size());
-    for (size_t first = 0; first < requests.size(); first += together) {
-      std::vector<RequestId> ids;
-      for (size_t i = first; i < std::min(requests.size(), first + together); ++i)
-        ids.push_back(e.add_request(requests[i]));
-      while (e.has_unfinished())
-        for (const RequestOutput& o : e.step()) {
-          const size_t i = first + static_cast<size_t>(std::find(ids.begin(), ids.end(), o.id) - ids.begin());
-          out[i].first.insert(out[i].first.end(), o.new_token_ids.begin(), o.new_token_ids.end());
-          for (const LogprobSummary& l : o.logprobs) {
-            uint32_t b = 0;
-            std::memcpy(&b, &l.chosen.logprob, sizeof b);
-            out[i].second.push_back(b);
-          }
-        }
-    }
-    return out;
-  };
-  for (const bool gptq : {false, true}) {
-    SCOPED_TRACE(gptq ? "GPTQ 4-bit" : "FP8");
-    test::TempDir dir;
-    nlohmann::json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 2048},
-                          {"intermediate_size", 2048}, {"num_hidden_layers", 2}, {"num_attention_heads", 16},
-                          {"num_key_value_heads", 8}, {"vocab_size", 256}, {"max_position_embeddings", 512},
-                          {"tie_word_embeddings", false}};
-    if (gptq)
-      cfg["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128},
-                                    {"desc_act", false}, {"sym", true}, {"checkpoint_format", "gptq"}};
-    dir.write_config(cfg);
-    const auto model = LlamaModel::load_dummy(dir.path());
-    for (const bool eager : {true, false})
-      for (const size_t together : {size_t{1}, size_t{2}}) {
-        SCOPED_TRACE(std::string(eager ? "eager" : "graph path") + ", " + std::to_string(together) + " at a time");
-        Engine off(*model, nullptr, config(), cuda_runner(*model, eager, /*fp8=*/!gptq));
-        const auto want = run(off, together);
-        Engine on(*model, nullptr, config(), cuda_runner(*model, eager, /*fp8=*/!gptq, /*chain=*/true));
-        const auto got = run(on, together);
-        for (size_t i = 0; i < requests.size(); ++i) {
-          EXPECT_EQ(got[i].first, want[i].first) << "request " << i;
-          EXPECT_EQ(got[i].second, want[i].second) << "request " << i << ": logprob bits";
-          EXPECT_EQ(want[i].first.size(), 24u);
-        }
-      }
-  }
-}

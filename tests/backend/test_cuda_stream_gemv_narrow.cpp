@@ -10,7 +10,6 @@
 // norm's input is rounded to bf16 by the kernel from f32 arithmetic: the reference rounds the
 // float64 norm to bf16, and an input one bf16 ulp off adds at most 2^-7 |a_k W_k| to the bound.
 #include <cmath>
-#include <memory>
 
 #include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/int4_ops.h"
@@ -276,119 +275,6 @@ TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
   }
   EXPECT_EQ(cuda::stream_prefetch_of(w.get(), 64, 4096, 0).base, nullptr);
   EXPECT_EQ(cuda::stream_prefetch_of(nullptr, 64, 4096, 1024).base, nullptr);
-}
-
-// A chain shaped like a decoder layer's streamed projections (O, gate|up with the fused norm,
-// down with SwiGLU, the next QKV with the fused norm over down's output and the residual gate|up
-// wrote), each link reading what the one before it wrote: the same bits as the four projections
-// launched one by one, for every output and residual, on two launches of the chain in a row (the
-// barrier's words are left ready for the next launch), at one and two tokens. On a GPU the chain
-// is one launch with grid barriers, so a barrier that let a block read before the others had
-// written would show here; under the emulation each link is a launch of its own. weight(n_in,
-// n_out) makes a random weight and returns what sets it into a link's operands; one and chain
-// launch a link alone and a chain.
-template <class Args, class Weight, class One, class Chain>
-void expect_chain_is_its_links_one_by_one(std::mt19937& rng, Weight weight, One one, Chain chain) {
-  const int64_t d = 2048, ff = 2048, qkv = 3072;
-  for (const int64_t n : {1, 2}) {
-    SCOPED_TRACE("tokens " + std::to_string(n));
-    const auto wo = weight(d, d), wgu = weight(d, 2 * ff), wdown = weight(ff, d), wqkv = weight(d, qkv);
-    const DeviceBuffer<uint16_t> attn(random_bf16(static_cast<size_t>(n * d), rng, -2.0f, 2.0f));
-    const DeviceBuffer<uint16_t> norm1(random_bf16(static_cast<size_t>(d), rng, 0.5f, 1.5f));
-    const DeviceBuffer<uint16_t> norm2(random_bf16(static_cast<size_t>(d), rng, 0.5f, 1.5f));
-    const auto res0 = random_f32(static_cast<size_t>(n * d), rng, -3.0f, 3.0f);
-    // Outputs and residuals of a run: o, gate|up, down, qkv; the residual after each norm.
-    struct Run {
-      DeviceBuffer<uint16_t> o, gu, down, qkv;
-      DeviceBuffer<float> res_a, res_b;
-      Run(int64_t n, int64_t d, int64_t ff, int64_t qkv_n, const std::vector<float>& res)
-          : o(static_cast<size_t>(n * d)),
-            gu(static_cast<size_t>(n * 2 * ff)),
-            down(static_cast<size_t>(n * d)),
-            qkv(static_cast<size_t>(n * qkv_n)),
-            res_a(res),
-            res_b(res.size()) {
-        for (auto* b : {&o, &gu, &down, &qkv}) b->poison();
-        res_b.poison();
-      }
-    };
-    auto links = [&](Run& r) {
-      std::vector<Args> v(4);
-      auto set = [&](Args& a, const auto& w, int64_t n_in, int64_t n_out, void* y) {
-        a.n_tokens = n, a.n_in = n_in, a.n_out = n_out, a.y = y, a.x_stride = n_in;
-        a.norm_eps = 1e-5f;
-        // The emulation's 4 SMs would give blocks of more than 256 rows: 16 blocks there (its
-        // chains are a launch a link, which any block count allows).
-        a.blocks = kCudaEmulated ? 16 : 0;
-        w(a);
-      };
-      set(v[0], wo, d, d, r.o.get());
-      v[0].x = attn.bf16();
-      set(v[1], wgu, d, 2 * ff, r.gu.get());
-      v[1].norm_residual_in = r.res_a.get(), v[1].norm_add = r.o.bf16(), v[1].norm_weight = norm1.bf16();
-      v[1].norm_residual_out = r.res_b.get();
-      set(v[2], wdown, ff, d, r.down.get());
-      v[2].x = r.gu.bf16(), v[2].x_stride = 2 * ff, v[2].swiglu = true;
-      set(v[3], wqkv, d, qkv, r.qkv.get());
-      v[3].norm_residual_in = r.res_b.get(), v[3].norm_add = r.down.bf16(), v[3].norm_weight = norm2.bf16();
-      v[3].norm_residual_out = r.res_a.get();
-      return v;
-    };
-    Run alone(n, d, ff, qkv, res0);
-    for (const Args& a : links(alone)) one(a);
-    DeviceBuffer<uint32_t> barrier(std::vector<uint32_t>{0, 0});
-    for (int launch = 0; launch < 2; ++launch) {
-      SCOPED_TRACE("launch " + std::to_string(launch));
-      Run chained(n, d, ff, qkv, res0);
-      chain(links(chained), barrier.get());
-      EXPECT_EQ(chained.o.download(), alone.o.download());
-      EXPECT_EQ(chained.gu.download(), alone.gu.download());
-      EXPECT_EQ(chained.down.download(), alone.down.download());
-      EXPECT_EQ(chained.qkv.download(), alone.qkv.download());
-      EXPECT_EQ(chained.res_b.download(), alone.res_b.download());
-      EXPECT_EQ(chained.res_a.download(), alone.res_a.download());
-      EXPECT_EQ(barrier.download()[0], 0u);  // the count is back to zero for the next launch
-    }
-    // Refused: no links, more than kStreamChainMaxLinks, links of different token counts.
-    auto v = links(alone);
-    EXPECT_THROW(chain({}, barrier.get()), Error);
-    std::vector<Args> five(v.begin(), v.end());
-    five.push_back(v[0]);
-    EXPECT_THROW(chain(five, barrier.get()), Error);
-    v[2].n_tokens = 3 - n;
-    EXPECT_THROW(chain(v, barrier.get()), Error);
-  }
-}
-
-TEST(CudaStreamGemvNarrow, W8a8ChainIsItsLinksOneByOne) {
-  KESTREL_REQUIRE_CUDA();
-  std::mt19937 rng(65);
-  auto weight = [&](int64_t n_in, int64_t n_out) {
-    auto w = std::make_shared<DeviceBuffer<uint8_t>>(random_e4m3(static_cast<size_t>(n_in * n_out), rng));
-    auto scale = std::make_shared<DeviceBuffer<float>>(random_f32(static_cast<size_t>(n_out), rng, 2e-3f, 6e-3f));
-    return [w, scale](cuda::StreamGemvFp8Args& a) { a.w8 = w->get(), a.w_scale = scale->get(); };
-  };
-  expect_chain_is_its_links_one_by_one<cuda::StreamGemvFp8Args>(
-      rng, weight, [](const cuda::StreamGemvFp8Args& a) { cuda::stream_gemv_w8a8(a, nullptr); },
-      [](const std::vector<cuda::StreamGemvFp8Args>& v, uint32_t* barrier) {
-        cuda::stream_gemv_w8a8_chain(v, barrier, nullptr);
-      });
-}
-
-// The same for INT4 (groups of 128, f16 scales and bf16 scales, zero points).
-TEST(CudaStreamGemvNarrow, Int4ChainIsItsLinksOneByOne) {
-  KESTREL_REQUIRE_CUDA();
-  std::mt19937 rng(66);
-  int i = 0;
-  auto weight = [&](int64_t n_in, int64_t n_out) {
-    auto d = std::make_shared<DeviceInt4>(make_case(n_in, n_out, 128, ++i % 2 == 0, false, false, rng));
-    return [d](cuda::StreamGemvInt4Args& a) { a.w4 = d->m; };
-  };
-  expect_chain_is_its_links_one_by_one<cuda::StreamGemvInt4Args>(
-      rng, weight, [](const cuda::StreamGemvInt4Args& a) { cuda::stream_gemv_int4(a, nullptr); },
-      [](const std::vector<cuda::StreamGemvInt4Args>& v, uint32_t* barrier) {
-        cuda::stream_gemv_int4_chain(v, barrier, nullptr);
-      });
 }
 
 TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {

@@ -71,7 +71,6 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
     prof_->begin(s.max_query == 1 ? "decode" : s.max_query <= kGraphMaxTokensPerSeq ? "verify" : "prefill");
   fp8_pending_ = {};
   arch_.forward(*this, hp_);
-  flush_chain();
   settle_fp8();  // every architecture's last op reads its input through act(): nothing is left
   if (s.sample && s.n_out > 0) {
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out,
@@ -82,7 +81,6 @@ void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s)
 }
 
 bf16* CudaModelRunner::act(Act a) {
-  flush_chain();
   if (a != Act::None && fp8_pending_.act == a) settle_fp8();
   return act_buffer(a);
 }
@@ -138,7 +136,6 @@ void CudaModelRunner::gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act ou
 }
 
 void CudaModelRunner::embed() {
-  flush_chain();
   if (!role_.first) return;  // a later pipeline stage: run() copied the residual stream handed in
   if (embd_q_.in_place()) {
     cuda::gguf_embedding(embd_q_.gguf[0].m, pass_arrays_->ids, pass_.n_tokens, hp_.embd_scale, pass_residual_,
@@ -180,8 +177,6 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
   const bool streamed = W.in_place() ? false  // GGUF blocks: their own GEMV, the norm a kernel of its own
                         : narrow     ? uses_stream_gemv_narrow(W, n) && W.perm.bytes() == 0
                                      : uses_stream_gemv(n, d, n_out);
-  const bool chained = fused_norm_ && streamed && chains(W, n);
-  if (!chained) flush_chain();
   if (!streamed && fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(d)) {
     // W8A8: the norm writes the GEMM's quantized input, scaling an unscaled product on the way in.
     const PendingFp8Scale p = take_fp8_pending(add);
@@ -201,7 +196,7 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
     cuda::StreamGemvArgs a{cuda::ProjectionOperands{nullptr, d, w.as<bf16>(), y, n, d, n_out, false, false}};
     a.stages = stream_gemv_stages_;
     a.norm_residual_in = pass_residual_;
-    a.norm_add = chained ? act_buffer(add) : act(add);
+    a.norm_add = act(add);
     a.norm_weight = norm_w.as<bf16>();
     a.norm_residual_out = pass_spare_;
     a.norm_eps = hp_.rms_eps;
@@ -242,7 +237,7 @@ void CudaModelRunner::qk_norm(int32_t layer, Act qkv_act) {
 }
 
 void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
-  bf16* qkv = act(qkv_act);  // flushes the chain that wrote it
+  bf16* qkv = act(qkv_act);
   const int64_t qkv_w = hp_.q_dim() + 2 * hp_.kv_dim();
   const bool rotate_half = hp_.rope_style == RopeStyle::RotateHalf;
   // Windowed layers with their own RoPE base (Gemma 3's local layers) take the second table.
@@ -287,7 +282,7 @@ void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   const int64_t n = pass_.n_tokens;
   bf16* y = act_buffer(out);
-  project_weight(chains(W, n) ? act_buffer(in) : act(in), W, y, n, false, out);
+  project_weight(act(in), W, y, n, false, out);
   mark(gemm_label(proj.role));
   if (W.b.bytes() > 0) cuda::add_bias(y, W.b.as<float>(), n, W.n_out, stream_);
 }
@@ -295,12 +290,6 @@ void CudaModelRunner::linear(Act in, WeightId proj, Act out) {
 void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   const int64_t n = pass_.n_tokens;
-  if (chains(W, n)) {
-    project_weight(act_buffer(in), W, act_buffer(out), n, /*swiglu=*/true, out);
-    mark("gemm down (+silu)");
-    return;
-  }
-  flush_chain();
   if (fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(W.n_in)) {
     // W8A8: SwiGLU writes the GEMM's quantized input, scaling an unscaled gate|up on the way in.
     const PendingFp8Scale p = take_fp8_pending(in);
@@ -452,17 +441,6 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
   gemm_fp8(W, n, y, out);
 }
 
-void CudaModelRunner::flush_chain() {
-  if (!chain_fp8_.empty()) {
-    cuda::stream_gemv_w8a8_chain(chain_fp8_, chain_barrier_.as<unsigned int>(), stream_);
-    chain_fp8_.clear();
-  }
-  if (!chain_int4_.empty()) {
-    cuda::stream_gemv_int4_chain(chain_int4_, chain_barrier_.as<unsigned int>(), stream_);
-    chain_int4_.clear();
-  }
-}
-
 cuda::StreamPrefetch CudaModelRunner::chain_prefetch(const DeviceWeight& W) {
   if (stream_prefetch_bytes_ == 0) return {};
   const void* w = W.w.as<void>();
@@ -482,11 +460,6 @@ void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGem
     static_cast<cuda::StreamGemvArgs&>(f) = a;
     f.w8 = W.w.as<uint8_t>();
     f.w_scale = W.scale.as<float>();
-    if (chains(W, a.n_tokens)) {
-      if (!chain_int4_.empty() || chain_fp8_.size() == static_cast<size_t>(cuda::kStreamChainMaxLinks)) flush_chain();
-      chain_fp8_.push_back(f);
-      return;
-    }
     cuda::stream_gemv_w8a8(f, stream_);
     return;
   }
@@ -495,11 +468,6 @@ void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGem
   q.stages = stream_gemv_stages_;
   q.w4 = W.int4_matrix();
   q.w4.perm = nullptr;  // x is in the physical order
-  if (chains(W, a.n_tokens)) {
-    if (!chain_fp8_.empty() || chain_int4_.size() == static_cast<size_t>(cuda::kStreamChainMaxLinks)) flush_chain();
-    chain_int4_.push_back(q);
-    return;
-  }
   cuda::stream_gemv_int4(q, stream_);
 }
 

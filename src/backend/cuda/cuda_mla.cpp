@@ -86,7 +86,6 @@ bool CudaModelRunner::reserve_mla(int64_t n) {
 }
 
 void CudaModelRunner::mla_attention(int32_t layer, Act in, Act out) {
-  flush_chain();
   const MlaHparams& m = hp_.mla;
   const Layer& L = layers_[static_cast<size_t>(layer)];
   const MlaLayer& M = mla_[static_cast<size_t>(layer)];

@@ -139,30 +139,12 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   block_size_ = o.block_size;
   if (!place.kv_later)
     allocate_kv_blocks(o.n_kv_blocks > 0 ? o.n_kv_blocks : kv_blocks_that_fit(o, kv_block_bytes(), 1));
-  // Last: a throw above leaves no claim behind (the destructor does not run).
-  if (o.cuda.stream_chain && comm_ == nullptr && prof_ == nullptr) {
-    chain_barrier_.reset(2 * sizeof(unsigned int));
-    KESTREL_CUDA_CHECK(cudaMemsetAsync(chain_barrier_.as<void>(), 0, chain_barrier_.bytes(), stream_));
-    KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    stream_chain_ = claim_chain_device(device_, true);
-  }
-}
-
-// Takes (claim true: false when another runner holds it) or gives back the device's one chained
-// runner (CudaModelRunner::stream_chain_).
-bool CudaModelRunner::claim_chain_device(int device, bool claim) {
-  static std::mutex mu;
-  static std::set<int> held;
-  const std::lock_guard<std::mutex> lock(mu);
-  if (!claim) return held.erase(device) > 0;
-  return held.insert(device).second;
 }
 
 void CudaModelRunner::use_device() const { KESTREL_CUDA_CHECK(cudaSetDevice(device_)); }
 
 CudaModelRunner::~CudaModelRunner() {
   cudaSetDevice(device_);
-  if (stream_chain_) claim_chain_device(device_, false);
   close_kv_ipc();
   graphs_.clear();
   for (cudaStream_t s : {swap_stream_, load_stream_}) {

@@ -390,22 +390,6 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // so it holds the learned order. bf16 weights do not prefetch (one H100, the 8B at batch 1:
   // 181.5 -> 180.8 tok/s with it; FP8 294.4 -> 297.7, INT4 393.5 -> 396.5).
   cuda::StreamPrefetch chain_prefetch(const DeviceWeight& W);
-  // Whether the streamed projection of W at n tokens joins the pending launch (chain_fp8_ or
-  // chain_int4_) instead of launching: stream_chain_ on, FP8 on the W8A8 streaming GEMV or INT4 on
-  // the W4A16 one (no act order), no bias. Its input is then read with act_buffer: act() would
-  // flush the chain that writes it.
-  bool chains(const DeviceWeight& W, int64_t n) const {
-    if (!stream_chain_ || W.b.bytes() > 0 || fp8_pending_.act != Act::None || !uses_stream_gemv_narrow(W, n))
-      return false;
-    if (W.fp8) return true;
-    return W.int4 && W.perm.bytes() == 0 && stream_gemv_stages_ == 0 &&
-           cuda::stream_gemv_int4_chains(n, W.int4_matrix());
-  }
-  // Launches the pending chain (one stream_gemv_w8a8_chain or stream_gemv_int4_chain) and empties
-  // it; nothing when none is pending. Every op that is not a chained projection calls it, through
-  // act() or first thing, before its kernels.
-  void flush_chain();
-  static bool claim_chain_device(int device, bool claim);
   cuda::AttentionParams attention_params(const BatchArrays& d, const PassShape& s) const;
   // Writes the batch (padded to n_seqs_pad sequences of q tokens and `width` columns when graphed)
   // into the pinned staging buffer in BatchArrays layout; returns the host layout.
@@ -454,15 +438,6 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // four (docs/performance.md).
   int stream_gemv_stages_ = 0;
   int64_t stream_prefetch_bytes_ = 0;  // CudaTuning::stream_prefetch_kb, in bytes
-  // CudaTuning::stream_chain, granted to one runner a device at a time (claim_chain_device): two
-  // chain kernels in flight at once could each hold part of the SMs and wait for the rest at a
-  // barrier forever. Off under tensor parallelism (NCCL kernels of another stream could do the same)
-  // and with the op profiler (which times each projection).
-  bool stream_chain_ = false;
-  // Projections waiting for one launch, in pass order (one of the two is empty).
-  std::vector<cuda::StreamGemvFp8Args> chain_fp8_;
-  std::vector<cuda::StreamGemvInt4Args> chain_int4_;
-  DevMem chain_barrier_;                        // the chain's grid barrier: two words, zeroed once
   const void* last_streamed_ = nullptr;  // the weight of the last streamed projection
   std::map<const void*, cuda::StreamPrefetch> next_streamed_;  // each weight's successor's head
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel

@@ -300,9 +300,6 @@ struct StreamGemvArgs : ProjectionOperands {
   StreamPrefetch next = {};
 };
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
-// Projections one launch of the chained FP8 or INT4 streaming GEMVs may run (stream_gemv_w8a8_chain,
-// stream_gemv_int4_chain): a decoder layer's O, gate|up, down and the next layer's QKV.
-constexpr int kStreamChainMaxLinks = 4;
 void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);
 
 // Token sampling, one token per logits row, with the CPU Sampler's semantics (src/sampling/) for

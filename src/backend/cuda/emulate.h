@@ -72,8 +72,6 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()
 #define __shared__ static  // blocks run one at a time, so a static local is one block's shared array
 #undef __launch_bounds__
 #define __launch_bounds__(...)
-#undef __grid_constant__
-#define __grid_constant__
 
 inline void __syncthreads() { ::kestrel::cuda::emu::sync_block(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ::kestrel::cuda::emu::sync_warp(); }

@@ -4,8 +4,6 @@
 // Internal to src/backend/cuda.
 #pragma once
 
-#include <span>
-
 #include "backend/cuda/cuda_ops.h"
 
 namespace kestrel::cuda {
@@ -76,18 +74,5 @@ struct StreamGemvFp8Args : StreamGemvArgs {
 // Errors: kestrel::Error for an unsupported shape or a bad operand.
 bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0);
 void stream_gemv_w8a8(const StreamGemvFp8Args& args, cudaStream_t stream);
-
-// Several W8A8 streaming GEMVs in one launch (W8a8Chain in stream_gemv_w8a8.cuh), links[i] as
-// for stream_gemv_w8a8 and its input possibly what an earlier link wrote (y, the fused norm's
-// residual out), with a grid barrier between two links; the weight ring runs on across them, so
-// a link's first weights stream while the one before ends. All links of one token count, with
-// `blocks` 0 (one block an SM, which the barrier needs: all blocks resident at once) and `next`
-// taken from the last link; at most kStreamChainMaxLinks. barrier: two words of device memory,
-// zero before the first launch (each launch leaves them so for the next), and no two chains in
-// flight at once on one device (each could hold part of the SMs and wait for the rest forever).
-// One link, or the CPU emulation (whose blocks run one at a time): a launch a link, the same
-// arithmetic. Errors: kestrel::Error as stream_gemv_w8a8, or for mixed token counts, another
-// `blocks`, too many links or no barrier.
-void stream_gemv_w8a8_chain(std::span<const StreamGemvFp8Args> links, unsigned int* barrier, cudaStream_t stream);
 
 }  // namespace kestrel::cuda

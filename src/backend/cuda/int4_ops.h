@@ -23,7 +23,6 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <vector>
 
 #include "backend/cuda/cuda_ops.h"
@@ -100,13 +99,6 @@ struct StreamGemvInt4Args : StreamGemvArgs {
 };
 bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks = 0, int stages = 0);
 void stream_gemv_int4(const StreamGemvInt4Args& args, cudaStream_t stream);
-// Several INT4 streaming GEMVs in one launch, as stream_gemv_w8a8_chain (fp8_ops.h: the links'
-// inputs, the barrier, one chain in flight a device, a launch a link under the emulation), every
-// link one the W4A16 kernel takes (groups of 128, default stages, no act order). Errors:
-// kestrel::Error as stream_gemv_int4, or for a link another kernel would take, mixed token counts,
-// another `blocks`, too many links or no barrier.
-bool stream_gemv_int4_chains(int64_t n_tokens, const Int4Matrix& w);  // a link stream_gemv_int4_chain takes
-void stream_gemv_int4_chain(std::span<const StreamGemvInt4Args> links, unsigned int* barrier, cudaStream_t stream);
 
 // out [n_out, n_in] bf16 = W in the input channels' own order (column perm[k] from physical k):
 // s * (q - z) in f32 rounded to bf16 (round to nearest even), the values WeightUploader makes

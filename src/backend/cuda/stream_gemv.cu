@@ -7,7 +7,6 @@
 #include <map>
 #include <utility>
 #include <mutex>
-#include <span>
 #include <string>
 
 #include "backend/cuda/cuda_ops.h"
@@ -57,12 +56,6 @@ void raise_smem_limit(Kernel kernel, size_t bytes) {
   set_max_dynamic_smem(kernel, bytes);
   have = bytes;
 }
-
-#if defined(KESTREL_CUDA_EMULATE)
-constexpr bool kEmulated = true;  // blocks run one at a time: no grid barrier
-#else
-constexpr bool kEmulated = false;
-#endif
 
 struct Layout {
   int blocks = 0, rows_per_block = 0, k_lines = 0, stages = 0;
@@ -238,10 +231,7 @@ bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, in
   return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
 
-namespace {
-
-// The operand checks of one W8A8 link (what stream_gemv_w8a8 throws for).
-void check_w8a8(const StreamGemvFp8Args& a) {
+void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
   if (!stream_gemv_w8a8_supports(a.n_tokens, a.n_in, a.n_out, a.blocks))
     throw Error("stream_gemv_w8a8: unsupported shape " + narrow_shape(a));
   if (a.f32_out) throw Error("stream_gemv_w8a8: bf16 output only");
@@ -250,76 +240,28 @@ void check_w8a8(const StreamGemvFp8Args& a) {
   ProjectionOperands checked = a;
   checked.w = reinterpret_cast<const bf16*>(a.w8);
   check_gemv_operands("stream_gemv_w8a8", checked);
-}
-
-}  // namespace
-
-void stream_gemv_w8a8_chain(std::span<const StreamGemvFp8Args> links, unsigned int* barrier, cudaStream_t stream) {
-  if (links.empty() || links.size() > static_cast<size_t>(kStreamChainMaxLinks))
-    throw Error("stream_gemv_w8a8_chain: " + std::to_string(links.size()) + " links (1 to " +
-                std::to_string(kStreamChainMaxLinks) + ")");
-  const int64_t n_tokens = links[0].n_tokens;
-  const int blocks = links[0].blocks;
-  W8a8Chain c{};
-  c.n_links = static_cast<int>(links.size());
-  int grid = 0;
-  for (size_t i = 0; i < links.size(); ++i) {
-    const StreamGemvFp8Args& a = links[i];
-    check_w8a8(a);
-    if (a.n_tokens != n_tokens || a.blocks != blocks)
-      throw Error("stream_gemv_w8a8_chain: links of different token counts or block counts");
-    const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
-    W8a8Link& L = c.link[i];
-    L.x = a.x;
-    L.x_stride = a.x_stride;
-    L.w = a.w8;
-    L.w_scale = a.w_scale;
-    L.y = static_cast<__nv_bfloat16*>(a.y);
-    L.res_in = a.norm_residual_in;
-    L.add = a.norm_add;
-    L.norm_w = a.norm_weight;
-    L.res_out = a.norm_residual_out;
-    L.eps = a.norm_eps;
-    L.n_out = static_cast<int>(a.n_out);
-    L.k_lines = l.k_lines;
-    L.rows_per_block = l.rows_per_block;
-    L.input = a.norm_residual_in != nullptr ? kStreamInputNorm : a.swiglu ? kStreamInputSwiGLU : kStreamInputX;
-    c.max_k_lines = std::max(c.max_k_lines, l.k_lines);
-    c.max_rows = std::max(c.max_rows, l.rows_per_block);
-    grid = std::max(grid, l.blocks);
-  }
-  c.next = links.back().next;
-  c.barrier = barrier;
-  const bool one_launch = links.size() > 1 && !kEmulated;
-  if (one_launch && (blocks != 0 || barrier == nullptr))
-    throw Error("stream_gemv_w8a8_chain: a chain needs one block an SM (blocks 0) and a barrier");
-  const int stages = n_tokens == 1 ? kW8a8Stages1 : kW8a8Stages2;
-  const size_t smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), stages, c.max_k_lines, c.max_rows);
-  if (smem > device_shape().max_smem)
-    throw Error("stream_gemv_w8a8_chain: the links need " + std::to_string(smem) + " bytes of shared memory");
-  const dim3 block(kGemvThreads);
-  auto run = [&]<int kM, int kStages>() {
-    auto* k = &stream_gemv_w8a8_kernel<kM, kStages>;
-    raise_smem_limit(k, smem);
-    if (one_launch) {
-      KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(grid)), block, smem, stream, c, 0, c.n_links);
-    } else {
-      for (int i = 0; i < c.n_links; ++i) {
-        const Layout l = w8a8_layout(n_tokens, links[static_cast<size_t>(i)].n_in,
-                                     links[static_cast<size_t>(i)].n_out, blocks);
-        KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(l.blocks)), block, smem, stream, c, i, i + 1);
-      }
-    }
+  const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
+  const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+  auto* y = static_cast<__nv_bfloat16*>(a.y);
+  auto by_input = [&]<int kM, int kStages>() {
+    auto go = [&](auto* k) {
+      raise_smem_limit(k, l.smem);
+      KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
+                     l.k_lines, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
+                     a.norm_eps, a.next);
+    };
+    if (a.norm_residual_in != nullptr)
+      go(&stream_gemv_w8a8_kernel<kM, kStages, false, true>);
+    else if (a.swiglu)
+      go(&stream_gemv_w8a8_kernel<kM, kStages, true, false>);
+    else
+      go(&stream_gemv_w8a8_kernel<kM, kStages, false, false>);
   };
-  if (n_tokens == 1)
-    run.template operator()<1, kW8a8Stages1>();
+  if (a.n_tokens == 1)
+    by_input.template operator()<1, kW8a8Stages1>();
   else
-    run.template operator()<2, kW8a8Stages2>();
+    by_input.template operator()<2, kW8a8Stages2>();
   KESTREL_CUDA_CHECK_LAUNCH();
-}
-
-void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
-  stream_gemv_w8a8_chain(std::span<const StreamGemvFp8Args>(&a, 1), nullptr, stream);
 }
 
 namespace {
@@ -349,10 +291,7 @@ bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks
   return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, blocks, stages);
 }
 
-namespace {
-
-// The operand checks of stream_gemv_int4 (what it throws for).
-void check_int4(const StreamGemvInt4Args& a) {
+void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
   const Int4Matrix& w = a.w4;
   if (w.n_in != a.n_in || w.n_out != a.n_out) throw Error("stream_gemv_int4: the matrix's shape is not the operands'");
   if (!stream_gemv_int4_supports(a.n_tokens, w, a.blocks, a.stages))
@@ -364,84 +303,29 @@ void check_int4(const StreamGemvInt4Args& a) {
   ProjectionOperands checked = a;
   checked.w = reinterpret_cast<const bf16*>(w.codes);
   check_gemv_operands("stream_gemv_int4", checked);
-}
-
-}  // namespace
-
-bool stream_gemv_int4_chains(int64_t n_tokens, const Int4Matrix& w) { return w4a16_supports(n_tokens, w, 0, 0); }
-
-void stream_gemv_int4_chain(std::span<const StreamGemvInt4Args> links, unsigned int* barrier, cudaStream_t stream) {
-  if (links.empty() || links.size() > static_cast<size_t>(kStreamChainMaxLinks))
-    throw Error("stream_gemv_int4_chain: " + std::to_string(links.size()) + " links (1 to " +
-                std::to_string(kStreamChainMaxLinks) + ")");
-  const int64_t n_tokens = links[0].n_tokens;
-  const int blocks = links[0].blocks;
-  W4a16Chain c{};
-  c.n_links = static_cast<int>(links.size());
-  int grid = 0;
-  for (size_t i = 0; i < links.size(); ++i) {
-    const StreamGemvInt4Args& a = links[i];
-    check_int4(a);
-    if (!w4a16_supports(a.n_tokens, a.w4, a.blocks, a.stages))
-      throw Error("stream_gemv_int4_chain: a link the W4A16 kernel does not take (groups of 128, default stages)");
-    if (a.n_tokens != n_tokens || a.blocks != blocks)
-      throw Error("stream_gemv_int4_chain: links of different token counts or block counts");
-    const Layout l = w4a16_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
-    W4a16Link& L = c.link[i];
-    L.x = a.x;
-    L.x_stride = a.x_stride;
-    L.w = reinterpret_cast<const uint8_t*>(a.w4.codes);
-    L.meta = a.w4.meta;
-    L.scale_f16 = a.w4.scale_f16;
-    L.y = static_cast<__nv_bfloat16*>(a.y);
-    L.res_in = a.norm_residual_in;
-    L.add = a.norm_add;
-    L.norm_w = a.norm_weight;
-    L.res_out = a.norm_residual_out;
-    L.eps = a.norm_eps;
-    L.n_out = static_cast<int>(a.n_out);
-    L.k_lines = l.k_lines;
-    L.rows_per_block = l.rows_per_block;
-    L.input = a.norm_residual_in != nullptr ? kStreamInputNorm : a.swiglu ? kStreamInputSwiGLU : kStreamInputX;
-    c.max_k_lines = std::max(c.max_k_lines, l.k_lines);
-    c.max_rows = std::max(c.max_rows, l.rows_per_block);
-    grid = std::max(grid, l.blocks);
-  }
-  c.next = links.back().next;
-  c.barrier = barrier;
-  const bool one_launch = links.size() > 1 && !kEmulated;
-  if (one_launch && (blocks != 0 || barrier == nullptr))
-    throw Error("stream_gemv_int4_chain: a chain needs one block an SM (blocks 0) and a barrier");
-  const size_t smem =
-      stream_gemv_w4a16_smem_bytes(static_cast<int>(n_tokens), kW4a16Stages, c.max_k_lines, c.max_rows);
-  if (smem > device_shape().max_smem)
-    throw Error("stream_gemv_int4_chain: the links need " + std::to_string(smem) + " bytes of shared memory");
-  const dim3 block(kGemvThreads);
-  auto run = [&]<int kM>() {
-    auto* k = &stream_gemv_w4a16_kernel<kM, kW4a16Stages>;
-    raise_smem_limit(k, smem);
-    if (one_launch) {
-      KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(grid)), block, smem, stream, c, 0, c.n_links);
-    } else {
-      for (int i = 0; i < c.n_links; ++i) {
-        const StreamGemvInt4Args& a = links[static_cast<size_t>(i)];
-        const Layout l = w4a16_layout(n_tokens, a.n_in, a.n_out, blocks);
-        KESTREL_LAUNCH(k, dim3(static_cast<unsigned>(l.blocks)), block, smem, stream, c, i, i + 1);
-      }
-    }
-  };
-  if (n_tokens == 1)
-    run.template operator()<1>();
-  else
-    run.template operator()<2>();
-  KESTREL_CUDA_CHECK_LAUNCH();
-}
-
-void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
-  check_int4(a);
-  const Int4Matrix& w = a.w4;
   if (w4a16_supports(a.n_tokens, w, a.blocks, a.stages)) {
-    stream_gemv_int4_chain(std::span<const StreamGemvInt4Args>(&a, 1), nullptr, stream);
+    const Layout l = w4a16_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
+    const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
+    auto* y = static_cast<__nv_bfloat16*>(a.y);
+    auto by_input = [&]<int kM>() {
+      auto go = [&](auto* k) {
+        raise_smem_limit(k, l.smem);
+        KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(w.codes),
+                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, l.rows_per_block,
+                       a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
+      };
+      if (a.norm_residual_in != nullptr)
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, false, true>);
+      else if (a.swiglu)
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, true, false>);
+      else
+        go(&stream_gemv_w4a16_kernel<kM, kW4a16Stages, false, false>);
+    };
+    if (a.n_tokens == 1)
+      by_input.template operator()<1>();
+    else
+      by_input.template operator()<2>();
+    KESTREL_CUDA_CHECK_LAUNCH();
     return;
   }
   int shift = 0;

@@ -161,42 +161,6 @@ __device__ __forceinline__ void stream_gemv_input(uint4* xs, float* scratch, int
   }
 }
 
-// The input of a chained projection (W8a8Link, W4a16Link): x, SwiGLU of x's [gate | up], or the
-// fused residual + RMSNorm (stream_gemv_input's three forms).
-enum : int { kStreamInputX = 0, kStreamInputSwiGLU = 1, kStreamInputNorm = 2 };
-
-// A barrier over the whole grid, for a kernel whose blocks are all resident at once (one block
-// an SM, no more blocks than SMs, and no block of a kernel that waits for this one holding an SM
-// before every block of this one has started: the chained streaming GEMVs let their dependants
-// launch in their last link only). bar[0] counts the blocks that arrived, bar[1] is the
-// generation: the last block to arrive sets the count back to 0 and then advances the
-// generation, which the others wait for, so the pair is ready for the next barrier or launch.
-// Writes before the barrier are visible to every block after it (the fences of cooperative
-// groups' grid sync). Never reached under the emulation (its blocks run one at a time; the
-// launchers run a chain one link a launch there).
-__device__ __forceinline__ void grid_barrier(unsigned int* bar) {
-#if !defined(KESTREL_CUDA_EMULATE)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int gen, now;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(gen) : "l"(bar + 1) : "memory");
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(bar + 1), "r"(gen + 1) : "memory");
-    } else {
-      do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(now) : "l"(bar + 1) : "memory");
-      while (now == gen);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-#else
-  (void)bar;
-  __builtin_trap();
-#endif
-}
-
 // x: [kM, *] rows x_stride elements apart, 16-byte aligned; with kSwiGLU row t's gate is
 // x[t, 0 .. n_in) and its up x[t, n_in .. 2 n_in). w [n_out, n_in] with n_in = k_lines x 2048;
 // y [kM, n_out], f32 when kF32Out else bf16. grid: ceil(n_out / rows_per_block) blocks of 256.

@@ -51,253 +51,185 @@ constexpr size_t stream_gemv_w4a16_smem_bytes(int m, int stages, int k_lines, in
          (static_cast<size_t>(rows_per_block) * m * kGemvWarps + kWarpSize) * 4;
 }
 
-// One projection of a chain, as the kernel reads it (stream_gemv_int4_chain fills it): w the
-// layout's code words as bytes, [n_out, n_in / 2]; meta [n_out, n_in / 128] words (scale bits as
-// stored, scale_f16 says which, and the bf16 of 128 + z); y [kM, n_out] bf16; n_in = k_lines x
-// 2048, at most 256 rows a block; the input as W8a8Link's (kStreamInput*).
-struct W4a16Link {
-  const __nv_bfloat16* x;
-  int64_t x_stride;
-  const uint8_t* w;
-  const uint32_t* meta;
-  __nv_bfloat16* y;
-  const float* res_in;
-  const __nv_bfloat16* add;
-  const __nv_bfloat16* norm_w;
-  float* res_out;
-  float eps;
-  int n_out, k_lines, rows_per_block, input;
-  bool scale_f16;
-};
-// Links run by one launch, as W8a8Chain (grid_barrier between two, the ring running on across them).
-struct W4a16Chain {
-  W4a16Link link[kStreamChainMaxLinks];
-  int n_links;
-  int max_k_lines, max_rows;
-  StreamPrefetch next;
-  unsigned int* barrier;
-};
-
-// Runs links [first, last) of c, a grid barrier between two links (as stream_gemv_w8a8_kernel).
-// grid: the largest block count of the links; 256 threads.
-template <int kM, int kStages>
+// w: the layout's code words as bytes, [n_out, n_in / 2]; meta: [n_out, n_in / 128] words (scale
+// bits as stored, scale_f16 says which, and the bf16 of 128 + z); x, x_stride, kSwiGLU, kNormIn and
+// the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out /
+// rows_per_block) blocks of 256; n_in = k_lines x 2048. pf: the next projection's weights
+// (StreamPrefetch).
+template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
-    stream_gemv_w4a16_kernel(const __grid_constant__ W4a16Chain c, int first, int last) {
+    stream_gemv_w4a16_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
+                             const uint32_t* __restrict__ meta, bool scale_f16, __nv_bfloat16* __restrict__ y,
+                             int n_out, int k_lines, int rows_per_block, const float* __restrict__ res_in,
+                             const __nv_bfloat16* __restrict__ add, const __nv_bfloat16* __restrict__ norm_w,
+                             float* __restrict__ res_out, float eps, StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
   constexpr int kTilesPerLine = kGemvLine / kW4a16TileCols;  // 16 meta words of a row per slab
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
+  const int n_in = k_lines * kGemvLine;
+  const int row_bytes = n_in / 2, n_groups = n_in / kW4a16TileCols;
   uint8_t* ring = smem;                                                                // [kStages][16][1 KB]
   uint32_t* meta_ring = reinterpret_cast<uint32_t*>(ring + kStages * kW4a16SlabBytes);  // [kStages][16][16]
   uint4* xs = reinterpret_cast<uint4*>(meta_ring + kStages * kW4a16SlabMeta);          // [kM][n_in] bf16
-  float* part = reinterpret_cast<float*>(xs + kM * c.max_k_lines * kGemvThreads);      // [rows][kM][warps]
-  float* scratch = part + c.max_rows * kM * kGemvWarps;                                // [32]
+  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);            // [rows][kM][warps]
+  float* scratch = part + rows_per_block * kM * kGemvWarps;                            // [32]
 
-  // This block's rows of link l: [row0, row0 + rows), rows 0 when it has none.
-  auto rows_of = [&](int l, int64_t& row0) {
-    const W4a16Link& L = c.link[l];
-    row0 = static_cast<int64_t>(blockIdx.x) * L.rows_per_block;
-    const int64_t left = L.n_out - row0;
-    return static_cast<int>(left <= 0 ? 0 : left < L.rows_per_block ? left : L.rows_per_block);
-  };
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int n_slabs = (rows + kW4a16SlabRows - 1) / kW4a16SlabRows * k_lines;
 
-  // Slabs are requested in order by a cursor, link after link: the G-th slab the block requests
-  // goes to ring slot G % kStages; in a link, slab q is tile q / k_lines, columns 2048 (q %
-  // k_lines) ... Thread t copies row t / 16 of the tile, its 16-byte chunks t % 16 + 16 j (j =
-  // 0..3: a warp's copy is two rows' 256 contiguous bytes), from one source pointer at constant
-  // offsets, so a copy costs one instruction; threads 0..63 also copy the 16-byte quarter t % 4
-  // of row t / 4's meta words.
+  // Slab q (tile q / k_lines, columns 2048 (q % k_lines) ..) into ring slot q % kStages: thread t
+  // copies row t / 16 of the tile, its 16-byte chunks t % 16 + 16 j (j = 0..3: a warp's copy is two
+  // rows' 256 contiguous bytes), from one source pointer at constant offsets, so a copy costs one
+  // instruction; threads 0..63 also copy the 16-byte quarter t % 4 of row t / 4's meta words.
   const int cp_row = t / 16, cp_chunk = t % 16;
   // Chunk cp_chunk + 16 j of the row lands at dst_off + 256 j (the swizzle flips bit 2 of the chunk).
   const int dst_off = cp_row * kW4a16RowBytes + 16 * (cp_chunk ^ ((cp_row & 1) << 2));
   const int m_row = t / 4, m_quarter = t % 4;
   const bool meta_thread = t < kW4a16SlabRows * 4;
-  int i_link = first, i_q = 0, i_n = 0, i_kb = 0, i_tile_row = 0, i_slot = 0, i_rows = 0, i_k_lines = 1;
-  const uint8_t* i_w = nullptr;
-  const uint32_t* i_meta0 = nullptr;
-  const uint8_t* i_src = nullptr;     // the next slab's first chunk
-  const uint32_t* i_meta = nullptr;   // and its meta words
-  int64_t src_tile_step = 0, meta_tile_step = 0;
-  bool i_live = false, m_live = false;  // rows past the block: zero-filled
-  bool i_prefetched = last != c.n_links;  // the weights after the chain: by the launch of its last link
-  auto issue_link = [&](int l) {
-    const W4a16Link& L = c.link[l];
-    int64_t row0;
-    i_rows = rows_of(l, row0);
-    i_k_lines = L.k_lines;
-    i_n = (i_rows + kW4a16SlabRows - 1) / kW4a16SlabRows * L.k_lines;
-    const int64_t row_bytes = static_cast<int64_t>(L.k_lines) * kW4a16RowBytes;
-    const int64_t n_groups = static_cast<int64_t>(L.k_lines) * kTilesPerLine;
-    i_w = L.w, i_meta0 = L.meta;
-    i_src = i_rows > 0 ? L.w + (row0 + cp_row) * row_bytes + 16 * cp_chunk : L.w;
-    i_meta = i_rows > 0 ? L.meta + (row0 + (meta_thread ? m_row : 0)) * n_groups + 4 * m_quarter : L.meta;
-    src_tile_step = kW4a16SlabRows * row_bytes - L.k_lines * kW4a16RowBytes;
-    meta_tile_step = kW4a16SlabRows * n_groups - L.k_lines * kTilesPerLine;
-    i_live = cp_row < i_rows, m_live = meta_thread && m_row < i_rows;
-    i_q = 0, i_kb = 0, i_tile_row = 0;
-  };
-  issue_link(first);
+  const uint8_t* i_src = w + (row0 + cp_row) * row_bytes + 16 * cp_chunk;  // the next slab's first chunk
+  const uint32_t* i_meta = meta + (row0 + (meta_thread ? m_row : 0)) * n_groups + 4 * m_quarter;
+  const int64_t src_tile_step = kW4a16SlabRows * static_cast<int64_t>(row_bytes) - k_lines * kW4a16RowBytes;
+  const int64_t meta_tile_step = kW4a16SlabRows * static_cast<int64_t>(n_groups) - k_lines * kTilesPerLine;
+  bool i_live = cp_row < rows, m_live = meta_thread && m_row < rows;  // rows past the block: zero-filled
+  int i_q = 0, i_kb = 0, i_tile_row = 0, i_slot = 0;
   auto issue_next = [&]() {
-    while (i_q == i_n && i_link + 1 < last) issue_link(++i_link);
-    if (i_q < i_n) {
+    if (i_q < n_slabs) {
       uint8_t* dst = ring + i_slot * kW4a16SlabBytes + dst_off;
-      const uint8_t* src = i_live ? i_src : i_w;
+      const uint8_t* src = i_live ? i_src : w;
 #pragma unroll
       for (int j = 0; j < 4; ++j) cp_async16(dst + 256 * j, src + 256 * j, i_live);
       if (meta_thread)
         cp_async16(meta_ring + i_slot * kW4a16SlabMeta + m_row * kTilesPerLine + 4 * m_quarter,
-                   m_live ? i_meta : i_meta0, m_live);
-      ++i_q;
-      i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
-      i_src += kW4a16RowBytes;
-      i_meta += kTilesPerLine;
-      if (++i_kb == i_k_lines) {
-        i_kb = 0;
-        i_src += src_tile_step;
-        i_meta += meta_tile_step;
-        i_tile_row += kW4a16SlabRows;
-        i_live = i_tile_row + cp_row < i_rows;
-        m_live = meta_thread && i_tile_row + m_row < i_rows;
-      }
-    } else if (!i_prefetched) {
-      stream_prefetch_next(c.next);
-      i_prefetched = true;
+                   m_live ? i_meta : meta, m_live);
+    } else if (i_q == n_slabs) {
+      stream_prefetch_next(pf);
     }
     cp_async_commit();
+    ++i_q;
+    i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
+    i_src += kW4a16RowBytes;
+    i_meta += kTilesPerLine;
+    if (++i_kb == k_lines) {
+      i_kb = 0;
+      i_src += src_tile_step;
+      i_meta += meta_tile_step;
+      i_tile_row += kW4a16SlabRows;
+      i_live = i_tile_row + cp_row < rows;
+      m_live = meta_thread && i_tile_row + m_row < rows;
+    }
   };
 #pragma unroll
   for (int q = 0; q < kStages - 1; ++q) issue_next();
   pdl_wait();
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
+  __syncthreads();  // x is read at every thread's columns, not only its own
+  pdl_launch_next();
 
+  const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
   const int g = lane / 4, tq = lane % 4;
   const int swz = (g & 1) << 2;  // rows g and 8 + g have g's parity
   const bool x_lane = g < 2 * kM;  // lanes g = 2 m + h feed B's column of token m, half h
+  // Lane (g, tq)'s x: token g / 2, columns 8 tq + 4 (g & 1) .. + 3 of word c of tile u of the warp.
+  const __nv_bfloat16* xrow = xh + (x_lane ? g / 2 : 0) * n_in + 256 * warp + 8 * tq + 4 * (g & 1);
   int a_off[2];  // the lane's 16 bytes of row g in tile 2 warp + u of a slab
 #pragma unroll
   for (int u = 0; u < 2; ++u) a_off[u] = g * kW4a16RowBytes + 16 * ((4 * (2 * warp + u) + tq) ^ swz);
-  int c_slot = 0;  // the ring slot of the next slab computed
-  for (int l = first; l < last; ++l) {
-    const W4a16Link& L = c.link[l];
-    int64_t row0;
-    const int rows = rows_of(l, row0);
-    const int k_lines = L.k_lines, n_in = k_lines * kGemvLine;
-    const bool scale_f16 = L.scale_f16;
-    if (rows > 0) {
-      if (L.input == kStreamInputNorm)
-        stream_gemv_input<kM, false, true>(xs, scratch, k_lines, nullptr, 0, L.res_in, L.add, L.norm_w, L.res_out,
-                                           L.eps);
-      else if (L.input == kStreamInputSwiGLU)
-        stream_gemv_input<kM, true, false>(xs, scratch, k_lines, L.x, L.x_stride, nullptr, nullptr, nullptr, nullptr,
-                                           0.0f);
-      else
-        stream_gemv_input<kM, false, false>(xs, scratch, k_lines, L.x, L.x_stride, nullptr, nullptr, nullptr, nullptr,
-                                            0.0f);
-    }
-    __syncthreads();  // x is read at every thread's columns, not only its own
-    if (l == last - 1) pdl_launch_next();  // every block has started: no barrier is left to wait for
-    if (rows > 0) {
-      const int n_slabs = (rows + kW4a16SlabRows - 1) / kW4a16SlabRows * k_lines;
-      const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
-      // Lane (g, tq)'s x: token g / 2, columns 8 tq + 4 (g & 1) .. + 3 of word c of tile u of the warp.
-      const __nv_bfloat16* xrow = xh + (x_lane ? g / 2 : 0) * n_in + 256 * warp + 8 * tq + 4 * (g & 1);
-      float acc[2] = {0.0f, 0.0f};  // rows g and 8 + g of the tile: token tq's sums (lanes tq < kM)
-      // A slab's shared loads of this lane: x of its 2 tiles x 4 words, the 2 x 2 (tile, tile row)
-      // meta words and code words. They are loaded one slab ahead of the products (two register
-      // sets, the loop unrolled by two so that neither is copied), so that no warp waits on its
-      // shared loads.
-      struct Frag {
-        uint32_t b[2][4][2], m[2][2], w[2][2][4];
-      };
-      auto load = [&](Frag& f, int slot, int kb) {
-        const uint8_t* slab = ring + slot * kW4a16SlabBytes;
-        const uint32_t* slab_meta = meta_ring + slot * kW4a16SlabMeta;
-        const __nv_bfloat16* xb = xrow + kb * kGemvLine;
+  float acc[2] = {0.0f, 0.0f};  // rows g and 8 + g of the tile: token tq's sums (lanes tq < kM)
+  // A slab's shared loads of this lane: x of its 2 tiles x 4 words, the 2 x 2 (tile, tile row) meta
+  // words and code words. They are loaded one slab ahead of the products (two register sets, the
+  // loop unrolled by two so that neither is copied), so that no warp waits on its shared loads.
+  struct Frag {
+    uint32_t b[2][4][2], m[2][2], w[2][2][4];
+  };
+  auto load = [&](Frag& f, int slot, int kb) {
+    const uint8_t* slab = ring + slot * kW4a16SlabBytes;
+    const uint32_t* slab_meta = meta_ring + slot * kW4a16SlabMeta;
+    const __nv_bfloat16* xb = xrow + kb * kGemvLine;
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < 2; ++u) {
 #pragma unroll
-          for (int cw = 0; cw < 4; ++cw) {
-            const uint2 v = x_lane ? *reinterpret_cast<const uint2*>(xb + 128 * u + 32 * cw) : make_uint2(0, 0);
-            f.b[u][cw][0] = v.x, f.b[u][cw][1] = v.y;
-          }
-#pragma unroll
-          for (int rt = 0; rt < 2; ++rt) {
-            const uint4 v = *reinterpret_cast<const uint4*>(slab + rt * 8 * kW4a16RowBytes + a_off[u]);
-            f.w[u][rt][0] = v.x, f.w[u][rt][1] = v.y, f.w[u][rt][2] = v.z, f.w[u][rt][3] = v.w;
-            f.m[u][rt] = slab_meta[(rt * 8 + g) * kTilesPerLine + 2 * warp + u];
-          }
-        }
-      };
-      // The four (tile, tile row) chains interleaved word by word: the mma.sync wrapper is
-      // volatile, so the order written is the order issued, and each mma follows the other
-      // chains', not its own accumulator's.
-      auto compute = [&](const Frag& f) {
-        float d[2][2][4] = {};
-#pragma unroll
-        for (int cw = 0; cw < 4; ++cw)
-#pragma unroll
-          for (int u = 0; u < 2; ++u)
-#pragma unroll
-            for (int rt = 0; rt < 2; ++rt) {
-              const uint32_t word = f.w[u][rt][cw], zz = int4_zero_pair(f.m[u][rt]);
-              uint32_t pr[4];
-#pragma unroll
-              for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(int4_bf16_pair(word >> (4 * p)), zz);
-              const uint32_t a[4] = {pr[0], pr[2], pr[1], pr[3]};
-              mma_bf16_16816(d[u][rt], a, f.b[u][cw]);
-            }
-#pragma unroll
-        for (int rt = 0; rt < 2; ++rt)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) acc[rt] += (d[u][rt][0] + d[u][rt][3]) * int4_scale(f.m[u][rt], scale_f16);
-      };
-      int c_kb = 0, c_row = 0;         // the slab computed next: its column line, tile row
-      int l_kb = 0, l_slot = c_slot;   // the slab loaded next
-      // Slab q + 1 (this thread's copies) landed, then the barrier: every thread's copies of it
-      // are visible and every warp's loads of slab q (one iteration earlier) are done, so slab
-      // q - 1's slot may take a new slab. Then slab q + 1's loads, then slab q's products.
-      auto step = [&](Frag& cur, Frag& nxt, int q) {
-        cp_async_wait<kStages - 3>();
-        __syncthreads();
-        issue_next();
-        if (q + 1 < n_slabs) {
-          l_slot = l_slot + 1 == kStages ? 0 : l_slot + 1;
-          if (++l_kb == k_lines) l_kb = 0;
-          load(nxt, l_slot, l_kb);
-        }
-        compute(cur);
-        c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
-        if (++c_kb == k_lines) {
-#pragma unroll
-          for (int rt = 0; rt < 2; ++rt) {
-            const int row = c_row + rt * 8 + g;
-            if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = acc[rt];
-            acc[rt] = 0.0f;
-          }
-          c_kb = 0;
-          c_row += kW4a16SlabRows;
-        }
-      };
-      Frag fa, fb;
-      cp_async_wait<kStages - 2>();
-      __syncthreads();  // the link's first slab landed for every thread
-      load(fa, c_slot, 0);
-      for (int q = 0; q < n_slabs; q += 2) {
-        step(fa, fb, q);
-        if (q + 1 < n_slabs) step(fb, fa, q + 1);
+      for (int cw = 0; cw < 4; ++cw) {
+        const uint2 v = x_lane ? *reinterpret_cast<const uint2*>(xb + 128 * u + 32 * cw) : make_uint2(0, 0);
+        f.b[u][cw][0] = v.x, f.b[u][cw][1] = v.y;
       }
-      __syncthreads();  // every warp's row sums are in part
-      for (int i = t; i < rows * kM; i += kGemvThreads) {
-        const int r = i / kM, mm = i % kM;
-        float sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
-        L.y[static_cast<int64_t>(mm) * L.n_out + row0 + r] = __float2bfloat16_rn(sum);
+      for (int rt = 0; rt < 2; ++rt) {
+        const uint4 v = *reinterpret_cast<const uint4*>(slab + rt * 8 * kW4a16RowBytes + a_off[u]);
+        f.w[u][rt][0] = v.x, f.w[u][rt][1] = v.y, f.w[u][rt][2] = v.z, f.w[u][rt][3] = v.w;
+        f.m[u][rt] = slab_meta[(rt * 8 + g) * kTilesPerLine + 2 * warp + u];
       }
     }
-    if (l + 1 < last) grid_barrier(c.barrier);
+  };
+  // The four (tile, tile row) chains interleaved word by word: the mma.sync wrapper is volatile, so
+  // the order written is the order issued, and each mma follows the other chains', not its own
+  // accumulator's.
+  auto compute = [&](const Frag& f) {
+    float d[2][2][4] = {};
+#pragma unroll
+    for (int cw = 0; cw < 4; ++cw)
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int rt = 0; rt < 2; ++rt) {
+          const uint32_t word = f.w[u][rt][cw], zz = int4_zero_pair(f.m[u][rt]);
+          uint32_t pr[4];
+#pragma unroll
+          for (int p = 0; p < 4; ++p) pr[p] = bf16x2_sub(int4_bf16_pair(word >> (4 * p)), zz);
+          const uint32_t a[4] = {pr[0], pr[2], pr[1], pr[3]};
+          mma_bf16_16816(d[u][rt], a, f.b[u][cw]);
+        }
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) acc[rt] += (d[u][rt][0] + d[u][rt][3]) * int4_scale(f.m[u][rt], scale_f16);
+  };
+  int c_kb = 0, c_row = 0, c_slot = 0;  // the slab computed next: its column line, tile row, slot
+  int l_kb = 0, l_slot = 0;             // the slab loaded next
+  // Slab q + 1 (this thread's copies) landed, then the barrier: every thread's copies of it are
+  // visible and every warp's loads of slab q (one iteration earlier) are done, so slab q - 1's
+  // slot may take a new slab. Then slab q + 1's loads, then slab q's products.
+  auto step = [&](Frag& cur, Frag& nxt, int q) {
+    cp_async_wait<kStages - 3>();
+    __syncthreads();
+    issue_next();
+    if (q + 1 < n_slabs) {
+      l_slot = l_slot + 1 == kStages ? 0 : l_slot + 1;
+      if (++l_kb == k_lines) l_kb = 0;
+      load(nxt, l_slot, l_kb);
+    }
+    compute(cur);
+    c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
+    if (++c_kb == k_lines) {
+#pragma unroll
+      for (int rt = 0; rt < 2; ++rt) {
+        const int row = c_row + rt * 8 + g;
+        if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = acc[rt];
+        acc[rt] = 0.0f;
+      }
+      c_kb = 0;
+      c_row += kW4a16SlabRows;
+    }
+  };
+  Frag fa, fb;
+  cp_async_wait<kStages - 2>();
+  __syncthreads();  // slab 0 landed for every thread
+  load(fa, 0, 0);
+  for (int q = 0; q < n_slabs; q += 2) {
+    step(fa, fb, q);
+    if (q + 1 < n_slabs) step(fb, fa, q + 1);
   }
   cp_async_wait<0>();
+  __syncthreads();
+  for (int i = t; i < rows * kM; i += kGemvThreads) {
+    const int r = i / kM, mm = i % kM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
+    y[static_cast<int64_t>(mm) * n_out + row0 + r] = __float2bfloat16_rn(sum);
+  }
 }
 
 }  // namespace kestrel::cuda

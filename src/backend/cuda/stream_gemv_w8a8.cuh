@@ -20,12 +20,6 @@
 //   cores' internal accumulation is narrower than f32; 32 products per mma, then f32 adds); a
 //   tile's per-warp sums meet in shared memory and are added in warp order at the end, so a row's
 //   value depends on neither the launch nor its place in the block.
-// - Chains (W8a8Chain): one launch may run several projections in turn, a grid barrier
-//   (grid_barrier) between two, each link's input formed from what the links before it wrote.
-//   The ring does not drain between them: the next link's first slabs are requested while this
-//   link's last ones are multiplied, so they arrive while it ends, its barrier waits and the next
-//   input is formed, which separate launches leave to the previous kernel's tail and the next
-//   one's start (about 4 us of each projection at batch 1).
 // Source: PTX ISA 8.x ("mma.m16n8k32" fragments, "cvt" e4m3x2, "cp.async"); the per-token dynamic
 // activation scale is the FP8 W8A8 scheme of vLLM's and TensorRT-LLM's FP8 linear layers.
 #pragma once
@@ -49,115 +43,119 @@ constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines, int
          (static_cast<size_t>(rows_per_block) * m * kGemvWarps + 2 + kWarpSize) * 4;
 }
 
-// One projection of a chain, as the kernel reads it (stream_gemv_w8a8_chain fills it from
-// StreamGemvFp8Args): w [n_out, n_in] E4M3 codes, w_scale [n_out] f32, y [kM, n_out] bf16,
-// n_in = k_lines x 2048, at most 256 rows a block; input (kStreamInput*): x itself (rows
-// x_stride apart), SwiGLU of x's [gate | up], or the fused residual + RMSNorm (res_in, add,
-// norm_w, res_out, eps) as in stream_gemv_input.
-struct W8a8Link {
-  const __nv_bfloat16* x;
-  int64_t x_stride;
-  const uint8_t* w;
-  const float* w_scale;
-  __nv_bfloat16* y;
-  const float* res_in;
-  const __nv_bfloat16* add;
-  const __nv_bfloat16* norm_w;
-  float* res_out;
-  float eps;
-  int n_out, k_lines, rows_per_block, input;
-};
-// Projections run one after another by one launch (kStreamChainMaxLinks at most), each link's input
-// formed from what the links before it wrote. max_k_lines and max_rows (the largest k_lines and
-// rows_per_block of the links) fix the shared-memory layout; next: the weights after the chain,
-// into L2 (StreamPrefetch); barrier: two zeroed words (grid_barrier), needed when a launch runs
-// more than one link.
-struct W8a8Chain {
-  W8a8Link link[kStreamChainMaxLinks];
-  int n_links;
-  int max_k_lines, max_rows;
-  StreamPrefetch next;
-  unsigned int* barrier;
-};
-
-// Runs links [first, last) of c, a grid barrier between two links. grid: the largest block count
-// of the links (blocks past a link's rows skip its work but meet its barrier); 256 threads.
-// The weight ring runs across the links: once a link's last slab is requested, the next link's
-// first ones are, so they arrive while this link ends, its barrier waits and the next input is
-// formed (no weight bytes depend on the links before).
-template <int kM, int kStages>
+// w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
+// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out / rows_per_block)
+// blocks of 256; n_in = k_lines x 2048; at most 256 rows a block. pf: the next projection's
+// weights (StreamPrefetch).
+template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
-    stream_gemv_w8a8_kernel(const __grid_constant__ W8a8Chain c, int first, int last) {
+    stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
+                            const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
+                            int rows_per_block, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                            const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
+                            StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
   KESTREL_DYNAMIC_SMEM(smem);
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
-  uint8_t* ring = smem;                                                          // [kStages][8][2048]
-  uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);         // [kM][n_in] bf16
-  uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * c.max_k_lines * kGemvThreads);  // [kM][n_in] codes
-  float* part = reinterpret_cast<float*>(xq + kM * c.max_k_lines * kGemvLine);      // [rows][kM][warps]
-  float* x_scale = part + c.max_rows * kM * kGemvWarps;                           // [kM]
-  float* scratch = x_scale + 2;                                                  // [32]
+  const int n_in = k_lines * kGemvLine;
+  uint8_t* ring = smem;                                                        // [kStages][8][2048]
+  uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);       // [kM][n_in] bf16
+  uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * k_lines * kGemvThreads);  // [kM][n_in] codes
+  float* part = reinterpret_cast<float*>(xq + kM * n_in);                      // [rows][kM][warps]
+  float* x_scale = part + rows_per_block * kM * kGemvWarps;                  // [kM]
+  float* scratch = x_scale + 2;                                             // [32]
 
-  // This block's rows of link l: [row0, row0 + rows), rows 0 when it has none.
-  auto rows_of = [&](int l, int64_t& row0) {
-    const W8a8Link& L = c.link[l];
-    row0 = static_cast<int64_t>(blockIdx.x) * L.rows_per_block;
-    const int64_t left = L.n_out - row0;
-    return static_cast<int>(left <= 0 ? 0 : left < L.rows_per_block ? left : L.rows_per_block);
-  };
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
+  // The scales of the outputs this thread writes at the end (output i = t + 256 j is row i / kM),
+  // loaded now, before the wait (no kernel writes them): loaded at the end they would add a round
+  // trip to memory after the last slab.
+  float out_scale[kM];
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    out_scale[j] = i < rows * kM ? __uint_as_float(ld_stream4(w_scale + row0 + i / kM)) : 0.0f;
+  }
 
-  // Slabs are requested in order by a cursor (no division in the loop), link after link: the
-  // G-th slab the block requests goes to ring slot G % kStages; in a link, slab q is tile
-  // q / k_lines, columns 2048 (q % k_lines) ..; thread t copies chunk t % 128 of rows t / 128,
-  // + 2, + 4, + 6 of the tile (a warp: 512 contiguous bytes of a row).
-  const int cc = t % 128, r0 = t / 128;
-  const int dst_off = r0 * kGemvLine + 16 * (cc ^ ((r0 & 1) << 2));  // rows r0 + 2 j: + 2 j lines
-  int i_link = first, i_q = 0, i_n = 0, i_kb = 0, i_row = r0, i_slot = 0, i_rows = 0, i_k_lines = 1;
-  int64_t i_row_step = 0;
-  const uint8_t* i_w = nullptr;
-  const uint8_t* i_tile = nullptr;  // row r0 of the tile being requested
-  bool i_prefetched = last != c.n_links;  // the weights after the chain: by the launch of its last link
-  auto issue_link = [&](int l) {
-    const W8a8Link& L = c.link[l];
-    int64_t row0;
-    i_rows = rows_of(l, row0);
-    i_k_lines = L.k_lines;
-    i_n = (i_rows + kW8a8SlabRows - 1) / kW8a8SlabRows * L.k_lines;
-    i_row_step = 2 * static_cast<int64_t>(L.k_lines) * kGemvLine;
-    i_w = L.w;
-    i_tile = i_rows > 0 ? L.w + (row0 + r0) * L.k_lines * kGemvLine + 16 * cc : L.w;
-    i_q = 0, i_kb = 0, i_row = r0;
-  };
-  issue_link(first);
+  // Slabs are requested in order by a cursor (no division in the loop): slab q (tile q / k_lines,
+  // columns 2048 (q % k_lines) ..) into ring slot q % kStages; thread t copies chunk t % 128 of
+  // rows t / 128, + 2, + 4, + 6 of the tile (a warp: 512 contiguous bytes of a row).
+  const int c = t % 128, r0 = t / 128;
+  const int dst_off = r0 * kGemvLine + 16 * (c ^ ((r0 & 1) << 2));  // rows r0 + 2 j: + 2 j lines
+  const int64_t row_step = 2 * static_cast<int64_t>(n_in);
+  const uint8_t* i_tile = w + (row0 + r0) * n_in + 16 * c;  // row r0 of the tile being requested
+  int i_q = 0, i_kb = 0, i_row = r0, i_slot = 0;
   auto issue_next = [&]() {
-    while (i_q == i_n && i_link + 1 < last) issue_link(++i_link);
-    if (i_q < i_n) {
+    if (i_q < n_slabs) {
       uint8_t* dst = ring + i_slot * kW8a8SlabBytes + dst_off;
       const uint8_t* src = i_tile + i_kb * kGemvLine;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const bool live = i_row + 2 * j < i_rows;
-        cp_async16(dst + 2 * j * kGemvLine, live ? src : i_w, live);
-        src += i_row_step;
+        const bool live = i_row + 2 * j < rows;
+        cp_async16(dst + 2 * j * kGemvLine, live ? src : w, live);
+        src += row_step;
       }
-      ++i_q;
-      i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
-      if (++i_kb == i_k_lines) i_kb = 0, i_tile += 4 * i_row_step, i_row += kW8a8SlabRows;
-    } else if (!i_prefetched) {
-      stream_prefetch_next(c.next);
-      i_prefetched = true;
+    } else if (i_q == n_slabs) {
+      stream_prefetch_next(pf);
     }
     cp_async_commit();
+    ++i_q;
+    i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
+    if (++i_kb == k_lines) i_kb = 0, i_tile += kW8a8SlabRows * static_cast<int64_t>(n_in), i_row += kW8a8SlabRows;
   };
 #pragma unroll
   for (int q = 0; q < kStages - 1; ++q) issue_next();
   pdl_wait();
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
+
+  // Per-token scale (the largest |a| over the block's threads, each holding 8 columns a line)
+  // and the codes, each thread writing its own columns.
+  {
+    const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
+    float amax[kM];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      amax[m] = 0.0f;
+      for (int kb = 0; kb < k_lines; ++kb) {
+        float f[8];
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax[m] = fmaxf(amax[m], fabsf(f[e]));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax[m] = fmaxf(amax[m], __shfl_xor_sync(0xffffffffu, amax[m], o));
+    }
+    __syncthreads();  // the norm's last use of scratch is over
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < kM; ++m) scratch[warp * kM + m] = amax[m];
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kGemvWarps; ++i) a = fmaxf(a, scratch[i * kM + m]);
+      const float s = a > 0.0f ? a / kFp8E4m3Max : 1.0f;
+      if (t == 0) x_scale[m] = s;
+      for (int kb = 0; kb < k_lines; ++kb) {
+        float f[8];
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
+        const uint32_t lo = f32x2_to_e4m3x2(f[0] / s, f[1] / s) | (f32x2_to_e4m3x2(f[2] / s, f[3] / s) << 16);
+        const uint32_t hi = f32x2_to_e4m3x2(f[4] / s, f[5] / s) | (f32x2_to_e4m3x2(f[6] / s, f[7] / s) << 16);
+        *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = make_uint2(lo, hi);
+      }
+    }
+  }
+  __syncthreads();  // every thread's codes are read by others
+  pdl_launch_next();
 
   const int g = lane / 4, tq = lane % 4;
   const int swz = (g & 1) << 2;
   const bool x_lane = g < 2 * kM;  // lanes g = 2 m + h feed B's column of token m, half h
-  // Chunk 16 warp + 4 i + tq of a slab: lane (g, tq)'s 16 codes of row g for mma i, and x there.
+  const uint8_t* xrow = xq + (x_lane ? g / 2 : 0) * n_in + 8 * (g & 1);
+  // Chunk 16 warp + 4 i + tq of the slab: lane (g, tq)'s 16 codes of row g for mma i, and x there.
   int a_off[4], b_off[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -165,116 +163,45 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     a_off[i] = g * kGemvLine + 16 * (ch ^ swz);
     b_off[i] = 16 * ch;
   }
-  int c_slot = 0;  // the ring slot of the next slab computed
-  for (int l = first; l < last; ++l) {
-    const W8a8Link& L = c.link[l];
-    int64_t row0;
-    const int rows = rows_of(l, row0);
-    const int k_lines = L.k_lines, n_in = k_lines * kGemvLine;
-    // The scales of the outputs this thread writes at the end (output i = t + 256 j is row i / kM),
-    // loaded now (no kernel writes them): loaded at the end they would add a round trip to
-    // memory after the last slab.
-    float out_scale[kM];
-    if (rows > 0) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row g's sums for token tq (lanes tq < kM), per mma
+  int c_kb = 0, c_row = 0, c_slot = 0;     // the slab computed: its column line, tile row, slot
+  for (int q = 0; q < n_slabs; ++q) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
+    issue_next();
+    const uint8_t* slab = ring + c_slot * kW8a8SlabBytes;
+    const uint8_t* xb = xrow + c_kb * kGemvLine;
 #pragma unroll
-      for (int j = 0; j < kM; ++j) {
-        const int i = t + j * kGemvThreads;
-        out_scale[j] = i < rows * kM ? __uint_as_float(ld_stream4(L.w_scale + row0 + i / kM)) : 0.0f;
-      }
-      if (L.input == kStreamInputNorm)
-        stream_gemv_input<kM, false, true>(xs, scratch, k_lines, nullptr, 0, L.res_in, L.add, L.norm_w, L.res_out,
-                                           L.eps);
-      else if (L.input == kStreamInputSwiGLU)
-        stream_gemv_input<kM, true, false>(xs, scratch, k_lines, L.x, L.x_stride, nullptr, nullptr, nullptr, nullptr,
-                                           0.0f);
-      else
-        stream_gemv_input<kM, false, false>(xs, scratch, k_lines, L.x, L.x_stride, nullptr, nullptr, nullptr, nullptr,
-                                            0.0f);
-
-      // Per-token scale (the largest |a| over the block's threads, each holding 8 columns a
-      // line) and the codes, each thread writing its own columns.
-      const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
-      float amax[kM];
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        amax[m] = 0.0f;
-        for (int kb = 0; kb < k_lines; ++kb) {
-          float f[8];
-          unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) amax[m] = fmaxf(amax[m], fabsf(f[e]));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax[m] = fmaxf(amax[m], __shfl_xor_sync(0xffffffffu, amax[m], o));
-      }
-      __syncthreads();  // the norm's last use of scratch is over
-      if (lane == 0)
-#pragma unroll
-        for (int m = 0; m < kM; ++m) scratch[warp * kM + m] = amax[m];
-      __syncthreads();
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        float a = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kGemvWarps; ++i) a = fmaxf(a, scratch[i * kM + m]);
-        const float s = a > 0.0f ? a / kFp8E4m3Max : 1.0f;
-        if (t == 0) x_scale[m] = s;
-        for (int kb = 0; kb < k_lines; ++kb) {
-          float f[8];
-          unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
-          const uint32_t lo = f32x2_to_e4m3x2(f[0] / s, f[1] / s) | (f32x2_to_e4m3x2(f[2] / s, f[3] / s) << 16);
-          const uint32_t hi = f32x2_to_e4m3x2(f[4] / s, f[5] / s) | (f32x2_to_e4m3x2(f[6] / s, f[7] / s) << 16);
-          *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = make_uint2(lo, hi);
-        }
-      }
+    for (int i = 0; i < 4; ++i) {
+      const uint4 a = *reinterpret_cast<const uint4*>(slab + a_off[i]);
+      const uint2 b = x_lane ? *reinterpret_cast<const uint2*>(xb + b_off[i]) : make_uint2(0, 0);
+      const uint32_t fa[4] = {a.x, a.z, a.y, a.w};
+      const uint32_t fb[2] = {b.x, b.y};
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_e4m3_16832(d, fa, fb);
+      acc[i] += d[0] + d[3];
     }
-    __syncthreads();  // every thread's codes are read by others
-    if (l == last - 1) pdl_launch_next();  // every block has started: no barrier is left to wait for
-    if (rows > 0) {
-      const uint8_t* xrow = xq + (x_lane ? g / 2 : 0) * n_in + 8 * (g & 1);
-      const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row g's sums for token tq (lanes tq < kM), per mma
-      int c_kb = 0, c_row = 0;                 // the slab computed: its column line, tile row
-      for (int q = 0; q < n_slabs; ++q) {
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // slab q landed for every thread; the previous slab's slot is free
-        issue_next();
-        const uint8_t* slab = ring + c_slot * kW8a8SlabBytes;
-        const uint8_t* xb = xrow + c_kb * kGemvLine;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 a = *reinterpret_cast<const uint4*>(slab + a_off[i]);
-          const uint2 b = x_lane ? *reinterpret_cast<const uint2*>(xb + b_off[i]) : make_uint2(0, 0);
-          const uint32_t fa[4] = {a.x, a.z, a.y, a.w};
-          const uint32_t fb[2] = {b.x, b.y};
-          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_e4m3_16832(d, fa, fb);
-          acc[i] += d[0] + d[3];
-        }
-        c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
-        if (++c_kb == k_lines) {
-          const int row = c_row + g;
-          if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-          acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-          c_kb = 0;
-          c_row += kW8a8SlabRows;
-        }
-      }
-      __syncthreads();  // every warp's row sums are in part
-#pragma unroll
-      for (int j = 0; j < kM; ++j) {
-        const int i = t + j * kGemvThreads;
-        if (i >= rows * kM) break;
-        const int r = i / kM, m = i % kM;
-        float sum = 0.0f;
-#pragma unroll
-        for (int v = 0; v < kGemvWarps; ++v) sum += part[i * kGemvWarps + v];
-        L.y[static_cast<int64_t>(m) * L.n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * out_scale[j]);
-      }
+    c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
+    if (++c_kb == k_lines) {
+      const int row = c_row + g;
+      if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+      c_kb = 0;
+      c_row += kW8a8SlabRows;
     }
-    if (l + 1 < last) grid_barrier(c.barrier);
   }
   cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    if (i >= rows * kM) break;
+    const int r = i / kM, m = i % kM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kGemvWarps; ++v) sum += part[i * kGemvWarps + v];
+    y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * out_scale[j]);
+  }
 }
 
 }  // namespace kestrel::cuda
