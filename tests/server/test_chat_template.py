@@ -36,6 +36,22 @@ def test_template_error_is_a_400_with_its_message(templated_server):
     assert done
 
 
+def test_chat_template_kwargs_reach_the_template(templated_server):
+    """vLLM's chat_template_kwargs: variables for the template, overriding its inputs (here
+    add_generation_prompt, so the prompt lacks "assistant:"); anything but an object is a 400."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    plain = templated_server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert plain.status_code == 200, plain.text
+    kw = templated_server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert kw.status_code == 200, kw.text
+    c = templated_server.post("/v1/completions", {"prompt": "user: Hi\n", "max_tokens": 1})
+    assert kw.json()["usage"]["prompt_tokens"] == c.json()["usage"]["prompt_tokens"]
+    assert kw.json()["usage"]["prompt_tokens"] < plain.json()["usage"]["prompt_tokens"]
+    bad = templated_server.post("/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": ["x"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_cli_chat_renders_the_same_template(templated_server):
     """`kestrel chat` renders through the model's template too: the same greedy answer as the server,
     and the template's raise_exception as its error (the old three-family formatter had neither)."""
