@@ -27,6 +27,14 @@ std::string param_of(const std::string& text, RequestApi api) {
   return "<none>";
 }
 
+// A prompt format with the Jinja template `source` and bos_token "<s>".
+PromptFormat jinja_format(const std::string& source) {
+  PromptFormat f;
+  f.bos_token = "<s>";
+  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(source));
+  return f;
+}
+
 TEST(OpenAiRequest, ServerDefaults) {
   const OpenAiRequest r = parse(R"({"prompt": "a"})", RequestApi::Completions);
   EXPECT_EQ(r.max_tokens, -1);  // until the context ends
@@ -412,11 +420,9 @@ TEST(OpenAiRequest, KnownFields) {
 
 // render_chat: the model's Jinja template with the special tokens; its failures name `messages`.
 TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
-  PromptFormat f;
-  f.bos_token = "<s>";
-  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(
+  const PromptFormat f = jinja_format(
       "{{ bos_token }}{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}"
-      "{% if add_generation_prompt %}>{% endif %}{% if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}"));
+      "{% if add_generation_prompt %}>{% endif %}{% if messages|length > 2 %}{{ raise_exception('too long') }}{% endif %}");
   const Json two = Json::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])");
   EXPECT_EQ(render_chat(f, two, true), "<s>[system|s][user|u]>");
   EXPECT_EQ(render_chat(f, two, false), "<s>[system|s][user|u]");
@@ -444,11 +450,9 @@ TEST(OpenAiRequest, RenderChatUsesTheJinjaTemplate) {
 // and override the ones it is given (as transformers' apply_chat_template kwargs do); any other
 // type is a 400 naming it; completions do not read it.
 TEST(OpenAiRequest, ChatTemplateKwargsReachTheTemplate) {
-  PromptFormat f;
-  f.bos_token = "<s>";
-  f.jinja_template = std::make_shared<const jinja::Template>(jinja::Template::parse(
+  const PromptFormat f = jinja_format(
       "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
-      "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"));
+      "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}");
   const OpenAiRequest r = parse(
       R"({"messages": [{"role": "user", "content": "u"}], "chat_template_kwargs": {"enable_thinking": false,
           "bos_token": "<B>"}})",
