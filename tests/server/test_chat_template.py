@@ -50,6 +50,12 @@ def test_chat_template_kwargs_reach_the_template(templated_server):
     assert kw.json()["usage"]["prompt_tokens"] < plain.json()["usage"]["prompt_tokens"]
     bad = templated_server.post("/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": ["x"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    # /tokenize renders messages with them too (vLLM's tokenize takes chat_template_kwargs).
+    tk = templated_server.post("/tokenize", {"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert tk.status_code == 200, tk.text
+    assert tk.json()["count"] == kw.json()["usage"]["prompt_tokens"]
+    full = templated_server.post("/tokenize", {"messages": msgs})
+    assert full.json()["count"] == plain.json()["usage"]["prompt_tokens"]
 
 
 def test_cli_chat_renders_the_same_template(templated_server):

@@ -71,7 +71,8 @@ std::optional<HttpResponse> check_model(const ApiState& api, const RequestJson& 
 }
 
 // POST /tokenize (vLLM): {"prompt": str, "add_special_tokens": bool = true} or {"messages": [...],
-// "add_generation_prompt": bool = true, "add_special_tokens": bool} -> {"count", "max_model_len",
+// "add_generation_prompt": bool = true, "add_special_tokens": bool, "chat_template_kwargs": {...}}
+// -> {"count", "max_model_len",
 // "tokens", "token_strs": null}. Messages get the server's chat prompt: without add_special_tokens,
 // BOS as chat requests get it (none when the template writes it). There is no size bound (vLLM has
 // none): this runs on the pool's own tokenizer threads, and stops (EncodeCancelled) once *cancel is
@@ -91,8 +92,11 @@ HttpResponse tokenize(ApiState& api, const std::string& body, const std::atomic<
       if (!p.is_string()) throw RequestError("prompt", "prompt must be a string, got " + shown(p));
       ids = tok.encode(p.get_ref<const std::string&>(), bool_field(j, "add_special_tokens", true), true, cancel);
     } else {
-      const OpenAiRequest r = parse_openai_request(RequestJson{{"messages", j["messages"]}}, RequestApi::Chat);
-      const std::string text = render_chat(api.format, r.messages_json, bool_field(j, "add_generation_prompt", true));
+      RequestJson chat{{"messages", j["messages"]}};
+      if (j.contains("chat_template_kwargs")) chat["chat_template_kwargs"] = j["chat_template_kwargs"];
+      const OpenAiRequest r = parse_openai_request(chat, RequestApi::Chat);
+      const std::string text = render_chat(api.format, r.messages_json, bool_field(j, "add_generation_prompt", true),
+                                           r.tools, r.chat_template_kwargs);
       ids = tok.encode(text, bool_field(j, "add_special_tokens", !api.format.starts_with_bos(text)), true, cancel);
     }
   } catch (const RequestError& e) {

@@ -205,8 +205,8 @@ std::optional<HttpResponse> Generation::check_prompt_bytes(const OpenAiRequest& 
         param, "context_length_exceeded");
   };
   if (r.is_chat) {
-    const std::string text = render_chat(api_.format, r.messages_json,
-                                         /*add_generation_prompt=*/true);
+    const std::string text = render_chat(api_.format, r.messages_json, /*add_generation_prompt=*/true, r.tools,
+                                         r.chat_template_kwargs);
     if (text.size() > max_bytes)
       return refuse(text.size(), "the chat prompt (messages in the chat template)", "messages");
     return std::nullopt;
