@@ -707,10 +707,11 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
                                          " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
     out.prompt = *p->ids;
   } else {
-    const std::string text =
-        request.is_chat ? render_chat(format, request.messages_json, /*add_generation_prompt=*/true, request.tools,
-                                      request.chat_template_kwargs)
-                        : p->text;
+    const std::string text = !request.is_chat           ? p->text
+                             : request.chat_prompt.has_value() ? *request.chat_prompt
+                                                               : render_chat(format, request.messages_json,
+                                                                             /*add_generation_prompt=*/true,
+                                                                             request.tools, request.chat_template_kwargs);
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && format.starts_with_bos(text);
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);

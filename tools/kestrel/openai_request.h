@@ -104,6 +104,10 @@ struct OpenAiRequest {
   // {"enable_thinking": false}), overriding the ones it is given (transformers' apply_chat_template
   // kwargs); an object, or null when not given.
   Json chat_template_kwargs;
+  // Chat: the messages rendered by the chat template (render_chat with tools and
+  // chat_template_kwargs), when the caller has rendered them already (the server does, to check the
+  // prompt's size first); to_engine_request renders them when empty.
+  std::optional<std::string> chat_prompt;
   // >= 1, or -1 (JSON null, or absent for the server): until max_model_len. Completions also take
   // 0 (OpenAI's legacy API): nothing is generated, the choice is the echo (if any) with
   // finish_reason "length"; the engine still runs the prompt (for echo's logprobs), with one token

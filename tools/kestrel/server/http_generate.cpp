@@ -205,8 +205,7 @@ std::optional<HttpResponse> Generation::check_prompt_bytes(const OpenAiRequest& 
         param, "context_length_exceeded");
   };
   if (r.is_chat) {
-    const std::string text = render_chat(api_.format, r.messages_json, /*add_generation_prompt=*/true, r.tools,
-                                         r.chat_template_kwargs);
+    const std::string& text = *r.chat_prompt;
     if (text.size() > max_bytes)
       return refuse(text.size(), "the chat prompt (messages in the chat template)", "messages");
     return std::nullopt;
@@ -287,6 +286,10 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
           404,
           "The model `" + r.model + "` does not exist; this server serves `" + api_.served_model_name + "`",
           "model", "model_not_found"));
+    // Rendered once: the size check below and the tokenizer read the same text.
+    if (r.is_chat)
+      r.chat_prompt = render_chat(api_.format, r.messages_json, /*add_generation_prompt=*/true, r.tools,
+                                  r.chat_template_kwargs);
     // A prompt to truncate may be longer than the context (the body size still bounds the work).
     if (r.truncate_prompt_tokens == 0)
       if (auto e = check_prompt_bytes(r)) return fail(std::move(*e));
