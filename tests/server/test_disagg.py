@@ -286,8 +286,25 @@ def test_errors_from_either_side_are_answers(sides):
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_host"
     r = requests.get(producer.url + "/v1/kv_transfer/999999", timeout=10)
     assert r.status_code == 404
+    # Client text never reaches the consumer's request line: a remote_request_id with CR LF (header
+    # or request smuggling) or a path is a 400 naming it, and so is a host with a space.
+    for bad in ["x HTTP/1.1\r\nX-Injected: 1\r\n\r\nDELETE /v1/kv_transfer/1", "../../health", ".."]:
+        r = consumer.post("/v1/completions", {**body, "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_request_id", r.text
+    r = consumer.post("/v1/completions", {**body, "kv_transfer_params": {
+        "do_remote_prefill": True, "remote_host": "a b", "remote_port": 1, "remote_request_id": "1"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_host", r.text
     # The pull hands the held blocks over once: a HEAD is refused and leaves them for the consumer.
+    # The id is keyed (not the engine's sequential id alone): the bare engine id, or the id with
+    # another tag, is a 404 and leaves the blocks held.
     params = prefill(producer, body)
+    rid = str(params["remote_request_id"])
+    engine_id, tag = rid.split("-")
+    assert engine_id.isdigit() and len(tag) == 32, rid
+    for guess in [engine_id, engine_id + "-" + "0" * 32]:
+        r = requests.get(producer.url + "/v1/kv_transfer/" + guess, timeout=10)
+        assert r.status_code == 404, r.text
     r = requests.head(producer.url + "/v1/kv_transfer/" + str(params["remote_request_id"]), timeout=10)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
     r = consumer.post("/v1/completions", {**body, "kv_transfer_params": params})

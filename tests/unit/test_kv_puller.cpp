@@ -181,7 +181,7 @@ TEST(KvPuller, AutoOnTheSameGpuCopiesByCudaIpcAndReleasesWhenTheImportGoes) {
   const KvTransferConfig config = config_of(KvTransport::Auto);
   ConsumerRunner runner(kGpuA, true);
   ServerMetrics metrics;
-  KvPuller puller(config, runner, metrics);
+  KvPuller puller(config, runner, metrics, 1 << 16);
   std::vector<int32_t> tokens;
   const auto start = std::chrono::steady_clock::now();
   auto kv = std::make_shared<KvImport>(puller.pull(params_of(producer), &tokens));
@@ -212,7 +212,7 @@ TEST(KvPuller, AutoFallsBackToHostMemoryAndStaysThereForThatProducer) {
     const KvTransferConfig config = config_of(KvTransport::Auto);
     ConsumerRunner runner(kGpuA, c != 2);
     ServerMetrics metrics;
-    KvPuller puller(config, runner, metrics);
+    KvPuller puller(config, runner, metrics, 1 << 16);
     KvImport kv = puller.pull(params_of(producer), nullptr);
     EXPECT_FALSE(kv.ipc.has_value());
     EXPECT_EQ(kv.bytes.size(), 16u);
@@ -234,7 +234,7 @@ TEST(KvPuller, CudaIpcForcedFailsAndReleasesTheBlocks) {
     const KvTransferConfig config = config_of(KvTransport::CudaIpc);
     ConsumerRunner runner(kGpuA, c != 2);
     ServerMetrics metrics;
-    KvPuller puller(config, runner, metrics);
+    KvPuller puller(config, runner, metrics, 1 << 16);
     const std::string error = test::error_of([&] { puller.pull(params_of(producer), nullptr); });
     EXPECT_NE(error.find(c == 0 ? "the producer runs on GPU-bbbbbbbb" : c == 1 ? "HTTP 409" : "cudaIpcOpenMemHandle"),
               std::string::npos)
@@ -249,9 +249,24 @@ TEST(KvPuller, HostAndCpuConsumersNeverAskForCudaIpc) {
   ServerMetrics metrics;
   const KvTransferConfig host = config_of(KvTransport::Host), automatic = config_of(KvTransport::Auto);
   ConsumerRunner gpu(kGpuA, true), cpu("", true);
-  KvPuller by_host(host, gpu, metrics), on_cpu(automatic, cpu, metrics);
+  KvPuller by_host(host, gpu, metrics, 1 << 16), on_cpu(automatic, cpu, metrics, 1 << 16);
   EXPECT_FALSE(by_host.pull(params_of(producer), nullptr).ipc.has_value());
   EXPECT_FALSE(on_cpu.pull(params_of(producer), nullptr).ipc.has_value());
   EXPECT_EQ(producer.seen(), (std::vector<std::string>{kHostGet, kHostGet}));
   EXPECT_EQ(gpu.opened + cpu.opened, 0);
+}
+
+// The pull's answer is read up to a bound (the producer is whoever the client names): past it the
+// exchange fails instead of buffering on.
+TEST(KvPuller, AnAnswerLongerThanTheBoundIsNotRead) {
+  FakeProducer producer;
+  const KvHttpAnswer whole = kv_transfer_exchange("127.0.0.1", producer.port, false, "/v1/kv_transfer/7", 5, "", 1 << 20);
+  ASSERT_EQ(whole.status, 200);
+  ASSERT_GT(whole.body.size(), 16u);
+  try {
+    kv_transfer_exchange("127.0.0.1", producer.port, false, "/v1/kv_transfer/7", 5, "", whole.body.size() - 1);
+    FAIL() << "an answer past the bound was read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("reading the answer"), std::string::npos) << e.what();
+  }
 }

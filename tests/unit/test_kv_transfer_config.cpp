@@ -76,7 +76,7 @@ TEST(KvTransferParams, ParsesAndChecksRequestFields) {
   const Json back = kv_transfer_params_json(*p);
   EXPECT_EQ(back["remote_host"], "h");
   EXPECT_EQ(back["remote_block_ids"].size(), 2u);
-  const auto param_of = [](const char* json) {
+  const auto param_of = [](const std::string& json) {
     try {
       parse_kv_transfer_params(RequestJson::parse(json));
     } catch (const RequestError& e) {
@@ -91,6 +91,22 @@ TEST(KvTransferParams, ParsesAndChecksRequestFields) {
             "kv_transfer_params.remote_host");
   EXPECT_EQ(param_of(R"({"kv_transfer_params": {"remote_port": 70000}})"), "kv_transfer_params.remote_port");
   EXPECT_EQ(param_of(R"({"kv_transfer_params": {"remote_block_ids": [-1]}})"), "kv_transfer_params.remote_block_ids");
+  // The id and the host go into the pull's request line and Host header: nothing but the
+  // characters of a request id (RFC 3986 unreserved) or of a host name or IP address.
+  const std::string pull = R"({"kv_transfer_params": {"do_remote_prefill": true, "remote_port": 1, )";
+  for (const char* id : {R"("x\r\nX-Injected: 1")", R"("../../health")", R"("..")", R"("a/b")", R"("a b")", R"("a?b")"})
+    EXPECT_EQ(param_of(pull + R"("remote_host": "h", "remote_request_id": )" + id + "}}"),
+              "kv_transfer_params.remote_request_id")
+        << id;
+  EXPECT_EQ(param_of(pull + R"("remote_host": "h", "remote_request_id": ")" + std::string(129, 'a') + "\"}}"),
+            "kv_transfer_params.remote_request_id");
+  for (const char* host : {R"("h\r\nX: 1")", R"("a b")", R"("user@h")", R"("h/x")"})
+    EXPECT_EQ(param_of(pull + R"("remote_request_id": "1", "remote_host": )" + host + "}}"),
+              "kv_transfer_params.remote_host")
+        << host;
+  for (const char* ok : {R"("remote_host": "::1", "remote_request_id": "cmpl-1.a_b~c")",
+                         R"("remote_host": "prefill-0.example.com", "remote_request_id": "17-0f")"})
+    EXPECT_EQ(param_of(pull + ok + "}}"), "") << ok;
 }
 
 TEST(KvTransferRecord, RoundTripsAndRefusesTruncation) {

@@ -1,5 +1,7 @@
 #include "kv_transfer_config.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -121,6 +123,19 @@ std::optional<KvTransferParams> parse_kv_transfer_params(const RequestJson& requ
   }
   if (p.do_remote_decode && p.do_remote_prefill)
     throw RequestError("kv_transfer_params", "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other");
+  // Both go into the pull's request line and Host header: only the characters a host name, an IP
+  // address or a producer's request id (RFC 3986 unreserved) has, so that no client text can add
+  // header lines, requests or path segments to what the consumer sends.
+  const auto check_chars = [&](const char* f, const std::string& v, size_t max_len, std::string_view extra) {
+    const bool ok = v.size() <= max_len && std::all_of(v.begin(), v.end(), [&](char c) {
+                      return std::isalnum(static_cast<unsigned char>(c)) != 0 || extra.find(c) != std::string_view::npos;
+                    });
+    if (!ok || (!v.empty() && v.find_first_not_of('.') == std::string::npos))
+      throw RequestError(param(f), param(f) + " must be at most " + std::to_string(max_len) +
+                                       " characters of letters, digits and " + std::string(extra));
+  };
+  check_chars("remote_host", p.remote_host, 253, ".-:");
+  check_chars("remote_request_id", p.remote_request_id, 128, "._~-");
   if (p.do_remote_prefill) {
     if (p.remote_host.empty()) throw RequestError(param("remote_host"), param("remote_host") + " is required with do_remote_prefill");
     if (p.remote_port == 0) throw RequestError(param("remote_port"), param("remote_port") + " is required with do_remote_prefill");

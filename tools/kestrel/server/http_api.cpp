@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <charconv>
 #include <atomic>
+#include <cstdio>
+#include <cstring>
 #include <ctime>
+
+#include <xxhash.h>
 
 #include "chat_prompt.h"
 #include "server/http_generate.h"
@@ -205,9 +209,8 @@ std::optional<RequestId> kv_request_id(ApiState& api, const std::shared_ptr<Http
                                 "remote_request_id", "kv_transfer_unavailable"));
     return std::nullopt;
   }
-  RequestId id = 0;
-  const auto [end, ec] = std::from_chars(id_text.data(), id_text.data() + id_text.size(), id);
-  if (ec != std::errc() || end != id_text.data() + id_text.size()) {
+  const std::optional<RequestId> id = api.kv_transfer_request_id(id_text);
+  if (!id) {
     session->respond(error_json(404, "no held K/V for request \"" + id_text + "\"", "remote_request_id",
                                 "kv_transfer_not_found"));
     return std::nullopt;
@@ -272,7 +275,41 @@ ApiState::ApiState(std::string name, const PromptFormat& f, int64_t len, EngineL
       loop(l),
       metrics(m),
       started(std::time(nullptr)),
-      seeds_(std::random_device{}()) {}
+      seeds_(std::random_device{}()) {
+  std::random_device rd;
+  for (size_t i = 0; i < kv_id_key_.size(); i += 4) {
+    const uint32_t v = rd();
+    std::memcpy(kv_id_key_.data() + i, &v, 4);
+  }
+}
+
+namespace {
+std::string kv_id_tag(RequestId id, const std::array<unsigned char, 192>& key) {
+  const XXH128_hash_t h = XXH3_128bits_withSecret(&id, sizeof(id), key.data(), key.size());
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                static_cast<unsigned long long>(h.low64));
+  return hex;
+}
+}  // namespace
+
+std::string ApiState::kv_transfer_id(RequestId id) const { return std::to_string(id) + "-" + kv_id_tag(id, kv_id_key_); }
+
+std::optional<RequestId> ApiState::kv_transfer_request_id(std::string_view text) const {
+  const size_t dash = text.find('-');
+  if (dash == std::string_view::npos) return std::nullopt;
+  RequestId id = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + dash, id);
+  if (ec != std::errc() || end != text.data() + dash) return std::nullopt;
+  const std::string tag = kv_id_tag(id, kv_id_key_);
+  // Compared in full whatever differs first (no early exit to time).
+  const std::string_view given = text.substr(dash + 1);
+  if (given.size() != tag.size()) return std::nullopt;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < tag.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ tag[i]);
+  if (diff != 0) return std::nullopt;
+  return id;
+}
 
 uint64_t ApiState::random_seed() {
   std::lock_guard lock(seed_mutex_);

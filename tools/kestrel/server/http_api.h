@@ -8,6 +8,7 @@
 // answer other connections meanwhile.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 
 #include "kv_transfer_config.h"
 #include "openai_request.h"
@@ -51,9 +53,17 @@ struct ApiState {
 
   uint64_t random_seed();  // for requests without a seed
 
+  // A producer's remote_request_id for engine request id: "<id>-<tag>", the tag 32 hex digits of a
+  // hash of id keyed by 192 random bytes drawn at start-up, so that held K/V (and the prompt's token
+  // ids in it) cannot be pulled or released by guessing the engine's sequential ids.
+  // kv_transfer_request_id reverses it: nullopt for any other text.
+  std::string kv_transfer_id(RequestId id) const;
+  std::optional<RequestId> kv_transfer_request_id(std::string_view text) const;
+
  private:
   std::mutex seed_mutex_;
   std::mt19937_64 seeds_;
+  std::array<unsigned char, 192> kv_id_key_{};
 };
 
 // The Dispatch of the HTTP layer.

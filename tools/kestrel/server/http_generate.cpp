@@ -492,7 +492,7 @@ void Generation::complete(HttpSession& s, std::vector<ChoiceOutput>& outputs) {
         c.kv_held.remote_port = api_.port;
         c.kv_held.remote_engine_id =
             api_.kv_transfer->engine_id.empty() ? "kestrel-" + std::to_string(api_.port) : api_.kv_transfer->engine_id;
-        c.kv_held.remote_request_id = std::to_string(o.output.id);
+        c.kv_held.remote_request_id = api_.kv_transfer_id(o.output.id);
         c.kv_held.remote_block_ids = std::move(o.output.kv_held_blocks);
         c.kv_held.num_computed_tokens = o.output.kv_held_tokens;
       }

@@ -55,7 +55,7 @@ struct HttpServer::Impl {
     api.kv_transfer = o.kv_transfer;
     if (api.kv_transfer && api.kv_transfer->consumes()) {
       KESTREL_ASSERT(o.runner != nullptr, "serve: a KV consumer without its runner");
-      api.kv_puller = std::make_unique<KvPuller>(*api.kv_transfer, *o.runner, m);
+      api.kv_puller = std::make_unique<KvPuller>(*api.kv_transfer, *o.runner, m, len);
     }
     ctx.api_key = o.api_key;
     ctx.metrics = &m;

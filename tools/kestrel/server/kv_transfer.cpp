@@ -19,7 +19,7 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 
 KvHttpAnswer kv_transfer_exchange(const std::string& host, int port, bool del, const std::string& target,
-                                  double timeout_s, const std::string& api_key) {
+                                  double timeout_s, const std::string& api_key, uint64_t max_body_bytes) {
   const std::string where = "KV transfer from " + host + ":" + std::to_string(port);
   asio::io_context ioc;
   asio::ip::tcp::resolver resolver(ioc);
@@ -29,7 +29,7 @@ KvHttpAnswer kv_transfer_exchange(const std::string& host, int port, bool del, c
   if (!api_key.empty()) req.set(http::field::authorization, "Bearer " + api_key);
   beast::flat_buffer buffer;
   http::response_parser<http::string_body> parser;
-  parser.body_limit(boost::none);  // the record's size is the prompt's K/V
+  parser.body_limit(max_body_bytes);
   beast::error_code failure;
   const char* stage = "resolving the host";
   // Asynchronous steps run to completion here: the stream's expiry (one deadline for all of them)
@@ -55,6 +55,8 @@ KvHttpAnswer kv_transfer_exchange(const std::string& host, int port, bool del, c
 
 namespace {
 
+constexpr uint64_t kMaxSmallAnswer = uint64_t{1} << 20;  // a release's answer; the slack of a record's
+
 std::string failed(const std::string& host, int port, const KvHttpAnswer& a) {
   return "KV transfer from " + host + ":" + std::to_string(port) + " failed: HTTP " + std::to_string(a.status) + ": " +
          a.body.substr(0, 500);
@@ -67,9 +69,9 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 KvImport pull_kv_blocks(const std::string& host, int port, const std::string& remote_request_id, double timeout_s,
-                        const std::string& api_key, std::vector<int32_t>* tokens) {
-  const KvHttpAnswer a =
-      kv_transfer_exchange(host, port, false, "/v1/kv_transfer/" + remote_request_id, timeout_s, api_key);
+                        const std::string& api_key, uint64_t max_body_bytes, std::vector<int32_t>* tokens) {
+  const KvHttpAnswer a = kv_transfer_exchange(host, port, false, "/v1/kv_transfer/" + remote_request_id, timeout_s,
+                                              api_key, max_body_bytes);
   if (a.status != 200) throw Error(failed(host, port, a));
   return decode_kv_blocks(a.body, tokens);
 }
@@ -94,7 +96,8 @@ void KvPuller::Releaser::run() {
     }
     // Not sent (the producer is gone or answers otherwise): its hold timeout frees the blocks.
     try {
-      const KvHttpAnswer a = kv_transfer_exchange(r.host, r.port, true, "/v1/kv_transfer/" + r.id, timeout_s, api_key);
+      const KvHttpAnswer a =
+          kv_transfer_exchange(r.host, r.port, true, "/v1/kv_transfer/" + r.id, timeout_s, api_key, kMaxSmallAnswer);
       if (a.status != 200 && a.status != 404) std::cerr << "kestrel serve: " << failed(r.host, r.port, a) << std::endl;
     } catch (const Error& e) {
       std::cerr << "kestrel serve: releasing K/V: " << e.what() << std::endl;
@@ -114,8 +117,14 @@ KvPuller::Releaser::~Releaser() {
   }
 }
 
-KvPuller::KvPuller(const KvTransferConfig& config, const ModelRunner& runner, ServerMetrics& metrics)
+KvPuller::KvPuller(const KvTransferConfig& config, const ModelRunner& runner, ServerMetrics& metrics,
+                   int64_t max_model_len)
     : config_(config), runner_(runner), metrics_(metrics), releaser_(std::make_shared<Releaser>()) {
+  // The record: a header line (the format, and each token id in at most 12 characters) and the
+  // prompt's K/V; an IPC answer (handles and block ids) is smaller.
+  max_record_bytes_ = static_cast<uint64_t>(std::max<int64_t>(1, max_model_len)) *
+                          (static_cast<uint64_t>(std::max<int64_t>(0, runner.kv_bytes_per_token())) + 12) +
+                      kMaxSmallAnswer;
   releaser_->timeout_s = std::min(config.kv_pull_timeout, 10.0);
   releaser_->api_key = config.remote_api_key;
   releaser_->thread = std::thread([r = releaser_.get()] { r->run(); });
@@ -146,7 +155,7 @@ KvImport KvPuller::pull(const KvTransferParams& p, std::vector<int32_t>* tokens)
     const auto start = std::chrono::steady_clock::now();
     const KvHttpAnswer a = kv_transfer_exchange(p.remote_host, p.remote_port, false,
                                                 "/v1/kv_transfer/" + p.remote_request_id + "/cuda_ipc",
-                                                config_.kv_pull_timeout, config_.remote_api_key);
+                                                config_.kv_pull_timeout, config_.remote_api_key, max_record_bytes_);
     const Release release{p.remote_host, p.remote_port, p.remote_request_id};
     if (a.status == 200) {
       double hold_s = 0;
@@ -184,7 +193,7 @@ KvImport KvPuller::pull(const KvTransferParams& p, std::vector<int32_t>* tokens)
 KvImport KvPuller::pull_host(const KvTransferParams& p, std::vector<int32_t>* tokens) {
   const auto start = std::chrono::steady_clock::now();
   KvImport kv = pull_kv_blocks(p.remote_host, p.remote_port, p.remote_request_id, config_.kv_pull_timeout,
-                               config_.remote_api_key, tokens);
+                               config_.remote_api_key, max_record_bytes_, tokens);
   metrics_.on_kv_pull(false, seconds_since(start));
   return kv;
 }

@@ -23,22 +23,24 @@ namespace kestrel::cli {
 
 // One HTTP/1.1 exchange with a producer at host:port within timeout_s seconds (connect, request and
 // answer together): the answer's status and body. api_key: sent as "Authorization: Bearer
-// <api_key>" (RFC 6750) unless empty. Errors: kestrel::Error saying what failed (the connection
-// refused or timed out).
+// <api_key>" (RFC 6750) unless empty. An answer body longer than max_body_bytes is not read (the
+// producer is whoever the client names: it must not make this server buffer without bound).
+// Errors: kestrel::Error saying what failed (the connection refused or timed out, the body too
+// long).
 struct KvHttpAnswer {
   int status = 0;
   std::string body;
 };
 KvHttpAnswer kv_transfer_exchange(const std::string& host, int port, bool del, const std::string& target,
-                                  double timeout_s, const std::string& api_key);
+                                  double timeout_s, const std::string& api_key, uint64_t max_body_bytes);
 
 // Pulls request `remote_request_id`'s K/V bytes from the producer at host:port;
-// *tokens gets the token ids they were computed from.
+// *tokens gets the token ids they were computed from; max_body_bytes as kv_transfer_exchange's.
 // Errors: kestrel::Error saying what failed: the connection (refused, timed out), a non-200 answer
 // (its status and message, e.g. 401 for a missing or wrong key), or a malformed record
 // (decode_kv_blocks).
 KvImport pull_kv_blocks(const std::string& host, int port, const std::string& remote_request_id, double timeout_s,
-                        const std::string& api_key, std::vector<int32_t>* tokens);
+                        const std::string& api_key, uint64_t max_body_bytes, std::vector<int32_t>* tokens);
 
 // A consumer's pulls by its kv_transport (KvTransport): CUDA IPC when the config asks for it, or
 // for auto when this server runs on CUDA and the producer has not yet answered without IPC;
@@ -46,8 +48,9 @@ KvImport pull_kv_blocks(const std::string& host, int port, const std::string& re
 class KvPuller {
  public:
   // runner: this server's, which maps the producer's handles (ModelRunner::open_kv_ipc). All three
-  // must outlive the puller.
-  KvPuller(const KvTransferConfig& config, const ModelRunner& runner, ServerMetrics& metrics);
+  // must outlive the puller. max_model_len bounds the record a pull reads: a prompt of at most that
+  // many tokens, each kv_bytes_per_token() bytes and its id in the header.
+  KvPuller(const KvTransferConfig& config, const ModelRunner& runner, ServerMetrics& metrics, int64_t max_model_len);
   ~KvPuller();
 
   // Pulls p's K/V. By CUDA IPC the import carries the producer's handles (mapped) and block ids,
@@ -89,6 +92,7 @@ class KvPuller {
   const ModelRunner& runner_;
   ServerMetrics& metrics_;
   std::shared_ptr<Releaser> releaser_;
+  uint64_t max_record_bytes_ = 0;
   std::mutex mutex_;
   std::map<std::string, bool> ipc_off_;  // by "host:port": auto pulls through host memory there
 };
