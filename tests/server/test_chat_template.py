@@ -56,6 +56,13 @@ def test_chat_template_kwargs_reach_the_template(templated_server):
     assert tk.json()["count"] == kw.json()["usage"]["prompt_tokens"]
     full = templated_server.post("/tokenize", {"messages": msgs})
     assert full.json()["count"] == plain.json()["usage"]["prompt_tokens"]
+    # vLLM's add_generation_prompt field of a chat request does the same.
+    field = templated_server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                           "add_generation_prompt": False})
+    assert field.status_code == 200, field.text
+    assert field.json()["usage"]["prompt_tokens"] == kw.json()["usage"]["prompt_tokens"]
+    bad = templated_server.post("/v1/chat/completions", {"messages": msgs, "add_generation_prompt": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_generation_prompt"
 
 
 def test_cli_chat_renders_the_same_template(templated_server):

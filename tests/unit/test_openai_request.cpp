@@ -473,6 +473,18 @@ TEST(OpenAiRequest, ChatTemplateKwargsReachTheTemplate) {
   EXPECT_TRUE(is_known_field("chat_template_kwargs", RequestApi::Chat));
 }
 
+TEST(OpenAiRequest, AddGenerationPromptIsReadForChat) {
+  const std::string msgs = R"("messages": [{"role": "user", "content": "u"}])";
+  EXPECT_TRUE(parse("{" + msgs + "}", RequestApi::Chat).add_generation_prompt);
+  EXPECT_FALSE(parse("{" + msgs + R"(, "add_generation_prompt": false})", RequestApi::Chat).add_generation_prompt);
+  EXPECT_TRUE(parse("{" + msgs + R"(, "add_generation_prompt": null})", RequestApi::Chat).add_generation_prompt);
+  for (const char* v : {"\"no\"", "0", "[]"})
+    EXPECT_EQ(param_of("{" + msgs + R"(, "add_generation_prompt": )" + v + "}", RequestApi::Chat),
+              "add_generation_prompt")
+        << v;
+  EXPECT_TRUE(is_known_field("add_generation_prompt", RequestApi::Chat));
+}
+
 
 
 // developer and tool messages reach the template with their role as given (they were refused);

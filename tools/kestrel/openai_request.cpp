@@ -517,7 +517,7 @@ bool is_known_field(const std::string& key, RequestApi api) {
       "guided_regex", "guided_choice", "guided_grammar", "grammar", "json_schema", "use_beam_search",
       "length_penalty", "early_stopping", "min_tokens", "stop_token_ids", "prompt_logprobs", "speculative_config",
       "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
-      "bad_words", "truncate_prompt_tokens", "priority", "chat_template_kwargs"};
+      "bad_words", "truncate_prompt_tokens", "priority", "chat_template_kwargs", "add_generation_prompt"};
   static const char* const kServer[] = {"logprobs", "top_logprobs", "echo", "stream", "stream_options"};
   for (const char* k : kCommon)
     if (key == k) return true;
@@ -570,6 +570,8 @@ OpenAiRequest parse_openai_request(const json& j, RequestApi api) {
       if (!v.is_object()) bad("chat_template_kwargs", "must be an object of template variables", v);
       r.chat_template_kwargs = v;
     }
+    if (const json& v = field(j, "add_generation_prompt"); !v.is_null())
+      r.add_generation_prompt = boolean("add_generation_prompt", v);
   }
   stop_token_fields(j, r);
   vllm_fields(j, r);
@@ -710,7 +712,7 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
     const std::string text = !request.is_chat           ? p->text
                              : request.chat_prompt.has_value() ? *request.chat_prompt
                                                                : render_chat(format, request.messages_json,
-                                                                             /*add_generation_prompt=*/true,
+                                                                             request.add_generation_prompt,
                                                                              request.tools, request.chat_template_kwargs);
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && format.starts_with_bos(text);

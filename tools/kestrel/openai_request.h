@@ -104,6 +104,9 @@ struct OpenAiRequest {
   // {"enable_thinking": false}), overriding the ones it is given (transformers' apply_chat_template
   // kwargs); an object, or null when not given.
   Json chat_template_kwargs;
+  // Chat: whether the template ends the prompt with the assistant's turn opening (vLLM's and
+  // transformers' add_generation_prompt; a key of the same name in chat_template_kwargs wins).
+  bool add_generation_prompt = true;
   // Chat: the messages rendered by the chat template (render_chat with tools and
   // chat_template_kwargs), when the caller has rendered them already (the server does, to check the
   // prompt's size first); to_engine_request renders them when empty.

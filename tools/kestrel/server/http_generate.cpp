@@ -288,7 +288,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
           "model", "model_not_found"));
     // Rendered once: the size check below and the tokenizer read the same text.
     if (r.is_chat)
-      r.chat_prompt = render_chat(api_.format, r.messages_json, /*add_generation_prompt=*/true, r.tools,
+      r.chat_prompt = render_chat(api_.format, r.messages_json, r.add_generation_prompt, r.tools,
                                   r.chat_template_kwargs);
     // A prompt to truncate may be longer than the context (the body size still bounds the work).
     if (r.truncate_prompt_tokens == 0)
