@@ -690,6 +690,11 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
   return tokenizer.decode(*p.ids, /*skip_special=*/false);
 }
 
+std::string render_chat_prompt(const OpenAiRequest& request, const PromptFormat& format) {
+  return render_chat(format, request.messages_json, request.add_generation_prompt, request.tools,
+                     request.chat_template_kwargs);
+}
+
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
                           size_t prompt_index, bool* truncated) {
   const Tokenizer& tok = *format.tokenizer;
@@ -709,11 +714,9 @@ Request to_engine_request(const OpenAiRequest& request, const PromptFormat& form
                                          " is outside the vocabulary (" + std::to_string(n_vocab) + " tokens)");
     out.prompt = *p->ids;
   } else {
-    const std::string text = !request.is_chat           ? p->text
-                             : request.chat_prompt.has_value() ? *request.chat_prompt
-                                                               : render_chat(format, request.messages_json,
-                                                                             request.add_generation_prompt,
-                                                                             request.tools, request.chat_template_kwargs);
+    const std::string text = !request.is_chat       ? p->text
+                             : request.chat_prompt ? *request.chat_prompt
+                                                   : render_chat_prompt(request, format);
     // A template that writes the BOS text itself (Llama 2 and 3, Mistral) must not get a second one.
     const bool has_bos = request.is_chat && format.starts_with_bos(text);
     out.prompt = tok.encode(text, /*add_special=*/!has_bos, /*parse_special=*/true);

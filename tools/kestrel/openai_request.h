@@ -238,6 +238,10 @@ std::string prompt_text(const OpenAiRequest& request, const Tokenizer& tokenizer
 // vocabulary, a bad word with no tokens, or truncate_prompt_tokens above format.max_model_len; the
 // engine's add_request checks the rest. truncate_prompt_tokens applies to the tokenized prompt;
 // *truncated (when given) tells whether it cut tokens.
+// A chat request's messages in the model's chat template with the request's own inputs (tools,
+// chat_template_kwargs, add_generation_prompt). Errors: the template's (render_chat).
+std::string render_chat_prompt(const OpenAiRequest& request, const PromptFormat& format);
+
 Request to_engine_request(const OpenAiRequest& request, const PromptFormat& format, uint64_t random_seed,
                           size_t prompt_index = 0, bool* truncated = nullptr);
 

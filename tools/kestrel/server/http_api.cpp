@@ -301,13 +301,7 @@ std::optional<RequestId> ApiState::kv_transfer_request_id(std::string_view text)
   RequestId id = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + dash, id);
   if (ec != std::errc() || end != text.data() + dash) return std::nullopt;
-  const std::string tag = kv_id_tag(id, kv_id_key_);
-  // Compared in full whatever differs first (no early exit to time).
-  const std::string_view given = text.substr(dash + 1);
-  if (given.size() != tag.size()) return std::nullopt;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < tag.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ tag[i]);
-  if (diff != 0) return std::nullopt;
+  if (!same_secret(text.substr(dash + 1), kv_id_tag(id, kv_id_key_))) return std::nullopt;
   return id;
 }
 

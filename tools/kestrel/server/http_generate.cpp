@@ -288,8 +288,7 @@ Prepared Generation::prepare_checked(const std::string& body, RequestApi which) 
           "model", "model_not_found"));
     // Rendered once: the size check below and the tokenizer read the same text.
     if (r.is_chat)
-      r.chat_prompt = render_chat(api_.format, r.messages_json, r.add_generation_prompt, r.tools,
-                                  r.chat_template_kwargs);
+      r.chat_prompt = render_chat_prompt(r, api_.format);
     // A prompt to truncate may be longer than the context (the body size still bounds the work).
     if (r.truncate_prompt_tokens == 0)
       if (auto e = check_prompt_bytes(r)) return fail(std::move(*e));
