@@ -30,6 +30,14 @@ set(CMAKE_CUDA_EXTENSIONS OFF)
 file(GLOB KESTREL_CUDA_KERNEL_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cu)
 file(GLOB KESTREL_CUDA_HOST_SOURCES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/src/backend/cuda/*.cpp)
 list(FILTER KESTREL_CUDA_HOST_SOURCES EXCLUDE REGEX "/emulate[a-z_]*\\.cpp$")  # the emulation's own files
+# A per-block timeline of the FP8 and INT4 streaming GEMVs (stream_trace.cuh), for diagnosis only:
+# stream_gemv.cu alone is compiled with it (so turning it on rebuilds one file), and
+# `kestrel_cuda_bench streamtrace` prints it.
+option(KESTREL_STREAM_TRACE "Record the streaming GEMVs' per-block timeline (a diagnostic build)" OFF)
+if(KESTREL_STREAM_TRACE)
+  set_source_files_properties(${CMAKE_SOURCE_DIR}/src/backend/cuda/stream_gemv.cu PROPERTIES
+                              COMPILE_DEFINITIONS KESTREL_STREAM_TRACE=1)
+endif()
 # NCCL (tensor parallelism's communicator, nccl_communicator.cpp): only its header at build time;
 # the library is loaded with dlopen when a tensor-parallel runner starts on GPUs, by soname and then
 # at the path found here. Without the header the communicator is left out (KESTREL_HAS_NCCL unset)
@@ -145,7 +153,8 @@ endif()
 if(KESTREL_BENCH)
   add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp
                  ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_gguf.cpp
-                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp)
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_stream_trace.cpp)
   target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
 endif()
 

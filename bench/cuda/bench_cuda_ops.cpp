@@ -723,6 +723,7 @@ int main(int argc, char** argv) {
     if (wanted("fp8scalar")) kestrel::bench::bench_fp8_scalar();
     if (wanted("int4")) kestrel::bench::bench_int4();
     if (wanted("gguf")) kestrel::bench::bench_gguf();
+    if (wanted("streamtrace")) kestrel::bench::bench_stream_trace();
 #endif
     if (wanted("moe")) bench_moe();
     if (wanted("mla")) bench_mla_decode();

@@ -92,5 +92,7 @@ void bench_int4();
 // GGUF blocks in place: the decode GEMV of every kept type against bf16 (bench_gguf.cpp).
 void bench_gguf();
 void bench_fp8_scalar();
+// The streaming GEMVs' per-block timeline over a layer sequence (bench_stream_trace.cpp).
+void bench_stream_trace();
 
 }  // namespace kestrel::bench

@@ -60,6 +60,33 @@ TEST(CudaFp8, E4m3RoundingIsNearestEvenAndEveryCodeRoundTrips) {
   EXPECT_EQ(float_to_e4m3(std::nanf("")), 0x7F);
 }
 
+// The W8A8 streaming GEMV quantizes its input by quotient_by_reciprocal: for bf16 inputs and
+// scales amax / 448 of at least 2^-40 it must round every quotient as the division does where an
+// E4M3 code can tell (|x / s| >= 2^-60; below, the codes are 0 either way).
+TEST(CudaFp8, QuotientByReciprocalRoundsAsDivision) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> mant(0, 127), sign(0, 1);
+  int64_t checked = 0;
+  for (uint32_t e = 1; e < 255; ++e)
+    for (int trial = 0; trial < 16; ++trial) {
+      const float amax = from_bf16(static_cast<uint16_t>(e << 7 | mant(rng)));
+      const float s = amax / kFp8E4m3Max;
+      if (!(s >= kQuotientByReciprocalMinScale) || std::isinf(amax)) continue;
+      const float rs = 1.0f / s;
+      std::uniform_int_distribution<uint32_t> exp(0, e);
+      for (int i = 0; i < 512; ++i) {
+        float x = from_bf16(static_cast<uint16_t>(sign(rng) << 15 | exp(rng) << 7 | mant(rng)));
+        if (i == 0) x = amax;
+        if (std::fabs(x) > amax) continue;
+        const float want = x / s, got = quotient_by_reciprocal(x, s, rs);
+        ASSERT_EQ(float_to_e4m3(got), float_to_e4m3(want)) << x << " / " << s;
+        if (std::fabs(want) >= 0x1p-60f) ASSERT_EQ(got, want) << x << " / " << s;
+        ++checked;
+      }
+    }
+  EXPECT_GT(checked, 500000);
+}
+
 TEST(CudaFp8, QuantizeRowsMatchesTheHostRounding) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(21);

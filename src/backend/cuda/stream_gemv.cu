@@ -12,6 +12,7 @@
 #include "backend/cuda/cuda_ops.h"
 #include "backend/cuda/fp8_ops.h"
 #include "backend/cuda/int4_ops.h"
+#include "backend/cuda/stream_trace.h"
 
 namespace kestrel::cuda {
 
@@ -334,5 +335,24 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
   launch_narrow(a, reinterpret_cast<const uint8_t*>(w.codes), w.meta, shift, w.scale_f16,
                                     a.n_in / 2, l, stream);
 }
+
+#if defined(KESTREL_STREAM_TRACE) && !defined(KESTREL_CUDA_EMULATE)
+bool stream_trace_enabled() { return true; }
+std::vector<StreamTraceRecord> stream_trace_take() {
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  unsigned int n = 0;
+  KESTREL_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_stream_trace_count, sizeof n));
+  n = std::min(n, kStreamTraceMax);
+  std::vector<StreamTraceRecord> records(n);
+  if (n > 0)
+    KESTREL_CUDA_CHECK(cudaMemcpyFromSymbol(records.data(), g_stream_trace, n * sizeof(StreamTraceRecord)));
+  const unsigned int zero = 0;
+  KESTREL_CUDA_CHECK(cudaMemcpyToSymbol(g_stream_trace_count, &zero, sizeof zero));
+  return records;
+}
+#else
+bool stream_trace_enabled() { return false; }
+std::vector<StreamTraceRecord> stream_trace_take() { return {}; }
+#endif
 
 }  // namespace kestrel::cuda

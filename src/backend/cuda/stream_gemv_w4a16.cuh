@@ -3,8 +3,8 @@
 // (q[o, k] - z[o, T]), the products exact (bf16 x small integers), each tile's sum f32 on the
 // tensor cores, times its group scale in f32, one rounding to bf16. The frame is stream_gemv.cuh's
 // and stream_gemv_w8a8.cuh's: one block per SM over a contiguous range of whole rows, the weights
-// streamed through a cp.async ring whose first stages are requested before griddepcontrol.wait,
-// the input formed in shared memory (x, SwiGLU or the fused residual + RMSNorm of
+// streamed through a cp.async ring whose first kStreamPreWaitSlabs stages are requested before
+// griddepcontrol.wait and the rest behind the input's loads, the input formed in shared memory (x, SwiGLU or the fused residual + RMSNorm of
 // stream_gemv_input), slabs requested by a cursor (no division in the loop). The product:
 // - The block walks its rows in tiles of 16 and each tile's n_in in slabs of 2048 columns (16 rows
 //   x 1 KB of codes, one ring stage, and the rows' 16 meta words each in a small ring beside it;
@@ -29,6 +29,7 @@
 
 #include "backend/cuda/int4_decode.cuh"
 #include "backend/cuda/stream_gemv.cuh"
+#include "backend/cuda/stream_trace.cuh"
 
 namespace kestrel::cuda {
 
@@ -70,6 +71,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int warp = t / kWarpSize, lane = t % kWarpSize;
   const int n_in = k_lines * kGemvLine;
   const int row_bytes = n_in / 2, n_groups = n_in / kW4a16TileCols;
+  StreamTraceMarks trace;
+  trace.mark(0);
+  constexpr int kPreWait = kStreamPreWaitSlabs < kStages - 1 ? kStreamPreWaitSlabs : kStages - 1;
   uint8_t* ring = smem;                                                                // [kStages][16][1 KB]
   uint32_t* meta_ring = reinterpret_cast<uint32_t*>(ring + kStages * kW4a16SlabBytes);  // [kStages][16][16]
   uint4* xs = reinterpret_cast<uint4*>(meta_ring + kStages * kW4a16SlabMeta);          // [kM][n_in] bf16
@@ -122,11 +126,17 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     }
   };
 #pragma unroll
-  for (int q = 0; q < kStages - 1; ++q) issue_next();
+  for (int q = 0; q < kPreWait; ++q) issue_next();
   pdl_wait();
-  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
+  trace.mark(1);
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps,
+                                          [&] {
+#pragma unroll
+                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next();
+                                          });
   __syncthreads();  // x is read at every thread's columns, not only its own
   pdl_launch_next();
+  trace.mark(2);
 
   const __nv_bfloat16* xh = reinterpret_cast<const __nv_bfloat16*>(xs);
   const int g = lane / 4, tq = lane % 4;
@@ -216,11 +226,13 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   Frag fa, fb;
   cp_async_wait<kStages - 2>();
   __syncthreads();  // slab 0 landed for every thread
+  trace.mark(3);
   load(fa, 0, 0);
   for (int q = 0; q < n_slabs; q += 2) {
     step(fa, fb, q);
     if (q + 1 < n_slabs) step(fb, fa, q + 1);
   }
+  trace.mark(4);
   cp_async_wait<0>();
   __syncthreads();
   for (int i = t; i < rows * kM; i += kGemvThreads) {
@@ -230,6 +242,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
     y[static_cast<int64_t>(mm) * n_out + row0 + r] = __float2bfloat16_rn(sum);
   }
+  trace.finish(n_out, k_lines);
 }
 
 }  // namespace kestrel::cuda

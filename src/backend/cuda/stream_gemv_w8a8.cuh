@@ -3,8 +3,12 @@
 // x_scale[t] = max_k |a(x)[t, k]| / 448 (quantize_rows_fp8's per-token scale and rounding, so a
 // decode step multiplies as the W8A8 prefill GEMM does). The frame is stream_gemv.cuh's: one block
 // per SM over a contiguous range of whole rows, the weights streamed through a cp.async ring
-// whose first stages are requested before griddepcontrol.wait, the input formed in shared memory
-// (x, SwiGLU or the fused residual + RMSNorm of stream_gemv_input). What differs is the product:
+// whose first kStreamPreWaitSlabs stages are requested before griddepcontrol.wait and the rest
+// behind the input's loads, the input formed in shared memory (x, SwiGLU or the fused residual +
+// RMSNorm of stream_gemv_input), then rounded to E4M3 with the division done by the reciprocal
+// (quotient_by_reciprocal: the same codes; at 14,336 columns the divisions had taken two thirds
+// of a block's input time).
+// What differs is the product:
 // - The block walks its rows in tiles of 8 and each tile's n_in in slabs of 2048 columns (16 KB,
 //   one ring stage; rows past the block's range are zero-filled, not read). In shared memory a
 //   slab is row-major, 16-byte chunk c of row r stored at chunk c ^ 4 (r & 1) so that the quarter
@@ -26,6 +30,7 @@
 
 #include "backend/cuda/fp8.cuh"
 #include "backend/cuda/stream_gemv.cuh"
+#include "backend/cuda/stream_trace.cuh"
 
 namespace kestrel::cuda {
 
@@ -59,6 +64,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int t = static_cast<int>(threadIdx.x);
   const int warp = t / kWarpSize, lane = t % kWarpSize;
   const int n_in = k_lines * kGemvLine;
+  StreamTraceMarks trace;
+  trace.mark(0);
+  constexpr int kPreWait = kStreamPreWaitSlabs < kStages - 1 ? kStreamPreWaitSlabs : kStages - 1;
   uint8_t* ring = smem;                                                        // [kStages][8][2048]
   uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);       // [kM][n_in] bf16
   uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * k_lines * kGemvThreads);  // [kM][n_in] codes
@@ -106,9 +114,14 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     if (++i_kb == k_lines) i_kb = 0, i_tile += kW8a8SlabRows * static_cast<int64_t>(n_in), i_row += kW8a8SlabRows;
   };
 #pragma unroll
-  for (int q = 0; q < kStages - 1; ++q) issue_next();
+  for (int q = 0; q < kPreWait; ++q) issue_next();
   pdl_wait();
-  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps);
+  trace.mark(1);
+  stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps,
+                                          [&] {
+#pragma unroll
+                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next();
+                                          });
 
   // Per-token scale (the largest |a| over the block's threads, each holding 8 columns a line)
   // and the codes, each thread writing its own columns.
@@ -139,17 +152,24 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       for (int i = 0; i < kGemvWarps; ++i) a = fmaxf(a, scratch[i * kM + m]);
       const float s = a > 0.0f ? a / kFp8E4m3Max : 1.0f;
       if (t == 0) x_scale[m] = s;
+      // f / s, each code as quantize_rows_fp8 makes it (quotient_by_reciprocal).
+      const float rs = 1.0f / s;
+      const bool by_reciprocal = s >= kQuotientByReciprocalMinScale;
+      auto quotient = [&](float f) { return by_reciprocal ? quotient_by_reciprocal(f, s, rs) : f / s; };
       for (int kb = 0; kb < k_lines; ++kb) {
         float f[8];
         unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
-        const uint32_t lo = f32x2_to_e4m3x2(f[0] / s, f[1] / s) | (f32x2_to_e4m3x2(f[2] / s, f[3] / s) << 16);
-        const uint32_t hi = f32x2_to_e4m3x2(f[4] / s, f[5] / s) | (f32x2_to_e4m3x2(f[6] / s, f[7] / s) << 16);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = quotient(f[e]);
+        const uint32_t lo = f32x2_to_e4m3x2(f[0], f[1]) | (f32x2_to_e4m3x2(f[2], f[3]) << 16);
+        const uint32_t hi = f32x2_to_e4m3x2(f[4], f[5]) | (f32x2_to_e4m3x2(f[6], f[7]) << 16);
         *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = make_uint2(lo, hi);
       }
     }
   }
   __syncthreads();  // every thread's codes are read by others
   pdl_launch_next();
+  trace.mark(2);
 
   const int g = lane / 4, tq = lane % 4;
   const int swz = (g & 1) << 2;
@@ -168,6 +188,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   for (int q = 0; q < n_slabs; ++q) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
+    if (q == 0) trace.mark(3);
     issue_next();
     const uint8_t* slab = ring + c_slot * kW8a8SlabBytes;
     const uint8_t* xb = xrow + c_kb * kGemvLine;
@@ -190,6 +211,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       c_row += kW8a8SlabRows;
     }
   }
+  trace.mark(4);
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
@@ -202,6 +224,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     for (int v = 0; v < kGemvWarps; ++v) sum += part[i * kGemvWarps + v];
     y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * out_scale[j]);
   }
+  trace.finish(n_out, k_lines);
 }
 
 }  // namespace kestrel::cuda
