@@ -3,7 +3,7 @@
 // each block reads %globaltimer (ns, one clock for the whole GPU) and clock64 (its SM's cycles) at
 // six points: entry, after griddepcontrol.wait, input formed, first slab landed, last slab's
 // products done, exit; at exit it appends the record to a device buffer that stream_trace_take()
-// (cuda_ops.h) copies out. Without the macro every mark is empty and nothing is recorded.
+// (stream_trace.h) copies out. Without the macro every mark is empty and nothing is recorded.
 #pragma once
 
 #include "backend/cuda/device_common.cuh"
