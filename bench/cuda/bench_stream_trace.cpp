@@ -1,7 +1,8 @@
 // The FP8 (W8A8) and INT4 (W4A16) streaming GEMVs' per-block timeline (stream_trace.cuh) over 16
 // decoder layers of the Llama-3.1-8B shape at one token, the projections in model order with
 // their fused inputs (qkv and gate|up with the residual add + RMSNorm, down with SwiGLU), each
-// prefetching the head of the next one's weights (64 KiB a block, the runner's default), captured
+// prefetching the head of the next one's weights (64 KiB a block, as docs/performance.md's
+// timelines were taken; the runner's default is 32), captured
 // in one CUDA graph as the model's decode step is (attention left out: o reads a fixed input).
 // Needs a build with -DKESTREL_STREAM_TRACE=ON; otherwise it says so and returns.
 //
