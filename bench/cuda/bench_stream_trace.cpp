@@ -117,8 +117,10 @@ void bench_stream_trace() {
   Buf* ys[4] = {&qkv_y, &o_y, &gu_y, &down_y};
   constexpr int64_t kPrefetch = 64 << 10;
 
-  // The projection p of a layer: the fused input and output as the runner wires them.
-  auto wire = [&](cuda::StreamGemvArgs& a, int p) {
+  // The projection p of a layer: the fused input and output as the runner wires them, and the
+  // prefetch of the next projection's weights (next: their base, null for the last; its rows of
+  // next_row_bytes).
+  auto wire = [&](cuda::StreamGemvArgs& a, int p, const void* next, int64_t next_row_bytes) {
     static_cast<cuda::ProjectionOperands&>(a) = {attn.as<bf16>(), kProjs[p].in, nullptr, ys[p]->p, 1,
                                                  kProjs[p].in,    kProjs[p].out, false, false};
     if (p == 0 || p == 2) {
@@ -131,16 +133,18 @@ void bench_stream_trace() {
       a.x_stride = 2 * kProjs[3].in;
       a.swiglu = true;
     }
+    if (next != nullptr) a.next = cuda::stream_prefetch_of(next, kProjs[(p + 1) % 4].out, next_row_bytes, kPrefetch);
   };
-  auto run = [&](const char* format, const std::function<void(int, int, const void*)>& launch,
+  // launch(i, p, next): weight i (layer i / 4) as projection p; next: weight i + 1's base or null.
+  auto run = [&](const char* format, const std::function<void(size_t, int, const void*)>& launch,
                  const std::vector<const void*>& heads, const double bytes[4]) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
     for (int l = 0; l < kLayers; ++l)
       for (int p = 0; p < 4; ++p) {
-        const int n = 4 * l + p + 1;
-        launch(l, p, n < 4 * kLayers ? heads[static_cast<size_t>(n)] : nullptr);
+        const size_t i = static_cast<size_t>(4 * l + p);
+        launch(i, p, i + 1 < heads.size() ? heads[i + 1] : nullptr);
       }
     KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -179,14 +183,11 @@ void bench_stream_trace() {
       }
     run(
         "fp8",
-        [&](int l, int p, const void* next) {
+        [&](size_t i, int p, const void* next) {
           cuda::StreamGemvFp8Args a;
-          wire(a, p);
-          const size_t i = static_cast<size_t>(4 * l + p);
+          wire(a, p, next, kProjs[(p + 1) % 4].in);
           a.w8 = w[i]->as<uint8_t>();
           a.w_scale = scale[i]->as<float>();
-          const int np = (p + 1) % 4;
-          if (next != nullptr) a.next = cuda::stream_prefetch_of(next, kProjs[np].out, kProjs[np].in, kPrefetch);
           cuda::stream_gemv_w8a8(a, stream);
         },
         heads, bytes);
@@ -208,18 +209,15 @@ void bench_stream_trace() {
       }
     run(
         "int4",
-        [&](int l, int p, const void* next) {
+        [&](size_t i, int p, const void* next) {
           cuda::StreamGemvInt4Args a;
-          wire(a, p);
-          const size_t i = static_cast<size_t>(4 * l + p);
+          wire(a, p, next, kProjs[(p + 1) % 4].in / 2);
           a.w4.codes = codes[i]->as<uint32_t>();
           a.w4.meta = metas[i]->as<uint32_t>();
           a.w4.n_in = kProjs[p].in;
           a.w4.n_out = kProjs[p].out;
           a.w4.group_size = 128;
           a.w4.scale_f16 = true;
-          const int np = (p + 1) % 4;
-          if (next != nullptr) a.next = cuda::stream_prefetch_of(next, kProjs[np].out, kProjs[np].in / 2, kPrefetch);
           cuda::stream_gemv_int4(a, stream);
         },
         heads, bytes);

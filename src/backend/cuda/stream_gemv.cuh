@@ -46,6 +46,9 @@ constexpr int kGemvWarps = kGemvThreads / kWarpSize;
 // loads do not queue behind a whole ring of weight requests. Batch-1 decode of the 8B shape on an
 // H100, tok/s FP8 / INT4: the whole ring (7) 287 / 375, 5: 294 / 381, 3: 295 / 389, 1: 292 / 391.
 constexpr int kStreamPreWaitSlabs = 3;
+// ... of a ring of kStages slabs (kStages - 1 in flight): at most all of them.
+template <int kStages>
+constexpr int kStreamPreWait = kStreamPreWaitSlabs < kStages - 1 ? kStreamPreWaitSlabs : kStages - 1;
 constexpr int kGemvMaxKLines = 8;             // n_in up to 16384 (kStreamGemvMaxIn)
 
 // Dynamic shared memory of stream_gemv_kernel<kM, kStages, ...>: the W ring, x (this block's k of

@@ -4,8 +4,9 @@
 // tensor cores, times its group scale in f32, one rounding to bf16. The frame is stream_gemv.cuh's
 // and stream_gemv_w8a8.cuh's: one block per SM over a contiguous range of whole rows, the weights
 // streamed through a cp.async ring whose first kStreamPreWaitSlabs stages are requested before
-// griddepcontrol.wait and the rest behind the input's loads, the input formed in shared memory (x, SwiGLU or the fused residual + RMSNorm of
-// stream_gemv_input), slabs requested by a cursor (no division in the loop). The product:
+// griddepcontrol.wait and the rest behind the input's loads, the input formed in shared memory
+// (x, SwiGLU or the fused residual + RMSNorm of stream_gemv_input), slabs requested by a cursor
+// (no division in the loop). The product:
 // - The block walks its rows in tiles of 16 and each tile's n_in in slabs of 2048 columns (16 rows
 //   x 1 KB of codes, one ring stage, and the rows' 16 meta words each in a small ring beside it;
 //   rows past the block's range are zero-filled, not read). In shared memory a slab is row-major,
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int row_bytes = n_in / 2, n_groups = n_in / kW4a16TileCols;
   StreamTraceMarks trace;
   trace.mark(0);
-  constexpr int kPreWait = kStreamPreWaitSlabs < kStages - 1 ? kStreamPreWaitSlabs : kStages - 1;
+  constexpr int kPreWait = kStreamPreWait<kStages>;
   uint8_t* ring = smem;                                                                // [kStages][16][1 KB]
   uint32_t* meta_ring = reinterpret_cast<uint32_t*>(ring + kStages * kW4a16SlabBytes);  // [kStages][16][16]
   uint4* xs = reinterpret_cast<uint4*>(meta_ring + kStages * kW4a16SlabMeta);          // [kM][n_in] bf16

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   const int n_in = k_lines * kGemvLine;
   StreamTraceMarks trace;
   trace.mark(0);
-  constexpr int kPreWait = kStreamPreWaitSlabs < kStages - 1 ? kStreamPreWaitSlabs : kStages - 1;
+  constexpr int kPreWait = kStreamPreWait<kStages>;
   uint8_t* ring = smem;                                                        // [kStages][8][2048]
   uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);       // [kM][n_in] bf16
   uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * k_lines * kGemvThreads);  // [kM][n_in] codes
