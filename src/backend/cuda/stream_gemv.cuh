@@ -58,6 +58,95 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
          static_cast<size_t>(m) * k_lines * kGemvThreads * 16 + static_cast<size_t>(rows_per_block) * m * kGemvWarps * 4;
 }
 
+// Tiles of output rows shared out among the blocks of a tiled streaming GEMV (stream_gemv_w8a8.cuh,
+// stream_gemv_w4a16.cuh), for one block's cursors. Block b streams its first n_static tiles as b,
+// b + G, b + 2 G, ... (G = gridDim.x): the tiles it requests before its main loop, where a claimed
+// tile's number could not reach every thread without a barrier. The tiles from n_static G on go to
+// the blocks in the order they claim them from a counter (thread 0, one atomicAdd a tile): SMs do
+// not stream at one rate (their shares of the memory system differ), and with fixed ranges the
+// kernel ends with the slowest block's last rows while the other SMs idle. Issue call c requests
+// slab c, so block tile m's first slab is call m k (k slabs a tile). A claim for tile m made in the
+// main loop at call c, when m k <= c + 3, is stored to shared memory at call c + 2 and read by
+// every thread at call m k, after a barrier: the claim's round trip overlaps two slabs' requests
+// instead of stalling thread 0. The tiles starting within three calls of the main loop are claimed
+// at the first call after griddepcontrol.wait and stored just before the loop. Nothing is claimed
+// before that wait: the previous launch on the same counter has then ended. A tile's sums are
+// formed the same way in whichever block, so the output bits do not depend on the sharing.
+// counter: two ints, zero before a launch and left zero by it (claims, then blocks done: the last
+// block resets both); null: every tile static (b + n G).
+struct StreamTiles {
+  static constexpr int kIds = 16;           // claimed ids kept: more than a ring's tiles ahead of its products
+  static constexpr int kPrologueClaims = 4;  // claims made before the main loop, at most
+  static constexpr int kLead = 3;            // calls from a loop claim to its tile's first slab, at least
+  int* counter;
+  int n_tiles, k_lines, n_static;
+  int* ids;  // shared [kIds]: block tile n's id for n >= n_static
+  // Thread 0's claims: made before the main loop (stored by flush), and in it one (p0) and two (p1)
+  // calls ago; the block tile each is for (-1: none); the next tile to claim.
+  int pro[kPrologueClaims], pro_n[kPrologueClaims];
+  int p0 = 0, p1 = 0, p0_n = -1, p1_n = -1, next_claim, loop_claims;
+  bool claiming;
+
+  // prologue: calls before the main loop (the slabs in flight as it starts), more than pre_wait,
+  // the calls before griddepcontrol.wait.
+  __device__ __forceinline__ StreamTiles(int* counter_, int n_tiles_, int k_lines_, int prologue, int* ids_)
+      : counter(counter_), n_tiles(n_tiles_), k_lines(k_lines_), ids(ids_) {
+    n_static = counter == nullptr ? 0x7fffffff : (prologue + k_lines - 1) / k_lines;
+    next_claim = n_static;
+    // From this tile on, each is claimed in the loop, kLead calls or more before its first slab.
+    loop_claims = (prologue + kLead + k_lines - 1) / k_lines;
+    if (loop_claims - n_static > kPrologueClaims) loop_claims = n_static + kPrologueClaims;
+    claiming = counter != nullptr && threadIdx.x == 0;
+#pragma unroll
+    for (int i = 0; i < kPrologueClaims; ++i) pro[i] = 0, pro_n[i] = -1;
+  }
+  // Block tile n's id (>= n_tiles: none, and none after it). Uniform over the block.
+  __device__ __forceinline__ int id(int n) const {
+    return n < n_static ? static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x) : ids[n % kIds];
+  }
+  // Thread 0, at issue call c after griddepcontrol.wait. Before the main loop: claims the tiles
+  // before loop_claims (at the first such call). In it: stores the claim made two calls ago, then
+  // claims the next tile if its first slab is kLead calls away.
+  __device__ __forceinline__ void on_issue(int c, bool in_loop) {
+    if (!claiming && p0_n < 0 && p1_n < 0) return;  // also every thread but 0, and no counter
+    if (!in_loop) {
+#pragma unroll
+      for (int i = 0; i < kPrologueClaims; ++i)
+        if (claiming && next_claim < loop_claims) pro[i] = atomicAdd(counter, 1), pro_n[i] = next_claim++;
+      return;
+    }
+    store(p1, p1_n);
+    p1 = p0, p1_n = p0_n, p0_n = -1;
+    if (claiming && next_claim * k_lines <= c + kLead) {
+      p0 = atomicAdd(counter, 1);
+      p0_n = next_claim++;
+    }
+  }
+  // Thread 0, before the main loop's first barrier: stores the claims made before it.
+  __device__ __forceinline__ void flush() {
+#pragma unroll
+    for (int i = 0; i < kPrologueClaims; ++i) store(pro[i], pro_n[i]);
+  }
+  // Every thread, at the block's end: the last block to finish leaves the counter zero.
+  __device__ __forceinline__ void finish() {
+    if (threadIdx.x != 0 || counter == nullptr) return;
+    __threadfence();  // this block's claims are performed before its count
+    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      *reinterpret_cast<volatile int*>(counter) = 0;
+      *reinterpret_cast<volatile int*>(counter + 1) = 0;
+    }
+  }
+
+ private:
+  __device__ __forceinline__ void store(int v, int& n) {
+    if (n < 0) return;
+    const int tile = n_static * static_cast<int>(gridDim.x) + v;
+    ids[n % kIds] = tile;
+    if (tile >= n_tiles) claiming = false;
+    n = -1;
+  }
+};
+
 // This block's share of p (StreamPrefetch) into L2, a 128-byte line a thread at a time. Called by
 // every thread of the block once, when its last weight bytes have been requested.
 __device__ __forceinline__ void stream_prefetch_next(const StreamPrefetch& p) {
