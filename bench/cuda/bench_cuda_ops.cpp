@@ -351,7 +351,7 @@ void bench_fp8() {
             for (int c = 0; c < kCalls; ++c) {
               a.w8 = ws[next++ % n_copies]->as<uint8_t>();
               a.next = kestrel::cuda::stream_prefetch_of(ws[next % n_copies]->p, sh.out, sh.in, (claims ? -pf : pf) << 10,
-                                                         kestrel::cuda::stream_gemv_w8a8_tile_rows(), claims);
+                                                         kestrel::cuda::stream_gemv_w8a8_tile_rows());
               a.tile_counter = claims ? tile_counter.as<int>() : nullptr;
               kestrel::cuda::stream_gemv_w8a8(a, nullptr);
             }

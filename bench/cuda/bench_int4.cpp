@@ -125,7 +125,7 @@ void bench_int4() {
             pick(next++);
             a.w4 = w4;
             a.next = kestrel::cuda::stream_prefetch_of(codes[next % n4]->p, sh.out, sh.in / 2, int64_t{64} << 10,
-                                                       kestrel::cuda::stream_gemv_int4_tile_rows(m, w4), true);
+                                                       kestrel::cuda::stream_gemv_int4_tile_rows(m, w4));
             kestrel::cuda::stream_gemv_int4(a, nullptr);
           }
         }) / kCalls;

@@ -137,7 +137,7 @@ void bench_stream_trace() {
       a.swiglu = true;
     }
     if (next != nullptr)
-      a.next = cuda::stream_prefetch_of(next, kProjs[(p + 1) % 4].out, next_row_bytes, kPrefetch, tile_rows, claims);
+      a.next = cuda::stream_prefetch_of(next, kProjs[(p + 1) % 4].out, next_row_bytes, kPrefetch, tile_rows);
     if (claims) a.tile_counter = counter.as<int>();
   };
   // launch(i, p, next): weight i (layer i / 4) as projection p; next: weight i + 1's base or null.

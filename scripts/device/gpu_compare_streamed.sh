@@ -24,7 +24,7 @@ timeout 240 $BIN/kestrel_tests --gtest_filter="$TEST_FILTER" --gtest_brief=1 2>&
 note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/tests.txt | tr '\n' ' ')"
 note "$(python3 scripts/device/pdl_audit.py $BIN/kestrel 2>&1 | tail -2 | tr '\n' ' ')"
 for b in $BIN/kestrel_cuda_bench_trace*; do
-  [[ -x "$b" && $b != *.xz ]] || continue
+  [ -x "$b" ] || continue
   echo "== $(basename $b) streamtrace"
   timeout 120 "$b" streamtrace 2>&1 | tee "$OUT/streamtrace_$(basename $b).txt"
 done

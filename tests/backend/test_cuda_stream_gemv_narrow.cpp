@@ -126,11 +126,11 @@ std::vector<Shape> shapes() {
     v.push_back({2, 2048, 33, 2, in});  // INT4: four rows a line
   }
   v.push_back({2, 16384, 3, 0, Input::Plain});  // the widest x
-  // Enough tiles for three blocks to claim a quarter of them (StreamTiles, stream_tiles_first), at 1
-  // and 3 lines a row and two tokens.
-  v.push_back({1, 2048, 600, 3, Input::Plain});
-  v.push_back({1, 6144, 600, 3, Input::Norm});
-  v.push_back({2, 2048, 600, 3, Input::SwiGLU});
+  // More tiles than two blocks' fixed ones (StreamTiles): the rest are claimed, at 1 and 3 lines a
+  // row and two tokens.
+  v.push_back({1, 2048, 300, 2, Input::Plain});
+  v.push_back({1, 6144, 300, 2, Input::Norm});
+  v.push_back({2, 2048, 300, 2, Input::SwiGLU});
   if (!kCudaEmulated) {
     v.push_back({1, 4096, 6144, 0, Input::Norm});
     v.push_back({2, 14336, 4096, 0, Input::SwiGLU});
@@ -210,7 +210,7 @@ TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
     for (const int blocks : {other_blocks(s), s.blocks}) {
       g.blocks = blocks;
       g.next = cuda::stream_prefetch_of(d_w.get(), s.n_out, s.n_in, int64_t{64} << 10,
-                                        cuda::stream_gemv_w8a8_tile_rows(), true);
+                                        cuda::stream_gemv_w8a8_tile_rows());
       g.tile_counter = counter.get();
       d_y2.poison();
       cuda::stream_gemv_w8a8(g, nullptr);
@@ -260,7 +260,7 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
       for (const int blocks : {other_blocks(s), s.blocks}) {
         g.blocks = blocks;
         g.next = cuda::stream_prefetch_of(d.m.codes, s.n_out, s.n_in / 2, int64_t{64} << 10,
-                                          cuda::stream_gemv_int4_tile_rows(s.n_tokens, d.m, stages), true);
+                                          cuda::stream_gemv_int4_tile_rows(s.n_tokens, d.m, stages));
         g.tile_counter = counter.get();
         d_y2.poison();
         cuda::stream_gemv_int4(g, nullptr);
@@ -272,10 +272,9 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
 }
 
 // The prefetch descriptor: block b of a streaming GEMV over the next weight streams rows [b r, (b +
-// 1) r) first, with r = ceil(n_out / SMs) (contiguous ranges) or, for the tiled kernels, its first
-// range of tiles: an even share of the T tiles (ceil(T / SMs)), or with claims three quarters of it
-// (3 T / (4 SMs)) where that is 8 tiles or more. Block b of this one prefetches from byte b r
-// row_bytes, at most r rows, and nothing for a zero size or a null weight.
+// 1) r) first, with r = ceil(n_out / SMs) (contiguous ranges) or the tile rows (the tiled kernels:
+// block b starts with tile b), so block b of this one prefetches from byte b r row_bytes, at most r
+// rows, and nothing for a zero size or a null weight.
 TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
   KESTREL_REQUIRE_CUDA();
 #if defined(KESTREL_CUDA_EMULATE)
@@ -289,16 +288,9 @@ TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
   DeviceBuffer<uint8_t> w(16);
   for (const int64_t n_out : {int64_t{1}, int64_t{3}, sms, int64_t{6144}, int64_t{28672}}) {
     SCOPED_TRACE("n_out " + std::to_string(n_out));
-    for (const auto& [tile_rows, claims] : {std::pair{0, false}, {8, false}, {16, false}, {8, true}, {16, true}}) {
-      SCOPED_TRACE("tile rows " + std::to_string(tile_rows) + (claims ? " claims" : ""));
-      int64_t rows = (n_out + std::min(sms, n_out) - 1) / std::min(sms, n_out);
-      if (tile_rows > 0) {
-        const int64_t tiles = (n_out + tile_rows - 1) / tile_rows, g = std::min(sms, tiles);
-        const int64_t share = claims && 3 * tiles / (4 * g) >= 8 ? 3 * tiles / (4 * g) : (tiles + g - 1) / g;
-        rows = share * tile_rows;
-      }
-      const cuda::StreamPrefetch p =
-          cuda::stream_prefetch_of(w.get(), n_out, 4096, int64_t{64} << 10, tile_rows, claims);
+    for (const int tile_rows : {0, 8, 16}) {
+      const int64_t rows = tile_rows > 0 ? tile_rows : (n_out + std::min(sms, n_out) - 1) / std::min(sms, n_out);
+      const cuda::StreamPrefetch p = cuda::stream_prefetch_of(w.get(), n_out, 4096, int64_t{64} << 10, tile_rows);
       EXPECT_EQ(p.base, static_cast<const void*>(w.get()));
       EXPECT_EQ(p.block_stride, rows * 4096);
       EXPECT_EQ(p.total, n_out * 4096);

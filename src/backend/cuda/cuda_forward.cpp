@@ -453,7 +453,7 @@ cuda::StreamPrefetch CudaModelRunner::chain_prefetch(const DeviceWeight& W) {
   }
   if (last_streamed_ != nullptr && last_streamed_ != w)
     next_streamed_[last_streamed_] =
-        cuda::stream_prefetch_of(w, W.n_out, row_bytes, stream_prefetch_bytes_, tile_rows, tile_counter_.bytes() > 0);
+        cuda::stream_prefetch_of(w, W.n_out, row_bytes, stream_prefetch_bytes_, tile_rows);
   last_streamed_ = w;
   const auto it = next_streamed_.find(w);
   return it == next_streamed_.end() ? cuda::StreamPrefetch{} : it->second;

@@ -285,23 +285,9 @@ struct StreamPrefetch {
 };
 // The prefetch descriptor of a streamed weight of n_out rows of row_bytes bytes, `bytes` a block
 // (0: none). tile_rows: the rows of the tiles a tiled kernel (FP8, INT4 in groups of 128) hands
-// its blocks (stream_gemv_*_tile_rows), block b starting at tile b first (stream_tiles_first;
-// claims: whether the launch has a tile counter); 0: blocks of ceil(n_out / SMs) whole rows (the
-// other streaming GEMVs). At most one block's first range.
-StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows,
-                                  bool claims = false);
-// The share of n_tiles that each block of a tiled streaming GEMV takes as one contiguous range of
-// `first` tiles (StreamTiles), over `blocks` blocks (0: the SM count). Without claims the tiles are
-// shared out evenly (ceil(n_tiles / blocks) a block, fewer blocks if that leaves some empty).
-// With claims (a tile counter) three quarters of an even share go out in ranges and the rest is
-// claimed, where the share is at least kStreamTilesMinFirst tiles (ranges cover the slabs a block
-// requests before its main loop); else as without (`claims` false).
-constexpr int64_t kStreamTilesMinFirst = 8;
-struct StreamTileShare {
-  int64_t first = 0, blocks = 0;
-  bool claims = false;
-};
-StreamTileShare stream_tiles_first(int64_t n_tiles, int64_t blocks, bool claims);
+// its blocks, block b starting with tile b (stream_gemv_tile_rows); 0: blocks of ceil(n_out / SMs)
+// whole rows (the other streaming GEMVs). At most one block's first tile or range.
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows);
 
 struct StreamGemvArgs : ProjectionOperands {
   int blocks = 0;

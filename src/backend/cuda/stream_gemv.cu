@@ -167,24 +167,11 @@ std::string narrow_shape(const StreamGemvArgs& a) {
 
 static_assert(kStreamGemvMaxIn == int64_t{kGemvMaxKLines} * kGemvLine, "x is loaded in at most kGemvMaxKLines lines");
 
-StreamTileShare stream_tiles_first(int64_t n_tiles, int64_t blocks, bool claims) {
-  StreamTileShare s;
-  if (n_tiles <= 0) return s;
-  const int64_t g = std::min<int64_t>(blocks > 0 ? blocks : device_shape().sms, n_tiles);
-  const int64_t first = 3 * n_tiles / (4 * g);
-  if (claims && first >= kStreamTilesMinFirst) return {first, g, true};
-  s.first = ceil_div(n_tiles, g);
-  s.blocks = ceil_div(n_tiles, s.first);
-  return s;
-}
-
-StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows,
-                                  bool claims) {
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows) {
   StreamPrefetch p;
   if (w == nullptr || n_out <= 0 || row_bytes <= 0 || bytes <= 0) return p;
   const int64_t rows_per_block =
-      tile_rows > 0 ? tile_rows * stream_tiles_first(ceil_div(n_out, int64_t{tile_rows}), 0, claims).first
-                    : ceil_div(n_out, std::min<int64_t>(device_shape().sms, n_out));
+      tile_rows > 0 ? tile_rows : ceil_div(n_out, std::min<int64_t>(device_shape().sms, n_out));
   p.base = w;
   p.block_stride = rows_per_block * row_bytes;
   p.total = n_out * row_bytes;
@@ -229,18 +216,17 @@ namespace kestrel::cuda {
 
 namespace {
 
-// The tiled kernels' launch over ceil(n_out / tile_rows) tiles (stream_tiles_first).
-Layout tiled_layout(int64_t n_in, int64_t n_out, int blocks, int tile_rows, bool claims) {
+// The tiled kernels' launch: blocks (the SM count unless given) over ceil(n_out / tile_rows) tiles.
+Layout tiled_layout(int64_t n_in, int64_t n_out, int blocks, int tile_rows) {
   Layout l;
-  const StreamTileShare s = stream_tiles_first(ceil_div(n_out, int64_t{tile_rows}), blocks, claims);
-  l.blocks = static_cast<int>(s.blocks);
-  l.rows_per_block = static_cast<int>(s.first);  // tiles, not rows
+  const int64_t n_tiles = ceil_div(n_out, int64_t{tile_rows});
+  l.blocks = static_cast<int>(std::min<int64_t>(blocks > 0 ? blocks : device_shape().sms, n_tiles));
   l.k_lines = static_cast<int>(n_in / kGemvLine);
   return l;
 }
 
-Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, bool claims = false) {
-  Layout l = tiled_layout(n_in, n_out, blocks, kW8a8SlabRows, claims);
+Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
+  Layout l = tiled_layout(n_in, n_out, blocks, kW8a8SlabRows);
   l.stages = n_tokens == 1 ? kW8a8Stages1 : kW8a8Stages2;
   l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), l.stages, l.k_lines);
   return l;
@@ -266,18 +252,14 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
   ProjectionOperands checked = a;
   checked.w = reinterpret_cast<const bf16*>(a.w8);
   check_gemv_operands("stream_gemv_w8a8", checked);
-  const bool claims = a.tile_counter != nullptr;
-  const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks, claims);
-  int* counter = claims && stream_tiles_first(ceil_div(a.n_out, int64_t{kW8a8SlabRows}), a.blocks, true).claims
-                     ? a.tile_counter
-                     : nullptr;
+  const Layout l = w8a8_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
   const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
   auto* y = static_cast<__nv_bfloat16*>(a.y);
   auto by_input = [&]<int kM, int kStages>() {
     auto go = [&](auto* k) {
       raise_smem_limit(k, l.smem);
       KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
-                     l.k_lines, counter, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
+                     l.k_lines, a.tile_counter, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
                      a.norm_eps, a.next);
     };
     if (a.norm_residual_in != nullptr)
@@ -296,8 +278,8 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
 
 namespace {
 
-Layout w4a16_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks, bool claims = false) {
-  Layout l = tiled_layout(n_in, n_out, blocks, kW4a16SlabRows, claims);
+Layout w4a16_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
+  Layout l = tiled_layout(n_in, n_out, blocks, kW4a16SlabRows);
   l.stages = kW4a16Stages;
   l.smem = stream_gemv_w4a16_smem_bytes(static_cast<int>(n_tokens), kW4a16Stages, l.k_lines);
   return l;
@@ -338,18 +320,14 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
   checked.w = reinterpret_cast<const bf16*>(w.codes);
   check_gemv_operands("stream_gemv_int4", checked);
   if (w4a16_supports(a.n_tokens, w, a.blocks, a.stages)) {
-    const bool claims = a.tile_counter != nullptr;
-    const Layout l = w4a16_layout(a.n_tokens, a.n_in, a.n_out, a.blocks, claims);
-    int* counter = claims && stream_tiles_first(ceil_div(a.n_out, int64_t{kW4a16SlabRows}), a.blocks, true).claims
-                       ? a.tile_counter
-                       : nullptr;
+    const Layout l = w4a16_layout(a.n_tokens, a.n_in, a.n_out, a.blocks);
     const dim3 grid(static_cast<unsigned>(l.blocks)), block(kGemvThreads);
     auto* y = static_cast<__nv_bfloat16*>(a.y);
     auto by_input = [&]<int kM>() {
       auto go = [&](auto* k) {
         raise_smem_limit(k, l.smem);
         KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(w.codes),
-                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, counter, l.rows_per_block,
+                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, a.tile_counter,
                        a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
       };
       if (a.norm_residual_in != nullptr)

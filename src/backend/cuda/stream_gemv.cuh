@@ -59,21 +59,21 @@ constexpr size_t stream_gemv_smem_bytes(int m, int stages, int k_lines, int rows
 }
 
 // Tiles of output rows shared out among the blocks of a tiled streaming GEMV (stream_gemv_w8a8.cuh,
-// stream_gemv_w4a16.cuh), for one block's cursors. Block b streams the n_static tiles b n_static ..
-// (b + 1) n_static - 1 first (a contiguous range of rows, as each SM's share streams fastest), and
-// with a counter the rest, from n_static G on (G = gridDim.x), in the order the blocks claim them
-// (thread 0, one atomicAdd a tile): SMs do not stream at one rate (their shares of the memory system
-// differ), and with fixed ranges alone the kernel ends with the slowest block's last rows while the
-// other SMs idle (stream_tiles_first picks n_static). Issue call c requests slab c, so block tile m's
-// first slab is call m k (k slabs a tile). A claim for tile m made in the main loop at call c, when
-// m k <= c + 3, is stored to shared memory at call c + 2 and read by every thread at call m k,
-// after a barrier: the claim's round trip overlaps two slabs' requests instead of stalling thread 0.
-// Tiles that start within three calls of the main loop are claimed at the first call after
-// griddepcontrol.wait and stored just before the loop. Nothing is claimed before that wait: the
-// previous launch on the same counter has then ended. A tile's sums are formed the same way in
-// whichever block, so the output bits do not depend on the sharing. counter: two ints, zero
-// before a launch and left zero by it (claims, then blocks done: the last block resets both);
-// null: the static tiles only. The tiles a block requests before its main loop must be static.
+// stream_gemv_w4a16.cuh), for one block's cursors. Block b streams its first n_static tiles as b,
+// b + G, b + 2 G, ... (G = gridDim.x): the tiles it requests before its main loop, where a claimed
+// tile's number could not reach every thread without a barrier. The tiles from n_static G on go to
+// the blocks in the order they claim them from a counter (thread 0, one atomicAdd a tile): SMs do
+// not stream at one rate (their shares of the memory system differ), and with fixed ranges the
+// kernel ends with the slowest block's last rows while the other SMs idle. Issue call c requests
+// slab c, so block tile m's first slab is call m k (k slabs a tile). A claim for tile m made in the
+// main loop at call c, when m k <= c + 3, is stored to shared memory at call c + 2 and read by
+// every thread at call m k, after a barrier: the claim's round trip overlaps two slabs' requests
+// instead of stalling thread 0. The tiles starting within three calls of the main loop are claimed
+// at the first call after griddepcontrol.wait and stored just before the loop. Nothing is claimed
+// before that wait: the previous launch on the same counter has then ended. A tile's sums are
+// formed the same way in whichever block, so the output bits do not depend on the sharing.
+// counter: two ints, zero before a launch and left zero by it (claims, then blocks done: the last
+// block resets both); null: every tile static (b + n G).
 struct StreamTiles {
   static constexpr int kIds = 16;           // claimed ids kept: more than a ring's tiles ahead of its products
   static constexpr int kPrologueClaims = 4;  // claims made before the main loop, at most
@@ -87,14 +87,14 @@ struct StreamTiles {
   int p0 = 0, p1 = 0, p0_n = -1, p1_n = -1, next_claim, loop_claims;
   bool claiming;
 
-  // prologue: calls before the main loop (the slabs in flight as it starts), at most n_static k.
-  __device__ __forceinline__ StreamTiles(int* counter_, int n_tiles_, int k_lines_, int n_static_, int prologue,
-                                         int* ids_)
-      : counter(counter_), n_tiles(n_tiles_), k_lines(k_lines_), n_static(n_static_), ids(ids_) {
+  // prologue: calls before the main loop (the slabs in flight as it starts), more than pre_wait,
+  // the calls before griddepcontrol.wait.
+  __device__ __forceinline__ StreamTiles(int* counter_, int n_tiles_, int k_lines_, int prologue, int* ids_)
+      : counter(counter_), n_tiles(n_tiles_), k_lines(k_lines_), ids(ids_) {
+    n_static = counter == nullptr ? 0x7fffffff : (prologue + k_lines - 1) / k_lines;
     next_claim = n_static;
     // From this tile on, each is claimed in the loop, kLead calls or more before its first slab.
     loop_claims = (prologue + kLead + k_lines - 1) / k_lines;
-    if (loop_claims < n_static) loop_claims = n_static;
     if (loop_claims - n_static > kPrologueClaims) loop_claims = n_static + kPrologueClaims;
     claiming = counter != nullptr && threadIdx.x == 0;
 #pragma unroll
@@ -102,11 +102,7 @@ struct StreamTiles {
   }
   // Block tile n's id (>= n_tiles: none, and none after it). Uniform over the block.
   __device__ __forceinline__ int id(int n) const {
-    if (n < n_static) {
-      const int i = static_cast<int>(blockIdx.x) * n_static + n;
-      return i < n_tiles ? i : n_tiles;
-    }
-    return counter != nullptr ? ids[n % kIds] : n_tiles;
+    return n < n_static ? static_cast<int>(blockIdx.x) + n * static_cast<int>(gridDim.x) : ids[n % kIds];
   }
   // Thread 0, at issue call c after griddepcontrol.wait. Before the main loop: claims the tiles
   // before loop_claims (at the first such call). In it: stores the claim made two calls ago, then

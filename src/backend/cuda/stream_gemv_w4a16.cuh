@@ -57,14 +57,14 @@ constexpr size_t stream_gemv_w4a16_smem_bytes(int m, int stages, int k_lines) {
 
 // w: the layout's code words as bytes, [n_out, n_in / 2]; meta: [n_out, n_in / 128] words (scale
 // bits as stored, scale_f16 says which, and the bf16 of 128 + z); x, x_stride, kSwiGLU, kNormIn and
-// the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: blocks of 256 over
-// ceil(n_out / 16) tiles; n_in = k_lines x 2048. tile_counter, n_static: StreamTiles'
-// (stream_tiles_first). pf: the next projection's weights (StreamPrefetch).
+// the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: at most ceil(n_out / 16)
+// blocks of 256; n_in = k_lines x 2048. counter: StreamTiles' (null: fixed tiles). pf: the next
+// projection's weights (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w4a16_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                              const uint32_t* __restrict__ meta, bool scale_f16, __nv_bfloat16* __restrict__ y,
-                             int n_out, int k_lines, int* tile_counter, int n_static, const float* __restrict__ res_in,
+                             int n_out, int k_lines, int* tile_counter, const float* __restrict__ res_in,
                              const __nv_bfloat16* __restrict__ add, const __nv_bfloat16* __restrict__ norm_w,
                              float* __restrict__ res_out, float eps, StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   float* scratch = reinterpret_cast<float*>(tile_ids + StreamTiles::kIds);             // [32]
 
   const int n_tiles = (n_out + kW4a16SlabRows - 1) / kW4a16SlabRows;
-  StreamTiles tiles(tile_counter, n_tiles, k_lines, n_static, kStages - 1, tile_ids);
+  StreamTiles tiles(tile_counter, n_tiles, k_lines, kStages - 1, tile_ids);
 
   // Slab kb of the block's tile n into the next ring slot: thread t copies row t / 16 of the tile,
   // its 16-byte chunks t % 16 + 16 j (j = 0..3: a warp's copy is two rows' 256 contiguous bytes),

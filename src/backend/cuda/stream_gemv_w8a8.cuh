@@ -54,14 +54,14 @@ constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines) {
 }
 
 // w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
-// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: blocks of 256 over ceil(n_out / 8)
-// tiles; n_in = k_lines x 2048. tile_counter, n_static: StreamTiles' (stream_tiles_first). pf: the
-// next projection's weights (StreamPrefetch).
+// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: at most ceil(n_out / 8) blocks of
+// 256; n_in = k_lines x 2048. counter: StreamTiles' (null: fixed tiles). pf: the next projection's
+// weights (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                             const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
-                            int* tile_counter, int n_static, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                            int* tile_counter, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
                             const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
                             StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   float* scratch = x_scale + 2;                                             // [32]
 
   const int n_tiles = (n_out + kW8a8SlabRows - 1) / kW8a8SlabRows;
-  StreamTiles tiles(tile_counter, n_tiles, k_lines, n_static, kStages - 1, tile_ids);
+  StreamTiles tiles(tile_counter, n_tiles, k_lines, kStages - 1, tile_ids);
 
   // Slabs are requested in order by a cursor: slab kb of the block's tile n into the next ring slot;
   // thread t copies chunk t % 128 of rows t / 128, + 2, + 4, + 6 of the tile (a warp: 512
