@@ -289,9 +289,8 @@ void bench_fp8() {
       ws16.push_back(std::make_unique<Buf>(2 * w8_bytes));
       fill_bf16(*ws16.back());
     }
-    Buf w_scale(static_cast<size_t>(sh.out) * 4), tile_counter(2 * sizeof(int));
+    Buf w_scale(static_cast<size_t>(sh.out) * 4);
     fill(w_scale, std::vector<float>(static_cast<size_t>(sh.out), 1e-3f));
-    fill(tile_counter, std::vector<int>(2, 0));
     for (const int64_t m : {1, 2, 4, 8, 16, 64, 512, 4096}) {
       Buf x(static_cast<size_t>(m * sh.in) * 2), y(static_cast<size_t>(m * sh.out) * 2),
           xq(static_cast<size_t>(m * sh.in)), xs(static_cast<size_t>(m) * 4);
@@ -337,11 +336,9 @@ void bench_fp8() {
         }) / kCalls;
         report("stream bf16", shape, ms, static_cast<double>(2 * w8_bytes + x.bytes + y.bytes), flops);
       }
-      // pf: each call brings the head of the next call's weights into L2 (StreamPrefetch), KiB a
-      // block; claims: its blocks claim their later tiles in turn (StreamGemvArgs::tile_counter).
-      for (const int64_t pf : {int64_t{0}, int64_t{32}, int64_t{-32}}) {
-        const bool claims = pf < 0;
-        const std::string tag = pf == 0 ? "" : " pf" + std::to_string(claims ? -pf : pf) + (claims ? " claims" : "");
+      // pf: each call brings the head of the next call's weights into L2 (StreamPrefetch), KiB a block.
+      for (const int64_t pf : {int64_t{0}, int64_t{64}}) {
+        const std::string tag = pf == 0 ? "" : " pf" + std::to_string(pf);
         if (kestrel::cuda::stream_gemv_w8a8_supports(m, sh.in, sh.out)) {
           kestrel::cuda::StreamGemvFp8Args a;
           static_cast<kestrel::cuda::ProjectionOperands&>(a) = {x.as<bf16>(), sh.in, nullptr, y.p, m,
@@ -350,9 +347,7 @@ void bench_fp8() {
           const double ms = time_ms([&] {
             for (int c = 0; c < kCalls; ++c) {
               a.w8 = ws[next++ % n_copies]->as<uint8_t>();
-              a.next = kestrel::cuda::stream_prefetch_of(ws[next % n_copies]->p, sh.out, sh.in, (claims ? -pf : pf) << 10,
-                                                         kestrel::cuda::stream_gemv_w8a8_tile_rows());
-              a.tile_counter = claims ? tile_counter.as<int>() : nullptr;
+              a.next = kestrel::cuda::stream_prefetch_of(ws[next % n_copies]->p, sh.out, sh.in, pf << 10);
               kestrel::cuda::stream_gemv_w8a8(a, nullptr);
             }
           }) / kCalls;

@@ -83,8 +83,6 @@ void bench_int4() {
         }) / kCalls;
         report("stream bf16", shape, ms, static_cast<double>(w16_bytes) + io, flops);
       }
-      Buf tile_counter(2 * sizeof(int));
-      fill(tile_counter, std::vector<int>(2, 0));
       kestrel::cuda::Int4Matrix w4;
       w4.n_in = sh.in, w4.n_out = sh.out, w4.group_size = kGroup, w4.scale_f16 = true;
       auto pick = [&](size_t i) {
@@ -112,26 +110,12 @@ void bench_int4() {
           for (int c = 0; c < kCalls; ++c) {
             pick(next++);
             a.w4 = w4;
-            a.next = kestrel::cuda::stream_prefetch_of(codes[next % n4]->p, sh.out, sh.in / 2, int64_t{64} << 10,
-                                                       kestrel::cuda::stream_gemv_int4_tile_rows(m, w4));
+            a.next = kestrel::cuda::stream_prefetch_of(codes[next % n4]->p, sh.out, sh.in / 2, int64_t{64} << 10);
             kestrel::cuda::stream_gemv_int4(a, nullptr);
           }
         }) / kCalls;
         report("int4 stream default pf64", shape, ms_pf, w4_bytes + io, flops);
-        // The same with the blocks claiming their later tiles in turn (StreamGemvArgs::tile_counter).
-        a.tile_counter = tile_counter.as<int>();
-        const double ms_claims = time_ms([&] {
-          for (int c = 0; c < kCalls; ++c) {
-            pick(next++);
-            a.w4 = w4;
-            a.next = kestrel::cuda::stream_prefetch_of(codes[next % n4]->p, sh.out, sh.in / 2, int64_t{64} << 10,
-                                                       kestrel::cuda::stream_gemv_int4_tile_rows(m, w4));
-            kestrel::cuda::stream_gemv_int4(a, nullptr);
-          }
-        }) / kCalls;
-        report("int4 stream default pf64 claims", shape, ms_claims, w4_bytes + io, flops);
         a.next = {};
-        a.tile_counter = nullptr;
       }
       if (m <= kestrel::cuda::kInt4SkinnyMaxTokens) {
         // (unroll, row groups, warps); the first of each list is the default.

@@ -115,15 +115,12 @@ void bench_stream_trace() {
   std::vector<uint16_t> ones(4096, 0x3F80);  // bf16 1.0
   fill(norm_w, ones);
   Buf* ys[4] = {&qkv_y, &o_y, &gu_y, &down_y};
-  constexpr int64_t kPrefetch = 32 << 10;  // CudaTuning::stream_prefetch_kb's default
-  Buf counter(2 * sizeof(int));              // StreamGemvArgs::tile_counter, zero
-  fill(counter, std::vector<int>(2, 0));
-  bool claims = false;  // each launch with the counter (its blocks claim their later tiles)
+  constexpr int64_t kPrefetch = 64 << 10;
 
   // The projection p of a layer: the fused input and output as the runner wires them, and the
   // prefetch of the next projection's weights (next: their base, null for the last; its rows of
   // next_row_bytes).
-  auto wire = [&](cuda::StreamGemvArgs& a, int p, const void* next, int64_t next_row_bytes, int tile_rows) {
+  auto wire = [&](cuda::StreamGemvArgs& a, int p, const void* next, int64_t next_row_bytes) {
     static_cast<cuda::ProjectionOperands&>(a) = {attn.as<bf16>(), kProjs[p].in, nullptr, ys[p]->p, 1,
                                                  kProjs[p].in,    kProjs[p].out, false, false};
     if (p == 0 || p == 2) {
@@ -136,9 +133,7 @@ void bench_stream_trace() {
       a.x_stride = 2 * kProjs[3].in;
       a.swiglu = true;
     }
-    if (next != nullptr)
-      a.next = cuda::stream_prefetch_of(next, kProjs[(p + 1) % 4].out, next_row_bytes, kPrefetch, tile_rows);
-    if (claims) a.tile_counter = counter.as<int>();
+    if (next != nullptr) a.next = cuda::stream_prefetch_of(next, kProjs[(p + 1) % 4].out, next_row_bytes, kPrefetch);
   };
   // launch(i, p, next): weight i (layer i / 4) as projection p; next: weight i + 1's base or null.
   auto run = [&](const char* format, const std::function<void(size_t, int, const void*)>& launch,
@@ -186,19 +181,16 @@ void bench_stream_trace() {
         fill(*scale.back(), std::vector<float>(static_cast<size_t>(kProjs[p].out), 1.0f / 256));
         heads.push_back(w.back()->p);
       }
-    for (const bool c : {false, true}) {
-      claims = c;
-      run(
-          c ? "fp8 claims" : "fp8",
-          [&](size_t i, int p, const void* next) {
-            cuda::StreamGemvFp8Args a;
-            wire(a, p, next, kProjs[(p + 1) % 4].in, cuda::stream_gemv_w8a8_tile_rows());
-            a.w8 = w[i]->as<uint8_t>();
-            a.w_scale = scale[i]->as<float>();
-            cuda::stream_gemv_w8a8(a, stream);
-          },
-          heads, bytes);
-    }
+    run(
+        "fp8",
+        [&](size_t i, int p, const void* next) {
+          cuda::StreamGemvFp8Args a;
+          wire(a, p, next, kProjs[(p + 1) % 4].in);
+          a.w8 = w[i]->as<uint8_t>();
+          a.w_scale = scale[i]->as<float>();
+          cuda::stream_gemv_w8a8(a, stream);
+        },
+        heads, bytes);
   }
   {  // INT4 (W4A16), group 128: codes of random bits, scale f16 0x211F (about 0.01), zero 8
     std::vector<std::unique_ptr<Buf>> codes, metas;
@@ -215,23 +207,20 @@ void bench_stream_trace() {
         fill(*metas.back(), std::vector<uint32_t>(meta_words, cuda::int4_meta_word(0x211F, 8)));
         heads.push_back(codes.back()->p);
       }
-    for (const bool c : {false, true}) {
-      claims = c;
-      run(
-          c ? "int4 claims" : "int4",
-          [&](size_t i, int p, const void* next) {
-            cuda::StreamGemvInt4Args a;
-            a.w4.codes = codes[i]->as<uint32_t>();
-            a.w4.meta = metas[i]->as<uint32_t>();
-            a.w4.n_in = kProjs[p].in;
-            a.w4.n_out = kProjs[p].out;
-            a.w4.group_size = 128;
-            a.w4.scale_f16 = true;
-            wire(a, p, next, kProjs[(p + 1) % 4].in / 2, cuda::stream_gemv_int4_tile_rows(1, a.w4));
-            cuda::stream_gemv_int4(a, stream);
-          },
-          heads, bytes);
-    }
+    run(
+        "int4",
+        [&](size_t i, int p, const void* next) {
+          cuda::StreamGemvInt4Args a;
+          wire(a, p, next, kProjs[(p + 1) % 4].in / 2);
+          a.w4.codes = codes[i]->as<uint32_t>();
+          a.w4.meta = metas[i]->as<uint32_t>();
+          a.w4.n_in = kProjs[p].in;
+          a.w4.n_out = kProjs[p].out;
+          a.w4.group_size = 128;
+          a.w4.scale_f16 = true;
+          cuda::stream_gemv_int4(a, stream);
+        },
+        heads, bytes);
   }
   KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
 }

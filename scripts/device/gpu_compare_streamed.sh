@@ -9,8 +9,6 @@
 # 4-bit group 128) and/or bf16 (configs/llama-3.1-8b); BATCHES: 1 and/or 2 (--parallel).
 # Carry: devbin (the binaries plain or .xz, kestrel_tests, the .so files; data/hf-tiny/<llama-gptq-tiny,
 # llama-gptq-actorder-tiny, llama-awq-tiny> for the GPTQ / AWQ tests, data/stories260K).
-# BINS entries: a binary, or binary@flag@value... for extra kestrel flags (e.g.
-# kestrel@--cuda-stream-tile-claims@off).
 # usage: BINS="kestrel_before kestrel" FORMATS="fp8 int4" scripts/device/gpu_compare_streamed.sh
 set -uo pipefail
 source scripts/device/device_env.sh
@@ -40,15 +38,11 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       int4) model=(-m scripts/device/configs/llama-3.1-8b-gptq) ;;
       bf16) model=(-m scripts/device/configs/llama-3.1-8b) ;;
     esac
-    for cfg in $BINS; do
-      bin=${cfg%%@*}
-      flags=""
-      [[ $cfg == *@* ]] && flags=$(echo "${cfg#*@}" | tr '@' ' ')
+    for bin in $BINS; do
       for batch in ${BATCHES:-1 2}; do
-        # shellcheck disable=SC2086
         timeout 150 $BIN/$bin bench "${model[@]}" --load-format dummy --device cuda --parallel $batch -p 128 -n 256 \
-          -r 1 $flags 2>&1 | tail -1 > /tmp/kestrel/b.txt
-        note "$fmt batch-$batch $cfg (round $round): $(cat /tmp/kestrel/b.txt)"
+          -r 1 2>&1 | tail -1 > /tmp/kestrel/b.txt
+        note "$fmt batch-$batch $bin (round $round): $(cat /tmp/kestrel/b.txt)"
       done
     done
   done

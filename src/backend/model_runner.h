@@ -31,9 +31,6 @@ struct CudaTuning {
   // (INT4) faster than with 64; 0 helped FP8 as much but cost INT4 1.2%; 128 was slower for both.
   int64_t stream_prefetch_kb = 32;
   bool stream_gemv_fp8 = true;       // FP8 weights on the W8A8 streaming GEMV (off: the W8A16 skinny GEMM)
-  // The FP8 and INT4 streaming GEMVs' blocks claim their later row tiles in turn (StreamTiles)
-  // instead of taking a fixed share each.
-  bool stream_tile_claims = true;
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
   bool verify_decode_rows = true;    // verify steps' attention on the decode kernel, a row an item

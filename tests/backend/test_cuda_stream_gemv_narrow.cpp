@@ -126,11 +126,6 @@ std::vector<Shape> shapes() {
     v.push_back({2, 2048, 33, 2, in});  // INT4: four rows a line
   }
   v.push_back({2, 16384, 3, 0, Input::Plain});  // the widest x
-  // More tiles than two blocks' fixed ones (StreamTiles): the rest are claimed, at 1 and 3 lines a
-  // row and two tokens.
-  v.push_back({1, 2048, 300, 2, Input::Plain});
-  v.push_back({1, 6144, 300, 2, Input::Norm});
-  v.push_back({2, 2048, 300, 2, Input::SwiGLU});
   if (!kCudaEmulated) {
     v.push_back({1, 4096, 6144, 0, Input::Norm});
     v.push_back({2, 14336, 4096, 0, Input::SwiGLU});
@@ -203,20 +198,12 @@ TEST(CudaStreamGemvNarrow, W8a8MatchesFloat64Reference) {
       const auto r = in.d_res_out.download();
       for (size_t i = 0; i < r.size(); ++i) ASSERT_EQ(r[i], in.res[i] + from_bf16(in.add[i])) << i;
     }
-    // Another block count with a prefetch, then the case's with the blocks claiming tiles: the same
-    // bits, and the counter left zero.
-    DeviceBuffer<int> counter(std::vector<int>{0, 0});
+    g.blocks = other_blocks(s);
+    g.next = cuda::stream_prefetch_of(d_w.get(), s.n_out, s.n_in, int64_t{64} << 10);
     g.y = d_y2.get();
-    for (const int blocks : {other_blocks(s), s.blocks}) {
-      g.blocks = blocks;
-      g.next = cuda::stream_prefetch_of(d_w.get(), s.n_out, s.n_in, int64_t{64} << 10,
-                                        cuda::stream_gemv_w8a8_tile_rows());
-      g.tile_counter = counter.get();
-      d_y2.poison();
-      cuda::stream_gemv_w8a8(g, nullptr);
-      EXPECT_EQ(d_y2.download(), y);
-      EXPECT_EQ(counter.download(), (std::vector<int>{0, 0}));
-    }
+    d_y2.poison();
+    cuda::stream_gemv_w8a8(g, nullptr);
+    EXPECT_EQ(d_y2.download(), y);
   }
 }
 
@@ -253,28 +240,19 @@ TEST(CudaStreamGemvNarrow, Int4MatchesFloat64Reference) {
         const auto r = in.d_res_out.download();
         for (size_t j = 0; j < r.size(); ++j) ASSERT_EQ(r[j], in.res[j] + from_bf16(in.add[j])) << j;
       }
-      // Another block count with a prefetch, then the case's with the counter (the tiled kernel's
-      // blocks claim tiles; the other ignores it): the same bits, and the counter left zero.
-      DeviceBuffer<int> counter(std::vector<int>{0, 0});
+      g.blocks = other_blocks(s);
+      g.next = cuda::stream_prefetch_of(d.m.codes, s.n_out, s.n_in / 2, int64_t{64} << 10);
       g.y = d_y2.get();
-      for (const int blocks : {other_blocks(s), s.blocks}) {
-        g.blocks = blocks;
-        g.next = cuda::stream_prefetch_of(d.m.codes, s.n_out, s.n_in / 2, int64_t{64} << 10,
-                                          cuda::stream_gemv_int4_tile_rows(s.n_tokens, d.m, stages));
-        g.tile_counter = counter.get();
-        d_y2.poison();
-        cuda::stream_gemv_int4(g, nullptr);
-        EXPECT_EQ(d_y2.download(), y);
-        EXPECT_EQ(counter.download(), (std::vector<int>{0, 0}));
-      }
+      d_y2.poison();
+      cuda::stream_gemv_int4(g, nullptr);
+      EXPECT_EQ(d_y2.download(), y);
     }
   }
 }
 
 // The prefetch descriptor: block b of a streaming GEMV over the next weight streams rows [b r, (b +
-// 1) r) first, with r = ceil(n_out / SMs) (contiguous ranges) or the tile rows (the tiled kernels:
-// block b starts with tile b), so block b of this one prefetches from byte b r row_bytes, at most r
-// rows, and nothing for a zero size or a null weight.
+// 1) r) with r = ceil(n_out / SMs), so block b of this one prefetches from byte b r row_bytes, at
+// most one block's rows, and nothing for a zero size or a null weight.
 TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
   KESTREL_REQUIRE_CUDA();
 #if defined(KESTREL_CUDA_EMULATE)
@@ -288,18 +266,15 @@ TEST(CudaStreamGemvNarrow, PrefetchStartsAtEachBlocksFirstRow) {
   DeviceBuffer<uint8_t> w(16);
   for (const int64_t n_out : {int64_t{1}, int64_t{3}, sms, int64_t{6144}, int64_t{28672}}) {
     SCOPED_TRACE("n_out " + std::to_string(n_out));
-    for (const int tile_rows : {0, 8, 16}) {
-      const int64_t rows = tile_rows > 0 ? tile_rows : (n_out + std::min(sms, n_out) - 1) / std::min(sms, n_out);
-      const cuda::StreamPrefetch p = cuda::stream_prefetch_of(w.get(), n_out, 4096, int64_t{64} << 10, tile_rows);
-      EXPECT_EQ(p.base, static_cast<const void*>(w.get()));
-      EXPECT_EQ(p.block_stride, rows * 4096);
-      EXPECT_EQ(p.total, n_out * 4096);
-      EXPECT_EQ(p.bytes, std::min<int64_t>(int64_t{64} << 10, rows * 4096));
-    }
+    const int64_t rows = (n_out + std::min(sms, n_out) - 1) / std::min(sms, n_out);
+    const cuda::StreamPrefetch p = cuda::stream_prefetch_of(w.get(), n_out, 4096, int64_t{64} << 10);
+    EXPECT_EQ(p.base, static_cast<const void*>(w.get()));
+    EXPECT_EQ(p.block_stride, rows * 4096);
+    EXPECT_EQ(p.total, n_out * 4096);
+    EXPECT_EQ(p.bytes, std::min<int64_t>(int64_t{64} << 10, rows * 4096));
   }
-  EXPECT_EQ(cuda::stream_gemv_w8a8_tile_rows(), 8);
-  EXPECT_EQ(cuda::stream_prefetch_of(w.get(), 64, 4096, 0, 0).base, nullptr);
-  EXPECT_EQ(cuda::stream_prefetch_of(nullptr, 64, 4096, 1024, 8).base, nullptr);
+  EXPECT_EQ(cuda::stream_prefetch_of(w.get(), 64, 4096, 0).base, nullptr);
+  EXPECT_EQ(cuda::stream_prefetch_of(nullptr, 64, 4096, 1024).base, nullptr);
 }
 
 TEST(CudaStreamGemvNarrow, ShapesItDoesNotTakeAreRefused) {

@@ -46,9 +46,6 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
   toggle("--cuda-stream-gemv-fp8", t.stream_gemv_fp8,
          "CUDA: FP8 weights at one and two tokens on the W8A8 streaming GEMV (activations as E4M3 codes, as in "
          "prefill; off: the W8A16 FP8 skinny GEMM)");
-  toggle("--cuda-stream-tile-claims", t.stream_tile_claims,
-         "CUDA: the FP8 and INT4 streaming GEMVs' blocks claim their later row tiles in turn (off: a fixed share "
-         "each)");
   app.add_option("--cuda-stream-gemv-stages", t.stream_gemv_stages, "CUDA: its pipeline stages; 0 = the kernel's default")
       ->check(CLI::IsMember({0, 3, 4, 6}))
       ->capture_default_str()

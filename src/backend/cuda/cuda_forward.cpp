@@ -445,15 +445,8 @@ cuda::StreamPrefetch CudaModelRunner::chain_prefetch(const DeviceWeight& W) {
   if (stream_prefetch_bytes_ == 0) return {};
   const void* w = W.w.as<void>();
   const int64_t row_bytes = W.fp8 ? W.n_in : W.n_in / 2;  // E4M3 codes, or INT4 codes two a byte
-  int tile_rows = cuda::stream_gemv_w8a8_tile_rows();
-  if (!W.fp8) {
-    cuda::Int4Matrix m = W.int4_matrix();
-    m.perm = nullptr;
-    tile_rows = cuda::stream_gemv_int4_tile_rows(1, m, stream_gemv_stages_);
-  }
   if (last_streamed_ != nullptr && last_streamed_ != w)
-    next_streamed_[last_streamed_] =
-        cuda::stream_prefetch_of(w, W.n_out, row_bytes, stream_prefetch_bytes_, tile_rows);
+    next_streamed_[last_streamed_] = cuda::stream_prefetch_of(w, W.n_out, row_bytes, stream_prefetch_bytes_);
   last_streamed_ = w;
   const auto it = next_streamed_.find(w);
   return it == next_streamed_.end() ? cuda::StreamPrefetch{} : it->second;
@@ -462,7 +455,6 @@ cuda::StreamPrefetch CudaModelRunner::chain_prefetch(const DeviceWeight& W) {
 void CudaModelRunner::stream_narrow(const DeviceWeight& W, const cuda::StreamGemvArgs& args) {
   cuda::StreamGemvArgs a = args;
   a.next = chain_prefetch(W);
-  a.tile_counter = tile_counter_.as<int>();
   if (W.fp8) {
     cuda::StreamGemvFp8Args f;
     static_cast<cuda::StreamGemvArgs&>(f) = a;

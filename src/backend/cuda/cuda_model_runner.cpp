@@ -111,10 +111,6 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   stream_gemv_fp8_ = t.stream_gemv_fp8;
   stream_gemv_stages_ = t.stream_gemv_stages;
   stream_prefetch_bytes_ = std::clamp<int64_t>(t.stream_prefetch_kb, 0, 1024) << 10;
-  if (t.stream_tile_claims) {
-    tile_counter_.reset(2 * sizeof(int));
-    KESTREL_CUDA_CHECK(cudaMemsetAsync(tile_counter_.as<int>(), 0, tile_counter_.bytes(), stream_));
-  }
   fused_norm_ = t.fused_norm;
   fused_rope_ = t.fused_rope;
   verify_decode_rows_ = t.verify_decode_rows;

@@ -440,10 +440,6 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   int64_t stream_prefetch_bytes_ = 0;  // CudaTuning::stream_prefetch_kb, in bytes
   const void* last_streamed_ = nullptr;  // the weight of the last streamed projection
   std::map<const void*, cuda::StreamPrefetch> next_streamed_;  // each weight's successor's head
-  // The FP8 and INT4 streaming GEMVs' tile counter (StreamGemvArgs::tile_counter): one for all of
-  // them, since they claim tiles only after griddepcontrol.wait, when the launch before on
-  // stream_ has ended (none with CudaTuning::stream_tile_claims off).
-  DevMem tile_counter_;
   // Decode-only passes: RoPE and the K/V write inside the decode attention kernel
   // (AttentionParams::rope; CudaTuning::fused_rope off: the rope_write_kv kernel).
   bool fused_rope_ = true;

@@ -283,11 +283,9 @@ struct StreamPrefetch {
   int64_t total = 0;         // bytes of the next weight
   int64_t bytes = 0;         // bytes a block prefetches
 };
-// The prefetch descriptor of a streamed weight of n_out rows of row_bytes bytes, `bytes` a block
-// (0: none). tile_rows: the rows of the tiles a tiled kernel (FP8, INT4 in groups of 128) hands
-// its blocks, block b starting with tile b (stream_gemv_tile_rows); 0: blocks of ceil(n_out / SMs)
-// whole rows (the other streaming GEMVs). At most one block's first tile or range.
-StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows);
+// The prefetch descriptor of a streamed weight of n_out rows of row_bytes bytes (each streaming
+// GEMV gives its blocks ceil(n_out / SMs) whole rows), `bytes` a block (0: none).
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes);
 
 struct StreamGemvArgs : ProjectionOperands {
   int blocks = 0;
@@ -300,10 +298,6 @@ struct StreamGemvArgs : ProjectionOperands {
   // The next projection's weights, into L2 at this one's end: the FP8 and INT4 (W4A16) kernels
   // only (the bf16 one measured no faster with it).
   StreamPrefetch next = {};
-  // The tiled kernels' (FP8, INT4 W4A16) tile counter: two ints, zero, that the launch leaves zero.
-  // Tiles are claimed after griddepcontrol.wait, so the launches of one stream may share one; two
-  // streams may not. Null: every block's tiles fixed.
-  int* tile_counter = nullptr;
 };
 bool stream_gemv_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0, int stages = 0);
 void stream_gemv(const StreamGemvArgs& args, cudaStream_t stream);

@@ -69,13 +69,10 @@ struct StreamGemvFp8Args : StreamGemvArgs {
 // * e4m3(a(x)[t, k] / x_scale[t]), x_scale[t] = max_k |a(x)[t, k]| / 448 (1 for a zero row), the
 // activation quantized as quantize_rows_fp8 does, f32 sums (the tensor cores' over 32 products,
 // then f32 adds in a fixed order: the same bits for a row whatever the launch), one rounding to
-// bf16. n_in a multiple of 2048 up to kStreamGemvMaxIn; `blocks` (0: the SM count) share tiles of 8
-// rows, with tile_counter claimed in turn (`stages` unused: a ring of 8 slabs of 16 KB at one
-// token, 6 at two).
+// bf16. n_in a multiple of 2048 up to kStreamGemvMaxIn, at most kStreamGemvMaxRowsPerBlock rows per
+// block (`blocks` as for stream_gemv; `stages` unused: a ring of 8 slabs of 16 KB at one token, 6 at two).
 // Errors: kestrel::Error for an unsupported shape or a bad operand.
 bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks = 0);
 void stream_gemv_w8a8(const StreamGemvFp8Args& args, cudaStream_t stream);
-// The rows of the tiles stream_gemv_w8a8 hands its blocks (StreamPrefetch's tile_rows).
-int stream_gemv_w8a8_tile_rows();
 
 }  // namespace kestrel::cuda

@@ -91,18 +91,14 @@ void skinny_gemm_int4(const SkinnyInt4Args& args, cudaStream_t stream);
 // and q - z exact, f32 sums over each 128-column tile (tensor cores) times its group scale, the
 // tiles' sums in a fixed order (the same bits for a row whatever the launch), one rounding to bf16. The operands and the fused
 // input norm as StreamGemvArgs (`w` unused, bf16 output only). n_in a multiple of 2048 up to
-// kStreamGemvMaxIn; group_size a power of two >= 128 (a lane's 32 codes in one group); blocks and
-// stages as for stream_gemv (the W4A16 kernel's blocks share tiles of 16 rows, with tile_counter
-// claimed in turn; the other kernel takes at most kStreamGemvMaxRowsPerBlock rows per block).
+// kStreamGemvMaxIn; group_size a power of two >= 128 (a lane's 32 codes in one group); at most
+// kStreamGemvMaxRowsPerBlock rows per block; blocks and stages as for stream_gemv.
 // Errors: kestrel::Error for an unsupported shape or a bad operand (as stream_gemv).
 struct StreamGemvInt4Args : StreamGemvArgs {
   Int4Matrix w4;
 };
 bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks = 0, int stages = 0);
 void stream_gemv_int4(const StreamGemvInt4Args& args, cudaStream_t stream);
-// The rows of the tiles stream_gemv_int4 hands its blocks for this matrix (StreamPrefetch's
-// tile_rows): 16 where it takes the tiled W4A16 kernel, else 0 (contiguous rows a block).
-int stream_gemv_int4_tile_rows(int64_t n_tokens, const Int4Matrix& w, int stages = 0);
 
 // out [n_out, n_in] bf16 = W in the input channels' own order (column perm[k] from physical k):
 // s * (q - z) in f32 rounded to bf16 (round to nearest even), the values WeightUploader makes

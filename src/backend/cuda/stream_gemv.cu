@@ -167,11 +167,10 @@ std::string narrow_shape(const StreamGemvArgs& a) {
 
 static_assert(kStreamGemvMaxIn == int64_t{kGemvMaxKLines} * kGemvLine, "x is loaded in at most kGemvMaxKLines lines");
 
-StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes, int tile_rows) {
+StreamPrefetch stream_prefetch_of(const void* w, int64_t n_out, int64_t row_bytes, int64_t bytes) {
   StreamPrefetch p;
   if (w == nullptr || n_out <= 0 || row_bytes <= 0 || bytes <= 0) return p;
-  const int64_t rows_per_block =
-      tile_rows > 0 ? tile_rows : ceil_div(n_out, std::min<int64_t>(device_shape().sms, n_out));
+  const int64_t rows_per_block = ceil_div(n_out, std::min<int64_t>(device_shape().sms, n_out));
   p.base = w;
   p.block_stride = rows_per_block * row_bytes;
   p.total = n_out * row_bytes;
@@ -216,31 +215,21 @@ namespace kestrel::cuda {
 
 namespace {
 
-// The tiled kernels' launch: blocks (the SM count unless given) over ceil(n_out / tile_rows) tiles.
-Layout tiled_layout(int64_t n_in, int64_t n_out, int blocks, int tile_rows) {
-  Layout l;
-  const int64_t n_tiles = ceil_div(n_out, int64_t{tile_rows});
-  l.blocks = static_cast<int>(std::min<int64_t>(blocks > 0 ? blocks : device_shape().sms, n_tiles));
-  l.k_lines = static_cast<int>(n_in / kGemvLine);
-  return l;
-}
-
 Layout w8a8_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
-  Layout l = tiled_layout(n_in, n_out, blocks, kW8a8SlabRows);
-  l.stages = n_tokens == 1 ? kW8a8Stages1 : kW8a8Stages2;
-  l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), l.stages, l.k_lines);
+  const int stages = n_tokens == 1 ? kW8a8Stages1 : kW8a8Stages2;
+  Layout l = layout(n_tokens, n_in, n_out, blocks, stages);
+  l.smem = stream_gemv_w8a8_smem_bytes(static_cast<int>(n_tokens), stages, l.k_lines, l.rows_per_block);
   return l;
 }
 
 }  // namespace
 
-int stream_gemv_w8a8_tile_rows() { return kW8a8SlabRows; }
-
 bool stream_gemv_w8a8_supports(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
   if (n_tokens < 1 || n_tokens > kStreamGemvMaxTokens || n_in <= 0 || n_in % kGemvLine != 0 ||
       n_in > kStreamGemvMaxIn || n_out <= 0 || n_out > 0x7fffffff)
     return false;
-  return w8a8_layout(n_tokens, n_in, n_out, blocks).smem <= device_shape().max_smem;
+  const Layout l = w8a8_layout(n_tokens, n_in, n_out, blocks);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
 
 void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
@@ -259,7 +248,7 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
     auto go = [&](auto* k) {
       raise_smem_limit(k, l.smem);
       KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, a.w8, a.w_scale, y, static_cast<int>(a.n_out),
-                     l.k_lines, a.tile_counter, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
+                     l.k_lines, l.rows_per_block, a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out,
                      a.norm_eps, a.next);
     };
     if (a.norm_residual_in != nullptr)
@@ -279,9 +268,8 @@ void stream_gemv_w8a8(const StreamGemvFp8Args& a, cudaStream_t stream) {
 namespace {
 
 Layout w4a16_layout(int64_t n_tokens, int64_t n_in, int64_t n_out, int blocks) {
-  Layout l = tiled_layout(n_in, n_out, blocks, kW4a16SlabRows);
-  l.stages = kW4a16Stages;
-  l.smem = stream_gemv_w4a16_smem_bytes(static_cast<int>(n_tokens), kW4a16Stages, l.k_lines);
+  Layout l = layout(n_tokens, n_in, n_out, blocks, kW4a16Stages);
+  l.smem = stream_gemv_w4a16_smem_bytes(static_cast<int>(n_tokens), kW4a16Stages, l.k_lines, l.rows_per_block);
   return l;
 }
 
@@ -291,7 +279,8 @@ bool w4a16_supports(int64_t n_tokens, const Int4Matrix& w, int blocks, int stage
       n_tokens > kStreamGemvMaxTokens || w.n_in <= 0 || w.n_in % kGemvLine != 0 || w.n_in > kStreamGemvMaxIn ||
       w.n_out <= 0 || w.n_out > 0x7fffffff)
     return false;
-  return w4a16_layout(n_tokens, w.n_in, w.n_out, blocks).smem <= device_shape().max_smem;
+  const Layout l = w4a16_layout(n_tokens, w.n_in, w.n_out, blocks);
+  return l.rows_per_block <= kStreamGemvMaxRowsPerBlock && l.smem <= device_shape().max_smem;
 }
 
 }  // namespace
@@ -301,10 +290,6 @@ bool stream_gemv_int4_supports(int64_t n_tokens, const Int4Matrix& w, int blocks
   const int64_t g = w.group_size;
   if (w.perm != nullptr || g < 128 || (g & (g - 1)) != 0 || w.n_in % g != 0) return false;
   return narrow_supports(n_tokens, w.n_in, w.n_out, w.n_in / 2, blocks, stages);
-}
-
-int stream_gemv_int4_tile_rows(int64_t n_tokens, const Int4Matrix& w, int stages) {
-  return w4a16_supports(n_tokens, w, 0, stages) ? kW4a16SlabRows : 0;
 }
 
 void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
@@ -327,7 +312,7 @@ void stream_gemv_int4(const StreamGemvInt4Args& a, cudaStream_t stream) {
       auto go = [&](auto* k) {
         raise_smem_limit(k, l.smem);
         KESTREL_LAUNCH(k, grid, block, l.smem, stream, a.x, a.x_stride, reinterpret_cast<const uint8_t*>(w.codes),
-                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, a.tile_counter,
+                       w.meta, w.scale_f16, y, static_cast<int>(a.n_out), l.k_lines, l.rows_per_block,
                        a.norm_residual_in, a.norm_add, a.norm_weight, a.norm_residual_out, a.norm_eps, a.next);
       };
       if (a.norm_residual_in != nullptr)

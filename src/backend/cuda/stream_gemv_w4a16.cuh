@@ -2,14 +2,14 @@
 // activations (W4A16) for one or two tokens: y[t, o] = sum_T s[o, T] sum_{k in T} a(x)[t, k]
 // (q[o, k] - z[o, T]), the products exact (bf16 x small integers), each tile's sum f32 on the
 // tensor cores, times its group scale in f32, one rounding to bf16. The frame is stream_gemv.cuh's
-// and stream_gemv_w8a8.cuh's: one block per SM over tiles of 16 whole rows (StreamTiles: some
-// fixed, the rest claimed in turn), the weights streamed through a cp.async ring whose first kStreamPreWaitSlabs stages are requested before
+// and stream_gemv_w8a8.cuh's: one block per SM over a contiguous range of whole rows, the weights
+// streamed through a cp.async ring whose first kStreamPreWaitSlabs stages are requested before
 // griddepcontrol.wait and the rest behind the input's loads, the input formed in shared memory
 // (x, SwiGLU or the fused residual + RMSNorm of stream_gemv_input), slabs requested by a cursor
 // (no division in the loop). The product:
-// - The block walks each of its tiles' n_in in slabs of 2048 columns (16 rows x 1 KB of codes, one
-//   ring stage, and the rows' 16 meta words each in a small ring beside it; rows past n_out are
-//   zero-filled, not read). In shared memory a slab is row-major,
+// - The block walks its rows in tiles of 16 and each tile's n_in in slabs of 2048 columns (16 rows
+//   x 1 KB of codes, one ring stage, and the rows' 16 meta words each in a small ring beside it;
+//   rows past the block's range are zero-filled, not read). In shared memory a slab is row-major,
 //   16-byte chunk c of row r stored at chunk c ^ 4 (r & 1), so that a quarter warp's 16-byte loads
 //   (two rows, the same 64 bytes of each) hit 32 distinct banks.
 // - Warp w takes the 128-column tiles 2 w and 2 w + 1 of every slab (one group each), the slab's
@@ -22,9 +22,8 @@
 //   so C[g][2 m] + C[g + 8][2 m + 1] is row g's sum for token m over the 32 columns the four lanes
 //   tq hold, and no weight is loaded or converted twice. A tile's four mma accumulate in f32 from
 //   zero; the sum times the group scale is added to the row's f32 sum.
-// - A tile row's per-warp sums meet in shared memory and are added in warp order one slab after the
-//   tile's last, so a row's value depends on neither the launch nor the block that computes it
-//   (batch invariant).
+// - A tile row's per-warp sums meet in shared memory and are added in warp order at the end, so a
+//   row's value depends on neither the launch nor its place in the block (batch invariant).
 // Source: PTX ISA 8.x ("Matrix fragments for mma.m16n8k16", "cp.async"); the bf16 exponent trick
 // as in int4_gemm.cuh.
 #pragma once
@@ -47,24 +46,23 @@ constexpr int kW4a16SlabMeta = kW4a16SlabRows * (kGemvLine / kW4a16TileCols);  /
 constexpr int kW4a16Stages = 8;
 
 // Dynamic shared memory of stream_gemv_w4a16_kernel: the code ring, the meta ring, x [kM][n_in]
-// bf16, the per-warp row sums of two tiles [2][16][kM][warps], the claimed tile ids, and 32 floats
-// of scratch.
-constexpr size_t stream_gemv_w4a16_smem_bytes(int m, int stages, int k_lines) {
+// bf16, the per-warp row sums [rows][kM][warps], and 32 floats of scratch.
+constexpr size_t stream_gemv_w4a16_smem_bytes(int m, int stages, int k_lines, int rows_per_block) {
   return static_cast<size_t>(stages) * (kW4a16SlabBytes + kW4a16SlabMeta * 4) +
          static_cast<size_t>(m) * k_lines * kGemvLine * 2 +
-         (static_cast<size_t>(2 * kW4a16SlabRows) * m * kGemvWarps + StreamTiles::kIds + kWarpSize) * 4;
+         (static_cast<size_t>(rows_per_block) * m * kGemvWarps + kWarpSize) * 4;
 }
 
 // w: the layout's code words as bytes, [n_out, n_in / 2]; meta: [n_out, n_in / 128] words (scale
 // bits as stored, scale_f16 says which, and the bf16 of 128 + z); x, x_stride, kSwiGLU, kNormIn and
-// the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: at most ceil(n_out / 16)
-// blocks of 256; n_in = k_lines x 2048. counter: StreamTiles' (null: fixed tiles). pf: the next
-// projection's weights (StreamPrefetch).
+// the norm operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out /
+// rows_per_block) blocks of 256; n_in = k_lines x 2048. pf: the next projection's weights
+// (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w4a16_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                              const uint32_t* __restrict__ meta, bool scale_f16, __nv_bfloat16* __restrict__ y,
-                             int n_out, int k_lines, int* tile_counter, const float* __restrict__ res_in,
+                             int n_out, int k_lines, int rows_per_block, const float* __restrict__ res_in,
                              const __nv_bfloat16* __restrict__ add, const __nv_bfloat16* __restrict__ norm_w,
                              float* __restrict__ res_out, float eps, StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
@@ -77,69 +75,65 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   StreamTraceMarks trace;
   trace.mark(0);
   constexpr int kPreWait = kStreamPreWait<kStages>;
-  static_assert(kPreWait < kStages - 1, "calls between the wait and the main loop claim its first tiles");
   uint8_t* ring = smem;                                                                // [kStages][16][1 KB]
   uint32_t* meta_ring = reinterpret_cast<uint32_t*>(ring + kStages * kW4a16SlabBytes);  // [kStages][16][16]
   uint4* xs = reinterpret_cast<uint4*>(meta_ring + kStages * kW4a16SlabMeta);          // [kM][n_in] bf16
-  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);            // [2][16][kM][warps]
-  int* tile_ids = reinterpret_cast<int*>(part + 2 * kW4a16SlabRows * kM * kGemvWarps);  // [kIds]
-  float* scratch = reinterpret_cast<float*>(tile_ids + StreamTiles::kIds);             // [32]
+  float* part = reinterpret_cast<float*>(xs + kM * k_lines * kGemvThreads);            // [rows][kM][warps]
+  float* scratch = part + rows_per_block * kM * kGemvWarps;                            // [32]
 
-  const int n_tiles = (n_out + kW4a16SlabRows - 1) / kW4a16SlabRows;
-  StreamTiles tiles(tile_counter, n_tiles, k_lines, kStages - 1, tile_ids);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int n_slabs = (rows + kW4a16SlabRows - 1) / kW4a16SlabRows * k_lines;
 
-  // Slab kb of the block's tile n into the next ring slot: thread t copies row t / 16 of the tile,
-  // its 16-byte chunks t % 16 + 16 j (j = 0..3: a warp's copy is two rows' 256 contiguous bytes),
-  // from one source pointer at constant offsets, so a copy costs one instruction; threads 0..63
-  // also copy the 16-byte quarter t % 4 of row t / 4's meta words.
+  // Slab q (tile q / k_lines, columns 2048 (q % k_lines) ..) into ring slot q % kStages: thread t
+  // copies row t / 16 of the tile, its 16-byte chunks t % 16 + 16 j (j = 0..3: a warp's copy is two
+  // rows' 256 contiguous bytes), from one source pointer at constant offsets, so a copy costs one
+  // instruction; threads 0..63 also copy the 16-byte quarter t % 4 of row t / 4's meta words.
   const int cp_row = t / 16, cp_chunk = t % 16;
   // Chunk cp_chunk + 16 j of the row lands at dst_off + 256 j (the swizzle flips bit 2 of the chunk).
   const int dst_off = cp_row * kW4a16RowBytes + 16 * (cp_chunk ^ ((cp_row & 1) << 2));
   const int m_row = t / 4, m_quarter = t % 4;
   const bool meta_thread = t < kW4a16SlabRows * 4;
-  const uint8_t* i_src = w;       // the tile's row cp_row at chunk cp_chunk
-  const uint32_t* i_meta = meta;  // its row m_row's meta words at quarter m_quarter
-  bool i_tile = false, i_live = false, m_live = false, prefetched = false;  // rows past n_out: zero-filled
-  int i_n = 0, i_kb = 0, i_slot = 0, i_call = 0;
-  auto issue_next = [&](bool in_loop) {
-    if (i_kb == 0) {  // a tile's first slab: its id (a claim stored a barrier ago)
-      const int id = tiles.id(i_n);
-      i_tile = id < n_tiles;
-      if (i_tile) {
-        const int rows = min(kW4a16SlabRows, n_out - id * kW4a16SlabRows);
-        const int64_t row = static_cast<int64_t>(id) * kW4a16SlabRows;
-        i_live = cp_row < rows;
-        m_live = meta_thread && m_row < rows;
-        i_src = w + (row + (i_live ? cp_row : 0)) * row_bytes + 16 * cp_chunk;
-        i_meta = meta + (row + (m_live ? m_row : 0)) * n_groups + 4 * m_quarter;
-      }
-    }
-    if (i_call >= kStreamPreWait<kStages>) tiles.on_issue(i_call, in_loop);
-    if (i_tile) {
+  const uint8_t* i_src = w + (row0 + cp_row) * row_bytes + 16 * cp_chunk;  // the next slab's first chunk
+  const uint32_t* i_meta = meta + (row0 + (meta_thread ? m_row : 0)) * n_groups + 4 * m_quarter;
+  const int64_t src_tile_step = kW4a16SlabRows * static_cast<int64_t>(row_bytes) - k_lines * kW4a16RowBytes;
+  const int64_t meta_tile_step = kW4a16SlabRows * static_cast<int64_t>(n_groups) - k_lines * kTilesPerLine;
+  bool i_live = cp_row < rows, m_live = meta_thread && m_row < rows;  // rows past the block: zero-filled
+  int i_q = 0, i_kb = 0, i_tile_row = 0, i_slot = 0;
+  auto issue_next = [&]() {
+    if (i_q < n_slabs) {
       uint8_t* dst = ring + i_slot * kW4a16SlabBytes + dst_off;
-      const uint8_t* src = i_live ? i_src + i_kb * kW4a16RowBytes : w;
+      const uint8_t* src = i_live ? i_src : w;
 #pragma unroll
       for (int j = 0; j < 4; ++j) cp_async16(dst + 256 * j, src + 256 * j, i_live);
       if (meta_thread)
         cp_async16(meta_ring + i_slot * kW4a16SlabMeta + m_row * kTilesPerLine + 4 * m_quarter,
-                   m_live ? i_meta + i_kb * kTilesPerLine : meta, m_live);
-    } else if (!prefetched) {
+                   m_live ? i_meta : meta, m_live);
+    } else if (i_q == n_slabs) {
       stream_prefetch_next(pf);
-      prefetched = true;
     }
     cp_async_commit();
-    ++i_call;
+    ++i_q;
     i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
-    if (i_tile && ++i_kb == k_lines) i_kb = 0, ++i_n;
+    i_src += kW4a16RowBytes;
+    i_meta += kTilesPerLine;
+    if (++i_kb == k_lines) {
+      i_kb = 0;
+      i_src += src_tile_step;
+      i_meta += meta_tile_step;
+      i_tile_row += kW4a16SlabRows;
+      i_live = i_tile_row + cp_row < rows;
+      m_live = meta_thread && i_tile_row + m_row < rows;
+    }
   };
 #pragma unroll
-  for (int q = 0; q < kPreWait; ++q) issue_next(false);
+  for (int q = 0; q < kPreWait; ++q) issue_next();
   pdl_wait();
   trace.mark(1);
   stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps,
                                           [&] {
 #pragma unroll
-                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next(false);
+                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next();
                                           });
   __syncthreads();  // x is read at every thread's columns, not only its own
   pdl_launch_next();
@@ -203,33 +197,16 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
 #pragma unroll
       for (int u = 0; u < 2; ++u) acc[rt] += (d[u][rt][0] + d[u][rt][3]) * int4_scale(f.m[u][rt], scale_f16);
   };
-  // Tile n's sums, once its part[n % 2] is written and a barrier passed: thread r kM + m adds row r's
-  // per-warp sums for token m in warp order.
-  auto finish_tile = [&](int n) {
-    const int id = tiles.id(n);
-    if (t >= kW4a16SlabRows * kM) return;
-    const int row = id * kW4a16SlabRows + t / kM;
-    if (row >= n_out) return;
-    const float* p = part + ((n % 2) * kW4a16SlabRows * kM + t) * kGemvWarps;
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kGemvWarps; ++j) sum += p[j];
-    y[static_cast<int64_t>(t % kM) * n_out + row] = __float2bfloat16_rn(sum);
-  };
-  int c_n = 0, c_kb = 0, c_slot = 0;  // the slab computed next: its block tile, column line, slot
-  int l_kb = 0, l_slot = 0;           // the slab loaded next
-  int done_n = -1;                    // a tile whose sums are written, not yet added
+  int c_kb = 0, c_row = 0, c_slot = 0;  // the slab computed next: its column line, tile row, slot
+  int l_kb = 0, l_slot = 0;             // the slab loaded next
   // Slab q + 1 (this thread's copies) landed, then the barrier: every thread's copies of it are
   // visible and every warp's loads of slab q (one iteration earlier) are done, so slab q - 1's
-  // slot may take a new slab. Then slab q + 1's loads, then slab q's products. Returns whether
-  // there is a slab q + 1 (this tile's next column line, or the next tile's first).
-  auto step = [&](Frag& cur, Frag& nxt) {
+  // slot may take a new slab. Then slab q + 1's loads, then slab q's products.
+  auto step = [&](Frag& cur, Frag& nxt, int q) {
     cp_async_wait<kStages - 3>();
     __syncthreads();
-    if (done_n >= 0) finish_tile(done_n), done_n = -1;
-    issue_next(true);
-    const bool next = c_kb + 1 < k_lines || tiles.id(c_n + 1) < n_tiles;
-    if (next) {
+    issue_next();
+    if (q + 1 < n_slabs) {
       l_slot = l_slot + 1 == kStages ? 0 : l_slot + 1;
       if (++l_kb == k_lines) l_kb = 0;
       load(nxt, l_slot, l_kb);
@@ -238,28 +215,34 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
     if (++c_kb == k_lines) {
 #pragma unroll
-      for (int rt = 0; rt < 2; ++rt)
-        if (tq < kM) part[(((c_n % 2) * kW4a16SlabRows + rt * 8 + g) * kM + tq) * kGemvWarps + warp] = acc[rt];
-      acc[0] = acc[1] = 0.0f;
-      done_n = c_n;
+      for (int rt = 0; rt < 2; ++rt) {
+        const int row = c_row + rt * 8 + g;
+        if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = acc[rt];
+        acc[rt] = 0.0f;
+      }
       c_kb = 0;
-      ++c_n;
+      c_row += kW4a16SlabRows;
     }
-    return next;
   };
   Frag fa, fb;
-  tiles.flush();
   cp_async_wait<kStages - 2>();
   __syncthreads();  // slab 0 landed for every thread
   trace.mark(3);
   load(fa, 0, 0);
-  while (step(fa, fb) && step(fb, fa)) {
+  for (int q = 0; q < n_slabs; q += 2) {
+    step(fa, fb, q);
+    if (q + 1 < n_slabs) step(fb, fa, q + 1);
   }
   trace.mark(4);
   cp_async_wait<0>();
   __syncthreads();
-  if (done_n >= 0) finish_tile(done_n);
-  tiles.finish();
+  for (int i = t; i < rows * kM; i += kGemvThreads) {
+    const int r = i / kM, mm = i % kM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kGemvWarps; ++j) sum += part[i * kGemvWarps + j];
+    y[static_cast<int64_t>(mm) * n_out + row0 + r] = __float2bfloat16_rn(sum);
+  }
   trace.finish(n_out, k_lines);
 }
 

@@ -2,16 +2,15 @@
 // y[t, o] = w_scale[o] * x_scale[t] * sum_k e4m3(w[o, k]) * e4m3(a(x)[t, k] / x_scale[t]), with
 // x_scale[t] = max_k |a(x)[t, k]| / 448 (quantize_rows_fp8's per-token scale and rounding, so a
 // decode step multiplies as the W8A8 prefill GEMM does). The frame is stream_gemv.cuh's: one block
-// per SM over tiles of 8 whole rows (StreamTiles: some fixed, the rest claimed in turn), the
-// weights streamed through a cp.async ring
+// per SM over a contiguous range of whole rows, the weights streamed through a cp.async ring
 // whose first kStreamPreWaitSlabs stages are requested before griddepcontrol.wait and the rest
 // behind the input's loads, the input formed in shared memory (x, SwiGLU or the fused residual +
 // RMSNorm of stream_gemv_input), then rounded to E4M3 with the division done by the reciprocal
 // (quotient_by_reciprocal: the same codes; at 14,336 columns the divisions had taken two thirds
 // of a block's input time).
 // What differs is the product:
-// - The block walks each of its tiles' n_in in slabs of 2048 columns (16 KB, one ring stage; rows
-//   past n_out are zero-filled, not read). In shared memory a
+// - The block walks its rows in tiles of 8 and each tile's n_in in slabs of 2048 columns (16 KB,
+//   one ring stage; rows past the block's range are zero-filled, not read). In shared memory a
 //   slab is row-major, 16-byte chunk c of row r stored at chunk c ^ 4 (r & 1) so that the quarter
 //   warps' 16-byte loads below hit 32 distinct banks.
 // - Warp w takes columns 256 w .. 256 w + 255 of every slab, four mma.m16n8k32 (E4M3 in, f32
@@ -23,14 +22,13 @@
 //   it): C[g][2 m] + C[g + 8][2 m + 1] is row g's sum for token m, with no product wasted on A.
 // - Each mma starts from zero and its four sums are added to f32 registers (the FP8 tensor
 //   cores' internal accumulation is narrower than f32; 32 products per mma, then f32 adds); a
-//   tile's per-warp sums meet in shared memory and are added in warp order one slab after its
-//   last, so a row's value depends on neither the launch nor the block that computes it.
+//   tile's per-warp sums meet in shared memory and are added in warp order at the end, so a row's
+//   value depends on neither the launch nor its place in the block.
 // Source: PTX ISA 8.x ("mma.m16n8k32" fragments, "cvt" e4m3x2, "cp.async"); the per-token dynamic
 // activation scale is the FP8 W8A8 scheme of vLLM's and TensorRT-LLM's FP8 linear layers.
 #pragma once
 
 #include "backend/cuda/fp8.cuh"
-#include "backend/cuda/kv_fp8.cuh"  // cp_async4
 #include "backend/cuda/stream_gemv.cuh"
 #include "backend/cuda/stream_trace.cuh"
 
@@ -42,26 +40,23 @@ constexpr int kW8a8Stages1 = 8;  // ring depth at one token (128 KB, seven slabs
 constexpr int kW8a8Stages2 = 6;  // at two (x and its codes take more)
 
 // Dynamic shared memory of stream_gemv_w8a8_kernel: the ring, x [kM][n_in] bf16, its codes
-// [kM][n_in], the per-warp row sums of two tiles [2][8][kM][8], the row scales of the tiles in
-// flight [16][8], the claimed tile ids [16], the token scales, and 32 floats of scratch.
+// [kM][n_in], the per-warp row sums [rows][kM][8], the token scales, and 32 floats of scratch.
 // One block per SM: a ring that left room for the next projection's block beside it (six slabs,
 // 2 blocks an SM) made the 8B's batch-1 decode slower on the H200 (258.6 against 325.3 tok/s).
-constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines) {
+constexpr size_t stream_gemv_w8a8_smem_bytes(int m, int stages, int k_lines, int rows_per_block) {
   return static_cast<size_t>(stages) * kW8a8SlabBytes + static_cast<size_t>(m) * k_lines * kGemvLine * 3 +
-         (static_cast<size_t>(2 * kW8a8SlabRows) * m * kGemvWarps + StreamTiles::kIds * (kW8a8SlabRows + 1) + 2 +
-          kWarpSize) *
-             4;
+         (static_cast<size_t>(rows_per_block) * m * kGemvWarps + 2 + kWarpSize) * 4;
 }
 
 // w [n_out, n_in] E4M3 codes, w_scale [n_out] f32; x, x_stride, kSwiGLU, kNormIn and the norm
-// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: at most ceil(n_out / 8) blocks of
-// 256; n_in = k_lines x 2048. counter: StreamTiles' (null: fixed tiles). pf: the next projection's
+// operands as stream_gemv_kernel's; y [kM, n_out] bf16. grid: ceil(n_out / rows_per_block)
+// blocks of 256; n_in = k_lines x 2048; at most 256 rows a block. pf: the next projection's
 // weights (StreamPrefetch).
 template <int kM, int kStages, bool kSwiGLU, bool kNormIn>
 __global__ void __launch_bounds__(kGemvThreads, 1)
     stream_gemv_w8a8_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_stride, const uint8_t* __restrict__ w,
                             const float* __restrict__ w_scale, __nv_bfloat16* __restrict__ y, int n_out, int k_lines,
-                            int* tile_counter, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
+                            int rows_per_block, const float* __restrict__ res_in, const __nv_bfloat16* __restrict__ add,
                             const __nv_bfloat16* __restrict__ norm_w, float* __restrict__ res_out, float eps,
                             StreamPrefetch pf) {
   static_assert(kM == 1 || kM == 2, "one or two tokens");
@@ -72,67 +67,60 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
   StreamTraceMarks trace;
   trace.mark(0);
   constexpr int kPreWait = kStreamPreWait<kStages>;
-  static_assert(kPreWait < kStages - 1, "calls between the wait and the main loop claim its first tiles");
   uint8_t* ring = smem;                                                        // [kStages][8][2048]
   uint4* xs = reinterpret_cast<uint4*>(ring + kStages * kW8a8SlabBytes);       // [kM][n_in] bf16
   uint8_t* xq = reinterpret_cast<uint8_t*>(xs + kM * k_lines * kGemvThreads);  // [kM][n_in] codes
-  float* part = reinterpret_cast<float*>(xq + kM * n_in);                      // [2][8][kM][warps]
-  float* row_scale = part + 2 * kW8a8SlabRows * kM * kGemvWarps;                // [kIds][8]
-  int* tile_ids = reinterpret_cast<int*>(row_scale + StreamTiles::kIds * kW8a8SlabRows);  // [kIds]
-  float* x_scale = reinterpret_cast<float*>(tile_ids + StreamTiles::kIds);   // [kM]
+  float* part = reinterpret_cast<float*>(xq + kM * n_in);                      // [rows][kM][warps]
+  float* x_scale = part + rows_per_block * kM * kGemvWarps;                  // [kM]
   float* scratch = x_scale + 2;                                             // [32]
 
-  const int n_tiles = (n_out + kW8a8SlabRows - 1) / kW8a8SlabRows;
-  StreamTiles tiles(tile_counter, n_tiles, k_lines, kStages - 1, tile_ids);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int rows = static_cast<int>(n_out - row0 < rows_per_block ? n_out - row0 : rows_per_block);
+  const int n_slabs = (rows + kW8a8SlabRows - 1) / kW8a8SlabRows * k_lines;
+  // The scales of the outputs this thread writes at the end (output i = t + 256 j is row i / kM),
+  // loaded now, before the wait (no kernel writes them): loaded at the end they would add a round
+  // trip to memory after the last slab.
+  float out_scale[kM];
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    out_scale[j] = i < rows * kM ? __uint_as_float(ld_stream4(w_scale + row0 + i / kM)) : 0.0f;
+  }
 
-  // Slabs are requested in order by a cursor: slab kb of the block's tile n into the next ring slot;
-  // thread t copies chunk t % 128 of rows t / 128, + 2, + 4, + 6 of the tile (a warp: 512
-  // contiguous bytes of a row), threads 0..7 also the tile's row scales with its first slab.
+  // Slabs are requested in order by a cursor (no division in the loop): slab q (tile q / k_lines,
+  // columns 2048 (q % k_lines) ..) into ring slot q % kStages; thread t copies chunk t % 128 of
+  // rows t / 128, + 2, + 4, + 6 of the tile (a warp: 512 contiguous bytes of a row).
   const int c = t % 128, r0 = t / 128;
   const int dst_off = r0 * kGemvLine + 16 * (c ^ ((r0 & 1) << 2));  // rows r0 + 2 j: + 2 j lines
   const int64_t row_step = 2 * static_cast<int64_t>(n_in);
-  const uint8_t* i_tile = w;  // row r0 of the tile being requested, at column 16 c
-  int i_n = 0, i_kb = 0, i_slot = 0, i_rows = 0, i_call = 0;
-  bool i_live = false, prefetched = false;
-  auto issue_next = [&](bool in_loop) {
-    if (i_kb == 0) {  // a tile's first slab: its id (a claim stored a barrier ago)
-      const int id = tiles.id(i_n);
-      i_live = id < n_tiles;
-      if (i_live) {
-        i_rows = min(kW8a8SlabRows, n_out - id * kW8a8SlabRows);
-        i_tile = w + (static_cast<int64_t>(id) * kW8a8SlabRows + r0) * n_in + 16 * c;
-        if (t < kW8a8SlabRows)
-          cp_async4(row_scale + (i_n % StreamTiles::kIds) * kW8a8SlabRows + t,
-                    w_scale + (t < i_rows ? id * kW8a8SlabRows + t : 0), t < i_rows);
-      }
-    }
-    if (i_call >= kStreamPreWait<kStages>) tiles.on_issue(i_call, in_loop);
-    if (i_live) {
+  const uint8_t* i_tile = w + (row0 + r0) * n_in + 16 * c;  // row r0 of the tile being requested
+  int i_q = 0, i_kb = 0, i_row = r0, i_slot = 0;
+  auto issue_next = [&]() {
+    if (i_q < n_slabs) {
       uint8_t* dst = ring + i_slot * kW8a8SlabBytes + dst_off;
       const uint8_t* src = i_tile + i_kb * kGemvLine;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const bool live = r0 + 2 * j < i_rows;
+        const bool live = i_row + 2 * j < rows;
         cp_async16(dst + 2 * j * kGemvLine, live ? src : w, live);
         src += row_step;
       }
-    } else if (!prefetched) {
+    } else if (i_q == n_slabs) {
       stream_prefetch_next(pf);
-      prefetched = true;
     }
     cp_async_commit();
-    ++i_call;
+    ++i_q;
     i_slot = i_slot + 1 == kStages ? 0 : i_slot + 1;
-    if (i_live && ++i_kb == k_lines) i_kb = 0, ++i_n;
+    if (++i_kb == k_lines) i_kb = 0, i_tile += kW8a8SlabRows * static_cast<int64_t>(n_in), i_row += kW8a8SlabRows;
   };
 #pragma unroll
-  for (int q = 0; q < kPreWait; ++q) issue_next(false);
+  for (int q = 0; q < kPreWait; ++q) issue_next();
   pdl_wait();
   trace.mark(1);
   stream_gemv_input<kM, kSwiGLU, kNormIn>(xs, scratch, k_lines, x, x_stride, res_in, add, norm_w, res_out, eps,
                                           [&] {
 #pragma unroll
-                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next(false);
+                                            for (int q = kPreWait; q < kStages - 1; ++q) issue_next();
                                           });
 
   // Per-token scale (the largest |a| over the block's threads, each holding 8 columns a line)
@@ -196,29 +184,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     b_off[i] = 16 * ch;
   }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // row g's sums for token tq (lanes tq < kM), per mma
-  // Tile n's sums, once its part[n % 2] is written and a barrier passed: thread r kM + m adds row r's
-  // per-warp sums for token m in warp order.
-  auto finish_tile = [&](int n) {
-    const int id = tiles.id(n);
-    if (t >= kW8a8SlabRows * kM) return;
-    const int r = t / kM, m = t % kM, row = id * kW8a8SlabRows + r;
-    if (row >= n_out) return;
-    const float* p = part + ((n % 2) * kW8a8SlabRows * kM + t) * kGemvWarps;
-    float sum = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kGemvWarps; ++v) sum += p[v];
-    const float ws = row_scale[(n % StreamTiles::kIds) * kW8a8SlabRows + r];
-    y[static_cast<int64_t>(m) * n_out + row] = __float2bfloat16_rn(sum * x_scale[m] * ws);
-  };
-  tiles.flush();
-  int c_n = 0, c_kb = 0, c_slot = 0;  // the slab computed: its block tile, column line, slot
-  int done_n = -1;                    // a tile whose sums are written, not yet added
-  for (int q = 0; tiles.id(c_n) < n_tiles; ++q) {
+  int c_kb = 0, c_row = 0, c_slot = 0;     // the slab computed: its column line, tile row, slot
+  for (int q = 0; q < n_slabs; ++q) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // slab q landed for every thread; slab q - 1's slot is free
     if (q == 0) trace.mark(3);
-    if (done_n >= 0) finish_tile(done_n), done_n = -1;
-    issue_next(true);
+    issue_next();
     const uint8_t* slab = ring + c_slot * kW8a8SlabBytes;
     const uint8_t* xb = xrow + c_kb * kGemvLine;
 #pragma unroll
@@ -233,19 +204,26 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
     }
     c_slot = c_slot + 1 == kStages ? 0 : c_slot + 1;
     if (++c_kb == k_lines) {
-      if (tq < kM)
-        part[(((c_n % 2) * kW8a8SlabRows + g) * kM + tq) * kGemvWarps + warp] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      const int row = c_row + g;
+      if (tq < kM && row < rows) part[(row * kM + tq) * kGemvWarps + warp] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
       acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-      done_n = c_n;
       c_kb = 0;
-      ++c_n;
+      c_row += kW8a8SlabRows;
     }
   }
   trace.mark(4);
   cp_async_wait<0>();
   __syncthreads();
-  if (done_n >= 0) finish_tile(done_n);
-  tiles.finish();
+#pragma unroll
+  for (int j = 0; j < kM; ++j) {
+    const int i = t + j * kGemvThreads;
+    if (i >= rows * kM) break;
+    const int r = i / kM, m = i % kM;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kGemvWarps; ++v) sum += part[i * kGemvWarps + v];
+    y[static_cast<int64_t>(m) * n_out + row0 + r] = __float2bfloat16_rn(sum * x_scale[m] * out_scale[j]);
+  }
   trace.finish(n_out, k_lines);
 }
 
