@@ -9,6 +9,8 @@
 # 4-bit group 128) and/or bf16 (configs/llama-3.1-8b); BATCHES: 1 and/or 2 (--parallel).
 # Carry: devbin (the binaries plain or .xz, kestrel_tests, the .so files; data/hf-tiny/<llama-gptq-tiny,
 # llama-gptq-actorder-tiny, llama-awq-tiny> for the GPTQ / AWQ tests, data/stories260K).
+# BINS entries: a binary, or binary@flag@value... for extra kestrel flags (e.g.
+# kestrel@--cuda-stream-tile-claims@off).
 # usage: BINS="kestrel_before kestrel" FORMATS="fp8 int4" scripts/device/gpu_compare_streamed.sh
 set -uo pipefail
 source scripts/device/device_env.sh
@@ -22,7 +24,7 @@ timeout 240 $BIN/kestrel_tests --gtest_filter="$TEST_FILTER" --gtest_brief=1 2>&
 note "op tests: $(grep -E '^\[  (PASSED|FAILED) ' /tmp/kestrel/tests.txt | tr '\n' ' ')"
 note "$(python3 scripts/device/pdl_audit.py $BIN/kestrel 2>&1 | tail -2 | tr '\n' ' ')"
 for b in $BIN/kestrel_cuda_bench_trace*; do
-  [ -x "$b" ] || continue
+  [[ -x "$b" && $b != *.xz ]] || continue
   echo "== $(basename $b) streamtrace"
   timeout 120 "$b" streamtrace 2>&1 | tee "$OUT/streamtrace_$(basename $b).txt"
 done
@@ -38,11 +40,15 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       int4) model=(-m scripts/device/configs/llama-3.1-8b-gptq) ;;
       bf16) model=(-m scripts/device/configs/llama-3.1-8b) ;;
     esac
-    for bin in $BINS; do
+    for cfg in $BINS; do
+      bin=${cfg%%@*}
+      flags=""
+      [[ $cfg == *@* ]] && flags=$(echo "${cfg#*@}" | tr '@' ' ')
       for batch in ${BATCHES:-1 2}; do
+        # shellcheck disable=SC2086
         timeout 150 $BIN/$bin bench "${model[@]}" --load-format dummy --device cuda --parallel $batch -p 128 -n 256 \
-          -r 1 2>&1 | tail -1 > /tmp/kestrel/b.txt
-        note "$fmt batch-$batch $bin (round $round): $(cat /tmp/kestrel/b.txt)"
+          -r 1 $flags 2>&1 | tail -1 > /tmp/kestrel/b.txt
+        note "$fmt batch-$batch $cfg (round $round): $(cat /tmp/kestrel/b.txt)"
       done
     done
   done
