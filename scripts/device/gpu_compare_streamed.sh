@@ -10,7 +10,7 @@
 # Carry: devbin (the binaries plain or .xz, kestrel_tests, the .so files; data/hf-tiny/<llama-gptq-tiny,
 # llama-gptq-actorder-tiny, llama-awq-tiny> for the GPTQ / AWQ tests, data/stories260K).
 # BINS entries: a binary, or binary@flag@value... for extra kestrel flags (e.g.
-# kestrel@--cuda-stream-tile-claims@off).
+# kestrel@--cuda-stream-prefetch-kb@0).
 # usage: BINS="kestrel_before kestrel" FORMATS="fp8 int4" scripts/device/gpu_compare_streamed.sh
 set -uo pipefail
 source scripts/device/device_env.sh
