@@ -1,10 +1,10 @@
-// `kestrel_cuda_bench fp8scalar`: cuBLASLt's FP8 E4M3 GEMM without scales at 16-128 tokens in the
+// `kestrel_cuda_bench fp8scalar`: cuBLASLt's FP8 E4M3 GEMM without scales at 16-2048 tokens in the
 // Llama-3.1-8B projection shapes, each of the heuristic's candidates (up to 16) and their split-K
 // variants timed (first = the heuristic's choice, best = the fastest, bf16 and f32 output), beside
-// Gemm::run_fp8 itself (which at these sizes is the heuristic's first choice plus
-// scale_fp8_product). run_fp8 computes unscaled up to kFp8UnscaledMaxTokens because cuBLASLt's one
-// algorithm for outer-vector scales was slower here (docs/performance.md); this rechecks the
-// candidates on another cuBLAS. Weights rotate over copies of at least 400 MB; GB/s counts W, x
+// Gemm::run_fp8 itself (up to kFp8UnscaledMaxTokens the heuristic's first choice plus
+// scale_fp8_product, above it cuBLASLt's outer-vector scales). run_fp8 computes unscaled up to
+// kFp8UnscaledMaxTokens because cuBLASLt's one algorithm for outer-vector scales was slower there
+// (docs/performance.md); the larger sizes (mixed prefill and decode steps) check where that holds. Weights rotate over copies of at least 400 MB; GB/s counts W, x
 // and a bf16 y.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -43,7 +43,7 @@ void bench_fp8_scalar() {
     }
     Buf w_scale(static_cast<size_t>(sh.out) * 4);
     fill(w_scale, std::vector<float>(static_cast<size_t>(sh.out), 1e-3f));
-    for (const int64_t m : {16, 32, 64, 128}) {
+    for (const int64_t m : {16, 32, 64, 128, 256, 512, 1024, 2048}) {
       Buf xq(static_cast<size_t>(m * sh.in)), xs(static_cast<size_t>(m) * 4), y(static_cast<size_t>(m * sh.out) * 4);
       fill_bf16(xq);
       fill(xs, std::vector<float>(static_cast<size_t>(m), 1e-2f));

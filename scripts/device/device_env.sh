@@ -15,7 +15,7 @@ cublas_dir=$(python3 -c 'import nvidia.cublas as m; print(list(m.__path__)[0] + 
 export LD_LIBRARY_PATH="$BIN:/usr/local/cuda/lib64:${cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
 chmod +x $BIN/kestrel $BIN/kestrel_tests $BIN/kestrel_cuda_bench $BIN/kestrel_grammar_bench 2>/dev/null
-K="$BIN/kestrel"
+K="$BIN/${KBIN:-kestrel}"  # KBIN: another carried binary (e.g. kestrel_before)
 # The op tests that need stories260K find the carried copy here.
 if [ -f $BIN/stories260K.gguf ]; then
   mkdir -p /tmp/kestrel/data/stories260K && ln -sf $BIN/stories260K.gguf /tmp/kestrel/data/stories260K/

@@ -30,7 +30,8 @@ PY
 echo "== kestrel batch: $N x (1000 in, 1000 out)"
 timeout "${BATCH_TIMEOUT:-540}" "$K" batch -m "$M8" "${LOAD[@]}" --device cuda -i /tmp/kestrel/offline.jsonl -o /tmp/kestrel/offline_out.jsonl \
   --stats-json /tmp/kestrel/offline_stats.json --max-num-seqs "${MAX_SEQS:-512}" --max-num-batched-tokens 8192 \
-  --max-model-len 2048 ${KESTREL_FLAGS:-} 2>&1 | tail -12
+  --max-model-len 2048 ${KESTREL_FLAGS:-} > "$OUT/offline_log.txt" 2>&1
+tail -12 "$OUT/offline_log.txt"
 python3 - <<'PY' | tee -a "$SUMMARY"
 import json
 s = json.load(open("/tmp/kestrel/offline_stats.json"))

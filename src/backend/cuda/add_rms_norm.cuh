@@ -5,6 +5,7 @@
 
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/fp8.cuh"
+#include "backend/cuda/row_chunks.h"
 
 namespace kestrel::cuda {
 
@@ -63,7 +64,7 @@ __global__ void add_rms_norm_vec_kernel(float* __restrict__ residual, const __nv
 // scale_fp8_product does: bf16(add[r, c] * (add_x_scale[r] * add_w_scale[c])). The row's
 // add_x_scale is read before its q_scale is written, so the two may be one array.
 template <int kChunks>
-__global__ void add_rms_norm_fp8_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
+__global__ void __launch_bounds__(kRowChunksMaxThreads) add_rms_norm_fp8_kernel(float* __restrict__ residual, const __nv_bfloat16* __restrict__ add,
                                         const float* add_x_scale, const float* __restrict__ add_w_scale,
                                         const __nv_bfloat16* __restrict__ weight, uint8_t* __restrict__ q,
                                         float* q_scale, int64_t dim, float eps) {

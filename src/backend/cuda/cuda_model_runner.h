@@ -275,7 +275,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // unscaled (fp8_pending_).
   bf16* act(Act a);
   bf16* act_buffer(Act a) const;  // the buffer as it is
-  // An unscaled W8A8 product (Gemm::run_fp8_unscaled, at most kFp8UnscaledMaxTokens rows) left in
+  // An unscaled W8A8 product (Gemm::run_fp8_unscaled where fp8_unscaled_deferred holds) left in
   // `act` for the op that reads it next to scale on the way in (add_rms_norm_fp8 for the o and down
   // projections, silu_mul_fp8 for gate|up): the scales it needs, x_scale pointing into
   // fp8_x_scale_. Any other reader, and any quantization that would overwrite x_scale, scales it
@@ -295,7 +295,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // skinny kernel): its input is quantized per token into fp8_x_ first.
   bool fp8_gemm_path(const DeviceWeight& W, int64_t n) const;
   // The W8A8 GEMM of W over fp8_x_ / fp8_x_scale_ (quantized already) into y, the buffer of `out`
-  // (or scratch: Act::None): unscaled and pending where fp8_unscaled holds and `out` is read next by
+  // (or scratch: Act::None): unscaled and pending where fp8_unscaled_deferred holds and `out` is read next by
   // an op that can scale it (AttnOut, GateUp, Down; no bias), else scaled.
   void gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act out);
   // The pass being enqueued: its arrays and shape, its attention parameters, the residual buffer

@@ -42,13 +42,11 @@ __global__ void __launch_bounds__(kQuantThreads)
   const float s = amax > 0.0f ? amax / kFp8E4m3Max : 1.0f;
   if (threadIdx.x == 0) scale[row] = s;
   uint8_t* qr = q + row * cols;
+  const E4m3Divisor div(s);
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * 8; c < cols; c += kQuantThreads * 8) {
     float f[8];
     unpack_bf16x8(ld_dependent16(xr + c), f);
-    uint32_t w[2] = {0, 0};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) w[e / 4] |= static_cast<uint32_t>(float_to_e4m3(f[e] / s)) << (8 * (e % 4));
-    *reinterpret_cast<uint2*>(qr + c) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2*>(qr + c) = div.codes8(f);
   }
 }
 

@@ -22,6 +22,16 @@ constexpr int64_t kFp8UnscaledMaxTokens = 128;
 inline bool fp8_unscaled(int64_t n_tokens, int64_t n_out) {
   return n_tokens <= kFp8UnscaledMaxTokens && n_out % 8 == 0;
 }
+// The W8A8 products left unscaled for a consumer that scales them on the way in
+// (CudaModelRunner::gemm_fp8): at any size, but products over more than kFp8DeepInput inputs above
+// kFp8DeepUnscaledMaxTokens tokens. Measured on an H100 (kestrel_cuda_bench fp8scalar, Llama-3.1-8B
+// shapes): cuBLASLt's GEMM without scales beat its outer-vector-scale one by 6-21% for o (4096 ->
+// 4096) and gate|up (4096 -> 28672) at 256-2048 tokens, and for down (14336 -> 4096) up to 512
+// tokens, but lost 3% to it at 1024 and 2048.
+constexpr int64_t kFp8DeepInput = 8192, kFp8DeepUnscaledMaxTokens = 512;
+inline bool fp8_unscaled_deferred(int64_t n_tokens, int64_t n_in, int64_t n_out) {
+  return n_out % 8 == 0 && (n_in <= kFp8DeepInput || n_tokens <= kFp8DeepUnscaledMaxTokens);
+}
 
 // Owns one cuBLASLt handle and its workspace (on the device current at construction) and caches,
 // per (n_tokens, n_in, n_out, output type), the descriptors and the algorithm cuBLASLt's heuristic
@@ -54,10 +64,10 @@ class Gemm {
   void run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, const float* w_scale, bf16* y,
                int64_t n_tokens, int64_t n_in, int64_t n_out, cudaStream_t stream);
 
-  // run_fp8's first half where fp8_unscaled(n_tokens, n_out) holds: y [n_tokens, n_out] bf16 =
-  // sum_k e4m3(xq[t, k]) * e4m3(wq[o, k]), unscaled, for a consumer that applies x_scale[t] *
-  // w_scale[o] as scale_fp8_product would (add_rms_norm_fp8, silu_mul_fp8). Operands and errors as
-  // run_fp8's (no scales), and kestrel::Error where fp8_unscaled does not hold.
+  // The codes' product alone: y [n_tokens, n_out] bf16 = sum_k e4m3(xq[t, k]) * e4m3(wq[o, k]),
+  // for run_fp8 (then scale_fp8_product) or a consumer that applies x_scale[t] * w_scale[o] as
+  // scale_fp8_product would (add_rms_norm_fp8, silu_mul_fp8; fp8_unscaled_deferred). Operands and
+  // errors as run_fp8's (no scales), and kestrel::Error unless n_out % 8 == 0.
   void run_fp8_unscaled(const uint8_t* xq, const uint8_t* wq, bf16* y, int64_t n_tokens, int64_t n_in, int64_t n_out,
                         cudaStream_t stream);
 

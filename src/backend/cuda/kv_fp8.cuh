@@ -47,7 +47,7 @@ __device__ __forceinline__ void warp_quantize_row_e4m3(const float (&v)[kPer], i
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane + i * kWarpSize;
-    if (e < n) codes[e] = float_to_e4m3(v[i] / s);
+    if (e < n) codes[e] = static_cast<uint8_t>(f32x2_to_e4m3x2(v[i] / s, 0.0f) & 0xFFu);
   }
   if (lane == 0) *scale = s;
 }

@@ -10,6 +10,10 @@
 
 namespace kestrel::cuda {
 
+// The largest block row_chunks gives: the kernels' __launch_bounds__, so that ptxas keeps a
+// thread's registers within what 512 threads may hold (at 8 chunks the row alone is 64 of them).
+constexpr int kRowChunksMaxThreads = 512;
+
 struct RowChunks {
   int chunks;       // per thread
   int64_t threads;  // whole warps

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/fp8.cuh"
+#include "backend/cuda/row_chunks.h"
 
 namespace kestrel::cuda {
 
@@ -55,7 +56,7 @@ __global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ gate_up, __nv_
 // The row's gu_x_scale is read before its q_scale is written, so the two may be one array.
 // grid (n_tokens); block: whole warps with blockDim.x * kChunks * 8 >= n_ff; n_ff % 8 == 0.
 template <int kChunks>
-__global__ void silu_mul_fp8_kernel(const __nv_bfloat16* __restrict__ gate_up, const float* gu_x_scale,
+__global__ void __launch_bounds__(kRowChunksMaxThreads) silu_mul_fp8_kernel(const __nv_bfloat16* __restrict__ gate_up, const float* gu_x_scale,
                                     const float* __restrict__ gu_w_scale, uint8_t* __restrict__ q, float* q_scale,
                                     int64_t n_ff) {
   KESTREL_PDL_ENTRY();

@@ -152,18 +152,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1)
       for (int i = 0; i < kGemvWarps; ++i) a = fmaxf(a, scratch[i * kM + m]);
       const float s = a > 0.0f ? a / kFp8E4m3Max : 1.0f;
       if (t == 0) x_scale[m] = s;
-      // f / s, each code as quantize_rows_fp8 makes it (quotient_by_reciprocal).
-      const float rs = 1.0f / s;
-      const bool by_reciprocal = s >= kQuotientByReciprocalMinScale;
-      auto quotient = [&](float f) { return by_reciprocal ? quotient_by_reciprocal(f, s, rs) : f / s; };
+      // f / s, each code as quantize_rows_fp8 makes it.
+      const E4m3Divisor div(s);
       for (int kb = 0; kb < k_lines; ++kb) {
         float f[8];
         unpack_bf16x8(*reinterpret_cast<const uint4*>(xh + m * n_in + kb * kGemvLine + 8 * t), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = quotient(f[e]);
-        const uint32_t lo = f32x2_to_e4m3x2(f[0], f[1]) | (f32x2_to_e4m3x2(f[2], f[3]) << 16);
-        const uint32_t hi = f32x2_to_e4m3x2(f[4], f[5]) | (f32x2_to_e4m3x2(f[6], f[7]) << 16);
-        *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = make_uint2(lo, hi);
+        *reinterpret_cast<uint2*>(xq + m * n_in + kb * kGemvLine + 8 * t) = div.codes8(f);
       }
     }
   }
