@@ -624,6 +624,9 @@ int main(int argc, char** argv) {
         bench_attention("decode 1 x ctx 32768, 32/8, d128" + kv, 32, 8, 128, 16, {{32768, 1}}, 0, fp8);
         s.assign(64, {2048, 1});
         bench_attention("decode 64 x ctx 2048, 9/3, d64" + kv, 9, 3, 64, 16, s, 0, fp8);
+        // The prompt passes of the offline batch (1,000-token prompts, 8,192 tokens a pass).
+        s.assign(8, {1000, 1000});
+        bench_attention("prefill 8 x 1000, 32/8, d128" + kv, 32, 8, 128, 16, s, 0, fp8);
       }
       s.assign(63, {2048, 1});
       s.push_back({4096, 512});
