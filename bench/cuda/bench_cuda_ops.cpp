@@ -5,7 +5,6 @@
 // TFLOP/s bf16 GEMM, docs/performance.md). Random data, never zeros.
 // Usage: kestrel_cuda_bench [--attn-decode-stages=0|2|3] [--attn-fp8-decode-stages=0|2|3]
 //        [--attn-fp8-decode-key-tile=0|64|128] [--attn-items-per-block=K] [--attn-min-split-tiles=T]
-//        [--attn-prefill-warps=0|4|8]
 //        [--pdl=on|off] [filter-substring]
 // (--attn-fp8-decode-*: the rows with an FP8 cache.)
 // The options set the AttentionParams / launch choices the CLI's --cuda-* flags set in kestrel.
@@ -41,7 +40,6 @@ using namespace kestrel::bench;  // NOLINT: the helpers of bench_util.h
 std::string g_filter;
 int32_t g_attn_fp8_decode_key_tile = 0;
 int32_t g_attn_decode_stages = 0, g_attn_fp8_decode_stages = 0, g_attn_items_per_block = 0, g_attn_min_split_tiles = 0;
-int32_t g_attn_prefill_warps = 0;
 
 bool wanted(const std::string& name) { return g_filter.empty() || name.find(g_filter) != std::string::npos; }
 
@@ -122,7 +120,6 @@ void bench_attention(const std::string& name, int n_head, int n_head_kv, int d, 
   p.decode_stages = fp8 ? g_attn_fp8_decode_stages : g_attn_decode_stages;
   p.fp8_decode_key_tile = g_attn_fp8_decode_key_tile;
   p.split_items_per_block = g_attn_items_per_block;
-  p.prefill_warps = g_attn_prefill_warps;
   p.split_min_tiles = g_attn_min_split_tiles;
   p.n_head = n_head;
   p.n_head_kv = n_head_kv;
@@ -572,7 +569,6 @@ int main(int argc, char** argv) {
         value("--attn-fp8-decode-stages", 0, 3, g_attn_fp8_decode_stages) ||
         value("--attn-fp8-decode-key-tile", 0, 128, g_attn_fp8_decode_key_tile) ||
         value("--attn-items-per-block", 0, 64, g_attn_items_per_block) ||
-        value("--attn-prefill-warps", 0, 8, g_attn_prefill_warps) ||
         value("--attn-min-split-tiles", 0, 4096, g_attn_min_split_tiles))
       continue;
     if (a == "--pdl=on" || a == "--pdl=off") {

@@ -43,7 +43,6 @@ struct CudaTuning {
   int attn_decode_stages = 0;        // decode attention K/V stages: 0 = by batch, else 2 or 3
   int attn_fp8_decode_key_tile = 0;  // keys a stage of FP8-cache decode attention: 0 = by stages, else 64 or 128
   int64_t attn_items_per_block = 0;  // decode attention splits: 0 = the measured rule, else k
-  int attn_prefill_warps = 0;        // prefill attention block: 0 or 4 warps (64 query rows), 8 (128; d64, d128)
   int64_t attn_min_split_tiles = 0;  // KV tiles per split at least: 0 = the measured rule
   bool profile_ops = false;          // time every op (eager: no graphs), print per-op totals and tuning picks
   // GGUF quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) kept in their blocks on the

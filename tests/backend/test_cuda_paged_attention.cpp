@@ -51,7 +51,6 @@ struct AttnCase {
   // kDecodeRowsMaxQuery) each row bit for bit equal to a one-token call of the same sequences at
   // its position; both within the reference's tolerance.
   bool uniform = false;
-  int32_t prefill_warps = 0;  // AttentionParams::prefill_warps
 };
 
 void run_case(const AttnCase& c, std::mt19937& rng) {
@@ -135,7 +134,6 @@ void run_case(const AttnCase& c, std::mt19937& rng) {
   p.max_query_len = c.pass_max_query_len ? max_q : 0;
   p.decode_stages = c.decode_stages;
   p.fp8_decode_key_tile = c.fp8_key_tile;
-  p.prefill_warps = c.prefill_warps;
   p.window = c.window;
   const size_t ws_bytes = cuda::attention_workspace_bytes(p);
   DeviceBuffer<unsigned char> d_ws(ws_bytes);
@@ -412,33 +410,6 @@ TEST(CudaPagedAttention, EachDecodeStageCountMatchesFloat64Reference) {
     };
     for (const auto& c : cases) run_case(c, rng);
   }
-}
-
-// The prefill kernel with blocks of 4 and 8 warps (64 and 128 query rows; 8 at head dims 64 and
-// 128, the others keep 4), bf16 and FP8 caches: prompts in one chunk and over cached prefixes, GQA
-// groups that fill a block with one token's heads (72) or pack several tokens, MHA, block size 7,
-// a sliding window.
-TEST(CudaPagedAttention, EachPrefillBlockSizeMatchesFloat64Reference) {
-  KESTREL_REQUIRE_CUDA();
-  std::mt19937 rng(41);
-  for (const int32_t warps : {4, 8})
-    for (const bool fp8 : {false, true}) {
-      SCOPED_TRACE("prefill_warps " + std::to_string(warps) + (fp8 ? ", fp8 cache" : ", bf16 cache"));
-      std::vector<AttnCase> cases = {
-          {"d128 group 4, prompt 150, chunk 45 over 255, decode", 32, 8, 128, 16, {{150, 150}, {300, 45}, {64, 1}},
-           3.0f, true},
-          {"d64 group 3, block size 7, chunks", 9, 3, 64, 7, {{37, 37}, {100, 1}, {70, 13}, {129, 129}}, 1.0f, true},
-          {"MHA d128, prompt 130", 4, 4, 128, 16, {{130, 130}, {5, 3}}, 2.0f, false},
-          {"group 72 d64: one token's heads a block", 72, 1, 64, 16, {{20, 3}, {33, 1}}, 1.0f, true},
-          {"d96 keeps 4 warps", 8, 2, 96, 16, {{70, 70}, {300, 1}}, 1.0f, true},
-          {"d64 window 70, prompt 200", 8, 2, 64, 16, {{200, 200}, {90, 1}}, 2.0f, true, 0, 0, 70},
-      };
-      for (AttnCase& c : cases) {
-        c.prefill_warps = warps;
-        c.fp8 = fp8;
-        run_case(c, rng);
-      }
-    }
 }
 
 // The decode kernel's FP8 fragment path (head dims 64 and 128: codes straight into f16 mma
@@ -767,11 +738,6 @@ TEST(CudaPagedAttention, RejectsUnsupportedShapes) {
   p.head_dim = 64;
   p.n_head_kv = 3;
   EXPECT_THROW(cuda::attention_workspace_bytes(p), Error);
-  p.n_head_kv = 2;
-  for (int32_t warps : {-4, 2, 6, 16}) {
-    p.prefill_warps = warps;
-    EXPECT_THROW(cuda::attention_workspace_bytes(p), Error) << warps;
-  }
 }
 
 }  // namespace

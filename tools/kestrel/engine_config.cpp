@@ -84,11 +84,6 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->check(CLI::IsMember({0, 64, 128}))
       ->capture_default_str()
       ->group(group);
-  app.add_option("--cuda-attn-prefill-warps", t.attn_prefill_warps,
-                 "CUDA: warps of a prefill attention block, 16 query rows each (8: head dims 64 and 128); 0 = 4")
-      ->check(CLI::IsMember({0, 4, 8}))
-      ->capture_default_str()
-      ->group(group);
   app.add_option("--cuda-attn-items-per-block", t.attn_items_per_block,
                  "CUDA: split-KV decode, k in ceil(k x resident blocks / items) splits; 0 = the measured rule")
       ->check(CLI::Range(int64_t{0}, int64_t{64}))

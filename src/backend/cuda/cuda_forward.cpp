@@ -51,7 +51,6 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.fp8_decode_key_tile = attn_fp8_decode_key_tile_;
   ap.decode_rows = verify_decode_rows_;
   ap.split_items_per_block = attn_items_per_block_;
-  ap.prefill_warps = attn_prefill_warps_;
   ap.split_min_tiles = attn_min_split_tiles_;
   return ap;
 }

@@ -118,7 +118,6 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   attn_decode_stages_ = t.attn_decode_stages;
   attn_fp8_decode_key_tile_ = t.attn_fp8_decode_key_tile;
   attn_items_per_block_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_items_per_block, 0, 1 << 20));
-  attn_prefill_warps_ = t.attn_prefill_warps;
   attn_min_split_tiles_ = static_cast<int32_t>(std::clamp<int64_t>(t.attn_min_split_tiles, 0, 1 << 20));
   cuda::set_pdl_enabled(t.pdl);
   if (t.profile_ops) {

@@ -461,7 +461,6 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // AttentionParams::decode_stages, split_items_per_block, split_min_tiles (CudaTuning).
   int32_t attn_decode_stages_ = 0, attn_items_per_block_ = 0, attn_min_split_tiles_ = 0;
   int32_t attn_fp8_decode_key_tile_ = 0;  // AttentionParams::fp8_decode_key_tile
-  int32_t attn_prefill_warps_ = 0;        // AttentionParams::prefill_warps
   void tune_gemms(int64_t n);
   std::unique_ptr<cuda::OpProfiler> prof_;  // CudaTuning::profile_ops (op_profiler.h)
   void mark(const char* op) {

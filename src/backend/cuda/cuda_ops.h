@@ -163,9 +163,6 @@ struct AttentionParams {
   int32_t fp8_decode_key_tile = 0;  // keys of a K/V stage of the FP8 decode kernel at head_dim 64
                                     // and 128: 64 or 128; 0 = 64 with two stages, 128 with three
                                     // (paged_attention.cu)
-  // Warps of a prefill block of the tensor-core kernels: 4 (64 query rows), or 8 (128 rows; head
-  // dims 64 and 128, the others take 4); 0 = 4. Errors: kestrel::Error for any other value.
-  int32_t prefill_warps = 0;
   int32_t split_items_per_block = 0;  // split-KV decode: 0 = the measured rule (paged_attention.cu),
   int32_t split_min_tiles = 0;        // else ceil(k x resident blocks / items) splits of >= t tiles
   // An FP8 cache (Fp8KvCache, kv_fp8.cuh): k_cache / v_cache hold E4M3 codes and these their

@@ -207,7 +207,6 @@ int32_t decode_stages(const AttentionParams& p, int64_t items) {
 struct Plan {
   bool mma = true;  // tensor-core kernels (else the SIMT kernel)
   int32_t group = 1;
-  int32_t prefill_warps = 4;  // warps of a tensor-core prefill block (16 query rows each)
   int32_t prefill_heads = 1, prefill_head_chunks = 1, tokens_per_tile = 1;
   int32_t decode_heads = 1, decode_head_chunks = 1;
   int64_t max_tiles = 0;     // bound on the prefill tile list's length
@@ -230,14 +229,9 @@ Plan make_plan(const AttentionParams& p) {
     throw Error("paged_attention: n_head " + std::to_string(p.n_head) + " is not a multiple of n_head_kv " +
                 std::to_string(p.n_head_kv));
   if (p.block_size <= 0) throw Error("paged_attention: block_size must be positive");
-  if (p.prefill_warps != 0 && p.prefill_warps != 4 && p.prefill_warps != 8)
-    throw Error("paged_attention: prefill_warps " + std::to_string(p.prefill_warps) + " (0, 4 or 8)");
   Plan plan;
   plan.mma = MmaHeadDims::contains(p.head_dim);
-  bool wide = false;  // the head dims with 8-warp prefill blocks (kPrefillWideBlocks)
-  MmaHeadDims::dispatch(p.head_dim, [&]<int D>() { wide = kPrefillWideBlocks<D>; });
-  plan.prefill_warps = p.prefill_warps == 8 && wide ? 8 : 4;
-  const int32_t prefill_rows = plan.mma ? 16 * plan.prefill_warps : kSimtRows;
+  const int32_t prefill_rows = plan.mma ? kPrefillRows : kSimtRows;
   plan.group = p.n_head / p.n_head_kv;
   plan.prefill_heads = std::min(plan.group, prefill_rows);
   plan.prefill_head_chunks = static_cast<int32_t>(ceil_div(plan.group, plan.prefill_heads));
@@ -288,9 +282,8 @@ Plan make_plan(const AttentionParams& p) {
 // and the split-KV reduction (when the decode kernel splits). The tensor-core and the
 // SIMT kernel families differ only in the kernels and their shared memory.
 void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base,
-                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, int prefill_threads,
-                    void (*decode)(AttnKernelArgs), size_t decode_smem, void (*reduce)(AttnKernelArgs),
-                    cudaStream_t stream) {
+                    void (*prefill)(AttnKernelArgs), size_t prefill_smem, void (*decode)(AttnKernelArgs),
+                    size_t decode_smem, void (*reduce)(AttnKernelArgs), cudaStream_t stream) {
   // Uniform runs on the decode kernels (plan.decode_rows): no prefill launch.
   const bool any_prefill = plan.decode_rows == 0 && (p.max_query_len <= 0 || p.max_query_len > 1);
   // Other uniform runs of 2+ query tokens: the prefill tiles follow from the block index, and no
@@ -312,7 +305,7 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
     }
     set_max_dynamic_smem(prefill, prefill_smem);
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(p.n_head_kv * plan.prefill_head_chunks));
-    KESTREL_LAUNCH(prefill, grid, dim3(static_cast<unsigned>(prefill_threads)), prefill_smem, stream, a);
+    KESTREL_LAUNCH(prefill, grid, dim3(kAttnThreads), prefill_smem, stream, a);
     KESTREL_CUDA_CHECK_LAUNCH();
   }
   if (uniform_prefill) return;
@@ -335,15 +328,8 @@ void launch_kernels(const AttentionParams& p, const Plan& plan, const AttnKernel
 template <int D, bool kFp8>
 void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   with_decode_kernel<D, kFp8>(plan.decode_stages, plan.fp8_tile, [&](void (*decode)(AttnKernelArgs), size_t decode_smem) {
-    if constexpr (kPrefillWideBlocks<D>) {
-      if (plan.prefill_warps == 8) {
-        launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8, 8>, attn_prefill_smem_bytes<D, kFp8, 8>(),
-                       8 * kWarpSize, decode, decode_smem, &attention_reduce_kernel<D>, stream);
-        return;
-      }
-    }
-    launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(), kAttnThreads,
-                   decode, decode_smem, &attention_reduce_kernel<D>, stream);
+    launch_kernels(p, plan, base, &attention_prefill_kernel<D, kFp8>, attn_prefill_smem_bytes<D, kFp8>(), decode,
+                   decode_smem, &attention_reduce_kernel<D>, stream);
   });
 }
 
@@ -351,7 +337,7 @@ void launch_all(const AttentionParams& p, const Plan& plan, const AttnKernelArgs
 template <int kSlots, bool kFp8>
 void launch_simt(const AttentionParams& p, const Plan& plan, const AttnKernelArgs& base, cudaStream_t stream) {
   const size_t smem = attn_simt_smem_bytes(p.head_dim);
-  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false, kFp8>, smem, kAttnThreads,
+  launch_kernels(p, plan, base, &attention_simt_kernel<kSlots, false, kFp8>, smem,
                  &attention_simt_kernel<kSlots, true, kFp8>, smem, &attention_reduce_kernel<0>, stream);
 }
 

@@ -38,12 +38,7 @@ namespace kestrel::cuda {
 
 constexpr int kAttnThreads = 128;  // 4 warps
 constexpr int kKeyTile = 64;       // keys per shared-memory tile
-constexpr int kPrefillRows = 64;   // query rows per prefill block (16 per warp) with 4 warps
-// Warps of a prefill block: 4 (kAttnThreads), or 8 at head dims 64 and 128 (AttentionParams::
-// prefill_warps): 128 query rows a block, each K/V tile used by twice the rows and, at two blocks
-// an SM, twice the warps to hide a warp's mma, softmax and shared-memory latencies.
-template <int D>
-constexpr bool kPrefillWideBlocks = D == 64 || D == 128;
+constexpr int kPrefillRows = 64;   // query rows per prefill block (16 per warp)
 constexpr int kDecodeRows = 16;    // query heads per decode block
 
 // Keys per prefill tile: 32 above D = 128 halves the K/V buffers (D = 256: 97 KB of shared memory
@@ -75,7 +70,7 @@ struct AttnKernelArgs {
   int32_t group;                 // n_head / n_head_kv
   int32_t heads_per_tile;        // query heads of one group per block: min(group, rows per block)
   int32_t head_chunks;           // ceil(group / heads_per_tile): grid.y = n_head_kv * head_chunks
-  int32_t tokens_per_tile;       // prefill: the block's query rows (16 a warp) / heads_per_tile
+  int32_t tokens_per_tile;       // prefill: kPrefillRows / heads_per_tile
   float scale_log2;              // softmax scale * log2(e)
   const int2* tiles;             // prefill tile list: (sequence, first token), from the plan kernel
   const int32_t* n_tiles;        // its length
@@ -129,9 +124,9 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 // Bytes of dynamic shared memory of the prefill kernel: Q tile, two K tiles, two V tiles (kFp8:
 // one bf16 K tile and V tile, and two FP8 stages), per-row position and output offset.
-template <int D, bool kFp8 = false, int kWarps = kAttnThreads / kWarpSize>
+template <int D, bool kFp8 = false>
 constexpr size_t attn_prefill_smem_bytes() {
-  constexpr int rows = 16 * kWarps, keys = kPrefillKeyTile<D>;
+  constexpr int rows = kPrefillRows, keys = kPrefillKeyTile<D>;
   return static_cast<size_t>(rows) * kTileStride<D> * 2 +
          (kFp8 ? 2 : 4) * static_cast<size_t>(keys) * kTileStride<D> * 2 +
          (kFp8 ? 2 * static_cast<size_t>(kFp8StageBytes<D, keys>) : 0) + rows * (4 + 8);
@@ -192,16 +187,16 @@ __device__ __forceinline__ int2 block_of_key(const AttnKernelArgs& a, int key) {
   return make_int2(b, key - b * a.block_size);
 }
 
-template <int D, int kKeys = kKeyTile, int kThreads = kAttnThreads>
+template <int D, int kKeys = kKeyTile>
 __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* sv, const AttnKernelArgs& a,
                                              const int32_t* block_table, int kvh, int key0, int key_end,
                                              int key_lo = 0) {
   constexpr int kChunks = D / 8;
-  static_assert(kKeys * kChunks % kThreads == 0, "whole rounds of 16-byte chunks");
+  static_assert(kKeys * kChunks % kAttnThreads == 0, "whole rounds of 16-byte chunks");
   // A fixed trip count, so that the compiler can issue all the block-table reads before the copies.
 #pragma unroll 4
-  for (int k = 0; k < kKeys * kChunks / kThreads; ++k) {
-    const int i = static_cast<int>(threadIdx.x) + k * kThreads;
+  for (int k = 0; k < kKeys * kChunks / kAttnThreads; ++k) {
+    const int i = static_cast<int>(threadIdx.x) + k * kAttnThreads;
     const int r = i / kChunks, c = i % kChunks;
     const int key = key0 + r;
     const bool valid = key < key_end && key >= key_lo;
@@ -219,7 +214,7 @@ __device__ __forceinline__ void load_kv_tile(__nv_bfloat16* sk, __nv_bfloat16* s
 // load_kv_tile for an FP8 cache: the tile's codes and scales into `stage` (kFp8StageBytes), with
 // the same zero fill (codes 0 and scale 0: value 0). kSwizzled: a row's 16-byte chunk c lands at
 // chunk c ^ (row % (D / 16)) (the decode kernel's fragment path, paged_attention_fp8.cuh).
-template <int D, int kKeys = kKeyTile, bool kSwizzled = false, int kThreads = kAttnThreads>
+template <int D, int kKeys = kKeyTile, bool kSwizzled = false>
 __device__ __forceinline__ void load_kv_tile_fp8(unsigned char* stage, const AttnKernelArgs& a,
                                                  const int32_t* block_table, int kvh, int key0, int key_end,
                                                  int key_lo = 0) {
@@ -228,7 +223,7 @@ __device__ __forceinline__ void load_kv_tile_fp8(unsigned char* stage, const Att
   const auto* kc = static_cast<const uint8_t*>(a.k_cache);
   const auto* vc = static_cast<const uint8_t*>(a.v_cache);
   auto* ks = reinterpret_cast<float*>(stage + 2 * kKeys * D);
-  for (int i = static_cast<int>(threadIdx.x); i < kKeys * (kChunks + 1); i += kThreads) {
+  for (int i = static_cast<int>(threadIdx.x); i < kKeys * (kChunks + 1); i += kAttnThreads) {
     const int r = i < kKeys * kChunks ? i / kChunks : i - kKeys * kChunks;
     const int key = key0 + r;
     const bool valid = key < key_end && key >= key_lo;
@@ -516,13 +511,11 @@ __device__ __forceinline__ bool prefill_tile(const AttnKernelArgs& a, int b, int
   return true;
 }
 
-// grid (tile-list bound, n_head_kv * head_chunks), 32 kWarps threads, attn_prefill_smem_bytes<D,
-// kFp8, kWarps>(); a.tokens_per_tile x a.heads_per_tile <= 16 kWarps rows.
-template <int D, bool kFp8 = false, int kWarps = kAttnThreads / kWarpSize>
-__global__ void __launch_bounds__(kWarps * kWarpSize) attention_prefill_kernel(AttnKernelArgs a) {
+// grid (tile-list bound, n_head_kv * head_chunks), 128 threads, attn_prefill_smem_bytes<D, kFp8>().
+template <int D, bool kFp8 = false>
+__global__ void __launch_bounds__(kAttnThreads) attention_prefill_kernel(AttnKernelArgs a) {
   KESTREL_PDL_ENTRY();
-  constexpr int kThreads = kWarps * kWarpSize;
-  constexpr int kRows = 16 * kWarps, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
+  constexpr int kRows = kPrefillRows, kChunks = D / 8, kKeys = kPrefillKeyTile<D>, kStride = kTileStride<D>;
   int seq = 0, token0 = 0;
   if (!prefill_tile(a, static_cast<int>(blockIdx.x), &seq, &token0)) return;
   KESTREL_DYNAMIC_SMEM(smem);
@@ -541,7 +534,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) attention_prefill_kernel(A
   const int32_t* block_table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
 
-  for (int r = tid; r < kRows; r += kThreads) {
+  for (int r = tid; r < kRows; r += kAttnThreads) {
     const int tl = r / a.heads_per_tile, hh = h0 + r % a.heads_per_tile;
     const int token = token0 + tl;
     const bool valid = tl < a.tokens_per_tile && token < q_end && hh < a.group;
@@ -549,7 +542,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) attention_prefill_kernel(A
     row_pos[r] = valid ? a.positions[token] : INT_MAX;
   }
   __syncthreads();
-  for (int i = tid; i < kRows * kChunks; i += kThreads) {
+  for (int i = tid; i < kRows * kChunks; i += kAttnThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const int64_t off = row_off[r];
     cp_async16(sq + swz<D>(r, c), a.q + (off >= 0 ? off + c * 8 : 0), off >= 0);
@@ -573,11 +566,10 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) attention_prefill_kernel(A
   // Tile j's K and V loads: into bf16 buffer j % 2, or FP8 stage j % 2.
   auto load_tile = [&](int j) {
     if constexpr (kFp8) {
-      load_kv_tile_fp8<D, kKeys, false, kThreads>(fp8_stages + (j & 1) * kFp8Stage, a, block_table, kvh, j * kKeys,
-                                                  kv_end, key_lo);
+      load_kv_tile_fp8<D, kKeys>(fp8_stages + (j & 1) * kFp8Stage, a, block_table, kvh, j * kKeys, kv_end, key_lo);
     } else {
-      load_kv_tile<D, kKeys, kThreads>(sk + (j & 1) * kKeys * kStride, sv + (j & 1) * kKeys * kStride, a,
-                                       block_table, kvh, j * kKeys, kv_end, key_lo);
+      load_kv_tile<D, kKeys>(sk + (j & 1) * kKeys * kStride, sv + (j & 1) * kKeys * kStride, a, block_table, kvh,
+                             j * kKeys, kv_end, key_lo);
     }
   };
   load_tile(first_tile);
@@ -604,7 +596,7 @@ __global__ void __launch_bounds__(kWarps * kWarpSize) attention_prefill_kernel(A
     const bool need_mask = key0 + kKeys - 1 > min_pos || key0 < max_lo;
     if constexpr (kFp8) {
       const unsigned char* stage = fp8_stages + buf * kFp8Stage;
-      widen_kv_rows<D, kKeys>(stage, sk, sv, 0, kKeys, tid, kThreads);
+      widen_kv_rows<D, kKeys>(stage, sk, sv, 0, kKeys, tid, kAttnThreads);
       __syncthreads();
       const auto* scales = reinterpret_cast<const float*>(stage + 2 * kKeys * D);
       attend_tile<D, kKeys, true>(st, qf, sk, sv, 0, key0, need_mask, pos0, pos1, lo0, lo1, a.scale_log2, scales,
