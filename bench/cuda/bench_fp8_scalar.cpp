@@ -2,10 +2,9 @@
 // Llama-3.1-8B projection shapes, each of the heuristic's candidates (up to 16) and their split-K
 // variants timed (first = the heuristic's choice, best = the fastest, bf16 and f32 output), beside
 // Gemm::run_fp8 itself (up to kFp8UnscaledMaxTokens the heuristic's first choice plus
-// scale_fp8_product, above it cuBLASLt's outer-vector scales). run_fp8 computes unscaled up to
-// kFp8UnscaledMaxTokens because cuBLASLt's one algorithm for outer-vector scales was slower there
-// (docs/performance.md); the larger sizes (mixed prefill and decode steps) check where that holds. Weights rotate over copies of at least 400 MB; GB/s counts W, x
-// and a bf16 y.
+// scale_fp8_product, above it cuBLASLt's outer-vector scales): the figures behind
+// kFp8UnscaledMaxTokens and fp8_unscaled_deferred (gemm.h; docs/performance.md). Weights rotate
+// over copies of at least 400 MB; GB/s counts W, x and a bf16 y.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 

@@ -195,7 +195,8 @@ TEST(CudaFp8, SkinnyGemmSwigluInputIsBitIdenticalToSiluMulFirst) {
 
 // scale_fp8_product (the second half of run_fp8 up to kFp8UnscaledMaxTokens): every output
 // scaled once, as bf16(y * (x_scale[t] * w_scale[o])) in f32, bit for bit; n_out spans more than
-// one block of 2,048 outputs; a width that is no multiple of 8 is an error.
+// one block of 2,048 outputs, and (on a GPU) the rows span more than one grid; a width that is no
+// multiple of 8 is an error.
 TEST(CudaFp8, ScaleFp8ProductScalesEveryOutputOnce) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(7);
@@ -214,6 +215,22 @@ TEST(CudaFp8, ScaleFp8ProductScalesEveryOutputOnce) {
       ASSERT_EQ(got[i], to_bf16(want)) << "t " << t << ", o " << o;
     }
   EXPECT_THROW(cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, 2052, nullptr), Error);
+  // More rows than a grid's y dimension holds (65,535): the rows past it by striding, each once. On
+  // a GPU only: the emulation runs the 65,535 blocks one thread at a time.
+  if (kCudaEmulated) return;
+  const int64_t many = 65535 + 70, narrow = 8;
+  const auto y2 = random_bf16(static_cast<size_t>(many * narrow), rng, -300.0f, 300.0f);
+  const auto xs2 = random_f32(static_cast<size_t>(many), rng, 1e-3f, 1e-1f);
+  DeviceBuffer<uint16_t> d_y2(y2);
+  DeviceBuffer<float> d_xs2(xs2);
+  cuda::scale_fp8_product(d_y2.bf16(), d_xs2.get(), d_ws.get(), many, narrow, nullptr);
+  const auto got2 = d_y2.download();
+  for (int64_t t = 0; t < many; ++t)
+    for (int64_t o = 0; o < narrow; ++o) {
+      const size_t i = static_cast<size_t>(t * narrow + o);
+      const float want = from_bf16(y2[i]) * (xs2[static_cast<size_t>(t)] * w_scale[static_cast<size_t>(o)]);
+      ASSERT_EQ(got2[i], to_bf16(want)) << "t " << t << ", o " << o;
+    }
 }
 
 // The fused producers of a W8A8 GEMM's input against their unfused sequences (scale_fp8_product

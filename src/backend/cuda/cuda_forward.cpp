@@ -123,8 +123,11 @@ bool CudaModelRunner::fp8_gemm_path(const DeviceWeight& W, int64_t n) const {
 
 void CudaModelRunner::gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act out) {
   KESTREL_ASSERT(fp8_pending_.act == Act::None, "CUDA W8A8 GEMM: an unscaled product is still pending");
+  // Above kFp8UnscaledMaxTokens a product scaled by a pass of its own (settle_fp8) costs about what
+  // the unscaled GEMM saves: deferred there only without a tensor-parallel all-reduce between.
   const bool defer = (out == Act::AttnOut || out == Act::GateUp || out == Act::Down) && W.b.bytes() == 0 &&
-                     cuda::fp8_unscaled_deferred(n, W.n_in, W.n_out);
+                     cuda::fp8_unscaled_deferred(n, W.n_in, W.n_out) &&
+                     (n <= cuda::kFp8UnscaledMaxTokens || comm_ == nullptr);
   const float* x_scale = fp8_x_scale_.as<float>();
   if (defer) {
     gemm_->run_fp8_unscaled(fp8_x_.as<uint8_t>(), W.w.as<uint8_t>(), y, n, W.n_in, W.n_out, stream_);

@@ -77,7 +77,8 @@ void Gemm::run_fp8(const uint8_t* xq, const float* x_scale, const uint8_t* wq, c
 void Gemm::run_fp8_unscaled(const uint8_t* xq, const uint8_t* wq, bf16* y, int64_t n_tokens, int64_t n_in,
                             int64_t n_out, cudaStream_t) {
   if (n_tokens <= 0 || n_in <= 0 || n_out <= 0 || n_in % 16 != 0 || n_out % 8 != 0)
-    throw Error("gemm fp8 unscaled: sizes must be positive, n_in a multiple of 16 and n_out of 8");
+    throw Error("gemm fp8 unscaled: sizes must be positive, n_in a multiple of 16 and n_out of 8 (n_tokens " +
+                std::to_string(n_tokens) + ", n_in " + std::to_string(n_in) + ", n_out " + std::to_string(n_out) + ")");
   for (int64_t t = 0; t < n_tokens; ++t)
     for (int64_t o = 0; o < n_out; ++o) {
       float acc = 0.0f;

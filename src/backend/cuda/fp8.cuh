@@ -42,14 +42,15 @@ __device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
 
 // The code of x / s as float_to_e4m3(x / s) gives it, for the row quantizers that divide a row of
 // bf16 values by one scale: the quotient from the reciprocal (quotient_by_reciprocal, exact where a
-// code can tell; a division below kQuotientByReciprocalMinScale), then the hardware conversion
+// code can tell; a division below kQuotientByReciprocalMinScale and for an infinite scale, as a row
+// holding inf has), then the hardware conversion
 // (f32x2_to_e4m3x2): a few instructions a value where an IEEE division and float_to_e4m3 in
 // software take some 50.
 struct E4m3Divisor {
   float s, rs;
   bool by_reciprocal;
   __device__ __forceinline__ explicit E4m3Divisor(float scale)
-      : s(scale), rs(1.0f / scale), by_reciprocal(scale >= kQuotientByReciprocalMinScale) {}
+      : s(scale), rs(1.0f / scale), by_reciprocal(scale >= kQuotientByReciprocalMinScale && scale <= 3.40282347e38f) {}
   __device__ __forceinline__ float quotient(float f) const { return by_reciprocal ? quotient_by_reciprocal(f, s, rs) : f / s; }
   // The codes of f[0..7] / s, f[e] in byte e.
   __device__ __forceinline__ uint2 codes8(const float (&f)[8]) const {

@@ -19,7 +19,8 @@ void quantize_rows_fp8(const bf16* x, int64_t x_stride, int64_t rows, int64_t co
 
 // The outer scaling of an unscaled W8A8 product, in place: y[t, o] = bf16(y[t, o] * (x_scale[t] *
 // w_scale[o])). y [n_tokens, n_out] bf16 16-byte aligned, w_scale [n_out] and x_scale
-// [n_tokens] f32; n_out % 8 == 0, n_tokens <= 65535. Gemm::run_fp8's second half at few tokens.
+// [n_tokens] f32; n_out % 8 == 0. Gemm::run_fp8's second half at few tokens, and the scaling of a
+// deferred product whose reader does not scale it (CudaModelRunner::settle_fp8).
 // Errors: kestrel::Error for a bad shape or alignment.
 void scale_fp8_product(bf16* y, const float* x_scale, const float* w_scale, int64_t n_tokens, int64_t n_out,
                        cudaStream_t stream);

@@ -1,4 +1,5 @@
 // Row-wise FP8 E4M3 quantization (fp8_ops.h): the launcher of fp8_quant.cuh's kernel.
+#include <algorithm>
 #include <string>
 
 #include "backend/cuda/fp8_quant.cuh"
@@ -23,13 +24,13 @@ void quantize_rows_fp8(const bf16* x, int64_t x_stride, int64_t rows, int64_t co
 void scale_fp8_product(bf16* y, const float* x_scale, const float* w_scale, int64_t n_tokens, int64_t n_out,
                        cudaStream_t stream) {
   if (n_tokens <= 0) return;
-  if (n_out <= 0 || n_out % 8 != 0 || n_tokens > 65535)
-    throw Error("scale_fp8_product: n_out " + std::to_string(n_out) + " (a positive multiple of 8), n_tokens " +
-                std::to_string(n_tokens) + " (at most 65535)");
+  if (n_out <= 0 || n_out % 8 != 0)
+    throw Error("scale_fp8_product: n_out " + std::to_string(n_out) + " (a positive multiple of 8)");
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0) throw Error("scale_fp8_product: y must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(ceil_div(n_out / 8, kQuantThreads)), static_cast<unsigned>(n_tokens));
+  const dim3 grid(static_cast<unsigned>(ceil_div(n_out / 8, kQuantThreads)),
+                  static_cast<unsigned>(std::min<int64_t>(n_tokens, 65535)));
   KESTREL_LAUNCH(scale_fp8_product_kernel, grid, dim3(kQuantThreads), 0, stream, y, x_scale,
-                 w_scale, n_out);
+                 w_scale, n_tokens, n_out);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

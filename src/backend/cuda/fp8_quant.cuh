@@ -51,21 +51,24 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 // y [n_tokens, n_out] bf16 in place: y[t, o] = bf16(y[t, o] * (x_scale[t] * w_scale[o])), eight
-// outputs a thread (n_out % 8 == 0). grid (ceil(n_out / 8 / 256), n_tokens). x_scale was written by
-// an earlier kernel of the stream: a plain (not read-only path) load after the wait.
+// outputs a thread (n_out % 8 == 0). grid (ceil(n_out / 8 / 256), min(n_tokens, 65535)), rows
+// beyond gridDim.y by striding. x_scale was written by an earlier kernel of the stream: a plain
+// (not read-only path) load after the wait.
 __global__ void __launch_bounds__(kQuantThreads)
     scale_fp8_product_kernel(__nv_bfloat16* y, const float* x_scale, const float* __restrict__ w_scale,
-                             int64_t n_out) {
+                             int64_t n_tokens, int64_t n_out) {
   KESTREL_PDL_ENTRY();
   const int64_t o = (static_cast<int64_t>(blockIdx.x) * kQuantThreads + threadIdx.x) * 8;
   if (o >= n_out) return;
-  __nv_bfloat16* yr = y + static_cast<int64_t>(blockIdx.y) * n_out + o;
-  const float xs = x_scale[blockIdx.y];
-  float f[8];
-  unpack_bf16x8(ld_dependent16(yr), f);
+  for (int64_t t = blockIdx.y; t < n_tokens; t += gridDim.y) {
+    __nv_bfloat16* yr = y + t * n_out + o;
+    const float xs = x_scale[t];
+    float f[8];
+    unpack_bf16x8(ld_dependent16(yr), f);
 #pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] *= xs * w_scale[o + e];
-  *reinterpret_cast<uint4*>(yr) = pack_bf16x8(f);
+    for (int e = 0; e < 8; ++e) f[e] *= xs * w_scale[o + e];
+    *reinterpret_cast<uint4*>(yr) = pack_bf16x8(f);
+  }
 }
 
 }  // namespace kestrel::cuda

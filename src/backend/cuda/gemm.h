@@ -23,8 +23,8 @@ inline bool fp8_unscaled(int64_t n_tokens, int64_t n_out) {
   return n_tokens <= kFp8UnscaledMaxTokens && n_out % 8 == 0;
 }
 // The W8A8 products left unscaled for a consumer that scales them on the way in
-// (CudaModelRunner::gemm_fp8): at any size, but products over more than kFp8DeepInput inputs above
-// kFp8DeepUnscaledMaxTokens tokens. Measured on an H100 (kestrel_cuda_bench fp8scalar, Llama-3.1-8B
+// (CudaModelRunner::gemm_fp8): those over at most kFp8DeepInput inputs at any size, deeper ones up
+// to kFp8DeepUnscaledMaxTokens tokens. Measured on an H100 (kestrel_cuda_bench fp8scalar, Llama-3.1-8B
 // shapes): cuBLASLt's GEMM without scales beat its outer-vector-scale one by 6-21% for o (4096 ->
 // 4096) and gate|up (4096 -> 28672) at 256-2048 tokens, and for down (14336 -> 4096) up to 512
 // tokens, but lost 3% to it at 1024 and 2048.
