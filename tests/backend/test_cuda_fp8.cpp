@@ -90,10 +90,23 @@ TEST(CudaFp8, QuotientByReciprocalRoundsAsDivision) {
 TEST(CudaFp8, QuantizeRowsMatchesTheHostRounding) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(21);
-  const int64_t rows = 5, cols = 136, stride = 144;
+  const int64_t rows = 8, cols = 136, stride = 144;
   auto x = random_bf16(static_cast<size_t>(rows * stride), rng, -3.0f, 3.0f);
   for (int64_t c = 0; c < stride; ++c) x[static_cast<size_t>(2 * stride + c)] = 0;  // an all-zero row
   for (int64_t c = 0; c < cols; ++c) x[static_cast<size_t>(3 * stride + c)] = to_bf16(1e-4f * static_cast<float>(c));
+  // Row 5: scale 1 (amax 448), values on E4M3's ties (1.0625 between 1 and 1.125, 17 between 16
+  // and 18, 0.0078125 between subnormal codes 3 and 4 x 2^-9 ... as the rounding meets them), both
+  // zeros and values past the largest code.
+  const float ties[] = {448.0f, 1.0625f, -1.0625f, 1.1875f, 17.0f, -19.0f, 0.0068359375f, 0.0087890625f,
+                        0.0f, -0.0f, 0.5625f, 240.0f, -416.0f, 3.0f * 0.001953125f / 2.0f, 100.0f, -0.0009765625f};
+  for (int64_t c = 0; c < cols; ++c)
+    x[static_cast<size_t>(5 * stride + c)] = to_bf16(ties[c % 16] * (c % 32 < 16 ? 1.0f : -1.0f));
+  // Row 6: a scale below 2^-40 (the quantizers divide there instead of using the reciprocal);
+  // row 7: bf16 subnormals, a scale far below it.
+  for (int64_t c = 0; c < cols; ++c) {
+    x[static_cast<size_t>(6 * stride + c)] = to_bf16(1e-11f * static_cast<float>(c % 17 - 8));
+    x[static_cast<size_t>(7 * stride + c)] = to_bf16(1e-39f * static_cast<float>(c % 9 - 4));
+  }
   DeviceBuffer<uint16_t> d_x(x);
   DeviceBuffer<uint8_t> d_q(static_cast<size_t>(rows * cols));
   DeviceBuffer<float> d_s(static_cast<size_t>(rows));
@@ -112,6 +125,9 @@ TEST(CudaFp8, QuantizeRowsMatchesTheHostRounding) {
                 float_to_e4m3(from_bf16(x[static_cast<size_t>(r * stride + c)]) / want_s))
           << "row " << r << " col " << c;
   }
+  EXPECT_LT(s[6], kQuotientByReciprocalMinScale);
+  EXPECT_GT(s[6], 0.0f);
+  EXPECT_EQ(q[static_cast<size_t>(5 * cols + 9)], 0x80);  // -0 keeps its sign
   EXPECT_THROW(cuda::quantize_rows_fp8(d_x.bf16(), stride, rows, 12, d_q.get(), d_s.get(), nullptr), Error);
 }
 
