@@ -216,37 +216,30 @@ TEST(CudaFp8, SkinnyGemmSwigluInputIsBitIdenticalToSiluMulFirst) {
 TEST(CudaFp8, ScaleFp8ProductScalesEveryOutputOnce) {
   KESTREL_REQUIRE_CUDA();
   std::mt19937 rng(7);
-  const int64_t n_tokens = 3, n_out = 2056;
-  const auto y = random_bf16(static_cast<size_t>(n_tokens * n_out), rng, -300.0f, 300.0f);
-  const auto x_scale = random_f32(static_cast<size_t>(n_tokens), rng, 1e-3f, 1e-1f);
-  const auto w_scale = random_f32(static_cast<size_t>(n_out), rng, 1e-4f, 1e-2f);
-  DeviceBuffer<uint16_t> d_y(y);
-  DeviceBuffer<float> d_xs(x_scale), d_ws(w_scale);
-  cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, n_out, nullptr);
-  const auto got = d_y.download();
-  for (int64_t t = 0; t < n_tokens; ++t)
-    for (int64_t o = 0; o < n_out; ++o) {
-      const size_t i = static_cast<size_t>(t * n_out + o);
-      const float want = from_bf16(y[i]) * (x_scale[static_cast<size_t>(t)] * w_scale[static_cast<size_t>(o)]);
-      ASSERT_EQ(got[i], to_bf16(want)) << "t " << t << ", o " << o;
-    }
-  EXPECT_THROW(cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, 2052, nullptr), Error);
+  const auto w_scale = random_f32(2056, rng, 1e-4f, 1e-2f);
+  DeviceBuffer<float> d_ws(w_scale);
+  // n_tokens x n_out random products scaled in place, each output against the host's rounding.
+  const auto expect_scaled = [&](int64_t n_tokens, int64_t n_out) {
+    const auto y = random_bf16(static_cast<size_t>(n_tokens * n_out), rng, -300.0f, 300.0f);
+    const auto x_scale = random_f32(static_cast<size_t>(n_tokens), rng, 1e-3f, 1e-1f);
+    DeviceBuffer<uint16_t> d_y(y);
+    DeviceBuffer<float> d_xs(x_scale);
+    cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), n_tokens, n_out, nullptr);
+    const auto got = d_y.download();
+    for (int64_t t = 0; t < n_tokens; ++t)
+      for (int64_t o = 0; o < n_out; ++o) {
+        const size_t i = static_cast<size_t>(t * n_out + o);
+        const float want = from_bf16(y[i]) * (x_scale[static_cast<size_t>(t)] * w_scale[static_cast<size_t>(o)]);
+        ASSERT_EQ(got[i], to_bf16(want)) << "t " << t << ", o " << o;
+      }
+  };
+  expect_scaled(3, 2056);
+  DeviceBuffer<uint16_t> d_y(static_cast<size_t>(3 * 2056));
+  DeviceBuffer<float> d_xs(3);
+  EXPECT_THROW(cuda::scale_fp8_product(d_y.bf16(), d_xs.get(), d_ws.get(), 3, 2052, nullptr), Error);
   // More rows than a grid's y dimension holds (65,535): the rows past it by striding, each once. On
   // a GPU only: the emulation runs the 65,535 blocks one thread at a time.
-  if (kCudaEmulated) return;
-  const int64_t many = 65535 + 70, narrow = 8;
-  const auto y2 = random_bf16(static_cast<size_t>(many * narrow), rng, -300.0f, 300.0f);
-  const auto xs2 = random_f32(static_cast<size_t>(many), rng, 1e-3f, 1e-1f);
-  DeviceBuffer<uint16_t> d_y2(y2);
-  DeviceBuffer<float> d_xs2(xs2);
-  cuda::scale_fp8_product(d_y2.bf16(), d_xs2.get(), d_ws.get(), many, narrow, nullptr);
-  const auto got2 = d_y2.download();
-  for (int64_t t = 0; t < many; ++t)
-    for (int64_t o = 0; o < narrow; ++o) {
-      const size_t i = static_cast<size_t>(t * narrow + o);
-      const float want = from_bf16(y2[i]) * (xs2[static_cast<size_t>(t)] * w_scale[static_cast<size_t>(o)]);
-      ASSERT_EQ(got2[i], to_bf16(want)) << "t " << t << ", o " << o;
-    }
+  if (!kCudaEmulated) expect_scaled(65535 + 70, 8);
 }
 
 // The fused producers of a W8A8 GEMM's input against their unfused sequences (scale_fp8_product
