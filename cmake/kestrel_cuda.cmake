@@ -153,7 +153,7 @@ endif()
 if(KESTREL_BENCH)
   add_executable(kestrel_cuda_bench ${CMAKE_SOURCE_DIR}/bench/cuda/bench_cuda_ops.cpp
                  ${CMAKE_SOURCE_DIR}/bench/cuda/bench_int4.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_gguf.cpp
-                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp
+                 ${CMAKE_SOURCE_DIR}/bench/cuda/bench_fp8_scalar.cpp ${CMAKE_SOURCE_DIR}/bench/cuda/bench_overlap.cpp
                  ${CMAKE_SOURCE_DIR}/bench/cuda/bench_stream_trace.cpp)
   target_link_libraries(kestrel_cuda_bench PRIVATE kestrel_cuda)
 endif()

@@ -724,6 +724,7 @@ int main(int argc, char** argv) {
     if (wanted("skinny")) bench_skinny();
     if (wanted("fp8")) bench_fp8();
     if (wanted("fp8scalar")) kestrel::bench::bench_fp8_scalar();
+    if (wanted("overlap")) kestrel::bench::bench_overlap();
     if (wanted("int4")) kestrel::bench::bench_int4();
     if (wanted("gguf")) kestrel::bench::bench_gguf();
     if (wanted("streamtrace")) kestrel::bench::bench_stream_trace();

@@ -92,6 +92,8 @@ void bench_int4();
 // GGUF blocks in place: the decode GEMV of every kept type against bf16 (bench_gguf.cpp).
 void bench_gguf();
 void bench_fp8_scalar();
+// A decode step's attention and projections on two streams, the batch in two halves (bench_overlap.cpp).
+void bench_overlap();
 // The streaming GEMVs' per-block timeline over a layer sequence (bench_stream_trace.cpp).
 void bench_stream_trace();
 

@@ -34,6 +34,11 @@ struct CudaTuning {
   bool fused_norm = true;            // residual add + RMSNorm inside the streaming GEMV
   bool fused_rope = true;            // decode passes: RoPE + K/V write inside decode attention
   bool verify_decode_rows = true;    // verify steps' attention on the decode kernel, a row an item
+  // Dual-batch overlap: decode passes of at least dbo_decode_token_threshold rows run as two
+  // micro-batches on two streams, one half's attention beside the other's projections
+  // (CudaModelRunner::overlaps).
+  bool dbo = false;
+  int64_t dbo_decode_token_threshold = 128;
   // Token counts up to which the skinny GEMM runs; 0 = never. 9: a batch-1 verify step of 1 + 8
   // drafts keeps the one-token steps' bits (its token columns are independent; cuBLASLt's are not).
   int64_t skinny_max_tokens = 9;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/cuda_model_runner.h"
 #include "backend/cuda/cuda_runner.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -29,7 +30,7 @@ namespace {
 
 std::string stories_path() { return test::data_dir() + "/stories260K/stories260K.gguf"; }
 
-std::unique_ptr<ModelRunner> cuda_runner(const LlamaModel& m, bool eager, bool fp8 = false) {
+std::unique_ptr<ModelRunner> gpu_runner(const LlamaModel& m, bool eager, bool fp8 = false) {
   RunnerOptions o;
   o.block_size = 16;
   o.n_kv_blocks = 96;
@@ -71,7 +72,7 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
 
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
-    Engine gpu(*model, tok.get(), config(), cuda_runner(*model, eager));
+    Engine gpu(*model, tok.get(), config(), gpu_runner(*model, eager));
     EXPECT_EQ(greedy_ids(gpu, prompts, 32), want);
 
     const std::vector<float> got = test::prompt_logits(gpu, prompts[0]);
@@ -93,6 +94,47 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
   }
 }
 
+// Dual-batch overlap (--enable-dbo): twelve prompts decoded together with every decode pass of
+// at least 4 rows split into two micro-batches on two streams give, eagerly (halves of 6 rows)
+// and through the graph path (the 16-sequence bucket, halves of 8, the padding in the second),
+// the tokens of the unsplit passes. The projections stay on cuBLASLt at both sizes
+// (skinny_max_tokens 0), as a large decode batch's do; on the CPU emulation the halves' rows are
+// the whole pass's bit for bit.
+TEST(CudaModelRunner, DualBatchOverlapGivesTheUnsplitPassesTokens) {
+  if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
+  KESTREL_REQUIRE_FILE(stories_path());
+  const auto model = LlamaModel::load_gguf(stories_path());
+  const auto tok = Tokenizer::from_gguf(model->file());
+  std::vector<std::vector<int32_t>> prompts;
+  for (const std::string& p : test::story_prompts()) {
+    if (prompts.size() == 12) break;
+    prompts.push_back(tok->encode(p, true, false));
+  }
+  for (const bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "graph path");
+    std::vector<std::vector<std::vector<int32_t>>> got;
+    for (const bool dbo : {false, true}) {
+      RunnerOptions o;
+      o.block_size = 16;
+      o.n_kv_blocks = 96;
+      o.enforce_eager = eager;
+      o.cuda.skinny_max_tokens = 0;
+      o.cuda.dbo = dbo;
+      o.cuda.dbo_decode_token_threshold = 4;
+      auto runner = make_cuda_model_runner(*model, o);
+      auto* cuda = dynamic_cast<kestrel::cuda_runner::CudaModelRunner*>(runner.get());
+      ASSERT_NE(cuda, nullptr);
+      Engine gpu(*model, tok.get(), config(), std::move(runner));
+      got.push_back(greedy_ids(gpu, prompts, 32));
+      if (dbo)
+        EXPECT_GT(cuda->micro_batched_passes(), 0);
+      else
+        EXPECT_EQ(cuda->micro_batched_passes(), 0);
+    }
+    EXPECT_EQ(got[1], got[0]);
+  }
+}
+
 // Structured output on the device sampler: grammar requests mixed with plain ones, greedy and
 // seeded, each grammar row sampled by the CUDA kernel under the mask the engine computes while the
 // layers run, against the host path over the same CUDA logits (a wrapper that keeps sampling on
@@ -109,10 +151,10 @@ TEST(CudaModelRunner, GrammarMasksOnTheDeviceSamplerGiveTheHostPathsTokens) {
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
     Engine host(*model, tok.get(), config(),
-                std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/false));
+                std::make_unique<test::SamplingRunner>(gpu_runner(*model, eager), /*on_device=*/false));
     const auto want = test::run_requests(host, requests);
     test::expect_outputs_follow_their_constraints(*tok, want, /*require_stop=*/false);
-    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/true);
+    auto runner = std::make_unique<test::SamplingRunner>(gpu_runner(*model, eager), /*on_device=*/true);
     test::SamplingRunner* dev = runner.get();
     Engine device(*model, tok.get(), config(), std::move(runner));
     EXPECT_EQ(test::run_requests(device, requests), want);
@@ -134,7 +176,7 @@ TEST(CudaModelRunner, MaskWaitIsTheDevicesIdleTimeBehindSlowMasks) {
   const std::vector<Request> requests = test::mixed_grammar_requests(*tok, *cache, 16);
   std::vector<double> waits;
   for (const double delay : {0.0, 0.005}) {
-    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, /*eager=*/false), /*on_device=*/true);
+    auto runner = std::make_unique<test::SamplingRunner>(gpu_runner(*model, /*eager=*/false), /*on_device=*/true);
     test::SamplingRunner* dev = runner.get();
     dev->fill_delay_s = delay;
     Engine e(*model, tok.get(), config(), std::move(runner));
@@ -181,9 +223,9 @@ TEST(CudaModelRunner, DraftsVerifiedOnTheDeviceSamplerGiveTheHostVerifiersTokens
   c.speculative.prompt_lookup_max = 3;
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
-    Engine host(*model, tok.get(), c, std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), false));
+    Engine host(*model, tok.get(), c, std::make_unique<test::SamplingRunner>(gpu_runner(*model, eager), false));
     const auto want = test::run_requests(host, requests);
-    auto runner = std::make_unique<test::SamplingRunner>(cuda_runner(*model, eager), /*on_device=*/true);
+    auto runner = std::make_unique<test::SamplingRunner>(gpu_runner(*model, eager), /*on_device=*/true);
     test::SamplingRunner* dev = runner.get();
     Engine device(*model, tok.get(), c, std::move(runner));
     EXPECT_EQ(test::run_requests(device, requests), want);
@@ -216,7 +258,7 @@ static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, con
   };
   for (const bool eager : {true, false}) {
     SCOPED_TRACE(eager ? "eager" : "graph path");
-    Engine off(model, tok, config(), cuda_runner(model, eager));
+    Engine off(model, tok, config(), gpu_runner(model, eager));
     std::vector<std::pair<std::vector<int32_t>, std::vector<uint32_t>>> want;
     for (const Request& r : requests) want.push_back(run_alone(off, r));
     for (const int32_t k : {4, 8}) {
@@ -226,7 +268,7 @@ static void expect_speculation_keeps_greedy_outputs(const LlamaModel& model, con
       c.speculative.num_speculative_tokens = k;
       c.speculative.prompt_lookup_min = 1;
       c.speculative.prompt_lookup_max = 3;
-      Engine on(model, tok, c, cuda_runner(model, eager));
+      Engine on(model, tok, c, gpu_runner(model, eager));
       for (size_t i = 0; i < requests.size(); ++i) {
         const auto got = run_alone(on, requests[i]);
         EXPECT_EQ(got.first, want[i].first) << "request " << i;
@@ -280,7 +322,7 @@ TEST(CudaModelRunner, AHeadDimTheKernelsLackIsRefusedAtStart) {
   const auto model = LlamaModel::load_gguf(path);
   ASSERT_EQ(model->hparams().head_dim, 4);
   try {
-    cuda_runner(*model, true);
+    gpu_runner(*model, true);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("head_dim 4"), std::string::npos) << e.what();
@@ -307,7 +349,7 @@ static void expect_fp8_close_to_cpu(const LlamaModel& model, const Tokenizer& to
   EngineConfig c = config();
   c.max_num_batched_tokens = max_num_batched_tokens;
   const std::vector<float> want = test::prompt_logits(model, prompt, c);
-  Engine gpu(model, &tok, c, cuda_runner(model, false, /*fp8=*/true));
+  Engine gpu(model, &tok, c, gpu_runner(model, false, /*fp8=*/true));
   const std::vector<float> got = test::prompt_logits(gpu, prompt);
   ASSERT_EQ(got.size(), want.size());
   float worst_rel = 0;

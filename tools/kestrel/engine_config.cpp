@@ -63,6 +63,15 @@ void add_kernel_choice_flags(CLI::App& app, CudaTuning& t) {
       ->group(group);
   toggle("--cuda-fused-norm", t.fused_norm, "CUDA: residual add + RMSNorm inside the streaming GEMV");
   toggle("--cuda-fused-rope", t.fused_rope, "CUDA: RoPE and the K/V write inside decode attention");
+  app.add_flag("--enable-dbo", t.dbo,
+               "CUDA: dual-batch overlap: large decode steps as two micro-batches on two streams, one half's "
+               "attention beside the other's projections")
+      ->group(group);
+  app.add_option("--dbo-decode-token-threshold", t.dbo_decode_token_threshold,
+                 "CUDA: decode steps of at least this many tokens are split under --enable-dbo")
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20))
+      ->capture_default_str()
+      ->group(group);
   toggle("--cuda-verify-decode-rows", t.verify_decode_rows,
          "CUDA: speculative verify steps' attention on the decode kernel, each token as a one-token step "
          "(its bits; off: the prefill kernel)");

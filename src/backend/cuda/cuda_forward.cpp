@@ -45,8 +45,9 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
   ap.head_dim = static_cast<int32_t>(hp_.head_dim);
   ap.block_size = block_size_;
   ap.scale = hp_.softmax_scale();
-  ap.workspace = workspace_.as<void>();
-  ap.workspace_bytes = workspace_.bytes();
+  const DevMem& ws = pass_row0_ > 0 ? lane_workspace_ : workspace_;  // the second micro-batch's own
+  ap.workspace = ws.as<void>();
+  ap.workspace_bytes = ws.bytes();
   ap.decode_stages = attn_decode_stages_;
   ap.fp8_decode_key_tile = attn_fp8_decode_key_tile_;
   ap.decode_rows = verify_decode_rows_;
@@ -56,28 +57,113 @@ cuda::AttentionParams CudaModelRunner::attention_params(const BatchArrays& d, co
 }
 
 void CudaModelRunner::enqueue_forward(const BatchArrays& da, const PassShape& s) {
-  pass_arrays_ = &da;
-  pass_ = s;
-  pass_ap_ = attention_params(da, s);
-  // Every pass starts in residual_: a captured graph holds the addresses it was captured with.
-  pass_residual_ = residual_.as<float>();
-  pass_spare_ = residual_alt_.as<float>();
-  // Decode-only passes rotate q and write K/V inside the decode attention kernel (no RoPE kernel).
-  pass_rope_in_attention_ = fused_rope_ && s.max_query == 1 &&
-                            cuda::attention_supports_fused_rope(static_cast<int32_t>(hp_.head_dim));
   // Passes of a few query tokens per sequence (speculative verify steps) are profiled apart from
   // prompt prefill.
   if (prof_ != nullptr)
     prof_->begin(s.max_query == 1 ? "decode" : s.max_query <= kGraphMaxTokensPerSeq ? "verify" : "prefill");
-  fp8_pending_ = {};
-  arch_.forward(*this, hp_);
-  settle_fp8();  // every architecture's last op reads its input through act(): nothing is left
+  if (overlaps(s))
+    enqueue_micro_batches(da, s);
+  else
+    enqueue_layers(da, s, 0);
   if (s.sample && s.n_out > 0) {
     cuda::sample_tokens(logits_.as<float>(), reinterpret_cast<const cuda::SampleParams*>(da.sampling), s.n_out,
                         hp_.n_vocab, da.tokens, sample_ws_.as<void>(), stream_);
     mark("sample");
   }
   pass_arrays_ = nullptr;
+}
+
+void CudaModelRunner::enqueue_layers(const BatchArrays& da, const PassShape& s, int64_t row0) {
+  pass_arrays_ = &da;
+  pass_ = s;
+  pass_row0_ = row0;
+  pass_ap_ = attention_params(da, s);
+  // Every pass starts in residual_: a captured graph holds the addresses it was captured with.
+  pass_residual_ = residual_.as<float>() + row0 * hp_.n_embd;
+  pass_spare_ = residual_alt_.as<float>();  // the fused norm's: one- and two-token passes, never split
+  // Decode-only passes rotate q and write K/V inside the decode attention kernel (no RoPE kernel).
+  pass_rope_in_attention_ = fused_rope_ && s.max_query == 1 &&
+                            cuda::attention_supports_fused_rope(static_cast<int32_t>(hp_.head_dim));
+  fp8_pending_ = {};
+  arch_.forward(*this, hp_);
+  settle_fp8();  // every architecture's last op reads its input through act(): nothing is left
+}
+
+bool CudaModelRunner::overlaps(const PassShape& s) const {
+  return dbo_min_tokens_ > 0 && s.n_tokens >= dbo_min_tokens_ && s.n_seqs >= 2 && s.uniform_query == 1 &&
+         s.rows_identity && s.n_out == s.n_tokens && comm_ == nullptr && role_.first && role_.last &&
+         prof_ == nullptr && n_int4_ == 0 && n_gguf_ == 0 && !hp_.mla.enabled() && !hp_.moe.enabled();
+}
+
+void CudaModelRunner::reserve_micro_batches(const PassShape& s) {
+  if (!overlaps(s)) return;
+  PassShape half = s;
+  half.n_seqs = s.n_seqs - s.n_seqs / 2;
+  half.n_tokens = half.n_out = half.n_seqs;
+  const size_t bytes = std::max<size_t>(16, cuda::attention_workspace_bytes(attention_params(BatchArrays{}, half)));
+  if (bytes <= lane_workspace_.bytes()) return;
+  lane_workspace_.reserve(bytes);
+  graphs_.clear();
+}
+
+void CudaModelRunner::enqueue_micro_batches(const BatchArrays& da, const PassShape& s) {
+  if (lane_stream_ == nullptr) {
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&lane_stream_, cudaStreamNonBlocking));
+    KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&lane_start_, cudaEventDisableTiming));
+    KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&lane_join_, cudaEventDisableTiming));
+    lane_gemm_ = std::make_unique<cuda::Gemm>();
+  }
+  // One token a sequence: the first h sequences are rows [0, h), the rest [h, n).
+  const int64_t h = s.n_seqs / 2;
+  PassShape sa = s;
+  sa.n_seqs = sa.n_tokens = sa.n_out = h;
+  sa.sample = false;
+  PassShape sb = sa;
+  sb.n_seqs = sb.n_tokens = sb.n_out = s.n_seqs - h;
+  // The second half's arrays: views h rows on. Its query_start is the first half's: a uniform
+  // run's entries are s x 1, whichever sequence they start from.
+  BatchArrays db = da;
+  db.slots += h;
+  db.ids += h;
+  db.positions += h;
+  db.context_lens += h;
+  db.block_tables += h * s.width;
+  db.logits_rows += h;
+  db.sampling += h;
+  db.tokens += h;
+  head_deferred_ = true;
+  lane_start_pending_ = true;
+  struct Restore {  // the runner's own stream and cuBLASLt handle back, whatever happens
+    CudaModelRunner& r;
+    bool swapped = false;
+    void swap() {
+      std::swap(r.stream_, r.lane_stream_);
+      std::swap(r.gemm_, r.lane_gemm_);
+      swapped = !swapped;
+    }
+    ~Restore() {
+      if (swapped) swap();
+      r.pass_row0_ = 0;
+      r.head_deferred_ = r.lane_start_pending_ = false;
+    }
+  } restore{*this};
+  enqueue_layers(da, sa, 0);
+  if (lane_start_pending_) {  // an architecture without attention: the second half after the first
+    KESTREL_CUDA_CHECK(cudaEventRecord(lane_start_, stream_));
+    lane_start_pending_ = false;
+  }
+  KESTREL_CUDA_CHECK(cudaStreamWaitEvent(lane_stream_, lane_start_, 0));
+  restore.swap();  // the ops below enqueue on lane_stream_ through lane_gemm_
+  enqueue_layers(db, sb, h);
+  KESTREL_CUDA_CHECK(cudaEventRecord(lane_join_, stream_));
+  restore.swap();
+  KESTREL_CUDA_CHECK(cudaStreamWaitEvent(stream_, lane_join_, 0));
+  pass_row0_ = 0;
+  pass_ = s;
+  pass_arrays_ = &da;
+  logits_head(normed_rows(), s.n_out);  // both halves' normed rows, contiguous
+  ++micro_batched_passes_;
+  mark("gemm lm_head");
 }
 
 bf16* CudaModelRunner::act(Act a) {
@@ -88,12 +174,12 @@ bf16* CudaModelRunner::act(Act a) {
 bf16* CudaModelRunner::act_buffer(Act a) const {
   switch (a) {
     case Act::None: return nullptr;
-    case Act::Qkv: return qkv_.as<bf16>();
-    case Act::Attn: return attn_.as<bf16>();
-    case Act::AttnOut: return o_.as<bf16>();
-    case Act::GateUp: return gate_up_.as<bf16>();
-    case Act::Down: return down_.as<bf16>();
-    case Act::Normed: return h_.as<bf16>();
+    case Act::Qkv: return lane_rows<bf16>(qkv_, hp_.q_dim() + 2 * hp_.kv_dim());
+    case Act::Attn: return lane_rows<bf16>(attn_, std::max(hp_.q_dim(), hp_.attn_out_dim()));
+    case Act::AttnOut: return lane_rows<bf16>(o_, hp_.n_embd);
+    case Act::GateUp: return lane_rows<bf16>(gate_up_, 2 * hp_.n_ff);
+    case Act::Down: return lane_rows<bf16>(down_, hp_.n_embd);
+    case Act::Normed: return normed_rows();
   }
   return nullptr;
 }
@@ -128,13 +214,13 @@ void CudaModelRunner::gemm_fp8(const DeviceWeight& W, int64_t n, bf16* y, Act ou
   const bool defer = (out == Act::AttnOut || out == Act::GateUp || out == Act::Down) && W.b.bytes() == 0 &&
                      cuda::fp8_unscaled_deferred(n, W.n_in, W.n_out) &&
                      (n <= cuda::kFp8UnscaledMaxTokens || comm_ == nullptr);
-  const float* x_scale = fp8_x_scale_.as<float>();
+  const float* x_scale = fp8_x_scale();
   if (defer) {
-    gemm_->run_fp8_unscaled(fp8_x_.as<uint8_t>(), W.w.as<uint8_t>(), y, n, W.n_in, W.n_out, stream_);
+    gemm_->run_fp8_unscaled(fp8_x(), W.w.as<uint8_t>(), y, n, W.n_in, W.n_out, stream_);
     fp8_pending_ = {out, x_scale, W.scale.as<float>(), W.n_out};
     return;
   }
-  gemm_->run_fp8(fp8_x_.as<uint8_t>(), x_scale, W.w.as<uint8_t>(), W.scale.as<float>(), y, n, W.n_in, W.n_out,
+  gemm_->run_fp8(fp8_x(), x_scale, W.w.as<uint8_t>(), W.scale.as<float>(), y, n, W.n_in, W.n_out,
                  stream_);
 }
 
@@ -184,14 +270,14 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
     // W8A8: the norm writes the GEMM's quantized input, scaling an unscaled product on the way in.
     const PendingFp8Scale p = take_fp8_pending(add);
     cuda::add_rms_norm_fp8(pass_residual_, act_buffer(add), p.x_scale, p.w_scale, norm_w.as<bf16>(),
-                           fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n, d, hp_.rms_eps, stream_);
+                           fp8_x(), fp8_x_scale(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
     gemm_fp8(W, n, act_buffer(out), out);
     mark(what);
   } else if (!fused_norm_ || !streamed) {
-    cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), h_.as<bf16>(), n, d, hp_.rms_eps, stream_);
+    cuda::add_rms_norm(pass_residual_, act(add), norm_w.as<bf16>(), normed_rows(), n, d, hp_.rms_eps, stream_);
     mark("add_rms_norm");
-    project_weight(h_.as<bf16>(), W, y, n);
+    project_weight(normed_rows(), W, y, n);
     mark(what);
   } else {
     if (residual_alt_.bytes() < static_cast<size_t>(n * d) * 4)
@@ -216,7 +302,7 @@ void CudaModelRunner::add_norm_linear(Act add, WeightId norm, WeightId proj, Act
 void CudaModelRunner::add_norm(Act add, WeightId norm, Act out) {
   KESTREL_ASSERT(out == Act::Normed, "CUDA add_norm writes Act::Normed");
   const DevMem& w = layers_[static_cast<size_t>(norm.layer)][norm.role].w;
-  cuda::add_rms_norm(pass_residual_, act(add), w.as<bf16>(), h_.as<bf16>(), pass_.n_tokens, hp_.n_embd, hp_.rms_eps,
+  cuda::add_rms_norm(pass_residual_, act(add), w.as<bf16>(), normed_rows(), pass_.n_tokens, hp_.n_embd, hp_.rms_eps,
                      stream_);
   mark("add_rms_norm");
 }
@@ -252,11 +338,11 @@ void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
     return;
   }
   if (kv_dtype_ == KvDtype::FP8) {
-    cuda::rope_write_kv_fused_fp8(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+    cuda::rope_write_kv_fused_fp8(qkv, qkv_w, lane_rows<bf16>(q_, hp_.q_dim()), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
                                   hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
                                   hp_.rope_dim, rotate_half, fp8_cache(layer), block_size_, stream_);
   } else {
-    cuda::rope_write_kv_fused(qkv, qkv_w, q_.as<bf16>(), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+    cuda::rope_write_kv_fused(qkv, qkv_w, lane_rows<bf16>(q_, hp_.q_dim()), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
                               hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
                               hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
                               v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
@@ -266,7 +352,7 @@ void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
 
 void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   KESTREL_ASSERT(qkv == Act::Qkv, "CUDA attention reads Act::Qkv");
-  pass_ap_.q = q_.as<bf16>();
+  pass_ap_.q = lane_rows<bf16>(q_, hp_.q_dim());
   pass_ap_.k_cache = k_cache_[static_cast<size_t>(layer)].as<void>();
   pass_ap_.v_cache = v_cache_[static_cast<size_t>(layer)].as<void>();
   const bool fp8 = kv_dtype_ == KvDtype::FP8;
@@ -277,6 +363,10 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   // No prefetch across attention: at batch 1 it is bound by latency, and the projection before it
   // prefetching the next one's weights slowed it (docs/performance.md).
   last_streamed_ = nullptr;
+  if (lane_start_pending_) {  // the second micro-batch starts here: its projections beside this attention
+    KESTREL_CUDA_CHECK(cudaEventRecord(lane_start_, stream_));
+    lane_start_pending_ = false;
+  }
   cuda::paged_attention(pass_ap_, stream_);
   mark("attention");
 }
@@ -296,7 +386,7 @@ void CudaModelRunner::swiglu_linear(Act in, WeightId proj, Act out) {
   if (fp8_gemm_path(W, n) && cuda::fp8_fused_width_supported(W.n_in)) {
     // W8A8: SwiGLU writes the GEMM's quantized input, scaling an unscaled gate|up on the way in.
     const PendingFp8Scale p = take_fp8_pending(in);
-    cuda::silu_mul_fp8(act_buffer(in), p.x_scale, p.w_scale, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), n,
+    cuda::silu_mul_fp8(act_buffer(in), p.x_scale, p.w_scale, fp8_x(), fp8_x_scale(), n,
                        W.n_in, stream_);
     mark("silu_mul");
     gemm_fp8(W, n, act_buffer(out), out);
@@ -311,9 +401,10 @@ void CudaModelRunner::geglu_linear(Act in, WeightId proj, Act out) {
   const DeviceWeight& W = layers_[static_cast<size_t>(proj.layer)][proj.role];
   const int64_t n = pass_.n_tokens;
   // The projection kernels fuse SwiGLU only: the GeGLU product goes through act_ first.
-  cuda::gelu_tanh_mul(act(in), act_.as<bf16>(), n, W.n_in, stream_);
+  bf16* gated = lane_rows<bf16>(act_, hp_.n_ff);
+  cuda::gelu_tanh_mul(act(in), gated, n, W.n_in, stream_);
   mark("gelu_mul");
-  project_weight(act_.as<bf16>(), W, act(out), n);
+  project_weight(gated, W, act(out), n);
   mark("gemm down");
 }
 
@@ -326,7 +417,7 @@ void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
   }
   if (pass_.n_out == 0) return;
   const int64_t n = pass_.n_tokens, d = hp_.n_embd;
-  bf16* h = h_.as<bf16>();
+  bf16* h = normed_rows();
   cuda::add_rms_norm(pass_residual_, act(add), out_norm_.as<bf16>(), h, n, d, hp_.rms_eps, stream_);
   // The rows whose logits are wanted: h itself when they are all rows in order, else gathered.
   const bf16* rows = h;
@@ -335,14 +426,19 @@ void CudaModelRunner::final_norm_logits(Act add, WeightId norm, WeightId head) {
     rows = logits_in_.as<bf16>();
   }
   mark("final norm");
+  if (head_deferred_) return;  // a micro-batch: one LM head over both halves (enqueue_micro_batches)
+  logits_head(rows, pass_.n_out);
+  mark("gemm lm_head");
+}
+
+void CudaModelRunner::logits_head(const bf16* rows, int64_t n_out) {
   const DeviceWeight& head_q = lm_head_.bytes() > 0 || head_q_.in_place() ? head_q_ : embd_q_;
   if (head_q.in_place()) {
-    project_gguf(rows, head_q, logits_.as<void>(), pass_.n_out, false, true);
+    project_gguf(rows, head_q, logits_.as<void>(), n_out, false, true);
   } else {
     const bf16* w = lm_head_.bytes() > 0 ? lm_head_.as<bf16>() : embd_.as<bf16>();
-    project(rows, w, logits_.as<void>(), true, pass_.n_out, d, n_logits_);
+    project(rows, w, logits_.as<void>(), true, n_out, hp_.n_embd, n_logits_);
   }
-  mark("gemm lm_head");
 }
 
 // The decode projections at n tokens that go to cuBLASLt: its heuristic's candidates and their
@@ -400,7 +496,7 @@ void CudaModelRunner::project(const bf16* x, const bf16* w, void* y, bool f32_ou
   KESTREL_ASSERT(!side || (stream == side_stream_ && side_gemm_ != nullptr),
                  "CUDA project: another stream than the runner's is the side stream");
   if (swiglu) {
-    bf16* buf = side ? side_act_.as<bf16>() : act_.as<bf16>();
+    bf16* buf = side ? side_act_.as<bf16>() : lane_rows<bf16>(act_, hp_.n_ff);
     cuda::silu_mul(x, buf, n, n_in, stream);
     x = buf;
   }
@@ -436,11 +532,12 @@ void CudaModelRunner::project_weight(const bf16* x, const DeviceWeight& W, bf16*
     return;
   }
   if (swiglu) {
-    cuda::silu_mul(x, act_.as<bf16>(), n, W.n_in, stream_);
-    x = act_.as<bf16>();
+    bf16* gated = lane_rows<bf16>(act_, hp_.n_ff);
+    cuda::silu_mul(x, gated, n, W.n_in, stream_);
+    x = gated;
   }
   settle_fp8();  // the quantization overwrites the x scales a pending product needs
-  cuda::quantize_rows_fp8(x, W.n_in, n, W.n_in, fp8_x_.as<uint8_t>(), fp8_x_scale_.as<float>(), stream_);
+  cuda::quantize_rows_fp8(x, W.n_in, n, W.n_in, fp8_x(), fp8_x_scale(), stream_);
   gemm_fp8(W, n, y, out);
 }
 

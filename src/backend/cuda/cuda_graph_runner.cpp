@@ -87,6 +87,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
     s.sample = sample;
     cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
     reserve_activations(n_tok, n_tok, cuda::attention_workspace_bytes(probe));
+    reserve_micro_batches(s);
     hand_in(n, n_tok);
     const BatchArrays h = stage(b, rows, bsz, width, q);
     auto& g = graphs_[{bsz, q, width, sample}];
@@ -147,6 +148,7 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   s.sample = sample;
   cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
   reserve_activations(n, n_out, cuda::attention_workspace_bytes(probe));
+  reserve_micro_batches(s);
   hand_in(n, n);
   const BatchArrays h = stage(b, rows, n_seqs, s.width);
   arrays_.reserve(BatchArrays::layout(nullptr, n, n_seqs, s.width, n_out).bytes + static_cast<size_t>(n_out) * 4 + 32);

@@ -114,6 +114,9 @@ CudaModelRunner::CudaModelRunner(const LlamaModel& model, const RunnerOptions& o
   fused_norm_ = t.fused_norm;
   fused_rope_ = t.fused_rope;
   verify_decode_rows_ = t.verify_decode_rows;
+  if (t.dbo && t.dbo_decode_token_threshold < 2)
+    throw Error("--dbo-decode-token-threshold " + std::to_string(t.dbo_decode_token_threshold) + ": at least 2");
+  dbo_min_tokens_ = t.dbo ? t.dbo_decode_token_threshold : 0;
   stream_gemv_min_elems_ = (std::clamp<int64_t>(t.stream_gemv_min_mb, 0, int64_t{1} << 20) << 20) / 2;
   attn_decode_stages_ = t.attn_decode_stages;
   attn_fp8_decode_key_tile_ = t.attn_fp8_decode_key_tile;
@@ -155,6 +158,12 @@ CudaModelRunner::~CudaModelRunner() {
   for (cudaEvent_t e : {swap_after_pass_, swap_done_, load_done_, h2d_start_, h2d_stop_, layers_done_, masks_ready_})
     if (e != nullptr) cudaEventDestroy(e);
   for (cudaEvent_t e : tensor_out_done_) cudaEventDestroy(e);
+  if (lane_stream_ != nullptr) {
+    cudaStreamSynchronize(lane_stream_);
+    cudaStreamDestroy(lane_stream_);
+  }
+  for (cudaEvent_t e : {lane_start_, lane_join_})
+    if (e != nullptr) cudaEventDestroy(e);
   if (side_stream_ != nullptr) {
     cudaStreamSynchronize(side_stream_);
     cudaStreamDestroy(side_stream_);

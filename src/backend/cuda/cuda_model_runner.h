@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <memory>
@@ -180,6 +181,8 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // slice of it.
   std::span<const float> forward(const ForwardBatch& b) override;
   int64_t n_logits() const { return n_logits_; }
+  // Passes enqueued as two micro-batches (CudaTuning::dbo; a captured graph counts once, at capture).
+  int64_t micro_batched_passes() const { return micro_batched_passes_; }
   // A tensor-parallel rank holds a slice of the logits: its owner samples on the host.
   bool samples_on_device() const override { return comm_ == nullptr; }
   // Masked rows: the pass runs (its graph replays) without the sampling kernel, fill_masks writes
@@ -252,9 +255,28 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // Sizes every activation buffer for n_tokens rows and n_out logits rows; a reallocation
   // invalidates the captured graphs (they hold the old addresses).
   void reserve_activations(int64_t n_tokens, int64_t n_out, size_t attention_workspace);
-  // Enqueues one pass: the architecture's builder over this runner's ForwardOps, then the
-  // sampling kernel when s.sample (cuda_forward.cpp).
+  // Enqueues one pass: the architecture's builder over this runner's ForwardOps (over the whole
+  // batch, or as two micro-batches when overlaps(s)), then the sampling kernel when s.sample
+  // (cuda_forward.cpp).
   void enqueue_forward(const BatchArrays& d, const PassShape& s);
+  // The builder over the rows [row0, row0 + s.n_tokens) of the activation buffers (d: that
+  // micro-batch's arrays), on stream_.
+  void enqueue_layers(const BatchArrays& d, const PassShape& s, int64_t row0);
+  // Dual-batch overlap (CudaTuning::dbo): a decode pass of at least dbo_min_tokens_ one-token
+  // rows runs as two micro-batches, the first half of the sequences on stream_ and the second on
+  // lane_stream_ (which starts once the first half's first attention is enqueued), so that one
+  // half's memory-bound attention runs beside the other's compute-bound projections; each half's
+  // final norm writes its rows and one LM head takes all rows after the join. Dense models on one
+  // GPU with bf16 or FP8 projections (no INT4 or GGUF scratch, MoE, MLA, tensor or pipeline
+  // parallelism, op profiling). The same per-row bits as one pass wherever the GEMMs' algorithms
+  // are the same at both row counts (always on the CPU emulation).
+  bool overlaps(const PassShape& s) const;
+  void enqueue_micro_batches(const BatchArrays& d, const PassShape& s);
+  // Sizes the second micro-batch's attention workspace for the pass s when it overlaps (a growth
+  // invalidates the captured graphs).
+  void reserve_micro_batches(const PassShape& s);
+  // The LM head over `n_out` normed rows into logits_ (final_norm_logits's second half).
+  void logits_head(const bf16* rows, int64_t n_out);
   // ForwardOps over the pass being enqueued (pass_*): bf16 activations, f32 residual stream.
   void embed() override;
   void add_norm_linear(Act add, WeightId norm, WeightId proj, Act out) override;
@@ -303,6 +325,30 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   // and the K/V write happen inside decode attention.
   const BatchArrays* pass_arrays_ = nullptr;
   PassShape pass_;
+  // The first row of the micro-batch being enqueued: every activation buffer is addressed from it
+  // (lane_rows), so the two halves of an overlapped pass write disjoint, contiguous rows.
+  int64_t pass_row0_ = 0;
+  template <class T>
+  T* lane_rows(const DevMem& m, int64_t row_elems) const {
+    return m.as<T>() + pass_row0_ * row_elems;
+  }
+  bf16* normed_rows() const { return lane_rows<bf16>(h_, hp_.n_embd); }
+  uint8_t* fp8_x() const {
+    return lane_rows<uint8_t>(fp8_x_, std::max({hp_.n_embd, hp_.q_dim(), hp_.attn_out_dim(), hp_.n_ff}));
+  }
+  float* fp8_x_scale() const { return lane_rows<float>(fp8_x_scale_, 1); }
+  // Dual-batch overlap (overlaps()): the flag's threshold (0: off), the second micro-batch's
+  // stream, cuBLASLt handle and attention workspace, the event its stream waits on (recorded
+  // before the first half's first attention while lane_start_pending_), the join, and whether the
+  // final norm leaves the LM head to the joined pass.
+  int64_t dbo_min_tokens_ = 0;
+  cudaStream_t lane_stream_ = nullptr;
+  std::unique_ptr<cuda::Gemm> lane_gemm_;
+  DevMem lane_workspace_;
+  cudaEvent_t lane_start_ = nullptr, lane_join_ = nullptr;
+  bool lane_start_pending_ = false;
+  bool head_deferred_ = false;
+  int64_t micro_batched_passes_ = 0;
   cuda::AttentionParams pass_ap_{};
   float* pass_residual_ = nullptr;
   float* pass_spare_ = nullptr;
