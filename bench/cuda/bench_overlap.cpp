@@ -128,7 +128,8 @@ struct Half {
   int64_t rows;
   Buf x, y;
   kestrel::cuda::Gemm gemm;
-  explicit Half(int64_t r) : rows(r), x(static_cast<size_t>(r * kDown.in)), y(static_cast<size_t>(r * kGateUp.out) * 2) {
+  explicit Half(int64_t r)
+      : rows(r), x(static_cast<size_t>(r * kDown.in)), y(static_cast<size_t>(r * kGateUp.out) * 2) {
     fill_bf16(x);
   }
   void product(const Buf& w, Proj p, cudaStream_t s) {

@@ -148,10 +148,7 @@ void CudaModelRunner::enqueue_micro_batches(const BatchArrays& da, const PassSha
     }
   } restore{*this};
   enqueue_layers(da, sa, 0);
-  if (lane_start_pending_) {  // an architecture without attention: the second half after the first
-    KESTREL_CUDA_CHECK(cudaEventRecord(lane_start_, stream_));
-    lane_start_pending_ = false;
-  }
+  start_lane();  // an architecture without attention: the second half after the first
   KESTREL_CUDA_CHECK(cudaStreamWaitEvent(lane_stream_, lane_start_, 0));
   restore.swap();  // the ops below enqueue on lane_stream_ through lane_gemm_
   enqueue_layers(db, sb, h);
@@ -164,6 +161,12 @@ void CudaModelRunner::enqueue_micro_batches(const BatchArrays& da, const PassSha
   logits_head(normed_rows(), s.n_out);  // both halves' normed rows, contiguous
   ++micro_batched_passes_;
   mark("gemm lm_head");
+}
+
+void CudaModelRunner::start_lane() {
+  if (!lane_start_pending_) return;
+  KESTREL_CUDA_CHECK(cudaEventRecord(lane_start_, stream_));
+  lane_start_pending_ = false;
 }
 
 bf16* CudaModelRunner::act(Act a) {
@@ -337,12 +340,13 @@ void CudaModelRunner::rope_write_kv(int32_t layer, Act qkv_act) {
                      static_cast<int32_t>(hp_.rope_dim), rotate_half};
     return;
   }
+  bf16* q_rows = lane_rows<bf16>(q_, hp_.q_dim());
   if (kv_dtype_ == KvDtype::FP8) {
-    cuda::rope_write_kv_fused_fp8(qkv, qkv_w, lane_rows<bf16>(q_, hp_.q_dim()), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+    cuda::rope_write_kv_fused_fp8(qkv, qkv_w, q_rows, pass_arrays_->positions, pass_arrays_->slots, inv_freq,
                                   hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
                                   hp_.rope_dim, rotate_half, fp8_cache(layer), block_size_, stream_);
   } else {
-    cuda::rope_write_kv_fused(qkv, qkv_w, lane_rows<bf16>(q_, hp_.q_dim()), pass_arrays_->positions, pass_arrays_->slots, inv_freq,
+    cuda::rope_write_kv_fused(qkv, qkv_w, q_rows, pass_arrays_->positions, pass_arrays_->slots, inv_freq,
                               hp_.rope_linear_scale, pass_.n_tokens, hp_.n_head, hp_.n_head_kv, hp_.head_dim,
                               hp_.rope_dim, rotate_half, k_cache_[static_cast<size_t>(layer)].as<bf16>(),
                               v_cache_[static_cast<size_t>(layer)].as<bf16>(), block_size_, stream_);
@@ -363,10 +367,7 @@ void CudaModelRunner::attention(int32_t layer, Act qkv, Act out) {
   // No prefetch across attention: at batch 1 it is bound by latency, and the projection before it
   // prefetching the next one's weights slowed it (docs/performance.md).
   last_streamed_ = nullptr;
-  if (lane_start_pending_) {  // the second micro-batch starts here: its projections beside this attention
-    KESTREL_CUDA_CHECK(cudaEventRecord(lane_start_, stream_));
-    lane_start_pending_ = false;
-  }
+  start_lane();  // the second micro-batch starts here: its projections beside this attention
   cuda::paged_attention(pass_ap_, stream_);
   mark("attention");
 }

@@ -347,6 +347,7 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   DevMem lane_workspace_;
   cudaEvent_t lane_start_ = nullptr, lane_join_ = nullptr;
   bool lane_start_pending_ = false;
+  void start_lane();  // records lane_start_ on stream_ if it is pending
   bool head_deferred_ = false;
   int64_t micro_batched_passes_ = 0;
   cuda::AttentionParams pass_ap_{};
