@@ -99,7 +99,10 @@ TEST(CudaModelRunner, WholeForwardMatchesTheCpuBackendOnStories260K) {
 // and through the graph path (the 16-sequence bucket, halves of 8, the padding in the second),
 // the tokens of the unsplit passes. The projections stay on cuBLASLt at both sizes
 // (skinny_max_tokens 0), as a large decode batch's do; on the CPU emulation the halves' rows are
-// the whole pass's bit for bit.
+// the whole pass's bit for bit. Run twice: with the measured split-KV rule, and with one forced
+// (8 work items a resident block, splits of one key tile) under which a half, having half the
+// work items, splits its keys where the whole pass does not, so each half's attention needs a
+// split workspace the whole pass's plan does not size.
 TEST(CudaModelRunner, DualBatchOverlapGivesTheUnsplitPassesTokens) {
   if (!test::cuda_unavailable_reason().empty()) GTEST_SKIP() << test::cuda_unavailable_reason();
   KESTREL_REQUIRE_FILE(stories_path());
@@ -110,8 +113,9 @@ TEST(CudaModelRunner, DualBatchOverlapGivesTheUnsplitPassesTokens) {
     if (prompts.size() == 12) break;
     prompts.push_back(tok->encode(p, true, false));
   }
+  for (const bool forced_splits : {false, true})
   for (const bool eager : {true, false}) {
-    SCOPED_TRACE(eager ? "eager" : "graph path");
+    SCOPED_TRACE(std::string(eager ? "eager" : "graph path") + (forced_splits ? ", forced splits" : ""));
     std::vector<std::vector<std::vector<int32_t>>> got;
     for (const bool dbo : {false, true}) {
       RunnerOptions o;
@@ -121,6 +125,10 @@ TEST(CudaModelRunner, DualBatchOverlapGivesTheUnsplitPassesTokens) {
       o.cuda.skinny_max_tokens = 0;
       o.cuda.dbo = dbo;
       o.cuda.dbo_decode_token_threshold = 4;
+      if (forced_splits) {
+        o.cuda.attn_items_per_block = 8;
+        o.cuda.attn_min_split_tiles = 1;
+      }
       auto runner = make_cuda_model_runner(*model, o);
       auto* cuda = dynamic_cast<kestrel::cuda_runner::CudaModelRunner*>(runner.get());
       ASSERT_NE(cuda, nullptr);

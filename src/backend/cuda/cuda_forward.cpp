@@ -97,13 +97,22 @@ bool CudaModelRunner::overlaps(const PassShape& s) const {
 
 void CudaModelRunner::reserve_micro_batches(const PassShape& s) {
   if (!overlaps(s)) return;
-  PassShape half = s;
-  half.n_seqs = s.n_seqs - s.n_seqs / 2;
-  half.n_tokens = half.n_out = half.n_seqs;
-  const size_t bytes = std::max<size_t>(16, cuda::attention_workspace_bytes(attention_params(BatchArrays{}, half)));
-  if (bytes <= lane_workspace_.bytes()) return;
-  lane_workspace_.reserve(bytes);
-  graphs_.clear();
+  // A half has fewer work items than the whole pass, so the split-KV plan may split its keys where
+  // the whole pass's does not: both halves' plans size both workspaces (the first half's attention
+  // uses workspace_, which reserve_activations sized for the whole pass).
+  size_t bytes = 16;
+  for (const int64_t n : {s.n_seqs / 2, s.n_seqs - s.n_seqs / 2}) {
+    PassShape half = s;
+    half.n_seqs = half.n_tokens = half.n_out = n;
+    bytes = std::max(bytes, cuda::attention_workspace_bytes(attention_params(BatchArrays{}, half)));
+  }
+  bool grew = false;
+  for (DevMem* m : {&workspace_, &lane_workspace_}) {
+    if (bytes <= m->bytes()) continue;
+    m->reserve(bytes);
+    grew = true;
+  }
+  if (grew) graphs_.clear();
 }
 
 void CudaModelRunner::enqueue_micro_batches(const BatchArrays& da, const PassShape& s) {
