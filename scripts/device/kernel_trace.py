@@ -4,8 +4,9 @@ name, the time per decode step, and how much of the steps' span the GPU ran no k
 With programmatic dependent launch a kernel starts before the one it waits for ends, so its own
 duration counts its wait too; "advance" is what it adds to the step's span (its end past every
 earlier kernel's end), which sums to the busy time. Decode steps are told apart by the sampling
-kernel that ends each one; the first `--skip` steps (prefill, warm-up, graph capture) are dropped.
-Usage: python3 kernel_trace.py trace.csv [--skip 8]"""
+kernel that ends each one; the first `--skip` steps (prefill, warm-up, graph capture) are dropped,
+and with `--decode-only` every step that ran a prefill attention kernel (prompt chunks) too.
+Usage: python3 kernel_trace.py trace.csv [--skip 8] [--decode-only]"""
 import argparse
 import collections
 import csv
@@ -14,6 +15,7 @@ import re
 ap = argparse.ArgumentParser()
 ap.add_argument("csv")
 ap.add_argument("--skip", type=int, default=8)
+ap.add_argument("--decode-only", action="store_true", help="drop steps with a prefill attention kernel")
 args = ap.parse_args()
 
 rows = []
@@ -35,6 +37,8 @@ for row in rows:
         steps.append(cur)
         cur = []
 steps = steps[args.skip:]
+if args.decode_only:
+    steps = [st for st in steps if not any("attention_prefill" in name for _, _, name in st)]
 if not steps:
     raise SystemExit("no decode steps found")
 per_name = collections.defaultdict(float)
