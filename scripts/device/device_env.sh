@@ -25,18 +25,25 @@ M8=/tmp/kestrel/llama8b     # Llama-3.1-8B-shaped random bf16 model (made by gpu
 SUMMARY=/tmp/kestrel/summary.txt
 # note KEY VALUE: one line of the closing table
 note() { echo "$*" | tee -a "$SUMMARY"; }
-# The batch-1 FP8 decode graph of the Llama-3.1-8B shape (random weights) on a kernel timeline
-# (tools/kernel_trace, when libkestrel_kernel_trace.so was carried): the per-kernel table into
-# $OUT/trace_b1.txt, the raw records into $OUT/trace_b1.csv.gz.
-trace_b1_fp8() {
+# kernel_trace_run NAME "TABLE_ARGS" BENCH_ARGS...: `kestrel bench --device cuda --load-format dummy
+# BENCH_ARGS` on a kernel timeline (tools/kernel_trace, when libkestrel_kernel_trace.so was
+# carried): the per-kernel table (kernel_trace.py TABLE_ARGS) into $OUT/trace_NAME.txt, the raw
+# records into $OUT/trace_NAME.csv.gz.
+kernel_trace_run() {
+  local name=$1 table_args=$2
+  shift 2
   [ -f $BIN/libkestrel_kernel_trace.so ] || return 0
-  mkdir -p /tmp/kestrel/trace_b1
-  (cd /tmp/kestrel/trace_b1 && CUDA_INJECTION64_PATH=$BIN/libkestrel_kernel_trace.so timeout 200 $K bench \
-    --device cuda --load-format dummy -m "$OLDPWD/scripts/device/configs/llama-3.1-8b" --quantization fp8 -r 1 \
-    -p 128 -n 128) > "$OUT/trace_b1.log" 2>&1
-  python3 scripts/device/kernel_trace.py /tmp/kestrel/trace_b1/kernel_trace.csv --skip 40 2>&1 | head -24 |
-    tee "$OUT/trace_b1.txt"
-  gzip -c /tmp/kestrel/trace_b1/kernel_trace.csv > "$OUT/trace_b1.csv.gz"
+  local dir=/tmp/kestrel/trace_$name
+  mkdir -p "$dir"
+  (cd "$dir" && CUDA_INJECTION64_PATH=$BIN/libkestrel_kernel_trace.so timeout 200 $K bench --device cuda \
+    --load-format dummy "$@") > "$OUT/trace_$name.log" 2>&1
+  # shellcheck disable=SC2086
+  python3 scripts/device/kernel_trace.py "$dir/kernel_trace.csv" $table_args 2>&1 | head -40 | tee "$OUT/trace_$name.txt"
+  gzip -c "$dir/kernel_trace.csv" > "$OUT/trace_$name.csv.gz"
+}
+# The batch-1 FP8 decode graph of the Llama-3.1-8B shape (random weights) on a kernel timeline.
+trace_b1_fp8() {
+  kernel_trace_run b1 "--skip 40" -m "$PWD/scripts/device/configs/llama-3.1-8b" --quantization fp8 -r 1 -p 128 -n 128
 }
 # stories260K greedy from "Once upon a time", 32 tokens, --device cpu against --device cuda; one
 # PASS/FAIL line into the summary.

@@ -95,24 +95,22 @@ bool CudaModelRunner::overlaps(const PassShape& s) const {
          prof_ == nullptr && n_int4_ == 0 && n_gguf_ == 0 && !hp_.mla.enabled() && !hp_.moe.enabled();
 }
 
-void CudaModelRunner::reserve_micro_batches(const PassShape& s) {
-  if (!overlaps(s)) return;
+size_t CudaModelRunner::reserve_micro_batches(const PassShape& s) {
+  if (!overlaps(s)) return 0;
   // A half has fewer work items than the whole pass, so the split-KV plan may split its keys where
-  // the whole pass's does not: both halves' plans size both workspaces (the first half's attention
-  // uses workspace_, which reserve_activations sized for the whole pass).
+  // the whole pass's does not: both halves' plans size the lane's workspace, and the caller's
+  // reserve_activations the runner's (the first half's).
   size_t bytes = 16;
   for (const int64_t n : {s.n_seqs / 2, s.n_seqs - s.n_seqs / 2}) {
     PassShape half = s;
     half.n_seqs = half.n_tokens = half.n_out = n;
     bytes = std::max(bytes, cuda::attention_workspace_bytes(attention_params(BatchArrays{}, half)));
   }
-  bool grew = false;
-  for (DevMem* m : {&workspace_, &lane_workspace_}) {
-    if (bytes <= m->bytes()) continue;
-    m->reserve(bytes);
-    grew = true;
+  if (bytes > lane_workspace_.bytes()) {
+    lane_workspace_.reserve(bytes);
+    graphs_.clear();
   }
-  if (grew) graphs_.clear();
+  return bytes;
 }
 
 void CudaModelRunner::enqueue_micro_batches(const BatchArrays& da, const PassShape& s) {

@@ -86,8 +86,8 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
     s.rows_identity = true;
     s.sample = sample;
     cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
-    reserve_activations(n_tok, n_tok, cuda::attention_workspace_bytes(probe));
-    reserve_micro_batches(s);
+    const size_t halves_ws = reserve_micro_batches(s);
+    reserve_activations(n_tok, n_tok, std::max(cuda::attention_workspace_bytes(probe), halves_ws));
     hand_in(n, n_tok);
     const BatchArrays h = stage(b, rows, bsz, width, q);
     auto& g = graphs_[{bsz, q, width, sample}];
@@ -147,8 +147,8 @@ BatchArrays CudaModelRunner::run(const ForwardBatch& b, std::span<const RowSampl
   s.rows_identity = identity;
   s.sample = sample;
   cuda::AttentionParams probe = attention_params(BatchArrays{}, s);
-  reserve_activations(n, n_out, cuda::attention_workspace_bytes(probe));
-  reserve_micro_batches(s);
+  const size_t halves_ws = reserve_micro_batches(s);
+  reserve_activations(n, n_out, std::max(cuda::attention_workspace_bytes(probe), halves_ws));
   hand_in(n, n);
   const BatchArrays h = stage(b, rows, n_seqs, s.width);
   arrays_.reserve(BatchArrays::layout(nullptr, n, n_seqs, s.width, n_out).bytes + static_cast<size_t>(n_out) * 4 + 32);

@@ -273,8 +273,9 @@ class CudaModelRunner final : public ModelRunner, private ForwardOps {
   bool overlaps(const PassShape& s) const;
   void enqueue_micro_batches(const BatchArrays& d, const PassShape& s);
   // Sizes the second micro-batch's attention workspace for the pass s when it overlaps (a growth
-  // invalidates the captured graphs).
-  void reserve_micro_batches(const PassShape& s);
+  // invalidates the captured graphs) and returns the bytes either half's attention needs, for the
+  // caller's reserve_activations (the first half runs on workspace_); 0 when s does not overlap.
+  size_t reserve_micro_batches(const PassShape& s);
   // The LM head over `n_out` normed rows into logits_ (final_norm_logits's second half).
   void logits_head(const bf16* rows, int64_t n_out);
   // ForwardOps over the pass being enqueued (pass_*): bf16 activations, f32 residual stream.
